@@ -1,0 +1,250 @@
+"""Suite and runner profiles (DESIGN.md section 2): TOML loading and validation.
+
+Every error names the file, the key and what was expected. Schemas are small dicts of `Field`s so a
+task or runner kind can declare its own keys next to its code.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ProfileError(ValueError):
+    """A profile (suite, runner, gate rules) is malformed; the message names file and key."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """One allowed key: its type(s), whether it is required, its default, allowed values."""
+
+    types: type | tuple[type, ...]
+    required: bool = False
+    default: Any = None
+    choices: tuple[Any, ...] | None = None
+    item_type: type | tuple[type, ...] | None = None   # for lists: type of each element
+    check: Callable[[Any], str | None] | None = None     # returns an error text or None
+    doc: str = ""
+
+
+def _type_name(t: type | tuple[type, ...]) -> str:
+    ts = t if isinstance(t, tuple) else (t,)
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+             list: "a list", dict: "a table"}
+    return " or ".join(names.get(x, x.__name__) for x in ts)
+
+
+def _type_ok(value: Any, types: type | tuple[type, ...]) -> bool:
+    ts = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, bool) and bool not in ts:
+        return False                      # TOML true is not an integer here
+    if float in ts and isinstance(value, int) and not isinstance(value, bool):
+        return True                       # 1 is a fine number
+    return isinstance(value, ts)
+
+
+def validate(table: dict[str, Any], schema: dict[str, Field], where: str) -> dict[str, Any]:
+    """Check `table` against `schema`; return a copy with defaults filled in.
+
+    `where` names the place for error messages, e.g. "suites/quality.toml [[tasks]] #2".
+    """
+    if not isinstance(table, dict):
+        raise ProfileError(f"{where}: expected a table, got {type(table).__name__}")
+    out: dict[str, Any] = {}
+    unknown = sorted(set(table) - set(schema))
+    if unknown:
+        raise ProfileError(
+            f"{where}: unknown key {unknown[0]!r}"
+            + (f" (and {', '.join(map(repr, unknown[1:]))})" if len(unknown) > 1 else "")
+            + f"; allowed keys: {', '.join(sorted(schema))}"
+        )
+    for key, spec in schema.items():
+        if key not in table:
+            if spec.required:
+                raise ProfileError(f"{where}: missing required key {key!r} ({_type_name(spec.types)})")
+            if spec.default is not None:
+                out[key] = spec.default() if callable(spec.default) else spec.default
+            continue
+        value = table[key]
+        if not _type_ok(value, spec.types):
+            raise ProfileError(
+                f"{where}: key {key!r} must be {_type_name(spec.types)}, got {value!r} "
+                f"({type(value).__name__})"
+            )
+        if spec.item_type is not None and isinstance(value, list):
+            for i, v in enumerate(value):
+                if not _type_ok(v, spec.item_type):
+                    raise ProfileError(
+                        f"{where}: key {key!r} item {i} must be {_type_name(spec.item_type)}, got {v!r}"
+                    )
+        if spec.choices is not None and value not in spec.choices:
+            raise ProfileError(
+                f"{where}: key {key!r} must be one of {', '.join(map(repr, spec.choices))}, got {value!r}"
+            )
+        if spec.check is not None:
+            problem = spec.check(value)
+            if problem:
+                raise ProfileError(f"{where}: key {key!r} {problem}, got {value!r}")
+        out[key] = value
+    return out
+
+
+def positive(value: Any) -> str | None:
+    return None if value > 0 else "must be positive"
+
+
+def non_negative(value: Any) -> str | None:
+    return None if value >= 0 else "must not be negative"
+
+
+def load_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ProfileError(f"{p}: file not found")
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ProfileError(f"{p}: not valid TOML: {e}") from None
+
+
+def resolve_profile_path(name_or_path: str, folder: str) -> Path:
+    """Accept a path ("runners/http.toml") or a bare name ("http") looked up in `folder`.
+
+    Bare names are looked up in ./<folder>/ first, then in the repository's shipped <folder>/.
+    """
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or os.sep in name_or_path or p.exists():
+        if not p.is_file():
+            raise ProfileError(f"{p}: file not found")
+        return p
+    candidates = [Path(folder) / f"{name_or_path}.toml", repo_root() / folder / f"{name_or_path}.toml"]
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise ProfileError(
+        f"profile {name_or_path!r} not found (looked for {', '.join(str(c) for c in candidates)})"
+    )
+
+
+def repo_root() -> Path:
+    """The checkout holding suites/ and runners/ (the package's parent folder)."""
+    return Path(__file__).resolve().parent.parent
+
+
+# --- suites -----------------------------------------------------------------------------------
+
+PROBES_SCHEMA: dict[str, Field] = {
+    "nvml": Field(bool, default=True, doc="sample GPU memory/power/energy where NVML is present"),
+    "interval_ms": Field(int, default=100, check=positive),
+    "gpu_index": Field(int, default=0, check=non_negative),
+    "tariff_day_per_kwh": Field(float, doc="electricity price by day, per kWh"),
+    "tariff_night_per_kwh": Field(float, doc="electricity price by night, per kWh"),
+    "currency": Field(str, default="EUR"),
+}
+
+SUITE_SCHEMA: dict[str, Field] = {
+    "name": Field(str, required=True),
+    "description": Field(str, default=""),
+    "tasks": Field(list, required=True, item_type=dict),
+    "probes": Field(dict, default=dict),
+}
+
+# Keys every task entry accepts; each task kind adds its own (`Task.options`).
+COMMON_TASK_SCHEMA: dict[str, Field] = {
+    "task": Field(str, required=True),
+    "limit": Field(int, check=positive, doc="the first N items in the dataset's own order"),
+    "name": Field(str, doc="a label when a suite holds the same task twice"),
+}
+
+
+@dataclass
+class SuiteProfile:
+    name: str
+    path: str
+    tasks: list[dict[str, Any]]
+    probes: dict[str, Any]
+    description: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "path": self.path, "description": self.description,
+                "tasks": self.tasks, "probes": self.probes}
+
+
+def load_suite(path: str | os.PathLike[str], task_schemas: dict[str, dict[str, Field]]) -> SuiteProfile:
+    """Load and validate a suite; `task_schemas` maps task kind -> its own extra keys."""
+    p = Path(path)
+    raw = load_toml(p)
+    top = validate(raw, SUITE_SCHEMA, str(p))
+    if not top["tasks"]:
+        raise ProfileError(f"{p}: key 'tasks' must list at least one task")
+    tasks = []
+    for i, entry in enumerate(top["tasks"]):
+        where = f"{p} [[tasks]] #{i + 1}"
+        kind = entry.get("task")
+        if kind not in task_schemas:
+            raise ProfileError(
+                f"{where}: key 'task' must be one of {', '.join(map(repr, sorted(task_schemas)))}, got {kind!r}"
+            )
+        tasks.append(validate(entry, {**COMMON_TASK_SCHEMA, **task_schemas[kind]}, where))
+    names = [t.get("name", t["task"]) for t in tasks]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ProfileError(f"{p}: task {sorted(dup)[0]!r} appears twice; give each a distinct 'name'")
+    probes = validate(top["probes"], PROBES_SCHEMA, f"{p} [probes]")
+    return SuiteProfile(name=top["name"], path=str(p), tasks=tasks, probes=probes,
+                        description=top["description"])
+
+
+# --- runners ----------------------------------------------------------------------------------
+
+COMMON_RUNNER_SCHEMA: dict[str, Field] = {
+    "kind": Field(str, required=True),
+    "name": Field(str, doc="a label for reports; defaults to the file stem"),
+    "concurrency": Field(int, default=1, check=positive),
+}
+
+SECRET_KEYS = ("api_key", "token", "password", "secret")
+
+
+@dataclass
+class RunnerProfile:
+    kind: str
+    name: str
+    path: str | None
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def redacted(self) -> dict[str, Any]:
+        """Settings safe to write into a run: secret-looking values replaced."""
+        out = {}
+        for k, v in self.settings.items():
+            if any(s in k.lower() for s in SECRET_KEYS) and not k.endswith("_env"):
+                out[k] = "***"
+            else:
+                out[k] = v
+        return {"kind": self.kind, "name": self.name, "path": self.path, **out}
+
+
+def load_runner(path: str | os.PathLike[str], runner_schemas: dict[str, dict[str, Field]]) -> RunnerProfile:
+    p = Path(path)
+    raw = load_toml(p)
+    kind = raw.get("kind")
+    if kind not in runner_schemas:
+        raise ProfileError(
+            f"{p}: key 'kind' must be one of {', '.join(map(repr, sorted(runner_schemas)))}, got {kind!r}"
+        )
+    settings = validate(raw, {**COMMON_RUNNER_SCHEMA, **runner_schemas[kind]}, str(p))
+    for key in ("api_key", "token", "password"):
+        if key in raw:
+            raise ProfileError(f"{p}: key {key!r}: secrets never live in files; use {key}_env = \"VARNAME\"")
+    # Relative model/binary paths in a profile are relative to the working directory (the repo root).
+    name = settings.pop("name", None) or p.stem
+    settings.pop("kind")
+    return RunnerProfile(kind=kind, name=name, path=str(p), settings=settings)

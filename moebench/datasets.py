@@ -1,0 +1,95 @@
+"""Datasets from the local mirror (DESIGN.md section 7).
+
+The mirror is `MOEBENCH_DATA_DIR`, else `../shared/datasets` beside the checkout, else
+`./shared/datasets`. Every file a task reads is hashed (sha256) into the run manifest. There is no
+silent hub fallback: a missing file is an error naming the path and the variable to set.
+"""
+from __future__ import annotations
+
+import csv
+import gzip
+import hashlib
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from moebench.config import repo_root
+
+
+class DatasetError(FileNotFoundError):
+    pass
+
+
+def data_dir() -> Path:
+    env = os.environ.get("MOEBENCH_DATA_DIR")
+    if env:
+        return Path(env)
+    for cand in (repo_root().parent / "shared" / "datasets", Path.cwd() / "shared" / "datasets",
+                 Path.cwd().parent / "shared" / "datasets"):
+        if cand.is_dir():
+            return cand
+    return repo_root().parent / "shared" / "datasets"
+
+
+def data_file(root: Path, rel: str) -> Path:
+    p = Path(root) / rel
+    if not p.is_file():
+        raise DatasetError(
+            f"dataset file {p} not found: set MOEBENCH_DATA_DIR to a mirror holding {rel} "
+            f"(see ../shared/datasets/README.md for the layout)"
+        )
+    return p
+
+
+@lru_cache(maxsize=512)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    st = path.stat()
+    return _sha256(str(path), st.st_size, st.st_mtime_ns)
+
+
+def register(ctx_files: dict[str, str], root: Path, path: Path) -> None:
+    """Record a data file's hash under its path relative to the mirror."""
+    try:
+        rel = str(path.relative_to(root))
+    except ValueError:
+        rel = str(path)
+    ctx_files[rel] = sha256_file(path)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    out = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}: line {n} is not valid JSON ({e})") from None
+    return out
+
+
+def read_csv_rows(path: Path, columns: tuple[str, ...]) -> list[dict[str, str]]:
+    """Rows of a CSV with a header; the named columns must be present."""
+    with path.open(encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in columns if c not in (reader.fieldnames or [])]
+        if missing:
+            raise DatasetError(f"{path}: missing column(s) {', '.join(missing)}; header is {reader.fieldnames}")
+        return list(reader)
+
+
+def read_text(path: Path) -> str:
+    """Text with CRLF normalised to LF (wiki.test.raw ships with CRLF)."""
+    return path.read_bytes().decode("utf-8").replace("\r\n", "\n")

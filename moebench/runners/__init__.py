@@ -1,0 +1,35 @@
+"""Runner kinds. Each module defines `SCHEMA` (its profile keys) and a `Runner` subclass.
+
+Modules load lazily so a suite on the HTTP runner never imports torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from moebench.config import Field, RunnerProfile
+
+# kind -> (module, class name)
+RUNNER_KINDS: dict[str, tuple[str, str]] = {
+    "http": ("moebench.runners.http", "HttpRunner"),
+    "llama-server": ("moebench.runners.llama_server", "LlamaServerRunner"),
+    "engine": ("moebench.runners.engine", "EngineRunner"),
+}
+
+
+def runner_schemas() -> dict[str, dict[str, Field]]:
+    out = {}
+    for kind, (module, _) in RUNNER_KINDS.items():
+        try:
+            out[kind] = importlib.import_module(module).SCHEMA
+        except ModuleNotFoundError as e:     # a kind whose module is not there yet / missing extra
+            if e.name and e.name.startswith("moebench"):
+                continue
+            raise
+    return out
+
+
+def make_runner(profile: RunnerProfile) -> Any:
+    module, cls = RUNNER_KINDS[profile.kind]
+    runner_cls = getattr(importlib.import_module(module), cls)
+    return runner_cls({**profile.settings, "name": profile.name}, profile.path)

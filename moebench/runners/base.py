@@ -1,0 +1,157 @@
+"""The runner contract: one backend that tasks ask for completions, log-probs and token counts.
+
+A runner declares its capabilities up front; a task declares what it needs; `check_capabilities`
+reports a mismatch before any work starts (never mid-run).
+
+All request methods are async so HTTP runners can keep several requests in flight; in-process
+runners (the engine) run their blocking work in a worker thread. Concurrency is bounded by the
+task executor through `Runner.concurrency`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Capability:
+    """Names of the things a runner can do (a task lists the ones it needs)."""
+
+    GENERATE = "generate"              # text completion from a prompt
+    STREAM = "stream"                  # per-token arrival times (speed task)
+    TOP_LOGPROBS = "top_logprobs"      # top-k log-probs of each generated token's distribution
+    PROMPT_LOGPROBS = "prompt_logprobs"  # top-k log-probs at every prompt position (teacher forcing)
+    FULL_LOGITS = "full_logits"        # the whole next-token distribution at every position
+    TOKENIZE = "tokenize"              # text -> token ids with the runner's own tokenizer
+    TOKEN_PROMPTS = "token_prompts"    # prompts given as token ids
+    ROUTER_TRACE = "router_trace"      # per-layer top-k expert ids and weights per token
+
+
+class RunnerError(Exception):
+    """A request failed for a reason worth recording (bad response, server died, timeout).
+
+    Tasks turn it into an `error` record; it is never counted as a wrong answer.
+    """
+
+
+class CapabilityError(Exception):
+    """The runner lacks something the suite needs; raised before any item is asked."""
+
+
+@dataclass
+class GenerateRequest:
+    """One completion request.
+
+    prompt: text, or token ids where the runner has `token_prompts`.
+    top_logprobs: how many alternatives to return per generated position (0 = none).
+    """
+
+    prompt: str | list[int]
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    temperature: float = 0.0
+    seed: int | None = 0
+    top_logprobs: int = 0
+    stream: bool = False          # ask for per-token arrival times
+    ignore_eos: bool = False      # keep generating past EOS (speed measurements)
+    cache_prompt: bool = True     # False where a measurement must not reuse a cached prefix
+
+
+@dataclass
+class GenerateResult:
+    """What came back for one request.
+
+    top_logprobs: one dict per generated position, token text -> log-prob (as the server spells it).
+    token_times: host clock (time.perf_counter seconds) at which each output token arrived,
+    relative to the request start; filled where the runner streams.
+    """
+
+    text: str
+    token_ids: list[int] | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    finish_reason: str | None = None
+    top_logprobs: list[dict[str, float]] | None = None
+    token_times: list[float] | None = None
+    timings: dict[str, Any] = field(default_factory=dict)
+    endpoint: str | None = None
+
+    def to_record_fields(self) -> dict[str, Any]:
+        """The fields every task copies into its record."""
+        out = {
+            "output": self.text,
+            "output_token_ids": self.token_ids,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "finish_reason": self.finish_reason,
+        }
+        if self.timings:
+            out["timings"] = self.timings
+        if self.endpoint:
+            out["endpoint"] = self.endpoint
+        return out
+
+
+class Runner:
+    """Base class for backends. Subclasses set `kind`, `capabilities` and override what they can do."""
+
+    kind: str = "base"
+    capabilities: frozenset[str] = frozenset()
+
+    def __init__(self, profile: dict[str, Any], profile_path: str | None = None):
+        self.profile = profile
+        self.profile_path = profile_path
+        self.concurrency: int = int(profile.get("concurrency", 1))
+        # Things that happened to the backend during the run (restarts, ...), copied into the manifest.
+        self.events: list[dict[str, Any]] = []
+
+    # -- life cycle -------------------------------------------------------------------------------
+    async def start(self, run_dir: str | None = None) -> None:
+        """Bring the backend up (spawn a server, load a model). `run_dir` receives logs."""
+
+    async def close(self) -> None:
+        """Release everything; must be safe to call twice and after a failed start."""
+
+    # -- identity -------------------------------------------------------------------------------
+    def identity(self) -> dict[str, Any]:
+        """Model and build identity for the manifest: {"model": {...}, "build": {...}}."""
+        return {"model": {"name": self.profile.get("model")}, "build": {}}
+
+    # -- requests -------------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        raise CapabilityError(f"runner kind {self.kind!r} cannot generate")
+
+    async def tokenize(self, text: str) -> list[int]:
+        raise CapabilityError(f"runner kind {self.kind!r} cannot tokenize")
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        raise CapabilityError(f"runner kind {self.kind!r} cannot detokenize")
+
+    async def __aenter__(self) -> "Runner":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+def check_capabilities(runner: Runner, needs: dict[str, set[str]]) -> None:
+    """Raise CapabilityError naming every task whose needs the runner does not meet.
+
+    `needs` maps a task name to the set of capabilities it requires.
+    """
+    problems = []
+    for task, required in needs.items():
+        missing = sorted(set(required) - set(runner.capabilities))
+        if missing:
+            problems.append(f"task {task!r} needs {', '.join(missing)}")
+    if problems:
+        have = ", ".join(sorted(runner.capabilities)) or "nothing"
+        raise CapabilityError(
+            f"runner kind {runner.kind!r} cannot serve this suite: " + "; ".join(problems)
+            + f" (it offers: {have})"
+        )
+
+
+def replace(request: GenerateRequest, **changes: Any) -> GenerateRequest:
+    return dataclasses.replace(request, **changes)

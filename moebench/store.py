@@ -1,0 +1,208 @@
+"""The run store (DESIGN.md section 4): a run is a directory.
+
+- `manifest.json`: identity and status, replaced atomically (write a temp file, fsync, rename).
+- `items.jsonl`: one record per finished item, appended and fsynced as each item finishes.
+  A torn last line (a crash mid-write) is ignored on read and cut off on resume; nothing else is
+  ever rewritten. When an item appears more than once (an error retried on resume), the last
+  record wins.
+Everything downstream (compare, report, gate) reads only this.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+ITEMS = "items.jsonl"
+
+STATUSES = ("running", "complete", "failed", "interrupted")
+
+
+class StoreError(ValueError):
+    """A run directory is missing or malformed; the message names the file."""
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with tmp.open("w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, ensure_ascii=False, default=str)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def iter_records(path: Path) -> Iterator[dict[str, Any]]:
+    """Yield the records of an items.jsonl; a torn (unterminated, unparsable) last line is skipped.
+
+    A malformed line anywhere else is an error naming the file and line: it means the file was
+    edited or corrupted, and silently dropping it would lose data.
+    """
+    if not path.exists():
+        return
+    with path.open("rb") as f:
+        data = f.read()
+    lines = data.split(b"\n")
+    torn_tail = not data.endswith(b"\n")
+    for n, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        is_last = n == len(lines)
+        try:
+            rec = json.loads(raw)
+        except json.JSONDecodeError as e:
+            if is_last and torn_tail:
+                return            # a crash mid-write: ignored on read, cut on resume
+            raise StoreError(f"{path}: line {n} is not valid JSON ({e})") from None
+        if is_last and torn_tail:
+            return                # complete JSON but no newline: treat as torn too (fsync never finished)
+        if not isinstance(rec, dict):
+            raise StoreError(f"{path}: line {n} is not a JSON object")
+        yield rec
+
+
+def record_key(rec: dict[str, Any]) -> tuple[str, str]:
+    return (str(rec.get("task")), str(rec.get("item_id")))
+
+
+def latest_records(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """The last record of each (task, item_id), in file order of first appearance."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for rec in iter_records(path):
+        out[record_key(rec)] = rec
+    return out
+
+
+class RunStore:
+    """An open run directory. Appends are thread-safe and durable once `append` returns."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self.items_path = self.path / ITEMS
+        self.manifest_path = self.path / MANIFEST
+        self._lock = threading.Lock()
+        self._items_file = None
+
+    # -- creation / opening ---------------------------------------------------------------------
+    @classmethod
+    def create_or_resume(cls, path: str | os.PathLike[str], manifest: dict[str, Any]) -> "RunStore":
+        """Open `path` for writing. An existing unfinished run is resumed; a fresh one is created.
+
+        Returns the store; `store.resumed` tells which. The manifest's fixed identity fields of a
+        resumed run are kept, and `resumes` counts the resumptions.
+        """
+        store = cls(path)
+        store.path.mkdir(parents=True, exist_ok=True)
+        store.resumed = store.manifest_path.exists()
+        if store.resumed:
+            old = store.read_manifest()
+            merged = {**manifest, **{k: old[k] for k in ("run_id", "started_at") if k in old}}
+            merged["resumes"] = int(old.get("resumes", 0)) + 1
+            merged["events"] = list(old.get("events", [])) + [
+                {"time": now_iso(), "event": "resumed", "previous_status": old.get("status")}]
+            manifest = merged
+            store._cut_torn_tail()
+        manifest = {"schema_version": SCHEMA_VERSION, **manifest, "status": "running"}
+        manifest.setdefault("started_at", now_iso())
+        manifest.pop("ended_at", None)
+        store.manifest = manifest
+        store.write_manifest()
+        store._items_file = store.items_path.open("ab")
+        return store
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> "RunStore":
+        """Open an existing run for reading."""
+        store = cls(path)
+        if not store.manifest_path.is_file():
+            raise StoreError(f"{store.manifest_path}: not a moebench run (no manifest.json)")
+        store.manifest = store.read_manifest()
+        return store
+
+    def _cut_torn_tail(self) -> None:
+        if not self.items_path.exists():
+            return
+        with self.items_path.open("rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                cut = data.rfind(b"\n") + 1
+                f.truncate(cut)
+                f.flush()
+                os.fsync(f.fileno())
+
+    # -- manifest -------------------------------------------------------------------------------
+    def read_manifest(self) -> dict[str, Any]:
+        try:
+            with self.manifest_path.open(encoding="utf-8") as f:
+                return json.load(f)
+        except json.JSONDecodeError as e:
+            raise StoreError(f"{self.manifest_path}: not valid JSON ({e})") from None
+
+    def write_manifest(self) -> None:
+        with self._lock:
+            write_json_atomic(self.manifest_path, self.manifest)
+
+    def update_manifest(self, **fields: Any) -> None:
+        self.manifest.update(fields)
+        self.write_manifest()
+
+    def add_event(self, event: str, **details: Any) -> None:
+        self.manifest.setdefault("events", []).append({"time": now_iso(), "event": event, **details})
+        self.write_manifest()
+
+    def finish(self, status: str, **fields: Any) -> None:
+        assert status in STATUSES, status
+        self.update_manifest(status=status, ended_at=now_iso(), **fields)
+
+    # -- items ----------------------------------------------------------------------------------
+    def append(self, record: dict[str, Any]) -> None:
+        """Append one finished item; durable on return."""
+        for key in ("task", "item_id", "status"):
+            if key not in record:
+                raise ValueError(f"record lacks {key!r}: {record!r}")
+        line = json.dumps(record, ensure_ascii=False, default=str).encode("utf-8") + b"\n"
+        with self._lock:
+            assert self._items_file is not None, "store not opened for writing"
+            self._items_file.write(line)
+            self._items_file.flush()
+            os.fsync(self._items_file.fileno())
+
+    def records(self) -> dict[tuple[str, str], dict[str, Any]]:
+        return latest_records(self.items_path)
+
+    def finished_keys(self) -> set[tuple[str, str]]:
+        """Items that need not run again: those whose last record is `ok`."""
+        return {k for k, r in self.records().items() if r.get("status") == "ok"}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._items_file is not None:
+                self._items_file.close()
+                self._items_file = None
+
+
+def load_run(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Read a run: (manifest, latest record per item in file order)."""
+    store = RunStore.open(path)
+    return store.manifest, list(store.records().values())

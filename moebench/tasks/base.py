@@ -1,0 +1,81 @@
+"""The task contract: a dataset turned into items, each asked of a runner and scored into a record.
+
+A task kind is a `Task` subclass with:
+- `kind`: the name suites use (`task = "gsm8k"`);
+- `options`: its own suite keys (a schema of `config.Field`s);
+- `needs(runner)`: the runner capabilities it requires, checked before any work starts;
+- `items()`: the items in the dataset's own order (already cut to `limit`), ids stable across runs;
+- `evaluate(item, runner)`: ask and score one item, return the record's fields;
+- `summarize(records)`: optional task-level figures for the manifest and compare.
+
+A record is a dict with at least: task, item_id, status ("ok" | "error"), correct (bool or None),
+answer, reference, output (DESIGN.md section 4). `evaluate` raising any exception yields an `error`
+record carrying the message; errors are retried on resume and never counted as wrong.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moebench.config import Field
+from moebench.runners.base import Capability, Runner
+
+
+@dataclass
+class Item:
+    item_id: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TaskContext:
+    """What a task may use besides its options."""
+
+    data_dir: Path                       # the dataset mirror
+    run_dir: Path | None = None          # where bulk side files go (KLD arrays, timings)
+    baseline_run: Path | None = None     # `--baseline RUN` for tasks that need a reference
+    data_files: dict[str, str] = field(default_factory=dict)   # path -> sha256, filled by tasks
+
+
+class Task:
+    kind: str = "base"
+    options: dict[str, Field] = {}
+
+    def __init__(self, opts: dict[str, Any], ctx: TaskContext):
+        self.opts = opts
+        self.ctx = ctx
+        self.name: str = opts.get("name") or self.kind
+        self.limit: int | None = opts.get("limit")
+
+    def needs(self, runner: Runner) -> set[str]:
+        return {Capability.GENERATE}
+
+    def items(self) -> list[Item]:
+        raise NotImplementedError
+
+    async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        scored = [r for r in records if r.get("status") == "ok" and r.get("correct") is not None]
+        errors = sum(1 for r in records if r.get("status") == "error")
+        n_correct = sum(1 for r in scored if r["correct"])
+        return {"n": len(records), "n_scored": len(scored), "n_correct": n_correct, "n_errors": errors,
+                "accuracy": (n_correct / len(scored)) if scored else None}
+
+    async def prepare(self, runner: Runner) -> None:
+        """Optional set-up with the runner up (e.g. tokenizing a haystack); runs before the items."""
+
+    def _cut(self, items: list[Item]) -> list[Item]:
+        return items[: self.limit] if self.limit else items
+
+
+def prompt_hash(prompt: str | list[int]) -> str:
+    """Stable hash of what was asked: compare excludes a pair whose prompts differ."""
+    if isinstance(prompt, str):
+        data = prompt.encode("utf-8")
+    else:
+        data = (",".join(map(str, prompt))).encode("ascii")
+    return hashlib.sha256(data).hexdigest()[:16]
