@@ -37,6 +37,13 @@ class TaskContext:
     run_dir: Path | None = None          # where bulk side files go (KLD arrays, timings)
     baseline_run: Path | None = None     # `--baseline RUN` for tasks that need a reference
     data_files: dict[str, str] = field(default_factory=dict)   # path -> sha256, filled by tasks
+    probe: Any = None                    # a probe with .mark(phase) while NVML sampling runs, else None
+    runner_profile: Any = None           # the resolved RunnerProfile (A/B speed runs spawn fresh ones)
+
+    def mark(self, phase: str) -> None:
+        """Tell the background probe which phase the work is in (load, prefill, decode, idle)."""
+        if self.probe is not None:
+            self.probe.mark(phase)
 
 
 class Task:
