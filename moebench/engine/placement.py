@@ -1,0 +1,228 @@
+"""Runtime placement of quantized experts: a device tier, a host tier and a per-layer LRU cache.
+
+`TieredExperts` is a drop-in for the engine's dense `Experts` module (same forward interface):
+  forward(x [T, H], topk_ids [T, k] int64, topk_w [T, k]) -> [T, H]
+Experts whose home is "gpu" keep their packed tensors on the compute device and are dequantized on
+every call. Experts whose home is "host" keep theirs in CPU memory (pinned when the compute device
+is CUDA, since pageable copies run several times slower) and are copied on demand into an LRU cache
+of `cache_slots` device slots, on a separate CUDA stream when there is one. On a CPU-only machine the
+same code runs with "gpu" meaning the compute device; copies into the cache are then real CPU clones,
+so the telemetry still counts them.
+
+Numbers never depend on placement: every expert's output goes into its own (token, rank) cell and
+the weighted sum over ranks happens once at the end in a fixed order, so the order in which the tiers
+are computed cannot change the result.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .quant import QuantizedTensor
+
+HOMES = ("gpu", "host")
+COUNTERS = ("calls", "routed", "tokens_gpu", "tokens_host_hit", "tokens_host_miss", "tokens_skipped",
+            "cache_hits", "cache_misses", "bytes_h2d")
+
+
+@dataclass
+class QuantizedExpert:
+    """The three SwiGLU matrices of one expert: gate [I, H], up [I, H], down [H, I]."""
+
+    gate: QuantizedTensor
+    up: QuantizedTensor
+    down: QuantizedTensor
+
+    @property
+    def fmt(self) -> str:
+        return self.gate.fmt
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+    def to(self, device, non_blocking: bool = False) -> "QuantizedExpert":
+        return QuantizedExpert(self.gate.to(device, non_blocking), self.up.to(device, non_blocking),
+                               self.down.to(device, non_blocking))
+
+    def pin_memory(self) -> "QuantizedExpert":
+        return QuantizedExpert(self.gate.pin_memory(), self.up.pin_memory(), self.down.pin_memory())
+
+    def clone(self) -> "QuantizedExpert":
+        def c(q: QuantizedTensor) -> QuantizedTensor:
+            return QuantizedTensor(q.fmt, q.shape, {k: v.clone() for k, v in q.parts.items()})
+        return QuantizedExpert(c(self.gate), c(self.up), c(self.down))
+
+    def record_stream(self, stream) -> None:
+        for q in (self.gate, self.up, self.down):
+            for t in q.parts.values():
+                t.record_stream(stream)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate x) * up x) for rows x [n, H], computed in x's dtype."""
+        wg, wu, wd = (q.dequantize(x.dtype) for q in (self.gate, self.up, self.down))
+        return (F.silu(x @ wg.T) * (x @ wu.T)) @ wd.T
+
+
+class TieredExperts(nn.Module):
+    """One layer's experts split over a device tier and a host tier (see the module docstring).
+
+    experts: one QuantizedExpert per expert id (any device; they are moved to their home here).
+    homes: "gpu" or "host" per expert.
+    cache_slots: how many host experts this layer keeps on the device between calls (0 = stream
+        every use, nothing kept).
+    skip_tail_from: route-tail-skip, off when None. A host expert that is not in the cache when a
+        call starts and is ranked at position >= skip_tail_from for a token is skipped for that
+        token; the other experts' weights are left unchanged (no renormalisation).
+    """
+
+    def __init__(self, experts: list[QuantizedExpert], homes: list[str], device, dtype=torch.bfloat16,
+                 cache_slots: int = 2, skip_tail_from: int | None = None):
+        super().__init__()
+        if len(experts) != len(homes):
+            raise ValueError(f"TieredExperts: {len(experts)} experts but {len(homes)} homes")
+        bad = [(i, h) for i, h in enumerate(homes) if h not in HOMES]
+        if bad:
+            raise ValueError(f"TieredExperts: expert {bad[0][0]} has home {bad[0][1]!r}; expected one of {HOMES}")
+        if cache_slots < 0:
+            raise ValueError(f"TieredExperts: cache_slots must be >= 0, got {cache_slots}")
+        if skip_tail_from is not None and skip_tail_from < 1:
+            raise ValueError(f"TieredExperts: skip_tail_from must be >= 1 or None, got {skip_tail_from}")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.homes = list(homes)
+        self.cache_slots = cache_slots
+        self.skip_tail_from = skip_tail_from
+        on_cuda = self.device.type == "cuda"
+        self._stores: list[QuantizedExpert] = []
+        for e, h in zip(experts, homes):
+            if h == "gpu":
+                self._stores.append(e.to(self.device))
+            else:
+                cpu = e.to("cpu")
+                self._stores.append(cpu.pin_memory() if on_cuda else cpu)
+        self._copy_stream = torch.cuda.Stream(self.device) if on_cuda else None
+        self._cache: OrderedDict[int, QuantizedExpert] = OrderedDict()
+        self.reset_telemetry()
+
+    @property
+    def num_experts(self) -> int:
+        return len(self._stores)
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes held per tier now: device tier, host tier, and the cache's current content."""
+        gpu = sum(s.nbytes for s, h in zip(self._stores, self.homes) if h == "gpu")
+        host = sum(s.nbytes for s, h in zip(self._stores, self.homes) if h == "host")
+        return {"gpu": gpu, "host": host, "cache": sum(c.nbytes for c in self._cache.values())}
+
+    def telemetry(self) -> dict[str, int]:
+        return dict(self._counters)
+
+    def reset_telemetry(self) -> None:
+        self._counters = {k: 0 for k in COUNTERS}
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+    # -- loading ---------------------------------------------------------------------------------
+    def _start_copy(self, expert_id: int):
+        """Begin copying a host expert to the device; returns (device copy, event or None)."""
+        src = self._stores[expert_id]
+        self._counters["bytes_h2d"] += src.nbytes
+        if self._copy_stream is None:
+            return src.clone(), None
+        with torch.cuda.stream(self._copy_stream):
+            dst = src.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        return dst, event
+
+    def _finish_copy(self, dst: QuantizedExpert, event) -> QuantizedExpert:
+        if event is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(event)
+            dst.record_stream(compute)  # memory born on the copy stream, used on this one
+        return dst
+
+    def _remember(self, expert_id: int, weights: QuantizedExpert) -> None:
+        self._cache[expert_id] = weights
+        self._cache.move_to_end(expert_id)
+        while len(self._cache) > self.cache_slots:
+            self._cache.popitem(last=False)
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        T, k = topk_ids.shape
+        c = self._counters
+        c["calls"] += 1
+        c["routed"] += T * k
+        active = torch.ones_like(topk_ids, dtype=torch.bool)
+        cached_at_start = set(self._cache)
+        if self.skip_tail_from is not None and self.skip_tail_from < k:
+            cold = torch.tensor([h == "host" and i not in cached_at_start for i, h in enumerate(self.homes)],
+                                device=topk_ids.device)
+            tail = torch.arange(k, device=topk_ids.device)[None, :] >= self.skip_tail_from
+            skipped = cold[topk_ids] & tail
+            active &= ~skipped
+            c["tokens_skipped"] += int(skipped.sum())
+
+        ids_cpu = torch.where(active, topk_ids, -1).cpu()
+        needed = [int(e) for e in torch.unique(ids_cpu) if e >= 0]
+        counts = {e: int((ids_cpu == e).sum()) for e in needed}
+        resident = [e for e in needed if self.homes[e] == "gpu"]
+        hits = [e for e in needed if self.homes[e] == "host" and e in cached_at_start]
+        misses = [e for e in needed if self.homes[e] == "host" and e not in cached_at_start]
+
+        contrib = x.new_zeros(T, k, x.shape[-1])
+        flat_ids = torch.where(active, topk_ids, -1)
+
+        def run(expert_id: int, weights: QuantizedExpert) -> None:
+            rows, ranks = (flat_ids == expert_id).nonzero(as_tuple=True)
+            contrib[rows, ranks] = weights.apply(x[rows])
+
+        # Misses are fetched in chunks of the cache size; the first chunk's copies overlap the
+        # resident and cached experts' compute.
+        chunk = max(self.cache_slots, 1)
+        pending = [(e, *self._start_copy(e)) for e in misses[:chunk]]
+        for e in resident:
+            run(e, self._stores[e])
+            c["tokens_gpu"] += counts[e]
+        for e in hits:
+            weights = self._cache[e]
+            self._cache.move_to_end(e)
+            run(e, weights)
+            c["tokens_host_hit"] += counts[e]
+            c["cache_hits"] += 1
+        done = chunk
+        while pending:
+            for e, dst, event in pending:
+                weights = self._finish_copy(dst, event)
+                run(e, weights)
+                self._remember(e, weights)
+                c["tokens_host_miss"] += counts[e]
+                c["cache_misses"] += 1
+            pending = [(e, *self._start_copy(e)) for e in misses[done:done + chunk]]
+            done += chunk
+
+        return (contrib * topk_w.to(contrib.dtype)[..., None]).sum(dim=1)
+
+
+def find_tiered(model: nn.Module) -> list[TieredExperts]:
+    """Every TieredExperts module in the model, in module order (one per MoE layer)."""
+    return [m for m in model.modules() if isinstance(m, TieredExperts)]
+
+
+def collect_telemetry(model: nn.Module) -> dict:
+    """{"layers": [per-layer counters], "total": summed counters} over the model's tiered layers."""
+    layers = [m.telemetry() for m in find_tiered(model)]
+    total = {k: sum(layer[k] for layer in layers) for k in COUNTERS}
+    return {"layers": layers, "total": total}
+
+
+def reset_telemetry(model: nn.Module) -> None:
+    for m in find_tiered(model):
+        m.reset_telemetry()
