@@ -1,0 +1,576 @@
+"""Run untrusted (model-written) Python in a contained child process (DESIGN.md section 8).
+
+Layers, each applied where this machine allows it and named in `SandboxResult.isolation`
+(what could not be applied, and why, is in `SandboxResult.missing`):
+
+- `unshare` namespaces: a new network namespace (no network: even 127.0.0.1 is unreachable), a new
+  PID namespace (the check's launcher is PID 1 there; when it ends the kernel kills every process
+  left in it, so a fork bomb cannot leave stragglers), a new mount namespace with fresh,
+  size-limited tmpfs over /tmp, /var/tmp and /dev/shm (the check's work dir lives there; nothing it
+  writes in those places reaches the host) and its own /proc.
+- cgroups (v1 or v2, created under this process's own cgroup, removed afterwards): `pids.max`
+  bounds the whole check's process count, `memory` bounds its total memory.
+- an unprivileged uid (`nobody`) when the harness runs as root, so the check cannot write to files
+  owned by the harness, signal its processes, or lift its limits; RLIMIT_NPROC then applies too.
+- rlimits: CPU time, address space, file size, open files, processes, no core dumps.
+- its own process group and session, killed as a whole (SIGKILL) at the wall timeout, when output
+  passes its cap, and at the end; a scrubbed environment; `python -I -S -B`.
+
+Output is read through pipes with a byte cap (only the tails are kept), so a check printing
+gigabytes costs neither memory nor disk. `run_untrusted` never raises for anything the program does;
+a sandbox that could not be started comes back with status "error" (an infrastructure failure,
+never a wrong answer).
+
+This file is also the launcher: `python -I -S sandbox.py --launch CONFIG_JSON` runs inside the
+namespaces, joins the cgroups, mounts, forks the check, drops privileges and execs the interpreter.
+It therefore imports only the standard library.
+"""
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TAIL_BYTES = 4096
+NOBODY_UID = 65534
+NOBODY_GID = 65534
+# The work dir inside the mount namespace (on its private tmpfs); the run id makes it unique so a
+# leftover process could be found by its command line.
+INNER_TMP = "/tmp"
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (could not start, could not set up); never the program's fault."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits for one check."""
+
+    cpu_s: int | None = None                 # CPU seconds; None = wall timeout rounded up + 1
+    address_space_bytes: int = 2 << 30       # per process (RLIMIT_AS)
+    memory_bytes: int = 3 << 30              # the whole check (memory cgroup), where available
+    file_size_bytes: int = 10 << 20          # largest file it may write (RLIMIT_FSIZE)
+    open_files: int = 64                     # RLIMIT_NOFILE
+    max_processes: int = 64                  # pids cgroup, else RLIMIT_NPROC
+    tmpfs_bytes: int = 64 << 20              # size of each private tmpfs (/tmp, /var/tmp, /dev/shm)
+    max_output_bytes: int = 1 << 20          # stdout + stderr together; more gets the check killed
+    python_flags: tuple[str, ...] = ("-I", "-S", "-B")
+
+
+@dataclass
+class SandboxResult:
+    """What happened to one check.
+
+    status: "passed" (exit 0) | "failed" (non-zero exit: assertion, exception, syntax error) |
+    "timeout" (wall or CPU limit) | "killed" (a signal, output cap, out of memory) |
+    "error" (the sandbox could not run it: infrastructure, not the program).
+    """
+
+    passed: bool
+    status: str
+    reason: str
+    exit_code: int | None = None
+    signal: int | None = None
+    stdout_tail: str = ""
+    stderr_tail: str = ""
+    wall_s: float = 0.0
+    cpu_s: float | None = None
+    output_bytes: int = 0
+    isolation: list[str] = field(default_factory=list)   # protections that were active
+    missing: list[str] = field(default_factory=list)     # protections not applied here, with why
+    interpreter: str | None = None
+    run_id: str = ""
+
+    def summary(self) -> dict[str, Any]:
+        """The short form tasks put into a record."""
+        return {"status": self.status, "reason": self.reason, "wall_s": round(self.wall_s, 3),
+                "isolation": list(self.isolation)}
+
+
+# --- what this machine allows ------------------------------------------------------------------
+
+@dataclass
+class _Plan:
+    unshare_prefix: list[str]
+    namespaces: list[str]          # "net", "pid", "mount"
+    drop_to: tuple[int, int] | None
+    cgroup_kind: str | None        # "v1" | "v2" | None
+    cgroup_parents: dict[str, Path]  # controller -> parent dir for our child cgroups
+    missing: list[str]
+
+
+_PLAN: _Plan | None = None
+
+
+def _try(cmd: list[str]) -> tuple[bool, str]:
+    try:
+        p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=10,
+                           env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, str(e)
+    return p.returncode == 0, p.stderr.decode(errors="replace").strip()[-200:]
+
+
+def _unshare_plan(missing: list[str]) -> tuple[list[str], list[str]]:
+    exe = shutil.which("unshare")
+    if not exe:
+        missing.append("namespaces: no `unshare` (util-linux) on PATH")
+        return [], []
+    as_user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    full = [exe, *as_user, "--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc",
+            "--propagation", "private"]
+    ok, err = _try([*full, "--", "true"])
+    if ok:
+        return full, ["net", "pid", "mount"]
+    missing.append(f"pid+mount namespaces: unshare refused ({err})")
+    net_only = [exe, *as_user, "--net"]
+    ok, err = _try([*net_only, "--", "true"])
+    if ok:
+        return net_only, ["net"]
+    missing.append(f"net namespace: unshare refused ({err})")
+    return [], []
+
+
+def _own_cgroup_dirs() -> tuple[str | None, dict[str, Path]]:
+    """Writable parent dirs (this process's own cgroups) per controller, for v1 or v2."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None, {}
+    root = Path("/sys/fs/cgroup")
+    v1: dict[str, Path] = {}
+    v2: Path | None = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        for c in controllers.split(","):
+            if c in ("pids", "memory") and (root / c).is_dir():
+                v1[c] = root / c / rel.lstrip("/")
+        if controllers == "" and (root / "cgroup.controllers").is_file():
+            v2 = root / rel.lstrip("/")
+    if v1:
+        return "v1", {c: d for c, d in v1.items() if os.access(d, os.W_OK)}
+    if v2 is not None and os.access(v2, os.W_OK):
+        try:
+            enabled = (v2 / "cgroup.subtree_control").read_text().split()
+        except OSError:
+            enabled = []
+        return "v2", {c: v2 for c in ("pids", "memory") if c in enabled}
+    return None, {}
+
+
+def plan() -> _Plan:
+    """Probe once which protections this machine allows (cached for the process)."""
+    global _PLAN
+    if _PLAN is not None:
+        return _PLAN
+    missing: list[str] = []
+    prefix, namespaces = _unshare_plan(missing)
+    drop_to = None
+    if os.geteuid() == 0:
+        drop_to = (NOBODY_UID, NOBODY_GID)
+    else:
+        missing.append("uid drop: harness is not root, the check runs as the harness's own user")
+    kind, parents = _own_cgroup_dirs()
+    if os.geteuid() != 0 or not parents:
+        kind, parents = None, {}
+        missing.append("cgroups: no writable pids/memory cgroup; process count from RLIMIT_NPROC only")
+    else:
+        for c in ("pids", "memory"):
+            if c not in parents:
+                missing.append(f"cgroup {c}: controller not writable here")
+    _PLAN = _Plan(prefix, namespaces, drop_to, kind, parents, missing)
+    return _PLAN
+
+
+def _interpreters(dropping: bool) -> list[str]:
+    """Interpreters to try in order. As `nobody`, one under /root (pyenv) is not reachable, so a
+    system python3 follows; the launcher reports which one ran."""
+    cands = [os.path.realpath(sys.executable), sys.executable]
+    if dropping:
+        cands += ["/usr/bin/python3", "/usr/local/bin/python3", shutil.which("python3") or ""]
+    out: list[str] = []
+    for c in cands:
+        if c and c not in out:
+            out.append(c)
+    return out
+
+
+# --- cgroups -----------------------------------------------------------------------------------
+
+def _make_cgroups(p: _Plan, run_id: str, limits: SandboxLimits) -> tuple[list[Path], list[str]]:
+    """Create this check's cgroups; return their dirs and isolation labels."""
+    made: list[Path] = []
+    labels: list[str] = []
+    settings = {
+        "pids": [("pids.max", str(limits.max_processes))],
+        "memory": ([("memory.limit_in_bytes", str(limits.memory_bytes))] if p.cgroup_kind == "v1"
+                   else [("memory.max", str(limits.memory_bytes)), ("memory.swap.max", "0")]),
+    }
+    dirs: dict[Path, list[str]] = {}
+    for controller, parent in p.cgroup_parents.items():
+        dirs.setdefault(parent / f"moebench-sbx-{run_id}", []).append(controller)
+    for d, controllers in dirs.items():
+        try:
+            d.mkdir()
+        except OSError as e:
+            raise SandboxError(f"cannot create cgroup {d}: {e}") from None
+        made.append(d)
+        for c in controllers:
+            for name, value in settings[c]:
+                try:
+                    (d / name).write_text(value)
+                except OSError as e:
+                    if name == "memory.swap.max":
+                        continue           # no swap accounting: the memory limit still holds
+                    raise SandboxError(f"cannot set {d / name} = {value}: {e}") from None
+            labels.append(f"cgroup-{p.cgroup_kind} {c} limit")
+    return made, labels
+
+
+def _remove_cgroups(dirs: list[Path]) -> None:
+    """Kill anything still in our cgroups (stragglers) and remove them."""
+    deadline = time.monotonic() + 5.0
+    for d in dirs:
+        while True:
+            try:
+                for pid in (d / "cgroup.procs").read_text().split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                d.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    break              # left behind, empty soon; harmless, and never fatal
+                time.sleep(0.02)
+
+
+def _oom_killed(dirs: list[Path]) -> bool:
+    for d in dirs:
+        for name, key in (("memory.oom_control", "oom_kill"), ("memory.events", "oom_kill")):
+            try:
+                for line in (d / name).read_text().splitlines():
+                    k, _, v = line.partition(" ")
+                    if k == key and int(v) > 0:
+                        return True
+            except (OSError, ValueError):
+                continue
+    return False
+
+
+# --- the harness side --------------------------------------------------------------------------
+
+def _tail(buf: bytearray) -> str:
+    return bytes(buf[-TAIL_BYTES:]).decode("utf-8", errors="replace")
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_untrusted(program: str, timeout_s: float = 10.0,
+                  limits: SandboxLimits | None = None) -> SandboxResult:
+    """Run `program` (Python source) in the sandbox; pass = exit status 0 within the limits."""
+    limits = limits or SandboxLimits()
+    p = plan()
+    run_id = uuid.uuid4().hex[:12]
+    isolation = ["process-group", "scrubbed-env", "rlimits", "python-isolated(" + " ".join(limits.python_flags) + ")"]
+    isolation += [f"{ns}-namespace" for ns in p.namespaces]
+    if "mount" in p.namespaces:
+        isolation.append("private-tmpfs(/tmp,/var/tmp,/dev/shm)")
+    if p.drop_to:
+        isolation.append(f"uid-{p.drop_to[0]}")
+    missing = list(p.missing)
+    workdir = Path(tempfile.mkdtemp(prefix=f"moebench-sbx-{run_id}-"))
+    cgroups: list[Path] = []
+    t0 = time.monotonic()
+    try:
+        try:
+            cgroups, labels = _make_cgroups(p, run_id, limits)
+        except SandboxError as e:
+            _remove_cgroups(cgroups)
+            return SandboxResult(False, "error", str(e), isolation=isolation, missing=missing, run_id=run_id)
+        isolation += labels
+        prog_path = workdir / "prog.py"
+        prog_path.write_text(program, encoding="utf-8")
+        if p.drop_to:
+            # Without a mount namespace the check works in this dir as `nobody`.
+            os.chown(workdir, *p.drop_to)
+            os.chown(prog_path, *p.drop_to)
+        cpu_s = limits.cpu_s or int(timeout_s) + 2
+        status_r, status_w = os.pipe()
+        inner_dir = f"{INNER_TMP}/moebench-sbx-{run_id}" if "mount" in p.namespaces else str(workdir)
+        cfg = {
+            "program": str(prog_path), "inner_dir": inner_dir, "mount": "mount" in p.namespaces,
+            "tmpfs_bytes": limits.tmpfs_bytes, "status_fd": status_w,
+            "cgroup_procs": [str(d / "cgroup.procs") for d in cgroups],
+            "drop_to": list(p.drop_to) if p.drop_to else None,
+            "interpreters": _interpreters(p.drop_to is not None), "flags": list(limits.python_flags),
+            "rlimits": {"CPU": cpu_s, "AS": limits.address_space_bytes, "FSIZE": limits.file_size_bytes,
+                        "NOFILE": limits.open_files, "CORE": 0,
+                        # with a pids cgroup, NPROC (per uid, shared by parallel checks) is a backstop
+                        "NPROC": limits.max_processes * (8 if any("pids" in x for x in labels) else 1)},
+            "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": inner_dir, "TMPDIR": inner_dir,
+                    "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
+                    "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8"},
+        }
+        cmd = [*p.unshare_prefix, *(["--"] if p.unshare_prefix else []),
+               sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), "--launch", json.dumps(cfg)]
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, pass_fds=(status_w,), start_new_session=True,
+                                    env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"},
+                                    cwd=str(workdir))
+        except OSError as e:
+            os.close(status_r)
+            os.close(status_w)
+            return SandboxResult(False, "error", f"could not start the sandbox: {e}",
+                                 isolation=isolation, missing=missing, run_id=run_id)
+        os.close(status_w)
+        out = _collect(proc, status_r, timeout_s, limits.max_output_bytes)
+        oom = _oom_killed(cgroups)
+    finally:
+        _remove_cgroups(cgroups)
+        shutil.rmtree(workdir, ignore_errors=True)
+    wall = time.monotonic() - t0
+    return _classify(out, oom, timeout_s, cpu_s, limits, isolation, missing, run_id, wall)
+
+
+@dataclass
+class _Collected:
+    stdout: bytearray
+    stderr: bytearray
+    total: int
+    messages: list[dict[str, Any]]
+    timed_out: bool
+    over_output: bool
+    launcher_rc: int | None
+
+
+def _collect(proc: subprocess.Popen, status_r: int, timeout_s: float, max_output: int) -> _Collected:
+    """Read stdout/stderr (tails only) and the launcher's status pipe until the end or a limit."""
+    pgid = proc.pid                      # start_new_session: the group id is the leader's pid
+    bufs = {"stdout": bytearray(), "stderr": bytearray()}
+    status_buf = bytearray()
+    total = 0
+    timed_out = over_output = False
+    deadline = time.monotonic() + timeout_s
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
+    sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
+    sel.register(status_r, selectors.EVENT_READ, "status")
+    exited_at: float | None = None
+    try:
+        while sel.get_map():
+            now = time.monotonic()
+            if now >= deadline:
+                timed_out = True
+                break
+            if exited_at is None and proc.poll() is not None:
+                exited_at = now
+            if exited_at is not None and now - exited_at > 1.0:
+                break                    # launcher gone but something holds a pipe: stop waiting
+            for key, _ in sel.select(timeout=min(0.2, deadline - now)):
+                fd = key.fileobj if isinstance(key.fileobj, int) else key.fileobj.fileno()
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                if key.data == "status":
+                    status_buf += chunk[: 65536 - len(status_buf)]
+                    continue
+                total += len(chunk)
+                buf = bufs[key.data]
+                buf += chunk
+                del buf[:-TAIL_BYTES]     # keep only the tail: bounded memory whatever it prints
+                if total > max_output:
+                    over_output = True
+                    break
+            if over_output:
+                break
+    finally:
+        sel.close()
+        _killpg(pgid)                    # whatever is left of the group, in every case
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for f in (proc.stdout, proc.stderr):
+            f.close()
+        # the launcher may have written its last message just before the kill
+        try:
+            os.set_blocking(status_r, False)
+            while len(status_buf) < 65536:
+                chunk = os.read(status_r, 65536)
+                if not chunk:
+                    break
+                status_buf += chunk
+        except BlockingIOError:
+            pass
+        os.close(status_r)
+    messages = []
+    for line in bytes(status_buf).decode("utf-8", errors="replace").splitlines():
+        try:
+            messages.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return _Collected(bufs["stdout"], bufs["stderr"], total, messages, timed_out, over_output,
+                      proc.returncode)
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def _classify(c: _Collected, oom: bool, timeout_s: float, cpu_s: int, limits: SandboxLimits,
+              isolation: list[str], missing: list[str], run_id: str, wall: float) -> SandboxResult:
+    msgs = {m.get("stage"): m for m in c.messages}
+    running = msgs.get("running")
+    exited = msgs.get("exited")
+    base = dict(stdout_tail=_tail(c.stdout), stderr_tail=_tail(c.stderr), wall_s=wall,
+                output_bytes=c.total, isolation=isolation, missing=missing, run_id=run_id,
+                interpreter=running.get("interpreter") if running else None)
+    if c.over_output:
+        return SandboxResult(False, "killed", f"output exceeded {limits.max_output_bytes} bytes", **base)
+    if c.timed_out:
+        return SandboxResult(False, "timeout", f"wall timeout after {timeout_s:g} s", **base)
+    if running is None:
+        why = msgs.get("setup_failed", {}).get("error") or _last_line(_tail(c.stderr)) \
+            or f"launcher exit status {c.launcher_rc}"
+        return SandboxResult(False, "error", f"sandbox could not start the check: {why}", **base)
+    if exited is None:
+        return SandboxResult(False, "killed", f"launcher ended without a result (exit status {c.launcher_rc})",
+                             **base)
+    code, sig, used = exited.get("exit_code"), exited.get("signal"), exited.get("cpu_s")
+    base["cpu_s"] = used
+    if sig is not None:
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and used is not None and used >= cpu_s - 0.05):
+            return SandboxResult(False, "timeout", f"CPU time limit ({cpu_s} s)", signal=sig, **base)
+        if oom:
+            return SandboxResult(False, "killed", f"out of memory (cgroup limit {limits.memory_bytes} bytes)",
+                                 signal=sig, **base)
+        return SandboxResult(False, "killed", f"killed by {name}", signal=sig, **base)
+    if code == 0:
+        return SandboxResult(True, "passed", "passed", exit_code=0, **base)
+    reason = _last_line(base["stderr_tail"]) or f"exit code {code}"
+    if reason.startswith("MemoryError"):
+        reason += f" (address space limit {limits.address_space_bytes} bytes)"
+    return SandboxResult(False, "failed", reason, exit_code=code, **base)
+
+
+# --- the launcher (inside the namespaces) ------------------------------------------------------
+
+def _mount_tmpfs(target: str, size: int) -> None:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    flags = 0x2 | 0x4                    # MS_NOSUID | MS_NODEV
+    opts = f"size={size},mode=1777".encode()
+    if libc.mount(b"tmpfs", target.encode(), b"tmpfs", flags, opts) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount tmpfs on {target}: {os.strerror(err)}")
+
+
+def _launch(cfg: dict[str, Any]) -> int:
+    import resource
+    status_fd = cfg["status_fd"]
+
+    def report(stage: str, **kw: Any) -> None:
+        os.write(status_fd, (json.dumps({"stage": stage, **kw}) + "\n").encode())
+
+    try:
+        for procs in cfg["cgroup_procs"]:
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))     # pid as seen in our namespace; the kernel translates
+        source = Path(cfg["program"]).read_bytes()
+        inner = cfg["inner_dir"]
+        if cfg["mount"]:
+            for target in ("/tmp", "/var/tmp", "/dev/shm"):
+                if os.path.isdir(target):
+                    _mount_tmpfs(target, cfg["tmpfs_bytes"])
+            os.mkdir(inner, 0o700)
+            Path(inner, "prog.py").write_bytes(source)
+        drop = cfg["drop_to"]
+        if drop:
+            os.chown(inner, *drop)
+            os.chown(os.path.join(inner, "prog.py"), *drop)
+    except Exception as e:                      # noqa: BLE001 - reported, then the harness decides
+        report("setup_failed", error=f"{type(e).__name__}: {e}")
+        return 125
+    err_r, err_w = os.pipe()                    # close-on-exec: EOF without data = exec worked
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(status_fd)
+            os.close(err_r)
+            for name, value in cfg["rlimits"].items():
+                resource.setrlimit(getattr(resource, f"RLIMIT_{name}"), (value, value))
+            if drop:
+                os.setgroups([])
+                os.setgid(drop[1])
+                os.setuid(drop[0])
+            os.chdir(inner)
+            for interp in cfg["interpreters"]:
+                try:
+                    os.execve(interp, [interp, *cfg["flags"], "prog.py"], cfg["env"])
+                except OSError as e:
+                    os.write(err_w, f"{interp}: {e}\n".encode())
+            os.write(err_w, b"END\n")
+        except BaseException as e:             # noqa: BLE001
+            os.write(err_w, f"setup: {type(e).__name__}: {e}\nEND\n".encode())
+        os._exit(127)
+    os.close(err_w)
+    failures = b""
+    while True:
+        chunk = os.read(err_r, 4096)
+        if not chunk:
+            break
+        failures += chunk
+    os.close(err_r)
+    lines = failures.decode(errors="replace").splitlines()
+    if lines and lines[-1] == "END":
+        report("setup_failed", error="; ".join(lines[:-1]))
+        os.waitpid(pid, 0)
+        return 126
+    report("running", interpreter=cfg["interpreters"][len(lines)])
+    # As PID 1 of the namespace we also reap orphans; stop when the check itself has ended.
+    while True:
+        try:
+            got, status, usage = os.wait4(-1, 0)
+        except ChildProcessError:
+            report("exited", exit_code=None, signal=None, cpu_s=None)
+            return 0
+        if got == pid:
+            break
+    cpu = usage.ru_utime + usage.ru_stime
+    if os.WIFSIGNALED(status):
+        report("exited", exit_code=None, signal=os.WTERMSIG(status), cpu_s=round(cpu, 3))
+    else:
+        report("exited", exit_code=os.WEXITSTATUS(status), signal=None, cpu_s=round(cpu, 3))
+    return 0
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--launch":
+    sys.exit(_launch(json.loads(sys.argv[2])))
