@@ -240,10 +240,10 @@ def load_runner(path: str | os.PathLike[str], runner_schemas: dict[str, dict[str
         raise ProfileError(
             f"{p}: key 'kind' must be one of {', '.join(map(repr, sorted(runner_schemas)))}, got {kind!r}"
         )
-    settings = validate(raw, {**COMMON_RUNNER_SCHEMA, **runner_schemas[kind]}, str(p))
     for key in ("api_key", "token", "password"):
         if key in raw:
             raise ProfileError(f"{p}: key {key!r}: secrets never live in files; use {key}_env = \"VARNAME\"")
+    settings = validate(raw, {**COMMON_RUNNER_SCHEMA, **runner_schemas[kind]}, str(p))
     # Relative model/binary paths in a profile are relative to the working directory (the repo root).
     name = settings.pop("name", None) or p.stem
     settings.pop("kind")

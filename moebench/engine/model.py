@@ -1,0 +1,270 @@
+"""The MoE decoder: RMSNorm, RoPE, GQA attention over a static KV cache, stacked SwiGLU experts.
+
+Module and parameter names follow the Hugging Face checkpoints (minus the leading `model.`), so the
+loader maps tensors by name: `embed_tokens`, `layers.{i}.self_attn.q_proj`, `layers.{i}.mlp.gate`,
+`layers.{i}.mlp.experts` (an `Experts`: stacked [E, ...] weights), `norm`, `lm_head`.
+
+Sequences live in fixed KV-cache rows: row b's token at position p is written to slot p, and a query
+at position p attends to slots 0..p of its own row. Prompts of different lengths are therefore
+right-padded: padding sits after the real tokens, is never visible to them, and is overwritten by
+the row's own generated tokens before any query could see it. Positions are exact per row, so a
+batched row computes what the same prompt alone would.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32, scale in the activation dtype (as transformers does).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_tables(head_dim: int, theta: float, max_len: int, device=None) -> tuple[Tensor, Tensor]:
+    """cos/sin [max_len, head_dim] in float32 for the default (unscaled) rotary embedding."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+    freqs = torch.arange(max_len, device=device, dtype=torch.float)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, heads, T, D]; cos/sin [B, T, D] already in x's dtype."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm == "head":      # qwen3: per head, over head_dim
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "full":    # olmoe: over the whole projected q / k width
+            self.q_norm = RMSNorm(cfg.num_heads * d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.num_kv_heads * d, cfg.rms_norm_eps)
+        self.clip_qkv = cfg.clip_qkv
+        self.k_cache: Tensor | None = None   # [B, kv_heads, max_len, head_dim]
+        self.v_cache: Tensor | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+        """x [B, T, H]; positions [B, T] (cache slot = position); attend to slots [0, kv_len)."""
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv, self.head_dim)
+        v = v.view(B, T, self.n_kv, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        # Write this step's keys/values into each row's slots (static shapes; no host sync).
+        rows = torch.arange(B, device=x.device)[:, None].expand(B, T)
+        self.k_cache[rows, :, positions] = k.transpose(1, 2).to(self.k_cache.dtype)
+        self.v_cache[rows, :, positions] = v.transpose(1, 2).to(self.v_cache.dtype)
+        keys, values = self.k_cache[:B, :, :kv_len], self.v_cache[:B, :, :kv_len]
+        slots = torch.arange(kv_len, device=x.device)
+        mask = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)   # [B, 1, T, kv_len]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                             enable_gqa=self.n_heads != self.n_kv)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate x) * up x). Used for qwen2's shared expert and dense layers."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """All experts of one layer, resident, one dtype, stacked.
+
+    w_gate: [E, I, H], w_up: [E, I, H], w_down: [E, H, I]. The swap point for tiered experts: a
+    replacement keeps `forward(x, topk_ids, topk_w)`.
+    """
+
+    # Up to this many tokens, gather the selected experts' weights (static shapes, no host sync:
+    # the decode path); above it, group tokens by expert and loop over the experts that have tokens.
+    gather_max_tokens = 4
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w_gate = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.w_up = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor) -> Tensor:
+        """x [T, H]; topk_ids [T, k] int64; topk_w [T, k] float -> [T, H] (weighted sum)."""
+        T, k = topk_ids.shape
+        if T <= self.gather_max_tokens:
+            ids = topk_ids.reshape(-1)
+            xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)                     # [T*k, H, 1]
+            h = F.silu(torch.bmm(self.w_gate[ids], xs)) * torch.bmm(self.w_up[ids], xs)
+            y = torch.bmm(self.w_down[ids], h).squeeze(-1).view(T, k, -1)        # [T, k, H]
+            return (y.float() * topk_w.float().unsqueeze(-1)).sum(1).to(x.dtype)
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()   # one sync per layer (prefill)
+        token_of = order // k
+        weight_of = topk_w.reshape(-1)[order].float()
+        xs = x[token_of]
+        out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            xe = xs[start:start + n]
+            h = F.silu(xe @ self.w_gate[e].t()) * (xe @ self.w_up[e].t())
+            y = h @ self.w_down[e].t()
+            out.index_add_(0, token_of[start:start + n], y.float() * weight_of[start:start + n, None])
+            start += n
+        return out.to(x.dtype)
+
+
+class RouterTracer:
+    """Collects router decisions while attached to a model (see `MoETransformer.set_tracer`).
+
+    records: (decoder layer index, topk_ids [T, k] int64, topk_w [T, k] float32), CPU tensors, in
+    call order. logits: (layer, router logits [T, E] float32) when `keep_logits` is set.
+    """
+
+    def __init__(self, keep_logits: bool = False):
+        self.keep_logits = keep_logits
+        self.records: list[tuple[int, Tensor, Tensor]] = []
+        self.logits: list[tuple[int, Tensor]] = []
+
+
+class MoEBlock(nn.Module):
+    """Router -> softmax -> top-k (-> renormalise) -> experts (+ gated shared expert, qwen2_moe)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.top_k = cfg.top_k
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size)
+        self.shared_expert = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.tracer: RouterTracer | None = None
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [N, H] -> (router logits [N, E], topk_ids [N, k], topk_w [N, k] float32)."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits.float(), dim=-1)
+        topk_w, topk_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
+        return logits, topk_ids, topk_w
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits, topk_ids, topk_w = self.route(x)
+        if self.tracer is not None:
+            self.tracer.records.append((self.layer_idx, topk_ids.cpu(), topk_w.cpu()))
+            if self.tracer.keep_logits:
+                self.tracer.logits.append((self.layer_idx, logits.float().cpu()))
+        out = self.experts(x, topk_ids, topk_w)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.view(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.moe_layers[layer_idx]:
+            self.mlp: nn.Module = MoEBlock(cfg, layer_idx)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, kv_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.max_batch = 0
+        self.max_seq_len = 0
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+
+    def setup_caches(self, max_batch: int, max_seq_len: int, dtype: torch.dtype, device) -> None:
+        """Allocate the static KV cache and RoPE tables (replacing any earlier ones)."""
+        cfg = self.config
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        for layer in self.layers:
+            attn = layer.self_attn
+            shape = (max_batch, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.rope_cos, self.rope_sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_seq_len, device)
+
+    def set_tracer(self, tracer: RouterTracer | None) -> None:
+        for block in self.moe_blocks():
+            block.tracer = tracer
+
+    def forward(self, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+        """tokens, positions [B, T] -> final-normed hidden states [B, T, H] (apply `lm_head` to
+        the positions whose logits you need). Attends to cache slots [0, kv_len)."""
+        x = self.embed_tokens(tokens)
+        cos = self.rope_cos[positions].to(x.dtype)
+        sin = self.rope_sin[positions].to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, positions, kv_len)
+        return self.norm(x)

@@ -1,0 +1,50 @@
+"""Progress for long work: a bar on a terminal, plain periodic lines otherwise (CI logs)."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+
+class Progress:
+    def __init__(self, label: str, total: int, stream: TextIO | None = None, every_s: float = 10.0):
+        self.label = label
+        self.total = total
+        self.done = 0
+        self.errors = 0
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.every_s = every_s
+        self.t0 = time.monotonic()
+        self._last = 0.0
+        self._last_pct = -1
+
+    def advance(self, error: bool = False) -> None:
+        self.done += 1
+        self.errors += int(error)
+        self._show()
+
+    def _show(self, final: bool = False) -> None:
+        now = time.monotonic()
+        elapsed = now - self.t0
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - self.done) / rate if rate > 0 else float("nan")
+        err = f" errors={self.errors}" if self.errors else ""
+        if self.tty:
+            width = 30
+            filled = int(width * self.done / self.total) if self.total else width
+            bar = "#" * filled + "." * (width - filled)
+            self.stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total}{err} "
+                              f"{elapsed:5.0f}s eta {eta:5.0f}s")
+            if final:
+                self.stream.write("\n")
+            self.stream.flush()
+            return
+        pct = int(100 * self.done / self.total) if self.total else 100
+        if final or now - self._last >= self.every_s or (pct // 25 != self._last_pct // 25):
+            self._last, self._last_pct = now, pct
+            self.stream.write(f"{self.label}: {self.done}/{self.total} ({pct}%){err} in {elapsed:.0f}s\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        self._show(final=True)

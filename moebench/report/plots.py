@@ -1,0 +1,366 @@
+"""Small inline-SVG plots for the HTML report (no matplotlib, no network, no JavaScript).
+
+Each function returns one `<svg>` element as a string. Every label that comes from data is escaped
+here, so the report template may mark the result safe. Plots stay readable without colour alone:
+values also appear in `<title>` tooltips and in the tables beside them.
+"""
+from __future__ import annotations
+
+import math
+from html import escape
+from typing import Sequence
+
+BASELINE = "#7f7f7f"
+CANDIDATE = "#1f6fb4"
+SERIES_COLOURS = (BASELINE, CANDIDATE, "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
+PHASE_COLOURS = {"load": "#fde2b3", "prefill": "#cfe3f7", "decode": "#d4f0d0", "idle": "#eeeeee"}
+
+WIDTH = 640
+MARGIN_L, MARGIN_R, MARGIN_T, MARGIN_B = 64, 16, 12, 40
+
+
+def _num(v: float) -> str:
+    return f"{v:.2f}".rstrip("0").rstrip(".") if math.isfinite(v) else "0"
+
+
+def fmt_tick(v: float) -> str:
+    """Compact tick text: 0.05, 1.5k, 2M, 3e-05."""
+    if v == 0:
+        return "0"
+    a = abs(v)
+    if a >= 1e6:
+        return f"{v / 1e6:g}M"
+    if a >= 1e4:
+        return f"{v / 1e3:g}k"
+    if a < 1e-3:
+        return f"{v:.0e}"
+    return f"{v:.4g}"
+
+
+def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    """About `n` round tick values covering [lo, hi]."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return [0.0]
+    if hi <= lo:
+        hi = lo + (abs(lo) or 1.0)
+    raw = (hi - lo) / max(n, 1)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    start = math.floor(lo / step) * step
+    ticks = []
+    t = start
+    while t <= hi + step * 1e-9:
+        if t >= lo - step * 1e-9:
+            ticks.append(round(t, 12))
+        t += step
+    return ticks
+
+
+def _finite(values: Sequence[float | None]) -> list[float]:
+    return [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+
+
+class _Frame:
+    """Maps data coordinates to pixels inside the plot margins."""
+
+    def __init__(self, x0, x1, y0, y1, height, log_x=False, width=WIDTH, margin_l=MARGIN_L):
+        self.log_x = log_x
+        self.width, self.height, self.margin_l = width, height, margin_l
+        fx = (lambda v: math.log10(v)) if log_x else (lambda v: v)
+        self.fx = fx
+        self.x0, self.x1 = fx(x0), fx(x1)
+        if self.x1 == self.x0:
+            self.x1 = self.x0 + 1
+        self.y0, self.y1 = y0, (y1 if y1 != y0 else y0 + 1)
+
+    def px(self, x: float) -> float:
+        inner = self.width - self.margin_l - MARGIN_R
+        return self.margin_l + (self.fx(x) - self.x0) / (self.x1 - self.x0) * inner
+
+    def py(self, y: float) -> float:
+        inner = self.height - MARGIN_T - MARGIN_B
+        return self.height - MARGIN_B - (y - self.y0) / (self.y1 - self.y0) * inner
+
+
+def _open(height: int, label: str, width: int = WIDTH) -> list[str]:
+    return [f'<svg class="plot" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
+            f'width="{width}" height="{height}" role="img" aria-label="{escape(label)}">']
+
+
+def _axes(f: _Frame, xticks, yticks, xlabel: str, ylabel: str, xfmt=fmt_tick, yfmt=fmt_tick) -> list[str]:
+    out = []
+    bottom, top = f.height - MARGIN_B, MARGIN_T
+    for t in yticks:
+        y = f.py(t)
+        out.append(f'<line class="grid" x1="{f.margin_l}" x2="{f.width - MARGIN_R}" y1="{_num(y)}" y2="{_num(y)}"/>')
+        out.append(f'<text class="tick" x="{f.margin_l - 4}" y="{_num(y + 4)}" text-anchor="end">{escape(yfmt(t))}</text>')
+    for t in xticks:
+        x = f.px(t)
+        out.append(f'<line class="axis" x1="{_num(x)}" x2="{_num(x)}" y1="{bottom}" y2="{bottom + 4}"/>')
+        out.append(f'<text class="tick" x="{_num(x)}" y="{bottom + 16}" text-anchor="middle">{escape(xfmt(t))}</text>')
+    out.append(f'<line class="axis" x1="{f.margin_l}" x2="{f.width - MARGIN_R}" y1="{bottom}" y2="{bottom}"/>')
+    out.append(f'<line class="axis" x1="{f.margin_l}" x2="{f.margin_l}" y1="{top}" y2="{bottom}"/>')
+    if xlabel:
+        out.append(f'<text class="label" x="{(f.margin_l + f.width - MARGIN_R) / 2}" y="{f.height - 6}" '
+                   f'text-anchor="middle">{escape(xlabel)}</text>')
+    if ylabel:
+        cy = (top + bottom) / 2
+        out.append(f'<text class="label" x="12" y="{_num(cy)}" text-anchor="middle" '
+                   f'transform="rotate(-90 12 {_num(cy)})">{escape(ylabel)}</text>')
+    return out
+
+
+def _legend(names: Sequence[str], colours: Sequence[str], x: float, y: float = MARGIN_T + 4) -> list[str]:
+    out = []
+    for i, (name, colour) in enumerate(zip(names, colours)):
+        yy = y + i * 14
+        out.append(f'<rect x="{_num(x)}" y="{_num(yy)}" width="10" height="10" fill="{colour}"/>')
+        out.append(f'<text class="tick" x="{_num(x + 14)}" y="{_num(yy + 9)}">{escape(str(name))}</text>')
+    return out
+
+
+def empty_plot(message: str, height: int = 60) -> str:
+    out = _open(height, message)
+    out.append(f'<text class="label" x="{WIDTH / 2}" y="{height / 2}" text-anchor="middle">{escape(message)}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def interval_plot(rows: Sequence[dict], x_min: float = 0.0, x_max: float = 1.0, xlabel: str = "accuracy") -> str:
+    """One dot with a horizontal interval per row: rows carry label, value, lo, hi, optional colour."""
+    rows = [r for r in rows if isinstance(r.get("value"), (int, float))]
+    if not rows:
+        return empty_plot("no values")
+    label_w = 170
+    height = MARGIN_T + MARGIN_B + 18 * len(rows)
+    f = _Frame(x_min, x_max, 0, len(rows), height, width=WIDTH, margin_l=label_w)
+    out = _open(height, "accuracy with 95% confidence intervals")
+    out += _axes(f, nice_ticks(x_min, x_max), [], xlabel, "")
+    for i, r in enumerate(rows):
+        y = MARGIN_T + 9 + 18 * i
+        colour = r.get("colour", CANDIDATE)
+        lo = r.get("lo", r["value"]) if isinstance(r.get("lo"), (int, float)) else r["value"]
+        hi = r.get("hi", r["value"]) if isinstance(r.get("hi"), (int, float)) else r["value"]
+        tip = f'{r.get("label", "")}: {r["value"]:.4f} [{lo:.4f}, {hi:.4f}]'
+        out.append(f'<g><title>{escape(tip)}</title>')
+        out.append(f'<text class="tick" x="{label_w - 6}" y="{y + 4}" text-anchor="end">{escape(str(r.get("label", "")))}</text>')
+        out.append(f'<line x1="{_num(f.px(lo))}" x2="{_num(f.px(hi))}" y1="{y}" y2="{y}" stroke="{colour}" stroke-width="2"/>')
+        for end in (lo, hi):
+            out.append(f'<line x1="{_num(f.px(end))}" x2="{_num(f.px(end))}" y1="{y - 4}" y2="{y + 4}" stroke="{colour}" stroke-width="1.5"/>')
+        out.append(f'<circle cx="{_num(f.px(r["value"]))}" cy="{y}" r="4" fill="{colour}"/></g>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def histogram(edges: Sequence[float], counts: Sequence[float], xlabel: str, log_y: bool = True,
+              height: int = 220) -> str:
+    """Bars over bins given by `edges` (len(counts) + 1); equal-width bars so log-spaced bins read well."""
+    counts = [float(c) if isinstance(c, (int, float)) else 0.0 for c in counts]
+    if not counts or len(edges) != len(counts) + 1:
+        return empty_plot("histogram: edges and counts do not match")
+    scale = (lambda c: math.log10(1 + c)) if log_y else (lambda c: c)
+    top = max(scale(c) for c in counts) or 1.0
+    f = _Frame(0, len(counts), 0, top, height)
+    out = _open(height, f"histogram of {xlabel}")
+    if log_y:
+        yticks = [scale(10 ** k - 1) for k in range(0, int(math.ceil(top)) + 1)]
+        yfmt = lambda v: fmt_tick(round(10 ** v - 1))  # noqa: E731
+    else:
+        yticks, yfmt = nice_ticks(0, top), fmt_tick
+    step = max(1, len(counts) // 8)
+    xt = list(range(0, len(counts) + 1, step))
+    out += _axes(f, xt, yticks, xlabel, "count" + (" (log)" if log_y else ""),
+                 xfmt=lambda i: fmt_tick(float(edges[int(i)])), yfmt=yfmt)
+    bw = f.px(1) - f.px(0)
+    for i, c in enumerate(counts):
+        y = f.py(scale(c))
+        tip = f"[{edges[i]:.4g}, {edges[i + 1]:.4g}): {int(c)}"
+        out.append(f'<rect x="{_num(f.px(i) + 0.5)}" y="{_num(y)}" width="{_num(max(bw - 1, 0.5))}" '
+                   f'height="{_num(f.py(0) - y)}" fill="{CANDIDATE}"><title>{escape(tip)}</title></rect>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def line_plot(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], xlabel: str, ylabel: str,
+              log_x: bool = False, height: int = 220, y_zero: bool = True,
+              colours: Sequence[str] = SERIES_COLOURS) -> str:
+    """Lines with markers; `series` is (name, xs, ys); points with a missing value are skipped."""
+    pts_all = []
+    clean = []
+    for name, xs, ys in series:
+        pts = [(float(x), float(y)) for x, y in zip(xs, ys)
+               if isinstance(x, (int, float)) and isinstance(y, (int, float))
+               and math.isfinite(x) and math.isfinite(y) and (x > 0 or not log_x)]
+        clean.append((name, pts))
+        pts_all += pts
+    if not pts_all:
+        return empty_plot(f"{ylabel}: no values")
+    xs = [p[0] for p in pts_all]
+    ys = [p[1] for p in pts_all]
+    y_lo = min(0.0, min(ys)) if y_zero else min(ys)
+    y_hi = max(ys)
+    yt = nice_ticks(y_lo, y_hi)
+    f = _Frame(min(xs), max(xs), min(yt[0], y_lo), max(yt[-1], y_hi), height, log_x=log_x)
+    if log_x:
+        xt = sorted(set(xs)) if len(set(xs)) <= 10 else [10 ** k for k in range(
+            int(math.floor(math.log10(min(xs)))), int(math.ceil(math.log10(max(xs)))) + 1)]
+    else:
+        xt = nice_ticks(min(xs), max(xs))
+    out = _open(height, ylabel)
+    out += _axes(f, xt, yt, xlabel, ylabel)
+    for (name, pts), colour in zip(clean, colours):
+        if not pts:
+            continue
+        path = " ".join(f"{_num(f.px(x))},{_num(f.py(y))}" for x, y in pts)
+        out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{path}"/>')
+        for x, y in pts:
+            out.append(f'<circle cx="{_num(f.px(x))}" cy="{_num(f.py(y))}" r="2.5" fill="{colour}">'
+                       f'<title>{escape(f"{name}: x={x:g}, y={y:.4g}")}</title></circle>')
+    if len(clean) > 1:
+        out += _legend([n for n, _ in clean], colours, WIDTH - MARGIN_R - 110)
+    out.append("</svg>")
+    return "".join(out)
+
+
+def bar_plot(labels: Sequence[str], values: Sequence[float | None], ylabel: str,
+             y_max: float | None = None, height: int = 200, colour: str = CANDIDATE) -> str:
+    """Vertical bars, one per label (e.g. router agreement per layer)."""
+    vals = [float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None for v in values]
+    ok = _finite(vals)
+    if not ok:
+        return empty_plot(f"{ylabel}: no values")
+    top = y_max if y_max is not None else max(max(ok), 1e-12)
+    f = _Frame(0, len(vals), 0, top, height)
+    step = max(1, len(vals) // 16)
+    xt = [i + 0.5 for i in range(0, len(vals), step)]
+    out = _open(height, ylabel)
+    out += _axes(f, xt, nice_ticks(0, top), "", ylabel, xfmt=lambda i: str(labels[int(i)]))
+    bw = f.px(1) - f.px(0)
+    for i, v in enumerate(vals):
+        if v is None:
+            continue
+        y = f.py(v)
+        out.append(f'<rect x="{_num(f.px(i) + bw * 0.1)}" y="{_num(y)}" width="{_num(bw * 0.8)}" '
+                   f'height="{_num(f.py(0) - y)}" fill="{colour}"><title>{escape(f"{labels[i]}: {v:.4g}")}</title></rect>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _mix(t: float) -> str:
+    """White -> dark blue for t in [0, 1]."""
+    t = min(1.0, max(0.0, t))
+    r = int(255 + (8 - 255) * t)
+    g = int(255 + (48 - 255) * t)
+    b = int(255 + (107 - 255) * t)
+    return f"#{r:02x}{g:02x}{b:02x}"
+
+
+def heatmap(matrix: Sequence[Sequence[float | None]], row_labels: Sequence[str], col_labels: Sequence[str],
+            row_title: str, col_title: str, value_name: str = "value") -> str:
+    """Numeric heatmap (rows x columns), colour scaled to the matrix maximum; tooltips carry values."""
+    rows = len(matrix)
+    cols = max((len(r) for r in matrix), default=0)
+    vals = _finite([v for r in matrix for v in r])
+    if not rows or not cols or not vals:
+        return empty_plot(f"{value_name}: no values")
+    top = max(vals) or 1.0
+    label_w = 70
+    cell_w = max(4.0, min(40.0, (WIDTH - label_w - MARGIN_R) / cols))
+    cell_h = max(6.0, min(24.0, 320 / rows))
+    width = int(label_w + cell_w * cols + MARGIN_R)
+    height = int(MARGIN_T + cell_h * rows + MARGIN_B)
+    out = _open(height, f"{value_name} by {row_title} and {col_title}", width=width)
+    col_step = max(1, cols // 16)
+    row_step = max(1, rows // 16)
+    for j in range(0, cols, col_step):
+        x = label_w + cell_w * (j + 0.5)
+        out.append(f'<text class="tick" x="{_num(x)}" y="{_num(MARGIN_T + cell_h * rows + 14)}" '
+                   f'text-anchor="middle">{escape(str(col_labels[j]) if j < len(col_labels) else str(j))}</text>')
+    for i in range(0, rows, row_step):
+        y = MARGIN_T + cell_h * (i + 0.5) + 4
+        out.append(f'<text class="tick" x="{label_w - 4}" y="{_num(y)}" text-anchor="end">'
+                   f'{escape(str(row_labels[i]) if i < len(row_labels) else str(i))}</text>')
+    for i, row in enumerate(matrix):
+        for j, v in enumerate(row):
+            ok = isinstance(v, (int, float)) and math.isfinite(v)
+            fill = _mix(v / top) if ok else "#f8d7da"
+            rl = row_labels[i] if i < len(row_labels) else i
+            cl = col_labels[j] if j < len(col_labels) else j
+            tip = f"{row_title} {rl}, {col_title} {cl}: " + (f"{v:.4g}" if ok else "missing")
+            out.append(f'<rect x="{_num(label_w + cell_w * j)}" y="{_num(MARGIN_T + cell_h * i)}" '
+                       f'width="{_num(cell_w)}" height="{_num(cell_h)}" fill="{fill}" stroke="#fff" '
+                       f'stroke-width="0.5"><title>{escape(tip)}</title></rect>')
+    out.append(f'<text class="label" x="{_num(label_w + cell_w * cols / 2)}" y="{height - 6}" '
+               f'text-anchor="middle">{escape(col_title)} (max {escape(fmt_tick(top))})</text>')
+    out.append(f'<text class="label" x="12" y="{_num(MARGIN_T + cell_h * rows / 2)}" text-anchor="middle" '
+               f'transform="rotate(-90 12 {_num(MARGIN_T + cell_h * rows / 2)})">{escape(row_title)}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def category_grid(cells: dict[tuple, str], row_keys: Sequence, col_keys: Sequence, palette: dict[str, str],
+                  row_title: str, col_title: str, tips: dict[tuple, str] | None = None) -> str:
+    """A grid of categorical cells (e.g. needle found/lost per depth x length) with a legend."""
+    if not row_keys or not col_keys:
+        return empty_plot("no cells")
+    label_w = 70
+    cell_w = max(12.0, min(64.0, (WIDTH - label_w - MARGIN_R - 130) / len(col_keys)))
+    cell_h = max(10.0, min(26.0, 300 / len(row_keys)))
+    width = int(label_w + cell_w * len(col_keys) + MARGIN_R + 140)
+    height = int(MARGIN_T + cell_h * len(row_keys) + MARGIN_B)
+    out = _open(height, f"{row_title} by {col_title}", width=width)
+    for j, c in enumerate(col_keys):
+        out.append(f'<text class="tick" x="{_num(label_w + cell_w * (j + 0.5))}" '
+                   f'y="{_num(MARGIN_T + cell_h * len(row_keys) + 14)}" text-anchor="middle">{escape(fmt_tick(c) if isinstance(c, (int, float)) else str(c))}</text>')
+    for i, r in enumerate(row_keys):
+        out.append(f'<text class="tick" x="{label_w - 4}" y="{_num(MARGIN_T + cell_h * (i + 0.5) + 4)}" '
+                   f'text-anchor="end">{escape(str(r))}</text>')
+        for j, c in enumerate(col_keys):
+            cat = cells.get((r, c))
+            fill = palette.get(cat, "#ffffff") if cat else "#ffffff"
+            tip = (tips or {}).get((r, c), f"{row_title} {r}, {col_title} {c}: {cat or 'not run'}")
+            out.append(f'<rect x="{_num(label_w + cell_w * j)}" y="{_num(MARGIN_T + cell_h * i)}" '
+                       f'width="{_num(cell_w)}" height="{_num(cell_h)}" fill="{fill}" stroke="#999" '
+                       f'stroke-width="0.5"><title>{escape(tip)}</title></rect>')
+    out += _legend(list(palette), list(palette.values()), label_w + cell_w * len(col_keys) + 12)
+    out.append(f'<text class="label" x="{_num(label_w + cell_w * len(col_keys) / 2)}" y="{height - 6}" '
+               f'text-anchor="middle">{escape(col_title)}</text>')
+    out.append(f'<text class="label" x="12" y="{_num(MARGIN_T + cell_h * len(row_keys) / 2)}" text-anchor="middle" '
+               f'transform="rotate(-90 12 {_num(MARGIN_T + cell_h * len(row_keys) / 2)})">{escape(row_title)}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def timeline(series: Sequence[tuple[str, Sequence[float], Sequence[float]]],
+             bands: Sequence[tuple[float, float, str]], xlabel: str, ylabel: str, height: int = 240) -> str:
+    """Lines over time with shaded phase bands (start, end, phase) behind them."""
+    pts = [(x, y) for _, xs, ys in series for x, y in zip(xs, ys)
+           if isinstance(x, (int, float)) and isinstance(y, (int, float))]
+    if not pts:
+        return empty_plot(f"{ylabel}: no samples")
+    x_lo = min([p[0] for p in pts] + [b[0] for b in bands])
+    x_hi = max([p[0] for p in pts] + [b[1] for b in bands])
+    y_hi = max(p[1] for p in pts)
+    yt = nice_ticks(0, y_hi)
+    f = _Frame(x_lo, x_hi, 0, max(yt[-1], y_hi), height)
+    out = _open(height, ylabel)
+    seen = {}
+    for start, end, phase in bands:
+        colour = PHASE_COLOURS.get(str(phase), "#f3e8fd")
+        seen[str(phase)] = colour
+        out.append(f'<rect x="{_num(f.px(start))}" y="{MARGIN_T}" width="{_num(max(f.px(end) - f.px(start), 0.5))}" '
+                   f'height="{height - MARGIN_T - MARGIN_B}" fill="{colour}">'
+                   f'<title>{escape(f"{phase}: {start:.3g} to {end:.3g} s")}</title></rect>')
+    out += _axes(f, nice_ticks(x_lo, x_hi), yt, xlabel, ylabel)
+    names = []
+    for (name, xs, ys), colour in zip(series, SERIES_COLOURS):
+        p = [(x, y) for x, y in zip(xs, ys) if isinstance(x, (int, float)) and isinstance(y, (int, float))]
+        if not p:
+            continue
+        names.append(name)
+        path = " ".join(f"{_num(f.px(x))},{_num(f.py(y))}" for x, y in p)
+        out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{path}"/>')
+    out += _legend(names + list(seen), list(SERIES_COLOURS[:len(names)]) + list(seen.values()),
+                   WIDTH - MARGIN_R - 110)
+    out.append("</svg>")
+    return "".join(out)

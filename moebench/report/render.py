@@ -1,0 +1,560 @@
+"""The HTML report: one self-contained file for a run directory or a compare directory.
+
+Reads only the store (manifest.json, items.jsonl, compare.json and the side files they name).
+Rendered by jinja2 with autoescape on, so model text is always shown as text; the only markup that
+is marked safe is the SVG produced by `plots`, which escapes its own labels.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from markupsafe import Markup
+
+from moebench import store
+from moebench.report import plots
+from moebench.report.sections import (SPEED_METRICS, needle_cells, needle_counts, number, per_side,
+                                      speed_rows)
+
+REPORT_FILE = "report.html"
+EXCERPT_CHARS = 240
+OUTPUT_CHARS = 20_000          # raw outputs beyond this are cut in the report (the run keeps them)
+MAX_ALL_ROWS = 3_000           # unchanged items listed per task; flips are always listed
+QUESTION_KEYS = ("question", "prompt_excerpt", "prompt", "input", "text")
+
+
+class ReportError(ValueError):
+    """The input is neither a run nor a compare directory, or one of its files is malformed."""
+
+
+# --- entry point ------------------------------------------------------------------------------
+
+def render(path: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
+    """Write the report for a run or compare directory; return the HTML file's path.
+
+    Default output: `report.html` inside `path`.
+    """
+    src = Path(path)
+    if (src / "compare.json").is_file():
+        context = compare_context(src)
+    elif (src / store.MANIFEST).is_file():
+        context = run_context(src)
+    else:
+        raise ReportError(f"{src}: neither a compare directory (no compare.json) "
+                          f"nor a run directory (no {store.MANIFEST})")
+    html = _environment().get_template("report.html").render(**context)
+    target = Path(out) if out is not None else src / REPORT_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    tmp.write_text(html, encoding="utf-8")
+    os.replace(tmp, target)
+    return target
+
+
+def _templates_dir() -> Path:
+    """The packaged templates (moebench.templates in a wheel), else the checkout's templates/."""
+    try:
+        import moebench.templates as packaged  # installed wheel: package-dir maps templates/ here
+        return Path(packaged.__file__).parent
+    except ImportError:
+        return Path(__file__).resolve().parents[2] / "templates"
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(_templates_dir())), autoescape=True,
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters["num"] = fmt_number
+    env.filters["pct"] = fmt_percent
+    env.filters["gib"] = fmt_gib
+    env.filters["pval"] = fmt_p
+    return env
+
+
+# --- formatting -------------------------------------------------------------------------------
+
+def fmt_number(v: Any, digits: int = 4) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        if v != 0 and (abs(v) >= 1e6 or abs(v) < 1e-4):
+            return f"{v:.{digits - 1}e}"
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def fmt_percent(v: Any, digits: int = 1) -> str:
+    f = number(v)
+    return "–" if f is None else f"{100 * f:.{digits}f}%"
+
+
+def fmt_gib(v: Any) -> str:
+    f = number(v)
+    return "–" if f is None else f"{f / 2**30:.2f} GiB"
+
+
+def fmt_p(v: Any) -> str:
+    f = number(v)
+    if f is None:
+        return "–"
+    return f"{f:.2g}" if f < 0.001 else f"{f:.3f}"
+
+
+def _svg(markup: str) -> Markup:
+    return Markup(markup)   # plots.py escapes every data-derived label itself
+
+
+# --- shared pieces ----------------------------------------------------------------------------
+
+def _load_json(path: Path) -> Any:
+    try:
+        with path.open(encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ReportError(f"{path}: not valid JSON ({e})") from None
+
+
+def wilson(correct: int, n: int, z: float = 1.959964) -> tuple[float, float] | None:
+    if n <= 0:
+        return None
+    p = correct / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def identity(manifest: dict[str, Any]) -> list[tuple[str, str]]:
+    """The manifest's identity fields as (key, text) pairs for the report header."""
+    pairs: list[tuple[str, str]] = []
+    for key in ("label", "run_id", "status", "started_at", "ended_at"):
+        if manifest.get(key) is not None:
+            pairs.append((key, str(manifest[key])))
+    suite = manifest.get("suite")
+    if isinstance(suite, dict) and suite.get("name"):
+        pairs.append(("suite", str(suite["name"])))
+    runner = manifest.get("runner")
+    if isinstance(runner, dict):
+        pairs.append(("runner", " / ".join(str(runner[k]) for k in ("kind", "name") if runner.get(k))))
+    for section in ("model", "build", "host"):
+        value = manifest.get(section)
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if isinstance(v, (str, int, float, bool)) or v is None:
+                    pairs.append((f"{section}.{k}", fmt_number(v) if not isinstance(v, str) else v))
+                elif isinstance(v, list) and all(isinstance(x, (str, int, float)) for x in v) and len(v) <= 8:
+                    pairs.append((f"{section}.{k}", ", ".join(map(str, v))))
+                elif isinstance(v, dict):
+                    small = {kk: vv for kk, vv in v.items() if isinstance(vv, (str, int, float, bool))}
+                    if small:
+                        pairs.append((f"{section}.{k}", ", ".join(f"{kk}={vv}" for kk, vv in small.items())))
+        elif value is not None:
+            pairs.append((section, str(value)))
+    return [(k, v if len(v) <= 300 else v[:300] + "…") for k, v in pairs]
+
+
+def question_text(rec: dict[str, Any] | None, item_id: str) -> str:
+    if rec:
+        for key in QUESTION_KEYS:
+            v = rec.get(key)
+            if isinstance(v, str) and v.strip():
+                return v
+    return item_id
+
+
+def excerpt(text: str, n: int = EXCERPT_CHARS) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def cut_output(text: Any) -> str:
+    if text is None:
+        return ""
+    s = str(text)
+    return s if len(s) <= OUTPUT_CHARS else s[:OUTPUT_CHARS] + f"\n… [{len(s) - OUTPUT_CHARS:,} more characters in items.jsonl]"
+
+
+def _record_task(rec: dict[str, Any]) -> str:
+    return str(rec.get("task"))
+
+
+# --- single run -------------------------------------------------------------------------------
+
+def run_context(run_dir: Path) -> dict[str, Any]:
+    try:
+        manifest, records = store.load_run(run_dir)
+    except store.StoreError as e:
+        raise ReportError(str(e)) from None
+    tasks: dict[str, list[dict[str, Any]]] = {}
+    for rec in records:
+        tasks.setdefault(_record_task(rec), []).append(rec)
+    summaries = []
+    dots = []
+    for name, recs in tasks.items():
+        ok = [r for r in recs if r.get("status") == "ok"]
+        scored = [r for r in ok if r.get("correct") is not None]
+        correct = sum(1 for r in scored if r.get("correct") is True)
+        acc = correct / len(scored) if scored else None
+        ci = wilson(correct, len(scored))
+        summaries.append({"task": name, "n": len(recs), "ok": len(ok),
+                          "errors": sum(1 for r in recs if r.get("status") == "error"),
+                          "scored": len(scored), "correct": correct, "accuracy": acc, "ci": ci})
+        if acc is not None and ci is not None:
+            dots.append({"label": name, "value": acc, "lo": ci[0], "hi": ci[1], "colour": plots.CANDIDATE})
+    rows = []
+    for rec in records:
+        item_id = str(rec.get("item_id"))
+        q = question_text(rec, item_id)
+        if rec.get("status") == "error":
+            kind = "error"
+        elif rec.get("correct") is True:
+            kind = "correct"
+        elif rec.get("correct") is False:
+            kind = "wrong"
+        else:
+            kind = "unscored"
+        rows.append({"kind": kind, "task": _record_task(rec), "item_id": item_id, "question": q,
+                     "question_excerpt": excerpt(q), "reference": rec.get("reference"),
+                     "answer": rec.get("answer"), "output": cut_output(rec.get("output")),
+                     "error": rec.get("error"), "status": rec.get("status")})
+    label = manifest.get("label") or run_dir.name
+    return {
+        "mode": "run",
+        "title": f"moebench run: {label}",
+        "run_path": str(run_dir),
+        "identity": identity(manifest),
+        "summaries": summaries,
+        "accuracy_svg": _svg(plots.interval_plot(dots)) if dots else None,
+        "rows": rows,
+        "counts": {k: sum(1 for r in rows if r["kind"] == k) for k in ("correct", "wrong", "error", "unscored")},
+    }
+
+
+# --- compare ----------------------------------------------------------------------------------
+
+def resolve_run(ref: Any, compare_dir: Path) -> Path | None:
+    """A run path from compare.json: absolute, relative to the compare dir, or to the working dir."""
+    if not isinstance(ref, str) or not ref:
+        return None
+    p = Path(ref)
+    candidates = [p] if p.is_absolute() else [compare_dir / p, Path.cwd() / p, compare_dir.parent / p.name]
+    for c in candidates:
+        if (c / store.MANIFEST).is_file():
+            return c
+    return None
+
+
+def _side(compare: dict[str, Any], role: str, compare_dir: Path, warnings: list[str]) -> dict[str, Any]:
+    info = compare.get(role) if isinstance(compare.get(role), dict) else {}
+    run_dir = resolve_run(info.get("run"), compare_dir)
+    side = {"role": role, "label": info.get("label") or role, "run": info.get("run"), "found": False,
+            "identity": [], "records": {}}
+    if run_dir is None:
+        warnings.append(f"{role} run {info.get('run')!r} not found (looked relative to {compare_dir} "
+                        f"and {Path.cwd()}): answers and outputs are not shown")
+        return side
+    try:
+        manifest, records = store.load_run(run_dir)
+    except store.StoreError as e:
+        warnings.append(f"{role} run unreadable: {e}")
+        return side
+    side.update(found=True, identity=identity(manifest), label=info.get("label") or manifest.get("label") or role,
+                records={(_record_task(r), str(r.get("item_id"))): r for r in records})
+    return side
+
+
+def _task_summary(name: str, t: dict[str, Any]) -> dict[str, Any]:
+    n = number(t.get("n_paired"))
+    wins = t.get("wins") if isinstance(t.get("wins"), list) else []
+    losses = t.get("losses") if isinstance(t.get("losses"), list) else []
+    excluded = t.get("excluded") if isinstance(t.get("excluded"), list) else []
+    out: dict[str, Any] = {"task": name, "n_paired": int(n) if n is not None else None,
+                           "wins": len(wins), "losses": len(losses), "excluded": len(excluded)}
+    for role in ("baseline", "candidate"):
+        correct = number(t.get(f"{role}_correct"))
+        acc = number(t.get(f"{role}_accuracy"))
+        if acc is None and correct is not None and n:
+            acc = correct / n
+        ci = t.get(f"{role}_ci95")
+        if not (isinstance(ci, list) and len(ci) == 2 and all(number(x) is not None for x in ci)):
+            ci = wilson(int(correct), int(n)) if correct is not None and n else None
+        out[f"{role}_correct"] = int(correct) if correct is not None else None
+        out[f"{role}_accuracy"] = acc
+        out[f"{role}_ci"] = ci
+    flip = number(t.get("flip_rate"))
+    if flip is None and n:
+        flip = (len(wins) + len(losses)) / n
+    out["flip_rate"] = flip
+    out["mcnemar_p"] = number(t.get("mcnemar_p"))
+    d = t.get("delta_ci95")
+    out["delta_ci"] = d if isinstance(d, list) and len(d) == 2 and all(number(x) is not None for x in d) else None
+    if out["baseline_accuracy"] is not None and out["candidate_accuracy"] is not None:
+        out["delta"] = out["candidate_accuracy"] - out["baseline_accuracy"]
+    else:
+        out["delta"] = None
+    return out
+
+
+def _task_records(side: dict[str, Any], task: str) -> dict[str, dict[str, Any]]:
+    """item_id -> record for one task (records whose task field or id prefix names it)."""
+    return {iid: r for (tname, iid), r in side["records"].items()
+            if tname == task or iid.startswith(f"{task}/")}
+
+
+def _flip_rows(task: str, t: dict[str, Any], base: dict[str, Any], cand: dict[str, Any],
+               notes: list[str]) -> list[dict[str, Any]]:
+    wins = [str(x) for x in t.get("wins") or []]
+    losses = [str(x) for x in t.get("losses") or []]
+    excluded = {str(x) for x in t.get("excluded") or []}
+    b_recs, c_recs = _task_records(base, task), _task_records(cand, task)
+    kinds: dict[str, str] = {i: "win" for i in wins}
+    kinds.update({i: "loss" for i in losses})
+    same = [i for i in b_recs if i in c_recs and i not in kinds and i not in excluded]
+    if len(same) > MAX_ALL_ROWS:
+        notes.append(f"{task}: {len(same):,} unchanged items; only the first {MAX_ALL_ROWS:,} are listed under 'all'")
+        same = same[:MAX_ALL_ROWS]
+    for i in same:
+        kinds[i] = "same-right" if b_recs[i].get("correct") is True else "same-wrong"
+    rows = []
+    for item_id, kind in kinds.items():
+        b, c = b_recs.get(item_id), c_recs.get(item_id)
+        q = question_text(b or c, item_id)
+        rows.append({"kind": kind, "item_id": item_id, "question": q, "question_excerpt": excerpt(q),
+                     "reference": (b or c or {}).get("reference"),
+                     "baseline_answer": (b or {}).get("answer"), "candidate_answer": (c or {}).get("answer"),
+                     "baseline_output": cut_output((b or {}).get("output")),
+                     "candidate_output": cut_output((c or {}).get("output")),
+                     "missing": [s for s, r in (("baseline", b), ("candidate", c)) if r is None]})
+    return rows
+
+
+def _kld_context(kld: Any) -> dict[str, Any] | None:
+    if not isinstance(kld, dict) or not kld:
+        return None
+    order = [("n_tokens", "scored tokens"), ("mean", "mean KLD"), ("max", "maximum"), ("p999", "99.9%"),
+             ("p99", "99%"), ("p95", "95%"), ("p90", "90%"), ("median", "median"), ("p10", "10%"),
+             ("p5", "5%"), ("p1", "1%"), ("p01", "0.1%"), ("min", "minimum"),
+             ("same_top_p", "same top p"), ("ln_ppl_ratio", "mean ln(PPL(Q)/PPL(base))"),
+             ("ppl_ratio", "PPL(Q)/PPL(base)")]
+    errs = {"mean": "mean_err", "same_top_p": "same_top_p_err", "ln_ppl_ratio": "ln_ppl_ratio_err"}
+    stats = []
+    for key, label in order:
+        if key in kld and not isinstance(kld[key], (dict, list)):
+            err = kld.get(errs.get(key, ""))
+            stats.append({"key": key, "label": label, "value": kld[key], "err": err})
+    dp = kld.get("delta_p") if isinstance(kld.get("delta_p"), dict) else {}
+    delta_p = [{"key": k, "value": v} for k, v in dp.items() if not isinstance(v, (dict, list))]
+    ctx: dict[str, Any] = {"stats": stats, "delta_p": delta_p, "plots": []}
+    hist = kld.get("histogram")
+    if isinstance(hist, dict) and isinstance(hist.get("edges"), list) and isinstance(hist.get("counts"), list):
+        ctx["plots"].append(("KLD histogram (per scored token)",
+                             _svg(plots.histogram(hist["edges"], hist["counts"], "KLD"))))
+    chunks = kld.get("per_chunk")
+    if isinstance(chunks, list) and chunks:
+        ys = [c if not isinstance(c, dict) else next((c[k] for k in ("mean", "kld", "mean_kld", "kld_mean")
+                                                      if k in c), None) for c in chunks]
+        ctx["plots"].append(("Mean KLD per chunk", _svg(plots.line_plot(
+            [("mean KLD", list(range(len(ys))), ys)], "chunk", "mean KLD"))))
+    layers = kld.get("per_layer") if isinstance(kld.get("per_layer"), dict) else {}
+    for key, title, top in (("router_agreement", "Router agreement per layer (top-k set overlap)", 1.0),
+                            ("identical_set_share", "Share of tokens with identical expert sets per layer", 1.0),
+                            ("kld", "KLD per layer", None)):
+        vals = layers.get(key)
+        if isinstance(vals, list) and vals:
+            ctx["plots"].append((title, _svg(plots.bar_plot([str(i) for i in range(len(vals))],
+                                                            [number(v) for v in vals], key, y_max=top))))
+    usage = kld.get("expert_usage") if isinstance(kld.get("expert_usage"), dict) else {}
+    for role in ("baseline", "candidate"):
+        m = usage.get(role)
+        if isinstance(m, list) and m and all(isinstance(r, list) for r in m):
+            ctx["plots"].append((f"Expert usage by layer ({role}, routed tokens)", _svg(plots.heatmap(
+                [[number(v) for v in r] for r in m], [str(i) for i in range(len(m))],
+                [str(j) for j in range(max(len(r) for r in m))], "layer", "expert", "routed tokens"))))
+    skew = kld.get("load_skew") if isinstance(kld.get("load_skew"), dict) else {}
+    series = [(role, list(range(len(skew[role]))), [number(v) for v in skew[role]])
+              for role in ("baseline", "candidate") if isinstance(skew.get(role), list) and skew[role]]
+    if series:
+        ctx["plots"].append(("Load skew per layer (share of routed tokens taken by the busiest 25% of experts)",
+                             _svg(plots.line_plot(series, "layer", "load skew"))))
+        ctx["skew_rows"] = [{"layer": i, **{role: (skew.get(role) or [None] * (i + 1))[i]
+                                            if i < len(skew.get(role) or []) else None
+                                            for role in ("baseline", "candidate")}}
+                            for i in range(max(len(s[1]) for s in series))]
+    return ctx
+
+
+def _needle_context(needle: Any) -> dict[str, Any] | None:
+    cells = needle_cells(needle)
+    if not cells:
+        return None
+    palette = {"both found": "#2ca02c", "lost by candidate": "#d62728", "gained by candidate": "#1f6fb4",
+               "neither": "#dddddd"}
+    grid, tips = {}, {}
+    for c in cells:
+        fb, fc = c.get("found_baseline") is True, c.get("found_candidate") is True
+        cat = ("both found" if fb and fc else "lost by candidate" if fb else
+               "gained by candidate" if fc else "neither")
+        key = (c.get("depth"), c.get("length"))
+        grid[key] = cat
+        tips[key] = (f"length {c.get('length')}, depth {c.get('depth')}, prompt tokens "
+                     f"{c.get('prompt_tokens')}: baseline {'found' if fb else 'missed'}, "
+                     f"candidate {'found' if fc else 'missed'}")
+    depths = sorted({k[0] for k in grid}, key=lambda v: (not isinstance(v, (int, float)), v if isinstance(v, (int, float)) else str(v)))
+    lengths = sorted({k[1] for k in grid}, key=lambda v: (not isinstance(v, (int, float)), v if isinstance(v, (int, float)) else str(v)))
+    svg = plots.category_grid(grid, depths, lengths, palette, "depth", "context length (tokens)", tips)
+    return {"counts": needle_counts(cells), "svg": _svg(svg)}
+
+
+def _speed_context(speed: Any) -> dict[str, Any] | None:
+    rows = speed_rows(speed)
+    if not rows:
+        return None
+    xs = [r["prompt_length"] for r in rows]
+    figs = []
+    for metric, label in (("decode_tok_s", "decode tok/s"), ("prefill_tok_s", "prefill tok/s"),
+                          ("ttft_s", "TTFT (s)")):
+        series = [(role, xs, [r[f"{role}_{metric}"] for r in rows]) for role in ("baseline", "candidate")]
+        if any(v is not None for _, _, ys in series for v in ys):
+            figs.append((f"{label} vs prompt length", _svg(plots.line_plot(series, "prompt tokens", label,
+                                                                           log_x=True))))
+    return {"rows": rows, "metrics": SPEED_METRICS, "plots": figs}
+
+
+TIME_COLUMNS = ("t_s", "t", "time_s", "elapsed_s", "time", "timestamp", "ts")
+USED_COLUMNS = ("used_bytes", "mem_used_bytes", "memory_used_bytes", "used", "mem_used")
+
+
+def _read_samples(path: Path):
+    import pandas as pd
+    if path.suffix == ".parquet":
+        return pd.read_parquet(path)
+    if path.suffix in (".jsonl", ".json"):
+        return pd.read_json(path, lines=path.suffix == ".jsonl")
+    return pd.read_csv(path)
+
+
+def _timeline_series(path: Path, warnings: list[str]):
+    """(times in s from the first sample, used GiB, phase bands) from an NVML samples file."""
+    try:
+        df = _read_samples(path)
+    except Exception as e:  # a side file we cannot read must not sink the whole report
+        warnings.append(f"memory timeline {path}: unreadable ({type(e).__name__}: {e})")
+        return None
+    tcol = next((c for c in TIME_COLUMNS if c in df.columns), None)
+    ucol = next((c for c in USED_COLUMNS if c in df.columns), None)
+    if tcol is None or ucol is None or df.empty:
+        warnings.append(f"memory timeline {path}: expected a time column ({', '.join(TIME_COLUMNS)}) and a "
+                        f"used-memory column ({', '.join(USED_COLUMNS)}); found {', '.join(map(str, df.columns))}")
+        return None
+    import pandas as pd
+    t = df[tcol]
+    if pd.api.types.is_datetime64_any_dtype(t):
+        t = (t - t.iloc[0]).dt.total_seconds()
+    else:
+        t = pd.to_numeric(t, errors="coerce")
+        t = t - t.iloc[0]
+    used = pd.to_numeric(df[ucol], errors="coerce") / 2**30
+    times = [float(x) for x in t]
+    bands = []
+    if "phase" in df.columns:
+        start, current = times[0], df["phase"].iloc[0]
+        for x, ph in zip(times[1:], df["phase"].iloc[1:]):
+            if ph != current:
+                bands.append((start, x, str(current)))
+                start, current = x, ph
+        bands.append((start, times[-1], str(current)))
+        bands = [b for b in bands if b[2] not in ("", "nan", "None")]
+    return times, [float(u) for u in used], bands
+
+
+def _memory_context(memory: Any, compare_dir: Path, sides: list[dict[str, Any]],
+                    warnings: list[str]) -> dict[str, Any] | None:
+    if not isinstance(memory, dict) or not memory:
+        return None
+    names, values = per_side(memory, skip=("timeline", "timelines"))
+    ctx: dict[str, Any] = {"names": names, "values": values, "columns": list(values), "plot": None}
+    series, bands = [], []
+    for side in sides:
+        role = side["role"]
+        ref = None
+        if isinstance(memory.get(role), dict):
+            ref = memory[role].get("timeline")
+        elif isinstance(memory.get("timeline"), dict):
+            ref = memory["timeline"].get(role)
+        elif isinstance(memory.get("timeline"), str) and role == "candidate":
+            ref = memory["timeline"]
+        if not isinstance(ref, str):
+            continue
+        run_dir = resolve_run(side.get("run"), compare_dir)
+        options = [Path(ref)] if Path(ref).is_absolute() else \
+            [compare_dir / ref, *([run_dir / ref] if run_dir else []), Path.cwd() / ref]
+        found = next((p for p in options if p.is_file()), None)
+        if found is None:
+            warnings.append(f"memory timeline {ref!r} for the {role} run not found")
+            continue
+        got = _timeline_series(found, warnings)
+        if got:
+            series.append((f"{role} used GiB", got[0], got[1]))
+            if not bands:
+                bands = got[2]
+    if series:
+        ctx["plot"] = _svg(plots.timeline(series, bands, "seconds", "GPU memory used (GiB)"))
+    return ctx
+
+
+def _energy_context(energy: Any) -> dict[str, Any] | None:
+    if not isinstance(energy, dict) or not energy:
+        return None
+    names, values = per_side(energy)
+    return {"names": names, "values": values, "columns": list(values)}
+
+
+def compare_context(compare_dir: Path) -> dict[str, Any]:
+    compare = _load_json(compare_dir / "compare.json")
+    if not isinstance(compare, dict):
+        raise ReportError(f"{compare_dir / 'compare.json'}: expected a JSON object")
+    warnings: list[str] = []
+    base = _side(compare, "baseline", compare_dir, warnings)
+    cand = _side(compare, "candidate", compare_dir, warnings)
+    tasks_raw = compare.get("tasks") if isinstance(compare.get("tasks"), dict) else {}
+    tasks, dots, flips = [], [], []
+    for name, t in tasks_raw.items():
+        if not isinstance(t, dict):
+            warnings.append(f"compare.json: tasks.{name} is not an object; skipped")
+            continue
+        s = _task_summary(name, t)
+        tasks.append(s)
+        for role, colour in (("baseline", plots.BASELINE), ("candidate", plots.CANDIDATE)):
+            if s[f"{role}_accuracy"] is not None:
+                ci = s[f"{role}_ci"] or (s[f"{role}_accuracy"],) * 2
+                dots.append({"label": f"{name} · {role}", "value": s[f"{role}_accuracy"],
+                             "lo": number(ci[0]), "hi": number(ci[1]), "colour": colour})
+        notes: list[str] = []
+        rows = _flip_rows(name, t, base, cand, notes)
+        flips.append({"task": name, "rows": rows, "notes": notes,
+                      "counts": {k: sum(1 for r in rows if r["kind"] == k)
+                                 for k in ("win", "loss", "same-right", "same-wrong")}})
+    return {
+        "mode": "compare",
+        "title": f"moebench compare: {base['label']} vs {cand['label']}",
+        "compare_path": str(compare_dir),
+        "sides": [base, cand],
+        "warnings": warnings,
+        "tasks": tasks,
+        "accuracy_svg": _svg(plots.interval_plot(dots)) if dots else None,
+        "flips": flips,
+        "kld": _kld_context(compare.get("kld")),
+        "needle": _needle_context(compare.get("needle")),
+        "speed": _speed_context(compare.get("speed")),
+        "memory": _memory_context(compare.get("memory"), compare_dir, [base, cand], warnings),
+        "energy": _energy_context(compare.get("energy")),
+    }

@@ -1,0 +1,183 @@
+"""Tolerant readers for the optional sections of compare.json (speed, needle, memory, energy).
+
+The per-task section is a contract (DESIGN.md section 5); the optional sections are written by
+helpers that may nest per-side figures either as `{"baseline": {...}, "candidate": {...}}` or as
+`{"metric": {"baseline": x, "candidate": y}}` or as `baseline_<metric>` keys. The report and the gate
+read them through these functions so both agree on one interpretation and neither crashes on a
+missing key.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+SIDES = ("baseline", "candidate")
+SPEED_METRICS = ("ttft_s", "prefill_tok_s", "decode_tok_s")
+# Short names some writers use for ratio keys ("decode" for decode_tok_s).
+_SHORT = {"ttft_s": "ttft", "prefill_tok_s": "prefill", "decode_tok_s": "decode"}
+
+
+def number(v: Any) -> float | None:
+    """A finite float, or None for anything else (missing, null, NaN, text)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        if isinstance(v, dict):           # summaries like {"median": x, "iqr": [..]}
+            for key in ("median", "mean", "value"):
+                if key in v:
+                    return number(v[key])
+        return None
+    f = float(v)
+    return f if math.isfinite(f) else None
+
+
+def side_value(row: dict[str, Any], side: str, metric: str) -> float | None:
+    """`metric` of `side` in a row, whichever of the usual nestings it uses."""
+    if not isinstance(row, dict):
+        return None
+    nested = row.get(side)
+    if isinstance(nested, dict) and metric in nested:
+        return number(nested[metric])
+    for key in (f"{side}_{metric}", f"{metric}_{side}"):
+        if key in row:
+            return number(row[key])
+    by_metric = row.get(metric)
+    if isinstance(by_metric, dict) and side in by_metric:
+        return number(by_metric[side])
+    return None
+
+
+# --- speed ------------------------------------------------------------------------------------
+
+def speed_rows(speed: Any) -> list[dict[str, Any]]:
+    """Normalised speed rows sorted by prompt length: prompt_length, <side>_<metric>, <metric>_ratio."""
+    if not isinstance(speed, dict):
+        return []
+    raw: Iterable[Any]
+    source = next((speed[k] for k in ("rows", "per_prompt_length", "by_prompt_length", "lengths")
+                   if k in speed), None)
+    if isinstance(source, list):
+        raw = [(None, r) for r in source]
+    elif isinstance(source, dict):
+        raw = list(source.items())
+    else:  # keyed by length directly: {"512": {...}, "1024": {...}}
+        raw = [(k, v) for k, v in speed.items() if isinstance(v, dict) and _is_int(k)]
+    rows = []
+    for key, r in raw:
+        if not isinstance(r, dict):
+            continue
+        length = number(r.get("prompt_length", r.get("prompt_tokens", r.get("length"))))
+        if length is None and key is not None and _is_int(key):
+            length = float(key)
+        row: dict[str, Any] = {"prompt_length": int(length) if length is not None else None}
+        ratios = r.get("ratios") if isinstance(r.get("ratios"), dict) else {}
+        for metric in SPEED_METRICS:
+            base = side_value(r, "baseline", metric)
+            cand = side_value(r, "candidate", metric)
+            row[f"baseline_{metric}"] = base
+            row[f"candidate_{metric}"] = cand
+            short = _SHORT[metric]
+            ratio = None
+            for k in (metric, short):
+                if k in ratios:
+                    ratio = number(ratios[k])
+                    break
+            if ratio is None:
+                for k in (f"{metric}_ratio", f"{short}_ratio", f"ratio_{metric}", f"ratio_{short}"):
+                    if k in r:
+                        ratio = number(r[k])
+                        break
+            if ratio is None and base and cand is not None:
+                ratio = cand / base       # candidate over baseline, as the design defines ratios
+            row[f"{metric}_ratio"] = ratio
+        rows.append(row)
+    rows.sort(key=lambda x: (x["prompt_length"] is None, x["prompt_length"] or 0))
+    return rows
+
+
+def _is_int(k: Any) -> bool:
+    try:
+        int(str(k))
+        return True
+    except ValueError:
+        return False
+
+
+# --- needle -----------------------------------------------------------------------------------
+
+def needle_cells(needle: Any) -> list[dict[str, Any]]:
+    if not isinstance(needle, dict) or not isinstance(needle.get("cells"), list):
+        return []
+    return [c for c in needle["cells"] if isinstance(c, dict)]
+
+
+def needle_counts(cells: list[dict[str, Any]]) -> dict[str, int]:
+    """How many cells each side found, and the flips between them."""
+    fb = [c.get("found_baseline") is True for c in cells]
+    fc = [c.get("found_candidate") is True for c in cells]
+    return {
+        "cells": len(cells),
+        "found_baseline": sum(fb),
+        "found_candidate": sum(fc),
+        "lost": sum(1 for b, c in zip(fb, fc) if b and not c),
+        "gained": sum(1 for b, c in zip(fb, fc) if c and not b),
+    }
+
+
+# --- memory / energy --------------------------------------------------------------------------
+
+def flatten(d: Any, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Nested dicts to dotted keys; lists longer than a few items are summarised by their length."""
+    out: dict[str, Any] = {}
+    if not isinstance(d, dict):
+        return out
+    for k, v in d.items():
+        if k in skip:
+            continue
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + ".", skip))
+        elif isinstance(v, list) and (len(v) > 6 or any(isinstance(x, (dict, list)) for x in v)):
+            out[key] = f"[{len(v)} values]"
+        else:
+            out[key] = v
+    return out
+
+
+def per_side(section: Any, skip: tuple[str, ...] = ()) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """(metric names, {side: {metric: value}}) for a section with figures for both runs, or for one.
+
+    A section without per-side structure is returned under the side "value".
+    """
+    if not isinstance(section, dict):
+        return [], {}
+    if any(isinstance(section.get(s), dict) for s in SIDES):
+        sides = {s: flatten(section.get(s) or {}, skip=skip) for s in SIDES}
+        shared = flatten({k: v for k, v in section.items() if k not in SIDES}, skip=skip)
+        if shared:
+            sides["value"] = shared
+    else:
+        flat = flatten(section, skip=skip)
+        # {"metric": {"baseline": x, "candidate": y}} flattens to metric.baseline / metric.candidate
+        split: dict[str, dict[str, Any]] = {s: {} for s in (*SIDES, "value")}
+        for k, v in flat.items():
+            head, _, last = k.rpartition(".")
+            if head and last in SIDES:
+                split[last][head] = v
+            else:
+                split["value"][k] = v
+        sides = {s: m for s, m in split.items() if m}
+    names: list[str] = []
+    for m in sides.values():
+        for k in m:
+            if k not in names:
+                names.append(k)
+    return names, sides
+
+
+def memory_value(memory: Any, metric: str, side: str = "candidate") -> float | None:
+    """One memory figure of a side (falls back to an unsided figure)."""
+    if not isinstance(memory, dict):
+        return None
+    v = side_value(memory, side, metric)
+    if v is None and metric in memory:
+        v = number(memory[metric])
+    return v

@@ -1,0 +1,622 @@
+"""The `llama-server` runner: spawns and manages a llama.cpp server process and asks it over HTTP.
+
+- One server process per runner, in its own process group, log appended to `run_dir/llama-server.log`.
+- Requests go to the native `/completion` endpoint (token-id prompts, `n_probs` top log-probs,
+  output token ids, per-token streaming) through one async httpx client.
+- A server that dies mid-run is restarted (at most `max_restarts` times), the requests in flight are
+  asked again, and each restart is recorded in `self.events`.
+- No orphans: `close()` stops the whole process group (SIGTERM, then SIGKILL), and an `atexit` hook
+  plus a chained SIGTERM/SIGHUP handler do the same when the Python process ends another way.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import hashlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable, TypeVar
+
+import httpx
+
+from moebench.config import Field, ProfileError, non_negative, positive
+from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
+from moebench.store import now_iso
+from moebench.tools import llamacpp
+
+T = TypeVar("T")
+
+LOG_NAME = "llama-server.log"
+STOP_GRACE_S = 5.0
+# Flags the runner sets itself; a profile's `args` must not set them too.
+OWNED_FLAGS = {"--host", "--port", "-m", "--model", "-np", "--parallel"}
+
+
+def _model_file_problem(value: Any) -> str | None:
+    p = Path(value).expanduser()
+    if not p.is_file():
+        return "must name an existing GGUF file (not found)"
+    return None
+
+
+def _env_problem(value: Any) -> str | None:
+    bad = [k for k, v in value.items() if not isinstance(v, str)]
+    return f"values must be strings (bad: {', '.join(bad)})" if bad else None
+
+
+SCHEMA: dict[str, Field] = {
+    "binary": Field(str, default="llama-server",
+                    doc="a path, or a name found in the moebench tool cache or on PATH"),
+    "model": Field(str, required=True, check=_model_file_problem, doc="the GGUF file to serve"),
+    "args": Field(list, default=list, item_type=str, doc="extra llama-server arguments, e.g. ['-c', '8192']"),
+    "host": Field(str, default="127.0.0.1"),
+    "port": Field(int, default=0, check=non_negative, doc="0 picks a free port"),
+    "startup_timeout_s": Field(float, default=300.0, check=positive),
+    "request_timeout_s": Field(float, default=600.0, check=positive),
+    "max_restarts": Field(int, default=3, check=non_negative),
+    "parallel": Field(int, check=positive, doc="server slots (--parallel); defaults to concurrency"),
+    "ctx_size": Field(int, check=positive, doc="-c: total context, shared by the slots"),
+    "env": Field(dict, default=dict, check=_env_problem, doc="extra environment for the server"),
+}
+
+
+# --- process bookkeeping: no server outlives its Python process ----------------------------------
+
+_LIVE: dict[int, subprocess.Popen] = {}        # pid -> server process (all runners)
+_LIVE_LOCK = threading.RLock()       # re-entrant: the signal handler may interrupt a holder
+_HOOKS_INSTALLED = False
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)                   # the server leads its own group (start_new_session)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop_process_sync(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int | None:
+    """SIGTERM the group, wait up to `grace_s`, then SIGKILL it; return the exit code."""
+    if proc.poll() is None:
+        _signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    _signal_group(proc, signal.SIGKILL)            # also reaps any helper the server forked
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+    with _LIVE_LOCK:
+        _LIVE.pop(proc.pid, None)
+    return proc.returncode
+
+
+def _kill_all_servers() -> None:
+    with _LIVE_LOCK:
+        procs = list(_LIVE.values())
+    for proc in procs:
+        _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + 3.0
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _stop_process_sync(proc, grace_s=0.0)
+
+
+def _chain_signal(sig: int) -> None:
+    """Stop the servers on `sig`, then do what the previous handler would have done."""
+    previous = signal.getsignal(sig)
+
+    def handler(signum: int, frame: Any) -> None:
+        _kill_all_servers()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_IGN:
+            return
+        else:                                      # SIG_DFL: die of the same signal, as before
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    signal.signal(sig, handler)
+
+
+def _install_exit_hooks() -> None:
+    """atexit covers normal exits and Ctrl-C (KeyboardInterrupt unwinds, then atexit runs);
+    SIGTERM/SIGHUP would otherwise end the process without running atexit."""
+    global _HOOKS_INSTALLED
+    if _HOOKS_INSTALLED:
+        return
+    _HOOKS_INSTALLED = True
+    atexit.register(_kill_all_servers)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            _chain_signal(sig)
+        if signal.getsignal(signal.SIGINT) in (signal.SIG_DFL, None):
+            _chain_signal(signal.SIGINT)           # only where Python's KeyboardInterrupt is off
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+_HELP_CACHE: dict[str, str] = {}
+
+
+def _help_text(binary: Path) -> str:
+    key = str(binary)
+    if key not in _HELP_CACHE:
+        try:
+            out = subprocess.run([key, "--help"], capture_output=True, text=True, timeout=30, errors="replace")
+            _HELP_CACHE[key] = out.stdout + out.stderr
+        except (OSError, subprocess.TimeoutExpired):
+            _HELP_CACHE[key] = ""
+    return _HELP_CACHE[key]
+
+
+# --- model identity ------------------------------------------------------------------------------
+
+def _hash_cache_path() -> Path:
+    return llamacpp.cache_root() / "sha256-cache.json"
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a (possibly huge) file, streamed; cached by path, size and mtime across processes."""
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    cache_file = _hash_cache_path()
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key in cache:
+        return cache[key]
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(8 << 20), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    try:
+        try:
+            cache = json.loads(cache_file.read_text())   # re-read: another process may have added keys
+        except (OSError, ValueError):
+            cache = {}
+        cache[key] = digest
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(cache, indent=1))
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass                                           # a read-only cache only costs a re-hash
+    return digest
+
+
+def gguf_metadata(path: Path) -> dict[str, Any] | None:
+    """Architecture, name, file type and parameter count read with the sdist's gguf-py, or None."""
+    reader_cls = llamacpp.gguf_reader_class()
+    if reader_cls is None:
+        return None
+    try:
+        reader = reader_cls(str(path), "r")
+    except Exception as e:                              # a corrupt file: say so, do not fail the run
+        return {"error": f"GGUFReader could not read {path}: {e}"}
+
+    def field(key: str) -> Any:
+        f = reader.fields.get(key)
+        if f is None:
+            return None
+        try:
+            return f.contents()
+        except Exception:
+            return None
+
+    file_type = field("general.file_type")
+    out: dict[str, Any] = {
+        "architecture": field("general.architecture"),
+        "name": field("general.name"),
+        "file_type": file_type,
+        "parameter_count": int(sum(int(t.n_elements) for t in reader.tensors)),
+        "tensor_count": len(reader.tensors),
+    }
+    try:
+        from gguf import LlamaFileType  # type: ignore[import-not-found]
+        if file_type is not None:
+            out["file_type_name"] = LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
+    except Exception:
+        pass
+    arch = out["architecture"]
+    if arch:
+        for key in ("expert_count", "expert_used_count", "block_count", "context_length", "embedding_length"):
+            value = field(f"{arch}.{key}")
+            if value is not None:
+                out[key] = value
+    return out
+
+
+# --- the runner ----------------------------------------------------------------------------------
+
+class LlamaServerRunner(Runner):
+    kind = "llama-server"
+    capabilities = frozenset({Capability.GENERATE, Capability.STREAM, Capability.TOP_LOGPROBS,
+                              Capability.TOKENIZE, Capability.TOKEN_PROMPTS})
+
+    def __init__(self, profile: dict[str, Any], profile_path: str | None = None):
+        defaults = {k: (f.default() if callable(f.default) else f.default)
+                    for k, f in SCHEMA.items() if f.default is not None}
+        super().__init__({**defaults, **profile}, profile_path)
+        where = profile_path or "llama-server runner profile"
+        if "model" not in self.profile:
+            raise ProfileError(f"{where}: missing required key 'model' (a GGUF file path)")
+        self.model_path = Path(self.profile["model"]).expanduser()
+        if not self.model_path.is_file():
+            raise ProfileError(f"{where}: key 'model': GGUF file not found: {self.model_path} "
+                               f"(resolved from {Path.cwd()})")
+        with self.model_path.open("rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ProfileError(f"{where}: key 'model': {self.model_path} is not a GGUF file "
+                                   f"(no GGUF magic at its start)")
+        args = self.profile["args"]
+        clash = sorted(a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in OWNED_FLAGS)
+        if clash:
+            raise ProfileError(f"{where}: key 'args' must not set {', '.join(clash)}: the runner sets "
+                               f"host, port, model and parallel itself (use the keys of the same names)")
+        self.slots = int(self.profile.get("parallel") or self.concurrency)
+        self.max_restarts = int(self.profile["max_restarts"])
+        self.restarts = 0
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
+        self.base_url: str | None = None
+        self.log_path: Path | None = None
+        self.binary: Path | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._old_clients: list[httpx.AsyncClient] = []
+        self._generation = 0              # bumped on every (re)start; requests note it when sent
+        self._restart_lock: asyncio.Lock | None = None
+        self._gave_up: str | None = None
+        self._identity: dict[str, Any] | None = None
+
+    # -- life cycle -------------------------------------------------------------------------------
+    async def start(self, run_dir: str | None = None) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        try:
+            self.binary = llamacpp.tool(self.profile["binary"])
+        except llamacpp.ToolError as e:
+            raise RunnerError(str(e)) from None
+        log_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="moebench-llama-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / LOG_NAME
+        await self._spawn_and_wait()
+
+    def command(self, port: int) -> list[str]:
+        """The server command line for `port` (the profile's args go last so they can add anything)."""
+        assert self.binary is not None
+        cmd = [str(self.binary), "--host", self.profile["host"], "--port", str(port),
+               "-m", str(self.model_path), "--parallel", str(self.slots)]
+        if self.profile.get("ctx_size"):
+            cmd += ["-c", str(self.profile["ctx_size"])]
+        if re.search(r"--no-webui(?![-\w])", _help_text(self.binary)):
+            cmd.append("--no-webui")
+        return cmd + list(self.profile["args"])
+
+    async def _spawn_and_wait(self) -> None:
+        """Spawn the server and wait until /health answers 200; on failure stop it and raise."""
+        assert self.log_path is not None
+        fixed_port = int(self.profile["port"])
+        for attempt in range(3):           # a picked free port can be taken before the server binds it
+            port = fixed_port or _free_port(self.profile["host"])
+            cmd = self.command(port)
+            _install_exit_hooks()
+            with self.log_path.open("ab") as log:
+                log.write(f"\n=== moebench {now_iso()}: {' '.join(cmd)}\n".encode())
+                log.flush()
+                env = {**os.environ, **self.profile["env"]}
+                with _LIVE_LOCK:           # registered before any signal can find it unlisted
+                    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                            env=env, start_new_session=True)
+                    _LIVE[proc.pid] = proc
+            self.proc, self.port = proc, port
+            host = self.profile["host"]
+            self.base_url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+            problem = await self._wait_healthy(proc)
+            if problem is None:
+                self._new_client()
+                self._generation += 1
+                return
+            await asyncio.to_thread(_stop_process_sync, proc)
+            bind_failed = "bind" in self._log_tail(4000).lower()
+            if fixed_port or not bind_failed:
+                break
+        raise RunnerError(f"llama-server did not start: {problem}; command: {' '.join(cmd)}; "
+                          f"log {self.log_path} ends with:\n{self._log_tail()}")
+
+    async def _wait_healthy(self, proc: subprocess.Popen) -> str | None:
+        """None once GET /health is 200; otherwise why not (exited, timed out)."""
+        deadline = time.monotonic() + float(self.profile["startup_timeout_s"])
+        async with httpx.AsyncClient(base_url=self.base_url or "", timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    return f"the process exited with code {proc.returncode} while loading"
+                try:
+                    r = await client.get("/health")
+                    if r.status_code == 200:
+                        return None
+                except httpx.TransportError:
+                    pass                    # not listening yet
+                await asyncio.sleep(0.1)
+        return f"/health not 200 after {self.profile['startup_timeout_s']} s"
+
+    def _new_client(self) -> None:
+        if self._client is not None:
+            self._old_clients.append(self._client)   # requests may still hold it; closed in close()
+        limits = httpx.Limits(max_connections=max(self.slots, self.concurrency) + 4)
+        self._client = httpx.AsyncClient(base_url=self.base_url or "", limits=limits,
+                                         timeout=httpx.Timeout(float(self.profile["request_timeout_s"]),
+                                                               connect=10.0))
+        try:
+            self._client_loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._client_loop = None
+
+    def _client_for_loop(self) -> httpx.AsyncClient:
+        # A client is bound to the loop it first ran on; a caller on a new loop gets a fresh one.
+        if self._client is None:
+            raise RunnerError("llama-server runner used before start()")
+        if self._client_loop is not asyncio.get_running_loop():
+            self._new_client()
+        return self._client
+
+    def _log_tail(self, n_chars: int = 3000) -> str:
+        try:
+            with self.log_path.open("rb") as f:   # type: ignore[union-attr]
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - n_chars))
+                return f.read().decode("utf-8", "replace")
+        except (OSError, AttributeError):
+            return "(no log)"
+
+    async def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            await asyncio.to_thread(_stop_process_sync, proc)
+        clients = self._old_clients + ([self._client] if self._client else [])
+        self._client, self._old_clients = None, []
+        for c in clients:
+            try:
+                await c.aclose()
+            except RuntimeError:             # bound to a loop that has ended: nothing left to free
+                pass
+
+    # -- restarts ---------------------------------------------------------------------------------
+    async def _recover(self, generation: int, reason: str) -> None:
+        """A request lost its connection: restart the server unless someone already did."""
+        if self._restart_lock is None:
+            self._restart_lock = asyncio.Lock()
+        async with self._restart_lock:
+            if self._gave_up:
+                raise RunnerError(self._gave_up)
+            if generation != self._generation:
+                return                       # another request restarted it meanwhile: just re-ask
+            proc = self.proc
+            if proc is None:
+                raise RunnerError("llama-server runner is closed")
+            # A killed server may take a moment to be reaped; a live, healthy one had a hiccup.
+            for _ in range(10):
+                if proc.poll() is not None:
+                    break
+                await asyncio.sleep(0.1)
+            if proc.poll() is None:
+                try:
+                    r = await self._client_for_loop().get("/health", timeout=5.0)
+                    if r.status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+            exit_code = await asyncio.to_thread(_stop_process_sync, proc)
+            if self.restarts >= self.max_restarts:
+                self._gave_up = (f"llama-server died ({reason}; exit code {exit_code}) and max_restarts="
+                                 f"{self.max_restarts} restarts are used up; log {self.log_path} ends with:\n"
+                                 f"{self._log_tail()}")
+                self.events.append({"event": "gave_up", "reason": reason, "exit_code": exit_code,
+                                    "time": now_iso(), "restarts": self.restarts})
+                raise RunnerError(self._gave_up)
+            self.restarts += 1
+            old_pid = proc.pid
+            await self._spawn_and_wait()
+            self.events.append({"event": "restart", "reason": reason, "exit_code": exit_code,
+                                "time": now_iso(), "restarts": self.restarts, "old_pid": old_pid,
+                                "new_pid": self.proc.pid if self.proc else None})
+
+    async def _with_restarts(self, call: Callable[[httpx.AsyncClient], Awaitable[T]]) -> T:
+        """Run `call`, restarting the server and asking again when the connection is lost."""
+        for _ in range(self.max_restarts + 4):
+            if self._gave_up:
+                raise RunnerError(self._gave_up)
+            generation = self._generation
+            client = self._client_for_loop()
+            try:
+                return await call(client)
+            except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout) as e:
+                if self.proc is not None and self.proc.poll() is None:
+                    raise RunnerError(f"llama-server request timed out after "
+                                      f"{self.profile['request_timeout_s']} s ({type(e).__name__})") from None
+                await self._recover(generation, f"timeout, process gone: {type(e).__name__}")
+            except httpx.TransportError as e:   # refused, reset, disconnected mid-response
+                await self._recover(generation, f"{type(e).__name__}: {e}".strip(": "))
+        raise RunnerError("llama-server request failed repeatedly although the server answers /health")
+
+    @staticmethod
+    def _check_status(r: httpx.Response, body: bytes | None = None) -> None:
+        if r.status_code == 200:
+            return
+        raw = body if body is not None else r.content
+        try:
+            err = json.loads(raw)
+            msg = err.get("error", {}).get("message") or err
+        except (ValueError, AttributeError):
+            msg = raw[:500].decode("utf-8", "replace")
+        raise RunnerError(f"llama-server {r.request.url.path} answered {r.status_code}: {msg}")
+
+    # -- requests ---------------------------------------------------------------------------------
+    def _payload(self, request: GenerateRequest) -> dict[str, Any]:
+        payload: dict[str, Any] = {
+            "prompt": request.prompt,         # a list of ints is sent as token ids (no BOS added)
+            "n_predict": request.max_tokens,
+            "temperature": request.temperature,   # the server's default is 0.8: always send it
+            "stop": list(request.stop),
+            "cache_prompt": request.cache_prompt,
+            "return_tokens": True,
+            "ignore_eos": request.ignore_eos,
+            "stream": request.stream,
+        }
+        if request.seed is not None:
+            payload["seed"] = request.seed
+        if request.top_logprobs:
+            payload["n_probs"] = request.top_logprobs
+        if request.stream:
+            payload["timings_per_token"] = True
+        return payload
+
+    @staticmethod
+    def _top_logprobs(probs: list[dict[str, Any]]) -> list[dict[str, float]]:
+        out = []
+        for position in probs:
+            d: dict[str, float] = {}
+            for alt in position.get("top_logprobs", []):
+                d.setdefault(alt["token"], float(alt["logprob"]))   # same text, two ids: keep the likelier
+            out.append(d)
+        return out
+
+    @staticmethod
+    def _finish_reason(stop_type: str | None) -> str | None:
+        return {"eos": "stop", "word": "stop", "limit": "length"}.get(stop_type or "", stop_type)
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        if isinstance(request.prompt, list) and not all(isinstance(t, int) for t in request.prompt):
+            raise RunnerError("a token prompt must be a list of ints")
+        payload = self._payload(request)
+        if request.stream:
+            return await self._with_restarts(lambda c: self._generate_stream(c, payload, request))
+        return await self._with_restarts(lambda c: self._generate_once(c, payload, request))
+
+    async def _generate_once(self, client: httpx.AsyncClient, payload: dict[str, Any],
+                             request: GenerateRequest) -> GenerateResult:
+        t0 = time.perf_counter()
+        r = await client.post("/completion", json=payload)
+        wall = time.perf_counter() - t0
+        self._check_status(r)
+        data = r.json()
+        timings = dict(data.get("timings") or {})
+        timings.update(wall_s=wall, tokens_cached=data.get("tokens_cached"), stop_type=data.get("stop_type"))
+        probs = data.get("completion_probabilities")
+        return GenerateResult(
+            text=data.get("content", ""),
+            token_ids=list(data.get("tokens") or []),
+            prompt_tokens=data.get("tokens_evaluated"),
+            output_tokens=data.get("tokens_predicted"),
+            finish_reason=self._finish_reason(data.get("stop_type")),
+            top_logprobs=self._top_logprobs(probs) if request.top_logprobs and probs is not None else None,
+            timings=timings,
+            endpoint=self.base_url,
+        )
+
+    async def _generate_stream(self, client: httpx.AsyncClient, payload: dict[str, Any],
+                               request: GenerateRequest) -> GenerateResult:
+        """SSE: one `data:` event per generated token; record when each arrives."""
+        t0 = time.perf_counter()
+        text: list[str] = []
+        ids: list[int] = []
+        times: list[float] = []
+        probs: list[dict[str, Any]] = []
+        final: dict[str, Any] = {}
+        async with client.stream("POST", "/completion", json=payload) as r:
+            if r.status_code != 200:
+                self._check_status(r, await r.aread())
+            async for line in r.aiter_lines():
+                if not line.startswith(("data:", "error:")):
+                    continue
+                body = line.split(":", 1)[1].strip()
+                if not body or body == "[DONE]":
+                    continue
+                event = json.loads(body)
+                if line.startswith("error:") or "error" in event:
+                    err = event.get("error", event)
+                    raise RunnerError(f"llama-server stream error: {err.get('message', err)}")
+                now = time.perf_counter() - t0
+                if event.get("prompt_progress") is not None:
+                    continue
+                text.append(event.get("content", ""))
+                if event.get("stop"):
+                    final = event
+                    break
+                for tok in event.get("tokens") or []:
+                    ids.append(tok)
+                    times.append(now)
+                probs.extend(event.get("completion_probabilities") or [])
+        wall = time.perf_counter() - t0
+        if not final:
+            # The server closed the stream without its final event: it died mid-answer.
+            raise httpx.RemoteProtocolError("stream ended without a final event")
+        timings = dict(final.get("timings") or {})
+        timings.update(wall_s=wall, tokens_cached=final.get("tokens_cached"), stop_type=final.get("stop_type"))
+        if times:
+            timings["client_ttft_s"] = times[0]
+        return GenerateResult(
+            text="".join(text),
+            token_ids=ids,
+            prompt_tokens=final.get("tokens_evaluated"),
+            output_tokens=final.get("tokens_predicted"),
+            finish_reason=self._finish_reason(final.get("stop_type")),
+            top_logprobs=self._top_logprobs(probs) if request.top_logprobs else None,
+            token_times=times,
+            timings=timings,
+            endpoint=self.base_url,
+        )
+
+    async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        """Token ids of `text` (no BOS unless `add_special`; special-token text is not parsed)."""
+        async def call(client: httpx.AsyncClient) -> list[int]:
+            r = await client.post("/tokenize", json={"content": text, "add_special": add_special,
+                                                     "parse_special": False})
+            self._check_status(r)
+            return [int(t) for t in r.json()["tokens"]]
+        return await self._with_restarts(call)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        async def call(client: httpx.AsyncClient) -> str:
+            r = await client.post("/detokenize", json={"tokens": list(token_ids)})
+            self._check_status(r)
+            return r.json()["content"]
+        return await self._with_restarts(call)
+
+    # -- identity -------------------------------------------------------------------------------
+    def identity(self) -> dict[str, Any]:
+        if self._identity is None:
+            p = self.model_path
+            model: dict[str, Any] = {"path": str(p.resolve()), "name": p.name,
+                                     "size_bytes": p.stat().st_size, "sha256": file_sha256(p)}
+            meta = gguf_metadata(p)
+            if meta is not None:
+                model["gguf"] = meta
+            try:
+                binary = self.binary or llamacpp.tool(self.profile["binary"])
+                build = {"kind": "llama.cpp", **llamacpp.build_info(binary)}
+            except llamacpp.ToolError as e:
+                build = {"kind": "llama.cpp", "error": str(e)}
+            self._identity = {"model": model, "build": build}
+        ident = json.loads(json.dumps(self._identity))
+        ident["build"]["server_args"] = self.command(self.port or 0)[1:] if self.binary else None
+        return ident

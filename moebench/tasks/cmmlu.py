@@ -1,0 +1,127 @@
+"""CMMLU: 5-shot Chinese multiple choice from the dev split, prompts ending in "答案：".
+
+Prompt format as lm-eval's cmmlu task: a subject description, then exemplars
+"{Question}\\nA. ..\\nB. ..\\nC. ..\\nD. ..\\n答案： {Answer}" joined by blank lines, then the question.
+Scoring: from the next token's top-k log-probs over A/B/C/D where the runner has them (each letter's
+log-prob is the best of its spellings "A" / " A"; a letter outside the top-k gets None and cannot
+win), else by generation and the first A-D letter. All four choice log-probs are recorded.
+"""
+from __future__ import annotations
+
+import math
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from moebench.config import Field, non_negative, positive
+from moebench.datasets import data_file, read_csv_rows, register
+from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
+from moebench.scoring.answers import first_choice_letter
+from moebench.tasks.base import Item, Task, prompt_hash
+
+LETTERS = ("A", "B", "C", "D")
+COLUMNS = ("Question", "A", "B", "C", "D", "Answer")
+
+
+@lru_cache(maxsize=1)
+def _lm_eval_descriptions() -> dict[str, str]:
+    """Subject descriptions as lm-eval ships them (Chinese subject names); empty if lm-eval is absent."""
+    try:
+        import lm_eval
+    except ImportError:
+        return {}
+    folder = Path(lm_eval.__file__).parent / "tasks" / "cmmlu"
+    out = {}
+    for f in folder.glob("cmmlu_*.yaml"):
+        text = f.read_text(encoding="utf-8")
+        name = re.search(r'"dataset_name":\s*"([^"]+)"', text)
+        desc = re.search(r'"description":\s*"(.*)"', text)
+        if name and desc:
+            out[name.group(1)] = desc.group(1).encode().decode("unicode_escape").encode("latin-1").decode("utf-8")
+    return out
+
+
+def description(subject: str) -> str:
+    return _lm_eval_descriptions().get(subject, f"以下是关于{subject.replace('_', ' ')}的单项选择题，请直接给出正确答案的选项。\n\n")
+
+
+def format_question(row: dict[str, str]) -> str:
+    return (f"{row['Question'].strip()}\nA. {row['A']}\nB. {row['B']}\nC. {row['C']}\nD. {row['D']}\n答案：")
+
+
+class CmmluTask(Task):
+    kind = "cmmlu"
+    options = {
+        "shots": Field(int, default=5, check=non_negative),
+        "subjects": Field(list, item_type=str, doc="subject file stems; default all 67"),
+        "per_subject_limit": Field(int, check=positive, doc="the first N questions of each subject"),
+        "top_logprobs": Field(int, default=20, check=positive, doc="alternatives asked for the next token"),
+        "scoring": Field(str, default="auto", choices=("auto", "logprobs", "generate")),
+        "max_tokens": Field(int, default=8, check=positive, doc="tokens generated when scoring by generation"),
+    }
+
+    def needs(self, runner: Runner) -> set[str]:
+        if self.opts["scoring"] == "logprobs":
+            return {Capability.GENERATE, Capability.TOP_LOGPROBS}
+        return {Capability.GENERATE}
+
+    def _use_logprobs(self, runner: Runner) -> bool:
+        mode = self.opts["scoring"]
+        return mode == "logprobs" or (mode == "auto" and Capability.TOP_LOGPROBS in runner.capabilities)
+
+    def items(self) -> list[Item]:
+        root = self.ctx.data_dir
+        test_dir = root / "cmmlu" / "test"
+        if not test_dir.is_dir():
+            data_file(root, "cmmlu/test/agronomy.csv")   # raises the standard missing-data error
+        subjects = self.opts.get("subjects") or sorted(p.stem for p in test_dir.glob("*.csv"))
+        items = []
+        for subject in subjects:
+            test_path = data_file(root, f"cmmlu/test/{subject}.csv")
+            dev_path = data_file(root, f"cmmlu/dev/{subject}.csv")
+            register(self.ctx.data_files, root, test_path)
+            register(self.ctx.data_files, root, dev_path)
+            dev = read_csv_rows(dev_path, COLUMNS)[: self.opts["shots"]]
+            prefix = description(subject) + "".join(f"{format_question(r)} {r['Answer'].strip()}\n\n" for r in dev)
+            rows = read_csv_rows(test_path, COLUMNS)
+            if self.opts.get("per_subject_limit"):
+                rows = rows[: self.opts["per_subject_limit"]]
+            for n, row in enumerate(rows):
+                ref = row["Answer"].strip()
+                if ref not in LETTERS:
+                    raise ValueError(f"{test_path}: row {n} has Answer {ref!r}, expected one of A-D")
+                items.append(Item(f"cmmlu/{subject}/{n}", {
+                    "prompt": prefix + format_question(row), "question": row["Question"].strip(),
+                    "reference": ref, "subject": subject}))
+        return self._cut(items)
+
+    async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
+        prompt = item.data["prompt"]
+        common = {"reference": item.data["reference"], "question": item.data["question"],
+                  "subject": item.data["subject"], "prompt_hash": prompt_hash(prompt)}
+        if self._use_logprobs(runner):
+            result = await runner.generate(GenerateRequest(
+                prompt=prompt, max_tokens=1, temperature=0.0, top_logprobs=self.opts["top_logprobs"]))
+            if not result.top_logprobs:
+                raise RunnerError("the runner returned no top log-probs for the next token")
+            choice_lp = choice_logprobs(result.top_logprobs[0])
+            ranked = [(lp, letter) for letter, lp in choice_lp.items() if lp is not None]
+            answer = max(ranked)[1] if ranked else None
+            return {**result.to_record_fields(), **common, "scoring": "logprobs",
+                    "choice_logprobs": choice_lp, "answer": answer,
+                    "correct": answer == item.data["reference"]}
+        result = await runner.generate(GenerateRequest(
+            prompt=prompt, max_tokens=self.opts["max_tokens"], temperature=0.0, stop=["\n"]))
+        answer = first_choice_letter(result.text)
+        return {**result.to_record_fields(), **common, "scoring": "generate",
+                "choice_logprobs": None, "answer": answer, "correct": answer == item.data["reference"]}
+
+
+def choice_logprobs(top: dict[str, float]) -> dict[str, float | None]:
+    """Each letter's log-prob from one position's top-k (best of its spellings; None if absent)."""
+    out: dict[str, float | None] = {}
+    for letter in LETTERS:
+        values = [lp for tok, lp in top.items() if tok.strip() == letter and lp is not None and not math.isnan(lp)]
+        out[letter] = max(values) if values else None
+    return out

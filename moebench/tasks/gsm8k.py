@@ -1,0 +1,87 @@
+"""GSM8K: few-shot "Question: ...\\nAnswer:" prompts, greedy, answers after `####` (DESIGN.md section 7).
+
+The prompt format is lm-eval's gsm8k task (doc_to_text "Question: {{question}}\\nAnswer:", target
+delimiter " ", few-shot delimiter "\\n\\n"), with the first `shots` train items as exemplars so the
+prompt is the same on every machine.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from moebench.config import Field, non_negative, positive
+from moebench.datasets import data_file, read_jsonl, register
+from moebench.runners.base import Capability, GenerateRequest, Runner
+from moebench.scoring.answers import extract_gsm8k, gsm8k_reference, numbers_equal
+from moebench.tasks.base import Item, Task, prompt_hash
+
+DEFAULT_STOP = ["Question:", "</s>", "<|im_end|>"]
+
+
+def format_question(question: str) -> str:
+    return f"Question: {question}\nAnswer:"
+
+
+def fewshot_prefix(exemplars: list[dict[str, Any]]) -> str:
+    return "".join(f"{format_question(e['question'])} {e['answer']}\n\n" for e in exemplars)
+
+
+class Gsm8kTask(Task):
+    kind = "gsm8k"
+    options = {
+        "shots": Field(int, default=5, check=non_negative),
+        "max_tokens": Field(int, default=256, check=positive),
+        "stop": Field(list, item_type=str, default=lambda: list(DEFAULT_STOP)),
+        "split": Field(str, default="test", choices=("test", "train")),
+    }
+
+    def needs(self, runner: Runner) -> set[str]:
+        return {Capability.GENERATE}
+
+    def items(self) -> list[Item]:
+        root = self.ctx.data_dir
+        test_path = data_file(root, f"gsm8k/{self.opts['split']}.jsonl")
+        register(self.ctx.data_files, root, test_path)
+        rows = read_jsonl(test_path)
+        prefix = ""
+        if self.opts["shots"]:
+            train_path = data_file(root, "gsm8k/train.jsonl")
+            register(self.ctx.data_files, root, train_path)
+            prefix = fewshot_prefix(read_jsonl(train_path)[: self.opts["shots"]])
+        items = []
+        for n, row in enumerate(rows):
+            for key in ("question", "answer"):
+                if key not in row:
+                    raise ValueError(f"{test_path}: line {n + 1} has no {key!r}")
+            items.append(Item(f"gsm8k/{self.opts['split']}/{n}", {
+                "prompt": prefix + format_question(row["question"]),
+                "question": row["question"],
+                "reference": gsm8k_reference(row["answer"]),
+            }))
+        return self._cut(items)
+
+    async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
+        prompt = item.data["prompt"]
+        result = await runner.generate(GenerateRequest(
+            prompt=prompt, max_tokens=self.opts["max_tokens"], stop=self.opts["stop"], temperature=0.0))
+        text = cut_at_stop(result.text, self.opts["stop"])
+        answer, method = extract_gsm8k(text)
+        return {
+            **result.to_record_fields(),
+            "output": result.text,
+            "answer": answer,
+            "extraction": method,
+            "reference": item.data["reference"],
+            "correct": numbers_equal(answer, item.data["reference"]),
+            "question": item.data["question"],
+            "prompt_hash": prompt_hash(prompt),
+        }
+
+
+def cut_at_stop(text: str, stops: list[str]) -> str:
+    """Cut at the first stop sequence, in case a server returned text past it."""
+    cut = len(text)
+    for s in stops:
+        i = text.find(s)
+        if i != -1:
+            cut = min(cut, i)
+    return text[:cut]

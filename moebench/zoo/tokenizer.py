@@ -1,0 +1,145 @@
+"""The zoo's tokenizer: GPT-2's byte-level BPE, rebuilt offline from llama.cpp's own vocabulary file.
+
+No tokenizer can be downloaded here, but the llama.cpp source tree ships `models/ggml-vocab-gpt-2.gguf`
+(50,257 tokens, 50,000 merges). We read it with the tree's `gguf-py` and rebuild the Hugging Face
+`tokenizers` pipeline GPT-2 uses (ByteLevel pre-tokenizer with the GPT-2 split regex, BPE, ByteLevel
+decoder). Rebuilt exactly, it hashes like openai-community/gpt2 in convert_hf_to_gguf's pre-tokenizer
+check (tokenizer.ggml.pre = "gpt-2"), so the GGUF and the HF checkpoint tokenize alike.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+VOCAB_NAME = "gpt-2"
+# gguf-py token types (gguf.TokenType): 1 normal, 3 control.
+_TOKEN_TYPE_NORMAL = 1
+_TOKEN_TYPE_CONTROL = 3
+
+
+class ZooTokenizerError(RuntimeError):
+    pass
+
+
+def llamacpp_source_dir() -> Path:
+    """The llama.cpp source folder (convert_hf_to_gguf.py, gguf-py/, models/)."""
+    from moebench.tools import llamacpp  # lazy: the tool module shells out and is heavier
+
+    return Path(llamacpp.source_dir())
+
+
+def _import_gguf(src: Path):
+    """The llama.cpp tree's own gguf-py (the one its converter uses), not a pip copy."""
+    gguf_py = src / "gguf-py"
+    if not (gguf_py / "gguf" / "__init__.py").is_file():
+        raise ZooTokenizerError(f"{gguf_py}: no gguf-py package in the llama.cpp source tree")
+    if str(gguf_py) not in sys.path:
+        sys.path.insert(0, str(gguf_py))
+    import gguf  # noqa: PLC0415
+
+    return gguf
+
+
+@dataclass(frozen=True)
+class GgufVocab:
+    path: Path
+    model: str            # tokenizer.ggml.model, "gpt2" for byte-level BPE
+    pre: str              # tokenizer.ggml.pre, the pre-tokenizer name llama.cpp dispatches on
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]     # "left right", in rank order
+    bos_id: int
+    eos_id: int
+
+
+def read_gguf_vocab(path: Path, src: Path | None = None) -> GgufVocab:
+    """Read a ggml-vocab-*.gguf (a GGUF holding only tokenizer metadata)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ZooTokenizerError(f"{path}: vocabulary GGUF not found")
+    gguf = _import_gguf(src or path.parent.parent)
+    reader = gguf.GGUFReader(str(path))
+
+    def field(key: str):
+        f = reader.fields.get(key)
+        if f is None:
+            raise ZooTokenizerError(f"{path}: key {key!r} missing")
+        return f
+
+    def strings(key: str) -> list[str]:
+        f = field(key)
+        return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+
+    types_field = field("tokenizer.ggml.token_type")
+    vocab = GgufVocab(
+        path=path,
+        model=field("tokenizer.ggml.model").contents(),
+        pre=field("tokenizer.ggml.pre").contents(),
+        tokens=strings("tokenizer.ggml.tokens"),
+        token_types=[int(types_field.parts[i][0]) for i in types_field.data],
+        merges=strings("tokenizer.ggml.merges"),
+        bos_id=int(field("tokenizer.ggml.bos_token_id").contents()),
+        eos_id=int(field("tokenizer.ggml.eos_token_id").contents()),
+    )
+    if vocab.model != "gpt2":
+        raise ZooTokenizerError(f"{path}: tokenizer.ggml.model is {vocab.model!r}; expected 'gpt2' (byte-level BPE)")
+    if len(vocab.tokens) != len(vocab.token_types):
+        raise ZooTokenizerError(f"{path}: {len(vocab.tokens)} tokens but {len(vocab.token_types)} token types")
+    odd = sorted({t for t in vocab.token_types if t not in (_TOKEN_TYPE_NORMAL, _TOKEN_TYPE_CONTROL)})
+    if odd:
+        raise ZooTokenizerError(f"{path}: token types {odd} not handled (expected only 1 normal, 3 control)")
+    return vocab
+
+
+def build_tokenizer(vocab: GgufVocab):
+    """A `tokenizers.Tokenizer` equal to GPT-2's tokenizer.json."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    bpe_vocab = {tok: i for i, (tok, t) in enumerate(zip(vocab.tokens, vocab.token_types)) if t == _TOKEN_TYPE_NORMAL}
+    merges = []
+    for n, m in enumerate(vocab.merges):
+        left, sep, right = m.partition(" ")
+        if not sep or not left or not right:
+            raise ZooTokenizerError(f"{vocab.path}: merge {n} {m!r} is not 'left right'")
+        merges.append((left, right))
+    tok = Tokenizer(models.BPE(vocab=bpe_vocab, merges=merges, dropout=None, unk_token=None,
+                               continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
+                               byte_fallback=False, ignore_merges=False))
+    # GPT-2: no normalizer; ByteLevel with the GPT-2 regex and no prefix space.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    specials = [AddedToken(t, special=True, normalized=True) for t, ty in zip(vocab.tokens, vocab.token_types)
+                if ty == _TOKEN_TYPE_CONTROL]
+    tok.add_special_tokens(specials)
+    for t in specials:
+        want = vocab.tokens.index(t.content)
+        if tok.token_to_id(t.content) != want:
+            raise ZooTokenizerError(f"{vocab.path}: special token {t.content!r} got id "
+                                    f"{tok.token_to_id(t.content)}, expected {want}")
+    return tok
+
+
+def write_hf_tokenizer(out_dir: Path, src: Path | None = None, vocab_name: str = VOCAB_NAME) -> list[Path]:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
+    src = Path(src) if src else llamacpp_source_dir()
+    vocab = read_gguf_vocab(src / "models" / f"ggml-vocab-{vocab_name}.gguf", src)
+    tok = build_tokenizer(vocab)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bos, eos = vocab.tokens[vocab.bos_id], vocab.tokens[vocab.eos_id]
+    paths = [out_dir / "tokenizer.json", out_dir / "tokenizer_config.json", out_dir / "special_tokens_map.json"]
+    tok.save(str(paths[0]))
+    config = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "bos_token": bos, "eos_token": eos, "unk_token": eos,
+        # GPT-2 adds no BOS; saying so explicitly makes convert_hf_to_gguf write
+        # tokenizer.ggml.add_bos_token = false, so llama.cpp adds none either.
+        "add_bos_token": False, "add_eos_token": False, "add_prefix_space": False,
+        "model_max_length": 1024, "clean_up_tokenization_spaces": False,
+    }
+    paths[1].write_text(json.dumps(config, indent=2) + "\n")
+    paths[2].write_text(json.dumps({"bos_token": bos, "eos_token": eos, "unk_token": eos}, indent=2) + "\n")
+    return paths

@@ -1,0 +1,262 @@
+"""Train the zoo's tiny Qwen3-MoE briefly on real text, deterministically from a seed, on CPU.
+
+A tiny MoE with random weights predicts a near-uniform distribution, so KLD, top-token flips and expert
+load would all measure noise. A few minutes of next-token training on War and Peace gives it peaked
+predictions and unevenly loaded experts (no load-balancing loss on purpose). WikiText-2 test is the
+KLD corpus and is never read here.
+
+    python -m moebench.zoo.train --out moebench/zoo/weights      # what produced the committed weights
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+TRAIN_TEXT = "haystack/war_and_peace.txt"   # relative to the dataset mirror
+WEIGHTS_FILE = "model.safetensors"
+TRAINING_FILE = "training.json"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The Qwen3-MoE shape. Every matrix input dimension is a multiple of 32 (the Q4_0/Q8_0 block)."""
+    vocab_size: int = 50257          # GPT-2 vocabulary (see tokenizer.py)
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True  # keeps the committed weights ~15 MB in bf16
+
+    def hf_config(self) -> dict[str, Any]:
+        """config.json for transformers' Qwen3MoeForCausalLM (and convert_hf_to_gguf's qwen3moe)."""
+        d = asdict(self)
+        rope_theta = d.pop("rope_theta")
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            **d,
+            "intermediate_size": 4 * self.hidden_size,   # unused: every layer is sparse
+            "hidden_act": "silu",
+            # llama.cpp always renormalises qwen3moe top-k weights; the HF side must too.
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "router_aux_loss_coef": 0.0,
+            "output_router_logits": False,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+            "rope_theta": rope_theta,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "bos_token_id": 50256,
+            "eos_token_id": 50256,
+            "dtype": "bfloat16",
+        }
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 1234
+    steps: int = 300
+    batch_size: int = 8
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    threads: int = 2                 # fixed so a retrain from the seed repeats the same float order
+    heldout_fraction: float = 0.05   # tail of the text, for a held-out loss
+    eval_batches: int = 4
+    shape: ModelShape = field(default_factory=ModelShape)
+
+
+def load_training_ids(tokenizer_dir: Path) -> tuple[list[int], dict[str, Any]]:
+    """Token ids of the training text and its provenance (path relative to the mirror, sha256)."""
+    from transformers import AutoTokenizer
+
+    from moebench.datasets import data_dir, data_file, read_text, sha256_file
+
+    root = data_dir()
+    path = data_file(root, TRAIN_TEXT)
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    ids = tok.encode(read_text(path), add_special_tokens=False)
+    return ids, {"file": TRAIN_TEXT, "sha256": sha256_file(path), "tokens": len(ids)}
+
+
+def _lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _batch(data, starts, seq_len: int):
+    import torch
+
+    return torch.stack([data[s:s + seq_len] for s in starts.tolist()])
+
+
+def route_counts(model, ids) -> "Any":
+    """Per-layer count of routed token slots per expert ([layers, experts]) for one forward pass."""
+    import torch
+
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    if not routers:
+        raise RuntimeError("no MoE router modules found in the model (expected Qwen3MoeTopKRouter)")
+    n_exp = model.config.num_experts
+    counts = torch.zeros(len(routers), n_exp, dtype=torch.long)
+
+    def hook(idx):
+        def fn(_mod, _inp, out):
+            counts[idx] += torch.bincount(out[2].reshape(-1), minlength=n_exp)
+        return fn
+
+    handles = [r.register_forward_hook(hook(i)) for i, r in enumerate(routers)]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return counts
+
+
+def load_skew(counts) -> dict[str, Any]:
+    """Share of routed tokens taken by the busiest 25% of experts, per layer and overall (mean)."""
+    n_exp = counts.shape[1]
+    top = max(1, n_exp // 4)
+    per_layer = []
+    for row in counts.tolist():
+        total = sum(row)
+        per_layer.append(sum(sorted(row, reverse=True)[:top]) / total if total else 0.0)
+    return {
+        "busiest_25pct_share_per_layer": [round(x, 4) for x in per_layer],
+        "busiest_25pct_share_mean": round(sum(per_layer) / len(per_layer), 4),
+        "counts_per_layer": counts.tolist(),
+    }
+
+
+def train(tokenizer_dir: Path, cfg: TrainConfig = TrainConfig(), log=print) -> tuple[Any, dict[str, Any]]:
+    """Train from cfg.seed; returns (model in float32, training summary)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    ids, source = load_training_ids(tokenizer_dir)
+    data = torch.tensor(ids, dtype=torch.long)
+    split = int(len(data) * (1 - cfg.heldout_fraction))
+    train_ids, held_ids = data[:split], data[split:]
+
+    hf_cfg = cfg.shape.hf_config()
+    hf_cfg.pop("architectures"), hf_cfg.pop("model_type"), hf_cfg.pop("dtype")
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_cfg)).float()
+    model.train()
+    gen = torch.Generator().manual_seed(cfg.seed)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    started = time.monotonic()
+    losses: list[float] = []
+    for step in range(cfg.steps):
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, cfg)
+        starts = torch.randint(0, len(train_ids) - cfg.seq_len, (cfg.batch_size,), generator=gen)
+        batch = _batch(train_ids, starts, cfg.seq_len)
+        loss = model(input_ids=batch, labels=batch).loss  # HF shifts the labels by one itself
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        losses.append(loss.item())
+        if step % 20 == 0 or step == cfg.steps - 1:
+            log(f"step {step:4d}  loss {loss.item():.3f}  lr {_lr_at(step, cfg):.2e}  "
+                f"{time.monotonic() - started:6.1f}s")
+    wall = time.monotonic() - started
+
+    model.eval()
+    eval_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    held = []
+    with torch.no_grad():
+        for _ in range(cfg.eval_batches):
+            starts = torch.randint(0, len(held_ids) - cfg.seq_len, (cfg.batch_size,), generator=eval_gen)
+            b = _batch(held_ids, starts, cfg.seq_len)
+            held.append(model(input_ids=b, labels=b).loss.item())
+    skew_ids = _batch(train_ids, torch.arange(0, 16 * 512, 512), 512)  # 16 x 512 tokens of training text
+    skew = load_skew(route_counts(model, skew_ids))
+    tail = losses[-20:]
+    summary = {
+        "seed": cfg.seed,
+        "train_config": {k: v for k, v in asdict(cfg).items() if k != "shape"},
+        "shape": asdict(cfg.shape),
+        "data": source,
+        "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len,
+        "first_loss": round(losses[0], 4),
+        "final_loss_mean_last20": round(sum(tail) / len(tail), 4),
+        "heldout_loss": round(sum(held) / len(held), 4),
+        "heldout_ppl": round(math.exp(sum(held) / len(held)), 2),
+        "wall_seconds": round(wall, 1),
+        "torch": torch.__version__,
+        "expert_load_on_training_text": skew,
+    }
+    return model, summary
+
+
+def save_weights(model, summary: dict[str, Any], out_dir: Path, shape: ModelShape) -> list[Path]:
+    """Write the bf16 HF tensors (standard per-expert names) and training.json into out_dir."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # save_pretrained writes the hub layout (mlp.experts.<e>.{gate,up,down}_proj.weight); reuse it.
+    with tempfile.TemporaryDirectory() as tmp:
+        model.to(torch.bfloat16).save_pretrained(tmp)
+        tensors = load_file(str(Path(tmp) / WEIGHTS_FILE))
+    save_file(dict(sorted(tensors.items())), str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    doc = {**summary, "hf_config": shape.hf_config(), "weights": WEIGHTS_FILE, "weights_dtype": "bfloat16"}
+    (out_dir / TRAINING_FILE).write_text(json.dumps(doc, indent=2) + "\n")
+    return [out_dir / WEIGHTS_FILE, out_dir / TRAINING_FILE]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tempfile
+
+    from moebench.zoo.tokenizer import write_hf_tokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "weights")
+    ap.add_argument("--steps", type=int, default=TrainConfig.steps)
+    ap.add_argument("--seed", type=int, default=TrainConfig.seed)
+    args = ap.parse_args(argv)
+    cfg = TrainConfig(steps=args.steps, seed=args.seed)
+    with tempfile.TemporaryDirectory() as tok_dir:
+        write_hf_tokenizer(Path(tok_dir))
+        model, summary = train(Path(tok_dir), cfg)
+    for p in save_weights(model, summary, args.out, cfg.shape):
+        print(p)
+    print(json.dumps({k: summary[k] for k in ("final_loss_mean_last20", "heldout_ppl", "wall_seconds")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

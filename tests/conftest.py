@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    from moebench.datasets import data_dir as dd
+    d = dd()
+    assert (d / "gsm8k" / "test.jsonl").is_file(), f"dataset mirror not found at {d}"
+    return d
+
+
+def moebench_cli(*args: str, cwd: Path | None = None, check: bool = False, timeout: float = 600,
+                 env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess (as users and CI do)."""
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "moebench.cli", *args], cwd=cwd or REPO, capture_output=True,
+                          text=True, timeout=timeout, env=full_env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"moebench {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def read_items(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "items.jsonl").read_text().splitlines() if line.strip()]
