@@ -80,6 +80,7 @@ class TrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.01
     grad_clip: float = 1.0
+    autocast_bf16: bool = True       # bf16 matmuls (fp32 master weights): ~2x faster on this CPU
     threads: int = 2                 # fixed so a retrain from the seed repeats the same float order
     heldout_fraction: float = 0.05   # tail of the text, for a held-out loss
     eval_batches: int = 4
@@ -180,7 +181,8 @@ def train(tokenizer_dir: Path, cfg: TrainConfig = TrainConfig(), log=print) -> t
             g["lr"] = _lr_at(step, cfg)
         starts = torch.randint(0, len(train_ids) - cfg.seq_len, (cfg.batch_size,), generator=gen)
         batch = _batch(train_ids, starts, cfg.seq_len)
-        loss = model(input_ids=batch, labels=batch).loss  # HF shifts the labels by one itself
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+            loss = model(input_ids=batch, labels=batch).loss  # HF shifts the labels by one itself
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
