@@ -1,0 +1,291 @@
+"""The engine: load a checkpoint, score sequences, generate, trace the router.
+
+    eng = Engine.load("models/tiny-moe", device="cpu", dtype="float32")
+    eng.logits([1, 2, 3])                 # [3, vocab] float32 next-token logits (CPU)
+    eng.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)
+    eng.trace([1, 2, 3])                  # RouterTrace: per MoE layer top-k ids / weights
+
+Long inputs are processed in chunks of `prefill_chunk` tokens through the KV cache, so attention
+never builds a [T, T] matrix for the whole input. Calls are serialised by a lock (one KV cache).
+"""
+from __future__ import annotations
+
+import operator
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .config import ModelConfig
+from .loader import load_model, resolve_device, resolve_dtype
+from .model import MoETransformer, RouterTracer
+from .tokenizer import Tokenizer
+
+DEFAULT_MAX_SEQ_LEN = 8192   # cap on the config's max_position_embeddings when none is given
+KV_BUCKET = 256              # decode attends to a multiple of this many cache slots (few distinct shapes)
+
+
+class EngineError(ValueError):
+    """A request the engine cannot serve (too long, empty prompt, no tokenizer...)."""
+
+
+@dataclass
+class GenerationOutput:
+    """One prompt's generation.
+
+    token_ids: generated tokens, excluding the stop/EOS token that ended it (see `stop_token`).
+    top_logprobs: per generated step (including a stop step), the `top_logprobs` most likely
+        (token id, log-prob) of the model's distribution before temperature.
+    finish_reason: "stop" (a stop/EOS id was produced) or "length" (max_new_tokens reached).
+    token_times: time.perf_counter() offsets from the call's start at which each generated token
+        (and a stop token) was known on the host.
+    """
+
+    token_ids: list[int]
+    top_logprobs: list[list[tuple[int, float]]]
+    finish_reason: str
+    token_times: list[float]
+    prompt_len: int
+    stop_token: int | None = None
+
+
+@dataclass
+class RouterTrace:
+    """Router decisions for one sequence, one entry per MoE layer (in layer order).
+
+    layers: decoder layer index of each entry; topk_ids [T, k] int64; topk_weights [T, k] float32
+    (after renormalisation where the model does it); router_logits [T, E] float32 or None.
+    """
+
+    layers: list[int]
+    topk_ids: list[Tensor]
+    topk_weights: list[Tensor]
+    router_logits: list[Tensor] | None = None
+    logits: Tensor | None = field(default=None, repr=False)   # [T, vocab] float32, when asked for
+
+
+class Engine:
+    def __init__(self, model: MoETransformer, tokenizer: Tokenizer | None = None, *,
+                 max_seq_len: int | None = None, max_batch: int = 1, prefill_chunk: int = 512,
+                 cache_dtype: torch.dtype | None = None):
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        if max_seq_len is None:
+            max_seq_len = min(self.config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+        if max_seq_len <= 0 or max_batch <= 0 or prefill_chunk <= 0:
+            raise EngineError("max_seq_len, max_batch and prefill_chunk must be positive")
+        self.max_seq_len, self.max_batch, self.prefill_chunk = max_seq_len, max_batch, prefill_chunk
+        model.setup_caches(max_batch, max_seq_len, cache_dtype or self.dtype, self.device)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, path: str | Path, device: str = "cpu", dtype: str = "float32",
+             max_seq_len: int | None = None, max_batch: int = 1, prefill_chunk: int = 512) -> "Engine":
+        """Load a Hugging Face checkpoint directory (or a tiered artifact holding plan.json)."""
+        path = Path(path)
+        cfg = ModelConfig.from_pretrained(path)
+        model = load_model(path, resolve_device(device), resolve_dtype(dtype), config=cfg)
+        tok = None
+        if (path / "tokenizer.json").is_file():
+            tok = Tokenizer.from_dir(path, cfg.bos_token_id, cfg.eos_token_ids)
+        return cls(model, tok, max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk)
+
+    # ---- properties the runner reads ----
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
+            return self.tokenizer.eos_token_ids
+        return self.config.eos_token_ids
+
+    @property
+    def eos_token_id(self) -> int | None:
+        ids = self.eos_token_ids
+        return ids[0] if ids else None
+
+    # ---- text ----
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        return self._tok().encode(text, add_special=add_special)
+
+    def detokenize(self, ids: list[int], skip_special: bool = True) -> str:
+        return self._tok().decode(ids, skip_special=skip_special)
+
+    def _tok(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise EngineError("this model directory has no tokenizer.json: pass token ids instead of text")
+        return self.tokenizer
+
+    # ---- scoring ----
+    @torch.inference_mode()
+    def logits(self, token_ids: list[int]) -> Tensor:
+        """Next-token logits at every position: [len, vocab] float32 on the CPU."""
+        with self._lock:
+            return self._score(token_ids, tracer=None)
+
+    @torch.inference_mode()
+    def trace(self, token_ids: list[int], router_logits: bool = True, with_logits: bool = False) -> RouterTrace:
+        """Run the sequence and return each MoE layer's routing (and, optionally, the logits)."""
+        with self._lock:
+            tracer = RouterTracer(keep_logits=router_logits)
+            self.model.set_tracer(tracer)
+            try:
+                logits = self._score(token_ids, tracer=tracer, need_logits=with_logits)
+            finally:
+                self.model.set_tracer(None)
+        by_layer: dict[int, list] = {}
+        for layer, ids, w in tracer.records:   # chunks arrive in order: concatenate per layer
+            by_layer.setdefault(layer, [[], []])
+            by_layer[layer][0].append(ids)
+            by_layer[layer][1].append(w)
+        layers = sorted(by_layer)
+        rl = None
+        if router_logits:
+            per: dict[int, list[Tensor]] = {}
+            for layer, lg in tracer.logits:
+                per.setdefault(layer, []).append(lg)
+            rl = [torch.cat(per[i]) for i in layers]
+        return RouterTrace(layers=layers, topk_ids=[torch.cat(by_layer[i][0]) for i in layers],
+                           topk_weights=[torch.cat(by_layer[i][1]).float() for i in layers],
+                           router_logits=rl, logits=logits if with_logits else None)
+
+    def _score(self, token_ids: list[int], tracer, need_logits: bool = True) -> Tensor | None:
+        ids = self._check_ids(token_ids, "token_ids")
+        if len(ids) > self.max_seq_len:
+            raise EngineError(f"sequence of {len(ids)} tokens exceeds max_seq_len {self.max_seq_len}")
+        tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
+        out = []
+        for s in range(0, len(ids), self.prefill_chunk):
+            e = min(len(ids), s + self.prefill_chunk)
+            pos = torch.arange(s, e, device=self.device)[None, :]
+            h = self.model(tokens[:, s:e], pos, kv_len=e)
+            if need_logits:
+                out.append(self.model.lm_head(h[0]).float().cpu())
+        return torch.cat(out) if need_logits else None
+
+    # ---- generation ----
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                 seed: int | None = None, stop_ids: list[int] | None = None, ignore_eos: bool = False,
+                 top_logprobs: int = 0,
+                 on_token: Callable[[int, int], None] | None = None) -> list[GenerationOutput]:
+        """Generate for each prompt (token ids). Greedy when temperature <= 0, else sampled with a
+        torch.Generator seeded from `seed` (a fresh random seed when None). Prompts beyond
+        `max_batch` run in successive batches. `on_token(prompt_index, token_id)` is called as
+        each token is known (not for the stop token)."""
+        if max_new_tokens < 0:
+            raise EngineError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        prompts = [self._check_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise EngineError(f"prompts[{i}] is empty: at least one token is needed")
+            if len(p) + max_new_tokens > self.max_seq_len:
+                raise EngineError(f"prompts[{i}]: {len(p)} prompt tokens + {max_new_tokens} new tokens "
+                                  f"exceed max_seq_len {self.max_seq_len}")
+        stops = set(stop_ids or ())
+        if not ignore_eos:
+            stops |= set(self.eos_token_ids)
+        gen = torch.Generator(device=self.device)
+        if seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(seed)
+        results: list[GenerationOutput] = []
+        with self._lock:
+            for start in range(0, len(prompts), self.max_batch):
+                batch = prompts[start:start + self.max_batch]
+                cb = None
+                if on_token is not None:
+                    cb = (lambda off: (lambda i, t: on_token(off + i, t)))(start)
+                results += self._generate_batch(batch, max_new_tokens, temperature, gen, stops,
+                                                top_logprobs, cb)
+        return results
+
+    def _generate_batch(self, prompts, max_new, temperature, gen, stops, n_top, on_token):
+        t0 = time.perf_counter()
+        B = len(prompts)
+        lens = [len(p) for p in prompts]
+        outs = [GenerationOutput([], [], "length", [], n) for n in lens]
+        if max_new == 0:
+            return outs
+        logits = self._prefill(prompts)                                   # [B, V] float32
+        done = [False] * B
+        cur = torch.zeros(B, 1, dtype=torch.long, device=self.device)
+        for step in range(max_new):
+            next_ids = self._sample(logits, temperature, gen)
+            if n_top > 0:
+                top_v, top_i = torch.topk(torch.log_softmax(logits, dim=-1), n_top, dim=-1)
+                top_v, top_i = top_v.cpu().tolist(), top_i.cpu().tolist()
+            host_ids = next_ids.cpu().tolist()                            # one host sync per step
+            now = time.perf_counter() - t0
+            for b in range(B):
+                if done[b]:
+                    continue
+                tok = host_ids[b]
+                outs[b].token_times.append(now)
+                if n_top > 0:
+                    outs[b].top_logprobs.append(list(zip(top_i[b], top_v[b])))
+                if tok in stops:
+                    outs[b].finish_reason, outs[b].stop_token, done[b] = "stop", tok, True
+                    continue
+                outs[b].token_ids.append(tok)
+                if on_token is not None:
+                    on_token(b, tok)
+            if all(done) or step == max_new - 1:
+                break
+            # Every row decodes (finished ones too: static shapes); row b writes slot lens[b] + step.
+            cur.copy_(next_ids.view(B, 1))
+            pos = torch.tensor(lens, device=self.device).view(B, 1) + step
+            kv_len = self._kv_len(max(lens) + step + 1)
+            h = self.model(cur, pos, kv_len)
+            logits = self.model.lm_head(h[:, -1]).float()
+        return outs
+
+    def _prefill(self, prompts: list[list[int]]) -> Tensor:
+        """Run right-padded prompts through the cache in chunks; logits of each row's last token."""
+        B, lens = len(prompts), [len(p) for p in prompts]
+        T = max(lens)
+        pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        tokens = torch.tensor([p + [pad] * (T - len(p)) for p in prompts], dtype=torch.long,
+                              device=self.device)
+        last_h = torch.empty(B, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        for s in range(0, T, self.prefill_chunk):
+            e = min(T, s + self.prefill_chunk)
+            pos = torch.arange(s, e, device=self.device)[None, :].expand(B, -1)
+            h = self.model(tokens[:, s:e], pos, kv_len=e)
+            for b, n in enumerate(lens):
+                if s <= n - 1 < e:
+                    last_h[b] = h[b, n - 1 - s]
+        return self.model.lm_head(last_h).float()
+
+    @staticmethod
+    def _sample(logits: Tensor, temperature: float, gen: torch.Generator) -> Tensor:
+        if temperature <= 0:
+            return logits.argmax(dim=-1)
+        probs = torch.softmax(logits / temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+    def _kv_len(self, needed: int) -> int:
+        return min(self.max_seq_len, -(-needed // KV_BUCKET) * KV_BUCKET)
+
+    def _check_ids(self, ids, what: str) -> list[int]:
+        V = self.config.vocab_size
+        out = []
+        for i, t in enumerate(ids):
+            try:
+                t = operator.index(t)   # ints, numpy ints, 0-d integer tensors
+            except TypeError:
+                t = None
+            if t is None or isinstance(t, bool) or not 0 <= t < V:
+                raise EngineError(f"{what}[{i}] = {ids[i]!r}: expected a token id in [0, {V})")
+            out.append(t)
+        return out
