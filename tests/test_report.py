@@ -1,0 +1,263 @@
+"""The HTML report on hand-written run and compare directories built from real GSM8K items."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from moebench.report import ReportError, render
+from moebench.report import plots
+from moebench.report.sections import per_side, speed_rows
+
+DATA = Path(os.environ.get("MOEBENCH_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "datasets"))
+GSM8K = DATA / "gsm8k" / "test.jsonl"
+XSS = "<script>alert(1)</script>"
+
+N_ITEMS = 12
+BASE_WRONG = {9, 10, 11}
+CAND_WRONG = {2, 5, 9, 11}          # loses 2 and 5, wins 10
+CAND_ERROR = {7}                    # excluded from pairing
+
+
+def gsm8k_items(n: int) -> list[dict]:
+    if not GSM8K.is_file():
+        pytest.skip(f"dataset mirror missing: {GSM8K}")
+    out = []
+    with GSM8K.open(encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if i == n:
+                break
+            d = json.loads(line)
+            out.append({"question": d["question"], "reference": d["answer"].split("####")[-1].strip()})
+    return out
+
+
+def manifest(label: str, model: str) -> dict:
+    return {"schema_version": 1, "run_id": f"20250101T000000_quality_{label}", "label": label,
+            "status": "complete", "started_at": "2025-01-01T00:00:00.000+00:00",
+            "ended_at": "2025-01-01T00:12:00.000+00:00", "suite": {"name": "quality"},
+            "runner": {"kind": "engine", "name": f"engine-{label}"},
+            "model": {"path": f"models/zoo/{model}", "sha256": "ab" * 32},
+            "build": {"moebench_version": "0.1.0", "git_rev": "a29fe80", "dirty": False},
+            "host": {"cpu": "x86_64", "ram_gib": 24, "gpus": ["NVIDIA H200"]}}
+
+
+def write_run(path: Path, label: str, wrong: set[int], errors: set[int], items: list[dict],
+              poisoned: int | None = None) -> None:
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text(json.dumps(manifest(label, f"tiny-moe-{label}")), encoding="utf-8")
+    with (path / "items.jsonl").open("w", encoding="utf-8") as f:
+        for i, it in enumerate(items):
+            rec = {"task": "gsm8k", "item_id": f"gsm8k/test/{i}", "question": it["question"],
+                   "reference": it["reference"], "prompt_hash": f"h{i}"}
+            if i in errors:
+                rec.update(status="error", correct=None, answer=None, output="",
+                           error="RunnerError: http://127.0.0.1:8080 connection reset")
+            else:
+                ok = i not in wrong
+                answer = it["reference"] if ok else str(int(it["reference"].replace(",", "")) + 7)
+                text = f"Let's think step by step. ... The answer is {answer}."
+                if i == poisoned:
+                    text = f"{XSS} The answer is {answer}."
+                    answer = f"{answer}{XSS}"
+                rec.update(status="ok", correct=ok, answer=answer, output=text)
+            f.write(json.dumps(rec) + "\n")
+
+
+def full_compare(tmp: Path) -> Path:
+    items = gsm8k_items(N_ITEMS)
+    write_run(tmp / "runs" / "bf16", "bf16", BASE_WRONG, set(), items)
+    write_run(tmp / "runs" / "tiered", "tiered", CAND_WRONG, CAND_ERROR, items, poisoned=5)
+    # Candidate NVML samples for the memory timeline (bytes, seconds, phase).
+    rows = ["t_s,used_bytes,phase"]
+    for k in range(60):
+        phase = "load" if k < 10 else "prefill" if k < 25 else "decode" if k < 55 else "idle"
+        rows.append(f"{k * 0.1:.1f},{(20 + min(k, 30) * 0.5) * 2**30:.0f},{phase}")
+    (tmp / "runs" / "tiered" / "nvml_samples.csv").write_text("\n".join(rows) + "\n")
+    paired = [i for i in range(N_ITEMS) if i not in CAND_ERROR]
+    b_ok = sum(1 for i in paired if i not in BASE_WRONG)
+    c_ok = sum(1 for i in paired if i not in CAND_WRONG)
+    compare = {
+        "baseline": {"run": str(tmp / "runs" / "bf16"), "label": "bf16"},
+        "candidate": {"run": "../runs/tiered", "label": "tiered"},   # relative to the compare dir
+        "tasks": {"gsm8k": {
+            "n_paired": len(paired), "baseline_correct": b_ok, "candidate_correct": c_ok,
+            "baseline_accuracy": b_ok / len(paired), "candidate_accuracy": c_ok / len(paired),
+            "wins": ["gsm8k/test/10"], "losses": ["gsm8k/test/2", "gsm8k/test/5"],
+            "excluded": ["gsm8k/test/7"], "flip_rate": 3 / len(paired), "mcnemar_p": 1.0,
+            "delta_ci95": [-0.2727, 0.0909], "baseline_ci95": [0.5, 0.95], "candidate_ci95": [0.39, 0.89]}},
+        "kld": {"n_tokens": 16256, "mean": 0.0312, "mean_err": 0.0004, "median": 0.0121, "p99": 0.41,
+                "p999": 1.37, "p95": 0.12, "p90": 0.071, "p10": 0.0009, "p5": 0.0004, "p1": 0.00005,
+                "p01": 0.000004, "max": 4.2, "min": 0.0, "same_top_p": 0.9431, "same_top_p_err": 0.0018,
+                "delta_p": {"mean": -0.0021, "rms": 0.0412, "max": 0.61, "min": -0.72},
+                "ln_ppl_ratio": 0.0187, "ppl_ratio": 1.0189,
+                "histogram": {"edges": [0, 0.001, 0.01, 0.1, 1, 10], "counts": [2100, 7400, 5200, 1500, 56]},
+                "per_chunk": [0.029, 0.033, 0.031, 0.035],
+                "per_layer": {"router_agreement": [0.97, 0.91], "identical_set_share": [0.94, 0.83],
+                              "kld": [0.011, 0.027]},
+                "expert_usage": {"baseline": [[410, 120, 96, 300, 51, 77, 600, 130],
+                                              [200, 220, 180, 260, 240, 190, 210, 200]]},
+                "load_skew": {"baseline": [0.55, 0.31], "candidate": [0.58, 0.30]}},
+        "needle": {"cells": [{"length": L, "depth": d, "prompt_tokens": L - 3,
+                              "found_baseline": True, "found_candidate": not (L == 16384 and d == 0.5)}
+                             for L in (4096, 8192, 16384) for d in (0.1, 0.5, 0.9)]},
+        "speed": {"rows": [{"prompt_length": L,
+                            "baseline": {"ttft_s": L / 9000, "prefill_tok_s": 9000.0, "decode_tok_s": 41.0},
+                            "candidate": {"ttft_s": L / 7000, "prefill_tok_s": 7000.0, "decode_tok_s": 36.5},
+                            "ratios": {"ttft_s": 9 / 7, "prefill_tok_s": 7 / 9, "decode_tok_s": 36.5 / 41}}
+                           for L in (512, 2048, 8192)]},
+        "memory": {"baseline": {"peak_used_bytes": 40 * 2**30, "min_free_bytes": 100 * 2**30,
+                                "reserved_bytes": 615 * 2**20, "samples": 812},
+                   "candidate": {"peak_used_bytes": 35 * 2**30, "min_free_bytes": 105 * 2**30,
+                                 "reserved_bytes": 615 * 2**20, "samples": 60, "timeline": "nvml_samples.csv"}},
+        "energy": {"baseline": {"phases": {"prefill": {"joules": 812.5}, "decode": {"joules": 4410.0}},
+                                "j_per_token_prefill": 0.012, "j_per_token_decode": 1.9,
+                                "kwh_per_million_tokens": 0.41, "cost": {"day": 0.12, "night": 0.07}},
+                   "candidate": {"phases": {"prefill": {"joules": 901.0}, "decode": {"joules": 4012.0}},
+                                 "j_per_token_prefill": 0.013, "j_per_token_decode": 1.7,
+                                 "kwh_per_million_tokens": 0.37, "cost": {"day": 0.11, "night": 0.06}}},
+    }
+    cdir = tmp / "compare"
+    cdir.mkdir()
+    (cdir / "compare.json").write_text(json.dumps(compare, indent=1), encoding="utf-8")
+    return cdir
+
+
+def svgs(html: str) -> list[ET.Element]:
+    """Every inline SVG parsed as XML: a malformed plot fails here."""
+    return [ET.fromstring(m) for m in re.findall(r"<svg\b.*?</svg>", html, flags=re.S)]
+
+
+def rows_of_kind(html: str, kind: str) -> list[str]:
+    return re.findall(rf'<tr class="{kind}" data-kind="{kind}">\s*<td>([^<]*)</td>', html)
+
+
+def test_compare_report_has_every_section_and_escapes_model_text(tmp_path):
+    cdir = full_compare(tmp_path)
+    out = render(cdir)
+    assert out == cdir / "report.html"
+    html = out.read_text(encoding="utf-8")
+    # self-contained: no external resources
+    assert not re.search(r'<(link|img|iframe)\b|\bsrc=|https://', html)
+    assert html.count("<script>") == 1                 # only the report's own filter script
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert XSS not in html
+    # header: both labels, model identity, build
+    for text in ("bf16", "tiered", "models/zoo/tiny-moe-tiered", "a29fe80", "NVIDIA H200"):
+        assert text in html
+    # flips: one win, two losses; the errored item is neither
+    assert rows_of_kind(html, "win") == ["gsm8k/test/10"]
+    assert rows_of_kind(html, "loss") == ["gsm8k/test/2", "gsm8k/test/5"]
+    assert "gsm8k/test/7" not in rows_of_kind(html, "same-right") + rows_of_kind(html, "same-wrong")
+    assert len(rows_of_kind(html, "same-right")) == 6 and len(rows_of_kind(html, "same-wrong")) == 2
+    assert "Janet" in html                              # a real GSM8K question excerpt
+    assert "wins (1)" in html and "losses (2)" in html and "flips (3)" in html
+    assert "27.3%" in html                              # flip rate 3/11
+    for section in ('id="accuracy"', 'id="kld"', 'id="needle"', 'id="speed"', 'id="memory"', 'id="energy"'):
+        assert section in html
+    assert "0.9431" not in html and "94.310%" in html   # same top p shown as a percentage
+    assert "35.00 GiB" in html and "40.00 GiB" in html
+    assert "lost by the candidate 1" in html
+    parsed = svgs(html)
+    # accuracy, histogram, per-chunk, 3 per-layer bars, usage heatmap, skew, needle, 3 speed, memory
+    assert len(parsed) == 13
+    timeline = [s for s in parsed if s.get("aria-label") == "GPU memory used (GiB)"]
+    assert len(timeline) == 1
+    phases = {t.text.split(":")[0] for t in timeline[0].iter("{http://www.w3.org/2000/svg}title")}
+    assert {"load", "prefill", "decode", "idle"} <= phases
+    # every filter bar points at a table that exists
+    for table_id in re.findall(r'data-table="([^"]+)"', html):
+        assert f'id="{table_id}"' in html
+
+
+def test_compare_report_with_only_the_task_section_and_missing_runs(tmp_path):
+    cdir = tmp_path / "cmp"
+    cdir.mkdir()
+    (cdir / "compare.json").write_text(json.dumps({
+        "baseline": {"run": "/nonexistent/base", "label": "base"},
+        "candidate": {"run": "gone/cand"},
+        "tasks": {"cmmlu": {"n_paired": 40, "baseline_correct": 22, "candidate_correct": 19,
+                            "wins": ["cmmlu/anatomy/3"], "losses": ["cmmlu/anatomy/1", "cmmlu/anatomy/8",
+                                                                    "cmmlu/anatomy/30", "cmmlu/anatomy/31"]}},
+    }), encoding="utf-8")
+    out = render(cdir, out=tmp_path / "elsewhere" / "r.html")
+    html = out.read_text(encoding="utf-8")
+    assert out == tmp_path / "elsewhere" / "r.html"
+    assert "not found" in html and "/nonexistent/base" in html
+    assert "55.0%" in html and "47.5%" in html            # accuracies derived from counts
+    assert "12.5%" in html                                # flip rate derived: 5 / 40
+    assert rows_of_kind(html, "loss") == ["cmmlu/anatomy/1", "cmmlu/anatomy/8", "cmmlu/anatomy/30",
+                                          "cmmlu/anatomy/31"]
+    assert "no record in baseline, candidate" in html
+    for section in ('id="kld"', 'id="needle"', 'id="speed"', 'id="memory"', 'id="energy"'):
+        assert section not in html
+    svgs(html)
+
+
+def test_partial_optional_sections_render_what_is_there(tmp_path):
+    cdir = tmp_path / "cmp"
+    cdir.mkdir()
+    (cdir / "compare.json").write_text(json.dumps({
+        "baseline": {"run": "x"}, "candidate": {"run": "y"}, "tasks": {},
+        "kld": {"mean": 0.5, "histogram": {"edges": [0, 1], "counts": [1, 2]},   # mismatched
+                "per_layer": {"router_agreement": [0.9, None, 0.8]}, "expert_usage": {"baseline": [[]]}},
+        "needle": {"cells": [{"length": 1024, "depth": 0.5}]},
+        "speed": {"rows": [{"prompt_length": 128, "baseline": {"decode_tok_s": 10.0}}]},
+        "memory": {"peak_used_bytes": 2**31, "timeline": "missing.parquet"},
+        "energy": {"note": "NVML absent"},
+    }), encoding="utf-8")
+    html = render(cdir).read_text(encoding="utf-8")
+    assert "histogram: edges and counts do not match" in html
+    assert "memory timeline &#39;missing.parquet&#39; for the candidate run not found" in html
+    assert "2.00 GiB" in html and "NVML absent" in html
+    assert 'id="needle"' in html and "candidate found\n0" in html
+    svgs(html)
+
+
+def test_single_run_report(tmp_path):
+    items = gsm8k_items(6)
+    run = tmp_path / "run"
+    write_run(run, "tiered", wrong={1, 4}, errors={3}, items=items, poisoned=4)
+    html = render(run).read_text(encoding="utf-8")
+    assert XSS not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert "tiny-moe-tiered" in html and "complete" in html
+    assert "60.0%" in html                               # 3 of 5 scored; the error is not a wrong answer
+    assert "errors (1)" in html and "wrong (2)" in html and "correct (3)" in html
+    assert "connection reset" in html
+    assert len(rows_of_kind(html, "error")) == 1
+    assert len(svgs(html)) == 1
+
+
+def test_bad_inputs_name_the_file(tmp_path):
+    with pytest.raises(ReportError, match="neither a compare directory"):
+        render(tmp_path)
+    (tmp_path / "compare.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(ReportError, match=r"compare\.json: not valid JSON"):
+        render(tmp_path)
+
+
+def test_plots_escape_labels_and_parse():
+    svg = plots.heatmap([[1, 2], [3, None]], ["<b>", "1"], ["a&b", "c"], "layer", "expert")
+    el = ET.fromstring(svg)
+    assert "<b>" not in svg and "&lt;b&gt;" in svg
+    titles = [t.text for t in el.iter("{http://www.w3.org/2000/svg}title")]
+    assert "layer 1, expert c: missing" in titles
+    assert plots.nice_ticks(0, 1) == [0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    ET.fromstring(plots.line_plot([("a", [128, 1024], [1, 2])], "x", "y", log_x=True))
+
+
+def test_section_readers_accept_other_nestings():
+    rows = speed_rows({"rows": [{"prompt_length": 256, "baseline_decode_tok_s": 20.0,
+                                 "candidate_decode_tok_s": 15.0, "decode_ratio": 0.75},
+                                {"prompt_length": 128, "decode_tok_s": {"baseline": {"median": 10.0},
+                                                                        "candidate": {"median": 12.0}}}]})
+    assert [r["prompt_length"] for r in rows] == [128, 256]
+    assert rows[0]["decode_tok_s_ratio"] == pytest.approx(1.2)
+    assert rows[1]["decode_tok_s_ratio"] == 0.75
+    names, values = per_side({"peak_used_bytes": {"baseline": 1, "candidate": 2}, "samples": 5})
+    assert values["baseline"]["peak_used_bytes"] == 1 and values["candidate"]["peak_used_bytes"] == 2
+    assert values["value"]["samples"] == 5 and names == ["peak_used_bytes", "samples"]
