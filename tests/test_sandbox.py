@@ -31,7 +31,6 @@ def _processes_with(marker: str) -> list[int]:
 
 def _assert_harness_fine(result) -> None:
     """The test process is alive, nothing of the check is left, and the sandbox still works."""
-    assert os.getppid() > 1 or True          # we are running this line: the kill did not reach us
     assert _processes_with(result.run_id) == [], f"stray processes of run {result.run_id}"
     for parent in sandbox.plan().cgroup_parents.values():
         assert not (parent / f"moebench-sbx-{result.run_id}").exists(), "cgroup left behind"
