@@ -1,0 +1,144 @@
+"""`kind = "engine"`: the in-repo tiered torch MoE engine, in process (no server, no GPU needed).
+
+A thin adapter: text <-> token ids with the checkpoint's tokenizer, blocking engine calls in a worker
+thread, stop strings cut on the host. Offers full next-token logits and router traces, which the
+KLD task and the MoE signals use.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from moebench.config import Field, ProfileError, positive
+from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
+
+SCHEMA: dict[str, Field] = {
+    "model": Field(str, required=True, doc="a Hugging Face checkpoint directory or a packed tiered artifact"),
+    "dtype": Field(str, default="bfloat16", choices=("float32", "bfloat16", "float16")),
+    "device": Field(str, default="auto", doc="auto | cpu | cuda | cuda:N"),
+    "max_seq_len": Field(int, check=positive, doc="KV cache length (default: the model's, capped)"),
+    "max_batch": Field(int, default=1, check=positive),
+    "prefill_chunk": Field(int, default=512, check=positive),
+}
+
+
+def _resolve_device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _model_hash(path: Path) -> dict[str, Any]:
+    """A content hash over the files that define the model (weights, config, plan, tokenizer)."""
+    h = hashlib.sha256()
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".json") and p.is_file())
+    total = 0
+    for p in files:
+        h.update(p.name.encode())
+        with p.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+                total += len(block)
+    return {"sha256": h.hexdigest(), "bytes": total, "files": [p.name for p in files]}
+
+
+class EngineRunner(Runner):
+    kind = "engine"
+    capabilities = frozenset({Capability.GENERATE, Capability.STREAM, Capability.TOP_LOGPROBS,
+                              Capability.FULL_LOGITS, Capability.TOKENIZE, Capability.TOKEN_PROMPTS,
+                              Capability.ROUTER_TRACE})
+
+    def __init__(self, profile: dict[str, Any], profile_path: str | None = None):
+        super().__init__(profile, profile_path)
+        self.model_path = Path(profile["model"])
+        if not self.model_path.is_dir() or not (self.model_path / "config.json").is_file():
+            raise ProfileError(f"{profile_path or 'runner profile'}: key 'model': {self.model_path} is not a "
+                               "checkpoint directory with config.json (build the zoo with `moebench zoo build`)")
+        self.concurrency = 1          # one engine, one request at a time (it holds a lock anyway)
+        self.engine = None
+        self.device = _resolve_device(profile.get("device", "auto"))
+
+    async def start(self, run_dir: str | None = None) -> None:
+        if self.engine is not None:
+            return
+        from moebench.engine import Engine
+        kwargs = {k: self.profile[k] for k in ("max_seq_len", "max_batch", "prefill_chunk") if self.profile.get(k)}
+        t0 = time.perf_counter()
+        self.engine = await asyncio.to_thread(Engine.load, self.model_path, device=self.device,
+                                              dtype=self.profile.get("dtype", "bfloat16"), **kwargs)
+        self.load_s = time.perf_counter() - t0
+
+    async def close(self) -> None:
+        self.engine = None
+
+    def identity(self) -> dict[str, Any]:
+        import torch
+        model = {"path": str(self.model_path), **_model_hash(self.model_path),
+                 "tiered": (self.model_path / "plan.json").is_file()}
+        try:
+            model["config"] = json.loads((self.model_path / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError):
+            pass
+        return {"model": model, "build": {"engine": "moebench", "torch": torch.__version__, "device": self.device,
+                                          "dtype": self.profile.get("dtype", "bfloat16")}}
+
+    def _eng(self):
+        if self.engine is None:
+            raise RunnerError("engine runner used before start()")
+        return self.engine
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        eng = self._eng()
+        ids = request.prompt if isinstance(request.prompt, list) else eng.tokenize(request.prompt)
+        t0 = time.perf_counter()
+        try:
+            out = (await asyncio.to_thread(
+                eng.generate, [ids], request.max_tokens, temperature=request.temperature, seed=request.seed,
+                ignore_eos=request.ignore_eos, top_logprobs=request.top_logprobs))[0]
+        except ValueError as e:          # EngineError: too long, empty prompt, ...
+            raise RunnerError(str(e)) from None
+        text = eng.detokenize(out.token_ids)
+        token_ids, finish = out.token_ids, out.finish_reason
+        cut = _first_stop(text, request.stop)
+        if cut is not None:
+            text, finish = text[:cut], "stop"
+            token_ids = _tokens_within(eng, token_ids, text)
+        top = None
+        if request.top_logprobs:
+            top = [{eng.detokenize([tid], skip_special=False): lp for tid, lp in step}
+                   for step in out.top_logprobs[: max(1, len(token_ids))]]
+        return GenerateResult(text=text, token_ids=token_ids, prompt_tokens=len(ids), output_tokens=len(token_ids),
+                              finish_reason=finish, top_logprobs=top, token_times=out.token_times[: len(token_ids)],
+                              timings={"wall_s": time.perf_counter() - t0})
+
+    async def tokenize(self, text: str) -> list[int]:
+        return self._eng().tokenize(text)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return self._eng().detokenize(token_ids)
+
+    async def logits(self, token_ids: list[int]):
+        """[len, vocab] float32 next-token logits at every position (teacher forcing)."""
+        return await asyncio.to_thread(self._eng().logits, token_ids)
+
+    async def trace(self, token_ids: list[int], with_logits: bool = True):
+        """Router traces (per layer top-k ids and weights) and, optionally, the logits in one pass."""
+        return await asyncio.to_thread(self._eng().trace, token_ids, router_logits=False, with_logits=with_logits)
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i != -1]
+    return min(hits) if hits else None
+
+
+def _tokens_within(eng: Any, token_ids: list[int], text: str) -> list[int]:
+    """The shortest prefix of the generated ids whose text covers the kept text."""
+    for n in range(len(token_ids) + 1):
+        if len(eng.detokenize(token_ids[:n])) >= len(text):
+            return token_ids[:n]
+    return token_ids
