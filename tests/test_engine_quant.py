@@ -1,0 +1,118 @@
+"""Quant formats: exact bit-packing round trips, dequantize error ordering, exact storage sizes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moebench.engine.quant import (QuantError, QuantizedTensor, bytes_per_weight, format_nbytes, pack_nibbles,
+                                   pack_trits, parse_format, quantize, unpack_nibbles, unpack_trits)
+
+LENGTHS = [1, 2, 3, 4, 5, 6, 7, 63, 64, 65, 127, 128, 333]
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_nibbles_round_trip_exact(n):
+    g = torch.Generator().manual_seed(n)
+    codes = torch.randint(0, 16, (3, n), generator=g, dtype=torch.uint8)
+    packed = pack_nibbles(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, (n + 1) // 2)
+    assert torch.equal(unpack_nibbles(packed, n), codes)
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_trits_round_trip_exact(n):
+    g = torch.Generator().manual_seed(100 + n)
+    codes = torch.randint(0, 3, (2, 3, n), generator=g, dtype=torch.uint8)
+    packed = pack_trits(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (2, 3, -(-n // 5))
+    assert int(packed.max()) <= 242          # five trits never overflow a byte
+    assert torch.equal(unpack_trits(packed, n), codes)
+
+
+def test_trits_extremes_and_every_byte_value():
+    # All 243 five-trit patterns map to distinct bytes and back.
+    digits = torch.cartesian_prod(*[torch.arange(3)] * 5).to(torch.uint8)   # [243, 5]
+    packed = pack_trits(digits)
+    assert packed.shape == (243, 1)
+    assert len(set(packed.flatten().tolist())) == 243
+    assert torch.equal(unpack_trits(packed, 5), digits)
+
+
+def test_unpack_rejects_wrong_length_and_dtype():
+    with pytest.raises(QuantError, match="expected 3 bytes"):
+        unpack_trits(torch.zeros(4, dtype=torch.uint8), 11)
+    with pytest.raises(QuantError, match="must be uint8"):
+        unpack_nibbles(torch.zeros(4, dtype=torch.int32), 8)
+
+
+ALL_FORMATS = ["bf16", "int8", "int4", "int4_asym", "ternary", "ternary+r8", "int4+r4"]
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+@pytest.mark.parametrize("shape", [(48, 100), (33, 64), (7, 5)])
+def test_quantized_state_round_trip_and_sizes(fmt, shape):
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 0.05
+    q = quantize(w, fmt)
+    assert q.nbytes == format_nbytes(fmt, *shape)
+    again = QuantizedTensor.from_state(q.fmt, q.shape, q.state("x"), "x")
+    d1, d2 = q.dequantize(), again.dequantize()
+    assert d1.shape == shape
+    assert torch.equal(d1, d2)
+    # Re-quantizing the packed codes gives back the same bytes (packing is lossless).
+    assert all(torch.equal(q.parts[k], again.parts[k]) for k in q.parts)
+
+
+def test_ternary_levels_per_group():
+    w = torch.randn(4, 128, generator=torch.Generator().manual_seed(2))
+    q = quantize(w, "ternary")
+    d = q.dequantize().reshape(4, 2, 64)
+    scale = q.parts["scale"].float()
+    ratio = d / scale[..., None]
+    assert torch.allclose(ratio, ratio.round(), atol=1e-6)
+    assert set(ratio.round().unique().tolist()) <= {-1.0, 0.0, 1.0}
+    assert set(ratio.round().unique().tolist()) == {-1.0, 0.0, 1.0}   # all three levels used
+
+
+def test_int4_codes_are_in_range():
+    w = torch.randn(16, 130, generator=torch.Generator().manual_seed(3))
+    q = quantize(w, "int4")
+    codes = unpack_nibbles(q.parts["q"], 192)
+    assert int(codes.min()) >= 1 and int(codes.max()) <= 15     # symmetric: q+8 in [1, 15]
+    assert (codes.reshape(16, 192)[:, 130:] == 8).all()          # padding holds zeros
+
+
+def test_error_ordering_and_lowrank_helps():
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(256, 512, generator=g) * 0.02
+    err = {f: ((quantize(w, f).dequantize() - w) ** 2).mean().item() for f in
+           ["bf16", "int8", "int4", "int4_asym", "ternary", "ternary+r16"]}
+    assert err["bf16"] < err["int8"] < err["int4"] < err["ternary"]
+    assert err["int4_asym"] < err["ternary"]
+    assert err["ternary+r16"] < err["ternary"]
+    rel = err["ternary"] / (w ** 2).mean().item()
+    assert 0.05 < rel < 0.5      # ternary with per-64 scales keeps most of the signal
+
+
+def test_lowrank_is_exact_when_rank_is_full():
+    w = torch.randn(8, 12, generator=torch.Generator().manual_seed(5))
+    q = quantize(w, "ternary+r8")
+    # The full-rank SVD of the residual restores W up to fp16 rounding of A and B.
+    assert torch.allclose(q.dequantize(), w, atol=5e-3)
+
+
+def test_bytes_per_weight_figures():
+    assert bytes_per_weight("bf16") == 2.0
+    assert bytes_per_weight("int8") == pytest.approx(1.0 + 2 / 4096)
+    assert bytes_per_weight("int4") == pytest.approx(0.5 + 2 / 64)
+    assert bytes_per_weight("int4_asym") == pytest.approx(0.5 + 4 / 64)
+    # A 4096-wide row packs into ceil(4096 / 5) = 820 bytes of trits, plus a 2-byte scale per 64.
+    assert bytes_per_weight("ternary") == pytest.approx(820 / 4096 + 2 / 64)
+    assert bytes_per_weight("ternary") < 0.24
+
+
+def test_unknown_format_names_the_choices():
+    with pytest.raises(QuantError, match="unknown quant format 'int3'"):
+        parse_format("int3")
+    with pytest.raises(QuantError, match="2-D"):
+        quantize(torch.zeros(3), "int8")
+    assert parse_format("ternary+r8") == ("ternary", 8)
