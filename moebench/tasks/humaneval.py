@@ -1,0 +1,108 @@
+"""HumanEval: complete a Python function greedily, then run the problem's own tests in the sandbox.
+
+The program checked is the human-eval one: prompt + completion + "\\n" + test + "\\ncheck(entry_point)".
+Stop sequences are the Codex paper's / lm-eval's set ["\\nclass", "\\ndef", "\\n#", "\\nif", "\\nprint"]:
+they end the completion at the first new top-level statement, so the model's own trailing tests or
+extra functions never reach the checker. The completion is cut at them here too, in case a server
+does not apply them.
+
+A check that times out is run once more before it may count as a loss (a loaded machine can make a
+correct solution slow); both attempts are recorded. A sandbox that cannot start is an error (raised),
+never a wrong answer.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from moebench.config import Field, positive
+from moebench.datasets import DatasetError, data_file, read_jsonl, register
+from moebench.runners.base import Capability, GenerateRequest, Runner
+from moebench.scoring.sandbox import SandboxError, SandboxResult, run_untrusted
+from moebench.tasks.base import Item, Task, prompt_hash
+
+DATA_FILE = "humaneval/HumanEval.jsonl.gz"
+# Codex paper (Chen et al. 2021) and lm-eval 0.4.13 tasks/humaneval/humaneval.yaml `until`.
+DEFAULT_STOP = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
+REQUIRED_KEYS = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
+
+
+def cut_at_stop(text: str, stops: list[str]) -> str:
+    """Cut at the first stop sequence (the server may not have)."""
+    cut = len(text)
+    for s in stops:
+        i = text.find(s)
+        if i != -1:
+            cut = min(cut, i)
+    return text[:cut]
+
+
+def check_program(prompt: str, completion: str, test: str, entry_point: str) -> str:
+    """The program human-eval executes: passing = exit status 0."""
+    return prompt + completion + "\n" + test + "\n" + f"check({entry_point})\n"
+
+
+def run_check(program: str, timeout_s: float) -> tuple[SandboxResult, list[str]]:
+    """Run a check; re-run once on timeout. Returns the deciding result and every attempt's status.
+
+    Raises SandboxError when the sandbox itself could not run the check.
+    """
+    statuses: list[str] = []
+    for _attempt in range(2):
+        result = run_untrusted(program, timeout_s=timeout_s)
+        statuses.append(result.status)
+        if result.status == "error":
+            raise SandboxError(f"sandbox failure (not the completion's fault): {result.reason}")
+        if result.status != "timeout":
+            break
+    return result, statuses
+
+
+def load_problems(path) -> list[dict[str, Any]]:
+    rows = read_jsonl(path)
+    for n, row in enumerate(rows):
+        missing = [k for k in REQUIRED_KEYS if not isinstance(row.get(k), str)]
+        if missing:
+            raise DatasetError(f"{path}: line {n + 1} lacks string field(s) {', '.join(missing)}; "
+                               f"expected {', '.join(REQUIRED_KEYS)}")
+    return rows
+
+
+class HumanEvalTask(Task):
+    kind = "humaneval"
+    options = {
+        "max_tokens": Field(int, default=512, check=positive),
+        "timeout_s": Field(float, default=10.0, check=positive,
+                           doc="wall seconds for one check in the sandbox (re-run once on timeout)"),
+        "stop": Field(list, item_type=str, default=lambda: list(DEFAULT_STOP)),
+    }
+
+    def needs(self, runner: Runner) -> set[str]:
+        return {Capability.GENERATE}
+
+    def items(self) -> list[Item]:
+        root = self.ctx.data_dir
+        path = data_file(root, DATA_FILE)
+        register(self.ctx.data_files, root, path)
+        items = [Item(row["task_id"], {k: row[k] for k in REQUIRED_KEYS}) for row in load_problems(path)]
+        return self._cut(items)
+
+    async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
+        d = item.data
+        prompt = d["prompt"]
+        stop = list(self.opts.get("stop") or DEFAULT_STOP)
+        result = await runner.generate(GenerateRequest(
+            prompt=prompt, max_tokens=int(self.opts.get("max_tokens", 512)), stop=stop, temperature=0.0))
+        completion = cut_at_stop(result.text, stop)
+        program = check_program(prompt, completion, d["test"], d["entry_point"])
+        # The sandbox blocks (a child process): keep the event loop free for other requests.
+        check, statuses = await asyncio.to_thread(run_check, program, float(self.opts.get("timeout_s", 10.0)))
+        return {
+            **result.to_record_fields(),
+            "output": result.text,
+            "answer": completion,
+            "reference": d["canonical_solution"],
+            "correct": check.passed,
+            "prompt_hash": prompt_hash(prompt),
+            "sandbox": {**check.summary(), "attempts": statuses},
+        }
