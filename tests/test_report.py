@@ -78,6 +78,15 @@ def full_compare(tmp: Path) -> Path:
         phase = "load" if k < 10 else "prefill" if k < 25 else "decode" if k < 55 else "idle"
         rows.append(f"{k * 0.1:.1f},{(20 + min(k, 30) * 0.5) * 2**30:.0f},{phase}")
     (tmp / "runs" / "tiered" / "nvml_samples.csv").write_text("\n".join(rows) + "\n")
+    # Baseline: Parquet samples on a monotonic clock, phases in the probe's separate marks file.
+    import pandas as pd
+    t0 = 5000.0
+    pd.DataFrame({"time_s": [t0 + k * 0.1 for k in range(80)],
+                  "used_bytes": [(22 + min(k, 40) * 0.45) * 2**30 for k in range(80)]}
+                 ).to_parquet(tmp / "runs" / "bf16" / "nvml_samples.parquet")
+    (tmp / "runs" / "bf16" / "nvml_phases.json").write_text(json.dumps(
+        [{"phase": "load", "t": t0}, {"phase": "prefill", "t": t0 + 1.5}, {"phase": "decode", "t": t0 + 3.0},
+         {"phase": "idle", "t": t0 + 7.5}]))
     paired = [i for i in range(N_ITEMS) if i not in CAND_ERROR]
     b_ok = sum(1 for i in paired if i not in BASE_WRONG)
     c_ok = sum(1 for i in paired if i not in CAND_WRONG)
@@ -111,7 +120,8 @@ def full_compare(tmp: Path) -> Path:
                             "ratios": {"ttft_s": 9 / 7, "prefill_tok_s": 7 / 9, "decode_tok_s": 36.5 / 41}}
                            for L in (512, 2048, 8192)]},
         "memory": {"baseline": {"peak_used_bytes": 40 * 2**30, "min_free_bytes": 100 * 2**30,
-                                "reserved_bytes": 615 * 2**20, "samples": 812},
+                                "reserved_bytes": 615 * 2**20, "samples": 80,
+                                "timeline": "nvml_samples.parquet"},
                    "candidate": {"peak_used_bytes": 35 * 2**30, "min_free_bytes": 105 * 2**30,
                                  "reserved_bytes": 615 * 2**20, "samples": 60, "timeline": "nvml_samples.csv"}},
         "energy": {"baseline": {"phases": {"prefill": {"joules": 812.5}, "decode": {"joules": 4410.0}},
@@ -163,12 +173,16 @@ def test_compare_report_has_every_section_and_escapes_model_text(tmp_path):
     assert "35.00 GiB" in html and "40.00 GiB" in html
     assert "lost by the candidate 1" in html
     parsed = svgs(html)
-    # accuracy, histogram, per-chunk, 3 per-layer bars, usage heatmap, skew, needle, 3 speed, memory
-    assert len(parsed) == 13
-    timeline = [s for s in parsed if s.get("aria-label") == "GPU memory used (GiB)"]
-    assert len(timeline) == 1
-    phases = {t.text.split(":")[0] for t in timeline[0].iter("{http://www.w3.org/2000/svg}title")}
-    assert {"load", "prefill", "decode", "idle"} <= phases
+    # accuracy, histogram, per-chunk, 3 per-layer bars, usage heatmap, skew, needle, 3 speed, 2 memory
+    assert len(parsed) == 14
+    timelines = [s for s in parsed if s.get("aria-label") == "GPU memory used (GiB)"]
+    assert len(timelines) == 2                           # one per run, each on its own clock
+    for tl in timelines:
+        titles = {t.text for t in tl.iter("{http://www.w3.org/2000/svg}title")}
+        assert {"load", "prefill", "decode", "idle"} <= {t.split(":")[0] for t in titles}
+        assert len(tl.findall("{http://www.w3.org/2000/svg}polyline")) == 1
+    baseline_titles = {t.text for t in timelines[0].iter("{http://www.w3.org/2000/svg}title")}
+    assert "decode: 3 to 7.5 s" in baseline_titles        # from nvml_phases.json, relative to the first sample
     # every filter bar points at a table that exists
     for table_id in re.findall(r'data-table="([^"]+)"', html):
         assert f'id="{table_id}"' in html

@@ -38,22 +38,24 @@ def fmt_tick(v: float) -> str:
 
 
 def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    """About `n` round tick values covering [lo, hi]."""
+    """About `n` round tick values from at or below `lo` to at or above `hi`."""
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return [0.0]
     if hi <= lo:
         hi = lo + (abs(lo) or 1.0)
     raw = (hi - lo) / max(n, 1)
     mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    start = math.floor(lo / step) * step
-    ticks = []
-    t = start
-    while t <= hi + step * 1e-9:
-        if t >= lo - step * 1e-9:
-            ticks.append(round(t, 12))
-        t += step
-    return ticks
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw * (1 - 1e-9))
+    first = math.floor(lo / step + 1e-9)
+    last = math.ceil(hi / step - 1e-9)
+    return [round(k * step, 12) for k in range(first, last + 1)]
+
+
+def fmt_tokens(v: float) -> str:
+    """Token counts as people write context sizes: 512, 4k, 128k (k = 1024 where it divides)."""
+    if isinstance(v, (int, float)) and v >= 1024 and float(v).is_integer() and int(v) % 1024 == 0:
+        return f"{int(v) // 1024}k"
+    return fmt_tick(v)
 
 
 def _finite(values: Sequence[float | None]) -> list[float]:
@@ -119,6 +121,19 @@ def _legend(names: Sequence[str], colours: Sequence[str], x: float, y: float = M
     return out
 
 
+LEGEND_H = 18
+
+
+def _legend_row(names: Sequence[str], colours: Sequence[str], y: float, x: float = MARGIN_L) -> list[str]:
+    """A horizontal legend under the plot, where it cannot cover data or phase bands."""
+    out = []
+    for name, colour in zip(names, colours):
+        out.append(f'<rect x="{_num(x)}" y="{_num(y)}" width="10" height="10" fill="{colour}" stroke="#999" stroke-width="0.5"/>')
+        out.append(f'<text class="tick" x="{_num(x + 14)}" y="{_num(y + 9)}">{escape(str(name))}</text>')
+        x += 14 + 6.2 * len(str(name)) + 16
+    return out
+
+
 def empty_plot(message: str, height: int = 60) -> str:
     out = _open(height, message)
     out.append(f'<text class="label" x="{WIDTH / 2}" y="{height / 2}" text-anchor="middle">{escape(message)}</text>')
@@ -163,7 +178,7 @@ def histogram(edges: Sequence[float], counts: Sequence[float], xlabel: str, log_
     f = _Frame(0, len(counts), 0, top, height)
     out = _open(height, f"histogram of {xlabel}")
     if log_y:
-        yticks = [scale(10 ** k - 1) for k in range(0, int(math.ceil(top)) + 1)]
+        yticks = [0.0] + [scale(10 ** k) for k in range(0, int(math.ceil(top)) + 1) if scale(10 ** k) <= top * 1.05]
         yfmt = lambda v: fmt_tick(round(10 ** v - 1))  # noqa: E731
     else:
         yticks, yfmt = nice_ticks(0, top), fmt_tick
@@ -183,8 +198,11 @@ def histogram(edges: Sequence[float], counts: Sequence[float], xlabel: str, log_
 
 def line_plot(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], xlabel: str, ylabel: str,
               log_x: bool = False, height: int = 220, y_zero: bool = True,
-              colours: Sequence[str] = SERIES_COLOURS) -> str:
-    """Lines with markers; `series` is (name, xs, ys); points with a missing value are skipped."""
+              colours: Sequence[str] | None = None, xfmt=fmt_tick) -> str:
+    """Lines with markers; `series` is (name, xs, ys); points with a missing value are skipped.
+
+    Default colours: baseline grey and candidate blue for two series, blue for one.
+    """
     pts_all = []
     clean = []
     for name, xs, ys in series:
@@ -206,8 +224,13 @@ def line_plot(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], xl
             int(math.floor(math.log10(min(xs)))), int(math.ceil(math.log10(max(xs)))) + 1)]
     else:
         xt = nice_ticks(min(xs), max(xs))
-    out = _open(height, ylabel)
-    out += _axes(f, xt, yt, xlabel, ylabel)
+        if all(x.is_integer() for x in xs):      # layers, chunks: no fractional ticks
+            xt = [t for t in xt if float(t).is_integer() and min(xs) <= t <= max(xs)] or sorted(set(xs))
+    if colours is None:
+        colours = (CANDIDATE,) if len(clean) == 1 else SERIES_COLOURS
+    legend = len(clean) > 1
+    out = _open(height + (LEGEND_H if legend else 0), ylabel)
+    out += _axes(f, xt, yt, xlabel, ylabel, xfmt=xfmt)
     for (name, pts), colour in zip(clean, colours):
         if not pts:
             continue
@@ -216,14 +239,14 @@ def line_plot(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], xl
         for x, y in pts:
             out.append(f'<circle cx="{_num(f.px(x))}" cy="{_num(f.py(y))}" r="2.5" fill="{colour}">'
                        f'<title>{escape(f"{name}: x={x:g}, y={y:.4g}")}</title></circle>')
-    if len(clean) > 1:
-        out += _legend([n for n, _ in clean], colours, WIDTH - MARGIN_R - 110)
+    if legend:
+        out += _legend_row([n for n, _ in clean], colours, height + 2)
     out.append("</svg>")
     return "".join(out)
 
 
 def bar_plot(labels: Sequence[str], values: Sequence[float | None], ylabel: str,
-             y_max: float | None = None, height: int = 200, colour: str = CANDIDATE) -> str:
+             y_max: float | None = None, height: int = 200, colour: str = CANDIDATE, xlabel: str = "") -> str:
     """Vertical bars, one per label (e.g. router agreement per layer)."""
     vals = [float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None for v in values]
     ok = _finite(vals)
@@ -234,7 +257,7 @@ def bar_plot(labels: Sequence[str], values: Sequence[float | None], ylabel: str,
     step = max(1, len(vals) // 16)
     xt = [i + 0.5 for i in range(0, len(vals), step)]
     out = _open(height, ylabel)
-    out += _axes(f, xt, nice_ticks(0, top), "", ylabel, xfmt=lambda i: str(labels[int(i)]))
+    out += _axes(f, xt, nice_ticks(0, top), xlabel, ylabel, xfmt=lambda i: str(labels[int(i)]))
     bw = f.px(1) - f.px(0)
     for i, v in enumerate(vals):
         if v is None:
@@ -311,7 +334,7 @@ def category_grid(cells: dict[tuple, str], row_keys: Sequence, col_keys: Sequenc
     out = _open(height, f"{row_title} by {col_title}", width=width)
     for j, c in enumerate(col_keys):
         out.append(f'<text class="tick" x="{_num(label_w + cell_w * (j + 0.5))}" '
-                   f'y="{_num(MARGIN_T + cell_h * len(row_keys) + 14)}" text-anchor="middle">{escape(fmt_tick(c) if isinstance(c, (int, float)) else str(c))}</text>')
+                   f'y="{_num(MARGIN_T + cell_h * len(row_keys) + 14)}" text-anchor="middle">{escape(fmt_tokens(c) if isinstance(c, (int, float)) else str(c))}</text>')
     for i, r in enumerate(row_keys):
         out.append(f'<text class="tick" x="{label_w - 4}" y="{_num(MARGIN_T + cell_h * (i + 0.5) + 4)}" '
                    f'text-anchor="end">{escape(str(r))}</text>')
@@ -332,8 +355,9 @@ def category_grid(cells: dict[tuple, str], row_keys: Sequence, col_keys: Sequenc
 
 
 def timeline(series: Sequence[tuple[str, Sequence[float], Sequence[float]]],
-             bands: Sequence[tuple[float, float, str]], xlabel: str, ylabel: str, height: int = 240) -> str:
-    """Lines over time with shaded phase bands (start, end, phase) behind them."""
+             bands: Sequence[tuple[float, float, str]], xlabel: str, ylabel: str, height: int = 240,
+             colours: Sequence[str] = SERIES_COLOURS) -> str:
+    """Lines over time with shaded phase bands (start, end, phase) behind them; legend underneath."""
     pts = [(x, y) for _, xs, ys in series for x, y in zip(xs, ys)
            if isinstance(x, (int, float)) and isinstance(y, (int, float))]
     if not pts:
@@ -343,7 +367,7 @@ def timeline(series: Sequence[tuple[str, Sequence[float], Sequence[float]]],
     y_hi = max(p[1] for p in pts)
     yt = nice_ticks(0, y_hi)
     f = _Frame(x_lo, x_hi, 0, max(yt[-1], y_hi), height)
-    out = _open(height, ylabel)
+    out = _open(height + LEGEND_H, ylabel)
     seen = {}
     for start, end, phase in bands:
         colour = PHASE_COLOURS.get(str(phase), "#f3e8fd")
@@ -353,14 +377,15 @@ def timeline(series: Sequence[tuple[str, Sequence[float], Sequence[float]]],
                    f'<title>{escape(f"{phase}: {start:.3g} to {end:.3g} s")}</title></rect>')
     out += _axes(f, nice_ticks(x_lo, x_hi), yt, xlabel, ylabel)
     names = []
-    for (name, xs, ys), colour in zip(series, SERIES_COLOURS):
+    used_colours = []
+    for (name, xs, ys), colour in zip(series, colours):
         p = [(x, y) for x, y in zip(xs, ys) if isinstance(x, (int, float)) and isinstance(y, (int, float))]
         if not p:
             continue
         names.append(name)
+        used_colours.append(colour)
         path = " ".join(f"{_num(f.px(x))},{_num(f.py(y))}" for x, y in p)
         out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{path}"/>')
-    out += _legend(names + list(seen), list(SERIES_COLOURS[:len(names)]) + list(seen.values()),
-                   WIDTH - MARGIN_R - 110)
+    out += _legend_row(names + list(seen), used_colours + list(seen.values()), height + 2)
     out.append("</svg>")
     return "".join(out)

@@ -371,7 +371,8 @@ def _kld_context(kld: Any) -> dict[str, Any] | None:
         vals = layers.get(key)
         if isinstance(vals, list) and vals:
             ctx["plots"].append((title, _svg(plots.bar_plot([str(i) for i in range(len(vals))],
-                                                            [number(v) for v in vals], key, y_max=top))))
+                                                            [number(v) for v in vals], key, y_max=top,
+                                                            xlabel="layer"))))
     usage = kld.get("expert_usage") if isinstance(kld.get("expert_usage"), dict) else {}
     for role in ("baseline", "candidate"):
         m = usage.get(role)
@@ -424,8 +425,8 @@ def _speed_context(speed: Any) -> dict[str, Any] | None:
                           ("ttft_s", "TTFT (s)")):
         series = [(role, xs, [r[f"{role}_{metric}"] for r in rows]) for role in ("baseline", "candidate")]
         if any(v is not None for _, _, ys in series for v in ys):
-            figs.append((f"{label} vs prompt length", _svg(plots.line_plot(series, "prompt tokens", label,
-                                                                           log_x=True))))
+            figs.append((f"{label} vs prompt length", _svg(plots.line_plot(
+                series, "prompt tokens", label, log_x=True, xfmt=plots.fmt_tokens))))
     return {"rows": rows, "metrics": SPEED_METRICS, "plots": figs}
 
 
@@ -458,13 +459,15 @@ def _timeline_series(path: Path, warnings: list[str]):
     import pandas as pd
     t = df[tcol]
     if pd.api.types.is_datetime64_any_dtype(t):
-        t = (t - t.iloc[0]).dt.total_seconds()
+        t0 = t.iloc[0]
+        t = (t - t0).dt.total_seconds()
     else:
-        t = pd.to_numeric(t, errors="coerce")
-        t = t - t.iloc[0]
+        t = pd.to_numeric(t, errors="coerce").astype(float)
+        t0 = float(t.iloc[0])
+        t = t - t0
     used = pd.to_numeric(df[ucol], errors="coerce") / 2**30
     times = [float(x) for x in t]
-    bands = []
+    bands: list[tuple[float, float, str]] = []
     if "phase" in df.columns:
         start, current = times[0], df["phase"].iloc[0]
         for x, ph in zip(times[1:], df["phase"].iloc[1:]):
@@ -472,8 +475,41 @@ def _timeline_series(path: Path, warnings: list[str]):
                 bands.append((start, x, str(current)))
                 start, current = x, ph
         bands.append((start, times[-1], str(current)))
-        bands = [b for b in bands if b[2] not in ("", "nan", "None")]
+    else:
+        bands = _phase_marks(path.parent / PHASES_FILE, t0, times[-1], warnings)
+    bands = [b for b in bands if b[2] not in ("", "nan", "None")]
     return times, [float(u) for u in used], bands
+
+
+PHASES_FILE = "nvml_phases.json"
+
+
+def _phase_marks(path: Path, t0: Any, t_end: float, warnings: list[str]) -> list[tuple[float, float, str]]:
+    """Phase bands from the probe's marks file: a list of {phase, t} (same clock as the samples)."""
+    if not path.is_file():
+        return []
+    import pandas as pd
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        warnings.append(f"{path}: unreadable phase marks ({e})")
+        return []
+    marks = data.get("marks", data.get("phases")) if isinstance(data, dict) else data
+    points = []
+    for m in marks if isinstance(marks, list) else []:
+        if not isinstance(m, dict) or "phase" not in m:
+            continue
+        raw = next((m[k] for k in TIME_COLUMNS + ("start",) if k in m), None)
+        if isinstance(raw, str) and isinstance(t0, pd.Timestamp):
+            x = (pd.Timestamp(raw) - t0).total_seconds()
+        elif isinstance(raw, (int, float)) and isinstance(t0, (int, float)):
+            x = float(raw) - float(t0)
+        else:
+            continue
+        points.append((x, str(m["phase"])))
+    points.sort()
+    return [(x, points[i + 1][0] if i + 1 < len(points) else max(t_end, x), ph)
+            for i, (x, ph) in enumerate(points)]
 
 
 def _memory_context(memory: Any, compare_dir: Path, sides: list[dict[str, Any]],
@@ -481,8 +517,7 @@ def _memory_context(memory: Any, compare_dir: Path, sides: list[dict[str, Any]],
     if not isinstance(memory, dict) or not memory:
         return None
     names, values = per_side(memory, skip=("timeline", "timelines"))
-    ctx: dict[str, Any] = {"names": names, "values": values, "columns": list(values), "plot": None}
-    series, bands = [], []
+    ctx: dict[str, Any] = {"names": names, "values": values, "columns": list(values), "plots": []}
     for side in sides:
         role = side["role"]
         ref = None
@@ -502,12 +537,11 @@ def _memory_context(memory: Any, compare_dir: Path, sides: list[dict[str, Any]],
             warnings.append(f"memory timeline {ref!r} for the {role} run not found")
             continue
         got = _timeline_series(found, warnings)
-        if got:
-            series.append((f"{role} used GiB", got[0], got[1]))
-            if not bands:
-                bands = got[2]
-    if series:
-        ctx["plot"] = _svg(plots.timeline(series, bands, "seconds", "GPU memory used (GiB)"))
+        if got:   # one plot per run: each run has its own clock and phases
+            colour = plots.BASELINE if role == "baseline" else plots.CANDIDATE
+            ctx["plots"].append((f"{side['label']} ({role}): memory used over time, {found.name}",
+                                 _svg(plots.timeline([(f"{role} used GiB", got[0], got[1])], got[2],
+                                                     "seconds", "GPU memory used (GiB)", colours=[colour]))))
     return ctx
 
 
