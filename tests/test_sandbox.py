@@ -229,3 +229,15 @@ def test_sandbox_that_cannot_start_is_an_error_not_a_failure(monkeypatch):
     r = run_untrusted("print(1)")
     assert r.status == "error" and not r.passed, r
     assert "could not start" in r.reason and "/nonexistent/python3" in r.reason
+
+
+@pytest.mark.skipif(not ({"mount"} <= set(sandbox.plan().namespaces) and sandbox.plan().drop_to),
+                    reason="needs a mount namespace and a uid drop")
+def test_check_runs_the_harness_python_read_only():
+    import sys
+    prog = ("import sys\nprint(sys.version)\n"
+            f"open({os.path.join(os.path.realpath(sys.base_prefix), 'moebench-probe')!r}, 'w')\n")
+    r = run_untrusted(prog, timeout_s=10)
+    assert r.interpreter == os.path.realpath(sys.executable), r.interpreter
+    assert r.stdout_tail == sys.version + "\n"
+    assert not r.passed and "Read-only file system" in r.reason, r.reason

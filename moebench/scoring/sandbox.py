@@ -326,6 +326,7 @@ def run_untrusted(program: str, timeout_s: float = 10.0,
             "cgroup_procs": [str(d / "cgroup.procs") for d in cgroups],
             "drop_to": list(p.drop_to) if p.drop_to else None,
             "interpreters": _interpreters(p.drop_to is not None), "flags": list(limits.python_flags),
+            "expose_prefix": os.path.realpath(sys.base_prefix),
             "rlimits": {"CPU": cpu_s, "AS": limits.address_space_bytes, "FSIZE": limits.file_size_bytes,
                         "NOFILE": limits.open_files, "CORE": 0,
                         # with a pids cgroup, NPROC (per uid, shared by parallel checks) is a backstop
@@ -483,14 +484,48 @@ def _classify(c: _Collected, oom: bool, timeout_s: float, cpu_s: int, limits: Sa
 
 # --- the launcher (inside the namespaces) ------------------------------------------------------
 
-def _mount_tmpfs(target: str, size: int) -> None:
+def _mount(source: str, target: str, fstype: str | None, flags: int, opts: str | None = None) -> None:
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
-    flags = 0x2 | 0x4                    # MS_NOSUID | MS_NODEV
-    opts = f"size={size},mode=1777".encode()
-    if libc.mount(b"tmpfs", target.encode(), b"tmpfs", flags, opts) != 0:
+    if libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
+                  opts.encode() if opts else None) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"mount tmpfs on {target}: {os.strerror(err)}")
+        raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
+
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_MOVE = 0x1, 0x2, 0x4, 0x20, 0x1000, 0x2000
+
+
+def _mount_tmpfs(target: str, size: int, mode: str = "1777") -> None:
+    _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode={mode}")
+
+
+def _expose_prefix(prefix: str) -> str | None:
+    """Make the harness's Python installation (e.g. pyenv under /root, mode 700) usable by `nobody`
+    at its own path, read-only, while hiding everything else in the blocking directory.
+
+    Inside our mount namespace only: the installation is bind-mounted aside, a tmpfs covers the
+    first directory others cannot enter, and the installation is moved back to its path on it.
+    Returns the blocking directory, or None when nothing was blocked.
+    """
+    parts = Path(prefix).parts
+    blocked = None
+    for i in range(2, len(parts)):            # from /a downwards, the installation dir excluded
+        d = os.path.join(*parts[:i])
+        if not os.stat(d).st_mode & 0o001:
+            blocked = d
+            break
+    if blocked is None:
+        return None
+    stage = "/tmp/.moebench-python"            # on our private /tmp
+    os.mkdir(stage, 0o755)
+    _mount(prefix, stage, None, MS_BIND)
+    _mount_tmpfs(blocked, 1 << 20, mode="0755")
+    os.makedirs(prefix, mode=0o755)
+    _mount(stage, prefix, None, MS_MOVE)
+    _mount("none", prefix, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.rmdir(stage)
+    return blocked
 
 
 def _launch(cfg: dict[str, Any]) -> int:
@@ -510,6 +545,11 @@ def _launch(cfg: dict[str, Any]) -> int:
             for target in ("/tmp", "/var/tmp", "/dev/shm"):
                 if os.path.isdir(target):
                     _mount_tmpfs(target, cfg["tmpfs_bytes"])
+            if cfg["drop_to"] and cfg.get("expose_prefix"):
+                try:
+                    _expose_prefix(cfg["expose_prefix"])
+                except OSError:
+                    pass                       # the next interpreter candidate (system python3) runs
             os.mkdir(inner, 0o700)
             Path(inner, "prog.py").write_bytes(source)
         drop = cfg["drop_to"]
