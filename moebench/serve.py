@@ -1,0 +1,568 @@
+"""An OpenAI-compatible HTTP server over any moebench runner (`moebench serve --runner PROFILE`).
+
+Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, and
+the tokenizer endpoints lm-eval's `local-completions` auto-detects (`GET /tokenizer_info`,
+`POST /tokenize`, `POST /detokenize`, vLLM-style). Built on aiohttp (installed with lm-eval's API extra).
+
+Safety: binds 127.0.0.1 by default; request bodies over `max_body_bytes` get 413; at most
+`max_concurrency` requests run at once and `max_queue` more wait, beyond that 429. Every error is a
+JSON body `{"error": {"message", "type", "code"}}` with a 4xx/5xx status.
+
+Limits (the Runner contract's, documented in docs/lm-eval.md): `stream: true` sends the tokens as SSE
+after the runner finishes (the contract has no per-token callback); prompt log-probs (`echo` with
+`logprobs`) need a runner with `prompt_logprobs` or `full_logits`; with only `top_logprobs`, a
+generated token's own log-prob is null when it is not among the returned alternatives.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from moebench.lmeval.scoring import TokenScore, prompt_scoring_kind, score_tokens
+from moebench.runners.base import Capability, CapabilityError, GenerateRequest, Runner, RunnerError
+
+log = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 100
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 4 << 20        # 4 MiB: far above any sane prompt, far below memory trouble
+    max_concurrency: int | None = None   # requests running at once; None = the runner's concurrency
+    max_queue: int = 64                  # requests waiting for a slot before 429
+    max_tokens_limit: int = 32768        # largest max_tokens accepted
+    model_name: str | None = None        # the id /v1/models reports; None = the runner's name
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+def _error_response(status: int, message: str, type_: str, param: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": type_, "param": param, "code": status}},
+                             status=status)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return _error_response(e.status, e.message, e.type, e.param)
+    except web.HTTPRequestEntityTooLarge as e:
+        return _error_response(413, f"request body too large: {e.text}", "invalid_request_error")
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _error_response(e.status, f"{request.method} {request.path}: {e.reason}",
+                               "invalid_request_error" if e.status < 500 else "server_error")
+    except CapabilityError as e:
+        return _error_response(400, str(e), "invalid_request_error")
+    except RunnerError as e:
+        return _error_response(502, f"the backend failed: {e}", "server_error")
+    except Exception as e:          # a bug must not kill the server; say what happened
+        log.exception("unhandled error in %s", request.path)
+        return _error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+
+# -- request validation ---------------------------------------------------------------------------
+
+def _get(body: dict[str, Any], key: str, types: type | tuple[type, ...], default: Any,
+         lo: float | None = None, hi: float | None = None) -> Any:
+    if key not in body or body[key] is None:
+        return default
+    v = body[key]
+    ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in (types if isinstance(types, tuple)
+                                                                             else (types,)))
+    if not ok:
+        names = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list: "a list"}
+        ts = types if isinstance(types, tuple) else (types,)
+        raise ApiError(400, f"'{key}' must be {' or '.join(names.get(t, t.__name__) for t in ts)}, "
+                            f"got {json.dumps(v)[:80]}", param=key)
+    if lo is not None and v < lo or hi is not None and v > hi:
+        raise ApiError(400, f"'{key}' must be between {lo} and {hi}, got {v}", param=key)
+    return v
+
+
+def _stops(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return [s for s in stop if s]
+    raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
+
+
+def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    """OpenAI accepts a string, a list of strings, a token list, or a list of token lists."""
+    if "prompt" not in body:
+        raise ApiError(400, "missing 'prompt'", param="prompt")
+    p = body["prompt"]
+    is_ids = lambda x: isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         and t >= 0 for t in x)
+    if isinstance(p, str):
+        return [p]
+    if is_ids(p):
+        return [p]
+    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        return list(p)
+    if isinstance(p, list) and p and all(is_ids(x) for x in p):
+        return list(p)
+    raise ApiError(400, "'prompt' must be a string, a list of strings, a list of token ids (non-negative "
+                        "integers) or a list of such lists, and not empty", param="prompt")
+
+
+class Server:
+    """The request handlers over one started runner."""
+
+    def __init__(self, runner: Runner, options: ServeOptions):
+        self.runner = runner
+        self.options = options
+        self.model_name = options.model_name or str(runner.profile.get("name") or runner.kind)
+        limit = options.max_concurrency or max(1, int(getattr(runner, "concurrency", 1)))
+        self.slots = asyncio.Semaphore(limit)
+        self.max_concurrency = limit
+        self.waiting = 0
+        self._pieces: dict[int, str] = {}
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.options.max_body_bytes, middlewares=[_json_errors])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/tokenizer_info", self.tokenizer_info)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        return app
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        if request.content_length is not None and request.content_length > self.options.max_body_bytes:
+            raise ApiError(413, f"request body of {request.content_length} bytes exceeds the limit of "
+                                f"{self.options.max_body_bytes} bytes")
+        raw = await request.read()
+        try:
+            body = json.loads(raw or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        return body
+
+    def _need(self, cap: str, what: str) -> None:
+        if cap not in self.runner.capabilities:
+            raise ApiError(400, f"{what} needs the runner capability {cap!r}; runner kind {self.runner.kind!r} "
+                                f"offers: {', '.join(sorted(self.runner.capabilities)) or 'nothing'}")
+
+    async def _admit(self) -> None:
+        """Wait for a slot; refuse with 429 when the queue is full (bounded memory and latency)."""
+        if self.slots.locked() and self.waiting >= self.options.max_queue:
+            raise ApiError(429, f"server busy: {self.max_concurrency} requests running and "
+                                f"{self.waiting} waiting; retry later", "rate_limit_error")
+        self.waiting += 1
+        try:
+            await self.slots.acquire()
+        finally:
+            self.waiting -= 1
+
+    async def _piece(self, token_id: int) -> str:
+        if token_id not in self._pieces:
+            self._pieces[token_id] = await self.runner.detokenize([token_id])
+        return self._pieces[token_id]
+
+    # -- simple endpoints -------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "moebench",
+             "runner_kind": self.runner.kind, "capabilities": sorted(self.runner.capabilities)}]})
+
+    def _special_token_id(self, name: str) -> int | None:
+        # Runners may expose bos/eos ids directly or through their engine (the engine runner).
+        for obj in (self.runner, getattr(self.runner, "engine", None)):
+            v = getattr(obj, f"{name}_token_id", None) if obj is not None else None
+            if isinstance(v, int):
+                return v
+        return None
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        self._need(Capability.TOKENIZE, "tokenizer_info")
+        info: dict[str, Any] = {"model": self.model_name}
+        for name in ("eos", "bos"):
+            tid = self._special_token_id(name)
+            info[f"{name}_token"] = await self.runner.detokenize([tid]) if tid is not None else None
+            info[f"{name}_token_id"] = tid
+        return web.json_response(info)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        self._need(Capability.TOKENIZE, "tokenize")
+        body = await self._body(request)
+        text = body.get("prompt", body.get("content"))
+        if not isinstance(text, str):
+            raise ApiError(400, "'prompt' (or 'content') must be a string", param="prompt")
+        ids = await self.runner.tokenize(text)
+        return web.json_response({"tokens": ids, "count": len(ids)})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        self._need(Capability.TOKENIZE, "detokenize")
+        body = await self._body(request)
+        ids = body.get("tokens")
+        if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+            raise ApiError(400, "'tokens' must be a list of integers", param="tokens")
+        text = await self.runner.detokenize(ids)
+        return web.json_response({"prompt": text, "content": text})
+
+    # -- generation core --------------------------------------------------------------------------
+    async def _generate_one(self, prompt: str | list[int], *, max_tokens: int, temperature: float,
+                            stop: list[str], seed: int | None, n_logprobs: int | None,
+                            echo_scores: bool) -> dict[str, Any]:
+        """Generate for one prompt; with n_logprobs, per-token log-probs of the output (and, with
+        echo_scores, of the prompt) as lists of (piece, logprob, {piece: logprob})."""
+        caps = self.runner.capabilities
+        scoring = prompt_scoring_kind(self.runner)
+        prompt_ids: list[int] | None = prompt if isinstance(prompt, list) else None
+        if echo_scores and prompt_ids is None:
+            prompt_ids = await self.runner.tokenize(prompt)
+        out_text, out_ids, finish, res = "", [], "length", None
+        if max_tokens > 0:
+            # Without one-pass scoring, the output's log-probs come from the generation's alternatives.
+            top_k = max(n_logprobs, 1) if n_logprobs is not None and scoring is None else 0
+            res = await self.runner.generate(GenerateRequest(
+                prompt=prompt, max_tokens=max_tokens, stop=stop, temperature=temperature, seed=seed,
+                top_logprobs=top_k))
+            out_text, finish = res.text, res.finish_reason or "stop"
+            out_ids = list(res.token_ids) if res.token_ids is not None else (
+                await self.runner.tokenize(out_text) if Capability.TOKENIZE in caps else [])
+        result: dict[str, Any] = {"text": out_text, "token_ids": out_ids, "finish_reason": finish,
+                                  "prompt_tokens": (res.prompt_tokens if res and res.prompt_tokens is not None
+                                                    else (len(prompt_ids) if prompt_ids is not None else None)),
+                                  "prompt_ids": prompt_ids}
+        if n_logprobs is None:
+            return result
+        k = max(1, n_logprobs)
+        entries: list[tuple[str, float | None, dict[str, float] | None]] = []
+        if scoring is not None:
+            # Exact: one teacher-forced pass over prompt + output gives every position's log-probs.
+            ids = list(prompt_ids if prompt_ids is not None else await self.runner.tokenize(prompt))
+            scores = await score_tokens(self.runner, ids + out_ids, top_k=k)
+            first = 0 if echo_scores else len(ids)
+            for pos in range(first, len(ids) + len(out_ids)):
+                s: TokenScore | None = scores[pos]
+                piece = await self._piece((ids + out_ids)[pos])
+                if s is None:
+                    entries.append((piece, None, None))
+                else:
+                    top = {await self._piece(t): lp for t, lp in s.top.items()} if n_logprobs > 0 else {}
+                    entries.append((piece, s.logprob, top))
+        else:
+            tops = (res.top_logprobs or []) if res else []
+            for i, tid in enumerate(out_ids):
+                piece = await self._piece(tid)
+                top = tops[i] if i < len(tops) else {}
+                # The chosen token's own log-prob is known only when it is among the alternatives.
+                entries.append((piece, top.get(piece), dict(list(top.items())[:n_logprobs]) if n_logprobs else {}))
+        result["logprob_entries"] = entries
+        return result
+
+    def _check_logprob_request(self, n_logprobs: int | None, echo: bool) -> None:
+        if n_logprobs is None:
+            return
+        scoring = prompt_scoring_kind(self.runner)
+        if echo and scoring is None:
+            raise ApiError(400, "echo with logprobs (prompt log-probs) needs a runner with prompt_logprobs or "
+                                f"full_logits; runner kind {self.runner.kind!r} offers: "
+                                f"{', '.join(sorted(self.runner.capabilities))}", param="echo")
+        if scoring is None:
+            self._need(Capability.TOP_LOGPROBS, "logprobs")
+        self._need(Capability.TOKENIZE, "logprobs")
+
+    # -- /v1/completions --------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        prompts = _prompts(body)
+        if _get(body, "n", int, 1) != 1:
+            raise ApiError(400, "only n = 1 is supported", param="n")
+        max_tokens = _get(body, "max_tokens", int, 16, 0, self.options.max_tokens_limit)
+        temperature = float(_get(body, "temperature", (int, float), 1.0, 0, 100))
+        seed = _get(body, "seed", int, None)
+        stop = _stops(body)
+        n_logprobs = _get(body, "logprobs", int, None, 0, MAX_LOGPROBS)
+        echo = _get(body, "echo", bool, False)
+        stream = _get(body, "stream", bool, False)
+        if any(isinstance(p, list) for p in prompts):
+            self._need(Capability.TOKEN_PROMPTS, "a token-id prompt")
+        self._need(Capability.GENERATE, "completions")
+        if echo and any(isinstance(p, list) for p in prompts):
+            self._need(Capability.TOKENIZE, "echo of a token-id prompt")
+        self._check_logprob_request(n_logprobs, echo)
+        await self._admit()
+        try:
+            outs = []
+            for p in prompts:
+                outs.append(await self._generate_one(p, max_tokens=max_tokens, temperature=temperature, stop=stop,
+                                                     seed=seed, n_logprobs=n_logprobs,
+                                                     echo_scores=echo and n_logprobs is not None))
+        finally:
+            self.slots.release()
+        created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex[:24]}"
+        choices = []
+        for i, (p, o) in enumerate(zip(prompts, outs)):
+            prompt_text = p if isinstance(p, str) else await self.runner.detokenize(p)
+            text = (prompt_text + o["text"]) if echo else o["text"]
+            lp = None
+            if n_logprobs is not None:
+                entries = o["logprob_entries"]
+                offset = 0 if echo else len(prompt_text)
+                offsets = []
+                for piece, _, _ in entries:
+                    offsets.append(offset)
+                    offset += len(piece)
+                lp = {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+                      "top_logprobs": [e[2] for e in entries], "text_offset": offsets}
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": o["finish_reason"]})
+        usage = self._usage(outs)
+        if stream:
+            return await self._stream_completion(request, cid, created, choices, outs, echo, prompts)
+        return web.json_response({"id": cid, "object": "text_completion", "created": created,
+                                  "model": self.model_name, "choices": choices, "usage": usage})
+
+    def _usage(self, outs: list[dict[str, Any]]) -> dict[str, int]:
+        pt = sum(o["prompt_tokens"] or 0 for o in outs)
+        ct = sum(len(o["token_ids"]) for o in outs)
+        return {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct}
+
+    async def _pieces_of(self, out: dict[str, Any]) -> list[str]:
+        """The output text split at token boundaries (decoded incrementally, so multi-byte
+        characters are never split); the pieces join to exactly the output text."""
+        ids, text, pieces, prev = out["token_ids"], out["text"], [], ""
+        for n in range(1, len(ids) + 1):
+            cur = await self.runner.detokenize(ids[:n]) if Capability.TOKENIZE in self.runner.capabilities else text
+            cur = cur[: len(text)]
+            if cur.startswith(prev) and len(cur) > len(prev):
+                pieces.append(cur[len(prev):])
+                prev = cur
+        if prev != text:
+            pieces = [text] if not pieces else pieces + ([text[len(prev):]] if text.startswith(prev) else [])
+            if "".join(pieces) != text:
+                pieces = [text]
+        return pieces
+
+    async def _sse_start(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        return resp
+
+    @staticmethod
+    async def _sse(resp: web.StreamResponse, data: Any) -> None:
+        payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+        await resp.write(f"data: {payload}\n\n".encode("utf-8"))
+
+    async def _stream_completion(self, request: web.Request, cid: str, created: int, choices: list[dict],
+                                 outs: list[dict], echo: bool, prompts: list) -> web.StreamResponse:
+        resp = await self._sse_start(request)
+        for ch, o, p in zip(choices, outs, prompts):
+            head = ch["text"][: len(ch["text"]) - len(o["text"])] if echo else ""
+            pieces = ([head] if head else []) + await self._pieces_of(o)
+            for piece in pieces:
+                await self._sse(resp, {"id": cid, "object": "text_completion", "created": created,
+                                       "model": self.model_name, "choices": [
+                                           {"index": ch["index"], "text": piece, "logprobs": None,
+                                            "finish_reason": None}]})
+            await self._sse(resp, {"id": cid, "object": "text_completion", "created": created,
+                                   "model": self.model_name, "choices": [
+                                       {"index": ch["index"], "text": "", "logprobs": ch["logprobs"],
+                                        "finish_reason": ch["finish_reason"]}]})
+        await self._sse(resp, "[DONE]")
+        await resp.write_eof()
+        return resp
+
+    # -- /v1/chat/completions ---------------------------------------------------------------------
+    @staticmethod
+    def chat_prompt(messages: Any) -> str:
+        """A ChatML prompt (Qwen-family models know these markers):
+        <|im_start|>role\\ncontent<|im_end|>\\n ... <|im_start|>assistant\\n"""
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+        parts = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+                raise ApiError(400, f"messages[{i}] must be an object with role system|user|assistant",
+                               param="messages")
+            content = m.get("content")
+            if isinstance(content, list):      # [{"type": "text", "text": ...}, ...]
+                if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                           for c in content):
+                    raise ApiError(400, f"messages[{i}].content parts must all be text", param="messages")
+                content = "".join(c["text"] for c in content)
+            if not isinstance(content, str):
+                raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
+            role = "system" if m["role"] == "developer" else m["role"]
+            parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+        return "".join(parts) + "<|im_start|>assistant\n"
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        prompt = self.chat_prompt(body.get("messages"))
+        if _get(body, "n", int, 1) != 1:
+            raise ApiError(400, "only n = 1 is supported", param="n")
+        max_tokens = _get(body, "max_completion_tokens", int, None, 0, self.options.max_tokens_limit)
+        if max_tokens is None:
+            max_tokens = _get(body, "max_tokens", int, 256, 0, self.options.max_tokens_limit)
+        temperature = float(_get(body, "temperature", (int, float), 1.0, 0, 100))
+        seed = _get(body, "seed", int, None)
+        stop = _stops(body) + ["<|im_end|>"]
+        want_lp = _get(body, "logprobs", bool, False)
+        top_n = _get(body, "top_logprobs", int, 0, 0, 20)
+        if top_n and not want_lp:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        stream = _get(body, "stream", bool, False)
+        self._need(Capability.GENERATE, "chat completions")
+        n_logprobs = top_n if want_lp else None
+        self._check_logprob_request(n_logprobs, echo=False)
+        await self._admit()
+        try:
+            o = await self._generate_one(prompt, max_tokens=max_tokens, temperature=temperature, stop=stop, seed=seed,
+                                         n_logprobs=n_logprobs, echo_scores=False)
+        finally:
+            self.slots.release()
+        lp = None
+        if want_lp:
+            lp = {"content": [{"token": piece, "logprob": v, "bytes": list(piece.encode("utf-8")),
+                               "top_logprobs": [{"token": t, "logprob": x, "bytes": list(t.encode("utf-8"))}
+                                                for t, x in list((top or {}).items())[:top_n]]}
+                              for piece, v, top in o["logprob_entries"]]}
+        created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        finish = o["finish_reason"]
+        if not stream:
+            return web.json_response({
+                "id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": o["text"]},
+                             "logprobs": lp, "finish_reason": finish}],
+                "usage": self._usage([o])})
+        resp = await self._sse_start(request)
+        base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        await self._sse(resp, {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]})
+        for piece in await self._pieces_of(o):
+            await self._sse(resp, {**base, "choices": [{"index": 0, "delta": {"content": piece}, "logprobs": None,
+                                                        "finish_reason": None}]})
+        await self._sse(resp, {**base, "choices": [{"index": 0, "delta": {}, "logprobs": lp,
+                                                    "finish_reason": finish}]})
+        await self._sse(resp, "[DONE]")
+        await resp.write_eof()
+        return resp
+
+
+# -- running it -----------------------------------------------------------------------------------
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+async def start_server(runner: Runner, options: ServeOptions) -> tuple[web.AppRunner, str]:
+    """Start the runner and the HTTP site on the running loop; returns (app runner, base URL ".../v1")."""
+    await runner.start(None)
+    app_runner = web.AppRunner(Server(runner, options).app(), access_log=None)
+    await app_runner.setup()
+    sock = _bind(options.host, options.port)
+    site = web.SockSite(app_runner, sock)
+    await site.start()
+    host, port = sock.getsockname()[:2]
+    return app_runner, f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
+
+
+class BackgroundServer:
+    """The server on its own event-loop thread (tests, notebooks): `with BackgroundServer(r) as s: s.url`."""
+
+    def __init__(self, runner: Runner, options: ServeOptions | None = None):
+        self.runner = runner
+        self.options = options or ServeOptions(port=0)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="moebench-serve", daemon=True)
+        self.url = ""
+        self._app_runner: web.AppRunner | None = None
+
+    def __enter__(self) -> "BackgroundServer":
+        self._thread.start()
+        self._app_runner, self.url = asyncio.run_coroutine_threadsafe(
+            start_server(self.runner, self.options), self.loop).result(timeout=600)
+        return self
+
+    def close(self) -> None:
+        async def stop() -> None:
+            try:
+                if self._app_runner is not None:
+                    await self._app_runner.cleanup()
+            finally:
+                await self.runner.close()
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout=60)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def serve(runner_profile_path: str, host: str = "127.0.0.1", port: int = 8000,
+          max_body_bytes: int = ServeOptions.max_body_bytes, max_concurrency: int | None = None,
+          max_queue: int = ServeOptions.max_queue) -> None:
+    """Serve a runner profile until interrupted (Ctrl-C / SIGTERM). Prints the base URL when ready."""
+    import signal
+
+    from moebench.config import load_runner
+    from moebench.runners import make_runner, runner_schemas
+
+    profile = load_runner(runner_profile_path, runner_schemas())
+    runner = make_runner(profile)
+    options = ServeOptions(host=host, port=port, max_body_bytes=max_body_bytes, max_concurrency=max_concurrency,
+                           max_queue=max_queue, model_name=profile.name)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: serving on {host}: reachable from other machines, with no authentication",
+              file=sys.stderr)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):    # not the main thread / platform
+                pass
+        app_runner = None
+        try:
+            app_runner, url = await start_server(runner, options)
+            print(f"serving {profile.name} ({profile.kind}) on {url}", flush=True)
+            await stop.wait()
+        finally:
+            if app_runner is not None:
+                await app_runner.cleanup()
+            await runner.close()
+
+    asyncio.run(main())
