@@ -182,52 +182,76 @@ def _assemble(index: HaystackIndex, cut: int, depth: float, needle: str) -> tupl
 TokenizeFn = Callable[[str], Awaitable[list[int]]]
 
 
-async def build_needle_prompt(tokenize: TokenizeFn, index: HaystackIndex, target_tokens: int,
-                              depth: float, code: str, tolerance: float = LENGTH_TOLERANCE,
-                              max_iterations: int = 8) -> NeedlePrompt:
-    """Fit the haystack so the whole prompt has `target_tokens` (within `tolerance`), needle at `depth`."""
-    needle = NEEDLE_TEMPLATE.format(code=code)
-    allowed = max(1, int(tolerance * target_tokens))
-    fixed = len(await tokenize(PROMPT_HEAD + needle + QUESTION))
-    want_hay = target_tokens - fixed
-    if want_hay <= 0:
-        raise NeedleError(f"needle/{target_tokens}/{format_depth(depth)}: target {target_tokens} tokens is "
-                          f"shorter than the prompt without haystack ({fixed} tokens)")
-    if want_hay > index.total_tokens:
-        raise NeedleError(f"needle/{target_tokens}/{format_depth(depth)}: needs about {want_hay} haystack "
-                          f"tokens, the index covers {index.total_tokens} (haystack too short)")
-    best: tuple[int, str, str, int, list[int]] | None = None
-    cut = index.word_cut(index.chars_for(want_hay))
+@dataclass
+class FittedText:
+    cut: int              # haystack characters used
+    prompt: str
+    ids: list[int]        # the prompt's tokens
+    error: int            # len(ids) - target
+    iterations: int
+
+
+async def fit_haystack(tokenize: TokenizeFn, index: HaystackIndex, target_tokens: int,
+                       assemble: Callable[[int], str], fixed_tokens: int, allowed: int,
+                       max_iterations: int = 8) -> FittedText:
+    """Find the haystack cut (at a word end) whose assembled prompt is closest to `target_tokens`.
+
+    `assemble(cut)` builds the whole prompt from `index.text[:cut]`; `fixed_tokens` is the prompt's
+    size without haystack (for the first guess). Stops once within `allowed` tokens; returns the
+    closest fit seen (the caller decides whether its error is acceptable).
+    """
+    best: FittedText | None = None
+    cut = index.word_cut(index.chars_for(max(1, target_tokens - fixed_tokens)))
     seen: set[int] = set()
     for it in range(1, max_iterations + 1):
-        prompt, before = _assemble(index, cut, depth, needle)
+        prompt = assemble(cut)
         ids = await tokenize(prompt)
         err = len(ids) - target_tokens
-        if best is None or abs(err) < abs(best[0]):
-            best = (err, prompt, before, cut, ids)
+        if best is None or abs(err) < abs(best.error):
+            best = FittedText(cut, prompt, ids, err, it)
+        best.iterations = it
         if abs(err) <= allowed or cut in seen:
             break
         seen.add(cut)
         # move the cut by the missing tokens, converted through the local chars-per-token rate
         new_cut = index.word_cut(index.chars_for(index.tokens_at(cut) - err))
-        if new_cut == cut:          # the word snap swallowed the step: nudge one word
-            step = 1 if err < 0 else -1
-            new_cut = index.word_cut(cut + step * 2) if step < 0 else _next_word_end(index.text, cut)
+        if new_cut == cut:          # the word snap swallowed the step: move one word
+            new_cut = index.word_cut(cut - 2) if err > 0 else _next_word_end(index.text, cut)
         cut = new_cut
     assert best is not None
-    err, prompt, before, cut, ids = best
-    if abs(err) > allowed:
-        raise NeedleError(f"needle/{target_tokens}/{format_depth(depth)}: prompt has {len(ids)} tokens after "
-                          f"{it} fits, outside {tolerance:.1%} of the target")
+    return best
+
+
+async def build_needle_prompt(tokenize: TokenizeFn, index: HaystackIndex, target_tokens: int,
+                              depth: float, code: str, tolerance: float = LENGTH_TOLERANCE,
+                              max_iterations: int = 8) -> NeedlePrompt:
+    """Fit the haystack so the whole prompt has `target_tokens` (within `tolerance`), needle at `depth`."""
+    cell = f"needle/{target_tokens}/{format_depth(depth)}"
+    needle = NEEDLE_TEMPLATE.format(code=code)
+    allowed = max(1, int(tolerance * target_tokens))
+    fixed = len(await tokenize(PROMPT_HEAD + needle + QUESTION))
+    want_hay = target_tokens - fixed
+    if want_hay <= 0:
+        raise NeedleError(f"{cell}: target {target_tokens} tokens is shorter than the prompt without "
+                          f"haystack ({fixed} tokens)")
+    if want_hay > index.total_tokens:
+        raise NeedleError(f"{cell}: needs about {want_hay} haystack tokens, the index covers "
+                          f"{index.total_tokens} (haystack too short)")
+    fit = await fit_haystack(tokenize, index, target_tokens,
+                             lambda cut: _assemble(index, cut, depth, needle)[0], fixed, allowed, max_iterations)
+    if abs(fit.error) > allowed:
+        raise NeedleError(f"{cell}: prompt has {len(fit.ids)} tokens after {fit.iterations} fits, outside "
+                          f"{tolerance:.1%} of the target")
+    _, before = _assemble(index, fit.cut, depth, needle)
     before_ids = await tokenize(before)
     common = 0
-    for a, b in zip(before_ids, ids):
+    for a, b in zip(before_ids, fit.ids):
         if a != b:
             break
         common += 1
-    return NeedlePrompt(prompt=prompt, prompt_tokens=len(ids), needle_token_position=common,
-                        needle_position_exact=common == len(before_ids), haystack_chars=cut,
-                        haystack_tokens_est=int(index.tokens_at(cut)), fit_iterations=it)
+    return NeedlePrompt(prompt=fit.prompt, prompt_tokens=len(fit.ids), needle_token_position=common,
+                        needle_position_exact=common == len(before_ids), haystack_chars=fit.cut,
+                        haystack_tokens_est=int(index.tokens_at(fit.cut)), fit_iterations=fit.iterations)
 
 
 def _next_word_end(text: str, pos: int) -> int:

@@ -1,0 +1,286 @@
+"""Memory and energy figures from NVML samples and phase marks (pure functions, no NVML needed).
+
+Energy per phase comes from the total-energy counter (differences between consecutive samples,
+clipped to the phase windows; negative differences, i.e. counter resets, are rejected), and is
+cross-checked against the trapezoid integral of the power samples over the same windows. Idle power
+is measured in the probe's "baseline_idle" window (else any "idle" window) and subtracted: both
+gross and net figures are reported.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+JOULES_PER_KWH = 3.6e6
+POWER_COLUMNS = ("power_instant_w", "power_usage_w", "power_w", "power_avg_w")   # preference order
+WORK_PHASES = ("prefill", "decode")
+
+
+def _rows(samples: Any) -> list[dict[str, Any]]:
+    """Samples as a list of dicts sorted by t (accepts a DataFrame, a list of dicts, or a dict of columns)."""
+    if hasattr(samples, "to_dict"):
+        rows = samples.to_dict("records")
+    elif isinstance(samples, dict):
+        keys = list(samples)
+        n = len(samples[keys[0]]) if keys else 0
+        rows = [{k: samples[k][i] for k in keys} for i in range(n)]
+    else:
+        rows = list(samples)
+    for i, r in enumerate(rows):
+        if "t" not in r or not _num(r["t"]):
+            raise ValueError(f"energy_summary: sample {i} has no numeric 't' (seconds): {r!r}")
+    return sorted(rows, key=lambda r: float(r["t"]))
+
+
+def _num(v: Any) -> bool:
+    return v is not None and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+
+
+def _series(rows: list[dict[str, Any]], col: str) -> tuple[list[float], list[float]]:
+    ts, ys = [], []
+    for r in rows:
+        v = r.get(col)
+        if _num(v):
+            ts.append(float(r["t"]))
+            ys.append(float(v))
+    return ts, ys
+
+
+def phase_windows(phases: Iterable[dict[str, Any]], t_end: float) -> list[tuple[str, float, float]]:
+    """[(phase, start, end)]: each mark lasts until the next; "end" closes the last one."""
+    marks = sorted(({"phase": str(p["phase"]), "t": float(p["t"])} for p in phases), key=lambda p: p["t"])
+    out = []
+    for i, m in enumerate(marks):
+        if m["phase"] == "end":
+            continue
+        stop = marks[i + 1]["t"] if i + 1 < len(marks) else t_end
+        if stop > m["t"]:
+            out.append((m["phase"], m["t"], stop))
+    return out
+
+
+def counter_energy_j(ts: list[float], mj: list[float], a: float, b: float) -> tuple[float, int]:
+    """Joules from the energy counter over [a, b]: consecutive differences, pro rata to the overlap.
+
+    Returns (joules, rejected): a negative difference (counter reset on driver reload) is dropped.
+    """
+    total, rejected = 0.0, 0
+    for i in range(len(ts) - 1):
+        t0, t1 = ts[i], ts[i + 1]
+        lo, hi = max(a, t0), min(b, t1)
+        if hi <= lo or t1 <= t0:
+            continue
+        d = mj[i + 1] - mj[i]
+        if d < 0:
+            rejected += 1
+            continue
+        total += d * (hi - lo) / (t1 - t0)
+    return total / 1000.0, rejected
+
+
+def integrated_energy_j(ts: list[float], watts: list[float], a: float, b: float) -> float:
+    """Trapezoid integral of power (W) over [a, b], the power linear between samples."""
+    total = 0.0
+    for i in range(len(ts) - 1):
+        t0, t1 = ts[i], ts[i + 1]
+        lo, hi = max(a, t0), min(b, t1)
+        if hi <= lo or t1 <= t0:
+            continue
+        p = lambda t: watts[i] + (watts[i + 1] - watts[i]) * (t - t0) / (t1 - t0)   # noqa: E731
+        total += (p(lo) + p(hi)) / 2.0 * (hi - lo)
+    return total
+
+
+def _rel(a: float | None, b: float | None) -> float | None:
+    return (a - b) / b if a is not None and b else None
+
+
+def memory_summary(samples: Any) -> dict[str, Any]:
+    rows = _rows(samples)
+    used = [float(r["mem_used_bytes"]) for r in rows if _num(r.get("mem_used_bytes"))]
+    free = [float(r["mem_free_bytes"]) for r in rows if _num(r.get("mem_free_bytes"))]
+    reserved = [float(r["mem_reserved_bytes"]) for r in rows if _num(r.get("mem_reserved_bytes"))]
+    total = [float(r["mem_total_bytes"]) for r in rows if _num(r.get("mem_total_bytes"))]
+    ts = [float(r["t"]) for r in rows]
+    gaps = sorted(b - a for a, b in zip(ts, ts[1:]))
+    return {
+        "source": "NVML nvmlDeviceGetMemoryInfo v2 (used excludes driver-reserved memory)",
+        "n_samples": len(rows),
+        "interval_s_median": gaps[len(gaps) // 2] if gaps else None,
+        "peak_used_bytes": int(max(used)) if used else None,
+        "min_free_bytes": int(min(free)) if free else None,
+        "reserved_bytes": int(max(reserved)) if reserved else None,
+        "total_bytes": int(max(total)) if total else None,
+    }
+
+
+def energy_summary(samples: Any, phases: Iterable[dict[str, Any]],
+                   tokens: dict[str, int] | None = None,
+                   tariffs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Memory and energy figures of one sampled run.
+
+    samples: rows with t (s) and any of mem_*_bytes, energy_mj, power_instant_w / power_usage_w / power_w.
+    phases: [{"phase": name, "t": start_s}], each lasting until the next mark ("end" closes the last).
+    tokens: {"prefill": n, "decode": m} processed inside those phases (for J/token).
+    tariffs: {"day": price per kWh, "night": price per kWh, "currency": "EUR"}.
+    """
+    rows = _rows(samples)
+    out: dict[str, Any] = {"memory": memory_summary(rows)}
+    if not rows:
+        out["energy"] = None
+        return out
+    t_end = float(rows[-1]["t"])
+    windows = phase_windows(phases, t_end)
+    et, emj = _series(rows, "energy_mj")
+    power_col = next((c for c in POWER_COLUMNS if len(_series(rows, c)[0]) >= 2), None)
+    pt, pw = _series(rows, power_col) if power_col else ([], [])
+
+    per_phase: dict[str, dict[str, Any]] = {}
+    rejected = 0
+    for name, a, b in windows:
+        e = per_phase.setdefault(name, {"windows": 0, "duration_s": 0.0, "counter_j": 0.0, "integral_j": 0.0})
+        e["windows"] += 1
+        e["duration_s"] += b - a
+        if len(et) >= 2:
+            j, rej = counter_energy_j(et, emj, a, b)
+            e["counter_j"] += j
+            rejected += rej
+        if len(pt) >= 2:
+            e["integral_j"] += integrated_energy_j(pt, pw, a, b)
+    has_counter, has_power = len(et) >= 2, len(pt) >= 2
+    for e in per_phase.values():
+        if not has_counter:
+            e["counter_j"] = None
+        if not has_power:
+            e["integral_j"] = None
+        e["energy_j"] = e["counter_j"] if e["counter_j"] is not None else e["integral_j"]
+        e["rel_diff_integral_vs_counter"] = _rel(e["integral_j"], e["counter_j"])
+        e["mean_power_w"] = e["energy_j"] / e["duration_s"] if e["energy_j"] is not None and e["duration_s"] else None
+
+    idle_name = "baseline_idle" if "baseline_idle" in per_phase else ("idle" if "idle" in per_phase else None)
+    idle_w = per_phase[idle_name]["mean_power_w"] if idle_name else None
+    for e in per_phase.values():
+        e["idle_j"] = idle_w * e["duration_s"] if idle_w is not None else None
+        e["net_j"] = e["energy_j"] - e["idle_j"] if e["energy_j"] is not None and e["idle_j"] is not None else None
+
+    whole = {"duration_s": t_end - float(rows[0]["t"]),
+             "counter_j": counter_energy_j(et, emj, float(rows[0]["t"]), t_end)[0] if has_counter else None,
+             "integral_j": integrated_energy_j(pt, pw, float(rows[0]["t"]), t_end) if has_power else None}
+    whole["rel_diff_integral_vs_counter"] = _rel(whole["integral_j"], whole["counter_j"])
+
+    energy: dict[str, Any] = {
+        "source": "NVML total-energy counter (mJ), cross-checked by the trapezoid integral of " + str(power_col),
+        "energy_source": "counter" if has_counter else ("integral" if has_power else None),
+        "power_column": power_col,
+        "idle_power_w": idle_w, "idle_phase": idle_name,
+        "negative_deltas_rejected": rejected,
+        "phases": per_phase, "whole_run": whole,
+    }
+    tokens = {k: int(v) for k, v in (tokens or {}).items()}
+    per_token: dict[str, Any] = {}
+    kwh_pm: dict[str, Any] = {}
+    work_gross = work_net = 0.0
+    work_tokens = 0
+    net_ok = True
+    for ph in WORK_PHASES:
+        n = tokens.get(ph, 0)
+        e = per_phase.get(ph)
+        if not n or not e or e["energy_j"] is None:
+            continue
+        gross, net = e["energy_j"], e["net_j"]
+        per_token[ph] = {"tokens": n, "gross_j_per_token": gross / n,
+                         "net_j_per_token": net / n if net is not None else None}
+        kwh_pm[ph] = {"gross": gross / n * 1e6 / JOULES_PER_KWH,
+                      "net": net / n * 1e6 / JOULES_PER_KWH if net is not None else None}
+        work_gross += gross
+        work_tokens += n
+        if net is None:
+            net_ok = False
+        else:
+            work_net += net
+    if work_tokens:
+        kwh_pm["all"] = {"gross": work_gross / work_tokens * 1e6 / JOULES_PER_KWH,
+                         "net": work_net / work_tokens * 1e6 / JOULES_PER_KWH if net_ok else None}
+    energy["per_token"] = per_token
+    energy["kwh_per_million_tokens"] = kwh_pm
+    if tariffs and kwh_pm:
+        cost: dict[str, Any] = {"currency": tariffs.get("currency", "EUR")}
+        for when in ("day", "night"):
+            price = tariffs.get(when)
+            if price is None:
+                continue
+            cost[when] = {ph: {k: (v * float(price) if v is not None else None) for k, v in figs.items()}
+                          for ph, figs in kwh_pm.items()}
+        energy["cost_per_million_tokens"] = cost
+    out["energy"] = energy
+    return out
+
+
+def tokens_from_records(records: Iterable[dict[str, Any]], tasks: tuple[str, ...] = ("speed", "needle")) -> dict[str, int]:
+    """Prefill and decode token totals of ok records (prompt_tokens, output_tokens) of the given tasks."""
+    pre = dec = 0
+    for r in records:
+        if r.get("status") == "ok" and r.get("task") in tasks:
+            pre += int(r.get("prompt_tokens") or 0)
+            dec += int(r.get("output_tokens") or 0)
+    return {"prefill": pre, "decode": dec}
+
+
+def tariffs_from_probes(probes: dict[str, Any]) -> dict[str, Any] | None:
+    """The suite's [probes] tariff keys as energy_summary's `tariffs` (None when none is set)."""
+    day, night = probes.get("tariff_day_per_kwh"), probes.get("tariff_night_per_kwh")
+    if day is None and night is None:
+        return None
+    return {"day": day, "night": night, "currency": probes.get("currency", "EUR")}
+
+
+def _summary_of(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """Where a run keeps the probe's summary: manifest["probes"]["nvml"]["summary"]."""
+    nv = ((manifest or {}).get("probes") or {}).get("nvml") or {}
+    return nv.get("summary") if nv.get("available") else None
+
+
+def memory_energy_compare(base_manifest: dict[str, Any], cand_manifest: dict[str, Any]) -> dict[str, Any]:
+    """{"memory": ..., "energy": ...} for compare.json: both sides' figures and candidate/baseline ratios."""
+    b, c = _summary_of(base_manifest), _summary_of(cand_manifest)
+    why = {}
+    for side, s, m in (("baseline", b, base_manifest), ("candidate", c, cand_manifest)):
+        if s is None:
+            nv = ((m or {}).get("probes") or {}).get("nvml") or {}
+            why[side] = nv.get("reason") or "no NVML summary in the manifest"
+    if why:
+        return {"memory": {"available": False, "reason": why}, "energy": {"available": False, "reason": why}}
+
+    def ratio(x, y):
+        return (y / x) if x and y is not None else None
+
+    bm, cm = b["memory"], c["memory"]
+    memory = {"available": True, "source": bm.get("source"), "baseline": bm, "candidate": cm}
+    for k in ("peak_used_bytes", "min_free_bytes", "reserved_bytes"):
+        memory[f"{k}_delta"] = (cm.get(k) - bm.get(k)) if cm.get(k) is not None and bm.get(k) is not None else None
+    memory["peak_used_ratio"] = ratio(bm.get("peak_used_bytes"), cm.get("peak_used_bytes"))
+    for side, m in (("baseline", base_manifest), ("candidate", cand_manifest)):
+        torch_peak = (m.get("engine") or {}).get("torch_peak_allocated_bytes") or m.get("torch_peak_allocated_bytes")
+        if torch_peak is not None:      # the engine's own counter, reported beside NVML's, never mixed
+            memory[f"torch_peak_allocated_bytes_{side}"] = torch_peak
+
+    be, ce = b.get("energy") or {}, c.get("energy") or {}
+    energy: dict[str, Any] = {"available": bool(be and ce), "baseline_idle_power_w": be.get("idle_power_w"),
+                              "candidate_idle_power_w": ce.get("idle_power_w"), "per_token": {}}
+    for ph in WORK_PHASES:
+        bp, cp = (be.get("per_token") or {}).get(ph), (ce.get("per_token") or {}).get(ph)
+        if bp and cp:
+            energy["per_token"][ph] = {
+                "baseline_net_j_per_token": bp["net_j_per_token"], "candidate_net_j_per_token": cp["net_j_per_token"],
+                "net_ratio": ratio(bp["net_j_per_token"], cp["net_j_per_token"]),
+                "baseline_gross_j_per_token": bp["gross_j_per_token"],
+                "candidate_gross_j_per_token": cp["gross_j_per_token"],
+                "gross_ratio": ratio(bp["gross_j_per_token"], cp["gross_j_per_token"])}
+    bk, ck = (be.get("kwh_per_million_tokens") or {}).get("all"), (ce.get("kwh_per_million_tokens") or {}).get("all")
+    if bk and ck:
+        energy["kwh_per_million_tokens"] = {"baseline": bk, "candidate": ck,
+                                            "net_ratio": ratio(bk.get("net"), ck.get("net"))}
+    for side, e in (("baseline", be), ("candidate", ce)):
+        if e.get("cost_per_million_tokens"):
+            energy[f"cost_per_million_tokens_{side}"] = e["cost_per_million_tokens"]
+    return {"memory": memory, "energy": energy}
