@@ -178,7 +178,7 @@ def histogram(edges: Sequence[float], counts: Sequence[float], xlabel: str, log_
     f = _Frame(0, len(counts), 0, top, height)
     out = _open(height, f"histogram of {xlabel}")
     if log_y:
-        yticks = [0.0] + [scale(10 ** k) for k in range(0, int(math.ceil(top)) + 1) if scale(10 ** k) <= top * 1.05]
+        yticks = [0.0] + [scale(10 ** k) for k in range(1, int(math.ceil(top)) + 1) if scale(10 ** k) <= top * 1.05]
         yfmt = lambda v: fmt_tick(round(10 ** v - 1))  # noqa: E731
     else:
         yticks, yfmt = nice_ticks(0, top), fmt_tick
