@@ -111,8 +111,13 @@ def test_evaluate_pass_fail_and_hostile(items):
     assert rec["correct"] is False
     assert rec["sandbox"]["attempts"] == ["timeout", "timeout"]
     assert "timeout" in rec["sandbox"]["reason"]
+    bomb = {**rec, "task": "humaneval", "item_id": items[2].item_id, "status": "ok"}
     # the harness is fine: the next item still evaluates
-    assert asyncio.run(task.evaluate(items[0], runner))["correct"] is True
+    ok = asyncio.run(task.evaluate(items[0], runner))
+    assert ok["correct"] is True
+    summary = task.summarize([bomb, {**ok, "task": "humaneval", "item_id": items[0].item_id, "status": "ok"}])
+    assert summary["n_scored"] == 2 and summary["n_correct"] == 1
+    assert summary["n_timeouts"] == 1 and summary["n_reruns"] == 1
 
 
 def test_sandbox_failure_raises_instead_of_scoring_wrong(items, monkeypatch):
@@ -132,3 +137,17 @@ def test_malformed_data_file_names_the_line(tmp_path):
     task = HumanEvalTask({}, TaskContext(data_dir=Path(tmp_path)))
     with pytest.raises(DatasetError, match=r"line 2 lacks string field\(s\) canonical_solution, test, entry_point"):
         task.items()
+
+
+def test_suite_options_validate(tmp_path):
+    from moebench.config import ProfileError, load_suite
+
+    good = tmp_path / "he.toml"
+    good.write_text('name = "he"\n[[tasks]]\ntask = "humaneval"\nlimit = 5\ntimeout_s = 5\n')
+    suite = load_suite(good, {"humaneval": HumanEvalTask.options})
+    assert suite.tasks[0] == {"task": "humaneval", "limit": 5, "timeout_s": 5, "max_tokens": 512,
+                              "stop": DEFAULT_STOP}
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "he"\n[[tasks]]\ntask = "humaneval"\nmax_tokens = "many"\n')
+    with pytest.raises(ProfileError, match=r"bad.toml \[\[tasks\]\] #1: key 'max_tokens' must be an integer"):
+        load_suite(bad, {"humaneval": HumanEvalTask.options})

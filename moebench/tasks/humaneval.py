@@ -90,7 +90,7 @@ class HumanEvalTask(Task):
     async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
         d = item.data
         prompt = d["prompt"]
-        stop = list(self.opts.get("stop") or DEFAULT_STOP)
+        stop = list(self.opts.get("stop", DEFAULT_STOP))
         result = await runner.generate(GenerateRequest(
             prompt=prompt, max_tokens=int(self.opts.get("max_tokens", 512)), stop=stop, temperature=0.0))
         completion = cut_at_stop(result.text, stop)
@@ -104,5 +104,14 @@ class HumanEvalTask(Task):
             "reference": d["canonical_solution"],
             "correct": check.passed,
             "prompt_hash": prompt_hash(prompt),
-            "sandbox": {**check.summary(), "attempts": statuses},
+            "sandbox": {**check.summary(), "attempts": statuses,
+                        **({"missing": check.missing} if check.missing else {})},
         }
+
+    def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """The base accuracy figures plus how many checks ended in a timeout (after the re-run)."""
+        out = super().summarize(records)
+        final = [r.get("sandbox", {}).get("status") for r in records if r.get("status") == "ok"]
+        out["n_timeouts"] = sum(1 for s in final if s == "timeout")
+        out["n_reruns"] = sum(1 for r in records if len(r.get("sandbox", {}).get("attempts", [])) > 1)
+        return out
