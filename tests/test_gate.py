@@ -225,3 +225,21 @@ def test_module_entry_point_exit_codes(compare_dir, tmp_path):
     assert r.returncode == 0 and "| gsm8k.max_losses | 9 | <= 10 | PASS |" in r.stdout
     assert run(str(compare_dir), "--rules", str(bad)).returncode == 1
     assert run(str(compare_dir)).returncode == 2          # --rules missing: argparse usage error
+
+
+def test_workflow_example_runs_the_contract_cli_and_always_publishes():
+    yaml = pytest.importorskip("yaml")
+    wf = yaml.safe_load((REPO / ".github" / "workflows" / "moebench.yml").read_text())
+    steps = wf["jobs"]["gate"]["steps"]
+    script = "\n".join(s.get("run", "") for s in steps)
+    for command in ('moebench run "$SUITE" --runner "$CANDIDATE" --out results/candidate',
+                    "moebench compare results/baseline results/candidate --out results/compare",
+                    "moebench report results/compare", 'moebench gate results/compare --rules "$RULES"'):
+        assert command in script
+    by_name = {s.get("name"): s for s in steps}
+    assert by_name["Job summary"]["if"] == "always()"
+    assert 'summary.md >> "$GITHUB_STEP_SUMMARY"' in by_name["Job summary"]["run"]
+    upload = by_name["Upload the report"]
+    assert upload["if"] == "always()" and upload["uses"].startswith("actions/upload-artifact@")
+    assert "results/compare/report.html" in upload["with"]["path"]
+    assert (REPO / wf["env"]["RULES"].split("'")[1]).is_file()     # the default rules file exists
