@@ -1,0 +1,247 @@
+"""lm-eval interoperability: the runner adapter, run_lm_eval into a moebench run, the samples importer
+and compare over imported runs. Real lm-eval 0.4.13, real data from the mirror, the deterministic
+MarkovRunner of test_serve.py (a real BPE tokenizer; exact log-probs)."""
+from __future__ import annotations
+
+import asyncio
+import csv
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moebench.lmeval.adapter import AdapterOptions, LoopThread, RunnerLM, evaluate_runner
+from moebench.lmeval.importer import SamplesError, import_lm_eval
+from moebench.lmeval.local_tasks import materialize, shipped_task_names
+from moebench.runners.base import Capability, GenerateRequest
+from moebench.store import load_run
+from test_serve import MarkovRunner
+
+TOP_ONLY = MarkovRunner.ALL - {Capability.FULL_LOGITS}
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+class Req:
+    """The part of lm_eval.api.instance.Instance the adapter reads."""
+
+    def __init__(self, *args):
+        self.args = args
+
+
+def test_materialize_points_at_the_mirror(tmp_path, data_dir):
+    inc = materialize(tmp_path / "inc", data_dir)
+    gsm = (inc / "gsm8k.yaml").read_text(encoding="utf-8")
+    assert f'"{data_dir.resolve()}/gsm8k/test.jsonl"' in gsm and "@DATA_DIR@" not in gsm
+    subjects = sorted(p.stem for p in (data_dir / "cmmlu" / "test").glob("*.csv"))
+    assert len(subjects) == 67
+    assert len(list((inc / "cmmlu").glob("cmmlu_*.yaml"))) == 67
+    anatomy = (inc / "cmmlu" / "cmmlu_anatomy.yaml").read_text(encoding="utf-8")
+    assert "解剖学" in anatomy and str(data_dir.resolve() / "cmmlu" / "dev" / "anatomy.csv") in anatomy
+    assert {"gsm8k", "cmmlu", "cmmlu_anatomy"} <= shipped_task_names(data_dir)
+    with pytest.raises(FileNotFoundError, match="neither gsm8k"):
+        materialize(tmp_path / "inc2", tmp_path / "empty-mirror")
+
+
+def _lm(caps=None, **opts) -> tuple[RunnerLM, LoopThread]:
+    loop = LoopThread()
+    return RunnerLM(MarkovRunner(caps=caps), loop, AdapterOptions(**opts)), loop
+
+
+def test_loglikelihood_top_logprobs_path_equals_full_logits_path():
+    reqs = [Req("Question: How many apples?\nAnswer:", " 12"),
+            Req("女性生殖腺是\nA. 卵巢\n答案：", " A"),
+            Req("Janet has 3 ducks ", "and 4 cats")]          # trailing space moves to the continuation
+    exact, l1 = _lm()
+    by_top, l2 = _lm(caps=TOP_ONLY, top_n=exact.runner.vocab)
+    try:
+        assert exact.scoring == "full_logits" and by_top.scoring == "top_logprobs"
+        a, b = exact.loglikelihood(reqs), by_top.loglikelihood(reqs)
+        for (lp_a, g_a), (lp_b, g_b) in zip(a, b):
+            assert lp_a == pytest.approx(lp_b, abs=1e-9) and g_a == g_b
+        # Independent check of the first request from the model's table.
+        ctx = exact.runner.tok.encode("Question: How many apples?\nAnswer:", add_special_tokens=False).ids
+        whole = exact.runner.tok.encode("Question: How many apples?\nAnswer: 12", add_special_tokens=False).ids
+        cont = whole[len(ctx):]
+        seq = ctx + cont
+        want = sum(exact.runner._logprobs_after(seq[i - 1])[seq[i]] for i in range(len(ctx), len(seq)))
+        assert a[0][0] == pytest.approx(float(want), abs=1e-9)
+        assert by_top.stats["floored_tokens"] == 0
+    finally:
+        l1.stop()
+        l2.stop()
+
+
+def test_loglikelihood_floor_and_error_for_tokens_outside_top_n():
+    req = [Req("Question: How many apples?\nAnswer:", " seventeen thousand")]
+    floor_lm, l1 = _lm(caps=TOP_ONLY, top_n=2)
+    err_lm, l2 = _lm(caps=TOP_ONLY, top_n=2, missing="error")
+    exact, l3 = _lm()
+    try:
+        (lp_floor, greedy), = floor_lm.loglikelihood(req)
+        (lp_exact, _), = exact.loglikelihood(req)
+        assert floor_lm.stats["floored_tokens"] >= 1 and not greedy
+        assert lp_floor >= lp_exact          # the floor is an upper bound of each missing token's log-prob
+        (lp_err, _), = err_lm.loglikelihood(req)
+        assert lp_err == float("-inf")
+        assert "not among the top 2" in err_lm.failed_contexts[req[0].args[0]]
+    finally:
+        for loop in (l1, l2, l3):
+            loop.stop()
+
+
+def test_generate_until_cuts_at_stop_and_matches_runner():
+    lm, loop = _lm()
+    try:
+        ctx = "Question: Tom has 5 pens and buys 3 more. How many pens?\nAnswer:"
+        full = asyncio.run(lm.runner.generate(GenerateRequest(prompt=ctx, max_tokens=40)))
+        stop = full.text[5:8]
+        out = lm.generate_until([Req(ctx, {"until": [stop], "max_gen_toks": 40, "do_sample": False})])
+        assert out == [full.text[: full.text.index(stop)]]
+    finally:
+        loop.stop()
+
+
+def _choice_logprob(runner: MarkovRunner, context: str, letter: str) -> float:
+    ctx = runner.tok.encode(context, add_special_tokens=False).ids
+    whole = runner.tok.encode(context + " " + letter, add_special_tokens=False).ids
+    seq = ctx + whole[len(ctx):]
+    return float(sum(runner._logprobs_after(seq[i - 1])[seq[i]] for i in range(len(ctx), len(seq))))
+
+
+def test_run_lm_eval_cmmlu_records_over_top_logprobs_runner(tmp_path, data_dir):
+    runner = MarkovRunner(caps=TOP_ONLY)
+    out = evaluate_runner(runner, ["cmmlu_anatomy"], 5, tmp_path / "run", options=AdapterOptions(top_n=1200))
+    manifest, records = load_run(out)
+    assert manifest["status"] == "complete" and manifest["adapter_stats"]["scoring"] == "top_logprobs"
+    # Four single-token choices share one context: one request per question.
+    assert manifest["adapter_stats"]["requests"] == 5
+    assert [r["item_id"] for r in records] == [f"cmmlu_anatomy/{i}" for i in range(5)]
+    def csv_rows(path: Path) -> list[list[str]]:
+        with path.open(encoding="utf-8", newline="") as f:
+            return list(csv.reader(f))[1:6]
+
+    rows = csv_rows(data_dir / "cmmlu" / "test" / "anatomy.csv")
+    shots = "".join(f"{q.strip()}\nA. {a}\nB. {b}\nC. {c}\nD. {d}\n答案： {ans}\n\n"
+                    for _, q, a, b, c, d, ans in csv_rows(data_dir / "cmmlu" / "dev" / "anatomy.csv"))
+    desc = "以下是关于解剖学的单项选择题，请直接给出正确答案的选项。\n\n"
+    for rec, (_, q, a, b, c, d, ans) in zip(records, rows):
+        context = desc + shots + f"{q.strip()}\nA. {a}\nB. {b}\nC. {c}\nD. {d}\n答案："
+        assert rec["prompt_hash"] == sha(context)           # 5-shot from dev, upstream's format
+        lps = [_choice_logprob(runner, context, x) for x in "ABCD"]
+        assert rec["choice_logprobs"] == pytest.approx(lps, abs=1e-9)
+        assert rec["answer"] == "ABCD"[int(np.argmax(lps))] and rec["reference"] == ans
+        assert rec["correct"] == (rec["answer"] == ans) and rec["status"] == "ok"
+        assert rec["task"] == "cmmlu_anatomy"
+
+
+def test_run_lm_eval_gsm8k_filters_errors_and_prompts(tmp_path, data_dir):
+    test_rows = [json.loads(l) for l in (data_dir / "gsm8k" / "test.jsonl").read_text().splitlines()[:3]]
+    runner = MarkovRunner(fail_on=test_rows[1]["question"][:40])   # doc 1's request fails
+    out = evaluate_runner(runner, ["gsm8k"], 3, tmp_path / "run")
+    manifest, records = load_run(out)
+    assert manifest["status"] == "complete" and manifest["adapter_stats"]["errors"] == 1
+    assert {r["task"] for r in records} == {"gsm8k:strict-match", "gsm8k:flexible-extract"}
+    train = [json.loads(l) for l in (data_dir / "gsm8k" / "train.jsonl").read_text().splitlines()[:5]]
+    shots = "".join(f"Question: {t['question']}\nAnswer: {t['answer']}\n\n" for t in train)
+    for rec in records:
+        doc = int(rec["item_id"].split("/")[1])
+        prompt = shots + f"Question: {test_rows[doc]['question']}\nAnswer:"
+        assert rec["prompt_hash"] == sha(prompt)
+        if doc == 1:
+            assert rec["status"] == "error" and rec["correct"] is None and "planted failure" in rec["error"]
+            continue
+        want = asyncio.run(runner.generate(GenerateRequest(prompt=prompt, max_tokens=256,
+                                                           stop=["Question:", "</s>", "<|im_end|>"]))).text
+        assert rec["output"] == want and rec["status"] == "ok"
+        assert rec["correct"] is False and rec["reference"] == test_rows[doc]["answer"]
+    assert (out / "lm_eval_tasks" / "gsm8k.yaml").is_file() and (out / "lm_eval_results.json").is_file()
+
+
+# -- importer + compare -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def samples_files(tmp_path_factory, data_dir):
+    """Genuine lm-eval samples files, written by lm-eval's own EvaluationTracker."""
+    import lm_eval
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.tasks import TaskManager
+
+    d = tmp_path_factory.mktemp("lmeval")
+    lm, loop = _lm(caps=TOP_ONLY, top_n=1200)
+    try:
+        tm = TaskManager(include_path=str(materialize(d / "inc", data_dir)), include_defaults=False)
+        res = lm_eval.simple_evaluate(model=lm, tasks=["gsm8k", "cmmlu_anatomy"], limit=6, task_manager=tm)
+    finally:
+        loop.stop()
+    samples = res.pop("samples")
+    tracker = EvaluationTracker(output_path=str(d / "out"))       # as lm-eval's CLI saves them
+    tracker.save_results_aggregated(results=res, samples=samples)
+    for task, rows in samples.items():
+        tracker.save_results_samples(task_name=task, samples=rows)
+    files = sorted((d / "out").rglob("samples_*.jsonl"))
+    assert len(files) == 2
+    return files
+
+
+def _rewrite(path: Path, dest: Path, change) -> Path:
+    rows = [json.loads(l) for l in path.read_text(encoding="utf-8").splitlines()]
+    for r in rows:
+        change(r)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return dest
+
+
+def test_import_two_logs_and_compare_reports_planted_flips(samples_files, tmp_path):
+    from moebench.api import compare
+
+    gsm, cmmlu = sorted(samples_files, key=lambda p: "cmmlu" in p.name)
+
+    def plant(side: str):
+        def change(r):
+            d, f = r["doc_id"], r["filter"]
+            if "exact_match" in r and f == "strict-match" and d == 0:
+                r["exact_match"] = 0.0 if side == "base" else 1.0           # a win
+            if "acc" in r and d == 1:
+                r["acc"] = 0.0 if side == "base" else 1.0                   # a win
+            if "acc" in r and d == 2:
+                r["acc"] = 1.0 if side == "base" else 0.0                   # a loss
+            if "acc" in r and d == 3 and side == "cand":
+                r["prompt_hash"] = "0" * 64                                 # a different question
+        return change
+
+    base = [_rewrite(p, tmp_path / "base" / p.name, plant("base")) for p in (gsm, cmmlu)]
+    cand = [_rewrite(p, tmp_path / "cand" / p.name, plant("cand")) for p in (gsm, cmmlu)]
+    bdir, cdir = import_lm_eval(base, tmp_path / "run_base"), import_lm_eval(cand, tmp_path / "run_cand")
+    manifest, records = load_run(bdir)
+    assert manifest["status"] == "complete" and len(records) == 6 * 2 + 6
+    rec = next(r for r in records if r["item_id"] == "gsm8k/0" and r["task"] == "gsm8k:strict-match")
+    assert rec["prompt_hash"] and rec["output"] and rec["reference"].split("#### ")[-1] == "18"
+
+    _, cmp = compare(str(bdir), str(cdir), str(tmp_path / "cmp"), write_report=False)
+    t = cmp["tasks"]
+    assert t["gsm8k:strict-match"]["wins"] == ["gsm8k/0"] and t["gsm8k:strict-match"]["losses"] == []
+    assert t["gsm8k:flexible-extract"]["wins"] == [] and t["gsm8k:flexible-extract"]["losses"] == []
+    assert t["cmmlu_anatomy"]["wins"] == ["cmmlu_anatomy/1"]
+    assert t["cmmlu_anatomy"]["losses"] == ["cmmlu_anatomy/2"]
+    assert t["cmmlu_anatomy"]["excluded"] == ["cmmlu_anatomy/3"] and t["cmmlu_anatomy"]["n_paired"] == 5
+
+
+def test_import_rejects_bad_files(samples_files, tmp_path):
+    bad_name = tmp_path / "results.jsonl"
+    shutil.copy(samples_files[0], bad_name)
+    with pytest.raises(SamplesError, match="samples_<task>_"):
+        import_lm_eval([bad_name], tmp_path / "r1")
+    broken = tmp_path / samples_files[0].name
+    text = samples_files[0].read_text(encoding="utf-8")
+    broken.write_text(text + "{torn\n", encoding="utf-8")
+    with pytest.raises(SamplesError, match=rf"line {len(text.splitlines()) + 1} is not valid JSON"):
+        import_lm_eval([broken], tmp_path / "r2")
+    with pytest.raises(SamplesError, match="appears twice"):
+        import_lm_eval([samples_files[0], samples_files[0]], tmp_path / "r3")
