@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -47,6 +48,9 @@ NOBODY_GID = 65534
 # The work dir inside the mount namespace (on its private tmpfs); the run id makes it unique so a
 # leftover process could be found by its command line.
 INNER_TMP = "/tmp"
+# At most this many checks run at once in this process, whatever the runner's concurrency: each may
+# take a CPU and gigabytes of memory. Waiting for a slot does not count against a check's timeout.
+_SLOTS = threading.BoundedSemaphore(max(1, os.cpu_count() or 1))
 
 
 class SandboxError(RuntimeError):
@@ -291,7 +295,11 @@ def _killpg(pgid: int) -> None:
 def run_untrusted(program: str, timeout_s: float = 10.0,
                   limits: SandboxLimits | None = None) -> SandboxResult:
     """Run `program` (Python source) in the sandbox; pass = exit status 0 within the limits."""
-    limits = limits or SandboxLimits()
+    with _SLOTS:
+        return _run_untrusted(program, timeout_s, limits or SandboxLimits())
+
+
+def _run_untrusted(program: str, timeout_s: float, limits: SandboxLimits) -> SandboxResult:
     p = plan()
     run_id = uuid.uuid4().hex[:12]
     isolation = ["process-group", "scrubbed-env", "rlimits", "python-isolated(" + " ".join(limits.python_flags) + ")"]
