@@ -241,3 +241,13 @@ def test_check_runs_the_harness_python_read_only():
     assert r.interpreter == os.path.realpath(sys.executable), r.interpreter
     assert r.stdout_tail == sys.version + "\n"
     assert not r.passed and "Read-only file system" in r.reason, r.reason
+
+
+@pytest.mark.skipif(not sandbox.plan().cgroup_parents, reason="no writable cgroup here")
+def test_bad_cgroup_setting_is_an_error_and_leaves_no_cgroup():
+    # pids.max refuses a negative count: the sandbox must report an error, not run unconfined.
+    r = run_untrusted("print(1)", limits=SandboxLimits(max_processes=-5))
+    assert r.status == "error" and not r.passed, r
+    assert "pids.max" in r.reason
+    for parent in sandbox.plan().cgroup_parents.values():
+        assert not (parent / f"moebench-sbx-{r.run_id}").exists()

@@ -227,21 +227,25 @@ def _make_cgroups(p: _Plan, run_id: str, limits: SandboxLimits) -> tuple[list[Pa
     dirs: dict[Path, list[str]] = {}
     for controller, parent in p.cgroup_parents.items():
         dirs.setdefault(parent / f"moebench-sbx-{run_id}", []).append(controller)
-    for d, controllers in dirs.items():
-        try:
-            d.mkdir()
-        except OSError as e:
-            raise SandboxError(f"cannot create cgroup {d}: {e}") from None
-        made.append(d)
-        for c in controllers:
-            for name, value in settings[c]:
-                try:
-                    (d / name).write_text(value)
-                except OSError as e:
-                    if name == "memory.swap.max":
-                        continue           # no swap accounting: the memory limit still holds
-                    raise SandboxError(f"cannot set {d / name} = {value}: {e}") from None
-            labels.append(f"cgroup-{p.cgroup_kind} {c} limit")
+    try:
+        for d, controllers in dirs.items():
+            try:
+                d.mkdir()
+            except OSError as e:
+                raise SandboxError(f"cannot create cgroup {d}: {e}") from None
+            made.append(d)
+            for c in controllers:
+                for name, value in settings[c]:
+                    try:
+                        (d / name).write_text(value)
+                    except OSError as e:
+                        if name == "memory.swap.max":
+                            continue       # no swap accounting: the memory limit still holds
+                        raise SandboxError(f"cannot set {d / name} = {value}: {e}") from None
+                labels.append(f"cgroup-{p.cgroup_kind} {c} limit")
+    except SandboxError:
+        _remove_cgroups(made)              # none half-made left behind
+        raise
     return made, labels
 
 
@@ -316,7 +320,6 @@ def _run_untrusted(program: str, timeout_s: float, limits: SandboxLimits) -> San
         try:
             cgroups, labels = _make_cgroups(p, run_id, limits)
         except SandboxError as e:
-            _remove_cgroups(cgroups)
             return SandboxResult(False, "error", str(e), isolation=isolation, missing=missing, run_id=run_id)
         isolation += labels
         prog_path = workdir / "prog.py"
