@@ -13,7 +13,8 @@ from typing import Sequence
 BASELINE = "#7f7f7f"
 CANDIDATE = "#1f6fb4"
 SERIES_COLOURS = (BASELINE, CANDIDATE, "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
-PHASE_COLOURS = {"load": "#fde2b3", "prefill": "#cfe3f7", "decode": "#d4f0d0", "idle": "#eeeeee"}
+PHASE_COLOURS = {"load": "#fde2b3", "prefill": "#cfe3f7", "decode": "#d4f0d0", "idle": "#eeeeee",
+                 "baseline_idle": "#e4e4e4"}
 
 WIDTH = 640
 MARGIN_L, MARGIN_R, MARGIN_T, MARGIN_B = 64, 16, 12, 40

@@ -153,6 +153,9 @@ def identity(manifest: dict[str, Any]) -> list[tuple[str, str]]:
                     pairs.append((f"{section}.{k}", fmt_number(v) if not isinstance(v, str) else v))
                 elif isinstance(v, list) and all(isinstance(x, (str, int, float)) for x in v) and len(v) <= 8:
                     pairs.append((f"{section}.{k}", ", ".join(map(str, v))))
+                elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+                    names = [str(x.get("name") or x.get("model") or x.get("id") or "?") for x in v[:8]]
+                    pairs.append((f"{section}.{k}", ", ".join(names)))
                 elif isinstance(v, dict):
                     small = {kk: vv for kk, vv in v.items() if isinstance(vv, (str, int, float, bool))}
                     if small:
@@ -304,10 +307,30 @@ def _task_summary(name: str, t: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _task_records(side: dict[str, Any], task: str) -> dict[str, dict[str, Any]]:
-    """item_id -> record for one task (records whose task field or id prefix names it)."""
-    return {iid: r for (tname, iid), r in side["records"].items()
-            if tname == task or iid.startswith(f"{task}/")}
+def _overall(o: Any) -> dict[str, Any] | None:
+    """The all-tasks row: the builder gives counts (n_wins, n_losses) instead of id lists."""
+    if not isinstance(o, dict) or len(o) == 0:
+        return None
+    t = dict(o)
+    for key, count in (("wins", "n_wins"), ("losses", "n_losses"), ("excluded", "n_excluded")):
+        if key not in t and isinstance(t.get(count), int):
+            t[key] = [None] * t[count]
+    return _task_summary("overall (all tasks)", t)
+
+
+def _task_records(side: dict[str, Any], task: str, ids: list[str]) -> dict[str, dict[str, Any]]:
+    """item_id -> record for one task (records whose task field or id prefix names it).
+
+    Flipped ids not found that way are looked up by id alone (a suite may name a task differently).
+    """
+    out = {iid: r for (tname, iid), r in side["records"].items()
+           if tname == task or iid.startswith(f"{task}/")}
+    missing = set(ids) - set(out)
+    if missing:
+        for (_, iid), r in side["records"].items():
+            if iid in missing:
+                out[iid] = r
+    return out
 
 
 def _flip_rows(task: str, t: dict[str, Any], base: dict[str, Any], cand: dict[str, Any],
@@ -315,7 +338,7 @@ def _flip_rows(task: str, t: dict[str, Any], base: dict[str, Any], cand: dict[st
     wins = [str(x) for x in t.get("wins") or []]
     losses = [str(x) for x in t.get("losses") or []]
     excluded = {str(x) for x in t.get("excluded") or []}
-    b_recs, c_recs = _task_records(base, task), _task_records(cand, task)
+    b_recs, c_recs = _task_records(base, task, wins + losses), _task_records(cand, task, wins + losses)
     kinds: dict[str, str] = {i: "win" for i in wins}
     kinds.update({i: "loss" for i in losses})
     same = [i for i in b_recs if i in c_recs and i not in kinds and i not in excluded]
@@ -419,15 +442,25 @@ def _speed_context(speed: Any) -> dict[str, Any] | None:
     rows = speed_rows(speed)
     if not rows:
         return None
-    xs = [r["prompt_length"] for r in rows]
+    client_counts = sorted({r["clients"] for r in rows}, key=lambda c: (c is None, c or 0))
     figs = []
     for metric, label in (("decode_tok_s", "decode tok/s"), ("prefill_tok_s", "prefill tok/s"),
                           ("ttft_s", "TTFT (s)")):
-        series = [(role, xs, [r[f"{role}_{metric}"] for r in rows]) for role in ("baseline", "candidate")]
+        series, colours = [], []
+        for clients in client_counts:
+            group = [r for r in rows if r["clients"] == clients]
+            suffix = f", {clients} clients" if len(client_counts) > 1 and clients is not None else ""
+            for role, colour in (("baseline", plots.BASELINE), ("candidate", plots.CANDIDATE)):
+                series.append((role + suffix, [r["prompt_length"] for r in group],
+                               [r[f"{role}_{metric}"] for r in group]))
+                colours.append(colour if len(client_counts) == 1 else
+                               plots.SERIES_COLOURS[(len(colours)) % len(plots.SERIES_COLOURS)])
         if any(v is not None for _, _, ys in series for v in ys):
             figs.append((f"{label} vs prompt length", _svg(plots.line_plot(
-                series, "prompt tokens", label, log_x=True, xfmt=plots.fmt_tokens))))
-    return {"rows": rows, "metrics": SPEED_METRICS, "plots": figs}
+                series, "prompt tokens", label, log_x=True, xfmt=plots.fmt_tokens, colours=colours))))
+    geo = speed.get("geomean") if isinstance(speed, dict) and isinstance(speed.get("geomean"), dict) else {}
+    return {"rows": rows, "metrics": SPEED_METRICS, "plots": figs, "show_clients": len(client_counts) > 1,
+            "geomean": [(k, v) for k, v in geo.items() if number(v) is not None]}
 
 
 TIME_COLUMNS = ("t_s", "t", "time_s", "elapsed_s", "time", "timestamp", "ts")
@@ -477,11 +510,12 @@ def _timeline_series(path: Path, warnings: list[str]):
         bands.append((start, times[-1], str(current)))
     else:
         bands = _phase_marks(path.parent / PHASES_FILE, t0, times[-1], warnings)
-    bands = [b for b in bands if b[2] not in ("", "nan", "None")]
+    bands = [b for b in bands if b[2] not in ("", "nan", "None", "end") and b[1] > b[0]]
     return times, [float(u) for u in used], bands
 
 
 PHASES_FILE = "nvml_phases.json"
+SAMPLE_FILES = ("nvml_samples.parquet", "nvml_samples.csv")
 
 
 def _phase_marks(path: Path, t0: Any, t_end: float, warnings: list[str]) -> list[tuple[float, float, str]]:
@@ -527,9 +561,11 @@ def _memory_context(memory: Any, compare_dir: Path, sides: list[dict[str, Any]],
             ref = memory["timeline"].get(role)
         elif isinstance(memory.get("timeline"), str) and role == "candidate":
             ref = memory["timeline"]
+        run_dir = resolve_run(side.get("run"), compare_dir)
+        if not isinstance(ref, str):   # the probe's own files beside the run's items
+            ref = next((str(run_dir / n) for n in SAMPLE_FILES if run_dir and (run_dir / n).is_file()), None)
         if not isinstance(ref, str):
             continue
-        run_dir = resolve_run(side.get("run"), compare_dir)
         options = [Path(ref)] if Path(ref).is_absolute() else \
             [compare_dir / ref, *([run_dir / ref] if run_dir else []), Path.cwd() / ref]
         found = next((p for p in options if p.is_file()), None)
@@ -556,7 +592,7 @@ def compare_context(compare_dir: Path) -> dict[str, Any]:
     compare = _load_json(compare_dir / "compare.json")
     if not isinstance(compare, dict):
         raise ReportError(f"{compare_dir / 'compare.json'}: expected a JSON object")
-    warnings: list[str] = []
+    warnings: list[str] = [str(w) for w in compare.get("warnings") or [] if isinstance(compare.get("warnings"), list)]
     base = _side(compare, "baseline", compare_dir, warnings)
     cand = _side(compare, "candidate", compare_dir, warnings)
     tasks_raw = compare.get("tasks") if isinstance(compare.get("tasks"), dict) else {}
@@ -574,7 +610,10 @@ def compare_context(compare_dir: Path) -> dict[str, Any]:
                              "lo": number(ci[0]), "hi": number(ci[1]), "colour": colour})
         notes: list[str] = []
         rows = _flip_rows(name, t, base, cand, notes)
-        flips.append({"task": name, "rows": rows, "notes": notes,
+        reasons = t.get("excluded_reasons") if isinstance(t.get("excluded_reasons"), dict) else {}
+        excluded = [(str(i), str(reasons.get(i, ""))) for i in t.get("excluded") or []] \
+            if isinstance(t.get("excluded"), list) else []
+        flips.append({"task": name, "rows": rows, "notes": notes, "excluded": excluded,
                       "counts": {k: sum(1 for r in rows if r["kind"] == k)
                                  for k in ("win", "loss", "same-right", "same-wrong")}})
     return {
@@ -585,6 +624,7 @@ def compare_context(compare_dir: Path) -> dict[str, Any]:
         "warnings": warnings,
         "tasks": tasks,
         "accuracy_svg": _svg(plots.interval_plot(dots)) if dots else None,
+        "overall": _overall(compare.get("overall")),
         "flips": flips,
         "kld": _kld_context(compare.get("kld")),
         "needle": _needle_context(compare.get("needle")),

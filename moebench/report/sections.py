@@ -69,12 +69,16 @@ def speed_rows(speed: Any) -> list[dict[str, Any]]:
             length = float(key)
         row: dict[str, Any] = {"prompt_length": int(length) if length is not None else None}
         ratios = r.get("ratios") if isinstance(r.get("ratios"), dict) else {}
+        clients = number(r.get("clients"))
+        row["clients"] = int(clients) if clients is not None else None
         for metric in SPEED_METRICS:
+            short = _SHORT[metric]
             base = side_value(r, "baseline", metric)
             cand = side_value(r, "candidate", metric)
+            base = base if base is not None else side_value(r, "baseline", short)
+            cand = cand if cand is not None else side_value(r, "candidate", short)
             row[f"baseline_{metric}"] = base
             row[f"candidate_{metric}"] = cand
-            short = _SHORT[metric]
             ratio = None
             for k in (metric, short):
                 if k in ratios:
@@ -89,7 +93,7 @@ def speed_rows(speed: Any) -> list[dict[str, Any]]:
                 ratio = cand / base       # candidate over baseline, as the design defines ratios
             row[f"{metric}_ratio"] = ratio
         rows.append(row)
-    rows.sort(key=lambda x: (x["prompt_length"] is None, x["prompt_length"] or 0))
+    rows.sort(key=lambda x: (x["clients"] or 0, x["prompt_length"] is None, x["prompt_length"] or 0))
     return rows
 
 
@@ -142,35 +146,42 @@ def flatten(d: Any, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[str, A
     return out
 
 
+def _split_side(key: str) -> tuple[str, str]:
+    """("candidate", "per_token.prefill.net_j_per_token") from "per_token.prefill.candidate_net_j_per_token".
+
+    A side appears as a path component ("baseline.peak_used_bytes"), a prefix ("baseline_idle_power_w")
+    or a suffix ("cost_per_million_tokens_candidate"); keys naming no side go to "value".
+    """
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        for side in SIDES:
+            if part == side:
+                rest = parts[:i] + parts[i + 1:]
+            elif part.startswith(side + "_"):
+                rest = parts[:i] + [part[len(side) + 1:]] + parts[i + 1:]
+            elif part.endswith("_" + side):
+                rest = parts[:i] + [part[: -len(side) - 1]] + parts[i + 1:]
+            else:
+                continue
+            return side, ".".join(rest) or side
+    return "value", key
+
+
 def per_side(section: Any, skip: tuple[str, ...] = ()) -> tuple[list[str], dict[str, dict[str, Any]]]:
     """(metric names, {side: {metric: value}}) for a section with figures for both runs, or for one.
 
-    A section without per-side structure is returned under the side "value".
+    Figures naming no side (ratios, deltas, notes) are returned under the column "value".
     """
     if not isinstance(section, dict):
         return [], {}
-    if any(isinstance(section.get(s), dict) for s in SIDES):
-        sides = {s: flatten(section.get(s) or {}, skip=skip) for s in SIDES}
-        shared = flatten({k: v for k, v in section.items() if k not in SIDES}, skip=skip)
-        if shared:
-            sides["value"] = shared
-    else:
-        flat = flatten(section, skip=skip)
-        # {"metric": {"baseline": x, "candidate": y}} flattens to metric.baseline / metric.candidate
-        split: dict[str, dict[str, Any]] = {s: {} for s in (*SIDES, "value")}
-        for k, v in flat.items():
-            head, _, last = k.rpartition(".")
-            if head and last in SIDES:
-                split[last][head] = v
-            else:
-                split["value"][k] = v
-        sides = {s: m for s, m in split.items() if m}
+    sides: dict[str, dict[str, Any]] = {s: {} for s in (*SIDES, "value")}
     names: list[str] = []
-    for m in sides.values():
-        for k in m:
-            if k not in names:
-                names.append(k)
-    return names, sides
+    for key, v in flatten(section, skip=skip).items():
+        side, metric = _split_side(key)
+        sides[side][metric] = v
+        if metric not in names:
+            names.append(metric)
+    return names, {s: m for s, m in sides.items() if m}
 
 
 def memory_value(memory: Any, metric: str, side: str = "candidate") -> float | None:
