@@ -1,0 +1,463 @@
+"""Speed versus context: TTFT, prefill and decode throughput per prompt length, by streaming.
+
+For each prompt length and client count, N closed-loop clients (each sends its next request when the
+previous one finishes) make `repeats` requests each. Every request has a UNIQUE prompt (a random
+prefix, then haystack text) and `cache_prompt=False`, so no prompt cache hides prefill; generation
+goes on past EOS where the backend allows (`ignore_eos`), for a fixed number of output tokens.
+
+Per measurement (DESIGN.md section 6):
+  ttft_s        = arrival of the first output token (from the runner's `token_times`)
+  prefill_tok_s = prompt tokens / ttft_s
+  decode_tok_s  = (n_out - 1) / (t_last - t_first)
+
+A/B mode (`run_ab`) runs two runner profiles interleaved (ABBA), each pass in a FRESH process
+(`python -m moebench.tasks.speed --runner PROFILE ...`), and counts outputs that differ between A and B.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from moebench.config import Field, positive
+from moebench.datasets import data_file, register
+from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
+from moebench.tasks.base import Item, Task, TaskContext, prompt_hash
+from moebench.tasks.needle import HAYSTACK_FILE, HaystackIndex, build_index, fit_haystack, load_haystack
+
+DEFAULT_PROMPT_LENGTHS = [128, 512, 2048, 8192, 16384]
+CHARS_PER_TOKEN_GUESS = 4.0       # only where the runner cannot tokenize; the real count is then the server's
+METRICS = ("ttft_s", "prefill_tok_s", "decode_tok_s")
+
+
+def _clients_ok(v: Any) -> str | None:
+    vals = v if isinstance(v, list) else [v]
+    if not vals:
+        return "must name at least one client count"
+    return None if all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in vals) \
+        else "must be a positive integer or a list of them"
+
+
+def _lengths_ok(v: list[int]) -> str | None:
+    if not v:
+        return "must list at least one prompt length"
+    return None if all(x > 0 for x in v) else "must hold positive token counts"
+
+
+def measurement_prefix(seed: int, prompt_len: int, clients: int, repeat: int, client: int) -> str:
+    """A unique, reproducible opening: differs per measurement, identical across processes (A/B)."""
+    rng = random.Random(f"speed:{seed}:{prompt_len}:{clients}:{repeat}:{client}")
+    words = " ".join(f"{rng.getrandbits(32):08x}" for _ in range(2))
+    return f"Request {words}. Continue the story.\n\n"
+
+
+def timing_fields(token_times: list[float] | None, prompt_tokens: int | None,
+                  output_tokens: int | None) -> dict[str, Any]:
+    """TTFT, prefill tok/s and decode tok/s from token arrival times (seconds from the request start)."""
+    if not token_times:
+        raise RunnerError("the runner returned no token_times: streaming is needed to time a request")
+    n_out = int(output_tokens or len(token_times))
+    ttft = float(token_times[0])
+    window = float(token_times[-1]) - ttft
+    return {
+        "ttft_s": ttft,
+        "prefill_tok_s": (prompt_tokens / ttft) if prompt_tokens and ttft > 0 else None,
+        "decode_tok_s": ((n_out - 1) / window) if n_out > 1 and window > 0 else None,
+        "decode_window_s": window,
+        "e2e_s": float(token_times[-1]),
+        "n_chunks": len(token_times),
+    }
+
+
+class SpeedTask(Task):
+    kind = "speed"
+    options = {
+        "prompt_lengths": Field(list, item_type=int, default=lambda: list(DEFAULT_PROMPT_LENGTHS),
+                                check=_lengths_ok, doc="prompt lengths in tokens"),
+        "output_tokens": Field(int, default=128, check=positive, doc="tokens generated per request"),
+        "repeats": Field(int, default=3, check=positive, doc="requests per client per prompt length"),
+        "clients": Field((int, list), default=1, check=_clients_ok,
+                         doc="closed-loop clients: one count or a list of counts"),
+        "warmup": Field(int, default=1, doc="untimed requests before each prompt length group"),
+        "seed": Field(int, default=1234, doc="seeds the unique prompt prefixes"),
+    }
+
+    def __init__(self, opts: dict[str, Any], ctx: TaskContext):
+        opts = {**{k: (f.default() if callable(f.default) else f.default)
+                   for k, f in self.options.items()}, **opts}
+        super().__init__(opts, ctx)
+        self.prompt_lengths = [int(x) for x in dict.fromkeys(opts["prompt_lengths"])]
+        c = opts["clients"]
+        self.clients = [int(x) for x in dict.fromkeys(c if isinstance(c, list) else [c])]
+        self.output_tokens = int(opts["output_tokens"])
+        self.repeats = int(opts["repeats"])
+        self.warmup = int(opts["warmup"])
+        self.seed = int(opts["seed"])
+        self.index: HaystackIndex | None = None
+        self._text: str | None = None
+        self._groups: dict[tuple[int, int], asyncio.Task] = {}
+        self._group_lock: asyncio.Lock | None = None
+
+    def needs(self, runner: Runner) -> set[str]:
+        return {Capability.GENERATE, Capability.STREAM}
+
+    def items(self) -> list[Item]:
+        out = []
+        for length in self.prompt_lengths:
+            for n in self.clients:
+                for rep in range(self.repeats):
+                    for client in range(n):
+                        out.append(Item(f"speed/{length}/{n}/{rep}/{client}",
+                                        {"prompt_length": length, "clients": n, "repeat": rep, "client": client}))
+        return self._cut(out)
+
+    async def prepare(self, runner: Runner) -> None:
+        path = data_file(self.ctx.data_dir, HAYSTACK_FILE)
+        register(self.ctx.data_files, Path(self.ctx.data_dir), path)
+        self._text = load_haystack(path)
+        if Capability.TOKENIZE in runner.capabilities:
+            longest = max((it.data["prompt_length"] for it in self.items()), default=0)
+            self.index = await build_index(runner, self._text, int(longest * 1.05) + 256)
+
+    # -- prompts ---------------------------------------------------------------------------------
+    async def build_prompt(self, runner: Runner, prefix: str, length: int) -> tuple[str, int | None]:
+        """(prompt, exact token count or None where the runner cannot tokenize)."""
+        if self._text is None:
+            await self.prepare(runner)
+        assert self._text is not None
+        if self.index is None:      # no tokenizer: a character estimate; the server reports the truth
+            cut = int(max(1, length - 16) * CHARS_PER_TOKEN_GUESS)
+            return prefix + self._text[:cut], None
+        index = self.index
+        fixed = len(await runner.tokenize(prefix))
+        fit = await fit_haystack(runner.tokenize, index, length, lambda cut: prefix + index.text[:cut],
+                                 fixed, allowed=max(1, length // 100))
+        return fit.prompt, len(fit.ids)
+
+    # -- measuring -------------------------------------------------------------------------------
+    async def measure(self, runner: Runner, prompt: str, prompt_tokens: int | None,
+                      concurrent: bool) -> dict[str, Any]:
+        request = GenerateRequest(prompt=prompt, max_tokens=self.output_tokens, temperature=0.0, seed=0,
+                                  stream=True, ignore_eos=True, cache_prompt=False)
+        t_start = time.perf_counter()
+        result = await runner.generate(request)
+        t_end = time.perf_counter()
+        real_prompt_tokens = prompt_tokens or result.prompt_tokens
+        fields = timing_fields(result.token_times, real_prompt_tokens, result.output_tokens)
+        if not concurrent:          # phases are only meaningful with one request in flight
+            _mark(self.ctx, "prefill", t_start)
+            _mark(self.ctx, "decode", t_start + fields["ttft_s"])
+            _mark(self.ctx, "idle", t_end)
+            _count_tokens(self.ctx, real_prompt_tokens or 0, result.output_tokens or len(result.token_times or []))
+        return {
+            **result.to_record_fields(),
+            "prompt_hash": prompt_hash(prompt),
+            "prompt_tokens": real_prompt_tokens,
+            "prompt_tokens_source": "tokenizer" if prompt_tokens else ("server" if result.prompt_tokens else None),
+            "runner_prompt_tokens": result.prompt_tokens,
+            "output_tokens": result.output_tokens or len(result.token_times or []),
+            "output_tokens_requested": self.output_tokens,
+            "stopped_early": (result.output_tokens or 0) < self.output_tokens,
+            **fields,
+            "_token_times": result.token_times,
+        }
+
+    async def run_group(self, runner: Runner, length: int, clients: int,
+                        wanted: set[str] | None = None) -> dict[str, dict[str, Any] | BaseException]:
+        """All measurements of one (prompt length, clients) group: N closed-loop clients x repeats.
+
+        Prompts are built (tokenized) before the clock starts. Returns item id -> record fields,
+        or the exception that measurement raised.
+        """
+        prompts: dict[tuple[int, int], tuple[str, int | None]] = {}
+        for rep in range(self.repeats):
+            for c in range(clients):
+                prefix = measurement_prefix(self.seed, length, clients, rep, c)
+                prompts[(rep, c)] = await self.build_prompt(runner, prefix, length)
+        for w in range(self.warmup):       # first requests pay for allocation and compilation
+            prefix = measurement_prefix(self.seed + 1_000_003 + w, length, clients, 0, 0)
+            prompt, n = await self.build_prompt(runner, prefix, length)
+            try:
+                await self.measure(runner, prompt, n, concurrent=True)
+            except Exception:
+                pass                       # a failed warm-up shows up in the measurements themselves
+        results: dict[str, dict[str, Any] | BaseException] = {}
+
+        async def client_loop(c: int) -> None:
+            for rep in range(self.repeats):
+                item_id = f"speed/{length}/{clients}/{rep}/{c}"
+                prompt, n = prompts[(rep, c)]
+                try:
+                    rec = await self.measure(runner, prompt, n, concurrent=clients > 1)
+                    rec.update(prompt_length=length, clients=clients, repeat=rep, client=c)
+                    results[item_id] = rec
+                except Exception as e:
+                    results[item_id] = e
+
+        _mark(self.ctx, "mixed" if clients > 1 else "idle", time.perf_counter())
+        await asyncio.gather(*(client_loop(c) for c in range(clients)))
+        _mark(self.ctx, "idle", time.perf_counter())
+        self._write_token_times(results)
+        return results
+
+    def _write_token_times(self, results: dict[str, Any]) -> None:
+        """Per-token arrival times go beside items.jsonl (bulk data), not into the records."""
+        rows = []
+        for item_id, rec in results.items():
+            if isinstance(rec, dict):
+                rows.append({"item_id": item_id, "token_times": rec.pop("_token_times", None)})
+        if self.ctx.run_dir is not None and rows:
+            path = Path(self.ctx.run_dir) / "speed_token_times.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a", encoding="utf-8") as f:
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+
+    async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
+        """One measurement; the first item of a group runs the whole group (closed-loop clients).
+
+        Groups run one at a time whatever the executor's concurrency, so lengths never overlap.
+        """
+        key = (item.data["prompt_length"], item.data["clients"])
+        if self._group_lock is None:
+            self._group_lock = asyncio.Lock()
+        if key not in self._groups:
+            async def guarded() -> dict[str, Any]:
+                assert self._group_lock is not None
+                async with self._group_lock:
+                    return await self.run_group(runner, *key)
+            self._groups[key] = asyncio.ensure_future(guarded())
+        results = await self._groups[key]
+        rec = results.get(item.item_id)
+        if rec is None:
+            raise RunnerError(f"{item.item_id}: no measurement was made")
+        if isinstance(rec, BaseException):
+            raise rec
+        return {"correct": None, "answer": None, "reference": None, **rec}
+
+    def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        ok = [r for r in records if r.get("status") == "ok"]
+        return {"n": len(records), "n_ok": len(ok),
+                "n_errors": sum(1 for r in records if r.get("status") == "error"),
+                "by_prompt_length": summarize_speed(ok)}
+
+
+# --- statistics and compare ---------------------------------------------------------------------
+
+def _stats(values: list[float]) -> dict[str, Any] | None:
+    vals = sorted(v for v in values if v is not None and math.isfinite(v))
+    if not vals:
+        return None
+    q = statistics.quantiles(vals, n=4, method="inclusive") if len(vals) > 1 else [vals[0]] * 3
+    return {"n": len(vals), "median": statistics.median(vals), "p25": q[0], "p75": q[2],
+            "iqr": q[2] - q[0], "min": vals[0], "max": vals[-1]}
+
+
+def summarize_speed(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """{prompt_length: {clients: {metric: {n, median, p25, p75, iqr, min, max}, ...}}} over ok records.
+
+    With several clients, `aggregate_decode_tok_s` is the median per-client decode rate times clients.
+    """
+    groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for r in records:
+        if r.get("status", "ok") != "ok" or r.get("ttft_s") is None:
+            continue
+        key = (int(r.get("prompt_length") or _from_id(r, 1)), int(r.get("clients") or _from_id(r, 2)))
+        groups.setdefault(key, []).append(r)
+    out: dict[str, dict[str, Any]] = {}
+    for (length, clients), recs in sorted(groups.items()):
+        entry: dict[str, Any] = {m: _stats([r.get(m) for r in recs]) for m in METRICS}
+        entry["prompt_tokens"] = _stats([r.get("prompt_tokens") for r in recs])
+        entry["output_tokens"] = _stats([r.get("output_tokens") for r in recs])
+        dec = entry["decode_tok_s"]
+        entry["aggregate_decode_tok_s"] = dec["median"] * clients if dec else None
+        out.setdefault(str(length), {})[str(clients)] = entry
+    return out
+
+
+def _from_id(r: dict[str, Any], part: int) -> int:
+    return int(str(r["item_id"]).split("/")[part])
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return (b / a) if a and b is not None and a > 0 else None
+
+
+def speed_compare(base_records: list[dict[str, Any]], cand_records: list[dict[str, Any]]) -> dict[str, Any]:
+    """compare.json["speed"]: candidate/baseline ratios of the medians per prompt length and clients.
+
+    ttft_ratio < 1 and prefill/decode ratios > 1 mean the candidate is faster.
+    """
+    base = summarize_speed([r for r in base_records if str(r.get("item_id", "")).startswith("speed/")])
+    cand = summarize_speed([r for r in cand_records if str(r.get("item_id", "")).startswith("speed/")])
+    rows = []
+    for length in sorted(set(base) & set(cand), key=int):
+        for clients in sorted(set(base[length]) & set(cand[length]), key=int):
+            b, c = base[length][clients], cand[length][clients]
+            row: dict[str, Any] = {"prompt_length": int(length), "clients": int(clients)}
+            for m, name in (("ttft_s", "ttft"), ("prefill_tok_s", "prefill"), ("decode_tok_s", "decode")):
+                bm = b[m]["median"] if b[m] else None
+                cm = c[m]["median"] if c[m] else None
+                row[f"{name}_baseline"], row[f"{name}_candidate"] = bm, cm
+                row[f"{name}_ratio"] = _ratio(bm, cm)
+            row["n_baseline"] = b["ttft_s"]["n"] if b["ttft_s"] else 0
+            row["n_candidate"] = c["ttft_s"]["n"] if c["ttft_s"] else 0
+            rows.append(row)
+
+    def geomean(key: str) -> float | None:
+        vals = [r[key] for r in rows if r.get(key)]
+        return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
+
+    only = sorted({f"{l}/{c}" for l in base for c in base[l]} ^ {f"{l}/{c}" for l in cand for c in cand[l]})
+    return {"rows": rows, "geomean": {k: geomean(f"{k}_ratio") for k in ("ttft", "prefill", "decode")},
+            "unpaired_groups": only,
+            "ratio_meaning": "candidate / baseline; ttft < 1 and prefill, decode > 1 mean the candidate is faster"}
+
+
+# --- probe plumbing -------------------------------------------------------------------------------
+
+def _mark(ctx: TaskContext, phase: str, at: float) -> None:
+    """A phase mark at a past instant (perf_counter): the phases of a request are known after it ends."""
+    probe = ctx.probe
+    if probe is None:
+        return
+    try:
+        probe.mark(phase, at=at)
+    except TypeError:            # a probe without timestamps: mark now
+        probe.mark(phase)
+
+
+def _count_tokens(ctx: TaskContext, prefill: int, decode: int) -> None:
+    count = getattr(ctx.probe, "count_tokens", None)
+    if count is not None:
+        count(prefill=prefill, decode=decode)
+
+
+# --- A/B mode: fresh processes, interleaved ----------------------------------------------------------
+
+async def _measure_in_process(runner_path: str, options: dict[str, Any], data_dir: str) -> dict[str, Any]:
+    from moebench.config import load_runner, resolve_profile_path
+    from moebench.runners import make_runner, runner_schemas
+    from moebench.config import validate, COMMON_TASK_SCHEMA
+
+    profile = load_runner(resolve_profile_path(runner_path, "runners"), runner_schemas())
+    opts = validate({"task": "speed", **options}, {**COMMON_TASK_SCHEMA, **SpeedTask.options}, "speed options")
+    task = SpeedTask(opts, TaskContext(data_dir=Path(data_dir), runner_profile=profile))
+    runner = make_runner(profile)
+    t0 = time.perf_counter()
+    await runner.start()
+    load_s = time.perf_counter() - t0
+    try:
+        await task.prepare(runner)
+        records = []
+        for it in task.items():
+            try:
+                fields = await task.evaluate(it, runner)
+                records.append({"task": "speed", "item_id": it.item_id, "status": "ok", **fields})
+            except Exception as e:
+                records.append({"task": "speed", "item_id": it.item_id, "status": "error", "correct": None,
+                                "error": f"{type(e).__name__}: {e}"})
+    finally:
+        await runner.close()
+    return {"runner": profile.redacted(), "pid": os.getpid(), "load_s": load_s,
+            "records": records, "summary": task.summarize(records)}
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """One A/B pass: `python -m moebench.tasks.speed --runner PROFILE --options JSON --out FILE`."""
+    ap = argparse.ArgumentParser(prog="python -m moebench.tasks.speed")
+    ap.add_argument("--runner", required=True, help="runner profile (path or name)")
+    ap.add_argument("--options", default="{}", help="speed task options as JSON")
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--data-dir", default=None)
+    args = ap.parse_args(argv)
+    from moebench.datasets import data_dir
+    result = asyncio.run(_measure_in_process(args.runner, json.loads(args.options),
+                                             args.data_dir or str(data_dir())))
+    Path(args.out).write_text(json.dumps(result, default=str))
+    return 0
+
+
+def run_ab(profile_a_path: str, profile_b_path: str, suite_options: dict[str, Any], out_dir: str,
+           order: str = "ABBA", timeout_s: float = 3600.0) -> dict[str, Any]:
+    """Interleave passes of two runner profiles (default A, B, B, A), each in a fresh process.
+
+    Returns (and writes to out_dir/ab.json): per profile the pooled speed summary, the B/A
+    `speed_compare`, and output identity: for every measurement present in a pass of A and of B,
+    whether the outputs (token ids where the runner returns them, else text) are identical.
+    """
+    if not order or set(order) - {"A", "B"} or "A" not in order or "B" not in order:
+        raise ValueError(f"run_ab: order must be a string of A and B holding both, got {order!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    profiles = {"A": str(profile_a_path), "B": str(profile_b_path)}
+    passes: list[dict[str, Any]] = []
+    from moebench.datasets import data_dir
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    for i, which in enumerate(order):
+        path = out / f"pass{i}_{which}.json"
+        cmd = [sys.executable, "-m", "moebench.tasks.speed", "--runner", profiles[which],
+               "--options", json.dumps(suite_options), "--out", str(path), "--data-dir", str(data_dir())]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        if proc.returncode != 0 or not path.is_file():
+            raise RunnerError(f"A/B pass {i} ({which}, {profiles[which]}) failed with exit code "
+                              f"{proc.returncode}: {proc.stderr.strip()[-1500:]}")
+        data = json.loads(path.read_text())
+        data.update(which=which, pass_index=i, process_s=time.perf_counter() - t0)
+        passes.append(data)
+
+    pooled = {w: [r for p in passes if p["which"] == w for r in p["records"]] for w in "AB"}
+    identity = output_identity([p for p in passes if p["which"] == "A"], [p for p in passes if p["which"] == "B"])
+    result = {
+        "order": order,
+        "profiles": profiles,
+        "passes": [{"pass": p["pass_index"], "which": p["which"], "pid": p["pid"], "load_s": p["load_s"],
+                    "process_s": p["process_s"], "n_ok": p["summary"]["n_ok"], "n_errors": p["summary"]["n_errors"]}
+                   for p in passes],
+        "summary": {w: summarize_speed(pooled[w]) for w in "AB"},
+        "speed_b_vs_a": speed_compare(pooled["A"], pooled["B"]),
+        "outputs": identity,
+    }
+    (out / "ab.json").write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
+def _output_key(r: dict[str, Any]) -> tuple[str, Any]:
+    ids = r.get("output_token_ids")
+    return ("token_ids", tuple(ids)) if ids else ("text", r.get("output"))
+
+
+def output_identity(a_passes: list[dict[str, Any]], b_passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """Compare outputs for the same prompts: A's first pass vs B's first pass, and each side with itself."""
+    def by_item(p: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        return {r["item_id"]: r for r in p["records"] if r.get("status") == "ok"}
+
+    def diff(x: dict[str, Any], y: dict[str, Any]) -> tuple[int, list[str], set[str]]:
+        a, b = by_item(x), by_item(y)
+        common = sorted(set(a) & set(b))
+        differ = [i for i in common if _output_key(a[i]) != _output_key(b[i])]
+        return len(common), differ, {_output_key(a[i])[0] for i in common}
+
+    n, differ, basis = diff(a_passes[0], b_passes[0])
+    out = {"n_compared": n, "n_differ": len(differ), "differ": differ,
+           "compared_on": "token_ids" if basis == {"token_ids"} else "text"}
+    for name, side in (("a_self", a_passes), ("b_self", b_passes)):
+        if len(side) > 1:        # a backend that is not deterministic with itself explains A/B differences
+            m, d, _ = diff(side[0], side[-1])
+            out[f"{name}_n_compared"], out[f"{name}_n_differ"] = m, len(d)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
