@@ -46,8 +46,8 @@ TOK = _tokenizer()
 
 
 def _differs(prompt: str) -> bool:
-    """Prompts on which the 'variant' server answers differently (about a quarter of them)."""
-    return hashlib.sha256(prompt.encode()).hexdigest()[0] in "0123"
+    """Prompts on which the "variant" server answers differently (about half of them)."""
+    return hashlib.sha256(prompt.encode()).hexdigest()[0] in "01234567"
 
 
 class PacedHandler(BaseHTTPRequestHandler):
