@@ -113,8 +113,9 @@ def gguf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _profile(model: Path, **extra) -> dict:
-    return {"model": str(model), "concurrency": 2, "ctx_size": 1024, "startup_timeout_s": 60.0,
-            "request_timeout_s": 60.0, **extra}
+    # One thread: the CPU is shared, and spinning ggml threads on a busy machine are 200x slower.
+    return {"model": str(model), "concurrency": 2, "ctx_size": 4096, "startup_timeout_s": 60.0,
+            "request_timeout_s": 60.0, "args": ["--threads", "1"], **extra}
 
 
 def _pid_alive(pid: int) -> bool:
@@ -240,7 +241,7 @@ def test_server_killed_mid_run_is_restarted_and_requests_reasked(gguf_model: Pat
         await runner.start(str(tmp_path))
         try:
             first_pid = runner.proc.pid
-            n = 160
+            n = 600                                  # most of a second of decoding per request
             reqs = [GenerateRequest(prompt=f"{PROMPT} {i}", max_tokens=n, ignore_eos=True) for i in range(3)]
             tasks = [asyncio.create_task(runner.generate(r)) for r in reqs]
             await _until_slots_busy(runner, 2)       # both slots decoding, the third request queued
@@ -253,6 +254,8 @@ def test_server_killed_mid_run_is_restarted_and_requests_reasked(gguf_model: Pat
             assert len(restarts) == 1, runner.events          # one restart, however many requests failed
             assert restarts[0]["exit_code"] == -signal.SIGKILL and restarts[0]["reason"]
             assert not _pid_alive(first_pid)
+            again = await runner.generate(reqs[0])   # greedy: the re-asked answer is the answer
+            assert again.token_ids == results[0].token_ids
             # the log is appended across restarts: two start banners
             assert (tmp_path / "llama-server.log").read_text(errors="replace").count("=== moebench") == 2
             return runner
@@ -291,7 +294,8 @@ CHILD = textwrap.dedent("""
     import asyncio, sys, time
     from moebench.runners.llama_server import LlamaServerRunner
     async def main():
-        r = LlamaServerRunner({"model": sys.argv[1], "ctx_size": 512, "startup_timeout_s": 60.0})
+        r = LlamaServerRunner({"model": sys.argv[1], "ctx_size": 512, "startup_timeout_s": 60.0,
+                               "args": ["--threads", "1"]})
         await r.start(sys.argv[2])
         print(r.proc.pid, flush=True)
         await asyncio.sleep(120)              # "working" until a signal arrives
@@ -347,6 +351,40 @@ def test_server_that_cannot_load_fails_with_log_tail(tmp_path: Path):
         asyncio.run(runner.start(str(tmp_path)))
     assert "broken.gguf" in (tmp_path / "llama-server.log").read_text(errors="replace")
     asyncio.run(runner.close())
+
+
+def test_gguf_header_reader_agrees_with_gguf_py(tmp_path: Path):
+    """The runner's fast header parse against the sdist's GGUFReader on a small real GGUF."""
+    import numpy as np
+    from moebench.runners.llama_server import read_gguf_header
+
+    reader_cls = llamacpp.gguf_reader_class()
+    if reader_cls is None:
+        pytest.skip("gguf-py not importable from the llama.cpp sdist")
+    import gguf
+
+    path = tmp_path / "small.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_name("header-check")
+    w.add_expert_count(8)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_array("tokenizer.ggml.tokens", ["a", "bb", "ccc", "\u00e9t\u00e9"])
+    w.add_array("tokenizer.ggml.token_type", [1, 1, 3, 1])
+    w.add_bool("general.flag", True)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.add_tensor("blk.0.ffn_up_exps.weight", np.zeros((8, 16, 32), np.float16))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+    meta, tensors = read_gguf_header(path)
+    ref = reader_cls(str(path))
+    assert meta["general.architecture"] == "qwen3moe" and meta["general.name"] == "header-check"
+    assert meta["qwen3moe.expert_count"] == 8 and meta["general.flag"] is True
+    assert abs(meta["qwen3moe.attention.layer_norm_rms_epsilon"] - 1e-6) < 1e-12
+    assert meta["tokenizer.ggml.tokens"] == "<array of 4>"
+    assert tensors == [(t.name, int(t.n_elements)) for t in ref.tensors] == [
+        ("token_embd.weight", 128), ("blk.0.ffn_up_exps.weight", 4096)]
+    for key in ("general.architecture", "general.name", "qwen3moe.expert_count"):
+        assert ref.fields[key].contents() == meta[key]
 
 
 def test_shipped_profiles_load(tmp_path: Path):
