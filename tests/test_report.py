@@ -275,3 +275,103 @@ def test_section_readers_accept_other_nestings():
     names, values = per_side({"peak_used_bytes": {"baseline": 1, "candidate": 2}, "samples": 5})
     assert values["baseline"]["peak_used_bytes"] == 1 and values["candidate"]["peak_used_bytes"] == 2
     assert values["value"]["samples"] == 5 and names == ["peak_used_bytes", "samples"]
+
+
+def test_filter_script_is_valid_javascript(tmp_path):
+    node = __import__("shutil").which("node")
+    if node is None:
+        pytest.skip("node not installed: cannot syntax-check the inline script")
+    cdir = full_compare(tmp_path)
+    html = render(cdir).read_text(encoding="utf-8")
+    scripts = re.findall(r"<script>(.*?)</script>", html, flags=re.S)
+    assert len(scripts) == 1 and "querySelectorAll" in scripts[0]
+    js = tmp_path / "filters.js"
+    js.write_text(scripts[0], encoding="utf-8")
+    r = __import__("subprocess").run([node, "--check", str(js)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def _probe_outputs(run_dir: Path, watts: float, peak_gib: float) -> dict:
+    """NVML-shaped samples at 10 Hz written by the probe's own writer, and its summary for the manifest."""
+    from moebench.probes.energy import energy_summary
+    from moebench.probes.nvml import write_samples
+    samples, counter_mj = [], 1e9          # the driver's cumulative counter, mJ since load
+    for k in range(100):
+        power = 80.0 if k < 10 else watts   # idle for the first second, then working
+        samples.append({"t": k * 0.1, "mem_total_bytes": 141 * 2**30,
+                        "mem_used_bytes": int(min(peak_gib, 4 + k * 0.5) * 2**30),
+                        "mem_free_bytes": int((141 - min(peak_gib, 4 + k * 0.5)) * 2**30),
+                        "mem_reserved_bytes": 615 * 2**20, "energy_mj": counter_mj, "power_instant_w": power})
+        counter_mj += power * 100.0         # 0.1 s at `power` W
+    phases = [{"phase": "baseline_idle", "t": 0.0}, {"phase": "load", "t": 1.0}, {"phase": "prefill", "t": 3.0},
+              {"phase": "decode", "t": 4.0}, {"phase": "end", "t": 9.9}]
+    write_samples(run_dir, samples, phases)
+    summary = energy_summary(samples, phases, tokens={"prefill": 4096, "decode": 512},
+                             tariffs={"day": 0.3, "night": 0.15, "currency": "EUR"})
+    return {"nvml": {"available": True, "summary": summary}}
+
+
+def _append_needle_and_speed(run_dir: Path, lost: set, decode_tok_s: float) -> None:
+    with (run_dir / "items.jsonl").open("a", encoding="utf-8") as f:
+        for L in (4096, 8192):
+            for d in (0.25, 0.75):
+                found = (L, d) not in lost
+                f.write(json.dumps({"task": "needle", "item_id": f"needle/{L}/{d}", "status": "ok",
+                                    "correct": found, "answer": "7319" if found else "1234",
+                                    "reference": "7319", "output": "The code is 7319." if found else "1234",
+                                    "length": L, "depth": d, "prompt_tokens": L - 5}) + "\n")
+        for L in (512, 4096):
+            for rep in range(3):
+                ttft = L / 8000 * (1 + 0.01 * rep)
+                f.write(json.dumps({"task": "speed", "item_id": f"speed/{L}/1/{rep}/0", "status": "ok",
+                                    "correct": None, "answer": None, "reference": None, "output": "",
+                                    "prompt_length": L, "clients": 1, "prompt_tokens": L, "output_tokens": 64,
+                                    "ttft_s": ttft, "prefill_tok_s": L / ttft,
+                                    "decode_tok_s": decode_tok_s * (1 - 0.01 * rep)}) + "\n")
+
+
+def test_report_and_gate_on_a_compare_built_by_the_real_builder(tmp_path):
+    """Runs -> moebench.compare.build -> compare.json -> report + gate: the shapes the pipeline writes."""
+    build = pytest.importorskip("moebench.compare.build")
+    from moebench.gate import run_gate
+    items = gsm8k_items(N_ITEMS)
+    base, cand = tmp_path / "bf16", tmp_path / "tiered"
+    write_run(base, "bf16", BASE_WRONG, set(), items)
+    write_run(cand, "tiered", CAND_WRONG, CAND_ERROR, items, poisoned=5)
+    for run, watts, peak, lost, dec in ((base, 300.0, 40.0, set(), 40.0), (cand, 250.0, 30.0, {(8192, 0.75)}, 36.0)):
+        _append_needle_and_speed(run, lost, dec)
+        m = json.loads((run / "manifest.json").read_text())
+        m["probes"] = _probe_outputs(run, watts, peak)
+        (run / "manifest.json").write_text(json.dumps(m))
+    compare = build.build_compare(base, cand)
+    cdir = tmp_path / "cmp"
+    cdir.mkdir()
+    (cdir / "compare.json").write_text(json.dumps(compare, default=str))
+    html = render(cdir).read_text(encoding="utf-8")
+    assert XSS not in html
+    # the needle task is scored too, so its lost cell is a loss of its own table
+    assert rows_of_kind(html, "loss") == ["gsm8k/test/2", "gsm8k/test/5", "needle/8192/0.75"]
+    assert rows_of_kind(html, "win") == ["gsm8k/test/10"]
+    assert "gsm8k/test/7" in html and "error in candidate" in html          # excluded, with its reason
+    assert "overall (all tasks)" in html
+    assert "lost by the candidate 1" in html
+    assert "40.00 GiB" in html and "30.00 GiB" in html                    # NVML peak used per side
+    speed_table = html[html.index('id="speed"'):html.index('id="memory"')]
+    assert "0.9" in speed_table                                           # decode ratio 36/40
+    parsed = svgs(html)
+    timelines = [s for s in parsed if s.get("aria-label") == "GPU memory used (GiB)"]
+    assert len(timelines) == 2                                            # found from the probe's own files
+    phases = {t.text.split(":")[0] for t in timelines[1].iter("{http://www.w3.org/2000/svg}title")}
+    assert {"baseline_idle", "load", "prefill", "decode"} <= phases and "end" not in phases
+    energy = html[html.index('id="energy"'):]
+    assert "idle_power_w</td>" in energy and ">80<" in energy              # both runs idle at 80 W
+    assert "net_j_per_token" in energy
+    rules = tmp_path / "rules.toml"
+    rules.write_text("[gsm8k]\nmax_losses = 2\n[needle]\nmax_lost = 0\n[speed]\nmin_decode_ratio = 0.85\n"
+                     "[memory]\nmax_peak_used_ratio = 0.8\n")
+    assert run_gate(cdir, rules) == 1
+    summary = (cdir / "summary.md").read_text()
+    assert "| gsm8k.max_losses | 2 | <= 2 | PASS |" in summary
+    assert "| needle.max_lost | 1 | <= 0 | **FAIL** |" in summary
+    assert "| memory.max_peak_used_ratio | 0.75 | <= 0.8 | PASS |" in summary
+    assert "speed.min_decode_ratio | 0.9 | >= 0.85 | PASS" in summary
