@@ -29,6 +29,9 @@ from safetensors.torch import save_file
 from .placement import HOMES, QuantizedExpert, TieredExperts
 from .quant import QuantizedTensor, format_nbytes, parse_format, quantize
 
+__all__ = ["calibrate", "plan", "plan_hot_cold", "pack", "load_tiered", "read_experts", "measure_errors",
+           "weights_from_checkpoint", "expert_nbytes", "CalibrationStats", "Plan", "Budgets", "TieringError"]
+
 PLAN_FORMAT = "moebench-tiered-plan"
 PLAN_VERSION = 1
 MATRICES = ("gate", "up", "down")
@@ -368,13 +371,14 @@ def _expert_forward(w: tuple, x: torch.Tensor) -> torch.Tensor:
 
 
 def measure_errors(stats: CalibrationStats, weights, ladder: list[str],
-                   metric: str = "output") -> torch.Tensor:
+                   metric: str = "output", device="cpu") -> torch.Tensor:
     """[L, E, P] error of each expert at each precision of `ladder`, measured on calibration data.
 
     metric "output": mean over the expert's sampled real inputs x of ||f_q(x) - f(x)||^2, f the
         whole SwiGLU expert (falls back to "imatrix" for an expert with no samples).
     metric "imatrix": sum over the three matrices of sum_{o,i} (imatrix[i] / n) * dW[o,i]^2, i.e.
         E||dW x||^2 over the calibration inputs when input channels are uncorrelated.
+    device: where to quantize and measure ("cuda" makes this step fast on big models).
     """
     if metric not in ("output", "imatrix"):
         raise TieringError(f"measure_errors: metric {metric!r}; expected 'output' or 'imatrix'")
@@ -383,9 +387,9 @@ def measure_errors(stats: CalibrationStats, weights, ladder: list[str],
     err = torch.zeros(L, E, len(ladder), dtype=torch.float64)
     for li, layer in enumerate(stats.layers):
         for e in range(E):
-            w = tuple(t.float().cpu() for t in source(layer, e))
+            w = tuple(t.to(device, torch.float32) for t in source(layer, e))
             n = int(stats.sample_count[li, e])
-            x = stats.samples[li, e, :n]
+            x = stats.samples[li, e, :n].to(device)
             ref = _expert_forward(w, x) if n else None
             rows = max(int(stats.counts[li, e]), 1)
             for pi, fmt in enumerate(ladder):
@@ -393,8 +397,8 @@ def measure_errors(stats: CalibrationStats, weights, ladder: list[str],
                 if metric == "output" and n:
                     err[li, e, pi] = ((_expert_forward(wq, x) - ref) ** 2).sum(1).mean().item()
                 else:
-                    imp_in = stats.imatrix_in[li, e].float() / rows
-                    imp_mid = stats.imatrix_mid[li, e].float() / rows
+                    imp_in = stats.imatrix_in[li, e].to(device, torch.float32) / rows
+                    imp_mid = stats.imatrix_mid[li, e].to(device, torch.float32) / rows
                     dg, du, dd = (a - b for a, b in zip(wq, w))
                     err[li, e, pi] = (((dg ** 2 + du ** 2) * imp_in).sum()
                                       + ((dd ** 2) * imp_mid).sum()).item()
@@ -403,7 +407,7 @@ def measure_errors(stats: CalibrationStats, weights, ladder: list[str],
 
 def plan(stats: CalibrationStats, weights, budgets: Budgets | dict,
          ladder: list[str] = ("bf16", "int8", "int4", "ternary"), metric: str = "output",
-         cache_slots: int = 2, errors: torch.Tensor | None = None) -> Plan:
+         cache_slots: int = 2, errors: torch.Tensor | None = None, device="cpu") -> Plan:
     """Greedy planner: every expert starts at the cheapest precision of `ladder`; then, while bytes
     remain in gpu_bytes + host_bytes, take the upgrade that removes the most expected error per byte
     (expected error = usage share x measured error, see measure_errors). Homes: experts by usage,
@@ -412,6 +416,8 @@ def plan(stats: CalibrationStats, weights, budgets: Budgets | dict,
     weights: a checkpoint directory, an Engine/model with dense experts, a dict {layer: (w_gate,
     w_up, w_down)} of stacked tensors, or a callable (layer, expert) -> (gate, up, down).
     errors: a precomputed [L, E, len(ladder)] error tensor (skips the measurement).
+    gpu_bytes covers the resident experts only: the host tier's cache slots (cache_slots per layer,
+    each as large as the biggest host expert) come on top of it.
     """
     if isinstance(budgets, dict):
         budgets = Budgets(**budgets)
@@ -431,7 +437,7 @@ def plan(stats: CalibrationStats, weights, budgets: Budgets | dict,
     order = sorted(range(len(ladder)), key=lambda i: size[i])     # cheapest first
     ladder, size = [ladder[i] for i in order], [size[i] for i in order]
     if errors is None:
-        errors = measure_errors(stats, source, ladder, metric)
+        errors = measure_errors(stats, source, ladder, metric, device)
     else:
         errors = errors[:, :, order]
     share = stats.usage_share()
@@ -556,10 +562,11 @@ def plan_hot_cold(stats: CalibrationStats, hot_fraction: float, hot: str = "int8
 _SKIP_COPY = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.gguf|model\.safetensors\.index\.json|plan\.json)$")
 
 
-def pack(checkpoint_dir: str | Path, plan: Plan, out_dir: str | Path) -> Path:
+def pack(checkpoint_dir: str | Path, plan: Plan, out_dir: str | Path, device="cpu") -> Path:
     """Write the tiered artifact for `plan` from a Hugging Face checkpoint directory; returns out_dir.
 
-    Tensors are read one at a time (safe_open); experts are quantized one at a time.
+    Tensors are read one at a time (safe_open); experts are quantized one at a time, on `device`.
+    The packed experts are held in host memory until experts.safetensors is written.
     """
     src, out = Path(checkpoint_dir), Path(out_dir)
     if not (src / "config.json").is_file():
@@ -586,7 +593,7 @@ def pack(checkpoint_dir: str | Path, plan: Plan, out_dir: str | Path) -> Path:
     del non_expert
 
     packed: dict[str, torch.Tensor] = {}
-    shapes = None
+    shapes: dict[str, list[int]] = {}
     for layer, precs in zip(plan.layers, plan.precision):
         n_exp = len({e for l, e, _ in where if l == layer})
         if len(precs) != n_exp:
@@ -596,10 +603,9 @@ def pack(checkpoint_dir: str | Path, plan: Plan, out_dir: str | Path) -> Path:
                 if (layer, e, mat) not in where:
                     raise TieringError(f"{src}: no {mat} weight for layer {layer} expert {e}")
                 w = _read_matrix(where[(layer, e, mat)], mat)
-                packed.update(quantize(w, fmt).state(f"layers.{layer}.experts.{e}.{mat}"))
-                if shapes is None or mat not in shapes:
-                    shapes = shapes or {}
-                    shapes[mat] = list(w.shape)
+                q = quantize(w.to(device), fmt).to("cpu")
+                packed.update(q.state(f"layers.{layer}.experts.{e}.{mat}"))
+                shapes.setdefault(mat, list(w.shape))
     save_file(packed, str(out / "experts.safetensors"),
               metadata={"format": "moebench-tiered-experts", "version": str(PLAN_VERSION)})
     data = plan.to_json()
@@ -652,11 +658,11 @@ def load_tiered(path: str | Path, model, device, dtype, cache_slots: int | None 
     runtime section. Returns the new modules in layer order."""
     path = Path(path)
     plan = Plan.load(path / "plan.json")
-    experts = read_experts(path, plan)
     blocks = {b.layer_idx: b for b in _moe_blocks(model)}
     if sorted(blocks) != sorted(plan.layers):
         raise TieringError(f"{path / 'plan.json'}: plan covers layers {plan.layers}, the model has MoE "
                            f"layers {sorted(blocks)}")
+    experts = read_experts(path, plan)
     slots = plan.cache_slots if cache_slots is None else cache_slots
     skip = plan.skip_tail_from if skip_tail_from is None else skip_tail_from
     modules = []
