@@ -1,7 +1,7 @@
 """The zoo's tokenizer: GPT-2's byte-level BPE, rebuilt offline from llama.cpp's own vocabulary file.
 
 No tokenizer can be downloaded here, but the llama.cpp source tree ships `models/ggml-vocab-gpt-2.gguf`
-(50,257 tokens, 50,000 merges). We read it with the tree's `gguf-py` and rebuild the Hugging Face
+(50,257 tokens, 50,000 merges). We read its metadata directly and rebuild the Hugging Face
 `tokenizers` pipeline GPT-2 uses (ByteLevel pre-tokenizer with the GPT-2 split regex, BPE, ByteLevel
 decoder). Rebuilt exactly, it hashes like openai-community/gpt2 in convert_hf_to_gguf's pre-tokenizer
 check (tokenizer.ggml.pre = "gpt-2"), so the GGUF and the HF checkpoint tokenize alike.
@@ -9,9 +9,10 @@ check (tokenizer.ggml.pre = "gpt-2"), so the GGUF and the HF checkpoint tokenize
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from moebench.zoo.gguf_file import GgufFormatError, read_gguf
 
 VOCAB_NAME = "gpt-2"
 # gguf-py token types (gguf.TokenType): 1 normal, 3 control.
@@ -30,18 +31,6 @@ def llamacpp_source_dir() -> Path:
     return Path(llamacpp.source_dir())
 
 
-def _import_gguf(src: Path):
-    """The llama.cpp tree's own gguf-py (the one its converter uses), not a pip copy."""
-    gguf_py = src / "gguf-py"
-    if not (gguf_py / "gguf" / "__init__.py").is_file():
-        raise ZooTokenizerError(f"{gguf_py}: no gguf-py package in the llama.cpp source tree")
-    if str(gguf_py) not in sys.path:
-        sys.path.insert(0, str(gguf_py))
-    import gguf  # noqa: PLC0415
-
-    return gguf
-
-
 @dataclass(frozen=True)
 class GgufVocab:
     path: Path
@@ -54,34 +43,26 @@ class GgufVocab:
     eos_id: int
 
 
-def read_gguf_vocab(path: Path, src: Path | None = None) -> GgufVocab:
-    """Read a ggml-vocab-*.gguf (a GGUF holding only tokenizer metadata)."""
+def read_gguf_vocab(path: Path) -> GgufVocab:
+    """Read the tokenizer of a GGUF (e.g. a ggml-vocab-*.gguf, which holds only tokenizer metadata)."""
     path = Path(path)
     if not path.is_file():
         raise ZooTokenizerError(f"{path}: vocabulary GGUF not found")
-    gguf = _import_gguf(src or path.parent.parent)
-    reader = gguf.GGUFReader(str(path))
+    try:
+        meta = read_gguf(path).metadata
+    except GgufFormatError as e:
+        raise ZooTokenizerError(str(e)) from None
 
-    def field(key: str):
-        f = reader.fields.get(key)
-        if f is None:
+    def get(key: str):
+        if key not in meta:
             raise ZooTokenizerError(f"{path}: key {key!r} missing")
-        return f
+        return meta[key]
 
-    def strings(key: str) -> list[str]:
-        f = field(key)
-        return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
-
-    types_field = field("tokenizer.ggml.token_type")
     vocab = GgufVocab(
-        path=path,
-        model=field("tokenizer.ggml.model").contents(),
-        pre=field("tokenizer.ggml.pre").contents(),
-        tokens=strings("tokenizer.ggml.tokens"),
-        token_types=[int(types_field.parts[i][0]) for i in types_field.data],
-        merges=strings("tokenizer.ggml.merges"),
-        bos_id=int(field("tokenizer.ggml.bos_token_id").contents()),
-        eos_id=int(field("tokenizer.ggml.eos_token_id").contents()),
+        path=path, model=get("tokenizer.ggml.model"), pre=get("tokenizer.ggml.pre"),
+        tokens=get("tokenizer.ggml.tokens"), token_types=[int(t) for t in get("tokenizer.ggml.token_type")],
+        merges=get("tokenizer.ggml.merges"), bos_id=int(get("tokenizer.ggml.bos_token_id")),
+        eos_id=int(get("tokenizer.ggml.eos_token_id")),
     )
     if vocab.model != "gpt2":
         raise ZooTokenizerError(f"{path}: tokenizer.ggml.model is {vocab.model!r}; expected 'gpt2' (byte-level BPE)")
@@ -125,7 +106,7 @@ def build_tokenizer(vocab: GgufVocab):
 def write_hf_tokenizer(out_dir: Path, src: Path | None = None, vocab_name: str = VOCAB_NAME) -> list[Path]:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
     src = Path(src) if src else llamacpp_source_dir()
-    vocab = read_gguf_vocab(src / "models" / f"ggml-vocab-{vocab_name}.gguf", src)
+    vocab = read_gguf_vocab(src / "models" / f"ggml-vocab-{vocab_name}.gguf")
     tok = build_tokenizer(vocab)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
