@@ -1,0 +1,141 @@
+"""Engine generation features: tokenizer, top log-probs, seeded sampling, stops, batching, errors.
+
+The model is a tiny random Qwen3-MoE saved by transformers; the tokenizer is a byte-level BPE
+trained here on the real War and Peace text from the dataset mirror.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_engine_parity import DEVICES, VOCAB, hf_logits, make_checkpoint, random_ids, require
+
+from moebench.engine import Engine, EngineError
+
+tokenizers = pytest.importorskip("tokenizers")
+
+
+def train_tokenizer(out: Path, data_dir: Path) -> None:
+    text_file = data_dir / "haystack" / "war_and_peace.txt"
+    assert text_file.is_file(), f"dataset mirror missing {text_file}"
+    text = text_file.read_text(encoding="utf-8")[:200_000]
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text[i:i + 2000] for i in range(0, len(text), 2000)], trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, data_dir):
+    path = tmp_path_factory.mktemp("engine_gen")
+    hf = make_checkpoint("qwen3_moe-norm", path, seed=11)
+    train_tokenizer(path, data_dir)
+    return path, hf
+
+
+def test_tokenizer_round_trip_on_real_text(ckpt, data_dir):
+    path, _ = ckpt
+    eng = Engine.load(path, max_seq_len=64)
+    line = (data_dir / "gsm8k" / "test.jsonl").read_text(encoding="utf-8").splitlines()[0]
+    question = json.loads(line)["question"]
+    ids = eng.tokenize(question)
+    assert 0 < len(ids) < len(question.encode()) and max(ids) < VOCAB
+    assert eng.detokenize(ids) == question
+    assert eng.eos_token_id == eng.tokenizer.token_to_id("<|endoftext|>") == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_logprobs_are_the_model_distribution(ckpt, device):
+    require(device)
+    path, hf = ckpt
+    eng = Engine.load(path, device=device, max_seq_len=64)
+    prompt = random_ids(9, seed=12)
+    out = eng.generate([prompt], max_new_tokens=6, top_logprobs=5, ignore_eos=True)[0]
+    assert len(out.top_logprobs) == 6 and all(len(step) == 5 for step in out.top_logprobs)
+    ref = torch.log_softmax(hf_logits(hf, prompt + out.token_ids, device), dim=-1)
+    for i, step in enumerate(out.top_logprobs):
+        vals, idx = torch.topk(ref[len(prompt) - 1 + i], 5)
+        assert [t for t, _ in step] == idx.tolist()
+        assert max(abs(lp - v) for (_, lp), v in zip(step, vals.tolist())) < 1e-4
+        assert step[0][0] == out.token_ids[i]          # greedy picks the top token
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_sampling_is_reproducible_and_follows_the_distribution(ckpt, device):
+    require(device)
+    path, hf = ckpt
+    eng = Engine.load(path, device=device, max_seq_len=64)
+    prompt = random_ids(7, seed=13)
+    a = eng.generate([prompt], max_new_tokens=24, temperature=1.5, seed=123, ignore_eos=True)[0]
+    b = eng.generate([prompt], max_new_tokens=24, temperature=1.5, seed=123, ignore_eos=True)[0]
+    c = eng.generate([prompt], max_new_tokens=24, temperature=1.5, seed=124, ignore_eos=True)[0]
+    greedy = eng.generate([prompt], max_new_tokens=24, ignore_eos=True)[0]
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids and a.token_ids != greedy.token_ids
+    # The first sampled token is exactly what torch.multinomial draws from the reference distribution.
+    probs = torch.softmax(hf_logits(hf, prompt, device)[-1].to(device) / 1.5, dim=-1)
+    g = torch.Generator(device=device).manual_seed(123)
+    assert a.token_ids[0] == torch.multinomial(probs[None], 1, generator=g).item()
+
+
+def test_stop_ids_and_eos_end_generation(ckpt, tmp_path):
+    path, _ = ckpt
+    eng = Engine.load(path, max_seq_len=64)
+    prompt = random_ids(8, seed=14)
+    full = eng.generate([prompt], max_new_tokens=20, ignore_eos=True)[0].token_ids
+    stop = full[6]
+    j = full.index(stop)
+    out = eng.generate([prompt], max_new_tokens=20, stop_ids=[stop])[0]
+    assert out.token_ids == full[:j] and out.finish_reason == "stop" and out.stop_token == stop
+    assert len(out.token_times) == j + 1
+
+    # EOS from the config (no tokenizer here) ends generation; ignore_eos keeps going.
+    eos_dir = tmp_path / "eos"
+    eos_dir.mkdir()
+    cfg = json.loads((path / "config.json").read_text())
+    (eos_dir / "config.json").write_text(json.dumps({**cfg, "eos_token_id": full[3]}))
+    (eos_dir / "model.safetensors").symlink_to(path / "model.safetensors")
+    eng2 = Engine.load(eos_dir, max_seq_len=64)
+    assert eng2.tokenizer is None and eng2.eos_token_id == full[3]
+    k = full.index(full[3])
+    assert eng2.generate([prompt], max_new_tokens=20)[0].token_ids == full[:k]
+    assert eng2.generate([prompt], max_new_tokens=20, ignore_eos=True)[0].token_ids == full
+    with pytest.raises(EngineError, match="no tokenizer.json"):
+        eng2.tokenize("hello")
+
+
+def test_batches_larger_than_max_batch_and_callbacks(ckpt):
+    path, _ = ckpt
+    eng = Engine.load(path, max_seq_len=64, max_batch=2)
+    prompts = [random_ids(n, seed=20 + n) for n in (3, 10, 6)]
+    singles = [eng.generate([p], max_new_tokens=12, ignore_eos=True)[0].token_ids for p in prompts]
+    seen: list[tuple[int, int]] = []
+    outs = eng.generate(prompts, max_new_tokens=12, ignore_eos=True, on_token=lambda i, t: seen.append((i, t)))
+    assert [o.token_ids for o in outs] == singles
+    for i, o in enumerate(outs):
+        assert [t for j, t in seen if j == i] == o.token_ids
+        assert len(o.token_times) == 12 and o.token_times == sorted(o.token_times) and o.token_times[0] > 0
+    assert eng.generate(prompts[:1], max_new_tokens=0)[0].token_ids == []
+
+
+def test_bad_requests_are_refused_with_clear_errors(ckpt):
+    path, _ = ckpt
+    eng = Engine.load(path, max_seq_len=32)
+    with pytest.raises(EngineError, match=r"prompts\[0\]: 30 prompt tokens \+ 5 new tokens exceed max_seq_len 32"):
+        eng.generate([list(range(30))], max_new_tokens=5)
+    with pytest.raises(EngineError, match=r"prompts\[1\]\[2\] = 999: expected a token id in \[0, 320\)"):
+        eng.generate([[1, 2], [1, 2, 999]], max_new_tokens=2)
+    with pytest.raises(EngineError, match=r"prompts\[0\] is empty"):
+        eng.generate([[]], max_new_tokens=2)
+    with pytest.raises(EngineError, match="exceeds max_seq_len 32"):
+        eng.logits(list(range(33)))
+    # numpy / tensor integers are accepted as token ids
+    assert eng.logits(torch.tensor([1, 2, 3])).shape == (3, VOCAB)
