@@ -289,17 +289,24 @@ def evaluate(compare: dict[str, Any], rules: list[tuple[str, bool, dict[str, Any
             if name not in table:
                 continue              # options such as alpha
             rule = table[name]
+            shown_limit = _limit_text(rule, limit)
             if not isinstance(data, dict) or not data:
-                checks.append(Check(section, name, "missing", fmt(limit), False, absent))
+                checks.append(Check(section, name, "missing", shown_limit, False, absent))
                 continue
             try:
                 value = rule.get(data)
             except Missing as e:
-                checks.append(Check(section, name, "missing", fmt(limit), False,
+                checks.append(Check(section, name, "missing", shown_limit, False,
                                     f"{section}: {e} in compare.json; cannot check {rule.what}"))
                 continue
             checks.append(_judge(section, name, rule, value, limit, data, settings))
     return checks
+
+
+def _limit_text(rule: Rule, limit: Any) -> str:
+    if rule.kind == "flag":
+        return "not (losses > wins and p < alpha)" if limit else "off"
+    return f"{'<=' if rule.kind == 'max' else '>='} {fmt(limit)}"
 
 
 def _judge(section: str, name: str, rule: Rule, value: float, limit: Any, data: dict[str, Any],
@@ -307,7 +314,7 @@ def _judge(section: str, name: str, rule: Rule, value: float, limit: Any, data: 
     if rule.kind == "flag":
         alpha = settings.get("alpha", 0.05)
         wins, losses = len(data.get("wins") or []), len(data.get("losses") or [])
-        shown = f"p={value:.3g} ({losses} losses, {wins} wins)"
+        shown = f"p={value:.3g} ({losses} loss{'es' if losses != 1 else ''}, {wins} win{'s' if wins != 1 else ''})"
         if not limit:
             return Check(section, name, shown, "off", True, "rule switched off")
         significant = losses > wins and value < alpha
@@ -317,9 +324,8 @@ def _judge(section: str, name: str, rule: Rule, value: float, limit: Any, data: 
     ok = value <= limit if rule.kind == "max" else value >= limit
     if not math.isfinite(value):
         ok = False
-    op = "<=" if rule.kind == "max" else ">="
-    msg = f"{section}: {rule.what} = {fmt(value)}, {'within' if ok else 'breaks'} the limit {op} {fmt(limit)}"
-    return Check(section, name, fmt(value), f"{op} {fmt(limit)}", ok, msg)
+    msg = f"{section}: {rule.what} = {fmt(value)}, {'within' if ok else 'breaks'} the limit {_limit_text(rule, limit)}"
+    return Check(section, name, fmt(value), _limit_text(rule, limit), ok, msg)
 
 
 # --- outputs ----------------------------------------------------------------------------------
