@@ -110,7 +110,8 @@ def _http_verify() -> Any:
     for var in ("PIP_CERT", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE"):
         value = os.environ.get(var)
         if value and Path(value).is_file():
-            return value
+            import ssl
+            return ssl.create_default_context(cafile=value)
     return True
 
 
@@ -268,6 +269,7 @@ def ensure_built(cuda: bool = False, jobs: int = 2, echo: Callable[[str], None] 
         if _is_complete(cuda):
             return bin_dir(cuda)
         started = time.monotonic()
+        fresh = not (build / "CMakeCache.txt").is_file()
         echo(f"building llama.cpp {BUILD_COMMIT} ({'CUDA' if cuda else 'CPU'}) in {build} with -j{jobs}")
         _run_logged(["cmake", "-S", str(src), "-B", str(build), *build_flags(cuda)], vdir, echo)
         _run_logged(["cmake", "--build", str(build), f"-j{jobs}", "--target", *TARGETS], vdir, echo)
@@ -279,6 +281,7 @@ def ensure_built(cuda: bool = False, jobs: int = 2, echo: Callable[[str], None] 
             "build_number": BUILD_NUMBER, "build_commit": BUILD_COMMIT, "variant": "cuda" if cuda else "cpu",
             "flags": build_flags(cuda), "targets": list(TARGETS), "sdist": SDIST_NAME,
             "sdist_sha256": SDIST_SHA256, "build_seconds": seconds,
+            "fresh_build": fresh,     # False: an existing build folder was finished (seconds if up to date)
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         (build / "bin" / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
