@@ -3,7 +3,6 @@ real WikiText bytes: calibrate -> plan -> pack -> load, placement invariance and
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from moebench.engine import Engine
 from moebench.engine.placement import QuantizedExpert, TieredExperts, collect_telemetry, find_tiered
 from moebench.engine.quant import quantize
 from moebench.engine.tiering import (Budgets, CalibrationStats, Plan, TieringError, calibrate, expert_nbytes,
-                                     load_tiered, pack, plan, plan_hot_cold)
+                                     measure_errors, pack, plan, plan_hot_cold)
 
 E, TOP_K, H, I, LAYERS, SEQ = 8, 2, 64, 96, 2, 96
 
@@ -116,6 +115,10 @@ def test_plan_on_real_stats_save_load(stats, ckpt, tmp_path):
     assert used["gpu"] <= budgets.gpu_bytes and used["host"] <= budgets.host_bytes
     assert len(set(f for row in p.precision for f in row)) >= 2       # the budget forces a mix
     assert p.info["expected_error"] > 0
+    for metric in ("output", "imatrix"):
+        err = measure_errors(stats, ckpt, ["int8", "ternary"], metric)
+        used = stats.counts > 0
+        assert (err[..., 0][used] < err[..., 1][used]).all(), metric
     p.save(tmp_path / "plan.json")
     back = Plan.load(tmp_path / "plan.json")
     assert (back.layers, back.precision, back.home) == (p.layers, p.precision, p.home)
@@ -186,6 +189,17 @@ def test_ternary_cold_costs_more_than_int8_cold(stats, ckpt, wiki_batches, tmp_p
         cand = Engine.load(art, device="cpu", dtype="float32")
         err[cold] = sum(((cand.logits(b) - ref.logits(b)) ** 2).mean().item() for b in wiki_batches[:2])
     assert 0 < err["int8"] < err["ternary"], err
+
+
+def test_all_bf16_artifact_matches_dense_engine(stats, ckpt, wiki_batches, tmp_path):
+    p = plan_hot_cold(stats, 0.5, hot="bf16", cold="bf16")
+    art = pack(ckpt, p, tmp_path / "bf16")
+    dense = Engine.load(ckpt, device="cpu", dtype="bfloat16")
+    tiered = Engine.load(art, device="cpu", dtype="bfloat16")
+    a, b = dense.logits(wiki_batches[2]), tiered.logits(wiki_batches[2])
+    # Same weights, same dtype; only the experts' summation order differs.
+    assert (a - b).abs().max() <= 0.02 * a.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
 
 
 def test_tiered_experts_match_dense_math():

@@ -208,7 +208,9 @@ class TieredExperts(nn.Module):
             pending = [(e, *self._start_copy(e)) for e in misses[done:done + chunk]]
             done += chunk
 
-        return (contrib * topk_w.to(contrib.dtype)[..., None]).sum(dim=1)
+        # Weighted sum in float32, as the dense Experts module does, so an all-bf16 tiered model
+        # stays within rounding of the dense one.
+        return (contrib.float() * topk_w.float()[..., None]).sum(dim=1).to(x.dtype)
 
 
 def find_tiered(model: nn.Module) -> list[TieredExperts]:
