@@ -339,11 +339,18 @@ class NeedleTask(Task):
         stream = Capability.STREAM in runner.capabilities
         request = GenerateRequest(prompt=built.prompt, max_tokens=self.max_tokens, temperature=0.0,
                                   stream=stream, cache_prompt=False)
-        self.ctx.mark("prefill")
+        alone = runner.concurrency <= 1      # phase marks only mean something with one request in flight
+        if alone:
+            self.ctx.mark("prefill")
         t0 = time.perf_counter()
         result = await runner.generate(request)
         wall = time.perf_counter() - t0
-        self.ctx.mark("idle")
+        probe = self.ctx.probe
+        if alone and probe is not None:
+            if result.token_times and hasattr(probe, "count_tokens"):   # the NVML probe: late marks, J/token
+                probe.mark("decode", at=t0 + result.token_times[0])
+                probe.count_tokens(prefill=built.prompt_tokens, decode=len(result.token_times))
+            self.ctx.mark("idle")
         correct, answer = score_answer(result.text, code)
         record = {
             **result.to_record_fields(),
