@@ -278,6 +278,27 @@ def test_restart_bound_gives_runner_error(gguf_model: Path, tmp_path: Path):
     asyncio.run(scenario())
 
 
+def test_server_that_cannot_come_back_fails_requests_with_the_reason(gguf_model: Path, tmp_path: Path):
+    model = tmp_path / "model.gguf"
+    import shutil
+    shutil.copy(gguf_model, model)
+
+    async def scenario():
+        runner = LlamaServerRunner(_profile(model, startup_timeout_s=30.0))
+        await runner.start(str(tmp_path))
+        try:
+            os.kill(runner.proc.pid, signal.SIGKILL)
+            model.write_bytes(b"GGUF" + b"\xff" * 64)     # the restart will find a broken file
+            with pytest.raises(RunnerError, match="could not be restarted"):
+                await runner.generate(GenerateRequest(prompt=PROMPT, max_tokens=2))
+            assert [e["event"] for e in runner.events] == ["restart_failed"]
+            with pytest.raises(RunnerError, match="could not be restarted"):   # and stays failed
+                await runner.tokenize("x")
+        finally:
+            await runner.close()
+    asyncio.run(scenario())
+
+
 def test_close_leaves_no_process(gguf_model: Path, tmp_path: Path):
     async def scenario():
         runner = LlamaServerRunner(_profile(gguf_model))

@@ -496,7 +496,13 @@ class LlamaServerRunner(Runner):
                 raise RunnerError(self._gave_up)
             self.restarts += 1
             old_pid = proc.pid
-            await self._spawn_and_wait()
+            try:
+                await self._spawn_and_wait()
+            except RunnerError as e:            # it will not come back: fail every request from now on
+                self._gave_up = f"llama-server died ({reason}) and could not be restarted: {e}"
+                self.events.append({"event": "restart_failed", "reason": reason, "exit_code": exit_code,
+                                    "time": now_iso(), "restarts": self.restarts, "error": str(e)[:2000]})
+                raise RunnerError(self._gave_up) from None
             self.events.append({"event": "restart", "reason": reason, "exit_code": exit_code,
                                 "time": now_iso(), "restarts": self.restarts, "old_pid": old_pid,
                                 "new_pid": self.proc.pid if self.proc else None})
