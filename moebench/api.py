@@ -120,7 +120,9 @@ def _start_probe(suite: SuiteProfile) -> tuple[Any, dict[str, Any]]:
         from moebench.probes.nvml import NvmlProbe
     except ImportError as e:
         return None, {"nvml": {"available": False, "reason": f"probe not importable: {e}"}}
-    probe = NvmlProbe(interval_ms=suite.probes.get("interval_ms", 100), gpu_index=suite.probes.get("gpu_index", 0))
+    from moebench.probes.energy import tariffs_from_probes
+    probe = NvmlProbe(interval_ms=suite.probes.get("interval_ms", 100), gpu_index=suite.probes.get("gpu_index", 0),
+                      tariffs=tariffs_from_probes(suite.probes))
     if not probe.available:
         return None, {"nvml": {"available": False, "reason": getattr(probe, "reason", "unavailable")}}
     return probe, {"nvml": {"available": True}}
