@@ -86,6 +86,7 @@ def test_loglikelihood_floor_and_error_for_tokens_outside_top_n():
         (lp_floor, greedy), = floor_lm.loglikelihood(req)
         (lp_exact, _), = exact.loglikelihood(req)
         assert floor_lm.stats["floored_tokens"] >= 1 and not greedy
+        assert floor_lm.floored_contexts[req[0].args[0]] == floor_lm.stats["floored_tokens"]
         assert lp_floor >= lp_exact          # the floor is an upper bound of each missing token's log-prob
         (lp_err, _), = err_lm.loglikelihood(req)
         assert lp_err == float("-inf")
@@ -245,3 +246,143 @@ def test_import_rejects_bad_files(samples_files, tmp_path):
         import_lm_eval([broken], tmp_path / "r2")
     with pytest.raises(SamplesError, match="appears twice"):
         import_lm_eval([samples_files[0], samples_files[0]], tmp_path / "r3")
+
+
+
+# -- integration: real servers ------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+ZOO_HF = REPO / "models" / "zoo" / "tiny-moe"
+GSM_LIMIT = 3
+
+
+@pytest.fixture(scope="module")
+def llama_profile(tmp_path_factory) -> Path:
+    """A llama-server runner profile over the zoo GGUF (or the llama-server tests' tiny random MoE)."""
+    from test_llama_server_runner import _server_binary, _write_tiny_moe
+    _server_binary()                                  # skips without the llama.cpp tools
+    d = tmp_path_factory.mktemp("llama")
+    gguf = next((REPO / "models" / "zoo" / n for n in ("tiny-moe-q8_0.gguf", "tiny-moe-bf16.gguf")
+                 if (REPO / "models" / "zoo" / n).is_file()), None) or _write_tiny_moe(d / "tiny-moe-test-f32.gguf")
+    prof = d / "llama.toml"
+    # One slot with the whole context (5-shot CMMLU prompts are long); one thread: the CPU is shared.
+    prof.write_text(f'kind = "llama-server"\nmodel = "{gguf}"\nconcurrency = 1\nctx_size = 4096\n'
+                    f'args = ["--threads", "1"]\nstartup_timeout_s = 120.0\n', encoding="utf-8")
+    return prof
+
+
+def _make(profile: Path):
+    from moebench.config import load_runner
+    from moebench.runners import make_runner, runner_schemas
+    return make_runner(load_runner(profile, runner_schemas()))
+
+
+def _lm_eval_gsm8k(url: str, data_dir: Path, tmp: Path) -> dict[int, dict]:
+    """lm-eval's own local-completions model on gsm8k (text prompts, as a user would run it)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    tm = TaskManager(include_path=str(materialize(tmp / "inc", data_dir)), include_defaults=False)
+    res = lm_eval.simple_evaluate(
+        model="local-completions", tasks=["gsm8k"], limit=GSM_LIMIT, task_manager=tm,
+        model_args={"base_url": url + "/completions", "model": "any", "tokenizer_backend": None,
+                    "tokenized_requests": False, "max_retries": 1})
+    out: dict[int, dict] = {}
+    for row in res["samples"]["gsm8k"]:
+        out.setdefault(row["doc_id"], {"output": row["resps"][0][0], "prompt": row["arguments"][0][0]})
+        out[row["doc_id"]][row["filter"]] = (row["filtered_resps"][0], row["exact_match"])
+    return out
+
+
+def _moebench_gsm8k(url: str, data_dir: Path) -> list[dict]:
+    """moebench's own gsm8k task through the http runner against the same server."""
+    from moebench.config import COMMON_TASK_SCHEMA, validate
+    from moebench.runners.http import SCHEMA as HTTP_SCHEMA, HttpRunner
+    from moebench.tasks.base import TaskContext
+    from moebench.tasks.gsm8k import Gsm8kTask
+
+    opts = validate({"task": "gsm8k", "limit": GSM_LIMIT}, {**COMMON_TASK_SCHEMA, **Gsm8kTask.options}, "test")
+    task = Gsm8kTask(opts, TaskContext(data_dir=data_dir))
+    settings = validate({"base_url": url}, HTTP_SCHEMA, "test")
+    runner = HttpRunner({**settings, "name": "http", "concurrency": 1}, None)
+
+    async def go():
+        await runner.start()
+        try:
+            return [await task.evaluate(item, runner) for item in task.items()]
+        finally:
+            await runner.close()
+    return asyncio.run(go())
+
+
+def _assert_same_gsm8k(lm_rows: dict[int, dict], mb_records: list[dict]) -> None:
+    from moebench.scoring.answers import normalize_number
+    assert sorted(lm_rows) == list(range(GSM_LIMIT)) and len(mb_records) == GSM_LIMIT
+    for doc, rec in enumerate(mb_records):
+        lm = lm_rows[doc]
+        assert rec["prompt_hash"] == sha(lm["prompt"])[:16]          # the very same prompt
+        assert rec["output"] == lm["output"]                         # the very same greedy text
+        strict, strict_ok = lm["strict-match"]
+        flexible, flex_ok = lm["flexible-extract"]
+        if rec["extraction"] == "strict":
+            assert rec["answer"] == normalize_number(strict)
+            assert rec["correct"] == bool(strict_ok)
+        elif rec["extraction"] == "flexible":
+            assert strict == "[invalid]" and rec["answer"] == normalize_number(flexible)
+            assert rec["correct"] == bool(flex_ok)
+        else:
+            assert strict == flexible == "[invalid]" and rec["correct"] is False and not strict_ok
+
+
+def _gsm8k_agreement(url: str, data_dir: Path, tmp: Path) -> None:
+    _assert_same_gsm8k(_lm_eval_gsm8k(url, data_dir, tmp), _moebench_gsm8k(url, data_dir))
+
+
+def test_gsm8k_lm_eval_and_moebench_agree_via_serve_markov(tmp_path, data_dir):
+    from moebench.serve import BackgroundServer
+    with BackgroundServer(MarkovRunner()) as s:
+        _gsm8k_agreement(s.url, data_dir, tmp_path)
+
+
+@pytest.mark.skipif(not (ZOO_HF / "config.json").is_file(), reason="zoo HF model not built (moebench zoo build)")
+def test_gsm8k_lm_eval_and_moebench_agree_via_serve_engine(tmp_path, data_dir):
+    from moebench.serve import BackgroundServer
+    prof = tmp_path / "engine.toml"
+    prof.write_text(f'kind = "engine"\nmodel = "{ZOO_HF}"\ndtype = "float32"\ndevice = "cpu"\n')
+    with BackgroundServer(_make(prof)) as s:
+        _gsm8k_agreement(s.url, data_dir, tmp_path)
+
+
+def test_gsm8k_lm_eval_and_moebench_agree_on_llama_server(tmp_path, data_dir, llama_profile):
+    loop = LoopThread()
+    runner = _make(llama_profile)
+    try:
+        loop.run(runner.start(str(tmp_path)))
+        _gsm8k_agreement(runner.base_url + "/v1", data_dir, tmp_path)
+    finally:
+        loop.run(runner.close())
+        loop.stop()
+
+
+def test_gsm8k_agree_via_serve_over_llama_server_runner(tmp_path, data_dir, llama_profile):
+    from moebench.serve import BackgroundServer
+    with BackgroundServer(_make(llama_profile)) as s:
+        _gsm8k_agreement(s.url, data_dir, tmp_path)
+
+
+def test_run_lm_eval_cmmlu_on_llama_server_runner(tmp_path, llama_profile):
+    from moebench.lmeval.adapter import run_lm_eval
+    n = 3
+    # Ask for every vocabulary entry so no choice token is floored (a random tiny model is flat).
+    out = run_lm_eval(llama_profile, ["cmmlu_anatomy"], n, tmp_path / "run", options=AdapterOptions(top_n=60000))
+    manifest, records = load_run(out)
+    assert manifest["status"] == "complete" and manifest["runner"]["kind"] == "llama-server"
+    stats = manifest["adapter_stats"]
+    assert stats["scoring"] == "top_logprobs" and stats["requests"] == n and stats["errors"] == 0
+    assert [r["item_id"] for r in records] == [f"cmmlu_anatomy/{i}" for i in range(n)]
+    for r in records:
+        assert r["status"] == "ok" and r["answer"] in "ABCD" and r["reference"] in "ABCD"
+        assert r["correct"] == (r["answer"] == r["reference"]) and len(r["choice_logprobs"]) == 4
+        assert all(np.isfinite(r["choice_logprobs"])) and len(r["prompt_hash"]) == 64
+        assert "floored_tokens" not in r and len(set(r["choice_logprobs"])) == 4
+    assert stats["floored_tokens"] == 0

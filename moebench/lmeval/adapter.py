@@ -87,6 +87,8 @@ class RunnerLM(LM):
         self.stats = {"requests": 0, "floored_tokens": 0, "errors": 0, "scoring": self.scoring}
         # Contexts whose request failed: their samples become error records.
         self.failed_contexts: dict[str, str] = {}
+        # Contexts whose continuation tokens were outside the top_n (floored): context -> count.
+        self.floored_contexts: dict[str, int] = {}
         self._piece_cache: dict[int, str] = {}
 
     def _top_logprobs_path(self) -> str | None:
@@ -147,7 +149,12 @@ class RunnerLM(LM):
                 if not cont:
                     raise RunnerError(f"continuation {continuation!r} tokenizes to nothing")
                 if self.scoring == "top_logprobs":
-                    return await self._ll_by_top_logprobs(ctx, cont, next_token_cache)
+                    before = self.stats["floored_tokens"]
+                    result = await self._ll_by_top_logprobs(ctx, cont, next_token_cache)
+                    if self.stats["floored_tokens"] > before:
+                        self.floored_contexts[context] = (self.floored_contexts.get(context, 0)
+                                                          + self.stats["floored_tokens"] - before)
+                    return result
                 scores = await score_tokens(self.runner, ctx + cont, top_k=1)
                 self.stats["requests"] += 1
                 tail = scores[len(ctx):]
@@ -320,6 +327,8 @@ def evaluate_runner(runner: Runner, tasks: list[str], limit: int | None, out_dir
         for task_name, rows in samples.items():
             for row, rec in zip(rows, records_from_samples(task_name, rows)):   # one record per row
                 ctx = _context_of(row)
+                if ctx in lm.floored_contexts:     # a score is a bound, not a value: say so per item
+                    rec["floored_tokens"] = lm.floored_contexts[ctx]
                 if ctx in lm.failed_contexts:
                     rec.update(status="error", correct=None, error=lm.failed_contexts[ctx])
                 store.append(rec)
