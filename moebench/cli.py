@@ -63,6 +63,13 @@ def _parser() -> argparse.ArgumentParser:
     le.add_argument("--limit", type=int)
     le.add_argument("--out")
 
+    ab = sub.add_parser("speed-ab", help="A/B speed: two runner profiles interleaved A,B,B,A in fresh processes")
+    ab.add_argument("profile_a")
+    ab.add_argument("profile_b")
+    ab.add_argument("--suite", default="speed", help="a suite whose first speed task gives the options")
+    ab.add_argument("--order", default="ABBA")
+    ab.add_argument("--out", required=True)
+
     s = sub.add_parser("serve", help="an OpenAI-compatible server over a runner")
     s.add_argument("--runner", required=True)
     s.add_argument("--port", type=int, default=8000)
@@ -129,6 +136,20 @@ def _dispatch(args: argparse.Namespace) -> int:
         from moebench.lmeval.adapter import run_lm_eval
         out = Path(args.out) if args.out else None
         print(run_lm_eval(args.runner, [t.strip() for t in args.tasks.split(",") if t.strip()], args.limit, out))
+        return 0
+    if args.command == "speed-ab":
+        from moebench.config import load_suite, resolve_profile_path
+        from moebench.tasks import task_schemas
+        from moebench.tasks.speed import run_ab
+        suite = load_suite(resolve_profile_path(args.suite, "suites"), task_schemas())
+        speed = [t for t in suite.tasks if t["task"] == "speed"]
+        if not speed:
+            raise api.UsageError(f"{suite.path}: has no speed task")
+        opts = {k: v for k, v in speed[0].items() if k not in ("task", "name", "limit")}
+        result = run_ab(args.profile_a, args.profile_b, opts, args.out, order=args.order)
+        outs = result.get("outputs", {})
+        print(f"outputs compared: {outs.get('n_compared')}, differing: {outs.get('n_differ')}")
+        print(args.out)
         return 0
     if args.command == "serve":
         from moebench.serve import serve
