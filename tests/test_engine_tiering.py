@@ -143,6 +143,9 @@ def test_placement_never_changes_numbers_and_telemetry_adds_up(stats, ckpt, wiki
     split = pack(ckpt, _mixed_plan(stats, homes_all_gpu=False), tmp_path / "split")
     resident = pack(ckpt, _mixed_plan(stats, homes_all_gpu=True), tmp_path / "resident")
     assert (split / "config.json").is_file() and (split / "experts.safetensors").is_file()
+    art = json.loads((split / "plan.json").read_text())["artifact"]
+    assert art["expert_bytes_by_home"] == _plan_bytes(_mixed_plan(stats, homes_all_gpu=False))
+    assert sum(art["expert_bytes_by_home"].values()) == art["expert_bytes"]
     e_split = Engine.load(split, device="cpu", dtype="float32")
     e_res = Engine.load(resident, device="cpu", dtype="float32")
     layers = find_tiered(e_split.model)

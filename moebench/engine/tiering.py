@@ -594,6 +594,7 @@ def pack(checkpoint_dir: str | Path, plan: Plan, out_dir: str | Path, device="cp
 
     packed: dict[str, torch.Tensor] = {}
     shapes: dict[str, list[int]] = {}
+    by_home = {h: 0 for h in HOMES}
     for layer, precs in zip(plan.layers, plan.precision):
         n_exp = len({e for l, e, _ in where if l == layer})
         if len(precs) != n_exp:
@@ -605,12 +606,14 @@ def pack(checkpoint_dir: str | Path, plan: Plan, out_dir: str | Path, device="cp
                 w = _read_matrix(where[(layer, e, mat)], mat)
                 q = quantize(w.to(device), fmt).to("cpu")
                 packed.update(q.state(f"layers.{layer}.experts.{e}.{mat}"))
+                by_home[plan.home[plan.layers.index(layer)][e]] += q.nbytes
                 shapes.setdefault(mat, list(w.shape))
     save_file(packed, str(out / "experts.safetensors"),
               metadata={"format": "moebench-tiered-experts", "version": str(PLAN_VERSION)})
     data = plan.to_json()
     data["artifact"] = {"source": str(src), "expert_shapes": shapes,
-                        "expert_bytes": sum(t.numel() * t.element_size() for t in packed.values())}
+                        "expert_bytes": sum(t.numel() * t.element_size() for t in packed.values()),
+                        "expert_bytes_by_home": by_home}
     (out / "plan.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     return out
 
