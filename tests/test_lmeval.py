@@ -386,3 +386,25 @@ def test_run_lm_eval_cmmlu_on_llama_server_runner(tmp_path, llama_profile):
         assert all(np.isfinite(r["choice_logprobs"])) and len(r["prompt_hash"]) == 64
         assert "floored_tokens" not in r and len(set(r["choice_logprobs"])) == 4
     assert stats["floored_tokens"] == 0
+
+
+def test_lm_eval_loglikelihood_through_serve_echo_matches_adapter(tmp_path, data_dir):
+    """lm-eval's local-completions scores CMMLU through `moebench serve` (echo + prompt log-probs,
+    remote tokenizer auto-detected) exactly as the in-process adapter does."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from moebench.serve import BackgroundServer
+
+    n = 3
+    direct = load_run(evaluate_runner(MarkovRunner(), ["cmmlu_anatomy"], n, tmp_path / "run"))[1]
+    tm = TaskManager(include_path=str(materialize(tmp_path / "inc", data_dir)), include_defaults=False)
+    with BackgroundServer(MarkovRunner()) as s:
+        res = lm_eval.simple_evaluate(model="local-completions", tasks=["cmmlu_anatomy"], limit=n, task_manager=tm,
+                                      model_args={"base_url": s.url + "/completions", "model": "markov",
+                                                  "max_retries": 1})
+    rows = sorted(res["samples"]["cmmlu_anatomy"], key=lambda r: r["doc_id"])
+    assert len(rows) == n
+    for row, rec in zip(rows, direct):
+        assert sha(row["arguments"][0][0]) == rec["prompt_hash"]
+        assert [lp for lp, _ in row["filtered_resps"]] == pytest.approx(rec["choice_logprobs"], abs=1e-6)
+        assert bool(row["acc"]) == rec["correct"]
