@@ -110,6 +110,11 @@ def _delta_ci_low(t: dict[str, Any]) -> float:
     return number(ci[0])  # type: ignore[return-value]
 
 
+def _mcnemar_p(t: dict[str, Any]) -> float:
+    _ids(t, "wins"), _ids(t, "losses")      # the verdict also needs who flipped which way
+    return _req(t, "mcnemar_p")
+
+
 def _nonzero(n: float) -> float:
     if n <= 0:
         raise Missing("n_paired is 0: nothing was compared")
@@ -174,7 +179,7 @@ TASK_RULES: dict[str, Rule] = {
     "max_accuracy_drop": Rule(Field(float), "max", _accuracy_drop, "accuracy drop (baseline - candidate)"),
     "max_losses": Rule(Field(int, check=non_negative), "max", lambda t: _ids(t, "losses"), "losses"),
     "max_flip_rate": Rule(Field(float, check=_fraction), "max", _flip_rate, "flip rate"),
-    "fail_on_significant_loss": Rule(Field(bool), "flag", lambda t: _req(t, "mcnemar_p"), "McNemar p"),
+    "fail_on_significant_loss": Rule(Field(bool), "flag", lambda t: _mcnemar_p(t), "McNemar p"),
     "min_delta_ci_low": Rule(Field(float), "min", _delta_ci_low, "delta CI95 low"),
     "max_excluded": Rule(Field(int, check=non_negative), "max", lambda t: _ids(t, "excluded"), "excluded items"),
 }
@@ -313,7 +318,7 @@ def _judge(section: str, name: str, rule: Rule, value: float, limit: Any, data: 
            settings: dict[str, Any]) -> Check:
     if rule.kind == "flag":
         alpha = settings.get("alpha", 0.05)
-        wins, losses = len(data.get("wins") or []), len(data.get("losses") or [])
+        wins, losses = _ids(data, "wins"), _ids(data, "losses")
         shown = f"p={value:.3g} ({losses} loss{'es' if losses != 1 else ''}, {wins} win{'s' if wins != 1 else ''})"
         if not limit:
             return Check(section, name, shown, "off", True, "rule switched off")

@@ -333,11 +333,14 @@ def _task_records(side: dict[str, Any], task: str, ids: list[str]) -> dict[str, 
     return out
 
 
+def _id_list(v: Any) -> list[str]:
+    return [str(x) for x in v] if isinstance(v, list) else []
+
+
 def _flip_rows(task: str, t: dict[str, Any], base: dict[str, Any], cand: dict[str, Any],
                notes: list[str]) -> list[dict[str, Any]]:
-    wins = [str(x) for x in t.get("wins") or []]
-    losses = [str(x) for x in t.get("losses") or []]
-    excluded = {str(x) for x in t.get("excluded") or []}
+    wins, losses = _id_list(t.get("wins")), _id_list(t.get("losses"))
+    excluded = set(_id_list(t.get("excluded")))
     b_recs, c_recs = _task_records(base, task, wins + losses), _task_records(cand, task, wins + losses)
     kinds: dict[str, str] = {i: "win" for i in wins}
     kinds.update({i: "loss" for i in losses})
@@ -592,7 +595,7 @@ def compare_context(compare_dir: Path) -> dict[str, Any]:
     compare = _load_json(compare_dir / "compare.json")
     if not isinstance(compare, dict):
         raise ReportError(f"{compare_dir / 'compare.json'}: expected a JSON object")
-    warnings: list[str] = [str(w) for w in compare.get("warnings") or [] if isinstance(compare.get("warnings"), list)]
+    warnings: list[str] = _id_list(compare.get("warnings"))      # the builder's own (e.g. a run not complete)
     base = _side(compare, "baseline", compare_dir, warnings)
     cand = _side(compare, "candidate", compare_dir, warnings)
     tasks_raw = compare.get("tasks") if isinstance(compare.get("tasks"), dict) else {}
@@ -611,8 +614,7 @@ def compare_context(compare_dir: Path) -> dict[str, Any]:
         notes: list[str] = []
         rows = _flip_rows(name, t, base, cand, notes)
         reasons = t.get("excluded_reasons") if isinstance(t.get("excluded_reasons"), dict) else {}
-        excluded = [(str(i), str(reasons.get(i, ""))) for i in t.get("excluded") or []] \
-            if isinstance(t.get("excluded"), list) else []
+        excluded = [(i, str(reasons.get(i, ""))) for i in _id_list(t.get("excluded"))]
         flips.append({"task": name, "rows": rows, "notes": notes, "excluded": excluded,
                       "counts": {k: sum(1 for r in rows if r["kind"] == k)
                                  for k in ("win", "loss", "same-right", "same-wrong")}})
