@@ -299,6 +299,61 @@ def test_server_that_cannot_come_back_fails_requests_with_the_reason(gguf_model:
     asyncio.run(scenario())
 
 
+def test_fixed_port_is_reused_after_a_restart(gguf_model: Path, tmp_path: Path):
+    from moebench.runners.llama_server import _free_port
+    port = _free_port("127.0.0.1")
+
+    async def scenario():
+        runner = LlamaServerRunner(_profile(gguf_model, port=port))
+        await runner.start(str(tmp_path))
+        try:
+            assert runner.base_url == f"http://127.0.0.1:{port}"
+            before = await runner.generate(GenerateRequest(prompt=PROMPT, max_tokens=5, ignore_eos=True))
+            os.kill(runner.proc.pid, signal.SIGKILL)
+            after = await runner.generate(GenerateRequest(prompt=PROMPT, max_tokens=5, ignore_eos=True))
+            assert runner.port == port and after.endpoint == f"http://127.0.0.1:{port}"
+            assert after.token_ids == before.token_ids
+            assert [e["event"] for e in runner.events] == ["restart"]
+            assert "ConnectError" in runner.events[0]["reason"]     # it died between requests
+        finally:
+            await runner.close()
+    asyncio.run(scenario())
+
+
+def test_port_taken_between_pick_and_bind_is_retried(gguf_model: Path, tmp_path: Path, monkeypatch):
+    import socket
+    from moebench.runners import llama_server
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    picks = iter([busy.getsockname()[1]])
+    real_pick = llama_server._free_port
+    monkeypatch.setattr(llama_server, "_free_port", lambda host: next(picks, None) or real_pick(host))
+
+    async def scenario():
+        runner = LlamaServerRunner(_profile(gguf_model))
+        await runner.start(str(tmp_path))
+        try:
+            assert runner.port != busy.getsockname()[1]
+            assert await runner.tokenize("hello")
+        finally:
+            await runner.close()
+    try:
+        asyncio.run(scenario())
+    finally:
+        busy.close()
+    log = (tmp_path / "llama-server.log").read_text(errors="replace")
+    assert log.count("=== moebench") == 2 and "couldn't bind HTTP server socket" in log
+
+
+def test_startup_timeout_stops_the_server(gguf_model: Path, tmp_path: Path):
+    runner = LlamaServerRunner(_profile(gguf_model, startup_timeout_s=0.05))
+    with pytest.raises(RunnerError, match=r"/health not 200 after 0\.05 s"):
+        asyncio.run(runner.start(str(tmp_path)))
+    assert runner.proc is not None and not _pid_alive(runner.proc.pid)
+
+
 def test_close_leaves_no_process(gguf_model: Path, tmp_path: Path):
     async def scenario():
         runner = LlamaServerRunner(_profile(gguf_model))

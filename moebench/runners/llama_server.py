@@ -382,6 +382,7 @@ class LlamaServerRunner(Runner):
             cmd = self.command(port)
             _install_exit_hooks()
             with self.log_path.open("ab") as log:
+                log_start = log.tell()
                 log.write(f"\n=== moebench {now_iso()}: {' '.join(cmd)}\n".encode())
                 log.flush()
                 env = {**os.environ, **self.profile["env"]}
@@ -398,7 +399,9 @@ class LlamaServerRunner(Runner):
                 self._generation += 1
                 return
             await asyncio.to_thread(_stop_process_sync, proc)
-            bind_failed = "bind" in self._log_tail(4000).lower()
+            with self.log_path.open("rb") as f:
+                f.seek(log_start)
+                bind_failed = b"couldn't bind HTTP server socket" in f.read()
             if fixed_port or not bind_failed:
                 break
         raise RunnerError(f"llama-server did not start: {problem}; command: {' '.join(cmd)}; "
