@@ -220,6 +220,7 @@ class Engine:
         logits = self._prefill(prompts)                                   # [B, V] float32
         done = [False] * B
         cur = torch.zeros(B, 1, dtype=torch.long, device=self.device)
+        base_pos = torch.tensor(lens, dtype=torch.long).view(B, 1).to(self.device)
         for step in range(max_new):
             next_ids = self._sample(logits, temperature, gen)
             if n_top > 0:
@@ -244,9 +245,8 @@ class Engine:
                 break
             # Every row decodes (finished ones too: static shapes); row b writes slot lens[b] + step.
             cur.copy_(next_ids.view(B, 1))
-            pos = torch.tensor(lens, device=self.device).view(B, 1) + step
             kv_len = self._kv_len(max(lens) + step + 1)
-            h = self.model(cur, pos, kv_len)
+            h = self.model(cur, base_pos + step, kv_len)
             logits = self.model.lm_head(h[:, -1]).float()
         return outs
 
