@@ -1,0 +1,66 @@
+"""compare.json["kld"]: KLD statistics of a candidate run measured against its baseline, plus MoE signals.
+
+The candidate run already measured itself against the baseline (it was made with --baseline), so this
+reads its per-token arrays (moebench.tasks.kld) and, for the MoE signals, both runs' router traces.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moebench.tasks.kld import (chunk_file, expert_usage, kld_section, load_skew, read_meta, router_agreement,
+                                task_dir)
+
+
+def kld_compare(base_dir: Path, cand_dir: Path, base_manifest: dict[str, Any], cand_manifest: dict[str, Any],
+                base_records: list[dict[str, Any]], cand_records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    cand_ok = [r for r in cand_records if r.get("status") == "ok" and r.get("role") == "candidate"]
+    if not cand_ok:
+        return None                       # the candidate was not run with --baseline: nothing measured
+    out: dict[str, Any] = {}
+    measured_against = cand_manifest.get("baseline_run")
+    if measured_against and Path(measured_against).resolve() != Path(base_dir).resolve():
+        out["warning"] = (f"the candidate was measured against {measured_against}, not {base_dir}; "
+                          "its KLD figures refer to that run")
+    base_hash = {r["item_id"]: r.get("prompt_hash") for r in base_records if r.get("status") == "ok"}
+    mismatched = [r["item_id"] for r in cand_ok if r.get("prompt_hash") and base_hash.get(r["item_id"])
+                  and r["prompt_hash"] != base_hash[r["item_id"]]]
+    if mismatched:
+        out["token_mismatch"] = mismatched
+    out.update(kld_section(Path(cand_dir), cand_ok))
+    out["excluded"] = sorted(r["item_id"] for r in cand_records if r.get("status") != "ok")
+    signals = moe_signals(Path(base_dir), Path(cand_dir), cand_ok)
+    if signals:
+        out.update(signals)
+    return out
+
+
+def moe_signals(base_dir: Path, cand_dir: Path, cand_records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Per-layer router agreement, expert usage [layer][expert] and load skew of both runs."""
+    name = cand_records[0].get("task", "kld")
+    try:
+        meta = read_meta(base_dir, name)
+    except Exception:
+        return None
+    if meta.get("format") != "npz":
+        return None
+    b_routes, c_routes = [], []
+    for r in sorted(cand_records, key=lambda r: r["chunk"]):
+        bf = chunk_file(task_dir(base_dir, name) / "base", r["chunk"])
+        cf = Path(cand_dir) / r["file"]
+        if not bf.is_file() or not cf.is_file():
+            continue
+        b, c = np.load(bf), np.load(cf)
+        if "routes" in b.files and "routes" in c.files:
+            b_routes.append(b["routes"])
+            c_routes.append(c["routes"])
+    if not b_routes:
+        return None
+    bcat, ccat = np.concatenate(b_routes, axis=1), np.concatenate(c_routes, axis=1)
+    n_exp = meta.get("num_experts") or int(max(bcat.max(), ccat.max())) + 1
+    ub, uc = expert_usage(b_routes, n_exp), expert_usage(c_routes, n_exp)
+    return {"per_layer": {**router_agreement(bcat, ccat), "n_positions": int(bcat.shape[1])},
+            "expert_usage": {"baseline": ub.tolist(), "candidate": uc.tolist()},
+            "load_skew": {"baseline": load_skew(ub), "candidate": load_skew(uc)}}

@@ -1,0 +1,240 @@
+"""Drive llama.cpp's `llama-perplexity` for KLD, parse its statistics, read and write its base file.
+
+Base file (tools/perplexity/perplexity.cpp, b11434): "_logits_", uint32 n_ctx, int32 n_vocab,
+int32 n_chunk, int32 tokens[n_ctx * n_chunk] (the text's tokens, BOS NOT substituted), then per
+chunk and per scored position (n_ctx - 1 - n_ctx/2 of them) one row of `row_width(n_vocab)` uint16
+(see moebench.scoring.kld_stats.encode_logprobs). Rows are read lazily, one chunk at a time.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moebench.scoring.kld_stats import decode_logprobs, row_width
+
+MAGIC = b"_logits_"
+
+
+class PerplexityError(RuntimeError):
+    """llama-perplexity failed, or its output or base file is not what was expected."""
+
+
+# ---- base file -------------------------------------------------------------------------------------
+
+@dataclass
+class BaseFile:
+    path: Path
+    n_ctx: int
+    n_vocab: int
+    n_chunk: int
+    tokens: np.ndarray           # [n_chunk, n_ctx] int32
+    data_offset: int             # where the log-prob rows start
+
+    @property
+    def first(self) -> int:
+        return self.n_ctx // 2
+
+    @property
+    def n_scored(self) -> int:
+        """Scored positions per chunk: first ... n_ctx-2."""
+        return self.n_ctx - 1 - self.n_ctx // 2
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * row_width(self.n_vocab)
+
+    def rows(self, chunk: int) -> np.ndarray:
+        """The raw uint16 rows of one chunk: [n_scored, row_width]."""
+        if not 0 <= chunk < self.n_chunk:
+            raise PerplexityError(f"{self.path}: chunk {chunk} out of range (file holds {self.n_chunk})")
+        w = row_width(self.n_vocab)
+        count = self.n_scored * w
+        with self.path.open("rb") as f:
+            f.seek(self.data_offset + chunk * count * 2)
+            data = np.fromfile(f, dtype="<u2", count=count)
+        if data.size != count:
+            raise PerplexityError(f"{self.path}: truncated in chunk {chunk} "
+                                  f"({data.size} of {count} values); was llama-perplexity interrupted?")
+        return data.reshape(self.n_scored, w)
+
+    def logprobs(self, chunk: int) -> np.ndarray:
+        """[n_scored, n_vocab] float32 base log-probs of one chunk."""
+        return decode_logprobs(self.rows(chunk), self.n_vocab)
+
+
+def read_base_file(path: str | Path) -> BaseFile:
+    path = Path(path)
+    with path.open("rb") as f:
+        magic = f.read(8)
+        if magic != MAGIC:
+            raise PerplexityError(f"{path}: not a llama-perplexity base file (starts with {magic!r}, expected {MAGIC!r})")
+        head = np.fromfile(f, dtype="<i4", count=3)
+        if head.size != 3:
+            raise PerplexityError(f"{path}: truncated header")
+        n_ctx, n_vocab, n_chunk = (int(x) for x in head)
+        if n_ctx <= 2 or n_vocab <= 0 or n_chunk <= 0:
+            raise PerplexityError(f"{path}: bad header n_ctx={n_ctx} n_vocab={n_vocab} n_chunk={n_chunk}")
+        tokens = np.fromfile(f, dtype="<i4", count=n_ctx * n_chunk)
+        if tokens.size != n_ctx * n_chunk:
+            raise PerplexityError(f"{path}: truncated token block")
+    offset = 8 + 12 + 4 * n_ctx * n_chunk
+    bf = BaseFile(path, n_ctx, n_vocab, n_chunk, tokens.reshape(n_chunk, n_ctx).astype(np.int64), offset)
+    expected = offset + n_chunk * bf.n_scored * bf.bytes_per_token
+    size = path.stat().st_size
+    if size != expected:
+        raise PerplexityError(f"{path}: {size} bytes, expected {expected} for n_ctx={n_ctx}, n_vocab={n_vocab}, "
+                              f"n_chunk={n_chunk}")
+    return bf
+
+
+class BaseFileWriter:
+    """Write a llama-perplexity base file chunk by chunk (from an engine baseline)."""
+
+    def __init__(self, path: str | Path, n_ctx: int, n_vocab: int, tokens: np.ndarray):
+        tokens = np.asarray(tokens, dtype="<i4")
+        if tokens.ndim != 2 or tokens.shape[1] != n_ctx:
+            raise ValueError(f"tokens must be [n_chunk, {n_ctx}], got {tokens.shape}")
+        self.path, self.n_ctx, self.n_vocab = Path(path), n_ctx, n_vocab
+        self.n_chunk = tokens.shape[0]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("wb") as f:
+            f.write(MAGIC)
+            np.array([n_ctx, n_vocab, self.n_chunk], dtype="<i4").tofile(f)
+            tokens.tofile(f)
+
+    def append_chunk(self, rows: np.ndarray) -> None:
+        n_scored = self.n_ctx - 1 - self.n_ctx // 2
+        if rows.shape != (n_scored, row_width(self.n_vocab)) or rows.dtype != np.uint16:
+            raise ValueError(f"chunk rows must be uint16 [{n_scored}, {row_width(self.n_vocab)}], got "
+                             f"{rows.dtype} {rows.shape}")
+        with self.path.open("ab") as f:
+            rows.astype("<u2").tofile(f)
+
+
+# ---- running llama-perplexity -----------------------------------------------------------------------
+
+def _binary() -> str:
+    from moebench.tools.llamacpp import tool
+    return str(tool("llama-perplexity"))
+
+
+def run_perplexity(model: str | Path, args: list[str], log_path: Path | None = None,
+                   timeout_s: float | None = None, binary: str | None = None) -> str:
+    """Run llama-perplexity; return its stdout (the statistics). stderr (progress) goes to log_path."""
+    cmd = [binary or _binary(), "-m", str(model), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout_s)
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
+        raise PerplexityError(f"llama-perplexity exited {proc.returncode}: {' '.join(cmd)}\n{tail}")
+    errs = [ln for ln in proc.stderr.splitlines() if re.search(r"(kl_divergence|perplexity): .*(failed|must|need|inconsistent)", ln)]
+    if errs:
+        raise PerplexityError(f"llama-perplexity reported: {errs[0].strip()}")
+    return proc.stdout
+
+
+def write_base(model: str | Path, text_file: Path, base_path: Path, context: int, chunks: int | None,
+               threads: int | None = None, log_path: Path | None = None, extra: list[str] | None = None) -> BaseFile:
+    """`--kl-divergence-base`: the model's log-probs over the text's chunks into base_path."""
+    args = ["-f", str(text_file), "-c", str(context), "-b", str(context), "--kl-divergence-base", str(base_path)]
+    if chunks:
+        args += ["--chunks", str(chunks)]
+    if threads:
+        args += ["-t", str(threads)]
+    run_perplexity(model, args + list(extra or []), log_path)
+    return read_base_file(base_path)
+
+
+def kl_divergence(model: str | Path, base_path: Path, context: int, threads: int | None = None,
+                  log_path: Path | None = None, extra: list[str] | None = None) -> dict[str, Any]:
+    """`--kl-divergence` against a base file; returns the parsed statistics (parse_kld_output)."""
+    args = ["-c", str(context), "-b", str(context), "--kl-divergence-base", str(base_path), "--kl-divergence"]
+    if threads:
+        args += ["-t", str(threads)]
+    out = run_perplexity(model, args + list(extra or []), log_path)
+    return parse_kld_output(out)
+
+
+# ---- parsing its statistics ------------------------------------------------------------------------
+
+_NUM = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?nan|[-+]?inf)"
+_PM = _NUM + r"\s*±\s*" + _NUM
+_LINES = {
+    "ppl": r"^Mean PPL\(Q\)\s*:\s*" + _PM,
+    "ppl_base": r"^Mean PPL\(base\)\s*:\s*" + _PM,
+    "cor_ln_ppl_pct": r"^Cor\(ln\(PPL\(Q\)\), ln\(PPL\(base\)\)\):\s*" + _NUM + "%",
+    "ln_ppl_ratio": r"^Mean ln\(PPL\(Q\)/PPL\(base\)\)\s*:\s*" + _PM,
+    "ppl_ratio": r"^Mean PPL\(Q\)/PPL\(base\)\s*:\s*" + _PM,
+    "ppl_diff": r"^Mean PPL\(Q\)-PPL\(base\)\s*:\s*" + _PM,
+    "mean": r"^Mean\s+KLD:\s*" + _PM,
+    "dp_mean_pct": r"^Mean\s+Δp:\s*" + _PM + r"\s*%",
+    "dp_rms_pct": r"^RMS Δp\s*:\s*" + _PM + r"\s*%",
+    "same_top_pct": r"^Same top p:\s*" + _PM + r"\s*%",
+}
+_LADDER_NAMES = {"Maximum": "max", "99.9%": "p999", "99.0%": "p99", "95.0%": "p95", "90.0%": "p90",
+                 "75.0%": "p75", "Median": "median", "25.0%": "p25", "10.0%": "p10", "5.0%": "p5",
+                 "1.0%": "p1", "0.1%": "p01", "Minimum": "min"}
+_CHUNK_LINE = re.compile(r"^\s*(\d+)\s+" + r"\s+".join([_PM] * 3) + r"\s+" + _PM + r"\s*%\s+" + _PM + r"\s*%\s*$")
+
+
+def parse_kld_output(stdout: str) -> dict[str, Any]:
+    """llama-perplexity --kl-divergence stdout -> the same keys as kld_stats.summarize (fractions, not %).
+
+    Also `per_chunk_cumulative`: each chunk line's running figures (llama prints cumulative means), and
+    `per_chunk`: each chunk's own mean KLD, recovered from the running means (chunks are equal-sized).
+    """
+    out: dict[str, Any] = {}
+    dp: dict[str, Any] = {}
+    lines = [ln.strip() for ln in stdout.splitlines()]
+    for ln in lines:
+        for key, pat in _LINES.items():
+            m = re.match(pat, ln)
+            if not m:
+                continue
+            vals = [float(x) for x in m.groups()]
+            if key == "cor_ln_ppl_pct":
+                out["cor_ln_ppl"] = vals[0] / 100
+            elif key == "dp_mean_pct":
+                dp["mean"], dp["mean_err"] = vals[0] / 100, vals[1] / 100
+            elif key == "dp_rms_pct":
+                dp["rms"], dp["rms_err"] = vals[0] / 100, vals[1] / 100
+            elif key == "same_top_pct":
+                out["same_top_p"], out["same_top_p_err"] = vals[0] / 100, vals[1] / 100
+            else:
+                out[key], out[key + "_err"] = vals[0], vals[1]
+        m = re.match(r"^(Maximum|Median|Minimum|\d+\.\d%)\s+(KLD|Δp):\s*" + _NUM + r"\s*%?$", ln)
+        if m:
+            name = _LADDER_NAMES.get(m.group(1))
+            if name:
+                v = float(m.group(3))
+                if m.group(2) == "KLD":
+                    out[name] = v
+                else:
+                    dp[name] = v / 100
+    cumulative = []
+    for ln in lines:
+        m = _CHUNK_LINE.match(ln)
+        if m:
+            g = [float(x) for x in m.groups()]
+            cumulative.append({"chunk": int(g[0]), "ppl": g[1], "ln_ppl_ratio": g[3], "kld": g[5],
+                               "dp_rms": g[7] / 100, "same_top_p": g[9] / 100})
+    if dp:
+        out["delta_p"] = dp
+    if cumulative:
+        out["per_chunk_cumulative"] = cumulative
+        per = []
+        for i, c in enumerate(cumulative):
+            prev = cumulative[i - 1]["kld"] * i if i else 0.0
+            per.append(c["kld"] * (i + 1) - prev)
+        out["per_chunk"] = per
+    if "mean" not in out and not cumulative:
+        raise PerplexityError("no KLD statistics in llama-perplexity's output (fewer than 100 tokens scored, "
+                              "or not a --kl-divergence run)")
+    return out
