@@ -80,6 +80,8 @@ class TrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.01
     grad_clip: float = 1.0
+    # 0 = no load-balancing loss (uneven experts are wanted); a weak one (e.g. 0.01) only if routers collapse
+    router_aux_loss_coef: float = 0.0
     autocast_bf16: bool = False      # bf16 matmuls measured no faster here (logits and softmax dominate)
     threads: int = 1                 # fixed so a retrain from the seed repeats the same float order
     heldout_fraction: float = 0.05   # tail of the text, for a held-out loss
@@ -167,6 +169,8 @@ def train(tokenizer_dir: Path, cfg: TrainConfig = TrainConfig(), log=print) -> t
 
     hf_cfg = cfg.shape.hf_config()
     hf_cfg.pop("architectures"), hf_cfg.pop("model_type"), hf_cfg.pop("dtype")
+    hf_cfg["router_aux_loss_coef"] = cfg.router_aux_loss_coef
+    hf_cfg["output_router_logits"] = cfg.router_aux_loss_coef > 0   # HF adds coef * aux loss to .loss
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_cfg)).float()
     model.train()
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -235,7 +239,8 @@ def save_weights(model, summary: dict[str, Any], out_dir: Path, shape: ModelShap
         model.to(torch.bfloat16).save_pretrained(tmp)
         tensors = load_file(str(Path(tmp) / WEIGHTS_FILE))
     save_file(dict(sorted(tensors.items())), str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    doc = {**summary, "hf_config": shape.hf_config(), "weights": WEIGHTS_FILE, "weights_dtype": "bfloat16"}
+    hf_config = {**shape.hf_config(), "router_aux_loss_coef": summary["train_config"]["router_aux_loss_coef"]}
+    doc = {**summary, "hf_config": hf_config, "weights": WEIGHTS_FILE, "weights_dtype": "bfloat16"}
     (out_dir / TRAINING_FILE).write_text(json.dumps(doc, indent=2) + "\n")
     return [out_dir / WEIGHTS_FILE, out_dir / TRAINING_FILE]
 
@@ -249,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "weights")
     ap.add_argument("--steps", type=int, default=TrainConfig.steps)
     ap.add_argument("--seed", type=int, default=TrainConfig.seed)
+    ap.add_argument("--aux-loss", type=float, default=TrainConfig.router_aux_loss_coef)
     args = ap.parse_args(argv)
-    cfg = TrainConfig(steps=args.steps, seed=args.seed)
+    cfg = TrainConfig(steps=args.steps, seed=args.seed, router_aux_loss_coef=args.aux_loss)
     with tempfile.TemporaryDirectory() as tok_dir:
         write_hf_tokenizer(Path(tok_dir))
         model, summary = train(Path(tok_dir), cfg)
