@@ -55,7 +55,7 @@ def build_transformers(shape: dict, device: torch.device, dtype: torch.dtype, se
     return model.eval()
 
 
-def engine_sharing_weights(hf, max_seq_len: int) -> Engine:
+def engine_sharing_weights(hf, max_seq_len: int, cuda_graphs: bool = False) -> Engine:
     """An Engine whose parameters are the transformers model's tensors (views, no copies)."""
     cfg = ModelConfig.from_dict(hf.config.to_dict(), source="transformers config")
     with torch.device("meta"):
@@ -76,7 +76,7 @@ def engine_sharing_weights(hf, max_seq_len: int) -> Engine:
             else:
                 t = sd[f"model.{full}"]
             setattr(module, pname, torch.nn.Parameter(t, requires_grad=False))
-    return Engine(model.eval(), None, max_seq_len=max_seq_len, max_batch=1)
+    return Engine(model.eval(), None, max_seq_len=max_seq_len, max_batch=1, cuda_graphs=cuda_graphs)
 
 
 def active_bytes_per_token(cfg: ModelConfig, elem: int) -> dict[str, float]:
@@ -130,6 +130,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--hf-impls", default="eager,grouped_mm,batched_mm",
                     help="transformers experts implementations to time (comma separated)")
+    ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph engine variant")
     ap.add_argument("--layers", type=int, default=None, help="override the number of layers")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
@@ -196,19 +197,27 @@ def main(argv=None) -> dict:
         res["transformers_tok_s"][impl] = rate
         print(f"transformers [{impl}]: {rate:.2f} tok/s ({100 * rate / res['roofline_tok_s']:.1f}% of roofline)")
 
-    last = {}
+    variants = [("engine", eng)]
+    if device.type == "cuda" and not args.no_graphs:
+        variants.append(("engine+cudagraphs", engine_sharing_weights(hf, eng.max_seq_len, cuda_graphs=True)))
+    for label, e in variants:
+        last = {}
 
-    def run_engine(n):
-        last["out"] = eng.generate([prompt], n, ignore_eos=True)[0]
-    rate = decode_rate(run_engine, n_short, n_long, device, args.reps)
-    tt = last["out"].token_times
-    res["engine_tok_s"] = rate
-    res["engine_tok_s_token_clock"] = (len(tt) - 1) / (tt[-1] - tt[0])
-    res["engine_ttft_s"] = tt[0]
+        def run_engine(n):
+            last["out"] = e.generate([prompt], n, ignore_eos=True)[0]
+        rate = decode_rate(run_engine, n_short, n_long, device, args.reps)
+        tt = last["out"].token_times
+        res[f"{label}_tok_s"] = rate
+        res[f"{label}_tok_s_token_clock"] = (len(tt) - 1) / (tt[-1] - tt[0])
+        res[f"{label}_ttft_s"] = tt[0]
+        if label != "engine":
+            res[f"{label}_greedy_equal_eager"] = last["out"].token_ids == eng.generate([prompt], n_long,
+                                                                                       ignore_eos=True)[0].token_ids
+        print(f"{label}: {rate:.2f} tok/s ({100 * rate / res['roofline_tok_s']:.1f}% of roofline); per-token "
+              f"clock {res[f'{label}_tok_s_token_clock']:.2f} tok/s; TTFT {tt[0] * 1000:.1f} ms for "
+              f"{args.prompt_len} tokens")
     if device.type == "cuda":
-        res["engine_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
-    print(f"engine: {rate:.2f} tok/s ({100 * rate / res['roofline_tok_s']:.1f}% of roofline); per-token clock "
-          f"{res['engine_tok_s_token_clock']:.2f} tok/s; TTFT {tt[0] * 1000:.1f} ms for {args.prompt_len} tokens")
+        res["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return res

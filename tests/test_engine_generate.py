@@ -139,3 +139,24 @@ def test_bad_requests_are_refused_with_clear_errors(ckpt):
         eng.logits(list(range(33)))
     # numpy / tensor integers are accepted as token ids
     assert eng.logits(torch.tensor([1, 2, 3])).shape == (3, VOCAB)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_matches_eager(ckpt):
+    """The opt-in CUDA-graph decode gives the same tokens and log-probs, across KV buckets (256)."""
+    require("cuda")
+    path, _ = ckpt
+    eager = Engine.load(path, device="cuda", max_seq_len=600, max_batch=2)
+    graphed = Engine.load(path, device="cuda", max_seq_len=600, max_batch=2, cuda_graphs=True)
+    assert graphed.cuda_graphs and graphed._graph_batch_limit() >= 2
+    prompts = [random_ids(250, seed=30), random_ids(40, seed=31)]
+    a = eager.generate(prompts, max_new_tokens=20, ignore_eos=True, top_logprobs=3)
+    b = graphed.generate(prompts, max_new_tokens=20, ignore_eos=True, top_logprobs=3)
+    assert len(graphed._graphs) == 2           # kv_len 256 and 512
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    for oa, ob in zip(a, b):
+        for sa, sb in zip(oa.top_logprobs, ob.top_logprobs):
+            assert [t for t, _ in sa] == [t for t, _ in sb]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(sa, sb)) < 1e-4
+    c = graphed.generate(prompts[1:], max_new_tokens=20, ignore_eos=True)   # batch 1: a new graph
+    assert c[0].token_ids == a[1].token_ids

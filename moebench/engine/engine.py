@@ -71,7 +71,7 @@ class RouterTrace:
 class Engine:
     def __init__(self, model: MoETransformer, tokenizer: Tokenizer | None = None, *,
                  max_seq_len: int | None = None, max_batch: int = 1, prefill_chunk: int = 512,
-                 cache_dtype: torch.dtype | None = None):
+                 cache_dtype: torch.dtype | None = None, cuda_graphs: bool = False):
         self.model = model
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
@@ -84,10 +84,16 @@ class Engine:
         self.max_seq_len, self.max_batch, self.prefill_chunk = max_seq_len, max_batch, prefill_chunk
         model.setup_caches(max_batch, max_seq_len, cache_dtype or self.dtype, self.device)
         self._lock = threading.Lock()
+        # Opt-in: replay each decode step as a CUDA graph (one per batch size and KV bucket). Needs
+        # an experts module without host syncs in decode (the dense `Experts` qualifies).
+        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self._graph_pool = None
 
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu", dtype: str = "float32",
-             max_seq_len: int | None = None, max_batch: int = 1, prefill_chunk: int = 512) -> "Engine":
+             max_seq_len: int | None = None, max_batch: int = 1, prefill_chunk: int = 512,
+             cuda_graphs: bool = False) -> "Engine":
         """Load a Hugging Face checkpoint directory (or a tiered artifact holding plan.json)."""
         path = Path(path)
         cfg = ModelConfig.from_pretrained(path)
@@ -95,7 +101,8 @@ class Engine:
         tok = None
         if (path / "tokenizer.json").is_file():
             tok = Tokenizer.from_dir(path, cfg.bos_token_id, cfg.eos_token_ids)
-        return cls(model, tok, max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk)
+        return cls(model, tok, max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                   cuda_graphs=cuda_graphs)
 
     # ---- properties the runner reads ----
     @property
@@ -246,9 +253,25 @@ class Engine:
             # Every row decodes (finished ones too: static shapes); row b writes slot lens[b] + step.
             cur.copy_(next_ids.view(B, 1))
             kv_len = self._kv_len(max(lens) + step + 1)
-            h = self.model(cur, base_pos + step, kv_len)
-            logits = self.model.lm_head(h[:, -1]).float()
+            logits = self._decode(cur, base_pos + step, kv_len)
         return outs
+
+    def _decode(self, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+        """One decode step for [B, 1] tokens -> [B, vocab] float32 logits."""
+        B = tokens.shape[0]
+        if self.cuda_graphs and B <= self._graph_batch_limit():
+            graph = self._graphs.get((B, kv_len))
+            if graph is None:
+                if self._graph_pool is None:
+                    self._graph_pool = torch.cuda.graph_pool_handle()
+                graph = self._graphs[(B, kv_len)] = _DecodeGraph(self.model, B, kv_len, self._graph_pool)
+            return graph.run(tokens, positions)
+        h = self.model(tokens, positions, kv_len)
+        return self.model.lm_head(h[:, -1]).float()
+
+    def _graph_batch_limit(self) -> int:
+        """Largest decode batch every experts module runs without host syncs (0: none declared)."""
+        return min((getattr(b.experts, "gather_max_tokens", 0) for b in self.model.moe_blocks()), default=0)
 
     def _prefill(self, prompts: list[list[int]]) -> Tensor:
         """Run right-padded prompts through the cache in chunks; logits of each row's last token."""
@@ -289,3 +312,28 @@ class Engine:
                 raise EngineError(f"{what}[{i}] = {ids[i]!r}: expected a token id in [0, {V})")
             out.append(t)
         return out
+
+
+class _DecodeGraph:
+    """A captured decode step for a fixed batch size and KV length: copy inputs in, replay."""
+
+    def __init__(self, model: MoETransformer, batch: int, kv_len: int, pool):
+        device = next(model.parameters()).device
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        # Warm-up writes K/V at the last cache slot, which any row overwrites before it can read it.
+        self.positions = torch.full((batch, 1), model.max_seq_len - 1, dtype=torch.long, device=device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                model.lm_head(model(self.tokens, self.positions, kv_len)[:, -1]).float()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = model.lm_head(model(self.tokens, self.positions, kv_len)[:, -1]).float()
+
+    def run(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.graph.replay()
+        return self.logits

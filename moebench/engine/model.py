@@ -135,7 +135,7 @@ class Experts(nn.Module):
         T, k = topk_ids.shape
         if T <= self.gather_max_tokens:
             ids = topk_ids.reshape(-1)
-            xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)                     # [T*k, H, 1]
+            xs = x.unsqueeze(1).expand(T, k, x.shape[-1]).reshape(T * k, -1, 1)   # [T*k, H, 1]
             h = F.silu(torch.bmm(self.w_gate[ids], xs)) * torch.bmm(self.w_up[ids], xs)
             y = torch.bmm(self.w_down[ids], h).squeeze(-1).view(T, k, -1)        # [T, k, H]
             return (y.float() * topk_w.float().unsqueeze(-1)).sum(1).to(x.dtype)
