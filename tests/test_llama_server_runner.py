@@ -7,7 +7,6 @@ with the sdist's gguf-py: random weights, but a real file the real server loads.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess

@@ -237,6 +237,10 @@ def read_gguf_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, int]]]
             elif vtype == 8:
                 n = take("Q")
                 pos += n
+            elif vtype == 9:                            # an array of arrays
+                etype, count = take("I"), take("Q")
+                for _ in range(count):
+                    skip(etype)
             else:
                 raise ValueError(f"unknown GGUF value type {vtype} at byte {pos}")
 
