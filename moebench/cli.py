@@ -118,8 +118,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(demo(Path(args.out) if args.out else None))
         return 0
     if args.command == "tools":
-        from moebench.tools.llamacpp import ensure_built
-        print(ensure_built(cuda=args.cuda, jobs=args.jobs))
+        from moebench.tools.llamacpp import ToolError, ensure_built
+        try:
+            print(ensure_built(cuda=args.cuda, jobs=args.jobs))
+        except ToolError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         return 0
     if args.command == "zoo":
         from moebench.zoo.build import build_zoo
