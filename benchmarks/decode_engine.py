@@ -55,7 +55,7 @@ def build_transformers(shape: dict, device: torch.device, dtype: torch.dtype, se
     return model.eval()
 
 
-def engine_sharing_weights(hf, max_seq_len: int, cuda_graphs: bool = False) -> Engine:
+def engine_sharing_weights(hf, max_seq_len: int, cuda_graphs: bool = False, experts_impl: str = "auto") -> Engine:
     """An Engine whose parameters are the transformers model's tensors (views, no copies)."""
     cfg = ModelConfig.from_dict(hf.config.to_dict(), source="transformers config")
     with torch.device("meta"):
@@ -76,7 +76,8 @@ def engine_sharing_weights(hf, max_seq_len: int, cuda_graphs: bool = False) -> E
             else:
                 t = sd[f"model.{full}"]
             setattr(module, pname, torch.nn.Parameter(t, requires_grad=False))
-    return Engine(model.eval(), None, max_seq_len=max_seq_len, max_batch=1, cuda_graphs=cuda_graphs)
+    return Engine(model.eval(), None, max_seq_len=max_seq_len, max_batch=1, cuda_graphs=cuda_graphs,
+                  experts_impl=experts_impl)
 
 
 def active_bytes_per_token(cfg: ModelConfig, elem: int) -> dict[str, float]:
@@ -130,7 +131,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--hf-impls", default="eager,grouped_mm,batched_mm",
                     help="transformers experts implementations to time (comma separated)")
-    ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph engine variant")
+    ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph engine variants")
+    ap.add_argument("--engine-impls", default="auto,grouped_mm",
+                    help="engine experts implementations to time: auto (gather in decode), loop, grouped_mm")
     ap.add_argument("--layers", type=int, default=None, help="override the number of layers")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
@@ -197,9 +200,12 @@ def main(argv=None) -> dict:
         res["transformers_tok_s"][impl] = rate
         print(f"transformers [{impl}]: {rate:.2f} tok/s ({100 * rate / res['roofline_tok_s']:.1f}% of roofline)")
 
-    variants = [("engine", eng)]
-    if device.type == "cuda" and not args.no_graphs:
-        variants.append(("engine+cudagraphs", engine_sharing_weights(hf, eng.max_seq_len, cuda_graphs=True)))
+    variants = []
+    for impl in [s for s in args.engine_impls.split(",") if s]:
+        for graphs in ([False, True] if device.type == "cuda" and not args.no_graphs else [False]):
+            label = f"engine[{impl}{'+cudagraphs' if graphs else ''}]"
+            variants.append((label, eng if (impl, graphs) == ("auto", False) else
+                             engine_sharing_weights(hf, eng.max_seq_len, cuda_graphs=graphs, experts_impl=impl)))
     for label, e in variants:
         last = {}
 
@@ -210,7 +216,7 @@ def main(argv=None) -> dict:
         res[f"{label}_tok_s"] = rate
         res[f"{label}_tok_s_token_clock"] = (len(tt) - 1) / (tt[-1] - tt[0])
         res[f"{label}_ttft_s"] = tt[0]
-        if label != "engine":
+        if e is not eng:
             res[f"{label}_greedy_equal_eager"] = last["out"].token_ids == eng.generate([prompt], n_long,
                                                                                        ignore_eos=True)[0].token_ids
         print(f"{label}: {rate:.2f} tok/s ({100 * rate / res['roofline_tok_s']:.1f}% of roofline); per-token "

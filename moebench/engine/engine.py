@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .config import ModelConfig
 from .loader import load_model, resolve_device, resolve_dtype
-from .model import MoETransformer, RouterTracer
+from .model import Experts, MoETransformer, RouterTracer
 from .tokenizer import Tokenizer
 
 DEFAULT_MAX_SEQ_LEN = 8192   # cap on the config's max_position_embeddings when none is given
@@ -71,7 +71,8 @@ class RouterTrace:
 class Engine:
     def __init__(self, model: MoETransformer, tokenizer: Tokenizer | None = None, *,
                  max_seq_len: int | None = None, max_batch: int = 1, prefill_chunk: int = 512,
-                 cache_dtype: torch.dtype | None = None, cuda_graphs: bool = False):
+                 cache_dtype: torch.dtype | None = None, cuda_graphs: bool = False,
+                 experts_impl: str = "auto"):
         self.model = model
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
@@ -83,6 +84,14 @@ class Engine:
             raise EngineError("max_seq_len, max_batch and prefill_chunk must be positive")
         self.max_seq_len, self.max_batch, self.prefill_chunk = max_seq_len, max_batch, prefill_chunk
         model.setup_caches(max_batch, max_seq_len, cache_dtype or self.dtype, self.device)
+        if experts_impl not in ("auto", "gather", "loop", "grouped_mm"):
+            raise EngineError(f"experts_impl {experts_impl!r}: expected auto, gather, loop or grouped_mm")
+        if experts_impl == "grouped_mm" and not hasattr(torch.nn.functional, "grouped_mm"):
+            raise EngineError(f"experts_impl 'grouped_mm' needs torch.nn.functional.grouped_mm "
+                              f"(torch {torch.__version__} lacks it)")
+        for block in model.moe_blocks():
+            if isinstance(block.experts, Experts):   # replacements (tiered experts) keep their own way
+                block.experts.impl = experts_impl
         self._lock = threading.Lock()
         # Opt-in: replay each decode step as a CUDA graph (one per batch size and KV bucket). Needs
         # an experts module without host syncs in decode (the dense `Experts` qualifies).
@@ -93,7 +102,7 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu", dtype: str = "float32",
              max_seq_len: int | None = None, max_batch: int = 1, prefill_chunk: int = 512,
-             cuda_graphs: bool = False) -> "Engine":
+             cuda_graphs: bool = False, experts_impl: str = "auto") -> "Engine":
         """Load a Hugging Face checkpoint directory (or a tiered artifact holding plan.json)."""
         path = Path(path)
         cfg = ModelConfig.from_pretrained(path)
@@ -102,7 +111,7 @@ class Engine:
         if (path / "tokenizer.json").is_file():
             tok = Tokenizer.from_dir(path, cfg.bos_token_id, cfg.eos_token_ids)
         return cls(model, tok, max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                   cuda_graphs=cuda_graphs)
+                   cuda_graphs=cuda_graphs, experts_impl=experts_impl)
 
     # ---- properties the runner reads ----
     @property
@@ -271,7 +280,9 @@ class Engine:
 
     def _graph_batch_limit(self) -> int:
         """Largest decode batch every experts module runs without host syncs (0: none declared)."""
-        return min((getattr(b.experts, "gather_max_tokens", 0) for b in self.model.moe_blocks()), default=0)
+        limits = [b.experts.sync_free_tokens() if hasattr(b.experts, "sync_free_tokens") else 0
+                  for b in self.model.moe_blocks()]
+        return min(limits, default=1 << 30)
 
     def _prefill(self, prompts: list[list[int]]) -> Tensor:
         """Run right-padded prompts through the cache in chunks; logits of each row's last token."""

@@ -119,8 +119,13 @@ class Experts(nn.Module):
     replacement keeps `forward(x, topk_ids, topk_w)`.
     """
 
-    # Up to this many tokens, gather the selected experts' weights (static shapes, no host sync:
-    # the decode path); above it, group tokens by expert and loop over the experts that have tokens.
+    # How forward computes: "gather" copies the selected experts' weights and uses bmm (static
+    # shapes, no host sync: the decode path); "loop" groups tokens by expert and loops over the
+    # experts that have tokens (one host sync per layer); "grouped_mm" sorts tokens by expert and
+    # runs torch's grouped GEMM (no host sync, each selected expert read once; needs
+    # torch.nn.functional.grouped_mm, bf16 on CUDA sm80+). "auto": gather up to
+    # `gather_max_tokens` tokens, else loop.
+    impl = "auto"
     gather_max_tokens = 4
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
@@ -130,18 +135,37 @@ class Experts(nn.Module):
         self.w_up = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
+    def sync_free_tokens(self) -> int:
+        """Up to how many tokens forward runs without host syncs (CUDA-graph capturable)."""
+        return {"grouped_mm": 1 << 30, "loop": 0}.get(self.impl, self.gather_max_tokens)
+
     def forward(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor) -> Tensor:
         """x [T, H]; topk_ids [T, k] int64; topk_w [T, k] float -> [T, H] (weighted sum)."""
+        T = topk_ids.shape[0]
+        impl = self.impl
+        if impl == "auto":
+            impl = "gather" if T <= self.gather_max_tokens else "loop"
+        if impl == "gather":
+            return self._gather(x, topk_ids, topk_w)
+        if impl == "grouped_mm":
+            return self._grouped_mm(x, topk_ids, topk_w)
+        if impl == "loop":
+            return self._loop(x, topk_ids, topk_w)
+        raise ValueError(f"Experts.impl {impl!r}: expected auto, gather, loop or grouped_mm")
+
+    def _gather(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor) -> Tensor:
         T, k = topk_ids.shape
-        if T <= self.gather_max_tokens:
-            ids = topk_ids.reshape(-1)
-            xs = x.unsqueeze(1).expand(T, k, x.shape[-1]).reshape(T * k, -1, 1)   # [T*k, H, 1]
-            h = F.silu(torch.bmm(self.w_gate[ids], xs)) * torch.bmm(self.w_up[ids], xs)
-            y = torch.bmm(self.w_down[ids], h).squeeze(-1).view(T, k, -1)        # [T, k, H]
-            return (y.float() * topk_w.float().unsqueeze(-1)).sum(1).to(x.dtype)
+        ids = topk_ids.reshape(-1)
+        xs = x.unsqueeze(1).expand(T, k, x.shape[-1]).reshape(T * k, -1, 1)   # [T*k, H, 1]
+        h = F.silu(torch.bmm(self.w_gate[ids], xs)) * torch.bmm(self.w_up[ids], xs)
+        y = torch.bmm(self.w_down[ids], h).squeeze(-1).view(T, k, -1)        # [T, k, H]
+        return (y.float() * topk_w.float().unsqueeze(-1)).sum(1).to(x.dtype)
+
+    def _loop(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor) -> Tensor:
+        T, k = topk_ids.shape
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()   # one sync per layer (prefill)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()   # one sync per layer
         token_of = order // k
         weight_of = topk_w.reshape(-1)[order].float()
         xs = x[token_of]
@@ -155,6 +179,23 @@ class Experts(nn.Module):
             y = h @ self.w_down[e].t()
             out.index_add_(0, token_of[start:start + n], y.float() * weight_of[start:start + n, None])
             start += n
+        return out.to(x.dtype)
+
+    def _grouped_mm(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor) -> Tensor:
+        T, k = topk_ids.shape
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        # Group ends per expert, computed on the device (histc, not bincount: graph-capturable).
+        counts = torch.histc(flat.float() if x.device.type == "cpu" else flat.int(),
+                             bins=self.num_experts, min=0, max=self.num_experts - 1)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        token_of = order // k
+        xs = x[token_of].to(self.w_gate.dtype)
+        gate = F.grouped_mm(xs, self.w_gate.transpose(1, 2), offs=offs)
+        up = F.grouped_mm(xs, self.w_up.transpose(1, 2), offs=offs)
+        y = F.grouped_mm(F.silu(gate) * up, self.w_down.transpose(1, 2), offs=offs)   # [T*k, H]
+        out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
+        out.index_add_(0, token_of, y.float() * topk_w.reshape(-1)[order].float()[:, None])
         return out.to(x.dtype)
 
 
