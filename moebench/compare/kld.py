@@ -49,6 +49,8 @@ def moe_signals(base_dir: Path, cand_dir: Path, cand_records: list[dict[str, Any
     b_routes, c_routes = [], []
     for r in sorted(cand_records, key=lambda r: r["chunk"]):
         bf = chunk_file(task_dir(base_dir, name) / "base", r["chunk"])
+        if not r.get("file"):
+            continue                      # a llama-perplexity candidate keeps no router traces
         cf = Path(cand_dir) / r["file"]
         if not bf.is_file() or not cf.is_file():
             continue
