@@ -1,10 +1,16 @@
 """Per-item pairing of two runs (DESIGN.md section 5): wins, losses, exclusions, McNemar, bootstrap."""
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from typing import Any
 
 from moebench.scoring.stats import mcnemar_exact_p, paired_bootstrap_ci, wilson_ci
+
+
+def natural_key(item_id: str) -> list:
+    """Sort "gsm8k/test/10" after "gsm8k/test/9": item ids follow the dataset's own order."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", item_id)]
 
 
 def _by_task(records: list[dict[str, Any]]) -> "OrderedDict[str, dict[str, dict[str, Any]]]":
@@ -29,7 +35,8 @@ def pair_task(base: dict[str, dict[str, Any]], cand: dict[str, dict[str, Any]],
     wins, losses, excluded = [], [], []
     reasons: dict[str, str] = {}
     base_ok, cand_ok = [], []
-    order = list(base) + [i for i in cand if i not in base]
+    # Records land in completion order (concurrent requests); report in the dataset's order.
+    order = sorted(set(base) | set(cand), key=natural_key)
     for item_id in order:
         b, c = base.get(item_id), cand.get(item_id)
         reason = None
