@@ -50,6 +50,8 @@ def make_checkpoint(case: str, out: Path, seed: int = 0, **save_kwargs):
     cfg = getattr(transformers, cls_name)(**COMMON, **extra)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    # The reference is transformers' plain per-expert loop (its grouped_mm default is a bf16 kernel on CUDA).
+    model.set_experts_implementation("eager")
     model.generation_config.eos_token_id = None    # greedy comparisons run a fixed number of steps
     model.save_pretrained(out, **save_kwargs)
     return model
