@@ -23,6 +23,8 @@ SCHEMA: dict[str, Field] = {
     "max_seq_len": Field(int, check=positive, doc="KV cache length (default: the model's, capped)"),
     "max_batch": Field(int, default=1, check=positive),
     "prefill_chunk": Field(int, default=512, check=positive),
+    "experts_impl": Field(str, default="auto", doc="auto | gather | loop | grouped_mm | ... (see engine docs)"),
+    "cuda_graphs": Field(bool, default=False, doc="replay decode steps as CUDA graphs (GPU only)"),
 }
 
 
@@ -67,7 +69,10 @@ class EngineRunner(Runner):
         if self.engine is not None:
             return
         from moebench.engine import Engine
-        kwargs = {k: self.profile[k] for k in ("max_seq_len", "max_batch", "prefill_chunk") if self.profile.get(k)}
+        kwargs = {k: self.profile[k] for k in ("max_seq_len", "max_batch", "prefill_chunk", "experts_impl")
+                  if self.profile.get(k)}
+        if self.profile.get("cuda_graphs") and self.device.startswith("cuda"):
+            kwargs["cuda_graphs"] = True
         t0 = time.perf_counter()
         self.engine = await asyncio.to_thread(Engine.load, self.model_path, device=self.device,
                                               dtype=self.profile.get("dtype", "bfloat16"), **kwargs)
@@ -115,6 +120,14 @@ class EngineRunner(Runner):
         return GenerateResult(text=text, token_ids=token_ids, prompt_tokens=len(ids), output_tokens=len(token_ids),
                               finish_reason=finish, top_logprobs=top, token_times=out.token_times[: len(token_ids)],
                               timings={"wall_s": time.perf_counter() - t0})
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eng().eos_token_id
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return getattr(self._eng().config, "bos_token_id", None)
 
     async def tokenize(self, text: str) -> list[int]:
         return self._eng().tokenize(text)
