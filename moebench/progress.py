@@ -18,6 +18,7 @@ class Progress:
         self.t0 = time.monotonic()
         self._last = 0.0
         self._last_pct = -1
+        self._printed_done = -1
 
     def advance(self, error: bool = False) -> None:
         self.done += 1
@@ -41,8 +42,10 @@ class Progress:
             self.stream.flush()
             return
         pct = int(100 * self.done / self.total) if self.total else 100
+        if final and self._printed_done == self.done:
+            return                     # the last line already said it
         if final or now - self._last >= self.every_s or (pct // 25 != self._last_pct // 25):
-            self._last, self._last_pct = now, pct
+            self._last, self._last_pct, self._printed_done = now, pct, self.done
             self.stream.write(f"{self.label}: {self.done}/{self.total} ({pct}%){err} in {elapsed:.0f}s\n")
             self.stream.flush()
 

@@ -135,6 +135,14 @@ class EngineRunner(Runner):
     async def detokenize(self, token_ids: list[int]) -> str:
         return self._eng().detokenize(token_ids)
 
+    async def next_logprobs(self, token_ids: list[int]) -> dict[int, float]:
+        """Log-probs of every vocabulary entry for the token after `token_ids` (one prefill, no lm_head
+        over the whole prompt): exact multiple-choice scoring where top-k would miss a choice."""
+        eng = self._eng()
+        out = (await asyncio.to_thread(eng.generate, [token_ids], 1, temperature=0.0,
+                                       top_logprobs=eng.vocab_size))[0]
+        return dict(out.top_logprobs[0])
+
     async def logits(self, token_ids: list[int]):
         """[len, vocab] float32 next-token logits at every position (teacher forcing)."""
         return await asyncio.to_thread(self._eng().logits, token_ids)

@@ -2,9 +2,10 @@
 
 Prompt format as lm-eval's cmmlu task: a subject description, then exemplars
 "{Question}\\nA. ..\\nB. ..\\nC. ..\\nD. ..\\n答案： {Answer}" joined by blank lines, then the question.
-Scoring: from the next token's top-k log-probs over A/B/C/D where the runner has them (each letter's
-log-prob is the best of its spellings "A" / " A"; a letter outside the top-k gets None and cannot
-win), else by generation and the first A-D letter. All four choice log-probs are recorded.
+Scoring: from the whole next-token distribution where the runner can give it (the engine), else from
+the next token's top-k log-probs over A/B/C/D (each letter's log-prob is the best of its spellings
+"A" / " A"; a letter outside the top-k gets None and cannot win), else by generation and the first
+A-D letter. All four choice log-probs are recorded.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ class CmmluTask(Task):
         "shots": Field(int, default=5, check=non_negative),
         "subjects": Field(list, item_type=str, doc="subject file stems; default all 67"),
         "per_subject_limit": Field(int, check=positive, doc="the first N questions of each subject"),
-        "top_logprobs": Field(int, default=20, check=positive, doc="alternatives asked for the next token"),
+        "top_logprobs": Field(int, default=100, check=positive, doc="alternatives asked for the next token"),
         "scoring": Field(str, default="auto", choices=("auto", "logprobs", "generate")),
         "max_tokens": Field(int, default=8, check=positive, doc="tokens generated when scoring by generation"),
     }
@@ -100,6 +101,19 @@ class CmmluTask(Task):
         prompt = item.data["prompt"]
         common = {"reference": item.data["reference"], "question": item.data["question"],
                   "subject": item.data["subject"], "prompt_hash": prompt_hash(prompt)}
+        if self.opts["scoring"] != "generate" and hasattr(runner, "next_logprobs"):
+            # Exact: the whole next-token distribution (the engine), so no choice falls outside a top-k.
+            ids = await runner.tokenize(prompt)
+            dist = await runner.next_logprobs(ids)
+            choice_lp = {}
+            for letter in LETTERS:
+                spellings = [await runner.tokenize(v) for v in (letter, " " + letter)]
+                lps = [dist[t[0]] for t in spellings if len(t) == 1 and t[0] in dist]
+                choice_lp[letter] = max(lps) if lps else None
+            ranked = [(lp, letter) for letter, lp in choice_lp.items() if lp is not None]
+            answer = max(ranked)[1] if ranked else None
+            return {**common, "scoring": "full_distribution", "choice_logprobs": choice_lp, "answer": answer,
+                    "output": answer or "", "prompt_tokens": len(ids), "correct": answer == item.data["reference"]}
         if self._use_logprobs(runner):
             result = await runner.generate(GenerateRequest(
                 prompt=prompt, max_tokens=1, temperature=0.0, top_logprobs=self.opts["top_logprobs"]))
