@@ -33,3 +33,17 @@ def moebench_cli(*args: str, cwd: Path | None = None, check: bool = False, timeo
 
 def read_items(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "items.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def zoo() -> Path:
+    """The zoo in models/zoo, as `moebench zoo build` (and so CI's set-up) makes it; reused when current."""
+    from moebench.tools.llamacpp import ToolError, tool
+    try:
+        tool("llama-quantize")
+    except ToolError as e:
+        pytest.skip(f"llama.cpp tools not built: {e}")
+    from moebench.zoo.build import build_zoo
+    out = REPO / "models" / "zoo"
+    build_zoo(out)
+    return out

@@ -1,0 +1,59 @@
+"""The engine runner on the zoo's trained tiny MoE: generation, stop strings, log-probs, tokenizer."""
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from moebench.runners.base import Capability, GenerateRequest, RunnerError
+from moebench.runners.engine import EngineRunner
+
+
+@pytest.fixture(scope="module")
+def runner(zoo):
+    r = EngineRunner({"model": str(zoo / "tiny-moe"), "dtype": "float32", "max_seq_len": 1024}, "test")
+    asyncio.run(r.start())
+    yield r
+    asyncio.run(r.close())
+
+
+def test_capabilities_cover_kld_and_router_signals(runner):
+    for cap in (Capability.FULL_LOGITS, Capability.ROUTER_TRACE, Capability.TOKENIZE, Capability.GENERATE):
+        assert cap in runner.capabilities
+
+
+def test_greedy_generation_is_deterministic_and_cut_at_stop(runner):
+    req = GenerateRequest(prompt="Prince Andrew looked at", max_tokens=40)
+    a = asyncio.run(runner.generate(req))
+    b = asyncio.run(runner.generate(req))
+    assert a.text == b.text and a.token_ids == b.token_ids and a.output_tokens == len(a.token_ids)
+    assert a.prompt_tokens == len(asyncio.run(runner.tokenize("Prince Andrew looked at")))
+    assert len(a.token_times) == len(a.token_ids)
+    # Stop at the first occurrence of a word the free generation produced.
+    word = a.text.split()[1] if len(a.text.split()) > 1 else a.text.split()[0]
+    cut = asyncio.run(runner.generate(GenerateRequest(prompt=req.prompt, max_tokens=40, stop=[word])))
+    assert cut.finish_reason == "stop" and word not in cut.text
+    assert a.text.startswith(cut.text)
+
+
+def test_top_logprobs_are_a_distribution_and_greedy_is_first(runner):
+    res = asyncio.run(runner.generate(GenerateRequest(prompt="The count said", max_tokens=3, top_logprobs=5)))
+    assert len(res.top_logprobs) == 3
+    first = res.top_logprobs[0]
+    assert len(first) == 5 and all(lp <= 0 for lp in first.values())
+    greedy_text = asyncio.run(runner.detokenize(res.token_ids[:1]))
+    assert max(first, key=first.get) == greedy_text
+    dist = asyncio.run(runner.next_logprobs(asyncio.run(runner.tokenize("The count said"))))
+    assert math.isclose(sum(math.exp(v) for v in dist.values()), 1.0, rel_tol=1e-3)
+
+
+def test_too_long_prompt_is_a_runner_error(runner):
+    with pytest.raises(RunnerError, match="max_seq_len"):
+        asyncio.run(runner.generate(GenerateRequest(prompt=list(range(5, 1100)), max_tokens=4)))
+
+
+def test_identity_hashes_the_model_files(runner, zoo):
+    ident = runner.identity()
+    assert ident["model"]["path"].endswith("tiny-moe") and len(ident["model"]["sha256"]) == 64
+    assert "model.safetensors" in ident["model"]["files"] and ident["model"]["tiered"] is False
