@@ -26,6 +26,7 @@ are built), which is how the parity tests run on CPU.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -64,7 +65,7 @@ def get_config(kernel: str, fmt: str) -> dict[str, int]:
 
 def available() -> bool:
     """True when Triton imports and can run here (a CUDA device, or the CPU interpreter)."""
-    return triton is not None
+    return _IMPORT_ERROR is None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -159,7 +160,13 @@ class ExpertGroup:
 # Kernels. Triton decides at decoration time whether a kernel is compiled or interpreted, so on a
 # machine without CUDA the interpreter is switched on before the decorators run.
 
+_IMPORT_ERROR: str | None = None
 if not torch.cuda.is_available():
+    # triton.language's own helpers are decorated when triton is first imported: the switch only
+    # works if nobody imported triton before.
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        _IMPORT_ERROR = ("no CUDA here, and triton was imported before TRITON_INTERPRET=1 was set; set it "
+                         "before the first `import triton` to run the kernels in the interpreter")
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 try:
@@ -167,14 +174,12 @@ try:
     import triton.language as tl
 except Exception as _err:  # noqa: BLE001 - any import failure means "no Triton here"
     triton = None
-    _IMPORT_ERROR: Exception | None = _err
-else:
-    _IMPORT_ERROR = None
+    _IMPORT_ERROR = f"triton does not import: {_err}"
 
 
 def _kernels():
-    if triton is None:
-        raise KernelError(f"the fused MoE kernels need Triton, which does not import here: {_IMPORT_ERROR}")
+    if _IMPORT_ERROR is not None:
+        raise KernelError(f"the fused MoE kernels cannot run here: {_IMPORT_ERROR}")
     return gate_up_kernel, down_kernel
 
 

@@ -1,0 +1,246 @@
+"""Fused Triton MoE kernels (moebench/engine/kernels.py) against the engine's torch paths.
+
+On a machine without CUDA the kernels run in Triton's interpreter on CPU tensors (small shapes keep
+it fast); the CUDA tests run the compiled kernels, CUDA graphs and the zero-copy pinned host tier.
+Every test skips when Triton does not import.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton's first import (see kernels.py)
+pytest.importorskip("triton")
+
+from moebench.engine import Engine  # noqa: E402
+from moebench.engine import kernels  # noqa: E402
+from moebench.engine.model import Experts  # noqa: E402
+from moebench.engine.placement import QuantizedExpert, TieredExperts  # noqa: E402
+from moebench.engine.quant import GROUP, QuantizedTensor, pack_trits, quantize  # noqa: E402
+from moebench.engine.tiering import calibrate, pack, plan_hot_cold  # noqa: E402
+
+# Odd sizes on purpose: neither width is a multiple of the block sizes set below.
+E, H, I, K = 6, 96, 40, 2
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(autouse=True)
+def small_blocks():
+    """Blocks smaller than the widths, so the row and column masks and the K loop are exercised."""
+    saved = dict(kernels.CONFIG)
+    for kernel in ("gate_up", "down"):
+        for fmt in kernels.FORMAT_CODES:
+            kernels.set_config(kernel, fmt, BN=16, BK=32)
+    yield
+    kernels.CONFIG.clear()
+    kernels.CONFIG.update(saved)
+
+
+def reference(x, ids, w, mats):
+    """sum_j w[t, j] * down(silu(gate x) * up x) with float32 weights mats = (gate, up, down) [E, ...]."""
+    wg, wu, wd = mats
+    out = torch.zeros(x.shape[0], wd.shape[1])
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = F.silu(wg[e] @ x[t]) * (wu[e] @ x[t])
+            out[t] += w[t, j] * (wd[e] @ h)
+    return out
+
+
+def routing(T, g):
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids[-1] = ids[0]        # two tokens share their experts: each pair still reads its own rows
+    return ids, torch.rand(T, K, generator=g)
+
+
+def test_dense_experts_triton_matches_loop_on_strided_views():
+    g = torch.Generator().manual_seed(0)
+    # gate and up as views of one fused [E, 2I, H] tensor, as transformers stores them.
+    gate_up = torch.randn(E, 2 * I, H, generator=g) * 0.1
+    m = Experts(E, H, I)
+    m.w_gate = torch.nn.Parameter(gate_up[:, :I], requires_grad=False)
+    m.w_up = torch.nn.Parameter(gate_up[:, I:], requires_grad=False)
+    m.w_down = torch.nn.Parameter(torch.randn(E, H, I, generator=g) * 0.1, requires_grad=False)
+    x = torch.randn(5, H, generator=g)
+    ids, w = routing(5, g)
+    m.impl = "loop"
+    want = m(x, ids, w)
+    m.impl = "triton"
+    got = m(x, ids, w)
+    assert got.dtype == x.dtype and got.shape == (5, H)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
+    assert torch.allclose(got, reference(x, ids, w, (m.w_gate, m.w_up, m.w_down)), atol=1e-5, rtol=1e-4)
+    # More tokens than triton_max_tokens: the loop fallback on CPU, same numbers.
+    m.triton_max_tokens = 2
+    assert m.sync_free_tokens() == 2
+    assert torch.allclose(m(x, ids, w), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "int4_asym", "ternary"])
+def test_tiered_fused_path_matches_per_expert_path(fmt):
+    """Two formats in one layer (hot int8, the rest `fmt`) and both homes: the fused kernels give
+    what TieredExperts' per-expert dequantize path gives, and that path still works afterwards on
+    the re-stacked (view) stores."""
+    g = torch.Generator().manual_seed(1)
+    fmts = ["int8", "int8"] + [fmt] * (E - 2)
+    experts = [QuantizedExpert(*(quantize(torch.randn(*s, generator=g) * 0.1, f) for s in ((I, H), (I, H), (H, I))))
+               for f in fmts]
+    homes = ["gpu", "host", "gpu", "host", "host", "gpu"]
+    m = TieredExperts(experts, homes, "cpu", torch.float32, cache_slots=1)
+    x = torch.randn(4, H, generator=g)
+    ids, w = routing(4, g)
+    want = m(x, ids, w)
+    dequant = tuple(torch.stack([getattr(e, mat).dequantize() for e in experts]) for mat in ("gate", "up", "down"))
+    assert torch.allclose(want, reference(x, ids, w, dequant), atol=1e-5, rtol=1e-4)
+
+    m.use_fused_kernels()
+    labels = sorted(gr.label for gr in m._fused_groups)
+    expected_labels = sorted({f"{f if f != 'bf16' else 'bf16'}@{h}" for f, h in zip(fmts, homes)})
+    assert labels == expected_labels
+    assert m.sync_free_tokens() == m.fused_max_tokens
+    calls = m.telemetry()["calls"]
+    got = m(x, ids, w)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
+    assert m.telemetry()["calls"] == calls + 1
+    # Stores are views into the group stacks now; the per-expert path (T > fused_max_tokens) agrees.
+    m.fused_max_tokens = 1
+    assert torch.allclose(m(x, ids, w), want, atol=1e-6)
+
+
+def test_ternary_kernel_decodes_every_byte_value():
+    """Uniform random trits (every byte value 0..242 occurs) through the kernel vs dequantize()."""
+    g = torch.Generator().manual_seed(2)
+    width = 2 * GROUP + 7          # a partial last group, padded like quantize() pads it
+    padded = 3 * GROUP
+
+    def random_ternary(rows, cols, pcols):
+        codes = torch.randint(0, 3, (rows, pcols), generator=g)
+        scale = (torch.rand(rows, pcols // GROUP, generator=g) + 0.5).half()
+        return QuantizedTensor("ternary", (rows, cols), {"q": pack_trits(codes), "scale": scale})
+
+    mats = [[random_ternary(I, width, padded) for _ in range(E)] for _ in range(2)]
+    downs = [random_ternary(width, I, GROUP) for _ in range(E)]
+    assert len(torch.unique(torch.cat([m.parts["q"].flatten() for m in mats[0]]))) == 243
+    group = kernels.ExpertGroup(kernels.PackedMatrix.stack(mats[0], "cpu"), kernels.PackedMatrix.stack(mats[1], "cpu"),
+                                kernels.PackedMatrix.stack(downs, "cpu"), None, "ternary")
+    x = torch.randn(3, width, generator=g)
+    ids, w = routing(3, g)
+    got = kernels.fused_moe(x, ids, w, [group])
+    dequant = (torch.stack([m.dequantize() for m in mats[0]]), torch.stack([m.dequantize() for m in mats[1]]),
+               torch.stack([m.dequantize() for m in downs]))
+    want = reference(x, ids, w, dequant)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+def test_bad_groups_are_rejected_with_a_clear_error():
+    g = torch.Generator().manual_seed(3)
+    lowrank = [quantize(torch.randn(I, H, generator=g), "int4+r2") for _ in range(2)]
+    with pytest.raises(kernels.KernelError, match="low-rank"):
+        kernels.PackedMatrix.stack(lowrank, "cpu")
+    mixed = [quantize(torch.randn(I, H, generator=g), "int8"), quantize(torch.randn(I, H, generator=g), "int4")]
+    with pytest.raises(kernels.KernelError, match="matrix 1 is int4"):
+        kernels.PackedMatrix.stack(mixed, "cpu")
+    group = kernels.dense_group(torch.zeros(E, I, H), torch.zeros(E, I, H), torch.zeros(E, H, I))
+    with pytest.raises(kernels.KernelError, match="do not fit hidden size 64"):
+        kernels.fused_moe(torch.zeros(1, 64), torch.zeros(1, K, dtype=torch.long), torch.ones(1, K), [group])
+    with pytest.raises(kernels.KernelError, match="unknown parameters"):
+        kernels.set_config("down", "dense", BM=4)
+
+
+# ---- a real (tiny) checkpoint through the engine, on real text -----------------------------------
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], initializer_range=0.1,
+        max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_qwen3moe_kernels")
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def wiki_bytes(data_dir):
+    # Real text as byte-level tokens (the tiny model's vocabulary is the 256 byte values).
+    return list((data_dir / "wikitext2" / "wiki.test.raw").read_bytes()[1000:1600])
+
+
+def test_engine_triton_decode_matches_default_path(ckpt, wiki_bytes):
+    ref = Engine.load(ckpt, device="cpu", dtype="float32", max_seq_len=128)
+    fused = Engine.load(ckpt, device="cpu", dtype="float32", max_seq_len=128, experts_impl="triton")
+    prompt = wiki_bytes[:12]          # 12 tokens <= triton_max_tokens: the prefill runs the kernels too
+    a, b = ref.logits(prompt), fused.logits(prompt)
+    assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+    out_a = ref.generate([prompt], 6, ignore_eos=True)[0].token_ids
+    out_b = fused.generate([prompt], 6, ignore_eos=True)[0].token_ids
+    assert out_a == out_b and len(out_b) == 6
+
+
+def test_engine_triton_on_tiered_artifact_matches_default_path(ckpt, wiki_bytes, tmp_path):
+    stats = calibrate(Engine.load(ckpt, device="cpu", dtype="float32"), [wiki_bytes[:64], wiki_bytes[64:128]])
+    art = pack(ckpt, plan_hot_cold(stats, 0.5, hot="int8", cold="ternary", cold_home="host"), tmp_path / "art")
+    ref = Engine.load(art, device="cpu", dtype="float32", max_seq_len=64)
+    fused = Engine.load(art, device="cpu", dtype="float32", max_seq_len=64, experts_impl="triton")
+    blocks = fused.model.moe_blocks()
+    assert all(b.experts._fused_groups is not None for b in blocks)
+    assert sorted(gr.label for gr in blocks[0].experts._fused_groups) == ["int8@gpu", "ternary@host"]
+    prompt = wiki_bytes[200:210]
+    a, b = ref.logits(prompt), fused.logits(prompt)
+    assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+
+
+# ---- CUDA: compiled kernels, CUDA graphs, zero-copy host tier ------------------------------------
+
+@needs_cuda
+def test_cuda_fused_bf16_matches_float_reference():
+    g = torch.Generator().manual_seed(4)
+    kernels.CONFIG.clear()          # the default (GPU) block sizes
+    Hc, Ic, Ec = 512, 384, 16
+    m = Experts(Ec, Hc, Ic).cuda().to(torch.bfloat16)
+    for p in (m.w_gate, m.w_up, m.w_down):
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    x = (torch.randn(8, Hc, generator=g)).cuda().to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(Ec, generator=g)[:4] for _ in range(8)]).cuda()
+    w = torch.rand(8, 4, generator=g).cuda()
+    m.impl = "triton"
+    got = m(x, ids, w).float().cpu()
+    want = reference(x.float().cpu(), ids.cpu(), w.cpu(), tuple(p.float().cpu() for p in (m.w_gate, m.w_up, m.w_down)))
+    assert torch.allclose(got, want, atol=2e-2, rtol=2e-2), (got - want).abs().max()
+
+
+@needs_cuda
+def test_cuda_graph_with_zero_copy_host_experts():
+    g = torch.Generator().manual_seed(5)
+    kernels.CONFIG.clear()
+    Hc, Ic, Ec = 256, 192, 8
+    fmts = ["int8"] * 4 + ["ternary"] * 4
+    experts = [QuantizedExpert(*(quantize(torch.randn(*s, generator=g) * .1, f) for s in ((Ic, Hc), (Ic, Hc), (Hc, Ic))))
+               for f in fmts]
+    homes = ["gpu"] * 4 + ["host"] * 4
+    m = TieredExperts(experts, homes, "cuda", torch.bfloat16)
+    want_m = TieredExperts(experts, ["gpu"] * 8, "cuda", torch.bfloat16)
+    m.use_fused_kernels()
+    host_group = [gr for gr in m._fused_groups if gr.label.endswith("@host")][0]
+    assert host_group.gate.data.device.type == "cpu" and host_group.gate.data.is_pinned()
+    x = torch.randn(2, Hc, generator=g).cuda().to(torch.bfloat16)
+    ids = torch.tensor([[0, 5], [6, 2]], device="cuda")
+    w = torch.rand(2, 2, generator=g).cuda()
+    y = m(x, ids, w)                               # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = m(x, ids, w)
+    ids.copy_(torch.tensor([[7, 1], [4, 3]], device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = want_m(x, ids, w)
+    assert torch.allclose(out.float(), want.float(), atol=3e-2, rtol=3e-2), (out.float() - want.float()).abs().max()
+    assert not torch.equal(out, y)
