@@ -198,17 +198,22 @@ def test_next_token_topk_agrees_between_transformers_and_llama_server(server, hf
     for sample in (_english, _wikitext, _code, _chinese):
         ids = hf_tokenizer.encode(sample())
         prompts += [ids[:40], ids[:200]]
-    top1_same, overlaps = 0, []
+    top1_same, overlaps, logprob_gaps = 0, [], []
     for ids in prompts:
         resp = server.post("/completion", json={"prompt": ids, "n_predict": 1, "n_probs": 10, "temperature": 0,
                                                 "cache_prompt": False}).json()
-        server_top = [p["id"] for p in resp["completion_probabilities"][0]["top_logprobs"]]
+        server_top = resp["completion_probabilities"][0]["top_logprobs"]
+        server_ids = [p["id"] for p in server_top]
         with torch.no_grad():
-            logits = hf_model(torch.tensor([ids])).logits[0, -1]
-        hf_top = logits.topk(10).indices.tolist()
-        top1_same += server_top[0] == hf_top[0]
-        overlaps.append(len(set(server_top) & set(hf_top)))
+            logprobs = hf_model(torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+        hf_top = logprobs.topk(10).indices.tolist()
+        top1_same += server_ids[0] == hf_top[0]
+        overlaps.append(len(set(server_ids) & set(hf_top)))
+        logprob_gaps.append(abs(server_top[0]["logprob"] - logprobs[server_ids[0]].item()))
     # llama.cpp rounds activations to bf16 in its BF16 matmuls, transformers here runs fp32 on the
-    # same bf16 weights: near-ties may swap, but the argmax and the top-10 set must agree.
+    # same bf16 weights: seen here, top-10 sets identical and top-1 log-probs within 0.005. A real
+    # mismatch is much larger: the same check with norm_topk_prob=False on the HF side kept every
+    # argmax but moved top-1 log-probs by up to 0.68 and top-10 overlap down to 8.
     assert top1_same == len(prompts), (top1_same, overlaps)
-    assert min(overlaps) >= 8 and sum(overlaps) / len(overlaps) >= 9, overlaps
+    assert min(overlaps) >= 9, overlaps
+    assert max(logprob_gaps) < 0.03, logprob_gaps
