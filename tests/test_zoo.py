@@ -217,3 +217,15 @@ def test_next_token_topk_agrees_between_transformers_and_llama_server(server, hf
     assert top1_same == len(prompts), (top1_same, overlaps)
     assert min(overlaps) >= 9, overlaps
     assert max(logprob_gaps) < 0.03, logprob_gaps
+
+
+def test_model_is_informative_by_llamacpp_figures(zoo):
+    """The point of training: WikiText perplexity far below the vocabulary, Q4_0 measurably off BF16,
+    experts unevenly loaded (measured 6,126 / 0.0065 / 0.62 for the committed weights)."""
+    from moebench.zoo.figures import measure_zoo
+
+    fig = measure_zoo(Path(zoo["paths"]["out_dir"]), chunks=4, skew_seqs=4)   # smaller than the doc's run
+    assert fig["bf16"]["ppl"] < 50257 / 5
+    assert fig["q4_0"]["mean_kld"] >= 1e-3
+    assert fig["q8_0"]["mean_kld"] < fig["q4_0"]["mean_kld"]
+    assert fig["expert_load_training_text"]["busiest_25pct_share_mean"] > 0.4

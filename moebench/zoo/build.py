@@ -113,8 +113,8 @@ def gguf_tensor_types(path: Path) -> dict[str, str]:
 
 def check_quant_types(path: Path, want: str) -> None:
     """Every matrix but the router is `want`; vectors stay F32 (llama-quantize never quantizes them)."""
-    wrong = {n: t for n, t in gguf_tensor_types(path).items()
-             if t != want and not n.endswith("_norm.weight") and "ffn_gate_inp" not in n}
+    wrong = {t.name: t.type_name for t in read_gguf(path).tensors
+             if len(t.shape) >= 2 and "ffn_gate_inp" not in t.name and t.type_name != want}
     if wrong:
         raise ZooBuildError(f"{path}: tensors not {want}: {wrong}")
 
@@ -123,7 +123,7 @@ def convert_bf16(hf_dir: Path, out: Path, src: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(src / "gguf-py") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     tmp = out.with_name(out.name + ".tmp")
     _run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(tmp),
-                "--outtype", "bf16"], "convert_hf_to_gguf.py", env)
+          "--outtype", "bf16"], "convert_hf_to_gguf.py", env)
     os.replace(tmp, out)
 
 

@@ -71,7 +71,7 @@ def expert_load_skew(hf_dir: Path, n_seqs: int = 16, seq_len: int = 512) -> dict
     return load_skew(route_counts(model, batch))
 
 
-def measure_zoo(zoo_dir: Path, ctx: int = 512, chunks: int = 8) -> dict[str, Any]:
+def measure_zoo(zoo_dir: Path, ctx: int = 512, chunks: int = 8, skew_seqs: int = 16) -> dict[str, Any]:
     from moebench.datasets import data_dir, data_file, read_text
     from moebench.zoo.build import GGUF_NAMES, HF_DIRNAME
 
@@ -93,7 +93,7 @@ def measure_zoo(zoo_dir: Path, ctx: int = 512, chunks: int = 8) -> dict[str, Any
                                "--kl-divergence", "-c", str(ctx)])
             figures[kind] = _grab(out, "mean_kld", "same_top_p_pct", "mean_ppl_q", "mean_ln_ppl_ratio",
                                   "max_kld", "median_kld")
-    figures["expert_load_training_text"] = expert_load_skew(zoo_dir / HF_DIRNAME)
+    figures["expert_load_training_text"] = expert_load_skew(zoo_dir / HF_DIRNAME, n_seqs=skew_seqs)
     return figures
 
 
