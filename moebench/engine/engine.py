@@ -84,14 +84,20 @@ class Engine:
             raise EngineError("max_seq_len, max_batch and prefill_chunk must be positive")
         self.max_seq_len, self.max_batch, self.prefill_chunk = max_seq_len, max_batch, prefill_chunk
         model.setup_caches(max_batch, max_seq_len, cache_dtype or self.dtype, self.device)
-        if experts_impl not in ("auto", "gather", "loop", "grouped_mm"):
-            raise EngineError(f"experts_impl {experts_impl!r}: expected auto, gather, loop or grouped_mm")
+        if experts_impl not in ("auto", "gather", "loop", "grouped_mm", "triton"):
+            raise EngineError(f"experts_impl {experts_impl!r}: expected auto, gather, loop, grouped_mm or triton")
+        if experts_impl == "triton":
+            from . import kernels
+            if not kernels.available():
+                raise EngineError("experts_impl 'triton' needs Triton, which does not import here")
         if experts_impl == "grouped_mm" and not hasattr(torch.nn.functional, "grouped_mm"):
             raise EngineError(f"experts_impl 'grouped_mm' needs torch.nn.functional.grouped_mm "
                               f"(torch {torch.__version__} lacks it)")
         for block in model.moe_blocks():
             if isinstance(block.experts, Experts):   # replacements (tiered experts) keep their own way
                 block.experts.impl = experts_impl
+            elif experts_impl == "triton" and hasattr(block.experts, "use_fused_kernels"):
+                block.experts.use_fused_kernels()
         self._lock = threading.Lock()
         # Opt-in: replay each decode step as a CUDA graph (one per batch size and KV bucket). Needs
         # an experts module without host syncs in decode (the dense `Experts` qualifies).

@@ -124,9 +124,12 @@ class Experts(nn.Module):
     # experts that have tokens (one host sync per layer); "grouped_mm" sorts tokens by expert and
     # runs torch's grouped GEMM (no host sync, each selected expert read once; needs
     # torch.nn.functional.grouped_mm, bf16 on CUDA sm80+). "auto": gather up to
-    # `gather_max_tokens` tokens, else loop.
+    # `gather_max_tokens` tokens, else loop. "triton": the fused kernels of kernels.py (read each
+    # selected expert in place, no copy) up to `triton_max_tokens` tokens, else grouped_mm where it
+    # runs (CUDA), else loop.
     impl = "auto"
     gather_max_tokens = 4
+    triton_max_tokens = 16
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
@@ -137,7 +140,12 @@ class Experts(nn.Module):
 
     def sync_free_tokens(self) -> int:
         """Up to how many tokens forward runs without host syncs (CUDA-graph capturable)."""
+        if self.impl == "triton":
+            return 1 << 30 if self._grouped_mm_runs() else self.triton_max_tokens
         return {"grouped_mm": 1 << 30, "loop": 0}.get(self.impl, self.gather_max_tokens)
+
+    def _grouped_mm_runs(self) -> bool:
+        return self.w_gate.is_cuda and hasattr(F, "grouped_mm")
 
     def forward(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor) -> Tensor:
         """x [T, H]; topk_ids [T, k] int64; topk_w [T, k] float -> [T, H] (weighted sum)."""
@@ -145,13 +153,19 @@ class Experts(nn.Module):
         impl = self.impl
         if impl == "auto":
             impl = "gather" if T <= self.gather_max_tokens else "loop"
+        if impl == "triton":
+            if T <= self.triton_max_tokens:
+                from . import kernels   # Triton is imported only when this path runs
+                return kernels.fused_moe(x, topk_ids, topk_w,
+                                         [kernels.dense_group(self.w_gate, self.w_up, self.w_down)])
+            impl = "grouped_mm" if self._grouped_mm_runs() else "loop"
         if impl == "gather":
             return self._gather(x, topk_ids, topk_w)
         if impl == "grouped_mm":
             return self._grouped_mm(x, topk_ids, topk_w)
         if impl == "loop":
             return self._loop(x, topk_ids, topk_w)
-        raise ValueError(f"Experts.impl {impl!r}: expected auto, gather, loop or grouped_mm")
+        raise ValueError(f"Experts.impl {impl!r}: expected auto, gather, loop, grouped_mm or triton")
 
     def _gather(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor) -> Tensor:
         T, k = topk_ids.shape

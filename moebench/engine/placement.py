@@ -107,7 +107,39 @@ class TieredExperts(nn.Module):
                 self._stores.append(cpu.pin_memory() if on_cuda else cpu)
         self._copy_stream = torch.cuda.Stream(self.device) if on_cuda else None
         self._cache: OrderedDict[int, QuantizedExpert] = OrderedDict()
+        self._fused_groups = None          # set by use_fused_kernels()
+        self.fused_max_tokens = 16
         self.reset_telemetry()
+
+    def use_fused_kernels(self) -> None:
+        """Run decode (T <= fused_max_tokens) through kernels.fused_moe: experts are re-stacked per
+        (format, home) group, host groups in pinned memory the kernels read over PCIe in place, so
+        the step has no host sync and no copy (CUDA-graph capturable). The per-expert stores become
+        views into the stacks (no duplicate memory); larger T keeps the per-expert path. The
+        per-tier token counters are not updated on the fused path (that would need a host sync), and
+        route-tail-skip (skip_tail_from) keeps the per-expert path, which decides it on the host."""
+        from . import kernels
+        by_key: dict[tuple[str, str], list[int]] = {}
+        for e, (store, home) in enumerate(zip(self._stores, self.homes)):
+            by_key.setdefault((store.fmt, home), []).append(e)
+        groups = []
+        for (fmt, home), members in by_key.items():
+            pin = home == "host" and self.device.type == "cuda"
+            device = "cpu" if home == "host" else self.device
+            mats = [kernels.PackedMatrix.stack([getattr(self._stores[e], m) for e in members], device, pin=pin)
+                    for m in ("gate", "up", "down")]
+            slot_of = torch.full((len(self._stores),), -1, dtype=torch.int32)
+            slot_of[members] = torch.arange(len(members), dtype=torch.int32)
+            groups.append(kernels.ExpertGroup(*mats, slot_of.to(self.device), f"{fmt}@{home}"))
+            for i, e in enumerate(members):
+                self._stores[e] = QuantizedExpert(*(pm.slot(i) for pm in mats))
+        self._cache.clear()
+        self._fused_groups = groups
+
+    def sync_free_tokens(self) -> int:
+        """Up to how many tokens forward runs without host syncs (0 unless the fused path is on)."""
+        fused = self._fused_groups is not None and self.skip_tail_from is None
+        return self.fused_max_tokens if fused else 0
 
     @property
     def num_experts(self) -> int:
@@ -160,6 +192,9 @@ class TieredExperts(nn.Module):
         c = self._counters
         c["calls"] += 1
         c["routed"] += T * k
+        if self._fused_groups is not None and T <= self.fused_max_tokens and self.skip_tail_from is None:
+            from . import kernels
+            return kernels.fused_moe(x, topk_ids, topk_w, self._fused_groups)
         active = torch.ones_like(topk_ids, dtype=torch.bool)
         cached_at_start = set(self._cache)
         if self.skip_tail_from is not None and self.skip_tail_from < k:
