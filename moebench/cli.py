@@ -128,9 +128,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "zoo":
         from moebench.zoo.build import build_zoo
         info = build_zoo(args.out, retrain=args.retrain)
-        for k, v in (info.get("files") or {}).items():
-            print(f"{k}: {v}")
-        print(args.out)
+        for k, v in (info.get("paths") or {}).items():
+            if k != "out_dir":
+                print(f"{k}: {v}")
+        print(info.get("paths", {}).get("out_dir", args.out))
         return 0
     if args.command == "import-lm-eval":
         from moebench.lmeval.importer import import_lm_eval
