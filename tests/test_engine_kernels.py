@@ -25,6 +25,8 @@ from moebench.engine.tiering import calibrate, pack, plan_hot_cold  # noqa: E402
 
 # Odd sizes on purpose: neither width is a multiple of the block sizes set below.
 E, H, I, K = 6, 96, 40, 2
+# The small tests run where the kernels run: CUDA when present (compiled), else the CPU interpreter.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -62,23 +64,27 @@ def test_dense_experts_triton_matches_loop_on_strided_views():
     g = torch.Generator().manual_seed(0)
     # gate and up as views of one fused [E, 2I, H] tensor, as transformers stores them.
     gate_up = torch.randn(E, 2 * I, H, generator=g) * 0.1
+    w_down = torch.randn(E, H, I, generator=g) * 0.1
     m = Experts(E, H, I)
-    m.w_gate = torch.nn.Parameter(gate_up[:, :I], requires_grad=False)
-    m.w_up = torch.nn.Parameter(gate_up[:, I:], requires_grad=False)
-    m.w_down = torch.nn.Parameter(torch.randn(E, H, I, generator=g) * 0.1, requires_grad=False)
+    m.w_gate = torch.nn.Parameter(gate_up[:, :I].to(DEV), requires_grad=False)
+    m.w_up = torch.nn.Parameter(gate_up[:, I:].to(DEV), requires_grad=False)
+    m.w_down = torch.nn.Parameter(w_down.to(DEV), requires_grad=False)
     x = torch.randn(5, H, generator=g)
     ids, w = routing(5, g)
+    xd, idsd, wd = x.to(DEV), ids.to(DEV), w.to(DEV)
     m.impl = "loop"
-    want = m(x, ids, w)
+    want = m(xd, idsd, wd)
     m.impl = "triton"
-    got = m(x, ids, w)
+    got = m(xd, idsd, wd)
     assert got.dtype == x.dtype and got.shape == (5, H)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
-    assert torch.allclose(got, reference(x, ids, w, (m.w_gate, m.w_up, m.w_down)), atol=1e-5, rtol=1e-4)
-    # More tokens than triton_max_tokens: the loop fallback on CPU, same numbers.
+    assert torch.allclose(got.cpu(), reference(x, ids, w, (gate_up[:, :I], gate_up[:, I:], w_down)),
+                          atol=1e-5, rtol=1e-4)
+    # More tokens than triton_max_tokens: the fallback (loop on CPU, grouped_mm on CUDA).
     m.triton_max_tokens = 2
-    assert m.sync_free_tokens() == 2
-    assert torch.allclose(m(x, ids, w), want, atol=1e-6)
+    if DEV == "cpu":
+        assert m.sync_free_tokens() == 2
+    assert torch.allclose(m(xd, idsd, wd), want, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "int4_asym", "ternary"])
@@ -91,12 +97,13 @@ def test_tiered_fused_path_matches_per_expert_path(fmt):
     experts = [QuantizedExpert(*(quantize(torch.randn(*s, generator=g) * 0.1, f) for s in ((I, H), (I, H), (H, I))))
                for f in fmts]
     homes = ["gpu", "host", "gpu", "host", "host", "gpu"]
-    m = TieredExperts(experts, homes, "cpu", torch.float32, cache_slots=1)
+    m = TieredExperts(experts, homes, DEV, torch.float32, cache_slots=1)
     x = torch.randn(4, H, generator=g)
     ids, w = routing(4, g)
-    want = m(x, ids, w)
     dequant = tuple(torch.stack([getattr(e, mat).dequantize() for e in experts]) for mat in ("gate", "up", "down"))
-    assert torch.allclose(want, reference(x, ids, w, dequant), atol=1e-5, rtol=1e-4)
+    x, ids, w = x.to(DEV), ids.to(DEV), w.to(DEV)
+    want = m(x, ids, w)
+    assert torch.allclose(want.cpu(), reference(x.cpu(), ids.cpu(), w.cpu(), dequant), atol=1e-5, rtol=1e-4)
 
     m.use_fused_kernels()
     labels = sorted(gr.label for gr in m._fused_groups)
@@ -126,11 +133,11 @@ def test_ternary_kernel_decodes_every_byte_value():
     mats = [[random_ternary(I, width, padded) for _ in range(E)] for _ in range(2)]
     downs = [random_ternary(width, I, GROUP) for _ in range(E)]
     assert len(torch.unique(torch.cat([m.parts["q"].flatten() for m in mats[0]]))) == 243
-    group = kernels.ExpertGroup(kernels.PackedMatrix.stack(mats[0], "cpu"), kernels.PackedMatrix.stack(mats[1], "cpu"),
-                                kernels.PackedMatrix.stack(downs, "cpu"), None, "ternary")
+    group = kernels.ExpertGroup(kernels.PackedMatrix.stack(mats[0], DEV), kernels.PackedMatrix.stack(mats[1], DEV),
+                                kernels.PackedMatrix.stack(downs, DEV), None, "ternary")
     x = torch.randn(3, width, generator=g)
     ids, w = routing(3, g)
-    got = kernels.fused_moe(x, ids, w, [group])
+    got = kernels.fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), [group]).cpu()
     dequant = (torch.stack([m.dequantize() for m in mats[0]]), torch.stack([m.dequantize() for m in mats[1]]),
                torch.stack([m.dequantize() for m in downs]))
     want = reference(x, ids, w, dequant)
@@ -175,8 +182,8 @@ def wiki_bytes(data_dir):
 
 
 def test_engine_triton_decode_matches_default_path(ckpt, wiki_bytes):
-    ref = Engine.load(ckpt, device="cpu", dtype="float32", max_seq_len=128)
-    fused = Engine.load(ckpt, device="cpu", dtype="float32", max_seq_len=128, experts_impl="triton")
+    ref = Engine.load(ckpt, device=DEV, dtype="float32", max_seq_len=128)
+    fused = Engine.load(ckpt, device=DEV, dtype="float32", max_seq_len=128, experts_impl="triton")
     prompt = wiki_bytes[:12]          # 12 tokens <= triton_max_tokens: the prefill runs the kernels too
     a, b = ref.logits(prompt), fused.logits(prompt)
     assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
@@ -188,8 +195,8 @@ def test_engine_triton_decode_matches_default_path(ckpt, wiki_bytes):
 def test_engine_triton_on_tiered_artifact_matches_default_path(ckpt, wiki_bytes, tmp_path):
     stats = calibrate(Engine.load(ckpt, device="cpu", dtype="float32"), [wiki_bytes[:64], wiki_bytes[64:128]])
     art = pack(ckpt, plan_hot_cold(stats, 0.5, hot="int8", cold="ternary", cold_home="host"), tmp_path / "art")
-    ref = Engine.load(art, device="cpu", dtype="float32", max_seq_len=64)
-    fused = Engine.load(art, device="cpu", dtype="float32", max_seq_len=64, experts_impl="triton")
+    ref = Engine.load(art, device=DEV, dtype="float32", max_seq_len=64)
+    fused = Engine.load(art, device=DEV, dtype="float32", max_seq_len=64, experts_impl="triton")
     blocks = fused.model.moe_blocks()
     assert all(b.experts._fused_groups is not None for b in blocks)
     assert sorted(gr.label for gr in blocks[0].experts._fused_groups) == ["int8@gpu", "ternary@host"]

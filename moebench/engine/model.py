@@ -145,7 +145,7 @@ class Experts(nn.Module):
         return {"grouped_mm": 1 << 30, "loop": 0}.get(self.impl, self.gather_max_tokens)
 
     def _grouped_mm_runs(self) -> bool:
-        return self.w_gate.is_cuda and hasattr(F, "grouped_mm")
+        return self.w_gate.is_cuda and self.w_gate.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
 
     def forward(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor) -> Tensor:
         """x [T, H]; topk_ids [T, k] int64; topk_w [T, k] float -> [T, H] (weighted sum)."""

@@ -1,0 +1,527 @@
+"""Engine decode speed on one GPU, every variant in one run: bf16 (old gather path and the fused Triton
+kernels), quantized experts (int4; hot int8 + cold ternary), the half-experts-in-host-RAM plan
+against its tier-aware bound, batch 1/4/16/64 throughput, prefill at 4,096 tokens, a kernel config
+sweep and a kernel-time profile of one decode step.
+
+    python benchmarks/decode_h200.py --out $OUT          # Qwen3-30B-A3B shape, cuda, bf16
+    python benchmarks/decode_h200.py --small             # CPU smoke test of every code path
+
+The random model is built once (transformers, on the device) and every engine variant shares its
+non-expert tensors; quantized variants quantize the same expert weights. Each variant runs in its own
+try/except, so one failure does not lose the others. MBU (model bandwidth utilisation) = tok/s x
+bytes read per token / measured device copy bandwidth (read + write), as in decode_engine.py.
+Bytes per token use the routing of the bf16 model on the greedy continuation of the prompt.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+if "--small" in sys.argv or not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before anything imports triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode_engine import (QWEN3_30B_A3B, SMALL, active_bytes_per_token, build_transformers,  # noqa: E402
+                           copy_bandwidth, decode_rate, sync, timed)
+
+from moebench.engine import Engine, ModelConfig, MoETransformer  # noqa: E402
+from moebench.engine import kernels  # noqa: E402
+from moebench.engine.placement import QuantizedExpert, TieredExperts  # noqa: E402
+from moebench.engine.quant import QuantizedTensor, format_nbytes, quantize  # noqa: E402
+
+RESULTS: dict = {"variants": {}, "errors": {}, "skipped": []}
+
+
+class Skipped(Exception):
+    """A variant left out on purpose (--skip, --no-sweep, --small)."""
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def variant(name: str):
+    """Run fn, store its dict under RESULTS['variants'][name]; on failure record the traceback."""
+    def wrap(fn):
+        t = time.perf_counter()
+        try:
+            out = fn()
+            out["wall_s"] = round(time.perf_counter() - t, 1)
+            RESULTS["variants"][name] = out
+        except Skipped:
+            RESULTS["skipped"].append(name)
+        except Exception as e:  # noqa: BLE001 - keep the other variants
+            RESULTS["errors"][name] = f"{type(e).__name__}: {e}"
+            log(f"[{name}] FAILED: {type(e).__name__}: {e}")
+            traceback.print_exc(limit=4)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return fn
+    return wrap
+
+
+# ------------------------------------------------------------------------------------------------
+# Engines sharing the transformers model's tensors
+
+def build_engine(hf, *, max_seq_len: int, max_batch: int = 1, cuda_graphs: bool = False,
+                 experts_impl: str = "auto", experts=None, prefill_chunk: int = 512) -> Engine:
+    """An Engine whose non-expert parameters are the transformers model's tensors (views). experts:
+    None (the dense experts, also views) or {layer: nn.Module} replacing each MoE layer's experts."""
+    cfg = ModelConfig.from_dict(hf.config.to_dict(), source="transformers config")
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    sd = hf.state_dict()
+    inter = cfg.expert_intermediate_size
+    for name, module in model.named_modules():
+        if experts is not None and name.endswith("mlp.experts"):
+            continue
+        for pname, _ in list(module.named_parameters(recurse=False)):
+            full = f"{name}.{pname}" if name else pname
+            if full.endswith("experts.w_gate"):
+                t = sd[f"model.{name}.gate_up_proj"][:, :inter]
+            elif full.endswith("experts.w_up"):
+                t = sd[f"model.{name}.gate_up_proj"][:, inter:]
+            elif full.endswith("experts.w_down"):
+                t = sd[f"model.{name}.down_proj"]
+            elif full == "lm_head.weight":
+                t = sd["lm_head.weight"]
+            else:
+                t = sd[f"model.{full}"]
+            setattr(module, pname, torch.nn.Parameter(t, requires_grad=False))
+    if experts is not None:
+        for block in model.moe_blocks():
+            block.experts = experts[block.layer_idx]
+    return Engine(model.eval(), None, max_seq_len=max_seq_len, max_batch=max_batch, cuda_graphs=cuda_graphs,
+                  experts_impl=experts_impl, prefill_chunk=prefill_chunk)
+
+
+def dense_expert_weights(hf, layer: int):
+    inter = hf.config.moe_intermediate_size
+    mlp = hf.model.layers[layer].mlp.experts
+    return mlp.gate_up_proj[:, :inter], mlp.gate_up_proj[:, inter:], mlp.down_proj
+
+
+def quantize_stacked(w: torch.Tensor, fmt: str, pin: bool = False) -> list[QuantizedTensor]:
+    """[E, out, in] -> E QuantizedTensors (views of one stacked quantization). Every format of
+    quant.py is row-wise (per-row or per-row-group scales), so quantizing [E*out, in] at once gives
+    exactly what quantizing each expert does, in a handful of kernels instead of thousands.
+    pin: the stacks go to pinned host memory (views of pinned memory count as pinned, so
+    TieredExperts keeps them as they are instead of pinning thousands of small tensors)."""
+    E, rows, cols = w.shape
+    q = quantize(w.reshape(E * rows, cols), fmt)
+    parts = {k: v.reshape(E, rows, *v.shape[1:]) for k, v in q.parts.items()}
+    if pin and torch.cuda.is_available():
+        parts = {k: v.to("cpu").pin_memory() for k, v in parts.items()}
+    return [QuantizedTensor(q.fmt, (rows, cols), {k: v[e] for k, v in parts.items()}) for e in range(E)]
+
+
+def tiered_experts(hf, precision: list[list[str]], home: list[list[str]], device, dtype) -> dict:
+    """{layer: TieredExperts} with the fused kernels on, from per-layer per-expert precision/home."""
+    out = {}
+    for layer in range(hf.config.num_hidden_layers):
+        ws = dense_expert_weights(hf, layer)
+        by_fmt = {}
+        for fmt, h in sorted(set(zip(precision[layer], home[layer]))):
+            by_fmt[fmt, h] = [quantize_stacked(w, fmt, pin=h == "host") for w in ws]
+        experts = [QuantizedExpert(*(by_fmt[f, h][m][e] for m in range(3)))
+                   for e, (f, h) in enumerate(zip(precision[layer], home[layer]))]
+        module = TieredExperts(experts, home[layer], device, dtype, cache_slots=2)
+        module.use_fused_kernels()
+        out[layer] = module
+        del by_fmt, experts
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+
+def expert_bytes_per_token(routes: list[torch.Tensor], precision, home, hidden: int, inter: int) -> dict:
+    """Mean expert bytes one token reads, split by home, from routing ids [tokens, k] per layer."""
+    hbm = pcie = 0.0
+    n = routes[0].shape[0]
+    for layer, ids in enumerate(routes):
+        for e in ids.flatten().tolist():
+            fmt = precision[layer][e]
+            b = format_nbytes(fmt, inter, hidden) * 2 + format_nbytes(fmt, hidden, inter)
+            if home[layer][e] == "host":
+                pcie += b
+            else:
+                hbm += b
+    return {"hbm": hbm / n, "pcie": pcie / n}
+
+
+def pinned_h2d_bandwidth(nbytes: int, iters: int = 10) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return nbytes * iters / (time.perf_counter() - t)
+
+
+def time_graph(fn, device, iters: int = 20, reps: int = 5) -> float:
+    """Seconds per call of fn, replayed from a CUDA graph of `iters` calls (no launch overhead);
+    on CPU a plain loop."""
+    fn()
+    if device.type != "cuda":
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(iters):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        g.replay()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t) / iters)
+    return best
+
+
+SWEEP = [dict(BN=bn, BK=bk, num_warps=w) for bn, bk, w in
+         ((4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 128, 4), (32, 256, 8), (64, 128, 8))]
+
+
+def sweep_kernel_configs(groups_by_fmt: dict, hidden: int, top_k: int, num_experts: int, device, dtype,
+                         bw: float) -> dict:
+    """For each format, try SWEEP for gate_up then for down (one MoE layer, batch 1); keep the best."""
+    out = {}
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, hidden, generator=g).to(device, dtype)
+    ids = torch.randperm(num_experts, generator=g)[:top_k].view(1, top_k).to(device)
+    w = torch.softmax(torch.rand(1, top_k, generator=g), -1).to(device)
+    for fmt, (group, nbytes) in groups_by_fmt.items():
+        res = {}
+        for kernel in ("gate_up", "down"):
+            times = []
+            for cfg in SWEEP:
+                kernels.set_config(kernel, fmt, **cfg)
+                try:
+                    times.append((time_graph(lambda: kernels.fused_moe(x, ids, w, [group]), device), cfg))
+                except Exception as e:  # noqa: BLE001 - a config this GPU cannot run
+                    log(f"  sweep {fmt} {kernel} {cfg}: {type(e).__name__}: {e}")
+            best_t, best = min(times, key=lambda tc: tc[0])
+            kernels.set_config(kernel, fmt, **best)
+            res[kernel] = {"best": best, "layer_us": best_t * 1e6,
+                           "all": [(c, round(t * 1e6, 2)) for t, c in times]}
+        t = time_graph(lambda: kernels.fused_moe(x, ids, w, [group]), device)
+        res["layer_us"] = t * 1e6
+        res["GBps"] = top_k * nbytes / t / 1e9
+        res["pct_of_copy_bw"] = 100 * top_k * nbytes / t / bw
+        out[fmt] = res
+        log(f"  kernel sweep [{fmt}]: gate_up {res['gate_up']['best']}, down {res['down']['best']}: one layer "
+            f"{t * 1e6:.1f} us, {res['GBps']:.0f} GB/s of expert bytes ({res['pct_of_copy_bw']:.0f}% of copy bw)")
+    return out
+
+
+def profile_step(eng: Engine, prompt: list[int], device, top: int = 15) -> list:
+    """Kernel-time table of a few eager decode steps (kernel times equal those inside a graph)."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    eng.generate([prompt], 3, ignore_eos=True)
+    with profile(activities=acts) as prof:
+        eng.generate([prompt], 5, ignore_eos=True)
+    key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, key, None)
+        if t is None and key == "device_time_total":
+            t = getattr(ev, "cuda_time_total", 0)
+        if t:
+            rows.append((ev.key[:70], ev.count, t / 1e3))
+    rows.sort(key=lambda r: -r[2])
+    if device.type == "cuda":   # device totals: keep kernels only (CPU-side ops double count)
+        rows = [r for r in rows if not r[0].startswith("aten::") and not r[0].startswith("cuda")]
+    return rows[:top]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--small", action="store_true", help="small shape on the CPU: exercises every code path")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for decode_h200.json")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=64, help="decode tokens in the long run")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--prefill-len", type=int, default=4096)
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--skip", default="", help="comma-separated variant names to skip")
+    ap.add_argument("--no-sweep", action="store_true", help="keep the default kernel configs")
+    args = ap.parse_args(argv)
+
+    small = args.small
+    device = torch.device("cpu" if small else "cuda")
+    dtype = torch.float32 if small else torch.bfloat16
+    shape = dict(SMALL if small else QWEN3_30B_A3B)
+    if small:
+        args.tokens, args.prompt_len, args.prefill_len, args.reps = 4, 12, 64, 1
+        args.batches = "1,4"
+        # The interpreter's cost is per program: few, wide programs keep the smoke test short.
+        for kernel in ("gate_up", "down"):
+            for fmt in kernels.FORMAT_CODES:
+                kernels.set_config(kernel, fmt, BN=64, BK=256)
+    n_short, n_long = max(2, args.tokens // 4), args.tokens
+    skip = set(s for s in args.skip.split(",") if s)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    graphs = device.type == "cuda"
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    R = RESULTS
+    R.update(device=str(device), dtype=str(dtype), shape=shape, torch=torch.__version__,
+             tokens=[n_short, n_long], prompt_len=args.prompt_len)
+    try:
+        import triton
+        R["triton"] = triton.__version__
+    except Exception as e:  # noqa: BLE001
+        R["triton"] = f"unavailable: {e}"
+    if device.type == "cuda":
+        R["gpu"] = torch.cuda.get_device_name(device)
+    log(f"torch {torch.__version__}, triton {R['triton']}, device {R.get('gpu', device)}")
+
+    t0 = time.perf_counter()
+    hf = build_transformers(shape, device, dtype, seed=0)
+    cfg = ModelConfig.from_dict(hf.config.to_dict(), source="transformers config")
+    R["build_s"] = round(time.perf_counter() - t0, 1)
+    elem = torch.finfo(dtype).bits // 8
+    R.update(active_bytes_per_token(cfg, elem))
+    H, I, k = cfg.hidden_size, cfg.expert_intermediate_size, cfg.top_k
+    expert_active = cfg.num_layers * k * 3 * H * I * elem
+    non_expert = R["active_bytes"] - expert_active
+    bw = copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 26))
+    R["copy_bandwidth_Bps"] = bw
+    R["pinned_h2d_Bps"] = pinned_h2d_bandwidth(1 << 30) if device.type == "cuda" else None
+    log(f"shape: {cfg.num_layers} layers, {cfg.num_experts} experts top-{k}, hidden {H}, width {I}, vocab "
+        f"{cfg.vocab_size}; built in {R['build_s']} s; copy bw {bw / 1e9:.1f} GB/s; pinned H2D "
+        f"{(R['pinned_h2d_Bps'] or 0) / 1e9:.1f} GB/s; bf16 bytes/token {R['active_bytes'] / 1e9:.3f} GB "
+        f"(experts {expert_active / 1e9:.3f}) -> roofline {bw / R['active_bytes']:.1f} tok/s")
+
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
+    prompt_t = torch.tensor([prompt], device=device)
+    max_seq = args.prompt_len + n_long + 8
+
+    def mbu(rate: float, nbytes: float) -> float:
+        return 100 * rate * nbytes / bw
+
+    def engine_rate(eng: Engine, B: int = 1, n_s: int = n_short, n_l: int = n_long) -> dict:
+        prompts = [prompt] if B == 1 else [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
+                                          for _ in range(B)]
+        last = {}
+
+        def run(n):
+            last["out"] = eng.generate(prompts, n, ignore_eos=True)
+        rate = decode_rate(run, n_s, n_l, device, args.reps)
+        tt = last["out"][0].token_times
+        return {"tok_s": rate, "tok_s_per_token_clock": (len(tt) - 1) / max(tt[-1] - tt[0], 1e-9),
+                "tokens": last["out"][0].token_ids}
+
+    # ---- reference engines and routing (for bytes per token of every plan) -----------------------
+    eng_old = build_engine(hf, max_seq_len=max_seq, cuda_graphs=graphs, experts_impl="auto")
+    ref_tokens = eng_old.generate([prompt], n_long, ignore_eos=True)[0].token_ids
+    trace = eng_old.trace(prompt + ref_tokens, router_logits=False)
+    routes = [ids[len(prompt):] for ids in trace.topk_ids]          # decode positions only
+    counts = torch.stack([torch.bincount(ids.flatten(), minlength=cfg.num_experts) for ids in trace.topk_ids])
+    hot = [set(torch.argsort(-counts[l], stable=True)[:cfg.num_experts // 2].tolist()) for l in range(cfg.num_layers)]
+    R["routes_decode_tokens"] = routes[0].shape[0]
+
+    @variant("transformers_batched_mm")
+    def _():
+        if "transformers" in skip:
+            raise Skipped
+        hf.set_experts_implementation("batched_mm")
+
+        def run_hf(n):
+            with torch.inference_mode():
+                hf.generate(prompt_t, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        rate = decode_rate(run_hf, n_short, n_long, device, args.reps)
+        log(f"transformers [batched_mm]: {rate:.2f} tok/s, MBU {mbu(rate, R['active_bytes']):.1f}%")
+        return {"tok_s": rate, "bytes_per_token": R["active_bytes"], "mbu_pct": mbu(rate, R["active_bytes"])}
+
+    @variant("engine_bf16_old_gather_graphs")
+    def _():
+        r = engine_rate(eng_old)
+        r.update(bytes_per_token=R["active_bytes"], mbu_pct=mbu(r["tok_s"], R["active_bytes"]))
+        r["tokens_equal_reference"] = r.pop("tokens") == ref_tokens
+        log(f"engine bf16 [auto/gather{'+graphs' if graphs else ''}]: {r['tok_s']:.2f} tok/s, MBU {r['mbu_pct']:.1f}%")
+        return r
+
+    # ---- the fused path: kernel sweep, parity, speed ---------------------------------------------
+    eng_new = build_engine(hf, max_seq_len=max_seq, cuda_graphs=graphs, experts_impl="triton")
+
+    @variant("kernel_sweep")
+    def _():
+        if args.no_sweep or small:
+            raise Skipped
+        groups = {"dense": (kernels.dense_group(*dense_expert_weights(hf, 0)), 3 * H * I * elem)}
+        for fmt in ("int8", "int4", "ternary"):
+            mats = [kernels.PackedMatrix.stack(quantize_stacked(w, fmt), device) for w in dense_expert_weights(hf, 0)]
+            groups[fmt] = (kernels.ExpertGroup(*mats, None, fmt), sum(m.nbytes_per_slot for m in mats))
+        res = sweep_kernel_configs(groups, H, k, cfg.num_experts, device, dtype, bw)
+        res["configs"] = {f"{kk}/{f}": v for (kk, f), v in kernels.CONFIG.items()}
+        return res
+
+    @variant("parity_new_vs_reference")
+    def _():
+        n = min(16, args.prompt_len)   # <= triton_max_tokens: this prefill runs the fused kernels
+        with torch.inference_mode():
+            ref = hf(prompt_t[:, :n]).logits[0].float().cpu()
+        got = eng_new.logits(prompt[:n])
+        old = eng_old.logits(prompt[:n])
+        new_tokens = eng_new.generate([prompt], n_long, ignore_eos=True)[0].token_ids
+        agree = next((i for i, (a, b) in enumerate(zip(new_tokens, ref_tokens)) if a != b), len(ref_tokens))
+        r = {"max_abs_diff_vs_transformers": (got - ref).abs().max().item(),
+             "max_abs_diff_old_vs_transformers": (old - ref).abs().max().item(),
+             "logit_scale": ref.abs().max().item(),
+             "argmax_agree": (got.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+             "greedy_prefix_agree_with_old": agree, "greedy_tokens": len(ref_tokens)}
+        log(f"parity (fused vs transformers, {n} tokens): max |diff| {r['max_abs_diff_vs_transformers']:.4g} "
+            f"(old path {r['max_abs_diff_old_vs_transformers']:.4g}; logits up to {r['logit_scale']:.3g}); argmax "
+            f"agree {100 * r['argmax_agree']:.0f}%; greedy decode equals old path for {agree}/{len(ref_tokens)} tokens")
+        return r
+
+    @variant("engine_bf16_triton_graphs")
+    def _():
+        r = engine_rate(eng_new)
+        r.pop("tokens")
+        r.update(bytes_per_token=R["active_bytes"], mbu_pct=mbu(r["tok_s"], R["active_bytes"]))
+        log(f"engine bf16 [triton{'+graphs' if graphs else ''}]: {r['tok_s']:.2f} tok/s, MBU {r['mbu_pct']:.1f}%")
+        return r
+
+    @variant("profile_bf16_triton_step")
+    def _():
+        rows = profile_step(build_engine(hf, max_seq_len=max_seq, experts_impl="triton"), prompt, device)
+        log("kernel time, 5 eager decode steps (ms, count):")
+        for name, count, ms in rows:
+            log(f"  {ms:9.3f} {count:6d}  {name}")
+        return {"rows": rows}
+
+    # ---- quantized experts --------------------------------------------------------------------------
+    L, E = cfg.num_layers, cfg.num_experts
+    plans = {
+        "int4": ([["int4"] * E for _ in range(L)], [["gpu"] * E for _ in range(L)]),
+        "int8hot_ternarycold_gpu": ([["int8" if e in hot[l] else "ternary" for e in range(E)] for l in range(L)],
+                                    [["gpu"] * E for _ in range(L)]),
+        "int8hot_ternarycold_host": ([["int8" if e in hot[l] else "ternary" for e in range(E)] for l in range(L)],
+                                     [["gpu" if e in hot[l] else "host" for e in range(E)] for l in range(L)]),
+    }
+    for name, (precision, home) in plans.items():
+        @variant(f"engine_{name}_triton_graphs")
+        def _(precision=precision, home=home, name=name):
+            if name in skip:
+                raise Skipped
+            t = time.perf_counter()
+            eng = build_engine(hf, max_seq_len=max_seq, cuda_graphs=graphs, experts_impl="triton",
+                               experts=tiered_experts(hf, precision, home, device, dtype))
+            build_s = time.perf_counter() - t
+            split = expert_bytes_per_token(routes, precision, home, H, I)
+            nbytes = non_expert + split["hbm"] + split["pcie"]
+            r = engine_rate(eng)
+            toks = r.pop("tokens")
+            r.update(build_s=build_s, bytes_per_token=nbytes, hbm_bytes_per_token=non_expert + split["hbm"],
+                     pcie_bytes_per_token=split["pcie"], mbu_pct=mbu(r["tok_s"], nbytes),
+                     greedy_prefix_agree_with_bf16=next((i for i, (a, b) in enumerate(zip(toks, ref_tokens))
+                                                         if a != b), len(ref_tokens)))
+            msg = (f"engine {name} [triton{'+graphs' if graphs else ''}]: {r['tok_s']:.2f} tok/s, "
+                   f"{nbytes / 1e9:.3f} GB/token, MBU {r['mbu_pct']:.1f}%")
+            if split["pcie"] and R["pinned_h2d_Bps"]:
+                bound = 1.0 / ((non_expert + split["hbm"]) / bw + split["pcie"] / R["pinned_h2d_Bps"])
+                r.update(tier_bound_tok_s=bound, pct_of_tier_bound=100 * r["tok_s"] / bound)
+                msg += (f"; PCIe {split['pcie'] / 1e6:.1f} MB/token, tier-aware bound {bound:.1f} tok/s -> "
+                        f"{r['pct_of_tier_bound']:.1f}% of it")
+            log(msg + f"; greedy equals bf16 for {r['greedy_prefix_agree_with_bf16']} tokens")
+            del eng
+            return r
+
+    # ---- batch throughput (fused path; > triton_max_tokens tokens use grouped_mm) -------------------
+    @variant("batch_throughput_triton_graphs")
+    def _():
+        if "batch" in skip:
+            raise Skipped
+        eng = build_engine(hf, max_seq_len=max_seq, max_batch=max(batches), cuda_graphs=graphs, experts_impl="triton")
+        out = {}
+        for B in batches:
+            r = engine_rate(eng, B, n_s=max(2, n_long // 8), n_l=max(4, n_long // 2))
+            out[str(B)] = {"tok_s_per_seq": r["tok_s"], "tok_s_total": B * r["tok_s"]}
+            log(f"batch {B}: {B * r['tok_s']:.1f} tok/s total ({r['tok_s']:.2f} per sequence)")
+        return out
+
+    # ---- prefill ----------------------------------------------------------------------------------
+    @variant("prefill")
+    def _():
+        if "prefill" in skip:
+            raise Skipped
+        n = args.prefill_len
+        long_prompt = torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
+        out = {}
+        for label, impl, chunk in (("engine_triton_chunk2048", "triton", 2048), ("engine_auto_chunk512", "auto", 512)):
+            eng = build_engine(hf, max_seq_len=n + 8, experts_impl=impl, prefill_chunk=chunk)
+            eng.generate([long_prompt[:256]], 1, ignore_eos=True)    # warm-up
+            t = min(timed(lambda: eng.generate([long_prompt], 1, ignore_eos=True), device) for _ in range(2))
+            out[label] = {"tok_s": n / t, "seconds": t}
+            log(f"prefill {n} tokens [{label}]: {n / t:.0f} tok/s ({t * 1000:.0f} ms)")
+            del eng
+        hf.set_experts_implementation("grouped_mm" if device.type == "cuda" else "eager")
+        lp = torch.tensor([long_prompt], device=device)
+        with torch.inference_mode():
+            hf(lp[:, :256])
+            t = min(timed(lambda: hf(lp), device) for _ in range(2))
+        out["transformers"] = {"tok_s": n / t, "seconds": t}
+        log(f"prefill {n} tokens [transformers]: {n / t:.0f} tok/s ({t * 1000:.0f} ms)")
+        return out
+
+    if device.type == "cuda":
+        R["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    (out_dir / "decode_h200.json").write_text(json.dumps(R, indent=2, default=str))
+    print_table(R)
+    return R
+
+
+def print_table(R: dict) -> None:
+    v = R["variants"]
+    roof = R["copy_bandwidth_Bps"] / R["active_bytes"]
+    log("")
+    log(f"{'variant':44s} {'tok/s':>9s} {'GB/tok':>7s} {'MBU %':>6s}  note")
+    hf_rate = v.get("transformers_batched_mm", {}).get("tok_s")
+    for name, r in v.items():
+        if "tok_s" not in r:
+            continue
+        note = ""
+        if hf_rate and name.startswith("engine"):
+            note = f"{r['tok_s'] / hf_rate:.1f}x transformers"
+        if "pct_of_tier_bound" in r:
+            note += f"; {r['pct_of_tier_bound']:.0f}% of tier bound {r['tier_bound_tok_s']:.1f}"
+        log(f"{name:44s} {r['tok_s']:9.2f} {r['bytes_per_token'] / 1e9:7.3f} {r['mbu_pct']:6.1f}  {note}")
+    for B, r in v.get("batch_throughput_triton_graphs", {}).items():
+        if isinstance(r, dict):
+            log(f"{'batch ' + B + ' (triton)':44s} {r['tok_s_total']:9.1f}")
+    for label, r in v.get("prefill", {}).items():
+        if isinstance(r, dict):
+            log(f"{'prefill ' + label:44s} {r['tok_s']:9.0f}")
+    log(f"bf16 roofline {roof:.1f} tok/s; 40% = {0.4 * roof:.1f}")
+    for name, err in R["errors"].items():
+        log(f"FAILED {name}: {err}")
+
+
+if __name__ == "__main__":
+    main()
