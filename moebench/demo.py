@@ -27,14 +27,20 @@ def calibration_batches(engine, n_tokens: int = CALIBRATION_TOKENS, seq: int = C
     return [ids[i:i + seq] for i in range(0, len(ids) - seq + 1, seq)]
 
 
-def pack_tiered(checkpoint: Path, out_dir: Path, hot_fraction: float = 0.25, hot: str = "int8",
-                cold: str = "ternary", cold_home: str = "host", log=print) -> Path:
-    """calibrate -> plan -> pack, with the calibration statistics and plan kept beside the artifact."""
+def calibrate_zoo(checkpoint: Path, n_tokens: int = CALIBRATION_TOKENS):
+    """Expert usage and input statistics of the BF16 checkpoint on the haystack text."""
     from moebench.engine import Engine
-    from moebench.engine.tiering import calibrate, pack, plan_hot_cold
+    from moebench.engine.tiering import calibrate
     engine = Engine.load(checkpoint, device="cpu", dtype="float32")
+    return calibrate(engine, calibration_batches(engine, n_tokens))
+
+
+def pack_tiered(checkpoint: Path, out_dir: Path, hot_fraction: float = 0.25, hot: str = "int8",
+                cold: str = "ternary", cold_home: str = "host", log=print, stats=None) -> Path:
+    """calibrate -> plan -> pack, with the calibration statistics and plan kept beside the artifact."""
+    from moebench.engine.tiering import pack, plan_hot_cold
     t0 = time.perf_counter()
-    stats = calibrate(engine, calibration_batches(engine))
+    stats = stats if stats is not None else calibrate_zoo(checkpoint)
     plan = plan_hot_cold(stats, hot_fraction=hot_fraction, hot=hot, cold=cold, cold_home=cold_home)
     if out_dir.exists():
         shutil.rmtree(out_dir)
