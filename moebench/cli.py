@@ -53,6 +53,27 @@ def _parser() -> argparse.ArgumentParser:
     zb.add_argument("--out", default="models/zoo")
     zb.add_argument("--retrain", action="store_true", help="retrain from the seed instead of the committed weights")
 
+    tier = sub.add_parser("tier", help="tier an engine checkpoint: calibrate -> plan -> pack (files in between)")
+    tsub2 = tier.add_subparsers(dest="tier_command", required=True)
+    tc = tsub2.add_parser("calibrate", help="expert usage and input statistics on real text")
+    tc.add_argument("checkpoint")
+    tc.add_argument("--out", required=True, help="statistics file (safetensors)")
+    tc.add_argument("--tokens", type=int, default=16384, help="calibration tokens from the haystack text")
+    tp = tsub2.add_parser("plan", help="give every expert a precision and a home within byte budgets")
+    tp.add_argument("checkpoint")
+    tp.add_argument("stats")
+    tp.add_argument("--out", required=True, help="plan.json")
+    tp.add_argument("--gpu-bytes", type=int, help="greedy planner: bytes of experts resident on the device")
+    tp.add_argument("--host-bytes", type=int, default=0, help="greedy planner: bytes of experts in host RAM")
+    tp.add_argument("--ladder", default="bf16,int8,int4,ternary", help="greedy planner: precisions to choose from")
+    tp.add_argument("--hot-fraction", type=float, help="rule-based planner instead: the most used share per layer")
+    tp.add_argument("--hot", default="int8")
+    tp.add_argument("--cold", default="ternary")
+    tk = tsub2.add_parser("pack", help="write the tiered artifact the engine runner loads")
+    tk.add_argument("checkpoint")
+    tk.add_argument("plan")
+    tk.add_argument("--out", required=True)
+
     ie = sub.add_parser("import-lm-eval", help="turn lm-eval --log_samples files into a moebench run")
     ie.add_argument("paths", nargs="+")
     ie.add_argument("--out", required=True)
@@ -133,6 +154,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                 print(f"{k}: {v}")
         print(info.get("paths", {}).get("out_dir", args.out))
         return 0
+    if args.command == "tier":
+        return _tier(args)
     if args.command == "import-lm-eval":
         from moebench.lmeval.importer import import_lm_eval
         print(import_lm_eval([Path(p) for p in args.paths], Path(args.out)))
@@ -161,6 +184,33 @@ def _dispatch(args: argparse.Namespace) -> int:
         serve(args.runner, host=args.host, port=args.port)
         return 0
     raise AssertionError(args.command)
+
+
+def _tier(args: argparse.Namespace) -> int:
+    from moebench.engine.tiering import Budgets, CalibrationStats, Plan, pack, plan, plan_hot_cold
+    if args.tier_command == "calibrate":
+        from moebench.demo import calibrate_zoo
+        stats = calibrate_zoo(Path(args.checkpoint), n_tokens=args.tokens)
+        stats.save(args.out)
+        print(f"calibrated on {int(stats.tokens)} tokens; per-layer expert counts in {args.out}")
+        print(args.out)
+        return 0
+    if args.tier_command == "plan":
+        stats = CalibrationStats.load(args.stats)
+        if args.hot_fraction is not None:
+            p = plan_hot_cold(stats, hot_fraction=args.hot_fraction, hot=args.hot, cold=args.cold)
+        else:
+            if args.gpu_bytes is None:
+                from moebench.api import UsageError
+                raise UsageError("tier plan: give --gpu-bytes (greedy planner) or --hot-fraction (rule-based)")
+            p = plan(stats, args.checkpoint, Budgets(args.gpu_bytes, args.host_bytes), ladder=args.ladder.split(","))
+        p.save(args.out)
+        print(f"plan: {p.count()}")
+        print(args.out)
+        return 0
+    out = pack(args.checkpoint, Plan.load(args.plan), args.out)
+    print(out)
+    return 0
 
 
 def _print_run_summary(run_dir: Path) -> None:
