@@ -40,6 +40,7 @@ from moebench.engine.placement import QuantizedExpert, TieredExperts  # noqa: E4
 from moebench.engine.quant import QuantizedTensor, format_nbytes, quantize  # noqa: E402
 
 RESULTS: dict = {"variants": {}, "errors": {}, "skipped": []}
+OUT_FILE: Path | None = None
 
 
 class Skipped(Exception):
@@ -64,6 +65,8 @@ def variant(name: str):
             RESULTS["errors"][name] = f"{type(e).__name__}: {e}"
             log(f"[{name}] FAILED: {type(e).__name__}: {e}")
             traceback.print_exc(limit=4)
+        if OUT_FILE is not None:   # after every variant: a run cut short keeps what it measured
+            OUT_FILE.write_text(json.dumps(RESULTS, indent=2, default=str))
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -287,6 +290,8 @@ def main(argv=None) -> dict:
     graphs = device.type == "cuda"
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    global OUT_FILE
+    OUT_FILE = out_dir / "decode_h200.json"
     R = RESULTS
     R.update(device=str(device), dtype=str(dtype), shape=shape, torch=torch.__version__,
              tokens=[n_short, n_long], prompt_len=args.prompt_len)
@@ -492,7 +497,7 @@ def main(argv=None) -> dict:
 
     if device.type == "cuda":
         R["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
-    (out_dir / "decode_h200.json").write_text(json.dumps(R, indent=2, default=str))
+    OUT_FILE.write_text(json.dumps(R, indent=2, default=str))
     print_table(R)
     return R
 
