@@ -6,6 +6,7 @@ temp folder when models/zoo is absent). Context 256 and 2-4 chunks keep each run
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -103,7 +104,12 @@ def test_statistics_match_llama_perplexity(zoo, corpus, bf16_base, quant, tmp_pa
     assert ours["mean"] > 0
     assert abs(ours["mean"] - printed["mean"]) <= 0.02 * printed["mean"] + half_unit
     assert abs(ours["same_top_p"] - printed["same_top_p"]) <= 0.005
-    assert abs(ours["ln_ppl_ratio"] - printed["ln_ppl_ratio"]) <= 0.02 * abs(printed["ln_ppl_ratio"]) + half_unit
+    # ln PPL ratio averages log q(tok) - log p(tok), read here from the two uint16-coded base files: each
+    # value is rounded to a step of at most 16/65535, so the mean carries rounding noise of standard error
+    # (16/65535)/sqrt(6)/sqrt(n) (the difference of two uniform roundings); allow three of those.
+    coding = 3 * (16 / 65535) / math.sqrt(6) / math.sqrt(ours["n_tokens"])
+    assert abs(ours["ln_ppl_ratio"] - printed["ln_ppl_ratio"]) <= (0.02 * abs(printed["ln_ppl_ratio"])
+                                                                    + half_unit + coding)
     for key in ("median", "p99", "p90", "p10", "max", "min"):
         assert abs(ours[key] - printed[key]) <= 0.02 * abs(printed[key]) + 2 * half_unit, key
     assert abs(ours["delta_p"]["rms"] - printed["delta_p"]["rms"]) <= 0.02 * printed["delta_p"]["rms"] + 5e-5
