@@ -15,6 +15,7 @@ from typing import Any
 
 from moebench.config import Field, ProfileError, positive
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
+from moebench.scoring.answers import first_stop
 
 SCHEMA: dict[str, Field] = {
     "model": Field(str, required=True, doc="a Hugging Face checkpoint directory or a packed tiered artifact"),
@@ -109,7 +110,7 @@ class EngineRunner(Runner):
             raise RunnerError(str(e)) from None
         text = eng.detokenize(out.token_ids)
         token_ids, finish = out.token_ids, out.finish_reason
-        cut = _first_stop(text, request.stop)
+        cut = first_stop(text, request.stop)
         if cut is not None:
             text, finish = text[:cut], "stop"
             token_ids = _tokens_within(eng, token_ids, text)
@@ -150,11 +151,6 @@ class EngineRunner(Runner):
     async def trace(self, token_ids: list[int], with_logits: bool = True):
         """Router traces (per layer top-k ids and weights) and, optionally, the logits in one pass."""
         return await asyncio.to_thread(self._eng().trace, token_ids, router_logits=False, with_logits=with_logits)
-
-
-def _first_stop(text: str, stops: list[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i != -1]
-    return min(hits) if hits else None
 
 
 def _tokens_within(eng: Any, token_ids: list[int], text: str) -> list[int]:

@@ -56,6 +56,18 @@ def numbers_equal(a: str | None, b: str | None) -> bool:
         return False
 
 
+def first_stop(text: str, stops: list[str]) -> int | None:
+    """Index of the earliest stop sequence in `text`, or None."""
+    hits = [i for i in (text.find(s) for s in stops if s) if i != -1]
+    return min(hits) if hits else None
+
+
+def cut_at_stop(text: str, stops: list[str]) -> str:
+    """Cut at the first stop sequence, in case a server returned text past it."""
+    cut = first_stop(text, stops)
+    return text if cut is None else text[:cut]
+
+
 CHOICE_RE = re.compile(r"[ABCD]")
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from moebench.config import Field, non_negative, positive
 from moebench.datasets import data_file, read_jsonl, register
 from moebench.runners.base import Capability, GenerateRequest, Runner
-from moebench.scoring.answers import extract_gsm8k, gsm8k_reference, numbers_equal
+from moebench.scoring.answers import cut_at_stop, extract_gsm8k, gsm8k_reference, numbers_equal
 from moebench.tasks.base import Item, Task, prompt_hash
 
 DEFAULT_STOP = ["Question:", "</s>", "<|im_end|>"]
@@ -75,13 +75,3 @@ class Gsm8kTask(Task):
             "question": item.data["question"],
             "prompt_hash": prompt_hash(prompt),
         }
-
-
-def cut_at_stop(text: str, stops: list[str]) -> str:
-    """Cut at the first stop sequence, in case a server returned text past it."""
-    cut = len(text)
-    for s in stops:
-        i = text.find(s)
-        if i != -1:
-            cut = min(cut, i)
-    return text[:cut]

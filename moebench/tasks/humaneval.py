@@ -18,6 +18,7 @@ from typing import Any
 from moebench.config import Field, positive
 from moebench.datasets import DatasetError, data_file, read_jsonl, register
 from moebench.runners.base import Capability, GenerateRequest, Runner
+from moebench.scoring.answers import cut_at_stop
 from moebench.scoring.sandbox import SandboxError, SandboxResult, run_untrusted
 from moebench.tasks.base import Item, Task, prompt_hash
 
@@ -25,16 +26,6 @@ DATA_FILE = "humaneval/HumanEval.jsonl.gz"
 # Codex paper (Chen et al. 2021) and lm-eval 0.4.13 tasks/humaneval/humaneval.yaml `until`.
 DEFAULT_STOP = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
 REQUIRED_KEYS = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
-
-
-def cut_at_stop(text: str, stops: list[str]) -> str:
-    """Cut at the first stop sequence (the server may not have)."""
-    cut = len(text)
-    for s in stops:
-        i = text.find(s)
-        if i != -1:
-            cut = min(cut, i)
-    return text[:cut]
 
 
 def check_program(prompt: str, completion: str, test: str, entry_point: str) -> str:
