@@ -185,42 +185,62 @@ def _kernels():
 
 if triton is not None:
     @triton.jit
-    def weight_tile(w_ptr, s_ptr, m_ptr, slot, rows, cols, mask, stride_we, stride_wr, stride_se, stride_sr,
-                    FMT: tl.constexpr, GROUP_SIZE: tl.constexpr):
-        """[BN, BK] float32 weights of rows x cols of one expert (int8: unscaled codes)."""
+    def trit_term(v, base_ptr_s, x_ptr, b, rmask, bmask, K, D: tl.constexpr, MULT: tl.constexpr,
+                  GROUP_SIZE: tl.constexpr):
+        """Digit D of bytes v [BN, BK] times its scale and x: sum over the tile is the dot part.
+        Digit d of byte v is (v // 3^d) % 3, exact multiply-shift divisions for v <= 242."""
+        c = b * 5 + D
+        q = (v * MULT) >> 16
+        trit = q - ((q * 21846) >> 16) * 3
+        xd = tl.load(x_ptr + c, mask=c < K, other=0.0).to(tl.float32)
+        s = tl.load(base_ptr_s + (c // GROUP_SIZE)[None, :], mask=bmask, other=0.0).to(tl.float32)
+        return (trit - 1).to(tl.float32) * s * xd[None, :]
+
+    @triton.jit
+    def row_dots(w_ptr, s_ptr, m_ptr, slot, rows, rmask, x_ptr, k0, K, KB,
+                 stride_we, stride_wr, stride_se, stride_sr,
+                 FMT: tl.constexpr, GROUP_SIZE: tl.constexpr, BK: tl.constexpr):
+        """[BN] partial dots of rows of one expert with x over one K step (int8: unscaled codes).
+        Dense/int8 steps cover BK columns from k0; packed formats cover BK *bytes* from k0 (int4:
+        2 columns per byte, ternary: 5), so each loaded byte is decoded once, whole, in registers."""
         base = w_ptr + slot * stride_we + rows[:, None] * stride_wr
-        if FMT == 0:
-            w = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        elif FMT == 1:
-            w = tl.load(base + cols[None, :], mask=mask, other=0).to(tl.float32)
+        i = k0 + tl.arange(0, BK)
+        if FMT <= 1:
+            m = rmask[:, None] & (i < K)[None, :]
+            xk = tl.load(x_ptr + i, mask=i < K, other=0.0).to(tl.float32)
+            w = tl.load(base + i[None, :], mask=m, other=0).to(tl.float32)
+            return tl.sum(w * xk[None, :], axis=1)
         else:
-            s_off = slot * stride_se + rows[:, None] * stride_sr + (cols // GROUP_SIZE)[None, :]
-            s = tl.load(s_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+            bmask = rmask[:, None] & (i < KB)[None, :]
+            v = tl.load(base + i[None, :], mask=bmask, other=0).to(tl.int32)
+            s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr
             if FMT == 4:
-                # Five base-3 digits per byte; digit d of byte v is (v // 3^d) % 3, with exact
-                # multiply-shift divisions (v <= 242): 2^16 / 3^d rounded up.
-                byte = cols // 5
-                digit = cols - byte * 5
-                mult = tl.where(digit == 0, 65536, tl.where(digit == 1, 21846, tl.where(
-                    digit == 2, 7282, tl.where(digit == 3, 2428, 810))))
-                v = tl.load(base + byte[None, :], mask=mask, other=0).to(tl.int32)
-                q = (v * mult[None, :]) >> 16
-                trit = q - ((q * 21846) >> 16) * 3
-                w = (trit - 1).to(tl.float32) * s
+                part = trit_term(v, s_row, x_ptr, i, rmask, bmask, K, 0, 65536, GROUP_SIZE)
+                part += trit_term(v, s_row, x_ptr, i, rmask, bmask, K, 1, 21846, GROUP_SIZE)
+                part += trit_term(v, s_row, x_ptr, i, rmask, bmask, K, 2, 7282, GROUP_SIZE)
+                part += trit_term(v, s_row, x_ptr, i, rmask, bmask, K, 3, 2428, GROUP_SIZE)
+                part += trit_term(v, s_row, x_ptr, i, rmask, bmask, K, 4, 810, GROUP_SIZE)
+                return tl.sum(part, axis=1)
             else:
-                v = tl.load(base + (cols // 2)[None, :], mask=mask, other=0).to(tl.int32)
-                code = (v >> ((cols % 2) * 4)[None, :]) & 15
+                # Low nibble = even column, high nibble = odd column; one group scale per 32 bytes.
+                lo = (v & 15).to(tl.float32)
+                hi = ((v >> 4) & 15).to(tl.float32)
+                x0 = tl.load(x_ptr + 2 * i, mask=2 * i < K, other=0.0).to(tl.float32)[None, :]
+                x1 = tl.load(x_ptr + 2 * i + 1, mask=2 * i + 1 < K, other=0.0).to(tl.float32)[None, :]
+                g_off = (i // (GROUP_SIZE // 2))[None, :]
+                s = tl.load(s_row + g_off, mask=bmask, other=0.0).to(tl.float32)
                 if FMT == 2:
-                    w = (code - 8).to(tl.float32) * s
+                    part = s * ((lo - 8.0) * x0 + (hi - 8.0) * x1)
                 else:
-                    mn = tl.load(m_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
-                    w = code.to(tl.float32) * s + mn
-        return w
+                    mn = tl.load(m_ptr + slot * stride_se + rows[:, None] * stride_sr + g_off, mask=bmask,
+                                 other=0.0).to(tl.float32)
+                    part = s * (lo * x0 + hi * x1) + mn * (x0 + x1)
+                return tl.sum(part, axis=1)
 
     @triton.jit
     def gate_up_kernel(x_ptr, ids_ptr, slot_ptr, h_ptr,
                        g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr, um_ptr,
-                       N, K, stride_xt, stride_ht,
+                       N, K, KB, stride_xt, stride_ht,
                        stride_ge, stride_gr, stride_gse, stride_gsr,
                        stride_ue, stride_ur, stride_use, stride_usr,
                        TOPK: tl.constexpr, FMT: tl.constexpr, HAS_MAP: tl.constexpr,
@@ -236,21 +256,18 @@ if triton is not None:
             t = pair // TOPK
             rows = nb * BN + tl.arange(0, BN)
             rmask = rows < N
-            acc_g = tl.zeros((BN, BK), dtype=tl.float32)
-            acc_u = tl.zeros((BN, BK), dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                cols = k0 + tl.arange(0, BK)
-                cmask = cols < K
-                xk = tl.load(x_ptr + t * stride_xt + cols, mask=cmask, other=0.0).to(tl.float32)
-                m = rmask[:, None] & cmask[None, :]
-                wg = weight_tile(g_ptr, gs_ptr, gm_ptr, slot, rows, cols, m, stride_ge, stride_gr,
-                                 stride_gse, stride_gsr, FMT, GROUP_SIZE)
-                wu = weight_tile(u_ptr, us_ptr, um_ptr, slot, rows, cols, m, stride_ue, stride_ur,
-                                 stride_use, stride_usr, FMT, GROUP_SIZE)
-                acc_g += wg * xk[None, :]
-                acc_u += wu * xk[None, :]
-            g = tl.sum(acc_g, axis=1)
-            u = tl.sum(acc_u, axis=1)
+            g = tl.zeros((BN,), dtype=tl.float32)
+            u = tl.zeros((BN,), dtype=tl.float32)
+            x_row = x_ptr + t * stride_xt
+            if FMT <= 1:
+                lim = K
+            else:
+                lim = KB
+            for k0 in range(0, lim, BK):
+                g += row_dots(g_ptr, gs_ptr, gm_ptr, slot, rows, rmask, x_row, k0, K, KB,
+                              stride_ge, stride_gr, stride_gse, stride_gsr, FMT, GROUP_SIZE, BK)
+                u += row_dots(u_ptr, us_ptr, um_ptr, slot, rows, rmask, x_row, k0, K, KB,
+                              stride_ue, stride_ur, stride_use, stride_usr, FMT, GROUP_SIZE, BK)
             if FMT == 1:
                 g = g * tl.load(gs_ptr + slot * stride_gse + rows * stride_gsr, mask=rmask, other=0.0).to(tl.float32)
                 u = u * tl.load(us_ptr + slot * stride_use + rows * stride_usr, mask=rmask, other=0.0).to(tl.float32)
@@ -260,7 +277,7 @@ if triton is not None:
     @triton.jit
     def down_kernel(h_ptr, ids_ptr, wts_ptr, slot_ptr, acc_ptr, out_ptr,
                     d_ptr, ds_ptr, dm_ptr,
-                    N, K, stride_ht, stride_at, stride_ot,
+                    N, K, KB, stride_ht, stride_at, stride_ot,
                     stride_de, stride_dr, stride_dse, stride_dsr,
                     TOPK: tl.constexpr, FMT: tl.constexpr, HAS_MAP: tl.constexpr, ACC_IN: tl.constexpr,
                     GROUP_SIZE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -272,6 +289,10 @@ if triton is not None:
             total = tl.load(acc_ptr + t * stride_at + rows, mask=rmask, other=0.0)
         else:
             total = tl.zeros((BN,), dtype=tl.float32)
+        if FMT <= 1:
+            lim = K
+        else:
+            lim = KB
         for j in range(TOPK):
             pair = t * TOPK + j
             e = tl.load(ids_ptr + pair).to(tl.int64)
@@ -280,16 +301,10 @@ if triton is not None:
             else:
                 slot = e
             if slot >= 0:
-                acc = tl.zeros((BN, BK), dtype=tl.float32)
-                for k0 in range(0, K, BK):
-                    cols = k0 + tl.arange(0, BK)
-                    cmask = cols < K
-                    hk = tl.load(h_ptr + pair * stride_ht + cols, mask=cmask, other=0.0)
-                    m = rmask[:, None] & cmask[None, :]
-                    w = weight_tile(d_ptr, ds_ptr, dm_ptr, slot, rows, cols, m, stride_de, stride_dr,
-                                    stride_dse, stride_dsr, FMT, GROUP_SIZE)
-                    acc += w * hk[None, :]
-                y = tl.sum(acc, axis=1)
+                y = tl.zeros((BN,), dtype=tl.float32)
+                for k0 in range(0, lim, BK):
+                    y += row_dots(d_ptr, ds_ptr, dm_ptr, slot, rows, rmask, h_ptr + pair * stride_ht, k0, K, KB,
+                                  stride_de, stride_dr, stride_dse, stride_dsr, FMT, GROUP_SIZE, BK)
                 if FMT == 1:
                     y = y * tl.load(ds_ptr + slot * stride_dse + rows * stride_dsr, mask=rmask,
                                     other=0.0).to(tl.float32)
@@ -346,7 +361,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
         grid = (T * k, -(-inter // cfg["BN"]))
         gate_up_kernel[grid](
             x, ids, slot, h, g.gate.data, gs, gm, g.up.data, us, um,
-            inter, H, x.stride(0), h.stride(0),
+            inter, H, g.gate.data.shape[-1], x.stride(0), h.stride(0),
             g.gate.data.stride(0), g.gate.data.stride(1), gse, gsr,
             g.up.data.stride(0), g.up.data.stride(1), use, usr,
             TOPK=k, FMT=FORMAT_CODES[g.gate.fmt], HAS_MAP=g.slot_of is not None, GROUP_SIZE=GROUP,
@@ -362,7 +377,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
         grid = (T, -(-H // cfg["BN"]))
         down_kernel[grid](
             h, ids, wts, slot, acc, target, g.down.data, ds, dm,
-            H, inter, h.stride(0), acc.stride(0), target.stride(0),
+            H, inter, g.down.data.shape[-1], h.stride(0), acc.stride(0), target.stride(0),
             g.down.data.stride(0), g.down.data.stride(1), dse, dsr,
             TOPK=k, FMT=FORMAT_CODES[g.down.fmt], HAS_MAP=g.slot_of is not None, ACC_IN=i > 0,
             GROUP_SIZE=GROUP, BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"])
