@@ -13,14 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moebench.config import ProfileError, RunnerProfile, SuiteProfile, load_runner, load_suite, \
-    resolve_profile_path, repo_root
+from moebench.config import RunnerProfile, SuiteProfile, load_runner, load_suite, resolve_profile_path
 from moebench.datasets import data_dir
 from moebench.identity import host_identity, moebench_identity
 from moebench.progress import Progress
 from moebench.runners import make_runner, runner_schemas
 from moebench.runners.base import CapabilityError, Runner, check_capabilities
-from moebench.store import RunStore, StoreError, load_run, write_json_atomic
+from moebench.store import RunStore, write_json_atomic
 from moebench.tasks import task_class, task_schemas
 from moebench.tasks.base import Task, TaskContext
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import REPO, moebench_cli, read_items
+from conftest import moebench_cli, read_items
 
 
 def test_smoke_suite_bf16_vs_q4_0_through_llama_server(zoo, tmp_path):

@@ -11,7 +11,6 @@ import asyncio
 import json
 import threading
 from functools import lru_cache
-from pathlib import Path
 
 import httpx
 import numpy as np

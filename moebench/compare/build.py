@@ -46,10 +46,10 @@ def build_compare(base_dir: str | Path, cand_dir: str | Path) -> dict[str, Any]:
         section = kld(base_dir, cand_dir, bm, cm, _records_of(brecs, "kld"), _records_of(crecs, "kld"))
         if section:
             out["kld"] = section
-    needle = _optional("moebench.tasks.needle", "needle_compare")
+    needle = _optional("moebench.compare.needle", "needle_compare")
     if needle is not None and any(r.get("task") == "needle" for r in brecs + crecs):
         out["needle"] = needle(_records_of(brecs, "needle"), _records_of(crecs, "needle"))
-    speed = _optional("moebench.tasks.speed", "speed_compare")
+    speed = _optional("moebench.compare.speed", "speed_compare")
     if speed is not None and any(r.get("task") == "speed" for r in brecs + crecs):
         out["speed"] = speed(_records_of(brecs, "speed"), _records_of(crecs, "speed"))
     mem = _optional("moebench.probes.energy", "memory_energy_compare")

@@ -21,7 +21,6 @@ import asyncio
 import json
 import logging
 import os
-import tempfile
 import threading
 import uuid
 from dataclasses import asdict, dataclass
