@@ -103,10 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     from moebench import api
     from moebench.config import ProfileError
     from moebench.datasets import DatasetError
+    from moebench.runners.base import CapabilityError
     from moebench.store import StoreError
     try:
         return _dispatch(args)
-    except (api.UsageError, ProfileError, DatasetError, StoreError, FileNotFoundError) as e:
+    except (api.UsageError, ProfileError, DatasetError, StoreError, CapabilityError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -190,3 +190,23 @@ def test_corrupt_middle_line_is_an_error_naming_the_line(tmp_path):
     p.write_text('{"task":"t","item_id":"a","status":"ok"}\nnot json\n{"task":"t","item_id":"b","status":"ok"}\n')
     with pytest.raises(StoreError, match="line 2"):
         list(iter_records(p))
+
+
+def test_capability_mismatch_is_reported_before_any_work(tmp_path):
+    """KLD needs prompt log-probs, which a plain OpenAI-compatible server lacks: exit 2 before any item."""
+    suite = tmp_path / "k.toml"
+    suite.write_text('name = "k"\n[[tasks]]\ntask = "kld"\nchunks = 1\n')
+    runner = tmp_path / "h.toml"
+    runner.write_text('kind = "http"\nbase_url = "http://127.0.0.1:9/v1"\n')
+    proc = moebench_cli("run", str(suite), "--runner", str(runner), "--out", str(tmp_path / "r"))
+    assert proc.returncode == 2, proc.stderr
+    assert "prompt_logprobs" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "r" / "items.jsonl").exists()
+
+
+def test_bad_suite_key_exits_2_naming_file_and_key(tmp_path):
+    suite = tmp_path / "s.toml"
+    suite.write_text('name = "s"\n[[tasks]]\ntask = "gsm8k"\nshots = "five"\n')
+    proc = moebench_cli("run", str(suite), "--runner", "runners/http.toml", "--out", str(tmp_path / "r"))
+    assert proc.returncode == 2
+    assert str(suite) in proc.stderr and "'shots'" in proc.stderr and "Traceback" not in proc.stderr
