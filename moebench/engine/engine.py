@@ -72,7 +72,7 @@ class Engine:
     def __init__(self, model: MoETransformer, tokenizer: Tokenizer | None = None, *,
                  max_seq_len: int | None = None, max_batch: int = 1, prefill_chunk: int = 512,
                  cache_dtype: torch.dtype | None = None, cuda_graphs: bool = False,
-                 experts_impl: str = "auto"):
+                 experts_impl: str = "auto", fused_ops: bool | None = None):
         self.model = model
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
@@ -98,6 +98,15 @@ class Engine:
                 block.experts.impl = experts_impl
             elif experts_impl == "triton" and hasattr(block.experts, "use_fused_kernels"):
                 block.experts.use_fused_kernels()
+        # The fused non-expert decode ops (norms, RoPE + KV write, routing): on with "triton" unless
+        # fused_ops=False; they cover the steps the fused expert kernels cover (decode).
+        if fused_ops is None:
+            fused_ops = experts_impl == "triton"
+        if fused_ops:
+            from . import kernels
+            if not kernels.available():
+                raise EngineError("fused_ops needs Triton, which does not run here")
+            model.set_fused_decode(Experts.triton_max_tokens)
         self._lock = threading.Lock()
         # Opt-in: replay each decode step as a CUDA graph (one per batch size and KV bucket). Needs
         # an experts module without host syncs in decode (the dense `Experts` qualifies).
@@ -108,7 +117,7 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu", dtype: str = "float32",
              max_seq_len: int | None = None, max_batch: int = 1, prefill_chunk: int = 512,
-             cuda_graphs: bool = False, experts_impl: str = "auto") -> "Engine":
+             cuda_graphs: bool = False, experts_impl: str = "auto", fused_ops: bool | None = None) -> "Engine":
         """Load a Hugging Face checkpoint directory (or a tiered artifact holding plan.json)."""
         path = Path(path)
         cfg = ModelConfig.from_pretrained(path)
@@ -117,7 +126,7 @@ class Engine:
         if (path / "tokenizer.json").is_file():
             tok = Tokenizer.from_dir(path, cfg.bos_token_id, cfg.eos_token_ids)
         return cls(model, tok, max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                   cuda_graphs=cuda_graphs, experts_impl=experts_impl)
+                   cuda_graphs=cuda_graphs, experts_impl=experts_impl, fused_ops=fused_ops)
 
     # ---- properties the runner reads ----
     @property

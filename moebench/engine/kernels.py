@@ -388,3 +388,175 @@ def dense_group(w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> ExpertGroup:
     """The group for a dense `Experts` module's stacked weights (views, no copy)."""
     return ExpertGroup(PackedMatrix.dense(w_gate), PackedMatrix.dense(w_up), PackedMatrix.dense(w_down),
                        None, "dense")
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused non-expert decode ops. A decode step's non-expert work is many tiny kernels (RMSNorm alone is
+# ~8: cast, pow, mean, add, rsqrt, mul, cast, mul); each costs a few microseconds even inside a CUDA
+# graph, which at 48 layers dominates the step. These kernels do one op group per launch and round
+# to the activation dtype where the torch code does, so they agree with it to within reduction order.
+
+if triton is not None:
+    @triton.jit
+    def add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, eps,
+                           HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        """Row r: s = x + delta (rounded to x's dtype, written to res), out = w * norm(s)."""
+        r = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        m = offs < N
+        dt = x_ptr.dtype.element_ty
+        x = tl.load(x_ptr + r * N + offs, mask=m, other=0.0)
+        if HAS_DELTA:
+            x = (x.to(tl.float32) + tl.load(d_ptr + r * N + offs, mask=m, other=0.0).to(tl.float32)).to(dt)
+            tl.store(res_ptr + r * N + offs, x, mask=m)
+        xf = x.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+        xn = (xf * inv).to(dt).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r * N + offs, (w * xn).to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def route_topk_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOPK: tl.constexpr, KP: tl.constexpr,
+                          NORM: tl.constexpr, BLOCK_E: tl.constexpr):
+        """One token: softmax over E router logits (float32), top-k by k rounds of argmax (lowest
+        index wins ties), optional renormalisation; no sort."""
+        r = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_E)
+        m = offs < E
+        z = tl.load(logits_ptr + r * stride_l + offs, mask=m, other=float("-inf")).to(tl.float32)
+        p = tl.exp(z - tl.max(z, axis=0))
+        p = p / tl.sum(p, axis=0)
+        p = tl.where(m, p, -1.0)
+        ks = tl.arange(0, KP)
+        vals = tl.zeros((KP,), dtype=tl.float32)
+        idx = tl.zeros((KP,), dtype=tl.int64)
+        for j in tl.static_range(TOPK):
+            best = tl.max(p, axis=0)
+            at = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)
+            vals = tl.where(ks == j, best, vals)
+            idx = tl.where(ks == j, at.to(tl.int64), idx)
+            p = tl.where(offs == at, -2.0, p)
+        if NORM:
+            vals = vals / tl.sum(tl.where(ks < TOPK, vals, 0.0), axis=0)
+        tl.store(ids_ptr + r * TOPK + ks, idx, mask=ks < TOPK)
+        tl.store(w_ptr + r * TOPK + ks, vals, mask=ks < TOPK)
+
+    @triton.jit
+    def norm_rope_head(src, w_ptr, c, s, d, partner, eps, HAS_NORM: tl.constexpr, D: tl.constexpr, dt):
+        """One head vector (float32, rounded as the torch code rounds): optional RMSNorm, then RoPE
+        with rotate_half: out[d] = x[d] cos[d] + sign(d) x[partner(d)] sin[d]."""
+        x = tl.load(src + d).to(tl.float32)
+        xp = tl.load(src + partner).to(tl.float32)
+        if HAS_NORM:
+            inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+            x = (tl.load(w_ptr + d).to(tl.float32) * (x * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            xp = (tl.load(w_ptr + partner).to(tl.float32) * (xp * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        sign = tl.where(d < D // 2, -1.0, 1.0)
+        return ((x * c).to(dt).to(tl.float32) + (sign * xp * s).to(dt).to(tl.float32)).to(dt)
+
+    @triton.jit
+    def qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr,
+                             qo_ptr, kc_ptr, vc_ptr, T, NH, eps,
+                             s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_cb, s_ct,
+                             s_ob, s_oh, s_ot, s_cab, s_cah, s_cas,
+                             HAS_NORM: tl.constexpr, D: tl.constexpr):
+        """Program (b*T + t, head): query heads -> normed, rotated, written to qo [B, NH, T, D];
+        key/value heads -> normed+rotated key and the value written to their cache slot pos[b, t]."""
+        bt = tl.program_id(0)
+        h = tl.program_id(1)
+        b = bt // T
+        t = bt - b * T
+        d = tl.arange(0, D)
+        partner = (d + D // 2) % D
+        c = tl.load(cos_ptr + b * s_cb + t * s_ct + d).to(tl.float32)
+        s = tl.load(sin_ptr + b * s_cb + t * s_ct + d).to(tl.float32)
+        dt = qo_ptr.dtype.element_ty
+        if h < NH:
+            out = norm_rope_head(q_ptr + b * s_qb + t * s_qt + h * s_qh, qw_ptr, c, s, d, partner, eps,
+                                 HAS_NORM, D, dt)
+            tl.store(qo_ptr + b * s_ob + h * s_oh + t * s_ot + d, out)
+        else:
+            kh = h - NH
+            pos = tl.load(pos_ptr + bt).to(tl.int64)
+            out = norm_rope_head(k_ptr + b * s_kb + t * s_kt + kh * s_kh, kw_ptr, c, s, d, partner, eps,
+                                 HAS_NORM, D, dt)
+            slot = b * s_cab + kh * s_cah + pos * s_cas + d
+            tl.store(kc_ptr + slot, out.to(kc_ptr.dtype.element_ty))
+            v = tl.load(v_ptr + b * s_vb + t * s_vt + kh * s_vh + d)
+            tl.store(vc_ptr + slot, v.to(vc_ptr.dtype.element_ty))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def add_rmsnorm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(x + delta, RMSNorm(x + delta) * weight) in one launch, both in x's dtype (delta None: (x,
+    norm(x))). Rounds like `x + delta` then model.RMSNorm: the sum to x's dtype, the normalised value
+    to x's dtype before the weight."""
+    _kernels()
+    N = x.shape[-1]
+    if weight.shape != (N,):
+        raise KernelError(f"add_rmsnorm: weight shape {tuple(weight.shape)}, expected ({N},)")
+    xc = x.contiguous()
+    out = torch.empty_like(xc)
+    res = torch.empty_like(xc) if delta is not None else xc
+    dc = delta.contiguous() if delta is not None else xc
+    if delta is not None and dc.shape != xc.shape:
+        raise KernelError(f"add_rmsnorm: delta shape {tuple(dc.shape)} differs from x {tuple(xc.shape)}")
+    rows = xc.numel() // N
+    add_rmsnorm_kernel[(rows,)](xc, dc, weight, res, out, N, eps, HAS_DELTA=delta is not None,
+                                BLOCK=_next_pow2(N), num_warps=4 if N >= 1024 else 1)
+    return res, out
+
+
+def route_topk(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """Router logits [N, E] -> (topk_ids [N, k] int64, topk_w [N, k] float32): softmax in float32,
+    top-k, optional renormalisation, in one launch per call (what MoEBlock.route does in ~6)."""
+    _kernels()
+    if logits.dim() != 2 or not 0 < top_k <= logits.shape[1]:
+        raise KernelError(f"route_topk: logits shape {tuple(logits.shape)} with top_k {top_k}; expected "
+                          f"[tokens, experts] and 0 < top_k <= experts")
+    lg = logits if logits.stride(-1) == 1 else logits.contiguous()
+    N, E = lg.shape
+    ids = torch.empty(N, top_k, dtype=torch.long, device=lg.device)
+    w = torch.empty(N, top_k, dtype=torch.float32, device=lg.device)
+    route_topk_kernel[(N,)](lg, ids, w, E, lg.stride(0), TOPK=top_k, KP=_next_pow2(top_k), NORM=renormalize,
+                            BLOCK_E=_next_pow2(E), num_warps=1)
+    return ids, w
+
+
+def qk_rope_cache(q: Tensor, k: Tensor, v: Tensor, q_norm_w: Tensor | None, k_norm_w: Tensor | None,
+                  eps: float, cos: Tensor, sin: Tensor, positions: Tensor, k_cache: Tensor,
+                  v_cache: Tensor) -> Tensor:
+    """q [B, T, NH, D], k/v [B, T, NKV, D] (views with unit last stride), cos/sin [B, T, D] in q's
+    dtype, positions [B, T]: per-head RMSNorm of q and k (when weights are given), RoPE, and the
+    keys/values written to k_cache/v_cache [B', NKV, S, D] at slot positions[b, t]. Returns the
+    rotated queries [B, NH, T, D] (contiguous). One launch instead of ~30 small kernels."""
+    _kernels()
+    B, T, NH, D = q.shape
+    NKV = k.shape[2]
+    if D & (D - 1) or D < 2:
+        raise KernelError(f"qk_rope_cache: head_dim {D} must be a power of two")
+    if (q_norm_w is None) != (k_norm_w is None):
+        raise KernelError("qk_rope_cache: give both q and k norm weights or neither")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise KernelError(f"qk_rope_cache: {name} needs a unit last stride")
+    if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise KernelError("qk_rope_cache: k_cache and v_cache need the same layout with a unit last stride")
+    cos = cos.expand(B, T, D) if cos.shape[0] != B else cos
+    sin = sin.expand(B, T, D) if sin.shape[0] != B else sin
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    pos = positions.expand(B, T).contiguous()
+    qo = torch.empty(B, NH, T, D, dtype=q.dtype, device=q.device)
+    has_norm = q_norm_w is not None
+    qw, kw = (q_norm_w, k_norm_w) if has_norm else (qo, qo)
+    qk_rope_cache_kernel[(B * T, NH + NKV)](
+        q, k, v, qw, kw, cos, sin, pos, qo, k_cache, v_cache, T, NH, eps,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), cos.stride(0), cos.stride(1),
+        qo.stride(0), qo.stride(1), qo.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HAS_NORM=has_norm, D=D, num_warps=1)
+    return qo

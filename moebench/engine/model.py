@@ -68,6 +68,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.num_heads * d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.num_kv_heads * d, cfg.rms_norm_eps)
         self.clip_qkv = cfg.clip_qkv
+        self.eps = cfg.rms_norm_eps
+        self.fused_max_tokens = 0            # see MoETransformer.set_fused_decode
         self.k_cache: Tensor | None = None   # [B, kv_heads, max_len, head_dim]
         self.v_cache: Tensor | None = None
 
@@ -82,15 +84,23 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv, self.head_dim)
         v = v.view(B, T, self.n_kv, self.head_dim)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if B * T <= self.fused_max_tokens:
+            # One kernel: per-head q/k norm, RoPE, and the cache writes (kernels.qk_rope_cache).
+            from . import kernels
+            head = self.qk_norm == "head"
+            q = kernels.qk_rope_cache(q, k, v, self.q_norm.weight if head else None,
+                                      self.k_norm.weight if head else None, self.eps, cos, sin, positions,
+                                      self.k_cache, self.v_cache)
+        else:
+            if self.qk_norm == "head":
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        # Write this step's keys/values into each row's slots (static shapes; no host sync).
-        rows = torch.arange(B, device=x.device)[:, None].expand(B, T)
-        self.k_cache[rows, :, positions] = k.transpose(1, 2).to(self.k_cache.dtype)
-        self.v_cache[rows, :, positions] = v.transpose(1, 2).to(self.v_cache.dtype)
+            # Write this step's keys/values into each row's slots (static shapes; no host sync).
+            rows = torch.arange(B, device=x.device)[:, None].expand(B, T)
+            self.k_cache[rows, :, positions] = k.transpose(1, 2).to(self.k_cache.dtype)
+            self.v_cache[rows, :, positions] = v.transpose(1, 2).to(self.v_cache.dtype)
         keys, values = self.k_cache[:B, :, :kv_len], self.v_cache[:B, :, :kv_len]
         slots = torch.arange(kv_len, device=x.device)
         mask = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)   # [B, 1, T, kv_len]
@@ -241,10 +251,15 @@ class MoEBlock(nn.Module):
             self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.tracer: RouterTracer | None = None
+        self.fused_max_tokens = 0            # see MoETransformer.set_fused_decode
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [N, H] -> (router logits [N, E], topk_ids [N, k], topk_w [N, k] float32)."""
         logits = self.gate(x)
+        if x.shape[0] <= self.fused_max_tokens:
+            from . import kernels      # softmax + top-k + renormalise in one kernel, no sort
+            topk_ids, topk_w = kernels.route_topk(logits, self.top_k, self.norm_topk_prob)
+            return logits, topk_ids, topk_w
         probs = torch.softmax(logits.float(), dim=-1)
         topk_w, topk_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -293,6 +308,7 @@ class MoETransformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.max_batch = 0
         self.max_seq_len = 0
+        self.fused_max_tokens = 0
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
@@ -310,6 +326,16 @@ class MoETransformer(nn.Module):
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.rope_cos, self.rope_sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_seq_len, device)
 
+    def set_fused_decode(self, max_tokens: int) -> None:
+        """Run steps of at most `max_tokens` tokens (B * T; decode) through the fused Triton ops of
+        kernels.py: residual add + RMSNorm, q/k norm + RoPE + KV-cache write, router softmax + top-k.
+        0 turns them off. Larger steps (prefill) keep the torch ops."""
+        self.fused_max_tokens = max_tokens
+        for layer in self.layers:
+            layer.self_attn.fused_max_tokens = max_tokens
+            if isinstance(layer.mlp, MoEBlock):
+                layer.mlp.fused_max_tokens = max_tokens
+
     def set_tracer(self, tracer: RouterTracer | None) -> None:
         for block in self.moe_blocks():
             block.tracer = tracer
@@ -320,6 +346,23 @@ class MoETransformer(nn.Module):
         x = self.embed_tokens(tokens)
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
+        if tokens.numel() <= self.fused_max_tokens:
+            return self._fused_layers(x, cos, sin, positions, kv_len)
         for layer in self.layers:
             x = layer(x, cos, sin, positions, kv_len)
         return self.norm(x)
+
+    def _fused_layers(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+        """DecoderLayer.forward for every layer, with each residual add fused into the next RMSNorm
+        (the next layer's input norm, or the final norm): one kernel where there were ~9."""
+        from . import kernels
+        first = self.layers[0].input_layernorm
+        x, h = kernels.add_rmsnorm(x, None, first.weight, first.eps)
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn(h, cos, sin, positions, kv_len)
+            post = layer.post_attention_layernorm
+            x, h = kernels.add_rmsnorm(x, a, post.weight, post.eps)
+            m = layer.mlp(h)
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, h = kernels.add_rmsnorm(x, m, nxt.weight, nxt.eps)
+        return h
