@@ -78,7 +78,8 @@ def variant(name: str):
 # Engines sharing the transformers model's tensors
 
 def build_engine(hf, *, max_seq_len: int, max_batch: int = 1, cuda_graphs: bool = False,
-                 experts_impl: str = "auto", experts=None, prefill_chunk: int = 512) -> Engine:
+                 experts_impl: str = "auto", experts=None, prefill_chunk: int = 512,
+                 fused_ops: bool | None = None) -> Engine:
     """An Engine whose non-expert parameters are the transformers model's tensors (views). experts:
     None (the dense experts, also views) or {layer: nn.Module} replacing each MoE layer's experts."""
     cfg = ModelConfig.from_dict(hf.config.to_dict(), source="transformers config")
@@ -106,7 +107,7 @@ def build_engine(hf, *, max_seq_len: int, max_batch: int = 1, cuda_graphs: bool 
         for block in model.moe_blocks():
             block.experts = experts[block.layer_idx]
     return Engine(model.eval(), None, max_seq_len=max_seq_len, max_batch=max_batch, cuda_graphs=cuda_graphs,
-                  experts_impl=experts_impl, prefill_chunk=prefill_chunk)
+                  experts_impl=experts_impl, prefill_chunk=prefill_chunk, fused_ops=fused_ops)
 
 
 def dense_expert_weights(hf, layer: int):
@@ -203,8 +204,9 @@ def time_graph(fn, device, iters: int = 20, reps: int = 5) -> float:
     return best
 
 
+# BK is columns per step for dense/int8 and BYTES per step for int4 (2 columns/byte) and ternary (5).
 SWEEP = [dict(BN=bn, BK=bk, num_warps=w) for bn, bk, w in
-         ((4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 128, 4), (32, 256, 8), (64, 128, 8))]
+         ((4, 512, 4), (8, 256, 4), (16, 256, 4), (16, 128, 4), (32, 128, 8))]
 
 
 def sweep_kernel_configs(groups_by_fmt: dict, hidden: int, top_k: int, num_experts: int, device, dtype,
@@ -239,13 +241,22 @@ def sweep_kernel_configs(groups_by_fmt: dict, hidden: int, top_k: int, num_exper
     return out
 
 
-def profile_step(eng: Engine, prompt: list[int], device, top: int = 15) -> list:
-    """Kernel-time table of a few eager decode steps (kernel times equal those inside a graph)."""
+def profile_step(eng: Engine, prompt: list[int], device, top: int = 15, steps: int = 5) -> dict:
+    """Kernel-time table of `steps` eager decode steps alone (no prefill: round 1's table mixed in a
+    64-token prefill, whose grouped_mm argsort was the radix sort), and kernels launched per step."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    eng.generate([prompt], 3, ignore_eos=True)
-    with profile(activities=acts) as prof:
-        eng.generate([prompt], 5, ignore_eos=True)
+    eng.generate([prompt], 2, ignore_eos=True)      # fills the cache, compiles the kernels
+    tokens = torch.tensor([[prompt[-1]]], device=device)
+    kv_len = eng._kv_len(len(prompt) + 1)
+    pos = torch.tensor([[len(prompt)]], device=device)
+    with torch.inference_mode():
+        eng._decode(tokens, pos, kv_len)
+        sync(device)
+        with profile(activities=acts) as prof:
+            for _ in range(steps):
+                eng._decode(tokens, pos, kv_len)
+            sync(device)
     key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
     rows = []
     for ev in prof.key_averages():
@@ -257,7 +268,13 @@ def profile_step(eng: Engine, prompt: list[int], device, top: int = 15) -> list:
     rows.sort(key=lambda r: -r[2])
     if device.type == "cuda":   # device totals: keep kernels only (CPU-side ops double count)
         rows = [r for r in rows if not r[0].startswith("aten::") and not r[0].startswith("cuda")]
-    return rows[:top]
+        kernels_total = sum(r[1] for r in rows)
+        ms_total = sum(r[2] for r in rows)
+    else:                       # CPU: count top-level aten ops instead
+        rows = [r for r in rows if r[0].startswith("aten::")]
+        kernels_total = sum(r[1] for r in rows)
+        ms_total = sum(r[2] for r in rows)
+    return {"rows": rows[:top], "kernels_per_step": kernels_total / steps, "kernel_ms_per_step": ms_total / steps}
 
 
 def main(argv=None) -> dict:
@@ -413,13 +430,26 @@ def main(argv=None) -> dict:
         log(f"engine bf16 [triton{'+graphs' if graphs else ''}]: {r['tok_s']:.2f} tok/s, MBU {r['mbu_pct']:.1f}%")
         return r
 
-    @variant("profile_bf16_triton_step")
+    for fused in (True, False):
+        @variant(f"profile_bf16_triton_step_fused_ops_{'on' if fused else 'off'}")
+        def _(fused=fused):
+            p = profile_step(build_engine(hf, max_seq_len=max_seq, experts_impl="triton", fused_ops=fused),
+                             prompt, device)
+            log(f"decode step, fused_ops={'on' if fused else 'off'}: {p['kernels_per_step']:.0f} kernels/step, "
+                f"{p['kernel_ms_per_step']:.3f} ms kernel time/step; top kernels over 5 eager steps (ms, count):")
+            for name, count, ms in p["rows"][:12 if fused else 6]:
+                log(f"  {ms:9.3f} {count:6d}  {name}")
+            return p
+
+    @variant("engine_bf16_triton_graphs_no_fused_ops")
     def _():
-        rows = profile_step(build_engine(hf, max_seq_len=max_seq, experts_impl="triton"), prompt, device)
-        log("kernel time, 5 eager decode steps (ms, count):")
-        for name, count, ms in rows:
-            log(f"  {ms:9.3f} {count:6d}  {name}")
-        return {"rows": rows}
+        eng = build_engine(hf, max_seq_len=max_seq, cuda_graphs=graphs, experts_impl="triton", fused_ops=False)
+        r = engine_rate(eng)
+        r.pop("tokens")
+        r.update(bytes_per_token=R["active_bytes"], mbu_pct=mbu(r["tok_s"], R["active_bytes"]))
+        log(f"engine bf16 [triton, fused_ops off{'+graphs' if graphs else ''}]: {r['tok_s']:.2f} tok/s, "
+            f"MBU {r['mbu_pct']:.1f}%")
+        return r
 
     # ---- quantized experts --------------------------------------------------------------------------
     L, E = cfg.num_layers, cfg.num_experts
@@ -439,21 +469,34 @@ def main(argv=None) -> dict:
             eng = build_engine(hf, max_seq_len=max_seq, cuda_graphs=graphs, experts_impl="triton",
                                experts=tiered_experts(hf, precision, home, device, dtype))
             build_s = time.perf_counter() - t
-            split = expert_bytes_per_token(routes, precision, home, H, I)
-            nbytes = non_expert + split["hbm"] + split["pcie"]
             r = engine_rate(eng)
             toks = r.pop("tokens")
+            # Bytes per token from THIS engine's routing on its own continuation: quantized experts
+            # change the hidden states and so the routing; round 1 used the bf16 model's routes, on
+            # which (a repetitive greedy continuation, its experts all "hot") no host expert was
+            # ever picked: "PCIe 0.0 MB/token". Both are kept.
+            own = eng.trace(prompt + toks, router_logits=False)
+            split = expert_bytes_per_token([ids[len(prompt):] for ids in own.topk_ids], precision, home, H, I)
+            split_bf16 = expert_bytes_per_token(routes, precision, home, H, I)
+            r["pcie_bytes_per_token_bf16_routes"] = split_bf16["pcie"]
+            r["host_expert_share_of_picks"] = sum(
+                sum(home[l][e] == "host" for e in ids[len(prompt):].flatten().tolist())
+                for l, ids in enumerate(own.topk_ids)) / max(1, sum(ids[len(prompt):].numel() for ids in own.topk_ids))
+            nbytes = non_expert + split["hbm"] + split["pcie"]
             r.update(build_s=build_s, bytes_per_token=nbytes, hbm_bytes_per_token=non_expert + split["hbm"],
                      pcie_bytes_per_token=split["pcie"], mbu_pct=mbu(r["tok_s"], nbytes),
                      greedy_prefix_agree_with_bf16=next((i for i, (a, b) in enumerate(zip(toks, ref_tokens))
                                                          if a != b), len(ref_tokens)))
             msg = (f"engine {name} [triton{'+graphs' if graphs else ''}]: {r['tok_s']:.2f} tok/s, "
                    f"{nbytes / 1e9:.3f} GB/token, MBU {r['mbu_pct']:.1f}%")
-            if split["pcie"] and R["pinned_h2d_Bps"]:
+            if "host" in {h for row in home for h in row} and R["pinned_h2d_Bps"]:
                 bound = 1.0 / ((non_expert + split["hbm"]) / bw + split["pcie"] / R["pinned_h2d_Bps"])
-                r.update(tier_bound_tok_s=bound, pct_of_tier_bound=100 * r["tok_s"] / bound)
-                msg += (f"; PCIe {split['pcie'] / 1e6:.1f} MB/token, tier-aware bound {bound:.1f} tok/s -> "
-                        f"{r['pct_of_tier_bound']:.1f}% of it")
+                r.update(tier_bound_tok_s=bound, pct_of_tier_bound=100 * r["tok_s"] / bound,
+                         pcie_achieved_Bps=split["pcie"] * r["tok_s"])
+                msg += (f"; PCIe {split['pcie'] / 1e6:.1f} MB/token ({100 * r['host_expert_share_of_picks']:.0f}% of "
+                        f"picks on host experts; bf16 routes would say {split_bf16['pcie'] / 1e6:.1f}), achieved "
+                        f"{r['pcie_achieved_Bps'] / 1e9:.1f} GB/s of {R['pinned_h2d_Bps'] / 1e9:.1f}; tier-aware bound "
+                        f"{bound:.1f} tok/s -> {r['pct_of_tier_bound']:.1f}% of it")
             log(msg + f"; greedy equals bf16 for {r['greedy_prefix_agree_with_bf16']} tokens")
             del eng
             return r
@@ -479,7 +522,7 @@ def main(argv=None) -> dict:
         n = args.prefill_len
         long_prompt = torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
         out = {}
-        for label, impl, chunk in (("engine_triton_chunk2048", "triton", 2048), ("engine_auto_chunk512", "auto", 512)):
+        for label, impl, chunk in (("engine_triton_chunk2048", "triton", 2048),):
             eng = build_engine(hf, max_seq_len=n + 8, experts_impl=impl, prefill_chunk=chunk)
             eng.generate([long_prompt[:256]], 1, ignore_eos=True)    # warm-up
             t = min(timed(lambda: eng.generate([long_prompt], 1, ignore_eos=True), device) for _ in range(2))

@@ -442,7 +442,8 @@ if triton is not None:
         tl.store(w_ptr + r * TOPK + ks, vals, mask=ks < TOPK)
 
     @triton.jit
-    def norm_rope_head(src, w_ptr, c, s, d, partner, eps, HAS_NORM: tl.constexpr, D: tl.constexpr, dt):
+    def norm_rope_head(src, w_ptr, c, s, d, partner, eps, HAS_NORM: tl.constexpr, D: tl.constexpr,
+                       dt: tl.constexpr):
         """One head vector (float32, rounded as the torch code rounds): optional RMSNorm, then RoPE
         with rotate_half: out[d] = x[d] cos[d] + sign(d) x[partner(d)] sin[d]."""
         x = tl.load(src + d).to(tl.float32)
