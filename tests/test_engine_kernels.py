@@ -365,3 +365,47 @@ def test_fused_decode_ops_cut_ops_per_step(ckpt):
         counts[fused] = count_step_ops(eng, tokens, pos, 16)
     print("ops per decode step (2 layers), torch ops vs fused:", counts)
     assert counts[True] < 0.6 * counts[False], counts
+
+
+# ---- decode GEMV and the fused [q; k; v] projection ---------------------------------------------------
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_f_linear(with_bias):
+    """kernels.linear == F.linear on odd sizes (row and column masks, several K steps, 3 tokens)."""
+    g = torch.Generator().manual_seed(11)
+    N, Kin = 37, 100
+    x = torch.randn(1, 3, Kin, generator=g)
+    w = torch.randn(N, Kin, generator=g)
+    b = torch.randn(N, generator=g) if with_bias else None
+    saved = kernels.get_config("gemv", "dense")
+    kernels.set_config("gemv", "dense", BN=8, BK=32)
+    try:
+        got = kernels.linear(x.to(DEV), w.to(DEV), b.to(DEV) if b is not None else None).cpu()
+    finally:
+        kernels.set_config("gemv", "dense", **saved)
+    assert got.shape == (1, 3, N)
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    with pytest.raises(kernels.KernelError, match="weight shape"):
+        kernels.linear(x.to(DEV), w.t().contiguous().to(DEV))
+
+
+def test_engine_fused_qkv_and_gemv_decode_match_default_path(ckpt):
+    """The fused decode path's one [q; k; v] GEMM (parameters become views into it, values
+    unchanged) and the Triton GEMV for the projections give the same logits as the torch path."""
+    ref = Engine.load(ckpt, device=DEV, dtype="float32", max_seq_len=32)
+    fused = Engine.load(ckpt, device=DEV, dtype="float32", max_seq_len=32, experts_impl="triton", gemv_max_tokens=1)
+    attn, attn_ref = fused.model.layers[0].self_attn, ref.model.layers[0].self_attn
+    assert attn.qkv_weight is not None and attn.gemv_max_tokens == 1
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+    assert attn.v_proj.weight.data_ptr() > attn.k_proj.weight.data_ptr() > attn.q_proj.weight.data_ptr()
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert torch.equal(getattr(attn, name).weight, getattr(attn_ref, name).weight)
+    prompt = list(range(3, 12))
+    a = ref.generate([prompt], 5, ignore_eos=True)[0].token_ids
+    b = fused.generate([prompt], 5, ignore_eos=True)[0].token_ids
+    assert a == b
+    # One decode step's logits, both paths, same cache contents.
+    tokens, pos = torch.tensor([[b[-1]]], device=DEV), torch.tensor([[len(prompt) + 4]], device=DEV)
+    la = ref._decode(tokens, pos, len(prompt) + 5).float().cpu()
+    lb = fused._decode(tokens, pos, len(prompt) + 5).float().cpu()
+    torch.testing.assert_close(lb, la, atol=2e-3, rtol=2e-3)

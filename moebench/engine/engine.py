@@ -72,7 +72,7 @@ class Engine:
     def __init__(self, model: MoETransformer, tokenizer: Tokenizer | None = None, *,
                  max_seq_len: int | None = None, max_batch: int = 1, prefill_chunk: int = 512,
                  cache_dtype: torch.dtype | None = None, cuda_graphs: bool = False,
-                 experts_impl: str = "auto", fused_ops: bool | None = None):
+                 experts_impl: str = "auto", fused_ops: bool | None = None, gemv_max_tokens: int = 0):
         self.model = model
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
@@ -106,7 +106,9 @@ class Engine:
             from . import kernels
             if not kernels.available():
                 raise EngineError("fused_ops needs Triton, which does not run here")
-            model.set_fused_decode(Experts.triton_max_tokens)
+            # gemv_max_tokens > 0 (opt-in): the attention projections of steps up to that many
+            # tokens use kernels.linear instead of cuBLAS' M=1 kernels.
+            model.set_fused_decode(Experts.triton_max_tokens, gemv_max_tokens)
         self._lock = threading.Lock()
         # Opt-in: replay each decode step as a CUDA graph (one per batch size and KV bucket). Needs
         # an experts module without host syncs in decode (the dense `Experts` qualifies).
@@ -117,7 +119,8 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu", dtype: str = "float32",
              max_seq_len: int | None = None, max_batch: int = 1, prefill_chunk: int = 512,
-             cuda_graphs: bool = False, experts_impl: str = "auto", fused_ops: bool | None = None) -> "Engine":
+             cuda_graphs: bool = False, experts_impl: str = "auto", fused_ops: bool | None = None,
+             gemv_max_tokens: int = 0) -> "Engine":
         """Load a Hugging Face checkpoint directory (or a tiered artifact holding plan.json)."""
         path = Path(path)
         cfg = ModelConfig.from_pretrained(path)
@@ -126,7 +129,8 @@ class Engine:
         if (path / "tokenizer.json").is_file():
             tok = Tokenizer.from_dir(path, cfg.bos_token_id, cfg.eos_token_ids)
         return cls(model, tok, max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                   cuda_graphs=cuda_graphs, experts_impl=experts_impl, fused_ops=fused_ops)
+                   cuda_graphs=cuda_graphs, experts_impl=experts_impl, fused_ops=fused_ops,
+                   gemv_max_tokens=gemv_max_tokens)
 
     # ---- properties the runner reads ----
     @property

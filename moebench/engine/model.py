@@ -70,13 +70,45 @@ class Attention(nn.Module):
         self.clip_qkv = cfg.clip_qkv
         self.eps = cfg.rms_norm_eps
         self.fused_max_tokens = 0            # see MoETransformer.set_fused_decode
+        self.gemv_max_tokens = 0             # projections through kernels.linear up to this many tokens
+        self.qkv_weight: Tensor | None = None   # [q; k; v] rows, set by fuse_qkv (one GEMM in decode)
+        self.qkv_bias: Tensor | None = None
         self.k_cache: Tensor | None = None   # [B, kv_heads, max_len, head_dim]
         self.v_cache: Tensor | None = None
+
+    @torch.no_grad()
+    def fuse_qkv(self) -> None:
+        """Concatenate the q/k/v projection weights (and biases) into one [q; k; v] matrix and make
+        the three parameters views into it: same parameters and state_dict, no extra memory, and
+        decode runs one GEMM instead of three. Skipped when the three differ in dtype or device."""
+        ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        if self.qkv_weight is not None or len({(w.dtype, w.device) for w in ws}) != 1 or ws[0].is_meta:
+            return
+        fused = torch.cat([w.detach() for w in ws])
+        nq, nk = ws[0].shape[0], ws[1].shape[0]
+        for proj, view in zip((self.q_proj, self.k_proj, self.v_proj), fused.split([nq, nk, nk])):
+            proj.weight.data = view
+        self.qkv_weight = fused
+        if self.q_proj.bias is not None:
+            bias = torch.cat([self.q_proj.bias.detach(), self.k_proj.bias.detach(), self.v_proj.bias.detach()])
+            for proj, view in zip((self.q_proj, self.k_proj, self.v_proj), bias.split([nq, nk, nk])):
+                proj.bias.data = view
+            self.qkv_bias = bias
+
+    def _linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if x.numel() // x.shape[-1] <= self.gemv_max_tokens:
+            from . import kernels
+            return kernels.linear(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, kv_len: int) -> Tensor:
         """x [B, T, H]; positions [B, T] (cache slot = position); attend to slots [0, kv_len)."""
         B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if B * T <= self.fused_max_tokens and self.qkv_weight is not None:
+            nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            q, k, v = self._linear(x, self.qkv_weight, self.qkv_bias).split([nq, nk, nk], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -106,7 +138,8 @@ class Attention(nn.Module):
         mask = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)   # [B, 1, T, kv_len]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                              enable_gqa=self.n_heads != self.n_kv)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        return self._linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
 class DenseMLP(nn.Module):
@@ -326,13 +359,18 @@ class MoETransformer(nn.Module):
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.rope_cos, self.rope_sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_seq_len, device)
 
-    def set_fused_decode(self, max_tokens: int) -> None:
+    def set_fused_decode(self, max_tokens: int, gemv_max_tokens: int = 0) -> None:
         """Run steps of at most `max_tokens` tokens (B * T; decode) through the fused Triton ops of
-        kernels.py: residual add + RMSNorm, q/k norm + RoPE + KV-cache write, router softmax + top-k.
-        0 turns them off. Larger steps (prefill) keep the torch ops."""
+        kernels.py: residual add + RMSNorm, one [q; k; v] GEMM (Attention.fuse_qkv), q/k norm + RoPE +
+        KV-cache write, router softmax + top-k. 0 turns them off. Larger steps (prefill) keep the torch
+        ops. gemv_max_tokens: steps of at most that many tokens run the attention projections through
+        kernels.linear (a Triton GEMV) instead of cuBLAS (0: never)."""
         self.fused_max_tokens = max_tokens
         for layer in self.layers:
             layer.self_attn.fused_max_tokens = max_tokens
+            layer.self_attn.gemv_max_tokens = min(gemv_max_tokens, max_tokens)
+            if max_tokens:
+                layer.self_attn.fuse_qkv()
             if isinstance(layer.mlp, MoEBlock):
                 layer.mlp.fused_max_tokens = max_tokens
 
