@@ -24,6 +24,7 @@ def test_smoke_suite_bf16_vs_q4_0_through_llama_server(zoo, tmp_path):
         assert all(r["status"] == "ok" for r in recs), [r.get("error") for r in recs if r["status"] != "ok"]
         cmmlu = [r for r in recs if r["task"] == "cmmlu"]
         assert all(set(r["choice_logprobs"]) == {"A", "B", "C", "D"} for r in cmmlu)
+        assert all(r["scoring"] == "choice_logprobs:renormalized" and r["answer"] in "ABCD" for r in cmmlu)
     moebench_cli("compare", str(base), str(cand), "--out", str(cmp_dir), check=True)
     cmp = json.loads((cmp_dir / "compare.json").read_text())
     for task in ("gsm8k", "cmmlu", "humaneval"):
@@ -31,3 +32,33 @@ def test_smoke_suite_bf16_vs_q4_0_through_llama_server(zoo, tmp_path):
     k = cmp["kld"]
     assert k["n_tokens"] > 0 and k["mean"] > 0 and 0 < k["same_top_p"] <= 1
     assert (cmp_dir / "report.html").stat().st_size > 5000
+
+
+def test_llama_server_choice_logprobs_keep_the_models_ranking(zoo):
+    """The grammar-restricted choice scores are the model's probabilities renormalised over the choices:
+    same differences of log-probs as the full distribution (n_probs = the whole vocabulary)."""
+    import asyncio
+    import math
+
+    from moebench.runners.base import GenerateRequest
+    from moebench.runners.llama_server import LlamaServerRunner
+
+    async def main():
+        r = LlamaServerRunner({"model": str(zoo / "tiny-moe-bf16.gguf"), "ctx_size": 1024, "args": ["--threads", "1"]})
+        await r.start()
+        try:
+            prompt = "Question: which letter comes first?\nA. one\nB. two\nC. three\nD. four\nAnswer:"
+            choices = [" A", " B", " C", " D"]
+            lps, kind = await r.choice_logprobs(prompt, choices)
+            full = await r.generate(GenerateRequest(prompt=prompt, max_tokens=1, top_logprobs=50257))
+            return lps, kind, full.top_logprobs[0]
+        finally:
+            await r.close()
+
+    lps, kind, full = asyncio.run(main())
+    assert kind == "renormalized" and all(v is not None for v in lps.values())
+    # Renormalised over every token the grammar allows first (a bare " " can start " A" too): at most 1.
+    assert 0.5 < sum(math.exp(v) for v in lps.values()) <= 1.0 + 1e-6
+    for a in lps:
+        for b in lps:
+            assert abs((lps[a] - lps[b]) - (full[a] - full[b])) < 2e-3, (a, b, lps, {c: full[c] for c in lps})

@@ -25,6 +25,7 @@ class Capability:
     TOKENIZE = "tokenize"              # text -> token ids with the runner's own tokenizer
     TOKEN_PROMPTS = "token_prompts"    # prompts given as token ids
     ROUTER_TRACE = "router_trace"      # per-layer top-k expert ids and weights per token
+    CHOICE_LOGPROBS = "choice_logprobs"  # next-token log-probs of given choice strings, none missed
 
 
 class RunnerError(Exception):
@@ -123,6 +124,12 @@ class Runner:
 
     async def tokenize(self, text: str) -> list[int]:
         raise CapabilityError(f"runner kind {self.kind!r} cannot tokenize")
+
+    async def choice_logprobs(self, prompt: str | list[int], choices: list[str]) -> tuple[dict[str, float | None], str]:
+        """Next-token log-probs of each choice string (each a single token), and how they were obtained:
+        "exact" (the model's log-probs) or "renormalized" (log-probs renormalised over the choices, same
+        ranking). A choice that is not one token gets None."""
+        raise CapabilityError(f"runner kind {self.kind!r} cannot score choices")
 
     async def detokenize(self, token_ids: list[int]) -> str:
         raise CapabilityError(f"runner kind {self.kind!r} cannot detokenize")

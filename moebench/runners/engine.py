@@ -54,7 +54,7 @@ class EngineRunner(Runner):
     kind = "engine"
     capabilities = frozenset({Capability.GENERATE, Capability.STREAM, Capability.TOP_LOGPROBS,
                               Capability.FULL_LOGITS, Capability.TOKENIZE, Capability.TOKEN_PROMPTS,
-                              Capability.ROUTER_TRACE})
+                              Capability.ROUTER_TRACE, Capability.CHOICE_LOGPROBS})
 
     def __init__(self, profile: dict[str, Any], profile_path: str | None = None):
         super().__init__(profile, profile_path)
@@ -143,6 +143,16 @@ class EngineRunner(Runner):
         out = (await asyncio.to_thread(eng.generate, [token_ids], 1, temperature=0.0,
                                        top_logprobs=eng.vocab_size))[0]
         return dict(out.top_logprobs[0])
+
+    async def choice_logprobs(self, prompt, choices):
+        eng = self._eng()
+        ids = prompt if isinstance(prompt, list) else eng.tokenize(prompt)
+        dist = await self.next_logprobs(ids)
+        out = {}
+        for c in choices:
+            t = eng.tokenize(c)
+            out[c] = dist.get(t[0]) if len(t) == 1 else None
+        return out, "exact"
 
     async def logits(self, token_ids: list[int]):
         """[len, vocab] float32 next-token logits at every position (teacher forcing)."""

@@ -14,6 +14,7 @@ import asyncio
 import atexit
 import hashlib
 import json
+import math
 import mmap
 import os
 import re
@@ -315,6 +316,7 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
 class LlamaServerRunner(Runner):
     kind = "llama-server"
     capabilities = frozenset({Capability.GENERATE, Capability.STREAM, Capability.TOP_LOGPROBS,
+                              Capability.CHOICE_LOGPROBS,
                               Capability.TOKENIZE, Capability.TOKEN_PROMPTS})
 
     def __init__(self, profile: dict[str, Any], profile_path: str | None = None):
@@ -659,6 +661,30 @@ class LlamaServerRunner(Runner):
             timings=timings,
             endpoint=self.base_url,
         )
+
+    async def choice_logprobs(self, prompt, choices):
+        """Exact ranking of single-token choices whatever their rank in the vocabulary: a grammar allows
+        only the choices, and the post-sampling probabilities (temperature 1, no truncation) are the
+        model's probabilities renormalised over them (ratios kept; checked against n_probs = vocab)."""
+        if not choices:
+            return {}, "renormalized"
+        grammar = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+        payload = {"prompt": prompt, "n_predict": 1, "n_probs": 4 * len(choices), "post_sampling_probs": True,
+                   "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0,
+                   "seed": 0, "cache_prompt": True, "grammar": grammar}
+
+        async def call(client: httpx.AsyncClient) -> dict[str, float | None]:
+            r = await client.post("/completion", json=payload)
+            self._check_status(r)
+            probs = (r.json().get("completion_probabilities") or [{}])[0].get("top_probs") or []
+            best: dict[str, float] = {}
+            for p in probs:
+                tok, prob = p.get("token"), p.get("prob")
+                if tok in choices and prob and prob > 0:
+                    best[tok] = max(best.get(tok, 0.0), prob)
+            return {c: (math.log(best[c]) if c in best else None) for c in choices}
+
+        return await self._with_restarts(call), "renormalized"
 
     async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         """Token ids of `text` (no BOS unless `add_special`; special-token text is not parsed)."""

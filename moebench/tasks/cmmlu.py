@@ -2,8 +2,9 @@
 
 Prompt format as lm-eval's cmmlu task: a subject description, then exemplars
 "{Question}\\nA. ..\\nB. ..\\nC. ..\\nD. ..\\n答案： {Answer}" joined by blank lines, then the question.
-Scoring: from the whole next-token distribution where the runner can give it (the engine), else from
-the next token's top-k log-probs over A/B/C/D (each letter's log-prob is the best of its spellings
+Scoring: from the runner's choice log-probs where it has them (the engine's whole next-token
+distribution, or llama-server under a grammar allowing only the letters: renormalised over them,
+same ranking), else from the next token's top-k log-probs over A/B/C/D (each letter's log-prob is the best of its spellings
 "A" / " A"; a letter outside the top-k gets None and cannot win), else by generation and the first
 A-D letter. All four choice log-probs are recorded.
 """
@@ -101,19 +102,19 @@ class CmmluTask(Task):
         prompt = item.data["prompt"]
         common = {"reference": item.data["reference"], "question": item.data["question"],
                   "subject": item.data["subject"], "prompt_hash": prompt_hash(prompt)}
-        if self.opts["scoring"] != "generate" and hasattr(runner, "next_logprobs"):
-            # Exact: the whole next-token distribution (the engine), so no choice falls outside a top-k.
-            ids = await runner.tokenize(prompt)
-            dist = await runner.next_logprobs(ids)
+        if self.opts["scoring"] != "generate" and Capability.CHOICE_LOGPROBS in runner.capabilities:
+            # Exact ranking of the four letters whatever their rank in the vocabulary (the engine: the
+            # whole next-token distribution; llama-server: a grammar over the letters).
+            spellings = [v for letter in LETTERS for v in (letter, " " + letter)]
+            lps, kind = await runner.choice_logprobs(prompt, spellings)
             choice_lp = {}
             for letter in LETTERS:
-                spellings = [await runner.tokenize(v) for v in (letter, " " + letter)]
-                lps = [dist[t[0]] for t in spellings if len(t) == 1 and t[0] in dist]
-                choice_lp[letter] = max(lps) if lps else None
+                vals = [lps.get(v) for v in (letter, " " + letter) if lps.get(v) is not None]
+                choice_lp[letter] = max(vals) if vals else None
             ranked = [(lp, letter) for letter, lp in choice_lp.items() if lp is not None]
             answer = max(ranked)[1] if ranked else None
-            return {**common, "scoring": "full_distribution", "choice_logprobs": choice_lp, "answer": answer,
-                    "output": answer or "", "prompt_tokens": len(ids), "correct": answer == item.data["reference"]}
+            return {**common, "scoring": f"choice_logprobs:{kind}", "choice_logprobs": choice_lp,
+                    "answer": answer, "output": answer or "", "correct": answer == item.data["reference"]}
         if self._use_logprobs(runner):
             result = await runner.generate(GenerateRequest(
                 prompt=prompt, max_tokens=1, temperature=0.0, top_logprobs=self.opts["top_logprobs"]))
