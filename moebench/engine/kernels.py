@@ -39,8 +39,8 @@ FORMAT_CODES = {"dense": 0, "int8": 1, "int4": 2, "int4_asym": 3, "ternary": 4}
 
 # Launch parameters per (kernel, format): BN output rows per program, BK input columns per loop
 # step, num_warps. Defaults are reasonable guesses; benchmarks/decode_h200.py sweeps and sets them.
-DEFAULT_CONFIG = {"BN": 16, "BK": 256, "num_warps": 4}
-CONFIG: dict[tuple[str, str], dict[str, int]] = {("gemv", "dense"): {"BN": 8, "BK": 512, "num_warps": 4}}
+DEFAULT_CONFIG = {"BN": 16, "BK": 256, "num_warps": 4, "num_stages": 3}
+CONFIG: dict[tuple[str, str], dict[str, int]] = {("gemv", "dense"): {"BN": 8, "BK": 512, "num_warps": 4, "num_stages": 3}}
 
 
 class KernelError(ValueError):
@@ -365,7 +365,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
             g.gate.data.stride(0), g.gate.data.stride(1), gse, gsr,
             g.up.data.stride(0), g.up.data.stride(1), use, usr,
             TOPK=k, FMT=FORMAT_CODES[g.gate.fmt], HAS_MAP=g.slot_of is not None, GROUP_SIZE=GROUP,
-            BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"])
+            BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     acc = torch.empty(T, H, dtype=torch.float32, device=x.device) if len(groups) > 1 else out
     for i, g in enumerate(groups):
@@ -380,7 +380,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
             H, inter, g.down.data.shape[-1], h.stride(0), acc.stride(0), target.stride(0),
             g.down.data.stride(0), g.down.data.stride(1), dse, dsr,
             TOPK=k, FMT=FORMAT_CODES[g.down.fmt], HAS_MAP=g.slot_of is not None, ACC_IN=i > 0,
-            GROUP_SIZE=GROUP, BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"])
+            GROUP_SIZE=GROUP, BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
@@ -610,5 +610,5 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     cfg = get_config("gemv", "dense")
     gemv_kernel[(-(-N // cfg["BN"]), T)](x2, weight, bias if bias is not None else weight, y, N, K,
                                          x2.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-                                         BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"])
+                                         BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y.view(*x.shape[:-1], N)
