@@ -47,3 +47,22 @@ def zoo() -> Path:
     out = REPO / "models" / "zoo"
     build_zoo(out)
     return out
+
+
+def haystack_bpe(chars: int, prefer_zoo: bool = False):
+    """A real byte-level BPE (GPT-2 style pre-tokenizer, 2,000 entries) trained on the first `chars`
+    characters of the haystack novel; with `prefer_zoo`, the zoo's own tokenizer where it is built."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from moebench.datasets import data_dir
+    zoo = REPO / "models" / "zoo" / "tiny-moe" / "tokenizer.json"
+    if prefer_zoo and zoo.is_file():
+        return Tokenizer.from_file(str(zoo))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = (data_dir() / "haystack" / "war_and_peace.txt").read_text(encoding="utf-8")
+    trainer = trainers.BpeTrainer(vocab_size=2000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([text[i:i + 10000] for i in range(0, chars, 10000)], trainer)
+    return tok

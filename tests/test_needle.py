@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import re
-from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from conftest import haystack_bpe
 from moebench.config import ProfileError, validate, COMMON_TASK_SCHEMA
 from moebench.datasets import data_dir
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner
@@ -21,22 +20,7 @@ HAYSTACK = DATA / HAYSTACK_FILE
 pytestmark = pytest.mark.skipif(not HAYSTACK.is_file(), reason=f"{HAYSTACK} not in the data mirror")
 
 
-def _tokenizer() -> Tokenizer:
-    """A real byte-level BPE (GPT-2 style pre-tokenizer), trained on the first 400 kB of the novel."""
-    zoo = Path(__file__).resolve().parent.parent / "models" / "zoo" / "tiny-moe" / "tokenizer.json"
-    if zoo.is_file():
-        return Tokenizer.from_file(str(zoo))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    text = HAYSTACK.read_text(encoding="utf-8")
-    trainer = trainers.BpeTrainer(vocab_size=2000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator([text[i:i + 10000] for i in range(0, 400000, 10000)], trainer)
-    return tok
-
-
-TOK = _tokenizer()
+TOK = haystack_bpe(400000, prefer_zoo=True)
 
 
 class ReaderRunner(Runner):

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from conftest import haystack_bpe
+from tokenizers import Tokenizer
 from moebench.config import COMMON_TASK_SCHEMA, ProfileError, validate
 from moebench.datasets import data_dir
 from moebench.tasks.base import TaskContext, prompt_hash
@@ -31,18 +32,7 @@ HAYSTACK = DATA / HAYSTACK_FILE
 pytestmark = pytest.mark.skipif(not HAYSTACK.is_file(), reason=f"{HAYSTACK} not in the data mirror")
 
 
-def _tokenizer() -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    text = HAYSTACK.read_text(encoding="utf-8")
-    trainer = trainers.BpeTrainer(vocab_size=2000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator([text[i:i + 10000] for i in range(0, 300000, 10000)], trainer)
-    return tok
-
-
-TOK = _tokenizer()
+TOK = haystack_bpe(300000)
 
 
 def _differs(prompt: str) -> bool:
