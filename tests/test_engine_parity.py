@@ -153,11 +153,16 @@ def test_every_experts_impl_matches_transformers(checkpoints, impl, device):
     dtype = "float32"
     if impl == "grouped_mm" and device == "cuda":
         dtype = "bfloat16"   # torch's CUDA grouped GEMM is a bf16 kernel
+        # A bf16 model is compared with the same bf16 model through the plain per-expert loop: the
+        # rounding of bf16 weights and activations themselves moves these large logits (|max| ~ 8.7) by
+        # ~0.58 against float32 transformers on the H200 for every path alike (loop, gather, grouped_mm),
+        # so only a like-for-like reference checks the grouped GEMM.
+        ref = Engine.load(path, device=device, dtype=dtype, max_seq_len=64, experts_impl="loop").logits(ids)
     eng = Engine.load(path, device=device, dtype=dtype, max_seq_len=64, experts_impl=impl)
     assert all(b.experts.impl == impl for b in eng.model.moe_blocks())
     diff = (eng.logits(ids) - ref).abs().max().item()
-    tol = 1e-4 if dtype == "float32" else 0.05 * ref.abs().max().item()
-    assert diff <= tol, f"{impl}/{dtype}: max |engine - transformers| = {diff:.3g}"
+    tol = 1e-4 if dtype == "float32" else 0.01 * ref.abs().max().item()
+    assert diff <= tol, f"{impl}/{dtype}: max |engine - reference| = {diff:.3g}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
