@@ -193,7 +193,10 @@ if triton is not None:
         q = (v * MULT) >> 16
         trit = q - ((q * 21846) >> 16) * 3
         xd = tl.load(x_ptr + c, mask=c < K, other=0.0).to(tl.float32)
-        s = tl.load(base_ptr_s + (c // GROUP_SIZE)[None, :], mask=bmask, other=0.0).to(tl.float32)
+        # Trits of the last byte can lie past K (padding): their group index may run past the row's
+        # scales, so the scale load is masked by c < K too (an unmasked read there gave inf * 0 = NaN).
+        s = tl.load(base_ptr_s + (c // GROUP_SIZE)[None, :], mask=bmask & (c < K)[None, :],
+                    other=0.0).to(tl.float32)
         return (trit - 1).to(tl.float32) * s * xd[None, :]
 
     @triton.jit
