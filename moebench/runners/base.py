@@ -9,7 +9,6 @@ task executor through `Runner.concurrency`.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,6 +158,3 @@ def check_capabilities(runner: Runner, needs: dict[str, set[str]]) -> None:
             + f" (it offers: {have})"
         )
 
-
-def replace(request: GenerateRequest, **changes: Any) -> GenerateRequest:
-    return dataclasses.replace(request, **changes)
