@@ -1,4 +1,4 @@
-"""`moebench` command line (DESIGN.md section 3): a thin shell over moebench.api.
+"""moebench: benchmark and evaluate compressed Mixture-of-Experts runtimes (a thin shell over moebench.api).
 
 Exit codes: 0 ok, 1 a failed gate or a failed run, 2 bad usage or bad input.
 """
