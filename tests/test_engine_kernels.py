@@ -119,8 +119,24 @@ def test_tiered_fused_path_matches_per_expert_path(fmt):
     assert torch.allclose(m(x, ids, w), want, atol=1e-6)
 
 
-def test_ternary_kernel_decodes_every_byte_value():
-    """Uniform random trits (every byte value 0..242 occurs) through the kernel vs dequantize()."""
+@pytest.mark.parametrize("bk", [None, 8])
+def test_ternary_kernel_decodes_every_byte_value(bk):
+    """Uniform random trits (every byte value 0..242 occurs) through the kernel vs dequantize().
+    bk=8: K steps of 8 bytes (40 columns) start inside groups and bytes 12 and 25 straddle two
+    groups, so the per-byte lo/hi group scales are checked across step boundaries too."""
+    if bk is not None:
+        saved = {key: dict(cfg) for key, cfg in kernels.CONFIG.items()}
+        for kernel in ("gate_up", "down"):
+            kernels.set_config(kernel, "ternary", BK=bk)
+    try:
+        _check_ternary_every_byte_value()
+    finally:
+        if bk is not None:
+            kernels.CONFIG.clear()
+            kernels.CONFIG.update(saved)
+
+
+def _check_ternary_every_byte_value():
     g = torch.Generator().manual_seed(2)
     width = 2 * GROUP + 7          # a partial last group, padded like quantize() pads it
     padded = 3 * GROUP
