@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from moebench.engine import Engine, ModelConfig, MoETransformer  # noqa: E402
+from moebench.engine import Engine, ModelConfig  # noqa: E402
 
 QWEN3_30B_A3B = dict(num_hidden_layers=48, num_experts=128, num_experts_per_tok=8, hidden_size=2048,
                      moe_intermediate_size=768, intermediate_size=6144, num_attention_heads=32,
@@ -57,27 +57,8 @@ def build_transformers(shape: dict, device: torch.device, dtype: torch.dtype, se
 
 def engine_sharing_weights(hf, max_seq_len: int, cuda_graphs: bool = False, experts_impl: str = "auto") -> Engine:
     """An Engine whose parameters are the transformers model's tensors (views, no copies)."""
-    cfg = ModelConfig.from_dict(hf.config.to_dict(), source="transformers config")
-    with torch.device("meta"):
-        model = MoETransformer(cfg)
-    sd = hf.state_dict()
-    inter = cfg.expert_intermediate_size
-    for name, module in model.named_modules():
-        for pname, _ in list(module.named_parameters(recurse=False)):
-            full = f"{name}.{pname}" if name else pname
-            if full.endswith("experts.w_gate"):
-                t = sd[f"model.{name}.gate_up_proj"][:, :inter]
-            elif full.endswith("experts.w_up"):
-                t = sd[f"model.{name}.gate_up_proj"][:, inter:]
-            elif full.endswith("experts.w_down"):
-                t = sd[f"model.{name}.down_proj"]
-            elif full == "lm_head.weight":
-                t = sd["lm_head.weight"]
-            else:
-                t = sd[f"model.{full}"]
-            setattr(module, pname, torch.nn.Parameter(t, requires_grad=False))
-    return Engine(model.eval(), None, max_seq_len=max_seq_len, max_batch=1, cuda_graphs=cuda_graphs,
-                  experts_impl=experts_impl)
+    from decode_h200 import build_engine      # one weight-sharing builder for both benchmarks
+    return build_engine(hf, max_seq_len=max_seq_len, cuda_graphs=cuda_graphs, experts_impl=experts_impl)
 
 
 def active_bytes_per_token(cfg: ModelConfig, elem: int) -> dict[str, float]:
