@@ -119,6 +119,29 @@ def test_tiered_fused_path_matches_per_expert_path(fmt):
     assert torch.allclose(m(x, ids, w), want, atol=1e-6)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int4_asym"])
+def test_int4_steps_spanning_several_scale_groups(fmt):
+    """BK = 64 bytes = two 64-column groups per K step, each scaled once per (row, group); H = 96
+    columns = 48 bytes, so the second group of the only step is half padding (masked)."""
+    saved = {key: dict(cfg) for key, cfg in kernels.CONFIG.items()}
+    try:
+        for kernel in ("gate_up", "down"):
+            kernels.set_config(kernel, fmt, BK=64)
+        with pytest.raises(kernels.KernelError, match="multiple of 32"):
+            kernels.set_config("down", fmt, BK=48)
+        g = torch.Generator().manual_seed(11)
+        mats = [[quantize(torch.randn(*s, generator=g) * 0.1, fmt) for _ in range(E)] for s in ((I, H), (I, H), (H, I))]
+        group = kernels.ExpertGroup(*(kernels.PackedMatrix.stack(m, DEV) for m in mats), None, fmt)
+        x = torch.randn(3, H, generator=g)
+        ids, w = routing(3, g)
+        got = kernels.fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), [group]).cpu()
+        want = reference(x, ids, w, tuple(torch.stack([q.dequantize() for q in m]) for m in mats))
+        assert torch.allclose(got.float(), want, atol=1e-4, rtol=1e-4), (got.float() - want).abs().max()
+    finally:
+        kernels.CONFIG.clear()
+        kernels.CONFIG.update(saved)
+
+
 @pytest.mark.parametrize("bk", [None, 8])
 def test_ternary_kernel_decodes_every_byte_value(bk):
     """Uniform random trits (every byte value 0..242 occurs) through the kernel vs dequantize().
