@@ -1,0 +1,201 @@
+"""Triton decode attention (moebench/engine/attention_kernel.py) against F.scaled_dot_product_attention.
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors (small heads, short caches keep it
+fast); the CUDA tests run the compiled kernels in bf16 at the Qwen3-30B-A3B shape and in a CUDA graph.
+Every test skips when Triton does not import.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton's first import (see kernels.py)
+pytest.importorskip("triton")
+
+from moebench.engine import attention_kernel  # noqa: E402
+from moebench.engine.attention_kernel import decode_attention, num_splits_for  # noqa: E402
+from moebench.engine.kernels import KernelError  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+BLOCK = attention_kernel.CONFIG["BLOCK_S"]
+
+
+def make_inputs(B, Bc, NH, NKV, T, D, S, seed, dtype=torch.float32, device=DEV):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, NH, T, D, generator=g)
+    k = torch.randn(Bc, NKV, S, D, generator=g)
+    v = torch.randn(Bc, NKV, S, D, generator=g)
+    return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)
+
+
+def reference(q, k, v, positions, kv_len, scale=None):
+    """sdpa over slots [0, kv_len) with slot <= positions[b, t], laid out [B, T, NH * D]."""
+    B, NH, T, D = q.shape
+    slots = torch.arange(kv_len, device=q.device)
+    mask = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+    out = F.scaled_dot_product_attention(q, k[:B, :, :kv_len], v[:B, :, :kv_len], attn_mask=mask,
+                                         enable_gqa=k.shape[1] != NH, scale=scale)
+    return out.transpose(1, 2).reshape(B, T, NH * D)
+
+
+def check(got, want, atol=1e-5, rtol=1e-5):
+    assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous()
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got, want, atol=atol, rtol=rtol), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("nh,nkv", [(4, 4), (4, 2), (8, 2)])
+def test_single_query_gqa_ratios(nh, nkv):
+    """B=1, T=1 at GQA ratios 1, 2, 4; kv_len 70 is not a multiple of the block."""
+    q, k, v = make_inputs(1, 1, nh, nkv, 1, 16, 96, seed=nh * 10 + nkv)
+    kv_len = 70
+    assert kv_len % BLOCK
+    pos = torch.tensor([[kv_len - 1]], device=DEV)
+    check(decode_attention(q, k, v, pos, kv_len), reference(q, k, v, pos, kv_len))
+
+
+def test_rows_with_different_positions_ignore_garbage_slots():
+    """B=2 of a B'=3 cache: row 1 is shorter; its slots past its position, and every slot past kv_len,
+    hold NaN (stand-ins for stale cache): none may reach the output. Also with 3 KV splits, where the
+    short row's later splits see no slot at all."""
+    q, k, v = make_inputs(2, 3, 4, 2, 1, 32, 160, seed=1)
+    kv_len = 130
+    pos = torch.tensor([[129], [40]], device=DEV)
+    want = reference(q, k, v, pos, kv_len)          # from the clean cache
+    k[1, :, 41:] = float("nan")
+    v[1, :, 41:] = float("nan")
+    k[:, :, kv_len:] = float("nan")
+    v[:, :, kv_len:] = float("nan")
+    check(decode_attention(q, k, v, pos, kv_len), want)
+    check(decode_attention(q, k, v, pos, kv_len, num_splits=3), want)
+    # Large finite garbage also goes through the sdpa reference itself (masked to -inf there).
+    k[1, :, 41:], v[1, :, 41:] = 1e4, -1e4
+    check(decode_attention(q, k, v, pos, kv_len), want)
+
+
+def test_prefill_chunk_of_three_queries():
+    """T=3 queries at consecutive positions (each sees one more slot than the previous), two rows."""
+    q, k, v = make_inputs(2, 2, 8, 2, 3, 16, 80, seed=2)
+    kv_len = 77
+    pos = torch.tensor([[74, 75, 76], [10, 11, 12]], device=DEV)
+    check(decode_attention(q, k, v, pos, kv_len), reference(q, k, v, pos, kv_len))
+
+
+@pytest.mark.parametrize("splits", [2, 3, 5])
+def test_forced_splits_use_the_combine_kernel(splits):
+    """The KV range split over programs + the combine kernel; split bounds fall on whole blocks (with
+    32-slot blocks, 200 slots in 5 requested splits become 4 of 64) and the last split is partial."""
+    q, k, v = make_inputs(1, 2, 4, 1, 2, 16, 256, seed=3)
+    kv_len = 200
+    pos = torch.tensor([[198, 199]], device=DEV)
+    check(decode_attention(q, k, v, pos, kv_len, num_splits=splits), reference(q, k, v, pos, kv_len))
+
+
+def test_automatic_splits_and_scale(monkeypatch):
+    """The heuristic picks >1 split once kv_len passes SPLIT_MIN_SLOTS (lowered here so a short cache
+    splits), and an explicit scale is used instead of 1/sqrt(D)."""
+    monkeypatch.setattr(attention_kernel, "SPLIT_MIN_SLOTS", 64)
+    assert num_splits_for(200, programs=2) == 3
+    q, k, v = make_inputs(1, 1, 4, 2, 1, 16, 200, seed=4)
+    pos = torch.tensor([[199]], device=DEV)
+    check(decode_attention(q, k, v, pos, 200, scale=0.5), reference(q, k, v, pos, 200, scale=0.5))
+
+
+def test_split_heuristic():
+    """One split (one launch) for short contexts; long ones fill ~PROGRAMS_PER_SM programs per SM."""
+    qwen_programs = 1 * 1 * 4            # B * T * NKV at batch-1 decode of Qwen3-30B-A3B
+    assert num_splits_for(256, qwen_programs) == 1
+    assert num_splits_for(attention_kernel.SPLIT_MIN_SLOTS - 1, qwen_programs) == 1
+    for kv_len in (40000, 173000):
+        n = num_splits_for(kv_len, qwen_programs, sm_count=132)
+        assert n * qwen_programs >= 132 and kv_len / n >= attention_kernel.SPLIT_MIN_SLOTS
+    # Many programs already: no split.
+    assert num_splits_for(40000, programs=4 * 132 * 8) == 1
+
+
+def test_float16_two_part_probabilities():
+    """16-bit inputs take the tensor-core path (p split into hi + lo halves): within fp16 rounding of
+    the float32 result. (bf16 is CUDA-only: the interpreter's bf16 tl.dot is wrong, see the module.)"""
+    q, k, v = make_inputs(1, 1, 8, 2, 1, 32, 300, seed=5, dtype=torch.float16)
+    pos = torch.tensor([[299]], device=DEV)
+    want = reference(q.float(), k.float(), v.float(), pos, 300)
+    got = decode_attention(q, k, v, pos, 300, num_splits=2)
+    assert got.dtype == torch.float16
+    assert ((got.float() - want).abs() <= want.abs() * 2 ** -10 + 1e-5).all(), (got.float() - want).abs().max()
+
+
+def test_bad_inputs_name_what_was_expected():
+    q, k, v = make_inputs(1, 1, 4, 2, 1, 16, 32, seed=6)
+    pos = torch.tensor([[5]], device=DEV)
+    with pytest.raises(KernelError, match=r"expected q \[B, NH, T, D\]"):
+        decode_attention(q[0], k, v, pos, 8)
+    q24, k24, v24 = make_inputs(1, 1, 4, 2, 1, 24, 32, seed=6)
+    with pytest.raises(KernelError, match="head_dim 24; expected a power of two"):
+        decode_attention(q24, k24, v24, pos, 8)
+    q3, k3, v3 = make_inputs(1, 1, 3, 2, 1, 16, 32, seed=6)
+    with pytest.raises(KernelError, match="3 query heads, 2 KV heads; expected NH % NKV == 0"):
+        decode_attention(q3, k3, v3, pos, 8)
+    with pytest.raises(KernelError, match=r"positions \(1, 2\)"):
+        decode_attention(q, k, v, torch.tensor([[5, 6]], device=DEV), 8)
+    with pytest.raises(KernelError, match="kv_len 33; expected 1..32"):
+        decode_attention(q, k, v, pos, 33)
+    with pytest.raises(KernelError, match=r"B' >= 2"):
+        decode_attention(torch.cat([q, q]), k, v, torch.tensor([[5], [5]], device=DEV), 8)
+    with pytest.raises(KernelError, match="expected one dtype"):
+        decode_attention(q.double(), k, v, pos, 8)
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA: compiled kernels, bf16, the Qwen3-30B-A3B attention shape
+
+QWEN = {"NH": 32, "NKV": 4, "D": 128}
+
+
+@needs_cuda
+@pytest.mark.parametrize("kv_len", [256, 40000])
+def test_cuda_bf16_qwen3_shape(kv_len):
+    """bf16 against exact float32 attention on the same bf16 values: within one bf16 rounding of the
+    output (the kernel rounds once); and against bf16 sdpa (which rounds p too) more loosely."""
+    S = kv_len + 64
+    q, k, v = make_inputs(1, 1, QWEN["NH"], QWEN["NKV"], 1, QWEN["D"], S, seed=7, dtype=torch.bfloat16)
+    pos = torch.tensor([[kv_len - 1]], device="cuda")
+    k[:, :, kv_len:] = float("nan")
+    v[:, :, kv_len:] = float("nan")
+    got = decode_attention(q, k, v, pos, kv_len)
+    exact = reference(q.float(), k.float(), v.float(), pos, kv_len)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, 1, QWEN["NH"] * QWEN["D"])
+    err = (got.float() - exact).abs()
+    assert (err <= exact.abs() * 2 ** -8 + 1e-5).all(), err.max()
+    sdpa = reference(q, k, v, pos, kv_len).float()
+    assert torch.allclose(got.float(), sdpa, atol=2e-3, rtol=2e-2), (got.float() - sdpa).abs().max()
+    if kv_len == 40000:
+        assert num_splits_for(kv_len, QWEN["NKV"], attention_kernel._sm_count(q.device)) > 1
+
+
+@needs_cuda
+@pytest.mark.parametrize("kv_len", [256, 40000])
+def test_cuda_graph_capture_and_replay(kv_len):
+    """Captured once, replayed on new queries and positions written into the captured inputs: the same
+    output as an eager call on those inputs (bitwise: same kernels, same launch shapes)."""
+    S = kv_len + 64
+    q, k, v = make_inputs(2, 2, QWEN["NH"], QWEN["NKV"], 1, QWEN["D"], S, seed=8, dtype=torch.bfloat16)
+    pos = torch.tensor([[kv_len - 1], [kv_len // 2]], device="cuda")
+    decode_attention(q, k, v, pos, kv_len)           # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k, v, pos, kv_len)
+    q2, _, _ = make_inputs(2, 2, QWEN["NH"], QWEN["NKV"], 1, QWEN["D"], 1, seed=9, dtype=torch.bfloat16)
+    q.copy_(q2)
+    pos.copy_(torch.tensor([[kv_len // 3], [kv_len - 2]], device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = decode_attention(q, k, v, pos, kv_len)
+    assert torch.equal(out, eager)
+    exact = reference(q.float(), k.float(), v.float(), pos, kv_len)
+    assert ((out.float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-5).all()
