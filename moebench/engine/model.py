@@ -123,6 +123,12 @@ class Attention(nn.Module):
             q = kernels.qk_rope_cache(q, k, v, self.q_norm.weight if head else None,
                                       self.k_norm.weight if head else None, self.eps, cos, sin, positions,
                                       self.k_cache, self.v_cache)
+            # One kernel for mask + attention + the [B, T, heads * D] layout o_proj reads (was ~5).
+            # Triton's CPU interpreter gets bf16 dots wrong, so bf16 on CPU keeps sdpa.
+            if self.k_cache.dtype == q.dtype and (q.is_cuda or q.dtype != torch.bfloat16):
+                from .attention_kernel import decode_attention
+                out = decode_attention(q, self.k_cache, self.v_cache, positions.expand(B, T), kv_len)
+                return self._linear(out, self.o_proj.weight, self.o_proj.bias)
         else:
             if self.qk_norm == "head":
                 q, k = self.q_norm(q), self.k_norm(k)
