@@ -230,7 +230,8 @@ def time_graph(fn, device, iters: int = 20, reps: int = 5) -> float:
 # SMs) and K=768 splits evenly into BK=256; deeper pipelines (num_stages 4) and 8 warps keep more
 # bytes in flight per program.
 SWEEP = [dict(BN=bn, BK=bk, num_warps=w, num_stages=st) for bn, bk, w, st in
-         ((4, 512, 4, 3), (8, 256, 4, 3), (16, 256, 4, 3), (4, 256, 4, 4), (2, 1024, 8, 3), (8, 512, 8, 4))]
+         ((1, 1024, 4, 3), (2, 1024, 4, 3), (2, 1024, 8, 3), (4, 512, 4, 3), (4, 256, 4, 4), (8, 256, 4, 3),
+          (4, 1024, 8, 3), (8, 512, 8, 4), (16, 256, 4, 3), (2, 2048, 8, 2))]
 GEMV_SWEEP = [dict(BN=bn, BK=bk, num_warps=w, num_stages=st) for bn, bk, w, st in
               ((8, 512, 4, 3), (4, 1024, 4, 3), (16, 256, 4, 4), (8, 1024, 8, 3), (2, 2048, 8, 3))]
 
@@ -489,6 +490,44 @@ def main(argv=None) -> dict:
         if args.no_sweep:
             raise Skipped
         return sweep_gemv(hf, device, dtype, bw)
+
+    @variant("attention_sweep")
+    def _():
+        """decode_attention (one kernel) against the mask + sdpa + transpose it replaces, one layer's
+        shape at batch 1; keeps the fastest config for the runs below."""
+        if args.no_sweep or small:
+            raise Skipped
+        from moebench.engine import attention_kernel as ak
+        NH, NKV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        out = {}
+        for S in (256, 4096):
+            q = torch.randn(1, NH, 1, D, device=device, dtype=dtype)
+            kc = torch.randn(1, NKV, S, D, device=device, dtype=dtype)
+            vc = torch.randn_like(kc)
+            pos = torch.full((1, 1), S - 1, device=device)
+
+            def torch_path():
+                slots = torch.arange(S, device=device)
+                mask = (slots[None, None, :] <= pos[:, :, None]).unsqueeze(1)
+                o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)
+                return o.transpose(1, 2).reshape(1, 1, NH * D)
+            res = {"torch_us": time_graph(torch_path, device) * 1e6, "configs": []}
+            for c in ((32, 4, 2), (16, 4, 2), (64, 8, 2), (32, 4, 3), (16, 2, 2)):
+                ak.CONFIG.update(BLOCK_S=c[0], num_warps=c[1], num_stages=c[2])
+                try:
+                    res["configs"].append((c, time_graph(lambda: ak.decode_attention(q, kc, vc, pos, S), device) * 1e6))
+                except Exception as e:  # noqa: BLE001
+                    log(f"  attention {c}: {type(e).__name__}: {e}")
+            out[str(S)] = res
+        best = min(out["256"]["configs"], key=lambda r: r[1] + dict(out["4096"]["configs"])[r[0]])[0]
+        ak.CONFIG.update(BLOCK_S=best[0], num_warps=best[1], num_stages=best[2])
+        out["best"] = best
+        for S, r in out.items():
+            if S != "best":
+                log(f"  attention kv_len {S}: torch mask+sdpa+transpose {r['torch_us']:.1f} us; triton "
+                    + ", ".join(f"{c}: {t:.1f} us" for c, t in r["configs"]))
+        log(f"  attention config kept: BLOCK_S={best[0]} num_warps={best[1]} num_stages={best[2]}")
+        return out
 
     @variant("parity_new_vs_reference")
     def _():
