@@ -113,19 +113,27 @@ def build_engine(hf, *, max_seq_len: int, max_batch: int = 1, cuda_graphs: bool 
                   gemv_max_tokens=gemv_max_tokens)
 
 
-def skew_router(hf, alpha: float, seed: int = 5) -> None:
-    """Zipf-like expert usage: scale each layer's router row of the expert of rank r (a random
-    permutation per layer) by (r + 1) ** -alpha, mean 1. A random model's router logits are roughly
-    Gaussian per token, and an expert with a larger row norm lands in the top-k more often; on
-    Gaussian logits, alpha 0.5 gives the most-used half of the experts ~91% of the picks (top-8 of
-    128), the least-used quarter ~2.6%. Without it every expert is equally likely and "hot" experts
-    do not exist, which is not what tiering is for."""
+def realistic_routing(hf, alpha: float, seed: int = 5) -> None:
+    """Token-dependent, Zipf-skewed routing for the random model.
+
+    A random-init model routes every token alike: its residual stream is dominated by attention
+    outputs averaged over positions (o_proj output rms ~1 against embeddings of rms 0.02), so the
+    greedy continuation is one token repeated and the same 8 experts serve every step (round 5:
+    the calibrated hot half caught 99.9% of picks). Embeddings scaled to rms ~1 and o_proj by 0.02
+    keep each token's identity in the residual stream. Then each layer's router row of the expert of
+    rank r (a random permutation per layer) is scaled by (r + 1) ** -alpha (mean 1): on Gaussian
+    logits, alpha 0.5 gives the most-used half of the experts ~91% of the top-8-of-128 picks. A
+    12-layer CPU check: 48 distinct tokens in a 48-token greedy continuation, and the hot half
+    (from prompt + continuation) took 90-94% of the decode picks in every layer. Speed does not
+    depend on the values; only which experts are read does."""
     g = torch.Generator().manual_seed(seed)
     E = hf.config.num_experts
     s = (torch.arange(E, dtype=torch.float32) + 1) ** -alpha
     s = s / s.mean()
     with torch.no_grad():
+        hf.model.embed_tokens.weight.mul_(50.0)
         for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.02)
             w = layer.mlp.gate.weight
             perm = torch.randperm(E, generator=g)
             w.mul_(s[torch.argsort(perm)].to(w.device, w.dtype)[:, None])
@@ -280,38 +288,50 @@ def decode_host_share(eng: Engine, prompt: list[int], n: int, home) -> float:
 
 
 def sweep_kernel_configs(groups_by_fmt: dict, hidden: int, top_k: int, num_experts: int, device, dtype,
-                         bw: float) -> dict:
-    """For each format, try SWEEP for gate_up then for down (one MoE layer, batch 1); keep the best."""
+                         bw: float, host: bool = False) -> dict:
+    """For each format, try SWEEP for gate_up then for down (one MoE layer, batch 1); keep the best.
+
+    Each timed graph runs num_experts // top_k layer calls on DISJOINT expert sets, so every call
+    reads experts no other call read: round 4's sweep re-read the same 8 experts 20 times, and the
+    int4 (19 MB) and ternary (9 MB) layers sat in the 50 MB L2, flattering those formats.
+    host: the groups live in pinned host memory; the configs found are set for host groups only."""
     out = {}
     g = torch.Generator().manual_seed(7)
     x = torch.randn(1, hidden, generator=g).to(device, dtype)
-    ids = torch.randperm(num_experts, generator=g)[:top_k].view(1, top_k).to(device)
+    perm = torch.randperm(num_experts, generator=g)
+    id_sets = [perm[i:i + top_k].view(1, top_k).to(device) for i in range(0, num_experts - top_k + 1, top_k)]
     w = torch.softmax(torch.rand(1, top_k, generator=g), -1).to(device)
+
+    def layer_time(group) -> float:
+        return time_graph(lambda: [kernels.fused_moe(x, ids, w, [group]) for ids in id_sets], device,
+                          iters=1) / len(id_sets)
     for fmt, (group, nbytes) in groups_by_fmt.items():
         res = {}
         for kernel in ("gate_up", "down"):
             times = []
             for cfg in SWEEP:
-                kernels.set_config(kernel, fmt, **cfg)
+                kernels.set_config(kernel, fmt, host=host, **cfg)
                 try:
-                    times.append((time_graph(lambda: kernels.fused_moe(x, ids, w, [group]), device), cfg))
+                    times.append((layer_time(group), cfg))
                 except Exception as e:  # noqa: BLE001 - a config this GPU cannot run
                     log(f"  sweep {fmt} {kernel} {cfg}: {type(e).__name__}: {e}")
             best_t, best = min(times, key=lambda tc: tc[0])
-            kernels.set_config(kernel, fmt, **best)
+            kernels.set_config(kernel, fmt, host=host, **best)
             res[kernel] = {"best": best, "layer_us": best_t * 1e6,
                            "all": [(c, round(t * 1e6, 2)) for t, c in times]}
-        t = time_graph(lambda: kernels.fused_moe(x, ids, w, [group]), device)
+        t = layer_time(group)
         res["layer_us"] = t * 1e6
         res["GBps"] = top_k * nbytes / t / 1e9
         res["pct_of_copy_bw"] = 100 * top_k * nbytes / t / bw
         out[fmt] = res
-        log(f"  kernel sweep [{fmt}]: gate_up {res['gate_up']['best']}, down {res['down']['best']}: one layer "
-            f"{t * 1e6:.1f} us, {res['GBps']:.0f} GB/s of expert bytes ({res['pct_of_copy_bw']:.0f}% of copy bw)")
+        where = "host (zero-copy over PCIe)" if host else "HBM"
+        log(f"  kernel sweep [{fmt} in {where}]: gate_up {res['gate_up']['best']}, down {res['down']['best']}: "
+            f"one layer {t * 1e6:.1f} us, {res['GBps']:.0f} GB/s of expert bytes ({res['pct_of_copy_bw']:.0f}% of "
+            f"copy bw)")
     return out
 
 
-def profile_step(eng: Engine, prompt: list[int], device, top: int = 15, steps: int = 5) -> dict:
+def profile_step(eng: Engine, prompt: list[int], device, top: int = 20, steps: int = 5) -> dict:
     """Kernel-time table of `steps` eager decode steps alone (no prefill: round 1's table mixed in a
     64-token prefill, whose grouped_mm argsort was the radix sort), and kernels launched per step."""
     from torch.profiler import ProfilerActivity, profile
@@ -353,13 +373,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for decode_h200.json")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens in the long run")
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prefill-len", type=int, default=4096)
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--skip", default="", help="comma-separated variant names to skip")
     ap.add_argument("--no-sweep", action="store_true", help="keep the default kernel configs")
     ap.add_argument("--router-skew", type=float, default=0.5,
-                    help="Zipf exponent of expert usage (router row norms); 0 = the random model's flat usage")
+                    help="Zipf exponent of expert usage (router row norms; see realistic_routing); 0 = the plain "
+                         "random model, whose tokens all route alike")
     args = ap.parse_args(argv)
 
     small = args.small
@@ -396,7 +417,7 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     hf = build_transformers(shape, device, dtype, seed=0)
     if args.router_skew:
-        skew_router(hf, args.router_skew)
+        realistic_routing(hf, args.router_skew)
     R["router_skew"] = args.router_skew
     cfg = ModelConfig.from_dict(hf.config.to_dict(), source="transformers config")
     R["build_s"] = round(time.perf_counter() - t0, 1)
@@ -424,14 +445,20 @@ def main(argv=None) -> dict:
     def engine_rate(eng: Engine, B: int = 1, n_s: int = n_short, n_l: int = n_long) -> dict:
         prompts = [prompt] if B == 1 else [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
                                           for _ in range(B)]
-        last = {}
-
-        def run(n):
-            last["out"] = eng.generate(prompts, n, ignore_eos=True)
-        rate = decode_rate(run, n_s, n_l, device, args.reps)
-        tt = last["out"][0].token_times
-        return {"tok_s": rate, "tok_s_per_token_clock": (len(tt) - 1) / max(tt[-1] - tt[0], 1e-9),
-                "tokens": last["out"][0].token_ids}
+        # Rate = the best over reps of (tokens - 1) / (time of the last token - time of the first),
+        # from the engine's own per-token clock: decode steps only. Round 5 showed why not the
+        # difference of two generate() calls: a tiered engine's 64-token prefill runs the per-expert
+        # path (host copies, LRU) whose time varies by tens of ms between calls, which moved the
+        # difference-based rate of the random-hot host plan from 102 to 48 tok/s.
+        eng.generate(prompts, n_s, ignore_eos=True)     # warm-up: kernels compiled, graphs captured
+        best, outs = 0.0, None
+        for _ in range(args.reps):
+            o = eng.generate(prompts, n_l, ignore_eos=True)
+            tt = o[0].token_times
+            rate = (len(tt) - 1) / max(tt[-1] - tt[0], 1e-9)
+            if rate > best:
+                best, outs = rate, o
+        return {"tok_s": best, "tokens": outs[0].token_ids}
 
     # ---- reference engines and routing (for bytes per token of every plan) -----------------------
     eng_old = build_engine(hf, max_seq_len=max_seq, cuda_graphs=graphs, experts_impl="auto")
@@ -454,6 +481,8 @@ def main(argv=None) -> dict:
         def run_hf(n):
             with torch.inference_mode():
                 hf.generate(prompt_t, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        # transformers' generate has no per-token clock: the difference of two generate calls
+        # (n_long - n_short tokens over the time difference; its prefill time is steady).
         rate = decode_rate(run_hf, n_short, n_long, device, args.reps)
         log(f"transformers [batched_mm]: {rate:.2f} tok/s, MBU {mbu(rate, R['active_bytes']):.1f}%")
         return {"tok_s": rate, "bytes_per_token": R["active_bytes"], "mbu_pct": mbu(rate, R["active_bytes"])}
@@ -478,7 +507,13 @@ def main(argv=None) -> dict:
             mats = [kernels.PackedMatrix.stack(quantize_stacked(w, fmt), device) for w in dense_expert_weights(hf, 0)]
             groups[fmt] = (kernels.ExpertGroup(*mats, None, fmt), sum(m.nbytes_per_slot for m in mats))
         res = sweep_kernel_configs(groups, H, k, cfg.num_experts, device, dtype, bw)
-        res["configs"] = {f"{kk}/{f}": v for (kk, f), v in kernels.CONFIG.items()}
+        # The host plans keep their cold (ternary) experts in pinned host memory: sweep that too.
+        mats = [kernels.PackedMatrix.stack(quantize_stacked(w, "ternary"), device, pin=True)
+                for w in dense_expert_weights(hf, 0)]
+        res["host"] = sweep_kernel_configs({"ternary": (kernels.ExpertGroup(*mats, None, "ternary@host"),
+                                                        sum(m.nbytes_per_slot for m in mats))},
+                                           H, k, cfg.num_experts, device, dtype, bw, host=True)
+        res["configs"] = {"/".join(key): v for key, v in kernels.CONFIG.items()}
         return res
 
     # Triton GEMV for the attention projections (opt-in in the engine): used for the runs below only
@@ -575,7 +610,7 @@ def main(argv=None) -> dict:
         p = profile_step(build_engine(hf, max_seq_len=max_seq, experts_impl="triton", **choice), prompt, device)
         log(f"decode step, fused_ops=on, gemv={choice['gemv_max_tokens']}: {p['kernels_per_step']:.0f} kernels/step, "
             f"{p['kernel_ms_per_step']:.3f} ms kernel time/step; top kernels over 5 eager steps (ms, count):")
-        for name, count, ms in p["rows"][:12]:
+        for name, count, ms in p["rows"][:20]:
             log(f"  {ms:9.3f} {count:6d}  {name}")
         return p
 

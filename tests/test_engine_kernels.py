@@ -334,6 +334,35 @@ def test_route_topk_matches_softmax_topk(renorm):
         kernels.route_topk(logits, 61, renorm)
 
 
+@pytest.mark.parametrize("renorm", [True, False])
+def test_router_topk_matches_linear_softmax_topk(renorm):
+    """The fused router (GEMV slices + last-arriving program does the top-k): same ids and weights
+    as F.linear + route_topk, over several calls (the arrival counters reset themselves), with E not
+    a multiple of the expert block and H not a multiple of the column block."""
+    g = torch.Generator().manual_seed(12)
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
+    saved = {key: dict(cfg) for key, cfg in kernels.CONFIG.items()}
+    try:
+        kernels.set_config("router", "dense", BN=8, BK=32)
+        weight = (torch.randn(60, 100, generator=g) * 0.3).to(DEV, dt)
+        for T in (1, 5, 1):
+            x = torch.randn(T, 100, generator=g).to(DEV, dt)
+            logits, ids, w = kernels.router_topk(x, weight, 4, renorm)
+            want_logits = F.linear(x, weight)
+            assert torch.allclose(logits, want_logits.float(), atol=2e-2 if dt == torch.bfloat16 else 1e-5)
+            # the top-k of the kernel's own logits (on the GPU, bf16 F.linear may round a near-tie the
+            # other way, so the ids are compared on the same logits)
+            want_ids, want_w = kernels.route_topk(logits if dt == torch.bfloat16 else want_logits, 4, renorm)
+            assert torch.equal(ids, want_ids), (ids, want_ids)
+            assert torch.allclose(w, want_w, atol=1e-6, rtol=1e-5)
+        assert int(kernels._ARRIVALS[x.device].abs().sum()) == 0
+        with pytest.raises(kernels.KernelError, match="weight shape"):
+            kernels.router_topk(x, weight[:, :50], 4, renorm)
+    finally:
+        kernels.CONFIG.clear()
+        kernels.CONFIG.update(saved)
+
+
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_qk_rope_cache_matches_torch_attention_ops(qk_norm):
     from moebench.engine.model import RMSNorm, apply_rope, rope_tables

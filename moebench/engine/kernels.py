@@ -42,31 +42,38 @@ FORMAT_CODES = {"dense": 0, "int8": 1, "int4": 2, "int4_asym": 3, "ternary": 4}
 # Launch parameters per (kernel, format): BN output rows per program, BK input columns per loop
 # step, num_warps. Defaults are reasonable guesses; benchmarks/decode_h200.py sweeps and sets them.
 DEFAULT_CONFIG = {"BN": 16, "BK": 256, "num_warps": 4, "num_stages": 3}
-CONFIG: dict[tuple[str, str], dict[str, int]] = {("gemv", "dense"): {"BN": 8, "BK": 512, "num_warps": 4, "num_stages": 3}}
+CONFIG: dict[tuple[str, ...], dict[str, int]] = {
+    ("gemv", "dense"): {"BN": 8, "BK": 512, "num_warps": 4, "num_stages": 3},
+    ("router", "dense"): {"BN": 8, "BK": 1024, "num_warps": 4, "num_stages": 2},
+}
 
 
 class KernelError(ValueError):
     """Weights or inputs the fused kernels cannot take; the message says what was expected."""
 
 
-def set_config(kernel: str, fmt: str, **params: int) -> None:
-    """Launch parameters for `kernel` ("gate_up" or "down") on weights of format `fmt`."""
-    if kernel not in ("gate_up", "down", "gemv"):
-        raise KernelError(f"set_config: kernel {kernel!r}; expected 'gate_up', 'down' or 'gemv'")
+def set_config(kernel: str, fmt: str, host: bool = False, **params: int) -> None:
+    """Launch parameters for `kernel` ("gate_up" or "down") on weights of format `fmt`; host=True:
+    for groups read from pinned host memory (zero-copy over PCIe wants other block shapes than HBM).
+    Host groups without their own config use the format's config."""
+    if kernel not in ("gate_up", "down", "gemv", "router"):
+        raise KernelError(f"set_config: kernel {kernel!r}; expected 'gate_up', 'down', 'gemv' or 'router'")
     if fmt not in FORMAT_CODES:
         raise KernelError(f"set_config: format {fmt!r}; expected one of {list(FORMAT_CODES)}")
     bad = set(params) - set(DEFAULT_CONFIG)
     if bad:
         raise KernelError(f"set_config: unknown parameters {sorted(bad)}; expected {list(DEFAULT_CONFIG)}")
-    cfg = {**CONFIG.get((kernel, fmt), DEFAULT_CONFIG), **params}
-    if fmt in ("int4", "int4_asym") and kernel != "gemv" and cfg["BK"] % (GROUP // 2):
+    key = (kernel, fmt, "host") if host else (kernel, fmt)
+    cfg = {**CONFIG.get(key, CONFIG.get((kernel, fmt), DEFAULT_CONFIG)), **params}
+    if fmt in ("int4", "int4_asym") and kernel in ("gate_up", "down") and cfg["BK"] % (GROUP // 2):
         # int4 steps cover whole 64-column groups (32 bytes) so each group's scale is loaded once
         raise KernelError(f"set_config: {kernel}/{fmt} BK={cfg['BK']} bytes; expected a multiple of {GROUP // 2}")
-    CONFIG[(kernel, fmt)] = cfg
+    CONFIG[key] = cfg
 
 
-def get_config(kernel: str, fmt: str) -> dict[str, int]:
-    return dict(CONFIG.get((kernel, fmt), DEFAULT_CONFIG))
+def get_config(kernel: str, fmt: str, host: bool = False) -> dict[str, int]:
+    cfg = CONFIG.get((kernel, fmt, "host")) if host else None
+    return dict(cfg or CONFIG.get((kernel, fmt), DEFAULT_CONFIG))
 
 
 def available() -> bool:
@@ -421,7 +428,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
             raise KernelError(f"fused_moe: expert group {g.label!r} has width {g.gate.rows}, another {inter}")
     h = torch.empty(T * k, inter, dtype=torch.float32, device=x.device)
     for g in groups:
-        cfg = get_config("gate_up", g.gate.fmt)
+        cfg = get_config("gate_up", g.gate.fmt, host=g.gate.data.device.type == "cpu")
         gs, gm, gse, gsr = _scale_args(g.gate)
         us, um, use, usr = _scale_args(g.up)
         slot = g.slot_of if g.slot_of is not None else ids
@@ -435,7 +442,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
             BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     part = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
     for i, g in enumerate(groups):
-        cfg = get_config("down", g.down.fmt)
+        cfg = get_config("down", g.down.fmt, host=g.down.data.device.type == "cpu")
         ds, dm, dse, dsr = _scale_args(g.down)
         slot = g.slot_of if g.slot_of is not None else ids
         grid = (T * k, -(-H // cfg["BN"]))
@@ -484,14 +491,10 @@ if triton is not None:
         tl.store(out_ptr + r * N + offs, (w * xn).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def route_topk_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOPK: tl.constexpr, KP: tl.constexpr,
-                          NORM: tl.constexpr, BLOCK_E: tl.constexpr):
-        """One token: softmax over E router logits (float32), top-k by k rounds of argmax (lowest
-        index wins ties), optional renormalisation; no sort."""
-        r = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK_E)
-        m = offs < E
-        z = tl.load(logits_ptr + r * stride_l + offs, mask=m, other=float("-inf")).to(tl.float32)
+    def softmax_topk_store(z, m, offs, ids_ptr, w_ptr, r, TOPK: tl.constexpr, KP: tl.constexpr,
+                           NORM: tl.constexpr, BLOCK_E: tl.constexpr):
+        """Softmax over one token's router logits z [BLOCK_E] (float32, -inf where ~m), top-k by k
+        rounds of argmax (lowest index wins ties), optional renormalisation; no sort."""
         p = tl.exp(z - tl.max(z, axis=0))
         p = p / tl.sum(p, axis=0)
         p = tl.where(m, p, -1.0)
@@ -508,6 +511,47 @@ if triton is not None:
             vals = vals / tl.sum(tl.where(ks < TOPK, vals, 0.0), axis=0)
         tl.store(ids_ptr + r * TOPK + ks, idx, mask=ks < TOPK)
         tl.store(w_ptr + r * TOPK + ks, vals, mask=ks < TOPK)
+
+    @triton.jit
+    def route_topk_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOPK: tl.constexpr, KP: tl.constexpr,
+                          NORM: tl.constexpr, BLOCK_E: tl.constexpr):
+        """One token: softmax + top-k of its E router logits."""
+        r = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_E)
+        m = offs < E
+        z = tl.load(logits_ptr + r * stride_l + offs, mask=m, other=float("-inf")).to(tl.float32)
+        softmax_topk_store(z, m, offs, ids_ptr, w_ptr, r, TOPK, KP, NORM, BLOCK_E)
+
+    @triton.jit
+    def router_topk_kernel(x_ptr, g_ptr, logits_ptr, count_ptr, ids_ptr, w_ptr, E, H, stride_xt, stride_g,
+                           TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                           BE: tl.constexpr, BH: tl.constexpr):
+        """Program (token t, block of BE experts): router logits of those experts (a GEMV slice,
+        float32, rounded to x's dtype as F.linear rounds them) to `logits`; the token's last program
+        to finish (a per-token arrival counter, acq_rel atomics) then runs softmax + top-k on all E
+        logits and resets the counter for the next call. One launch where there were two (cuBLAS'
+        M=1 GEMM, ~5 us for this 128 x 2048 matrix, and route_topk)."""
+        t = tl.program_id(0).to(tl.int64)
+        pb = tl.program_id(1)
+        rows = pb * BE + tl.arange(0, BE)
+        rm = rows < E
+        acc = tl.zeros((BE, BH), dtype=tl.float32)
+        for h0 in range(0, H, BH):
+            cols = h0 + tl.arange(0, BH)
+            cm = cols < H
+            xv = tl.load(x_ptr + t * stride_xt + cols, mask=cm, other=0.0).to(tl.float32)
+            wv = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + cols[None, :],
+                         mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            acc += wv * xv[None, :]
+        logit = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(logits_ptr + t * E + rows, logit, mask=rm)
+        arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
+        if arrived == tl.num_programs(1) - 1:
+            offs = tl.arange(0, BLOCK_E)
+            m = offs < E
+            z = tl.load(logits_ptr + t * E + offs, mask=m, other=float("-inf"), cache_modifier=".cg")
+            softmax_topk_store(z, m, offs, ids_ptr, w_ptr, t, TOPK, KP, NORM, BLOCK_E)
+            tl.atomic_xchg(count_ptr + t, 0)
 
     @triton.jit
     def norm_rope_head(src, w_ptr, c, s, d, partner, eps, HAS_NORM: tl.constexpr, D: tl.constexpr,
@@ -593,6 +637,40 @@ def route_topk(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, T
     route_topk_kernel[(N,)](lg, ids, w, E, lg.stride(0), TOPK=top_k, KP=_next_pow2(top_k), NORM=renormalize,
                             BLOCK_E=_next_pow2(E), num_warps=1)
     return ids, w
+
+
+_ARRIVALS: dict[torch.device, Tensor] = {}   # router_topk's per-token counters, zero between calls
+ROUTER_MAX_TOKENS = 64
+
+
+def router_topk(x: Tensor, weight: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """x [N, H] (N <= ROUTER_MAX_TOKENS), router weight [E, H] -> (logits [N, E] float32 (values
+    rounded to x's dtype), topk_ids [N, k] int64, topk_w [N, k] float32): F.linear + route_topk in
+    one launch. The arrival counters are shared per device: calls must not run concurrently on two
+    streams of one device (the engine runs one decode at a time)."""
+    _kernels()
+    N, H = x.shape
+    E = weight.shape[0]
+    if weight.dim() != 2 or weight.shape[1] != H or weight.stride(-1) != 1:
+        raise KernelError(f"router_topk: weight shape {tuple(weight.shape)}; expected [experts, {H}] with a unit "
+                          f"last stride")
+    if not 0 < top_k <= E or N > ROUTER_MAX_TOKENS:
+        raise KernelError(f"router_topk: {N} tokens, top_k {top_k}, {E} experts; expected <= {ROUTER_MAX_TOKENS} "
+                          f"tokens and 0 < top_k <= experts")
+    xc = x if x.stride(-1) == 1 else x.contiguous()
+    counts = _ARRIVALS.get(x.device)
+    if counts is None:
+        counts = _ARRIVALS[x.device] = torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int32, device=x.device)
+    logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    ids = torch.empty(N, top_k, dtype=torch.long, device=x.device)
+    w = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
+    cfg = get_config("router", "dense")
+    be = min(cfg["BN"], _next_pow2(E))
+    router_topk_kernel[(N, -(-E // be))](xc, weight, logits, counts, ids, w, E, H, xc.stride(0), weight.stride(0),
+                                         TOPK=top_k, KP=_next_pow2(top_k), NORM=renormalize,
+                                         BLOCK_E=_next_pow2(E), BE=be, BH=min(cfg["BK"], _next_pow2(H)),
+                                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return logits, ids, w
 
 
 def qk_rope_cache(q: Tensor, k: Tensor, v: Tensor, q_norm_w: Tensor | None, k_norm_w: Tensor | None,
