@@ -44,7 +44,9 @@ FORMAT_CODES = {"dense": 0, "int8": 1, "int4": 2, "int4_asym": 3, "ternary": 4}
 DEFAULT_CONFIG = {"BN": 16, "BK": 256, "num_warps": 4, "num_stages": 3}
 CONFIG: dict[tuple[str, ...], dict[str, int]] = {
     ("gemv", "dense"): {"BN": 8, "BK": 512, "num_warps": 4, "num_stages": 3},
-    ("router", "dense"): {"BN": 8, "BK": 1024, "num_warps": 4, "num_stages": 2},
+    # num_warps 1: the last program's softmax/top-k reductions stay inside one warp (round 5: 4 warps,
+    # 8 experts per program: 8 us per call, slower than cuBLAS + route_topk's ~7)
+    ("router", "dense"): {"BN": 4, "BK": 1024, "num_warps": 1, "num_stages": 2},
 }
 
 
@@ -639,6 +641,9 @@ def route_topk(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, T
     return ids, w
 
 
+# MoEBlock.route uses router_topk when True, else F.linear + route_topk (two launches). The fused one
+# wins only if its GEMV slices are fast for the router's shape: benchmarks/decode_h200.py times both.
+FUSED_ROUTER = True
 _ARRIVALS: dict[torch.device, Tensor] = {}   # router_topk's per-token counters, zero between calls
 ROUTER_MAX_TOKENS = 64
 

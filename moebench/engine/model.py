@@ -295,8 +295,12 @@ class MoEBlock(nn.Module):
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [N, H] -> (router logits [N, E], topk_ids [N, k], topk_w [N, k] float32)."""
         if x.shape[0] <= self.fused_max_tokens:
-            from . import kernels      # router GEMV + softmax + top-k + renormalise in one kernel, no sort
-            return kernels.router_topk(x, self.gate.weight, self.top_k, self.norm_topk_prob)
+            from . import kernels      # softmax + top-k + renormalise in one kernel, no sort
+            if kernels.FUSED_ROUTER:   # and the router GEMV in the same launch
+                return kernels.router_topk(x, self.gate.weight, self.top_k, self.norm_topk_prob)
+            logits = self.gate(x)
+            topk_ids, topk_w = kernels.route_topk(logits, self.top_k, self.norm_topk_prob)
+            return logits, topk_ids, topk_w
         logits = self.gate(x)
         probs = torch.softmax(logits.float(), dim=-1)
         topk_w, topk_ids = torch.topk(probs, self.top_k, dim=-1)
