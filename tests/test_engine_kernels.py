@@ -267,7 +267,7 @@ def test_cuda_fused_bf16_matches_float_reference():
 def test_cuda_graph_with_zero_copy_host_experts():
     g = torch.Generator().manual_seed(5)
     kernels.CONFIG.clear()
-    Hc, Ic, Ec = 256, 192, 8
+    Hc, Ic = 256, 192
     fmts = ["int8"] * 4 + ["ternary"] * 4
     experts = [QuantizedExpert(*(quantize(torch.randn(*s, generator=g) * .1, f) for s in ((Ic, Hc), (Ic, Hc), (Hc, Ic))))
                for f in fmts]
