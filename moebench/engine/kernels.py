@@ -39,8 +39,9 @@ from .quant import GROUP, QuantizedTensor, parse_format
 # Storage formats the kernels decode; the code is the FMT constexpr of the kernels.
 FORMAT_CODES = {"dense": 0, "int8": 1, "int4": 2, "int4_asym": 3, "ternary": 4}
 
-# Launch parameters per (kernel, format): BN output rows per program, BK input columns per loop
-# step, num_warps. Defaults are reasonable guesses; benchmarks/decode_h200.py sweeps and sets them.
+# Launch parameters per (kernel, format) or (kernel, format, "host") for groups in pinned host
+# memory: BN output rows per program, BK input columns (packed formats: bytes) per loop step,
+# num_warps, num_stages. Defaults are reasonable guesses; benchmarks/decode_h200.py sweeps and sets them.
 DEFAULT_CONFIG = {"BN": 16, "BK": 256, "num_warps": 4, "num_stages": 3}
 CONFIG: dict[tuple[str, ...], dict[str, int]] = {
     ("gemv", "dense"): {"BN": 8, "BK": 512, "num_warps": 4, "num_stages": 3},
@@ -55,7 +56,8 @@ class KernelError(ValueError):
 
 
 def set_config(kernel: str, fmt: str, host: bool = False, **params: int) -> None:
-    """Launch parameters for `kernel` ("gate_up" or "down") on weights of format `fmt`; host=True:
+    """Launch parameters for `kernel` ("gate_up", "down", "gemv" or "router"; the last two take
+    fmt "dense") on weights of format `fmt`; host=True:
     for groups read from pinned host memory (zero-copy over PCIe wants other block shapes than HBM).
     Host groups without their own config use the format's config."""
     if kernel not in ("gate_up", "down", "gemv", "router"):
