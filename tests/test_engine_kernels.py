@@ -477,3 +477,41 @@ def test_engine_fused_qkv_and_gemv_decode_match_default_path(ckpt):
     la = ref._decode(tokens, pos, len(prompt) + 5).float().cpu()
     lb = fused._decode(tokens, pos, len(prompt) + 5).float().cpu()
     torch.testing.assert_close(lb, la, atol=2e-3, rtol=2e-3)
+
+
+# ---- the MoE sum deferred into the next add_rmsnorm -----------------------------------------------
+
+def test_add_rmsnorm_sums_moe_partials_exactly_like_moe_sum():
+    g = torch.Generator().manual_seed(13)
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
+    x = torch.randn(3, H, generator=g).to(DEV)
+    ids, w = routing(3, g)
+    mats = [torch.randn(E, *s, generator=g).to(DEV) * 0.1 for s in ((I, H), (I, H), (H, I))]
+    group = kernels.dense_group(*mats)
+    part = kernels.fused_moe(x, ids.to(DEV), w.to(DEV), [group], reduce=False)
+    assert part.shape == (3 * K, H) and part.dtype == torch.float32
+    summed = kernels.fused_moe(x, ids.to(DEV), w.to(DEV), [group])
+    resid = torch.randn(3, H, generator=g).to(DEV, dt)
+    weight = (torch.rand(H, generator=g) + 0.5).to(DEV, dt)
+    want = kernels.add_rmsnorm(resid, summed.to(dt), weight, 1e-6)
+    got = kernels.add_rmsnorm(resid, part, weight, 1e-6, delta_rows=K)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(kernels.KernelError, match="row"):
+        kernels.add_rmsnorm(resid, part[:-1], weight, 1e-6, delta_rows=K)
+
+
+def test_engine_decode_with_deferred_moe_sum_is_bitwise_the_same(ckpt):
+    """DEFER_MOE_SUM moves moe_sum into the next add_rmsnorm: a decode step gives the same bits."""
+    eng = Engine.load(ckpt, device=DEV, dtype="float32", max_seq_len=32, experts_impl="triton")
+    assert all(b.experts.partials_ok(1) for b in eng.model.moe_blocks())
+    tokens, pos = torch.tensor([[7]], device=DEV), torch.tensor([[4]], device=DEV)
+    eng.generate([list(range(3, 7))], 1, ignore_eos=True)      # fill slots 0..3
+    saved = kernels.DEFER_MOE_SUM
+    try:
+        outs = {}
+        for defer in (False, True):
+            kernels.DEFER_MOE_SUM = defer
+            outs[defer] = eng._decode(tokens, pos, 5).cpu()
+    finally:
+        kernels.DEFER_MOE_SUM = saved
+    assert torch.equal(outs[True], outs[False])

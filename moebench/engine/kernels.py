@@ -427,10 +427,12 @@ def _check_group(group: ExpertGroup, hidden: int) -> None:
             raise KernelError(f"expert group {group.label!r}: {name} weights need a unit last stride")
 
 
-def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGroup]) -> Tensor:
+def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGroup],
+              reduce: bool = True) -> Tensor:
     """x [T, H]; topk_ids [T, k] (int64/int32); topk_w [T, k] -> [T, H] in x's dtype:
     sum_j topk_w[t, j] * down(silu(gate x) * up x) of expert topk_ids[t, j], every expert in
-    exactly one of `groups`. Reads each (token, expert) pair's weights once; no host sync."""
+    exactly one of `groups`. Reads each (token, expert) pair's weights once; no host sync.
+    reduce=False: the float32 terms [T * k, H] instead (pair t*k + j), for add_rmsnorm to sum."""
     if not groups:
         raise KernelError("fused_moe: no expert groups")
     gate_up_kernel, down_kernel, moe_sum_kernel = _kernels()
@@ -471,6 +473,8 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
             g.down.data.stride(0), g.down.data.stride(1), dse, dsr,
             FMT=FORMAT_CODES[g.down.fmt], HAS_MAP=g.slot_of is not None, FIRST=i == 0,
             GROUP_SIZE=GROUP, BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if not reduce:
+        return part
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     block = min(1024, _next_pow2(H))
     moe_sum_kernel[(T, -(-H // block))](part, out, H, part.stride(0), out.stride(0), TOPK=k, BLOCK=block,
@@ -493,15 +497,24 @@ def dense_group(w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> ExpertGroup:
 if triton is not None:
     @triton.jit
     def add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, eps,
-                           HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-        """Row r: s = x + delta (rounded to x's dtype, written to res), out = w * norm(s)."""
+                           HAS_DELTA: tl.constexpr, DELTA_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        """Row r: s = x + delta (rounded to x's dtype, written to res), out = w * norm(s). DELTA_ROWS
+        > 1: delta is the sum of rows r * DELTA_ROWS .. + DELTA_ROWS - 1 of d (fused_moe's float32
+        partials, added in order and rounded to x's dtype, exactly as moe_sum does)."""
         r = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < N
         dt = x_ptr.dtype.element_ty
         x = tl.load(x_ptr + r * N + offs, mask=m, other=0.0)
         if HAS_DELTA:
-            x = (x.to(tl.float32) + tl.load(d_ptr + r * N + offs, mask=m, other=0.0).to(tl.float32)).to(dt)
+            if DELTA_ROWS == 1:
+                d = tl.load(d_ptr + r * N + offs, mask=m, other=0.0).to(tl.float32)
+            else:
+                d = tl.zeros((BLOCK,), dtype=tl.float32)
+                for j in tl.static_range(DELTA_ROWS):
+                    d += tl.load(d_ptr + (r * DELTA_ROWS + j) * N + offs, mask=m, other=0.0)
+                d = d.to(dt).to(tl.float32)
+            x = (x.to(tl.float32) + d).to(dt)
             tl.store(res_ptr + r * N + offs, x, mask=m)
         xf = x.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
@@ -622,10 +635,12 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def add_rmsnorm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rmsnorm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float,
+                delta_rows: int = 1) -> tuple[Tensor, Tensor]:
     """(x + delta, RMSNorm(x + delta) * weight) in one launch, both in x's dtype (delta None: (x,
     norm(x))). Rounds like `x + delta` then model.RMSNorm: the sum to x's dtype, the normalised value
-    to x's dtype before the weight."""
+    to x's dtype before the weight. delta_rows > 1: delta is fused_moe(..., reduce=False)'s float32
+    partials [rows * delta_rows, N], summed here (this saves moe_sum's launch; same result)."""
     _kernels()
     N = x.shape[-1]
     if weight.shape != (N,):
@@ -634,11 +649,14 @@ def add_rmsnorm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> 
     out = torch.empty_like(xc)
     res = torch.empty_like(xc) if delta is not None else xc
     dc = delta.contiguous() if delta is not None else xc
-    if delta is not None and dc.shape != xc.shape:
-        raise KernelError(f"add_rmsnorm: delta shape {tuple(dc.shape)} differs from x {tuple(xc.shape)}")
     rows = xc.numel() // N
+    if delta is not None and dc.numel() != xc.numel() * delta_rows:
+        raise KernelError(f"add_rmsnorm: delta shape {tuple(dc.shape)} does not hold {delta_rows} row(s) per row of "
+                          f"x {tuple(xc.shape)}")
+    if delta_rows > 1 and dc.dtype != torch.float32:
+        raise KernelError(f"add_rmsnorm: partial rows (delta_rows={delta_rows}) must be float32, got {dc.dtype}")
     add_rmsnorm_kernel[(rows,)](xc, dc, weight, res, out, N, eps, HAS_DELTA=delta is not None,
-                                BLOCK=_next_pow2(N), num_warps=4 if N >= 1024 else 1)
+                                DELTA_ROWS=delta_rows, BLOCK=_next_pow2(N), num_warps=4 if N >= 1024 else 1)
     return res, out
 
 
@@ -661,6 +679,8 @@ def route_topk(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, T
 # MoEBlock.route uses router_topk when True, else F.linear + route_topk (two launches). The fused one
 # wins only if its GEMV slices are fast for the router's shape: benchmarks/decode_h200.py times both.
 FUSED_ROUTER = True
+# The fused decode layers let add_rmsnorm sum the MoE partials (no moe_sum launch) when True.
+DEFER_MOE_SUM = True
 _ARRIVALS: dict[torch.device, Tensor] = {}   # router_topk's per-token counters, zero between calls
 ROUTER_MAX_TOKENS = 64
 

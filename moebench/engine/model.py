@@ -193,6 +193,17 @@ class Experts(nn.Module):
             return 1 << 30 if self._grouped_mm_runs() else self.triton_max_tokens
         return {"grouped_mm": 1 << 30, "loop": 0}.get(self.impl, self.gather_max_tokens)
 
+    def partials_ok(self, T: int) -> bool:
+        """Whether forward_partials runs for T tokens (the fused Triton path)."""
+        return self.impl == "triton" and T <= self.triton_max_tokens
+
+    def forward_partials(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor) -> Tensor:
+        """The float32 weighted terms [T * k, H] whose per-token sums forward returns (see
+        kernels.fused_moe(reduce=False)); only where partials_ok."""
+        from . import kernels
+        return kernels.fused_moe(x, topk_ids, topk_w, [kernels.dense_group(self.w_gate, self.w_up, self.w_down)],
+                                 reduce=False)
+
     def _grouped_mm_runs(self) -> bool:
         return self.w_gate.is_cuda and self.w_gate.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
 
@@ -308,14 +319,29 @@ class MoEBlock(nn.Module):
             topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
         return logits, topk_ids, topk_w
 
-    def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
+    def _route_traced(self, x: Tensor) -> tuple[Tensor, Tensor]:
         logits, topk_ids, topk_w = self.route(x)
         if self.tracer is not None:
             self.tracer.records.append((self.layer_idx, topk_ids.cpu(), topk_w.cpu()))
             if self.tracer.keep_logits:
                 self.tracer.logits.append((self.layer_idx, logits.float().cpu()))
+        return topk_ids, topk_w
+
+    def forward_partials(self, x: Tensor) -> Tensor | None:
+        """The experts' float32 terms [N * top_k, H] (N = tokens of x) for the caller to sum (the
+        fused decode layers do it inside the next add_rmsnorm), or None where this block cannot
+        (a shared expert, or experts without a fused partials path for this many tokens)."""
+        flat = x.reshape(-1, x.shape[-1])
+        ok = getattr(self.experts, "partials_ok", None)
+        if self.shared_expert is not None or ok is None or not ok(flat.shape[0]):
+            return None
+        topk_ids, topk_w = self._route_traced(flat)
+        return self.experts.forward_partials(flat, topk_ids, topk_w)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        topk_ids, topk_w = self._route_traced(x)
         out = self.experts(x, topk_ids, topk_w)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -401,7 +427,8 @@ class MoETransformer(nn.Module):
 
     def _fused_layers(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, kv_len: int) -> Tensor:
         """DecoderLayer.forward for every layer, with each residual add fused into the next RMSNorm
-        (the next layer's input norm, or the final norm): one kernel where there were ~9."""
+        (the next layer's input norm, or the final norm): one kernel where there were ~9. The MoE
+        blocks' weighted expert sums are done by that same kernel where the experts allow it."""
         from . import kernels
         first = self.layers[0].input_layernorm
         x, h = kernels.add_rmsnorm(x, None, first.weight, first.eps)
@@ -409,7 +436,12 @@ class MoETransformer(nn.Module):
             a = layer.self_attn(h, cos, sin, positions, kv_len)
             post = layer.post_attention_layernorm
             x, h = kernels.add_rmsnorm(x, a, post.weight, post.eps)
-            m = layer.mlp(h)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x, h = kernels.add_rmsnorm(x, m, nxt.weight, nxt.eps)
+            part = None
+            if kernels.DEFER_MOE_SUM and isinstance(layer.mlp, MoEBlock):
+                part = layer.mlp.forward_partials(h)     # the MoE sum moves into the next norm
+            if part is not None:
+                x, h = kernels.add_rmsnorm(x, part, nxt.weight, nxt.eps, delta_rows=layer.mlp.top_k)
+            else:
+                x, h = kernels.add_rmsnorm(x, layer.mlp(h), nxt.weight, nxt.eps)
         return h

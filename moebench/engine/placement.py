@@ -187,6 +187,18 @@ class TieredExperts(nn.Module):
             self._cache.popitem(last=False)
 
     # -- forward ---------------------------------------------------------------------------------
+    def partials_ok(self, T: int) -> bool:
+        """Whether forward_partials runs for T tokens (the fused kernels are on and cover T)."""
+        return self._fused_groups is not None and T <= self.fused_max_tokens and self.skip_tail_from is None
+
+    def forward_partials(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        """kernels.fused_moe(reduce=False): the float32 terms [T * k, H]; only where partials_ok."""
+        from . import kernels
+        T, k = topk_ids.shape
+        self._counters["calls"] += 1
+        self._counters["routed"] += T * k
+        return kernels.fused_moe(x, topk_ids, topk_w, self._fused_groups, reduce=False)
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         T, k = topk_ids.shape
         c = self._counters
