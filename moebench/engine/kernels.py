@@ -51,6 +51,11 @@ CONFIG: dict[tuple[str, ...], dict[str, int]] = {
 }
 
 
+# fused_moe runs host-memory expert groups on a side stream, concurrently with the HBM groups.
+OVERLAP_HOST = True
+_SIDE_STREAMS: dict = {}
+
+
 class KernelError(ValueError):
     """Weights or inputs the fused kernels cannot take; the message says what was expected."""
 
@@ -448,31 +453,51 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
         if g.gate.rows != inter:
             raise KernelError(f"fused_moe: expert group {g.label!r} has width {g.gate.rows}, another {inter}")
     h = torch.empty(T * k, inter, dtype=torch.float32, device=x.device)
-    for g in groups:
-        cfg = get_config("gate_up", g.gate.fmt, host=g.gate.data.device.type == "cpu")
+    part = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
+
+    def launch(g: ExpertGroup, first: bool) -> None:
+        """gate_up then down for the pairs of group g (first: also zero the part rows of other pairs)."""
+        host = g.gate.data.device.type == "cpu"
+        slot = g.slot_of if g.slot_of is not None else ids
+        cfg = get_config("gate_up", g.gate.fmt, host=host)
         gs, gm, gse, gsr = _scale_args(g.gate)
         us, um, use, usr = _scale_args(g.up)
-        slot = g.slot_of if g.slot_of is not None else ids
-        grid = (T * k, -(-inter // cfg["BN"]))
-        gate_up_kernel[grid](
+        gate_up_kernel[(T * k, -(-inter // cfg["BN"]))](
             x, ids, slot, h, g.gate.data, gs, gm, g.up.data, us, um,
             inter, H, g.gate.data.shape[-1], x.stride(0), h.stride(0),
             g.gate.data.stride(0), g.gate.data.stride(1), gse, gsr,
             g.up.data.stride(0), g.up.data.stride(1), use, usr,
             TOPK=k, FMT=FORMAT_CODES[g.gate.fmt], HAS_MAP=g.slot_of is not None, GROUP_SIZE=GROUP,
             BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    part = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
-    for i, g in enumerate(groups):
-        cfg = get_config("down", g.down.fmt, host=g.down.data.device.type == "cpu")
+        cfg = get_config("down", g.down.fmt, host=host)
         ds, dm, dse, dsr = _scale_args(g.down)
-        slot = g.slot_of if g.slot_of is not None else ids
-        grid = (T * k, -(-H // cfg["BN"]))
-        down_kernel[grid](
+        down_kernel[(T * k, -(-H // cfg["BN"]))](
             h, ids, wts, slot, part, g.down.data, ds, dm,
             H, inter, g.down.data.shape[-1], h.stride(0), part.stride(0),
             g.down.data.stride(0), g.down.data.stride(1), dse, dsr,
-            FMT=FORMAT_CODES[g.down.fmt], HAS_MAP=g.slot_of is not None, FIRST=i == 0,
+            FMT=FORMAT_CODES[g.down.fmt], HAS_MAP=g.slot_of is not None, FIRST=first,
             GROUP_SIZE=GROUP, BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    host_groups = [g for g in groups if g.gate.data.device.type == "cpu"] if x.is_cuda and OVERLAP_HOST else []
+    if host_groups and len(host_groups) < len(groups):
+        # Host groups (zero-copy reads over PCIe, latency-bound) run on a side stream while the HBM
+        # groups run here; their pairs' rows are disjoint. No zeroing of other pairs' rows (it would
+        # race): the groups cover every expert (TieredExperts builds them so).
+        main = torch.cuda.current_stream(x.device)
+        side = _SIDE_STREAMS.get(x.device)
+        if side is None:
+            side = _SIDE_STREAMS[x.device] = torch.cuda.Stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for g in host_groups:
+                launch(g, first=False)
+        for g in groups:
+            if not any(g is hg for hg in host_groups):   # identity: dataclass == compares tensors
+                launch(g, first=False)
+        main.wait_stream(side)
+    else:
+        for i, g in enumerate(groups):
+            launch(g, first=i == 0)
     if not reduce:
         return part
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
