@@ -616,6 +616,21 @@ def main(argv=None) -> dict:
         log(f"engine bf16 [triton{'+graphs' if graphs else ''}]: {r['tok_s']:.2f} tok/s, MBU {r['mbu_pct']:.1f}%")
         return r
 
+    @variant("engine_bf16_triton_graphs_moe_sum_kernel")
+    def _():
+        """A/B: the same engine with moe_sum as its own launch (kernels.DEFER_MOE_SUM off)."""
+        kernels.DEFER_MOE_SUM = False
+        eng_new._graphs.clear()
+        try:
+            r = engine_rate(eng_new)
+        finally:
+            kernels.DEFER_MOE_SUM = True
+            eng_new._graphs.clear()
+        r.pop("tokens")
+        r.update(bytes_per_token=R["active_bytes"], mbu_pct=mbu(r["tok_s"], R["active_bytes"]))
+        log(f"engine bf16 [triton+graphs, moe_sum not deferred]: {r['tok_s']:.2f} tok/s, MBU {r['mbu_pct']:.1f}%")
+        return r
+
     @variant("engine_bf16_triton_gemv_graphs")
     def _():
         eng = build_engine(hf, max_seq_len=max_seq, cuda_graphs=graphs, experts_impl="triton", gemv_max_tokens=1)
@@ -713,6 +728,16 @@ def main(argv=None) -> dict:
                     f"{p['kernels_per_step']:.0f} kernels/step, {p['kernel_ms_per_step']:.3f} ms kernel time/step:")
                 for kname, count, ms in p["rows"][:6]:
                     log(f"    {ms:9.3f} {count:6d}  {kname}")
+            if has_host and device.type == "cuda":
+                # A/B: host groups on the main stream after the HBM groups (no side-stream overlap).
+                kernels.OVERLAP_HOST = False
+                eng._graphs.clear()
+                try:
+                    r["tok_s_no_overlap"] = engine_rate(eng)["tok_s"]
+                finally:
+                    kernels.OVERLAP_HOST = True
+                    eng._graphs.clear()
+                msg += f"; without the side-stream overlap {r['tok_s_no_overlap']:.2f} tok/s"
             if has_host and R["pinned_h2d_Bps"]:
                 bound = 1.0 / ((non_expert + split["hbm"]) / bw + split["pcie"] / R["pinned_h2d_Bps"])
                 r.update(tier_bound_tok_s=bound, pct_of_tier_bound=100 * r["tok_s"] / bound,
