@@ -207,14 +207,6 @@ def _kernels():
 
 if triton is not None:
     @triton.jit
-    def small_int_to_f32(v, offset: tl.constexpr):
-        """float(v - offset) for int32 0 <= v < 2**23 without an int-to-float conversion instruction:
-        the bits 0x4B000000 | v are the float 2**23 + v, so one OR and one subtract give it exactly.
-        Hopper converts ints to floats at 16 per clock per SM against 64-128 for OR and FADD, and the
-        packed formats convert one value per weight (int8: 1 per byte, int4: 2, ternary: 5)."""
-        return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
-
-    @triton.jit
     def trit_term(v, s_row, x_ptr, b, bmask, K, GROUP_SIZE: tl.constexpr):
         """Scaled dot part [BN, BK] of ternary bytes v [BN, BK] (columns 5b..5b+4) with x.
 
@@ -246,23 +238,23 @@ if triton is not None:
         lo = tl.zeros(v.shape, dtype=tl.float32) - (x0 + l1 + l2 + l3 + l4)[None, :]
         hi = tl.zeros(v.shape, dtype=tl.float32) - (h1 + h2 + h3 + h4)[None, :]
         q = (v * 21846) >> 16
-        lo += small_int_to_f32(v - q * 3, 0) * x0[None, :]
+        lo += (v - q * 3).to(tl.float32) * x0[None, :]
         v = q
         q = (v * 21846) >> 16
-        d = small_int_to_f32(v - q * 3, 0)
+        d = (v - q * 3).to(tl.float32)
         lo += d * l1[None, :]
         hi += d * h1[None, :]
         v = q
         q = (v * 21846) >> 16
-        d = small_int_to_f32(v - q * 3, 0)
+        d = (v - q * 3).to(tl.float32)
         lo += d * l2[None, :]
         hi += d * h2[None, :]
         v = q
         q = (v * 21846) >> 16
-        d = small_int_to_f32(v - q * 3, 0)
+        d = (v - q * 3).to(tl.float32)
         lo += d * l3[None, :]
         hi += d * h3[None, :]
-        d = small_int_to_f32(q, 0)                  # the top digit: v // 81 <= 2
+        d = q.to(tl.float32)                        # the top digit: v // 81 <= 2
         lo += d * l4[None, :]
         hi += d * h4[None, :]
         s_lo = tl.load(s_row + g_lo[None, :], mask=bmask, other=0.0).to(tl.float32)
@@ -284,10 +276,7 @@ if triton is not None:
         if FMT <= 1:
             m = rmask[:, None] & (i < K)[None, :]
             xk = tl.load(x_ptr + i, mask=i < K, other=0.0).to(tl.float32)
-            if FMT == 0:
-                w = tl.load(base + i[None, :], mask=m, other=0).to(tl.float32)
-            else:   # int8 codes -127..127: shifted to 1..255 for the conversion without I2F
-                w = small_int_to_f32(tl.load(base + i[None, :], mask=m, other=0).to(tl.int32) + 128, 128)
+            w = tl.load(base + i[None, :], mask=m, other=0).to(tl.float32)
             return tl.sum(w * xk[None, :], axis=1)
         else:
             bmask = rmask[:, None] & (i < KB)[None, :]
@@ -299,24 +288,20 @@ if triton is not None:
                 # Low nibble = even column, high nibble = odd column. A group of 64 columns is 32 bytes:
                 # the products are summed per group first and scaled once per (row, group), so the
                 # scales are [BN, BK/32] loads, not one gather per byte (round 4: 618 GB/s).
-                # int4 codes are value + 8 (symmetric) or raw (asymmetric: + min): the 8 is folded
-                # into the conversion
-                if FMT == 2:
-                    lo = small_int_to_f32(v & 15, 8)
-                    hi = small_int_to_f32((v >> 4) & 15, 8)
-                else:
-                    lo = small_int_to_f32(v & 15, 0)
-                    hi = small_int_to_f32((v >> 4) & 15, 0)
+                lo = (v & 15).to(tl.float32)
+                hi = ((v >> 4) & 15).to(tl.float32)
                 x0 = tl.load(x_ptr + 2 * i, mask=2 * i < K, other=0.0).to(tl.float32)
                 x1 = tl.load(x_ptr + 2 * i + 1, mask=2 * i + 1 < K, other=0.0).to(tl.float32)
                 gi = k0 // (GROUP_SIZE // 2) + tl.arange(0, BK // (GROUP_SIZE // 2))
                 gmask = rmask[:, None] & (gi * (GROUP_SIZE // 2) < KB)[None, :]
                 s = tl.load(s_row + gi[None, :], mask=gmask, other=0.0).to(tl.float32)
-                prod = lo * x0[None, :] + hi * x1[None, :]
-                per_group = tl.sum(tl.reshape(prod, (BN, BK // (GROUP_SIZE // 2), GROUP_SIZE // 2)), axis=2)
                 if FMT == 2:
+                    prod = (lo - 8.0) * x0[None, :] + (hi - 8.0) * x1[None, :]
+                    per_group = tl.sum(tl.reshape(prod, (BN, BK // (GROUP_SIZE // 2), GROUP_SIZE // 2)), axis=2)
                     return tl.sum(s * per_group, axis=1)
                 else:
+                    prod = lo * x0[None, :] + hi * x1[None, :]
+                    per_group = tl.sum(tl.reshape(prod, (BN, BK // (GROUP_SIZE // 2), GROUP_SIZE // 2)), axis=2)
                     x_group = tl.sum(tl.reshape(x0 + x1, (BK // (GROUP_SIZE // 2), GROUP_SIZE // 2)), axis=1)
                     mn = tl.load(m_ptr + slot * stride_se + rows[:, None] * stride_sr + gi[None, :], mask=gmask,
                                  other=0.0).to(tl.float32)
