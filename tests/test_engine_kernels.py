@@ -515,3 +515,62 @@ def test_engine_decode_with_deferred_moe_sum_is_bitwise_the_same(ckpt):
     finally:
         kernels.DEFER_MOE_SUM = saved
     assert torch.equal(outs[True], outs[False])
+
+
+# ---- host-tier prefetch into an HBM stage ------------------------------------------------------------
+
+def test_prefetch_stages_predicted_host_experts_and_keeps_results_exact():
+    """enable_prefetch + prefetch: predicted host experts are copied into the stage and mapped there,
+    the host group stops serving them, and the layer's output is the same whether the guess was right,
+    partly right or absent (a wrong guess costs PCIe time, never correctness)."""
+    g = torch.Generator().manual_seed(14)
+    fmts = ["int8", "int8", "ternary", "ternary", "ternary", "int8"]
+    experts = [QuantizedExpert(*(quantize(torch.randn(*s, generator=g) * 0.1, f) for s in ((I, H), (I, H), (H, I))))
+               for f in fmts]
+    homes = ["gpu", "gpu", "host", "host", "host", "gpu"]
+    m = TieredExperts(experts, homes, DEV, torch.float32)
+    x = torch.randn(1, H, generator=g).to(DEV)
+    ids = torch.tensor([[3, 0]], device=DEV)
+    w = torch.rand(1, K, generator=g).to(DEV)
+    dequant = tuple(torch.stack([getattr(e, mat).dequantize() for e in experts]) for mat in ("gate", "up", "down"))
+    want = reference(x.cpu(), ids.cpu(), w.cpu(), dequant)
+    m.use_fused_kernels()
+    m.enable_prefetch(K)
+    assert sorted(gr.label for gr in m._fused_groups) == ["int8@gpu", "ternary@host", "ternary@stage"]
+    assert torch.allclose(m(x, ids, w).cpu(), want, atol=1e-5, rtol=1e-4)     # nothing staged yet
+
+    # A router whose top-2 for h is experts 3 and 1 (3 is on host and gets staged; 1 is on the GPU).
+    gate = torch.zeros(E, H)
+    gate[3, 0], gate[1, 0] = 5.0, 4.0
+    h = torch.zeros(1, H)
+    h[0, 0] = 1.0
+    m.prefetch(h.to(DEV), gate.to(DEV), K, True)
+    static, dynamic, stage = m._prefetch[0]
+    assert stage.slot_of.tolist() == [-1, -1, -1, 0, -1, -1]
+    assert dynamic.slot_of.tolist() == [-1, -1, static[2].item(), -1, static[4].item(), -1]
+    assert torch.equal(stage.gate.data[0].cpu(), experts[3].gate.parts["q"])
+    assert torch.equal(stage.down.scale[0].cpu(), experts[3].down.parts["scale"])
+    for route in ([[3, 0]], [[2, 3]], [[4, 5]]):                    # hit, hit + miss, misses only
+        r = torch.tensor(route, device=DEV)
+        got = m(x, r, w).cpu()
+        assert torch.allclose(got, reference(x.cpu(), r.cpu(), w.cpu(), dequant), atol=1e-5, rtol=1e-4), route
+
+
+def test_engine_decode_with_prefetch_gives_the_same_tokens_and_logits(ckpt, wiki_bytes, tmp_path):
+    """A tiered artifact with a quarter of each layer's experts on the GPU and the rest on the host
+    tier, every layer prefetching its predicted host experts: the same greedy tokens and top
+    log-probs as without, and the prefetch did stage experts."""
+    stats = calibrate(Engine.load(ckpt, device="cpu", dtype="float32"), [wiki_bytes[:64], wiki_bytes[64:128]])
+    art = pack(ckpt, plan_hot_cold(stats, 0.25, hot="int8", cold="ternary", cold_home="host"), tmp_path / "art")
+    plain = Engine.load(art, device=DEV, dtype="float32", max_seq_len=64, experts_impl="triton")
+    pre = Engine.load(art, device=DEV, dtype="float32", max_seq_len=64, experts_impl="triton")
+    for block in pre.model.moe_blocks():
+        block.experts.enable_prefetch(block.top_k)
+    prompt = wiki_bytes[300:320]          # 20 tokens: a chunked prefill, then one-token decode steps
+    a = plain.generate([prompt], 5, ignore_eos=True, top_logprobs=3)[0]
+    b = pre.generate([prompt], 5, ignore_eos=True, top_logprobs=3)[0]
+    assert a.token_ids == b.token_ids and a.top_logprobs == b.top_logprobs
+    staged = [int((blk.experts._prefetch[0][2].slot_of >= 0).sum()) for blk in pre.model.moe_blocks()[1:]]
+    assert all(0 < n <= pre.model.moe_blocks()[0].top_k for n in staged), staged
+    first = pre.model.moe_blocks()[0].experts._prefetch[0][2].slot_of    # layer 0 has no earlier layer
+    assert int((first >= 0).sum()) == 0

@@ -695,11 +695,12 @@ _ARRIVALS: dict[torch.device, Tensor] = {}   # router_topk's per-token counters,
 ROUTER_MAX_TOKENS = 64
 
 
-def router_topk(x: Tensor, weight: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor, Tensor]:
+def router_topk(x: Tensor, weight: Tensor, top_k: int, renormalize: bool,
+                arrivals: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """x [N, H] (N <= ROUTER_MAX_TOKENS), router weight [E, H] -> (logits [N, E] float32 (values
     rounded to x's dtype), topk_ids [N, k] int64, topk_w [N, k] float32): F.linear + route_topk in
-    one launch. The arrival counters are shared per device: calls must not run concurrently on two
-    streams of one device (the engine runs one decode at a time)."""
+    one launch. The arrival counters (int32 [>= N], zero) are shared per device unless `arrivals` is
+    given: calls on two streams at once need their own (the host-tier prefetch passes its own)."""
     _kernels()
     N, H = x.shape
     E = weight.shape[0]
@@ -710,7 +711,7 @@ def router_topk(x: Tensor, weight: Tensor, top_k: int, renormalize: bool) -> tup
         raise KernelError(f"router_topk: {N} tokens, top_k {top_k}, {E} experts; expected <= {ROUTER_MAX_TOKENS} "
                           f"tokens and 0 < top_k <= experts")
     xc = x if x.stride(-1) == 1 else x.contiguous()
-    counts = _ARRIVALS.get(x.device)
+    counts = arrivals if arrivals is not None else _ARRIVALS.get(x.device)
     if counts is None:
         counts = _ARRIVALS[x.device] = torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int32, device=x.device)
     logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
@@ -810,3 +811,70 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
                                          x2.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
                                          BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y.view(*x.shape[:-1], N)
+
+
+# ------------------------------------------------------------------------------------------------
+# Host-tier prefetch: copy the host experts a prediction names into a device stage (HBM), so the
+# layer that uses them reads HBM instead of PCIe. Launched on a side stream one layer early (see
+# placement.TieredExperts.prefetch), the PCIe reads overlap the previous layer's work.
+
+if triton is not None:
+    @triton.jit
+    def stage_copy_kernel(src_ptr, dst_ptr, pred_ptr, host_slot_ptr, n_words, src_stride, dst_stride,
+                          BLOCK: tl.constexpr):
+        """Program (j, chunk): if predicted expert pred[j] lives in this host group (slot s >= 0),
+        copy chunk `chunk` of slot s's words to stage slot j."""
+        j = tl.program_id(0)
+        c = tl.program_id(1)
+        e = tl.load(pred_ptr + j).to(tl.int64)
+        s = tl.load(host_slot_ptr + e).to(tl.int64)
+        if s >= 0:
+            offs = c * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n_words
+            v = tl.load(src_ptr + s * src_stride + offs, mask=m)
+            tl.store(dst_ptr + j * dst_stride + offs, v, mask=m)
+
+    @triton.jit
+    def stage_maps_kernel(pred_ptr, host_slot_ptr, stage_slot_ptr, host_dyn_ptr, E,
+                          K: tl.constexpr, BLOCK_E: tl.constexpr):
+        """stage_slot[e] = j if e == pred[j] and e lives in this host group, else -1; host_dyn[e] =
+        the host slot of e unless it is staged (-1): the two groups then cover e exactly once."""
+        offs = tl.arange(0, BLOCK_E)
+        m = offs < E
+        hs = tl.load(host_slot_ptr + offs, mask=m, other=-1)
+        stage = tl.full((BLOCK_E,), -1, tl.int32)
+        for j in tl.static_range(K):
+            pj = tl.load(pred_ptr + j).to(tl.int32)
+            stage = tl.where((offs == pj) & (hs >= 0), j, stage)
+        tl.store(stage_slot_ptr + offs, stage, mask=m)
+        tl.store(host_dyn_ptr + offs, tl.where(stage >= 0, -1, hs), mask=m)
+
+
+def _word_view(t: Tensor) -> Tensor:
+    """[S, ...] contiguous -> [S, words] (int32 words when the slot size allows, else bytes)."""
+    flat = t.reshape(t.shape[0], -1).view(torch.uint8)
+    return flat.view(torch.int32) if flat.shape[1] % 4 == 0 else flat
+
+
+def stage_experts(pred_ids: Tensor, host_slot_of: Tensor, host: ExpertGroup, stage: ExpertGroup,
+                  stage_slot_of: Tensor, host_dyn: Tensor) -> None:
+    """Copy the predicted experts (pred_ids [k]) that live in `host` into `stage` (slot j for
+    pred_ids[j]) and rewrite the maps (stage.slot_of is stage_slot_of, the host group's dynamic
+    slot_of is host_dyn; host_slot_of is its static one). No host sync; graph-capturable."""
+    _kernels()
+    k = pred_ids.numel()
+    pred = pred_ids.reshape(-1)
+    for mat in ("gate", "up", "down"):
+        src_pm, dst_pm = getattr(host, mat), getattr(stage, mat)
+        for src_t, dst_t in ((src_pm.data, dst_pm.data), (src_pm.scale, dst_pm.scale),
+                             (src_pm.minimum, dst_pm.minimum)):
+            if src_t is None:
+                continue
+            src, dst = _word_view(src_t), _word_view(dst_t)
+            block = 4096
+            stage_copy_kernel[(k, -(-src.shape[1] // block))](src, dst, pred, host_slot_of, src.shape[1],
+                                                                src.stride(0), dst.stride(0), BLOCK=block,
+                                                                num_warps=8)
+    E = host_slot_of.numel()
+    stage_maps_kernel[(1,)](pred, host_slot_of, stage_slot_of, host_dyn, E, K=k, BLOCK_E=_next_pow2(E),
+                            num_warps=1)

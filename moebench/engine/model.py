@@ -425,6 +425,14 @@ class MoETransformer(nn.Module):
             x = layer(x, cos, sin, positions, kv_len)
         return self.norm(x)
 
+    @staticmethod
+    def _prefetch_next(block: nn.Module, h: Tensor) -> None:
+        """Let the next layer's tiered experts stage their predicted host experts now (its router on
+        this layer's MoE input, on a side stream; see TieredExperts.prefetch). One-token steps only."""
+        experts = getattr(block, "experts", None)
+        if isinstance(block, MoEBlock) and getattr(experts, "_prefetch", None) and h.numel() == h.shape[-1]:
+            experts.prefetch(h.reshape(1, -1), block.gate.weight, block.top_k, block.norm_topk_prob)
+
     def _fused_layers(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, kv_len: int) -> Tensor:
         """DecoderLayer.forward for every layer, with each residual add fused into the next RMSNorm
         (the next layer's input norm, or the final norm): one kernel where there were ~9. The MoE
@@ -436,6 +444,8 @@ class MoETransformer(nn.Module):
             a = layer.self_attn(h, cos, sin, positions, kv_len)
             post = layer.post_attention_layernorm
             x, h = kernels.add_rmsnorm(x, a, post.weight, post.eps)
+            if i + 1 < len(self.layers):
+                self._prefetch_next(self.layers[i + 1].mlp, h)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             part = None
             if kernels.DEFER_MOE_SUM and isinstance(layer.mlp, MoEBlock):

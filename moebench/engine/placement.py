@@ -16,6 +16,7 @@ are computed cannot change the result.
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import nullcontext as _no_stream
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,7 @@ class TieredExperts(nn.Module):
         self._copy_stream = torch.cuda.Stream(self.device) if on_cuda else None
         self._cache: OrderedDict[int, QuantizedExpert] = OrderedDict()
         self._fused_groups = None          # set by use_fused_kernels()
+        self._prefetch: list = []          # set by enable_prefetch()
         self.fused_max_tokens = 16
         self.reset_telemetry()
 
@@ -135,6 +137,68 @@ class TieredExperts(nn.Module):
                 self._stores[e] = QuantizedExpert(*(pm.slot(i) for pm in mats))
         self._cache.clear()
         self._fused_groups = groups
+        self._prefetch = []
+
+    def enable_prefetch(self, top_k: int) -> None:
+        """Let `prefetch` stage predicted host experts in HBM (fused path, decode of one token).
+
+        Each host group gets a device stage of top_k slots and two dynamic maps: stage_slot_of
+        (expert -> stage slot, -1) and the host group's slot_of (its host slot, or -1 once staged), so
+        every expert is in exactly one group whatever was predicted. Until a prefetch has run, nothing
+        is staged. Costs top_k experts of HBM per host group."""
+        from . import kernels
+        if self._fused_groups is None:
+            raise ValueError("TieredExperts.enable_prefetch: call use_fused_kernels() first")
+        if self._prefetch:
+            return
+        groups, entries = [], []
+        for g in self._fused_groups:
+            if not g.label.endswith("@host"):
+                groups.append(g)
+                continue
+            static = g.slot_of
+            dynamic = kernels.ExpertGroup(g.gate, g.up, g.down, static.clone(), g.label)
+
+            def staged(pm: kernels.PackedMatrix) -> kernels.PackedMatrix:
+                def like(t):
+                    return None if t is None else torch.empty((top_k, *t.shape[1:]), dtype=t.dtype, device=self.device)
+                return kernels.PackedMatrix(pm.fmt, like(pm.data), pm.rows, pm.cols, like(pm.scale), like(pm.minimum))
+            stage_slot_of = torch.full_like(static, -1)
+            stage = kernels.ExpertGroup(staged(g.gate), staged(g.up), staged(g.down), stage_slot_of,
+                                        g.label.replace("@host", "@stage"))
+            groups += [stage, dynamic]
+            entries.append((static, dynamic, stage))
+        self._fused_groups = groups
+        self._prefetch = entries
+        self._pf_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._pf_arrivals = torch.zeros(kernels.ROUTER_MAX_TOKENS, dtype=torch.int32, device=self.device)
+        self._pf_pending = False
+        self._pf_refs = None
+
+    def prefetch(self, h: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool) -> None:
+        """Predict this layer's experts from an earlier hidden state h [1, H] (the previous layer's
+        MoE input) with this layer's router, and stage the predicted host experts in HBM, on a side
+        stream: the PCIe reads overlap the previous layer's work. The layer's forward waits for it.
+        A wrong guess costs PCIe time, never correctness (unstaged experts are read from host)."""
+        if not self._prefetch or h.shape[0] != 1:
+            return
+        from . import kernels
+        stream = self._pf_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream) if stream is not None else _no_stream():
+            _, ids, _ = kernels.router_topk(h, gate_weight, top_k, renormalize, arrivals=self._pf_arrivals)
+            for static, dynamic, stage in self._prefetch:
+                kernels.stage_experts(ids[0], static, dynamic, stage, stage.slot_of, dynamic.slot_of)
+        self._pf_refs = (h, ids)            # kept alive until the join (the side stream reads them)
+        self._pf_pending = stream is not None
+
+    def _join_prefetch(self) -> None:
+        if self._prefetch and self._pf_pending:
+            torch.cuda.current_stream(self.device).wait_stream(self._pf_stream)
+            self._pf_pending = False
+        if self._prefetch:
+            self._pf_refs = None
 
     def sync_free_tokens(self) -> int:
         """Up to how many tokens forward runs without host syncs (0 unless the fused path is on)."""
@@ -197,6 +261,7 @@ class TieredExperts(nn.Module):
         T, k = topk_ids.shape
         self._counters["calls"] += 1
         self._counters["routed"] += T * k
+        self._join_prefetch()
         return kernels.fused_moe(x, topk_ids, topk_w, self._fused_groups, reduce=False)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
@@ -206,6 +271,7 @@ class TieredExperts(nn.Module):
         c["routed"] += T * k
         if self._fused_groups is not None and T <= self.fused_max_tokens and self.skip_tail_from is None:
             from . import kernels
+            self._join_prefetch()
             return kernels.fused_moe(x, topk_ids, topk_w, self._fused_groups)
         active = torch.ones_like(topk_ids, dtype=torch.bool)
         cached_at_start = set(self._cache)
