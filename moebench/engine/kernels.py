@@ -41,13 +41,26 @@ FORMAT_CODES = {"dense": 0, "int8": 1, "int4": 2, "int4_asym": 3, "ternary": 4}
 
 # Launch parameters per (kernel, format) or (kernel, format, "host") for groups in pinned host
 # memory: BN output rows per program, BK input columns (packed formats: bytes) per loop step,
-# num_warps, num_stages. Defaults are reasonable guesses; benchmarks/decode_h200.py sweeps and sets them.
+# num_warps, num_stages. benchmarks/decode_h200.py sweeps them on the GPU it runs on and sets the best.
 DEFAULT_CONFIG = {"BN": 16, "BK": 256, "num_warps": 4, "num_stages": 3}
+
+
+def _cfg(bn: int, bk: int, warps: int, stages: int) -> dict[str, int]:
+    return {"BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages}
+
+
+# Shipped values: the H200 sweep of benchmarks/decode_h200.py (round 5, 8 disjoint experts per call).
 CONFIG: dict[tuple[str, ...], dict[str, int]] = {
+    ("gate_up", "dense"): _cfg(2, 2048, 4, 2), ("down", "dense"): _cfg(16, 256, 4, 3),
+    ("gate_up", "int8"): _cfg(8, 512, 8, 4), ("down", "int8"): _cfg(16, 256, 4, 3),
+    ("gate_up", "int4"): _cfg(8, 256, 4, 3), ("down", "int4"): _cfg(16, 256, 4, 3),
+    ("gate_up", "int4_asym"): _cfg(8, 256, 4, 3), ("down", "int4_asym"): _cfg(16, 256, 4, 3),
+    ("gate_up", "ternary"): _cfg(8, 256, 4, 3), ("down", "ternary"): _cfg(8, 256, 4, 3),
+    ("gate_up", "ternary", "host"): _cfg(4, 512, 4, 3), ("down", "ternary", "host"): _cfg(16, 256, 4, 3),
     ("gemv", "dense"): {"BN": 8, "BK": 512, "num_warps": 4, "num_stages": 3},
     # num_warps 1: the last program's softmax/top-k reductions stay inside one warp (round 5: 4 warps,
-    # 8 experts per program: 8 us per call, slower than cuBLAS + route_topk's ~7)
-    ("router", "dense"): {"BN": 4, "BK": 1024, "num_warps": 1, "num_stages": 2},
+    # 8 experts per program: 8 us per call, slower than cuBLAS + route_topk's ~7; this one: 5.0-5.3)
+    ("router", "dense"): {"BN": 2, "BK": 2048, "num_warps": 1, "num_stages": 2},
 }
 
 
