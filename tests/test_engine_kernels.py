@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from moebench.engine import Engine  # noqa: E402
+from moebench.engine.engine import EngineError  # noqa: E402
 from moebench.engine import kernels  # noqa: E402
 from moebench.engine.model import Experts  # noqa: E402
 from moebench.engine.placement import QuantizedExpert, TieredExperts  # noqa: E402
@@ -563,9 +564,9 @@ def test_engine_decode_with_prefetch_gives_the_same_tokens_and_logits(ckpt, wiki
     stats = calibrate(Engine.load(ckpt, device="cpu", dtype="float32"), [wiki_bytes[:64], wiki_bytes[64:128]])
     art = pack(ckpt, plan_hot_cold(stats, 0.25, hot="int8", cold="ternary", cold_home="host"), tmp_path / "art")
     plain = Engine.load(art, device=DEV, dtype="float32", max_seq_len=64, experts_impl="triton")
-    pre = Engine.load(art, device=DEV, dtype="float32", max_seq_len=64, experts_impl="triton")
-    for block in pre.model.moe_blocks():
-        block.experts.enable_prefetch(block.top_k)
+    pre = Engine.load(art, device=DEV, dtype="float32", max_seq_len=64, experts_impl="triton", prefetch_host=True)
+    with pytest.raises(EngineError, match="prefetch_host needs experts_impl 'triton'"):
+        Engine.load(art, device=DEV, dtype="float32", max_seq_len=64, prefetch_host=True)
     prompt = wiki_bytes[300:320]          # 20 tokens: a chunked prefill, then one-token decode steps
     a = plain.generate([prompt], 5, ignore_eos=True, top_logprobs=3)[0]
     b = pre.generate([prompt], 5, ignore_eos=True, top_logprobs=3)[0]

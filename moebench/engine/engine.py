@@ -72,7 +72,8 @@ class Engine:
     def __init__(self, model: MoETransformer, tokenizer: Tokenizer | None = None, *,
                  max_seq_len: int | None = None, max_batch: int = 1, prefill_chunk: int = 512,
                  cache_dtype: torch.dtype | None = None, cuda_graphs: bool = False,
-                 experts_impl: str = "auto", fused_ops: bool | None = None, gemv_max_tokens: int = 0):
+                 experts_impl: str = "auto", fused_ops: bool | None = None, gemv_max_tokens: int = 0,
+                 prefetch_host: bool = False):
         self.model = model
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
@@ -98,6 +99,11 @@ class Engine:
                 block.experts.impl = experts_impl
             elif experts_impl == "triton" and hasattr(block.experts, "use_fused_kernels"):
                 block.experts.use_fused_kernels()
+                if prefetch_host:
+                    # stage each layer's predicted host experts in HBM one layer early (side stream)
+                    block.experts.enable_prefetch(block.top_k)
+        if prefetch_host and experts_impl != "triton":
+            raise EngineError(f"prefetch_host needs experts_impl 'triton' (the fused kernels), not {experts_impl!r}")
         # The fused non-expert decode ops (norms, RoPE + KV write, routing): on with "triton" unless
         # fused_ops=False; they cover the steps the fused expert kernels cover (decode).
         if fused_ops is None:
@@ -120,7 +126,7 @@ class Engine:
     def load(cls, path: str | Path, device: str = "cpu", dtype: str = "float32",
              max_seq_len: int | None = None, max_batch: int = 1, prefill_chunk: int = 512,
              cuda_graphs: bool = False, experts_impl: str = "auto", fused_ops: bool | None = None,
-             gemv_max_tokens: int = 0) -> "Engine":
+             gemv_max_tokens: int = 0, prefetch_host: bool = False) -> "Engine":
         """Load a Hugging Face checkpoint directory (or a tiered artifact holding plan.json)."""
         path = Path(path)
         cfg = ModelConfig.from_pretrained(path)
@@ -130,7 +136,7 @@ class Engine:
             tok = Tokenizer.from_dir(path, cfg.bos_token_id, cfg.eos_token_ids)
         return cls(model, tok, max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk,
                    cuda_graphs=cuda_graphs, experts_impl=experts_impl, fused_ops=fused_ops,
-                   gemv_max_tokens=gemv_max_tokens)
+                   gemv_max_tokens=gemv_max_tokens, prefetch_host=prefetch_host)
 
     # ---- properties the runner reads ----
     @property

@@ -26,6 +26,9 @@ SCHEMA: dict[str, Field] = {
     "prefill_chunk": Field(int, default=512, check=positive),
     "experts_impl": Field(str, default="auto", doc="auto | gather | loop | grouped_mm | ... (see engine docs)"),
     "cuda_graphs": Field(bool, default=False, doc="replay decode steps as CUDA graphs (GPU only)"),
+    "prefetch_host": Field(bool, default=False, doc="tiered artifacts with experts_impl = triton: stage each "
+                           "layer's predicted host experts in GPU memory one layer early (pays off when many "
+                           "picks land on the host tier)"),
 }
 
 
@@ -74,6 +77,8 @@ class EngineRunner(Runner):
                   if self.profile.get(k)}
         if self.profile.get("cuda_graphs") and self.device.startswith("cuda"):
             kwargs["cuda_graphs"] = True
+        if self.profile.get("prefetch_host"):
+            kwargs["prefetch_host"] = True
         t0 = time.perf_counter()
         self.engine = await asyncio.to_thread(Engine.load, self.model_path, device=self.device,
                                               dtype=self.profile.get("dtype", "bfloat16"), **kwargs)
