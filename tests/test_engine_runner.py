@@ -57,3 +57,9 @@ def test_identity_hashes_the_model_files(runner, zoo):
     ident = runner.identity()
     assert ident["model"]["path"].endswith("tiny-moe") and len(ident["model"]["sha256"]) == 64
     assert "model.safetensors" in ident["model"]["files"] and ident["model"]["tiered"] is False
+
+
+def test_prefetch_host_without_the_fused_kernels_is_a_profile_error(zoo):
+    from moebench.config import ProfileError
+    with pytest.raises(ProfileError, match="runners/x.toml: key 'prefetch_host' needs experts_impl"):
+        EngineRunner({"model": str(zoo / "tiny-moe"), "prefetch_host": True}, "runners/x.toml")

@@ -65,6 +65,9 @@ class EngineRunner(Runner):
         if not self.model_path.is_dir() or not (self.model_path / "config.json").is_file():
             raise ProfileError(f"{profile_path or 'runner profile'}: key 'model': {self.model_path} is not a "
                                "checkpoint directory with config.json (build the zoo with `moebench zoo build`)")
+        if profile.get("prefetch_host") and profile.get("experts_impl", "auto") != "triton":
+            raise ProfileError(f"{profile_path or 'runner profile'}: key 'prefetch_host' needs experts_impl = "
+                               f"\"triton\" (the fused kernels), got {profile.get('experts_impl', 'auto')!r}")
         self.concurrency = 1          # one engine, one request at a time (it holds a lock anyway)
         self.engine = None
         self.device = _resolve_device(profile.get("device", "auto"))
