@@ -8,8 +8,10 @@ Safety: binds 127.0.0.1 by default; request bodies over `max_body_bytes` get 413
 `max_concurrency` requests run at once and `max_queue` more wait, beyond that 429. Every error is a
 JSON body `{"error": {"message", "type", "code"}}` with a 4xx/5xx status.
 
-Limits (the Runner contract's, documented in docs/lm-eval.md): `stream: true` sends the tokens as SSE
-after the runner finishes (the contract has no per-token callback); prompt log-probs (`echo` with
+Streaming: `stream: true` sends text as the runner generates it (GenerateRequest.on_text), holding
+back only what could still be the start of a stop string; a completions request with several prompts
+or `echo` is sent after generation. Limits (the Runner contract's, documented in docs/lm-eval.md):
+prompt log-probs (`echo` with
 `logprobs`) need a runner with `prompt_logprobs` or `full_logits`; with only `top_logprobs`, a
 generated token's own log-prob is null when it is not among the returned alternatives.
 """
@@ -30,6 +32,7 @@ from aiohttp import web
 
 from moebench.lmeval.scoring import TokenScore, prompt_scoring_kind, score_tokens
 from moebench.runners.base import Capability, CapabilityError, GenerateRequest, Runner, RunnerError
+from moebench.scoring.answers import first_stop
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +238,7 @@ class Server:
     # -- generation core --------------------------------------------------------------------------
     async def _generate_one(self, prompt: str | list[int], *, max_tokens: int, temperature: float,
                             stop: list[str], seed: int | None, n_logprobs: int | None,
-                            echo_scores: bool) -> dict[str, Any]:
+                            echo_scores: bool, on_text=None) -> dict[str, Any]:
         """Generate for one prompt; with n_logprobs, per-token log-probs of the output (and, with
         echo_scores, of the prompt) as lists of (piece, logprob, {piece: logprob})."""
         caps = self.runner.capabilities
@@ -249,7 +252,7 @@ class Server:
             top_k = max(n_logprobs, 1) if n_logprobs is not None and scoring is None else 0
             res = await self.runner.generate(GenerateRequest(
                 prompt=prompt, max_tokens=max_tokens, stop=stop, temperature=temperature, seed=seed,
-                top_logprobs=top_k))
+                top_logprobs=top_k, stream=on_text is not None, on_text=on_text))
             out_text, finish = res.text, res.finish_reason or "stop"
             out_ids = list(res.token_ids) if res.token_ids is not None else (
                 await self.runner.tokenize(out_text) if Capability.TOKENIZE in caps else [])
@@ -315,16 +318,31 @@ class Server:
         if echo and any(isinstance(p, list) for p in prompts):
             self._need(Capability.TOKENIZE, "echo of a token-id prompt")
         self._check_logprob_request(n_logprobs, echo)
+        created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex[:24]}"
+        gen = dict(max_tokens=max_tokens, temperature=temperature, stop=stop, seed=seed, n_logprobs=n_logprobs,
+                   echo_scores=echo and n_logprobs is not None)
+        live = stream and len(prompts) == 1 and not echo     # else the SSE events follow generation
+
+        def chunk(text: str, logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
+            return {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+                    "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
         await self._admit()
         try:
             outs = []
-            for p in prompts:
-                outs.append(await self._generate_one(p, max_tokens=max_tokens, temperature=temperature, stop=stop,
-                                                     seed=seed, n_logprobs=n_logprobs,
-                                                     echo_scores=echo and n_logprobs is not None))
+            if live:
+                resp = await self._sse_start(request)
+
+                async def send(piece: str) -> None:
+                    await self._sse(resp, chunk(piece))
+                try:
+                    outs.append(await self._generate_live(prompts[0], send, **gen))
+                except (RunnerError, ApiError) as e:
+                    return await self._sse_error(resp, e)
+            else:
+                for p in prompts:
+                    outs.append(await self._generate_one(p, **gen))
         finally:
             self.slots.release()
-        created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex[:24]}"
         choices = []
         for i, (p, o) in enumerate(zip(prompts, outs)):
             prompt_text = p if isinstance(p, str) else await self.runner.detokenize(p)
@@ -341,6 +359,11 @@ class Server:
                       "top_logprobs": [e[2] for e in entries], "text_offset": offsets}
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": o["finish_reason"]})
         usage = self._usage(outs)
+        if live:
+            await self._sse(resp, chunk("", choices[0]["logprobs"], choices[0]["finish_reason"]))
+            await self._sse(resp, "[DONE]")
+            await resp.write_eof()
+            return resp
         if stream:
             return await self._stream_completion(request, cid, created, choices, outs, echo, prompts)
         return web.json_response({"id": cid, "object": "text_completion", "created": created,
@@ -366,6 +389,59 @@ class Server:
             if "".join(pieces) != text:
                 pieces = [text]
         return pieces
+
+    async def _generate_live(self, prompt: str | list[int], send, **gen: Any) -> dict[str, Any]:
+        """_generate_one, sending the output text to `send(piece)` (a coroutine function) while it is
+        generated. Text that could still be the start of a stop string is held back (at most the
+        longest stop string less one character); at the end the rest of the final text is sent, so
+        the pieces join to exactly the final text (all of it, in token pieces, for a runner that
+        does not call on_text)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[str] = asyncio.Queue()
+        stop = gen["stop"]
+        hold = max((len(x) for x in stop), default=1) - 1
+
+        def on_text(piece: str) -> None:             # may run on the runner's worker thread
+            loop.call_soon_threadsafe(queue.put_nowait, piece)
+        task = asyncio.ensure_future(self._generate_one(prompt, on_text=on_text, **gen))
+        acc = sent = ""
+        stopped = False
+        try:
+            while True:
+                getter = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    break
+                if stopped:
+                    continue
+                acc += getter.result()
+                cut = first_stop(acc, stop)
+                safe = acc[:cut] if cut is not None else acc[:max(len(sent), len(acc) - hold)]
+                stopped = cut is not None
+                if len(safe) > len(sent) and safe.startswith(sent):
+                    await send(safe[len(sent):])
+                    sent = safe
+        finally:
+            if not task.done():                         # the client went away: stop waiting for it
+                task.cancel()
+        out = task.result()
+        if not sent:                                    # a runner that does not stream: token pieces now
+            for piece in await self._pieces_of(out):
+                await send(piece)
+        elif out["text"].startswith(sent) and len(out["text"]) > len(sent):
+            await send(out["text"][len(sent):])
+        elif not out["text"].startswith(sent):          # a runner restart re-generated differently
+            log.warning("streamed text is not a prefix of the final text (a backend restart?)")
+        return out
+
+    async def _sse_error(self, resp: web.StreamResponse, e: Exception) -> web.StreamResponse:
+        """After the SSE headers went out an error cannot be a status code: send it as an event."""
+        msg = f"the backend failed: {e}" if isinstance(e, RunnerError) else str(e)
+        await self._sse(resp, {"error": {"message": msg, "type": "server_error", "code": None}})
+        await self._sse(resp, "[DONE]")
+        await resp.write_eof()
+        return resp
 
     async def _sse_start(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -439,10 +515,26 @@ class Server:
         self._need(Capability.GENERATE, "chat completions")
         n_logprobs = top_n if want_lp else None
         self._check_logprob_request(n_logprobs, echo=False)
+        created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        gen = dict(max_tokens=max_tokens, temperature=temperature, stop=stop, seed=seed, n_logprobs=n_logprobs,
+                   echo_scores=False)
         await self._admit()
         try:
-            o = await self._generate_one(prompt, max_tokens=max_tokens, temperature=temperature, stop=stop, seed=seed,
-                                         n_logprobs=n_logprobs, echo_scores=False)
+            if not stream:
+                o = await self._generate_one(prompt, **gen)
+            else:
+                resp = await self._sse_start(request)
+                base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+                await self._sse(resp, {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                            "logprobs": None, "finish_reason": None}]})
+
+                async def send(piece: str) -> None:
+                    await self._sse(resp, {**base, "choices": [{"index": 0, "delta": {"content": piece},
+                                                                "logprobs": None, "finish_reason": None}]})
+                try:
+                    o = await self._generate_live(prompt, send, **gen)
+                except (RunnerError, ApiError) as e:
+                    return await self._sse_error(resp, e)
         finally:
             self.slots.release()
         lp = None
@@ -451,7 +543,6 @@ class Server:
                                "top_logprobs": [{"token": t, "logprob": x, "bytes": list(t.encode("utf-8"))}
                                                 for t, x in list((top or {}).items())[:top_n]]}
                               for piece, v, top in o["logprob_entries"]]}
-        created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:24]}"
         finish = o["finish_reason"]
         if not stream:
             return web.json_response({
@@ -459,13 +550,6 @@ class Server:
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": o["text"]},
                              "logprobs": lp, "finish_reason": finish}],
                 "usage": self._usage([o])})
-        resp = await self._sse_start(request)
-        base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-        await self._sse(resp, {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                    "logprobs": None, "finish_reason": None}]})
-        for piece in await self._pieces_of(o):
-            await self._sse(resp, {**base, "choices": [{"index": 0, "delta": {"content": piece}, "logprobs": None,
-                                                        "finish_reason": None}]})
         await self._sse(resp, {**base, "choices": [{"index": 0, "delta": {}, "logprobs": lp,
                                                     "finish_reason": finish}]})
         await self._sse(resp, "[DONE]")

@@ -63,3 +63,17 @@ def test_prefetch_host_without_the_fused_kernels_is_a_profile_error(zoo):
     from moebench.config import ProfileError
     with pytest.raises(ProfileError, match="runners/x.toml: key 'prefetch_host' needs experts_impl"):
         EngineRunner({"model": str(zoo / "tiny-moe"), "prefetch_host": True}, "runners/x.toml")
+
+
+def test_on_text_streams_pieces_that_join_to_the_text(runner):
+    """GenerateRequest.on_text gets the output as it is generated (from the engine's worker thread);
+    the pieces join to the final text, or run past it where a stop string cut the text."""
+    pieces: list[str] = []
+    res = asyncio.run(runner.generate(GenerateRequest(prompt="Prince Andrew looked at", max_tokens=24,
+                                                      ignore_eos=True, on_text=pieces.append)))
+    assert len(pieces) > 5 and "".join(pieces) == res.text
+    word = res.text.split()[2]
+    pieces.clear()
+    cut = asyncio.run(runner.generate(GenerateRequest(prompt="Prince Andrew looked at", max_tokens=24,
+                                                      ignore_eos=True, stop=[word], on_text=pieces.append)))
+    assert cut.finish_reason == "stop" and "".join(pieces).startswith(cut.text + word)

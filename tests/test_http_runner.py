@@ -73,8 +73,11 @@ def test_both_logprob_formats_and_streaming(api):
         url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
         res = asyncio.run(_ask(_runner(url, api=api), [GenerateRequest(prompt="Question: pick", top_logprobs=3)]))[0]
         assert res.top_logprobs[0] == pytest.approx(top)
-        streamed = asyncio.run(_ask(_runner(url, api=api), [GenerateRequest(prompt="Question: x", stream=True)]))[0]
+        pieces: list[str] = []
+        streamed = asyncio.run(_ask(_runner(url, api=api), [GenerateRequest(prompt="Question: x", stream=True,
+                                                                            on_text=pieces.append)]))[0]
         assert streamed.text == "the answer is here" and len(streamed.token_times) == 4
+        assert len(pieces) == 4 and "".join(pieces) == streamed.text
         assert streamed.token_times[0] >= 0.07 and streamed.token_times[-1] - streamed.token_times[0] >= 0.05
     finally:
         srv.shutdown()

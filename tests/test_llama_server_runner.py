@@ -210,8 +210,11 @@ def test_tokenize_round_trip(server):
 
 def test_stream_records_token_arrival_times(server):
     runner, loop, _ = server
+    pieces: list[str] = []
     res = loop.run_until_complete(runner.generate(
-        GenerateRequest(prompt=PROMPT + " again", max_tokens=8, ignore_eos=True, stream=True, top_logprobs=2)))
+        GenerateRequest(prompt=PROMPT + " again", max_tokens=8, ignore_eos=True, stream=True, top_logprobs=2,
+                        on_text=pieces.append)))
+    assert len(pieces) >= 4 and "".join(pieces) == res.text       # on_text: the text as it streamed
     assert len(res.token_ids) == 8 and len(res.token_times) == 8
     assert res.token_times == sorted(res.token_times) and res.token_times[0] > 0
     assert res.output_tokens == 8 and res.timings["predicted_n"] == 8

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from functools import lru_cache
 
 import httpx
@@ -350,3 +351,100 @@ def test_tokenizer_endpoints_vllm_style(server):
     toks = post(base + "/tokenize", {"prompt": "Question: 12 apples", "add_special_tokens": False}).json()["tokens"]
     assert toks == runner.tok.encode("Question: 12 apples", add_special_tokens=False).ids
     assert post(base + "/detokenize", {"tokens": toks}).json()["prompt"] == "Question: 12 apples"
+
+
+# -- live streaming (GenerateRequest.on_text) -------------------------------------------------------
+
+class PacedRunner(Runner):
+    """Streams fixed pieces through on_text with a pause after each, applying stop strings to the
+    final text the way the real runners do: when its last piece is out, the first pieces must have
+    reached the client long before."""
+
+    kind = "paced"
+    capabilities = frozenset({Capability.GENERATE})
+    PIECES = ["Hello", " wor", "ld, ", "the", " end ST", "OP and more"]
+
+    def __init__(self, pause_s: float):
+        super().__init__({"name": "paced"})
+        self.pause_s = pause_s
+        self.finished_at = None
+
+    async def start(self, run_dir=None):
+        pass
+
+    async def close(self):
+        pass
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        from moebench.scoring.answers import first_stop
+        for piece in self.PIECES:
+            if request.on_text is not None:
+                request.on_text(piece)
+            await asyncio.sleep(self.pause_s)
+        text = "".join(self.PIECES)
+        cut = first_stop(text, request.stop)
+        self.finished_at = time.monotonic()
+        return GenerateResult(text=text if cut is None else text[:cut], finish_reason="stop" if cut else "length")
+
+
+def _sse_pieces(url: str, body: dict, field) -> tuple[list[str], list[float], list[dict]]:
+    pieces, times, events = [], [], []
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            events.append(ev)
+            piece = field(ev["choices"][0]) if ev.get("choices") else None
+            if piece:
+                pieces.append(piece)
+                times.append(time.monotonic())
+    return pieces, times, events
+
+
+def test_stream_sends_text_while_generating_and_holds_back_a_stop_prefix():
+    runner = PacedRunner(pause_s=0.25)
+    with BackgroundServer(runner) as s:
+        pieces, times, events = _sse_pieces(s.url + "/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "stop": ["STOP"]},
+            lambda c: c["delta"].get("content"))
+        # the first piece arrived while the runner still had 5 pauses (1.25 s) to go
+        assert times[0] < runner.finished_at - 0.8, (times[0], runner.finished_at)
+        assert "".join(pieces) == "Hello world, the end "
+        assert not any("ST" in p for p in pieces)        # "ST" could have begun "STOP": never sent
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+        pieces, times, _ = _sse_pieces(s.url + "/completions", {"prompt": "hi", "max_tokens": 20},
+                                       lambda c: c["text"])
+        assert "".join(pieces) == "".join(PacedRunner.PIECES) and len(pieces) >= 5
+        assert times[0] < runner.finished_at - 0.8
+
+
+def test_stream_error_after_headers_is_an_sse_error_event():
+    runner = MarkovRunner(fail_on="explode")
+    with BackgroundServer(runner) as s:
+        _, _, events = _sse_pieces(s.url + "/chat/completions",
+                                   {"messages": [{"role": "user", "content": "explode"}], "max_tokens": 4},
+                                   lambda c: c["delta"].get("content"))
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"      # the stream had started
+    assert events[-1]["error"]["type"] == "server_error"
+    assert events[-1]["error"]["message"].startswith("the backend failed:")
+
+
+def test_stream_over_the_real_engine_runner_matches_the_whole_answer(zoo):
+    """The zoo model behind `serve`: a streamed chat answer arrives in several pieces that join to the
+    non-streamed answer, with a stop string taken from that answer."""
+    from moebench.runners.engine import EngineRunner
+    runner = EngineRunner({"model": str(zoo / "tiny-moe"), "dtype": "float32", "max_seq_len": 512}, "test")
+    with BackgroundServer(runner) as s:
+        body = {"messages": [{"role": "user", "content": "Who was Prince Andrew?"}], "max_tokens": 24,
+                "temperature": 0}
+        whole = post(s.url + "/chat/completions", body).json()["choices"][0]["message"]["content"]
+        pieces, _, events = _sse_pieces(s.url + "/chat/completions", body, lambda c: c["delta"].get("content"))
+        assert len(pieces) > 3 and "".join(pieces) == whole
+        stop = whole.split()[3]
+        cut = post(s.url + "/chat/completions", {**body, "stop": [stop]}).json()["choices"][0]
+        pieces, _, events = _sse_pieces(s.url + "/chat/completions", {**body, "stop": [stop]},
+                                        lambda c: c["delta"].get("content"))
+        assert "".join(pieces) == cut["message"]["content"] and stop not in "".join(pieces)
+        assert events[-1]["choices"][0]["finish_reason"] == cut["finish_reason"] == "stop"

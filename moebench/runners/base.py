@@ -10,7 +10,7 @@ task executor through `Runner.concurrency`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 
 class Capability:
@@ -55,6 +55,10 @@ class GenerateRequest:
     stream: bool = False          # ask for per-token arrival times
     ignore_eos: bool = False      # keep generating past EOS (speed measurements)
     cache_prompt: bool = True     # False where a measurement must not reuse a cached prefix
+    # Called with each new piece of output text as it is generated (runners that stream: engine,
+    # llama-server and http with `stream`), before stop strings are applied, so the pieces may run
+    # past the final text's end; possibly from a worker thread. `moebench serve` streams with it.
+    on_text: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass

@@ -53,6 +53,23 @@ def _model_hash(path: Path) -> dict[str, Any]:
     return {"sha256": h.hexdigest(), "bytes": total, "files": [p.name for p in files]}
 
 
+def _text_pieces(eng, on_text):
+    """An Engine.generate on_token callback that turns tokens into text pieces for on_text: the
+    text decoded so far minus what was sent, held back while it ends in an incomplete UTF-8
+    character (decoded as U+FFFD until its last byte arrives)."""
+    ids: list[int] = []
+    sent = [""]
+
+    def on_token(_index: int, token_id: int) -> None:
+        ids.append(token_id)
+        text = eng.detokenize(ids)
+        if text.endswith("\ufffd") or not text.startswith(sent[0]) or len(text) == len(sent[0]):
+            return
+        piece, sent[0] = text[len(sent[0]):], text
+        on_text(piece)
+    return on_token
+
+
 class EngineRunner(Runner):
     kind = "engine"
     capabilities = frozenset({Capability.GENERATE, Capability.STREAM, Capability.TOP_LOGPROBS,
@@ -113,7 +130,8 @@ class EngineRunner(Runner):
         try:
             out = (await asyncio.to_thread(
                 eng.generate, [ids], request.max_tokens, temperature=request.temperature, seed=request.seed,
-                ignore_eos=request.ignore_eos, top_logprobs=request.top_logprobs))[0]
+                ignore_eos=request.ignore_eos, top_logprobs=request.top_logprobs,
+                on_token=_text_pieces(eng, request.on_text) if request.on_text else None))[0]
         except ValueError as e:          # EngineError: too long, empty prompt, ...
             raise RunnerError(str(e)) from None
         text = eng.detokenize(out.token_ids)

@@ -15,7 +15,7 @@ import json
 import os
 import random
 import time
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -150,7 +150,8 @@ class HttpRunner(Runner):
             assert self.client is not None
             if request.stream:
                 return await self._stream(url + path, {**body, "stream": True,
-                                                      "stream_options": {"include_usage": True}}, url)
+                                                      "stream_options": {"include_usage": True}}, url,
+                                          request.on_text)
             t0 = time.perf_counter()
             resp = await self.client.post(url + path, json=body)
             resp.raise_for_status()
@@ -162,7 +163,8 @@ class HttpRunner(Runner):
 
         return await self._with_retries(call)
 
-    async def _stream(self, url: str, body: dict[str, Any], base: str) -> GenerateResult:
+    async def _stream(self, url: str, body: dict[str, Any], base: str,
+                      on_text: Callable[[str], None] | None = None) -> GenerateResult:
         assert self.client is not None
         t0 = time.perf_counter()
         texts: list[str] = []
@@ -194,6 +196,8 @@ class HttpRunner(Runner):
                 if piece:
                     texts.append(piece)
                     times.append(time.perf_counter() - t0)
+                    if on_text is not None:
+                        on_text(piece)
                     top.extend(_top_logprobs(c.get("logprobs")) or [])
                 finish = c.get("finish_reason") or finish
         return GenerateResult(

@@ -646,6 +646,8 @@ class LlamaServerRunner(Runner):
                 if event.get("prompt_progress") is not None:
                     continue
                 text.append(event.get("content", ""))
+                if request.on_text and event.get("content"):
+                    request.on_text(event["content"])
                 if event.get("stop"):
                     final = event
                     break
