@@ -336,7 +336,7 @@ class Server:
                     await self._sse(resp, chunk(piece))
                 try:
                     outs.append(await self._generate_live(prompts[0], send, **gen))
-                except (RunnerError, ApiError) as e:
+                except Exception as e:  # noqa: BLE001 - the headers are out: report it in the stream
                     return await self._sse_error(resp, e)
             else:
                 for p in prompts:
@@ -437,7 +437,15 @@ class Server:
 
     async def _sse_error(self, resp: web.StreamResponse, e: Exception) -> web.StreamResponse:
         """After the SSE headers went out an error cannot be a status code: send it as an event."""
-        msg = f"the backend failed: {e}" if isinstance(e, RunnerError) else str(e)
+        if isinstance(e, (ConnectionError, asyncio.CancelledError)):
+            raise e                                     # the client is gone: nobody to tell
+        if isinstance(e, RunnerError):
+            msg = f"the backend failed: {e}"
+        elif isinstance(e, ApiError):
+            msg = e.message
+        else:
+            log.exception("unhandled error while streaming")
+            msg = f"internal error: {type(e).__name__}: {e}"
         await self._sse(resp, {"error": {"message": msg, "type": "server_error", "code": None}})
         await self._sse(resp, "[DONE]")
         await resp.write_eof()
@@ -533,7 +541,7 @@ class Server:
                                                                 "logprobs": None, "finish_reason": None}]})
                 try:
                     o = await self._generate_live(prompt, send, **gen)
-                except (RunnerError, ApiError) as e:
+                except Exception as e:  # noqa: BLE001 - the headers are out: report it in the stream
                     return await self._sse_error(resp, e)
         finally:
             self.slots.release()
