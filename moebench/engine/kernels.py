@@ -321,6 +321,14 @@ if triton is not None:
                     return tl.sum(s * per_group + mn * x_group[None, :], axis=1)
 
     @triton.jit
+    def pair_slot(ids_ptr, slot_ptr, pair, HAS_MAP: tl.constexpr):
+        """The stack slot of pair `pair`'s expert in this launch's group (-1: another group's)."""
+        slot = tl.load(ids_ptr + pair).to(tl.int64)        # the expert id is the slot without a map
+        if HAS_MAP:
+            slot = tl.load(slot_ptr + slot).to(tl.int64)
+        return slot
+
+    @triton.jit
     def gate_up_kernel(x_ptr, ids_ptr, slot_ptr, h_ptr,
                        g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr, um_ptr,
                        N, K, KB, stride_xt, stride_ht,
@@ -330,11 +338,7 @@ if triton is not None:
                        GROUP_SIZE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         pair = tl.program_id(0)
         nb = tl.program_id(1)
-        e = tl.load(ids_ptr + pair).to(tl.int64)
-        if HAS_MAP:
-            slot = tl.load(slot_ptr + e).to(tl.int64)
-        else:
-            slot = e
+        slot = pair_slot(ids_ptr, slot_ptr, pair, HAS_MAP)
         if slot >= 0:
             t = pair // TOPK
             rows = nb * BN + tl.arange(0, BN)
@@ -373,11 +377,7 @@ if triton is not None:
         nb = tl.program_id(1)
         rows = nb * BN + tl.arange(0, BN)
         rmask = rows < N
-        e = tl.load(ids_ptr + pair).to(tl.int64)
-        if HAS_MAP:
-            slot = tl.load(slot_ptr + e).to(tl.int64)
-        else:
-            slot = e
+        slot = pair_slot(ids_ptr, slot_ptr, pair, HAS_MAP)
         if slot >= 0:
             if FMT <= 1:
                 lim = K
