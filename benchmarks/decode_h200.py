@@ -461,6 +461,16 @@ def main(argv=None) -> dict:
                 best, outs = rate, o
         return {"tok_s": best, "tokens": outs[0].token_ids}
 
+    def bf16_rate(eng: Engine, label: str | None) -> dict:
+        """engine_rate of a bf16 engine with its bytes per token and MBU; logged under `label`
+        (None: the caller logs)."""
+        r = engine_rate(eng)
+        r["tokens_equal_reference"] = r.pop("tokens") == ref_tokens
+        r.update(bytes_per_token=R["active_bytes"], mbu_pct=mbu(r["tok_s"], R["active_bytes"]))
+        if label is not None:
+            log(f"engine bf16 [{label}{'+graphs' if graphs else ''}]: {r['tok_s']:.2f} tok/s, MBU {r['mbu_pct']:.1f}%")
+        return r
+
     # ---- reference engines and routing (for bytes per token of every plan) -----------------------
     eng_old = build_engine(hf, max_seq_len=max_seq, cuda_graphs=graphs, experts_impl="auto")
     ref_tokens = eng_old.generate([prompt], n_long, ignore_eos=True)[0].token_ids
@@ -490,11 +500,7 @@ def main(argv=None) -> dict:
 
     @variant("engine_bf16_old_gather_graphs")
     def _():
-        r = engine_rate(eng_old)
-        r.update(bytes_per_token=R["active_bytes"], mbu_pct=mbu(r["tok_s"], R["active_bytes"]))
-        r["tokens_equal_reference"] = r.pop("tokens") == ref_tokens
-        log(f"engine bf16 [auto/gather{'+graphs' if graphs else ''}]: {r['tok_s']:.2f} tok/s, MBU {r['mbu_pct']:.1f}%")
-        return r
+        return bf16_rate(eng_old, "auto/gather")
 
     # ---- the fused path: kernel sweep, parity, speed ---------------------------------------------
     eng_new = build_engine(hf, max_seq_len=max_seq, cuda_graphs=graphs, experts_impl="triton")
@@ -610,11 +616,7 @@ def main(argv=None) -> dict:
 
     @variant("engine_bf16_triton_graphs")
     def _():
-        r = engine_rate(eng_new)
-        r.pop("tokens")
-        r.update(bytes_per_token=R["active_bytes"], mbu_pct=mbu(r["tok_s"], R["active_bytes"]))
-        log(f"engine bf16 [triton{'+graphs' if graphs else ''}]: {r['tok_s']:.2f} tok/s, MBU {r['mbu_pct']:.1f}%")
-        return r
+        return bf16_rate(eng_new, "triton")
 
     @variant("engine_bf16_triton_graphs_moe_sum_kernel")
     def _():
@@ -622,21 +624,15 @@ def main(argv=None) -> dict:
         kernels.DEFER_MOE_SUM = False
         eng_new._graphs.clear()
         try:
-            r = engine_rate(eng_new)
+            return bf16_rate(eng_new, "triton, moe_sum not deferred")
         finally:
             kernels.DEFER_MOE_SUM = True
             eng_new._graphs.clear()
-        r.pop("tokens")
-        r.update(bytes_per_token=R["active_bytes"], mbu_pct=mbu(r["tok_s"], R["active_bytes"]))
-        log(f"engine bf16 [triton+graphs, moe_sum not deferred]: {r['tok_s']:.2f} tok/s, MBU {r['mbu_pct']:.1f}%")
-        return r
 
     @variant("engine_bf16_triton_gemv_graphs")
     def _():
         eng = build_engine(hf, max_seq_len=max_seq, cuda_graphs=graphs, experts_impl="triton", gemv_max_tokens=1)
-        r = engine_rate(eng)
-        r["tokens_equal_reference"] = r.pop("tokens") == ref_tokens
-        r.update(bytes_per_token=R["active_bytes"], mbu_pct=mbu(r["tok_s"], R["active_bytes"]))
+        r = bf16_rate(eng, None)
         base = R["variants"].get("engine_bf16_triton_graphs", {}).get("tok_s", 0.0)
         if r["tok_s"] > 1.02 * base:   # a clear win, not run-to-run noise
             choice["gemv_max_tokens"] = 1
@@ -657,12 +653,7 @@ def main(argv=None) -> dict:
     @variant("engine_bf16_triton_graphs_no_fused_ops")
     def _():
         eng = build_engine(hf, max_seq_len=max_seq, cuda_graphs=graphs, experts_impl="triton", fused_ops=False)
-        r = engine_rate(eng)
-        r.pop("tokens")
-        r.update(bytes_per_token=R["active_bytes"], mbu_pct=mbu(r["tok_s"], R["active_bytes"]))
-        log(f"engine bf16 [triton, fused_ops off{'+graphs' if graphs else ''}]: {r['tok_s']:.2f} tok/s, "
-            f"MBU {r['mbu_pct']:.1f}%")
-        return r
+        return bf16_rate(eng, "triton, fused_ops off")
 
     # ---- quantized experts --------------------------------------------------------------------------
     L, E = cfg.num_layers, cfg.num_experts
