@@ -54,19 +54,24 @@ def _model_hash(path: Path) -> dict[str, Any]:
 
 
 def _text_pieces(eng, on_text):
-    """An Engine.generate on_token callback that turns tokens into text pieces for on_text: the
-    text decoded so far minus what was sent, held back while it ends in an incomplete UTF-8
-    character (decoded as U+FFFD until its last byte arrives)."""
+    """An Engine.generate on_token callback that turns tokens into text pieces for on_text.
+
+    Each token decodes only a short window (tokens since the last piece's start), not the whole
+    output, so a long generation costs O(n): the new piece is decode(window + new tokens) minus
+    decode(window), which keeps byte-level merges across the boundary right. Held back while it
+    ends in an incomplete UTF-8 character (decoded as U+FFFD until its last byte arrives)."""
     ids: list[int] = []
-    sent = [""]
+    offsets = [0, 0]              # [window start, end of the tokens already sent]
 
     def on_token(_index: int, token_id: int) -> None:
         ids.append(token_id)
-        text = eng.detokenize(ids)
-        if text.endswith("\ufffd") or not text.startswith(sent[0]) or len(text) == len(sent[0]):
+        start, read = offsets
+        before = eng.detokenize(ids[start:read])
+        text = eng.detokenize(ids[start:])
+        if len(text) <= len(before) or text.endswith("\ufffd") or not text.startswith(before):
             return
-        piece, sent[0] = text[len(sent[0]):], text
-        on_text(piece)
+        offsets[:] = [read, len(ids)]
+        on_text(text[len(before):])
     return on_token
 
 
