@@ -393,7 +393,8 @@ CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+# SIGKILL cannot be caught: the server dies through PR_SET_PDEATHSIG (setpriv), not the exit hooks.
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_signal_to_parent_leaves_no_orphan(gguf_model: Path, tmp_path: Path, sig: int):
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(gguf_model), str(tmp_path)],
                              stdout=subprocess.PIPE, text=True, cwd=REPO)

@@ -18,10 +18,12 @@ import math
 import mmap
 import os
 import re
+import shutil
 import signal
 import socket
 import struct
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -76,6 +78,15 @@ SCHEMA: dict[str, Field] = {
 _LIVE: dict[int, subprocess.Popen] = {}        # pid -> server process (all runners)
 _LIVE_LOCK = threading.RLock()       # re-entrant: the signal handler may interrupt a holder
 _HOOKS_INSTALLED = False
+
+
+def _die_with_parent() -> list[str]:
+    """A launcher prefix that makes the server receive SIGKILL when the thread that spawned it dies
+    (Linux PR_SET_PDEATHSIG, set by util-linux's setpriv before it execs the server): the signal
+    hooks below cover SIGINT/SIGTERM/SIGHUP and normal exits, but not a SIGKILL of moebench itself,
+    which used to leave the server running. Empty where setpriv is missing (the hooks still apply)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--"] if setpriv and sys.platform.startswith("linux") else []
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -393,8 +404,8 @@ class LlamaServerRunner(Runner):
                 log.flush()
                 env = {**os.environ, **self.profile["env"]}
                 with _LIVE_LOCK:           # registered before any signal can find it unlisted
-                    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            env=env, start_new_session=True)
+                    proc = subprocess.Popen(_die_with_parent() + cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
                     _LIVE[proc.pid] = proc
             self.proc, self.port = proc, port
             host = self.profile["host"]
