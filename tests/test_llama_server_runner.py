@@ -380,8 +380,11 @@ def test_close_leaves_no_process(gguf_model: Path, tmp_path: Path):
     asyncio.run(scenario())
 
 
+# The child restores Python's Ctrl-C handler: a shell starts background jobs (`cmd &`, nohup) with
+# SIGINT ignored, the child would inherit that, and SIGINT could not end it (the test's premise).
 CHILD = textwrap.dedent("""
-    import asyncio, sys, time
+    import asyncio, signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from moebench.runners.llama_server import LlamaServerRunner
     async def main():
         r = LlamaServerRunner({"model": sys.argv[1], "ctx_size": 512, "startup_timeout_s": 60.0,
