@@ -278,13 +278,62 @@ if triton is not None:
         return s_lo * lo + s_hi * hi
 
     @triton.jit
+    def word_dots(base, s_row, m_row, rmask, x_ptr, k0, K, KB,
+                  FMT: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """row_dots for int8 / int4 / int4_asym rows read as int32 words (BK bytes = BK/4 words per
+        step). No int-to-float conversion instructions, which run at 1/8 of the FMA rate and capped
+        the byte path (round 6: int8 at 41%, int4 at 21% of copy bandwidth): a code c in the low bits
+        of (0x4B000000 | c) read as a float is 2^23 + c, so one OR and one float subtract decode it.
+        int8 bytes are flipped to offset binary (XOR 0x80) first; int4 codes are already unsigned."""
+        wi = k0 // 4 + tl.arange(0, BK // 4)
+        wv = tl.load(base + wi[None, :], mask=rmask[:, None] & (wi < KB // 4)[None, :], other=0)
+        acc = tl.zeros((BN, BK // 4), dtype=tl.float32)
+        if FMT == 1:
+            wv = wv ^ -2139062144                      # 0x80808080: byte q -> q + 128
+            for j in tl.static_range(4):
+                col = 4 * wi + j
+                xj = tl.load(x_ptr + col, mask=col < K, other=0.0).to(tl.float32)
+                q = (((wv >> (8 * j)) & 255) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+                acc += q * xj[None, :]
+            return tl.sum(acc, axis=1)
+        else:
+            # word w holds columns 8w..8w+7, column 8w+j in bits 4j..4j+3; 8 words = one 64-column group
+            xs = tl.zeros((BK // 4,), dtype=tl.float32)
+            for j in tl.static_range(8):
+                col = 8 * wi + j
+                xj = tl.load(x_ptr + col, mask=col < K, other=0.0).to(tl.float32)
+                if FMT == 2:
+                    q = (((wv >> (4 * j)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # c - 8
+                else:
+                    q = (((wv >> (4 * j)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                    xs += xj
+                acc += q * xj[None, :]
+            NG: tl.constexpr = BK // (GROUP_SIZE // 2)
+            per_group = tl.sum(tl.reshape(acc, (BN, NG, GROUP_SIZE // 8)), axis=2)
+            gi = k0 // (GROUP_SIZE // 2) + tl.arange(0, NG)
+            gmask = rmask[:, None] & (gi * (GROUP_SIZE // 2) < KB)[None, :]
+            s = tl.load(s_row + gi[None, :], mask=gmask, other=0.0).to(tl.float32)
+            if FMT == 2:
+                return tl.sum(s * per_group, axis=1)
+            else:
+                x_group = tl.sum(tl.reshape(xs, (NG, GROUP_SIZE // 8)), axis=1)
+                mn = tl.load(m_row + gi[None, :], mask=gmask, other=0.0).to(tl.float32)
+                return tl.sum(s * per_group + mn * x_group[None, :], axis=1)
+
+    @triton.jit
     def row_dots(w_ptr, s_ptr, m_ptr, slot, rows, rmask, x_ptr, k0, K, KB,
                  stride_we, stride_wr, stride_se, stride_sr,
-                 FMT: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 FMT: tl.constexpr, WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr):
         """[BN] partial dots of rows of one expert with x over one K step (int8: unscaled codes).
         Dense/int8 steps cover BK columns from k0; packed formats cover BK *bytes* from k0 (int4:
-        2 columns per byte, ternary: 5), so each loaded byte is decoded once, whole, in registers."""
+        2 columns per byte, ternary: 5), so each loaded byte is decoded once, whole, in registers.
+        WORDS: w_ptr is an int32 view of int8/int4 rows (strides in words; see word_dots)."""
         base = w_ptr + slot * stride_we + rows[:, None] * stride_wr
+        if WORDS:
+            s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr
+            return word_dots(base, s_row, m_ptr + slot * stride_se + rows[:, None] * stride_sr, rmask, x_ptr,
+                             k0, K, KB, FMT, GROUP_SIZE, BN, BK)
         i = k0 + tl.arange(0, BK)
         if FMT <= 1:
             m = rmask[:, None] & (i < K)[None, :]
@@ -329,72 +378,108 @@ if triton is not None:
         return slot
 
     @triton.jit
-    def gate_up_kernel(x_ptr, ids_ptr, slot_ptr, h_ptr,
-                       g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr, um_ptr,
-                       N, K, KB, stride_xt, stride_ht,
-                       stride_ge, stride_gr, stride_gse, stride_gsr,
-                       stride_ue, stride_ur, stride_use, stride_usr,
-                       TOPK: tl.constexpr, FMT: tl.constexpr, HAS_MAP: tl.constexpr,
-                       GROUP_SIZE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        pair = tl.program_id(0)
-        nb = tl.program_id(1)
-        slot = pair_slot(ids_ptr, slot_ptr, pair, HAS_MAP)
-        if slot >= 0:
-            t = pair // TOPK
-            rows = nb * BN + tl.arange(0, BN)
-            rmask = rows < N
-            g = tl.zeros((BN,), dtype=tl.float32)
-            u = tl.zeros((BN,), dtype=tl.float32)
-            x_row = x_ptr + t * stride_xt
-            if FMT <= 1:
-                lim = K
-            else:
-                lim = KB
-            for k0 in range(0, lim, BK):
-                g += row_dots(g_ptr, gs_ptr, gm_ptr, slot, rows, rmask, x_row, k0, K, KB,
-                              stride_ge, stride_gr, stride_gse, stride_gsr, FMT, GROUP_SIZE, BN, BK)
-                u += row_dots(u_ptr, us_ptr, um_ptr, slot, rows, rmask, x_row, k0, K, KB,
-                              stride_ue, stride_ur, stride_use, stride_usr, FMT, GROUP_SIZE, BN, BK)
-            if FMT == 1:
-                g = g * tl.load(gs_ptr + slot * stride_gse + rows * stride_gsr, mask=rmask, other=0.0).to(tl.float32)
-                u = u * tl.load(us_ptr + slot * stride_use + rows * stride_usr, mask=rmask, other=0.0).to(tl.float32)
-            h = g / (1.0 + tl.exp(-g)) * u
-            tl.store(h_ptr + pair * stride_ht + rows, h, mask=rmask)
+    def gate_up_rows(x_row, h_out, slot, rows, rmask, N, K, KB, g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr, um_ptr,
+                     stride_ge, stride_gr, stride_gse, stride_gsr, stride_ue, stride_ur, stride_use, stride_usr,
+                     FMT: tl.constexpr, WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr):
+        """h rows = silu(W_gate x) * (W_up x) for one expert slot of one group."""
+        g = tl.zeros((BN,), dtype=tl.float32)
+        u = tl.zeros((BN,), dtype=tl.float32)
+        if FMT <= 1:
+            lim = K
+        else:
+            lim = KB
+        for k0 in range(0, lim, BK):
+            g += row_dots(g_ptr, gs_ptr, gm_ptr, slot, rows, rmask, x_row, k0, K, KB,
+                          stride_ge, stride_gr, stride_gse, stride_gsr, FMT, WORDS, GROUP_SIZE, BN, BK)
+            u += row_dots(u_ptr, us_ptr, um_ptr, slot, rows, rmask, x_row, k0, K, KB,
+                          stride_ue, stride_ur, stride_use, stride_usr, FMT, WORDS, GROUP_SIZE, BN, BK)
+        if FMT == 1:
+            g = g * tl.load(gs_ptr + slot * stride_gse + rows * stride_gsr, mask=rmask, other=0.0).to(tl.float32)
+            u = u * tl.load(us_ptr + slot * stride_use + rows * stride_usr, mask=rmask, other=0.0).to(tl.float32)
+        h = g / (1.0 + tl.exp(-g)) * u
+        tl.store(h_out + rows, h, mask=rmask)
 
     @triton.jit
-    def down_kernel(h_ptr, ids_ptr, wts_ptr, slot_ptr, part_ptr,
-                    d_ptr, ds_ptr, dm_ptr,
-                    N, K, KB, stride_ht, stride_pt,
-                    stride_de, stride_dr, stride_dse, stride_dsr,
-                    FMT: tl.constexpr, HAS_MAP: tl.constexpr, FIRST: tl.constexpr,
-                    GROUP_SIZE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """Program (pair, row block): part[pair, rows] = w[pair] * (W_down[e] h[pair])[rows] in
-        float32. One program per pair, like gate_up: round 4's down looped over a token's k experts
-        in one program, a chain of dependent loads that ran at ~1.8 TB/s against gate_up's ~3.1.
-        The first group's launch also zeroes the rows of pairs outside it, so every row is written
-        once whatever the grouping, and moe_sum adds the k rows in a fixed order."""
+    def gate_up_kernel(x_ptr, ids_ptr, h_ptr, N, K, stride_xt, stride_ht,
+                       slot_a, ga_ptr, gsa_ptr, gma_ptr, ua_ptr, usa_ptr, uma_ptr, KB_a,
+                       sge_a, sgr_a, sgse_a, sgsr_a, sue_a, sur_a, suse_a, susr_a,
+                       slot_b, gb_ptr, gsb_ptr, gmb_ptr, ub_ptr, usb_ptr, umb_ptr, KB_b,
+                       sge_b, sgr_b, sgse_b, sgsr_b, sue_b, sur_b, suse_b, susr_b,
+                       TOPK: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
+                       FMT_A: tl.constexpr, MAP_A: tl.constexpr, WORDS_A: tl.constexpr, BK_A: tl.constexpr,
+                       HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, WORDS_B: tl.constexpr,
+                       BK_B: tl.constexpr):
+        """Program (pair, row block) for up to two expert groups (A, and B when HAS_B): each pair's
+        expert is in at most one of them; a pair in neither is left to another launch. Two groups per
+        launch: a hot/cold plan's second format costs no extra launches (round 6: ~3 us each)."""
         pair = tl.program_id(0)
-        nb = tl.program_id(1)
-        rows = nb * BN + tl.arange(0, BN)
+        rows = tl.program_id(1) * BN + tl.arange(0, BN)
         rmask = rows < N
-        slot = pair_slot(ids_ptr, slot_ptr, pair, HAS_MAP)
-        if slot >= 0:
-            if FMT <= 1:
-                lim = K
-            else:
-                lim = KB
-            y = tl.zeros((BN,), dtype=tl.float32)
-            for k0 in range(0, lim, BK):
-                y += row_dots(d_ptr, ds_ptr, dm_ptr, slot, rows, rmask, h_ptr + pair * stride_ht, k0, K, KB,
-                              stride_de, stride_dr, stride_dse, stride_dsr, FMT, GROUP_SIZE, BN, BK)
-            if FMT == 1:
-                y = y * tl.load(ds_ptr + slot * stride_dse + rows * stride_dsr, mask=rmask,
-                                other=0.0).to(tl.float32)
-            y = y * tl.load(wts_ptr + pair).to(tl.float32)
-            tl.store(part_ptr + pair * stride_pt + rows, y, mask=rmask)
+        x_row = x_ptr + (pair // TOPK) * stride_xt
+        h_out = h_ptr + pair * stride_ht
+        sa = pair_slot(ids_ptr, slot_a, pair, MAP_A)
+        if sa >= 0:
+            gate_up_rows(x_row, h_out, sa, rows, rmask, N, K, KB_a, ga_ptr, gsa_ptr, gma_ptr, ua_ptr, usa_ptr,
+                         uma_ptr, sge_a, sgr_a, sgse_a, sgsr_a, sue_a, sur_a, suse_a, susr_a,
+                         FMT_A, WORDS_A, GROUP_SIZE, BN, BK_A)
+        elif HAS_B:
+            sb = pair_slot(ids_ptr, slot_b, pair, MAP_B)
+            if sb >= 0:
+                gate_up_rows(x_row, h_out, sb, rows, rmask, N, K, KB_b, gb_ptr, gsb_ptr, gmb_ptr, ub_ptr, usb_ptr,
+                             umb_ptr, sge_b, sgr_b, sgse_b, sgsr_b, sue_b, sur_b, suse_b, susr_b,
+                             FMT_B, WORDS_B, GROUP_SIZE, BN, BK_B)
+
+    @triton.jit
+    def down_rows(h_row, part_out, w, slot, rows, rmask, K, KB, d_ptr, ds_ptr, dm_ptr,
+                  stride_de, stride_dr, stride_dse, stride_dsr,
+                  FMT: tl.constexpr, WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr):
+        """part rows = w * (W_down h) for one expert slot of one group (float32)."""
+        if FMT <= 1:
+            lim = K
         else:
-            if FIRST:
-                tl.store(part_ptr + pair * stride_pt + rows, tl.zeros((BN,), dtype=tl.float32), mask=rmask)
+            lim = KB
+        y = tl.zeros((BN,), dtype=tl.float32)
+        for k0 in range(0, lim, BK):
+            y += row_dots(d_ptr, ds_ptr, dm_ptr, slot, rows, rmask, h_row, k0, K, KB,
+                          stride_de, stride_dr, stride_dse, stride_dsr, FMT, WORDS, GROUP_SIZE, BN, BK)
+        if FMT == 1:
+            y = y * tl.load(ds_ptr + slot * stride_dse + rows * stride_dsr, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(part_out + rows, y * w, mask=rmask)
+
+    @triton.jit
+    def down_kernel(h_ptr, ids_ptr, wts_ptr, part_ptr, N, K, stride_ht, stride_pt,
+                    slot_a, da_ptr, dsa_ptr, dma_ptr, KB_a, sde_a, sdr_a, sdse_a, sdsr_a,
+                    slot_b, db_ptr, dsb_ptr, dmb_ptr, KB_b, sde_b, sdr_b, sdse_b, sdsr_b,
+                    FIRST: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
+                    FMT_A: tl.constexpr, MAP_A: tl.constexpr, WORDS_A: tl.constexpr, BK_A: tl.constexpr,
+                    HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, WORDS_B: tl.constexpr,
+                    BK_B: tl.constexpr):
+        """Program (pair, row block): part[pair, rows] = w[pair] * (W_down[e] h[pair])[rows] in
+        float32, for up to two groups like gate_up. One program per pair: round 4's down looped over
+        a token's k experts in one program, a chain of dependent loads that ran at ~1.8 TB/s against
+        gate_up's ~3.1. The first launch also zeroes the rows of pairs in neither of its groups, so
+        every row is written once whatever the grouping, and moe_sum adds the k rows in a fixed order."""
+        pair = tl.program_id(0)
+        rows = tl.program_id(1) * BN + tl.arange(0, BN)
+        rmask = rows < N
+        h_row = h_ptr + pair * stride_ht
+        part_out = part_ptr + pair * stride_pt
+        sa = pair_slot(ids_ptr, slot_a, pair, MAP_A)
+        if sa >= 0:
+            down_rows(h_row, part_out, tl.load(wts_ptr + pair).to(tl.float32), sa, rows, rmask, K, KB_a,
+                      da_ptr, dsa_ptr, dma_ptr, sde_a, sdr_a, sdse_a, sdsr_a, FMT_A, WORDS_A, GROUP_SIZE, BN, BK_A)
+        else:
+            sb = -1
+            if HAS_B:
+                sb = pair_slot(ids_ptr, slot_b, pair, MAP_B)
+            if sb >= 0:
+                down_rows(h_row, part_out, tl.load(wts_ptr + pair).to(tl.float32), sb, rows, rmask, K, KB_b,
+                          db_ptr, dsb_ptr, dmb_ptr, sde_b, sdr_b, sdse_b, sdsr_b, FMT_B, WORDS_B, GROUP_SIZE, BN,
+                          BK_B)
+            elif FIRST:
+                tl.store(part_out + rows, tl.zeros((BN,), dtype=tl.float32), mask=rmask)
 
     @triton.jit
     def moe_sum_kernel(part_ptr, out_ptr, N, stride_pt, stride_ot, TOPK: tl.constexpr, BLOCK: tl.constexpr):
@@ -414,6 +499,29 @@ def _scale_args(pm: PackedMatrix):
         return pm.data, pm.data, 0, 0
     s = pm.scale
     return s, (pm.minimum if pm.minimum is not None else s), s.stride(0), s.stride(1)
+
+
+# int8/int4 rows are read as int32 words (see word_dots) when the layout allows it; False: bytes.
+WORD_DECODE = True
+
+
+def _words(pm: PackedMatrix) -> Tensor | None:
+    """pm's data as an int32 view for the word decode path, or None (bytes path): dense and ternary
+    formats, rows not a whole number of words, or WORD_DECODE off."""
+    if not WORD_DECODE or pm.fmt not in ("int8", "int4", "int4_asym"):
+        return None
+    cached = pm.__dict__.get("_words")
+    if cached is not None and cached[0] is pm.data:
+        return cached[1]
+    d = pm.data
+    ok = d.shape[-1] % 4 == 0 and d.stride(0) % 4 == 0 and d.stride(1) % 4 == 0 and d.data_ptr() % 4 == 0
+    view = d.view(torch.int32) if ok and d.stride(-1) == 1 else None
+    pm.__dict__["_words"] = (d, view)
+    return view
+
+
+def _gate_up_words(g: ExpertGroup) -> bool:
+    return _words(g.gate) is not None and _words(g.up) is not None
 
 
 def _check_group(group: ExpertGroup, hidden: int) -> None:
@@ -453,28 +561,46 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
     h = torch.empty(T * k, inter, dtype=torch.float32, device=x.device)
     part = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
 
-    def launch(g: ExpertGroup, first: bool) -> None:
-        """gate_up then down for the pairs of group g (first: also zero the part rows of other pairs)."""
-        host = g.gate.data.device.type == "cpu"
-        slot = g.slot_of if g.slot_of is not None else ids
-        cfg = get_config("gate_up", g.gate.fmt, host=host)
-        gs, gm, gse, gsr = _scale_args(g.gate)
-        us, um, use, usr = _scale_args(g.up)
-        gate_up_kernel[(T * k, -(-inter // cfg["BN"]))](
-            x, ids, slot, h, g.gate.data, gs, gm, g.up.data, us, um,
-            inter, H, g.gate.data.shape[-1], x.stride(0), h.stride(0),
-            g.gate.data.stride(0), g.gate.data.stride(1), gse, gsr,
-            g.up.data.stride(0), g.up.data.stride(1), use, usr,
-            TOPK=k, FMT=FORMAT_CODES[g.gate.fmt], HAS_MAP=g.slot_of is not None, GROUP_SIZE=GROUP,
-            BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        cfg = get_config("down", g.down.fmt, host=host)
-        ds, dm, dse, dsr = _scale_args(g.down)
-        down_kernel[(T * k, -(-H // cfg["BN"]))](
-            h, ids, wts, slot, part, g.down.data, ds, dm,
-            H, inter, g.down.data.shape[-1], h.stride(0), part.stride(0),
-            g.down.data.stride(0), g.down.data.stride(1), dse, dsr,
-            FMT=FORMAT_CODES[g.down.fmt], HAS_MAP=g.slot_of is not None, FIRST=first,
-            GROUP_SIZE=GROUP, BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    def launch(pair_groups: list[ExpertGroup], first: bool) -> None:
+        """gate_up then down for the pairs of one or two groups (first: also zero the part rows of
+        pairs in neither). Block rows (BN), warps and stages follow the first group's config; each
+        group keeps its own BK."""
+        host = pair_groups[0].gate.data.device.type == "cpu"
+        ga, gb = pair_groups[0], pair_groups[-1]
+        meta = {}
+        for kernel in ("gate_up", "down"):
+            cfg = get_config(kernel, ga.gate.fmt, host=host)
+            meta[kernel] = dict(BN=cfg["BN"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                                HAS_B=len(pair_groups) > 1, GROUP_SIZE=GROUP)
+            for tag, g in (("A", ga), ("B", gb)):
+                meta[kernel].update({f"FMT_{tag}": FORMAT_CODES[g.gate.fmt], f"MAP_{tag}": g.slot_of is not None,
+                                     f"WORDS_{tag}": _gate_up_words(g) if kernel == "gate_up" else
+                                     _words(g.down) is not None,
+                                     f"BK_{tag}": get_config(kernel, g.gate.fmt, host=host)["BK"]})
+        args = []
+        for g in (ga, gb):
+            gs, gm, gse, gsr = _scale_args(g.gate)
+            us, um, use, usr = _scale_args(g.up)
+            gd, ud = (_words(g.gate), _words(g.up)) if _gate_up_words(g) else (g.gate.data, g.up.data)
+            args += [g.slot_of if g.slot_of is not None else ids, gd, gs, gm, ud, us, um, g.gate.data.shape[-1],
+                     gd.stride(0), gd.stride(1), gse, gsr, ud.stride(0), ud.stride(1), use, usr]
+        gate_up_kernel[(T * k, -(-inter // meta["gate_up"]["BN"]))](
+            x, ids, h, inter, H, x.stride(0), h.stride(0), *args, TOPK=k, **meta["gate_up"])
+        args = []
+        for g in (ga, gb):
+            ds, dm, dse, dsr = _scale_args(g.down)
+            dw = _words(g.down)
+            dd = g.down.data if dw is None else dw
+            args += [g.slot_of if g.slot_of is not None else ids, dd, ds, dm, g.down.data.shape[-1],
+                     dd.stride(0), dd.stride(1), dse, dsr]
+        down_kernel[(T * k, -(-H // meta["down"]["BN"]))](
+            h, ids, wts, part, H, inter, h.stride(0), part.stride(0), *args, FIRST=first, **meta["down"])
+
+    def launches(gs: list[ExpertGroup], first: bool) -> None:
+        # the group with the most experts leads each launch (its config sets the block shape)
+        gs = sorted(gs, key=lambda g: -g.gate.data.shape[0])
+        for i in range(0, len(gs), 2):
+            launch(gs[i:i + 2], first and i == 0)
 
     host_groups = [g for g in groups if g.gate.data.device.type == "cpu"] if x.is_cuda and OVERLAP_HOST else []
     if host_groups and len(host_groups) < len(groups):
@@ -487,15 +613,17 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
             side = _SIDE_STREAMS[x.device] = torch.cuda.Stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            for g in host_groups:
-                launch(g, first=False)
-        for g in groups:
-            if not any(g is hg for hg in host_groups):   # identity: dataclass == compares tensors
-                launch(g, first=False)
+            launches(host_groups, first=False)
+        launches([g for g in groups if not any(g is hg for hg in host_groups)],   # identity: == compares tensors
+                 first=False)
         main.wait_stream(side)
     else:
-        for i, g in enumerate(groups):
-            launch(g, first=i == 0)
+        # host groups (pinned, read over PCIe) never share a launch with HBM groups: other block shapes
+        on_host = [g for g in groups if g.gate.data.device.type == "cpu" and x.is_cuda]
+        in_hbm = [g for g in groups if not any(g is hg for hg in on_host)]
+        launches(in_hbm, first=True)
+        if on_host:
+            launches(on_host, first=not in_hbm)
     if not reduce:
         return part
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
