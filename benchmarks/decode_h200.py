@@ -81,7 +81,7 @@ def variant(name: str):
 
 def build_engine(hf, *, max_seq_len: int, max_batch: int = 1, cuda_graphs: bool = False,
                  experts_impl: str = "auto", experts=None, prefill_chunk: int = 512,
-                 fused_ops: bool | None = None, gemv_max_tokens: int = 0) -> Engine:
+                 fused_ops: bool | None = None, gemv_max_tokens: int | None = None) -> Engine:
     """An Engine whose non-expert parameters are the transformers model's tensors (views). experts:
     None (the dense experts, also views) or {layer: nn.Module} replacing each MoE layer's experts."""
     cfg = ModelConfig.from_dict(hf.config.to_dict(), source="transformers config")
@@ -240,9 +240,10 @@ def time_graph(fn, device, iters: int = 20, reps: int = 5) -> float:
 SWEEP = [dict(BN=bn, BK=bk, num_warps=w, num_stages=st) for bn, bk, w, st in
          ((1, 1024, 4, 3), (2, 1024, 4, 3), (2, 1024, 8, 3), (4, 512, 4, 3), (4, 256, 4, 4), (8, 256, 4, 3),
           (4, 1024, 8, 3), (8, 512, 8, 4), (16, 256, 4, 3), (2, 2048, 8, 2), (1, 2048, 4, 2), (2, 2048, 4, 2),
-          (16, 512, 8, 3))]
+          (16, 512, 8, 3), (4, 2048, 8, 2), (4, 2048, 4, 2), (8, 1024, 8, 3))]
 GEMV_SWEEP = [dict(BN=bn, BK=bk, num_warps=w, num_stages=st) for bn, bk, w, st in
-              ((8, 512, 4, 3), (4, 1024, 4, 3), (16, 256, 4, 4), (8, 1024, 8, 3), (2, 2048, 8, 3))]
+              ((8, 512, 4, 3), (4, 1024, 4, 3), (16, 256, 4, 4), (8, 1024, 8, 3), (2, 2048, 8, 3),
+               (2, 2048, 4, 3), (4, 2048, 8, 2))]
 
 
 def sweep_gemv(hf, device, dtype, bw: float) -> dict:
@@ -324,11 +325,20 @@ def sweep_kernel_configs(groups_by_fmt: dict, hidden: int, top_k: int, num_exper
         res["layer_us"] = t * 1e6
         res["GBps"] = top_k * nbytes / t / 1e9
         res["pct_of_copy_bw"] = 100 * top_k * nbytes / t / bw
+        byte_note = ""
+        if group.gate.fmt != "dense":
+            # A/B at the same configs: the decode with int-to-float conversions that FAST_DECODE replaced
+            kernels.FAST_DECODE = False
+            try:
+                res["byte_path_layer_us"] = layer_time(group) * 1e6
+            finally:
+                kernels.FAST_DECODE = True
+            byte_note = f"; with conversions (FAST_DECODE off) {res['byte_path_layer_us']:.1f} us"
         out[fmt] = res
         where = "host (zero-copy over PCIe)" if host else "HBM"
         log(f"  kernel sweep [{fmt} in {where}]: gate_up {res['gate_up']['best']}, down {res['down']['best']}: "
             f"one layer {t * 1e6:.1f} us, {res['GBps']:.0f} GB/s of expert bytes ({res['pct_of_copy_bw']:.0f}% of "
-            f"copy bw)")
+            f"copy bw){byte_note}")
     return out
 
 
@@ -523,9 +533,9 @@ def main(argv=None) -> dict:
         res["configs"] = {"/".join(key): v for key, v in kernels.CONFIG.items()}
         return res
 
-    # Triton GEMV for the attention projections (opt-in in the engine): used for the runs below only
-    # if the end-to-end bf16 rate says it is faster than cuBLAS.
-    choice = {"gemv_max_tokens": 0}
+    # Triton GEMV for the attention projections (the engine's default on CUDA): the runs below use
+    # cuBLAS instead only if the end-to-end bf16 rate says cuBLAS is clearly faster.
+    choice = {"gemv_max_tokens": None}
 
     @variant("gemv_sweep")
     def _():
@@ -629,22 +639,24 @@ def main(argv=None) -> dict:
             kernels.DEFER_MOE_SUM = True
             eng_new._graphs.clear()
 
-    @variant("engine_bf16_triton_gemv_graphs")
+    @variant("engine_bf16_triton_cublas_graphs")
     def _():
-        eng = build_engine(hf, max_seq_len=max_seq, cuda_graphs=graphs, experts_impl="triton", gemv_max_tokens=1)
+        """A/B: the attention projections through cuBLAS (gemv_max_tokens=0) instead of the GEMV."""
+        eng = build_engine(hf, max_seq_len=max_seq, cuda_graphs=graphs, experts_impl="triton", gemv_max_tokens=0)
         r = bf16_rate(eng, None)
         base = R["variants"].get("engine_bf16_triton_graphs", {}).get("tok_s", 0.0)
         if r["tok_s"] > 1.02 * base:   # a clear win, not run-to-run noise
-            choice["gemv_max_tokens"] = 1
-        r["used_for_later_runs"] = bool(choice["gemv_max_tokens"])
-        log(f"engine bf16 [triton+gemv{'+graphs' if graphs else ''}]: {r['tok_s']:.2f} tok/s, MBU {r['mbu_pct']:.1f}% "
-            f"(cuBLAS projections: {base:.2f}); later runs use the {'GEMV' if choice['gemv_max_tokens'] else 'cuBLAS'}")
+            choice["gemv_max_tokens"] = 0
+        r["used_for_later_runs"] = choice["gemv_max_tokens"] == 0
+        log(f"engine bf16 [triton, cuBLAS projections{'+graphs' if graphs else ''}]: {r['tok_s']:.2f} tok/s, MBU "
+            f"{r['mbu_pct']:.1f}% (GEMV projections: {base:.2f}); later runs use "
+            f"{'cuBLAS' if choice['gemv_max_tokens'] == 0 else 'the GEMV'}")
         return r
 
     @variant("profile_bf16_triton_step_fused_ops_on")
     def _():
         p = profile_step(build_engine(hf, max_seq_len=max_seq, experts_impl="triton", **choice), prompt, device)
-        log(f"decode step, fused_ops=on, gemv={choice['gemv_max_tokens']}: {p['kernels_per_step']:.0f} kernels/step, "
+        log(f"decode step, fused_ops=on, gemv={choice['gemv_max_tokens'] != 0}: {p['kernels_per_step']:.0f} kernels/step, "
             f"{p['kernel_ms_per_step']:.3f} ms kernel time/step; top kernels over 5 eager steps (ms, count):")
         for name, count, ms in p["rows"][:20]:
             log(f"  {ms:9.3f} {count:6d}  {name}")

@@ -157,10 +157,10 @@ def test_word_decode_matches_byte_decode_and_reference(fmt, monkeypatch):
         want = reference(x, ids, w, tuple(torch.stack([q.dequantize() for q in m]) for m in mats))
         words = kernels.fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), [group]).cpu()
         assert (kernels._words(group.gate) is not None) == (fmt != "int8" or hidden % 4 == 0)
-        monkeypatch.setattr(kernels, "WORD_DECODE", False)
+        monkeypatch.setattr(kernels, "FAST_DECODE", False)
         assert kernels._words(group.gate) is None
         byte = kernels.fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), [group]).cpu()
-        monkeypatch.setattr(kernels, "WORD_DECODE", True)
+        monkeypatch.setattr(kernels, "FAST_DECODE", True)
         assert torch.allclose(words, want, atol=1e-4, rtol=1e-4), (words - want).abs().max()
         assert torch.allclose(words, byte, atol=1e-5, rtol=1e-5), (words - byte).abs().max()
 
@@ -192,11 +192,14 @@ def test_two_groups_share_a_launch_pair():
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("fast", [True, False])
 @pytest.mark.parametrize("bk", [None, 8])
-def test_ternary_kernel_decodes_every_byte_value(bk):
+def test_ternary_kernel_decodes_every_byte_value(bk, fast, monkeypatch):
     """Uniform random trits (every byte value 0..242 occurs) through the kernel vs dequantize().
     bk=8: K steps of 8 bytes (40 columns) start inside groups and bytes 12 and 25 straddle two
-    groups, so the per-byte lo/hi group scales are checked across step boundaries too."""
+    groups, so the per-byte lo/hi group scales are checked across step boundaries too. fast: the
+    float digit split (kernels.FAST_DECODE), else the integer one."""
+    monkeypatch.setattr(kernels, "FAST_DECODE", fast)
     if bk is not None:
         saved = {key: dict(cfg) for key, cfg in kernels.CONFIG.items()}
         for kernel in ("gate_up", "down"):

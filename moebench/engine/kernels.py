@@ -57,7 +57,7 @@ CONFIG: dict[tuple[str, ...], dict[str, int]] = {
     ("gate_up", "int4_asym"): _cfg(8, 256, 4, 3), ("down", "int4_asym"): _cfg(16, 256, 4, 3),
     ("gate_up", "ternary"): _cfg(8, 256, 4, 3), ("down", "ternary"): _cfg(8, 256, 4, 3),
     ("gate_up", "ternary", "host"): _cfg(4, 512, 4, 3), ("down", "ternary", "host"): _cfg(16, 256, 4, 3),
-    ("gemv", "dense"): {"BN": 8, "BK": 512, "num_warps": 4, "num_stages": 3},
+    ("gemv", "dense"): {"BN": 4, "BK": 1024, "num_warps": 4, "num_stages": 3},   # round 6 sweep (run 4)
     # num_warps 1: the last program's softmax/top-k reductions stay inside one warp (round 5: 4 warps,
     # 8 experts per program: 8 us per call, slower than cuBLAS + route_topk's ~7; this one: 5.0-5.3)
     ("router", "dense"): {"BN": 2, "BK": 2048, "num_warps": 1, "num_stages": 2},
@@ -220,7 +220,20 @@ def _kernels():
 
 if triton is not None:
     @triton.jit
-    def trit_term(v, s_row, x_ptr, b, bmask, K, GROUP_SIZE: tl.constexpr):
+    def trit_digit(f, FLOAT: tl.constexpr):
+        """(f // 3, f % 3) of byte values f >= 0 (int32, or exact floats when FLOAT). FLOAT: no integer
+        multiply and no int-to-float conversion (1/8 of the FMA rate): f // 3 = round((f - 1) / 3),
+        since (f - 1) / 3 lies within 1/3 of it, and adding then subtracting 1.5 * 2^23 rounds to an
+        integer in float32."""
+        if FLOAT:
+            q = ((f * 0.33333334 - 0.33333334) + 12582912.0) - 12582912.0
+            return q, f - 3.0 * q
+        else:
+            q = (f * 21846) >> 16
+            return q, (f - q * 3).to(tl.float32)
+
+    @triton.jit
+    def trit_term(v, s_row, x_ptr, b, bmask, K, GROUP_SIZE: tl.constexpr, FLOAT: tl.constexpr):
         """Scaled dot part [BN, BK] of ternary bytes v [BN, BK] (columns 5b..5b+4) with x.
 
         Round 3 did, per digit, a two-multiply digit extraction, a [BN, BK] scale gather and a float
@@ -250,21 +263,17 @@ if triton is not None:
         # codes are trit + 1: sum_d (q_d - 1) x_d = sum_d q_d x_d - sum_d x_d
         lo = tl.zeros(v.shape, dtype=tl.float32) - (x0 + l1 + l2 + l3 + l4)[None, :]
         hi = tl.zeros(v.shape, dtype=tl.float32) - (h1 + h2 + h3 + h4)[None, :]
-        q = (v * 21846) >> 16
-        lo += (v - q * 3).to(tl.float32) * x0[None, :]
-        v = q
-        q = (v * 21846) >> 16
-        d = (v - q * 3).to(tl.float32)
+        if FLOAT:
+            v = (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0   # the byte value, exact
+        q, d = trit_digit(v, FLOAT)
+        lo += d * x0[None, :]
+        q, d = trit_digit(q, FLOAT)
         lo += d * l1[None, :]
         hi += d * h1[None, :]
-        v = q
-        q = (v * 21846) >> 16
-        d = (v - q * 3).to(tl.float32)
+        q, d = trit_digit(q, FLOAT)
         lo += d * l2[None, :]
         hi += d * h2[None, :]
-        v = q
-        q = (v * 21846) >> 16
-        d = (v - q * 3).to(tl.float32)
+        q, d = trit_digit(q, FLOAT)
         lo += d * l3[None, :]
         hi += d * h3[None, :]
         d = q.to(tl.float32)                        # the top digit: v // 81 <= 2
@@ -323,14 +332,15 @@ if triton is not None:
     @triton.jit
     def row_dots(w_ptr, s_ptr, m_ptr, slot, rows, rmask, x_ptr, k0, K, KB,
                  stride_we, stride_wr, stride_se, stride_sr,
-                 FMT: tl.constexpr, WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
+                 FMT: tl.constexpr, FAST: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr):
         """[BN] partial dots of rows of one expert with x over one K step (int8: unscaled codes).
         Dense/int8 steps cover BK columns from k0; packed formats cover BK *bytes* from k0 (int4:
         2 columns per byte, ternary: 5), so each loaded byte is decoded once, whole, in registers.
-        WORDS: w_ptr is an int32 view of int8/int4 rows (strides in words; see word_dots)."""
+        FAST: decode without int-to-float conversions: int8/int4 rows come as an int32 view (strides
+        in words; see word_dots), ternary digits are split off in float arithmetic (trit_term)."""
         base = w_ptr + slot * stride_we + rows[:, None] * stride_wr
-        if WORDS:
+        if FAST and FMT != 4:
             s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr
             return word_dots(base, s_row, m_ptr + slot * stride_se + rows[:, None] * stride_sr, rmask, x_ptr,
                              k0, K, KB, FMT, GROUP_SIZE, BN, BK)
@@ -345,7 +355,7 @@ if triton is not None:
             v = tl.load(base + i[None, :], mask=bmask, other=0).to(tl.int32)
             s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr
             if FMT == 4:
-                return tl.sum(trit_term(v, s_row, x_ptr, i, bmask, K, GROUP_SIZE), axis=1)
+                return tl.sum(trit_term(v, s_row, x_ptr, i, bmask, K, GROUP_SIZE, FAST), axis=1)
             else:
                 # Low nibble = even column, high nibble = odd column. A group of 64 columns is 32 bytes:
                 # the products are summed per group first and scaled once per (row, group), so the
@@ -380,7 +390,7 @@ if triton is not None:
     @triton.jit
     def gate_up_rows(x_row, h_out, slot, rows, rmask, N, K, KB, g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr, um_ptr,
                      stride_ge, stride_gr, stride_gse, stride_gsr, stride_ue, stride_ur, stride_use, stride_usr,
-                     FMT: tl.constexpr, WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
+                     FMT: tl.constexpr, FAST: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr):
         """h rows = silu(W_gate x) * (W_up x) for one expert slot of one group."""
         g = tl.zeros((BN,), dtype=tl.float32)
@@ -391,9 +401,9 @@ if triton is not None:
             lim = KB
         for k0 in range(0, lim, BK):
             g += row_dots(g_ptr, gs_ptr, gm_ptr, slot, rows, rmask, x_row, k0, K, KB,
-                          stride_ge, stride_gr, stride_gse, stride_gsr, FMT, WORDS, GROUP_SIZE, BN, BK)
+                          stride_ge, stride_gr, stride_gse, stride_gsr, FMT, FAST, GROUP_SIZE, BN, BK)
             u += row_dots(u_ptr, us_ptr, um_ptr, slot, rows, rmask, x_row, k0, K, KB,
-                          stride_ue, stride_ur, stride_use, stride_usr, FMT, WORDS, GROUP_SIZE, BN, BK)
+                          stride_ue, stride_ur, stride_use, stride_usr, FMT, FAST, GROUP_SIZE, BN, BK)
         if FMT == 1:
             g = g * tl.load(gs_ptr + slot * stride_gse + rows * stride_gsr, mask=rmask, other=0.0).to(tl.float32)
             u = u * tl.load(us_ptr + slot * stride_use + rows * stride_usr, mask=rmask, other=0.0).to(tl.float32)
@@ -407,8 +417,8 @@ if triton is not None:
                        slot_b, gb_ptr, gsb_ptr, gmb_ptr, ub_ptr, usb_ptr, umb_ptr, KB_b,
                        sge_b, sgr_b, sgse_b, sgsr_b, sue_b, sur_b, suse_b, susr_b,
                        TOPK: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
-                       FMT_A: tl.constexpr, MAP_A: tl.constexpr, WORDS_A: tl.constexpr, BK_A: tl.constexpr,
-                       HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, WORDS_B: tl.constexpr,
+                       FMT_A: tl.constexpr, MAP_A: tl.constexpr, FAST_A: tl.constexpr, BK_A: tl.constexpr,
+                       HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, FAST_B: tl.constexpr,
                        BK_B: tl.constexpr):
         """Program (pair, row block) for up to two expert groups (A, and B when HAS_B): each pair's
         expert is in at most one of them; a pair in neither is left to another launch. Two groups per
@@ -422,18 +432,18 @@ if triton is not None:
         if sa >= 0:
             gate_up_rows(x_row, h_out, sa, rows, rmask, N, K, KB_a, ga_ptr, gsa_ptr, gma_ptr, ua_ptr, usa_ptr,
                          uma_ptr, sge_a, sgr_a, sgse_a, sgsr_a, sue_a, sur_a, suse_a, susr_a,
-                         FMT_A, WORDS_A, GROUP_SIZE, BN, BK_A)
+                         FMT_A, FAST_A, GROUP_SIZE, BN, BK_A)
         elif HAS_B:
             sb = pair_slot(ids_ptr, slot_b, pair, MAP_B)
             if sb >= 0:
                 gate_up_rows(x_row, h_out, sb, rows, rmask, N, K, KB_b, gb_ptr, gsb_ptr, gmb_ptr, ub_ptr, usb_ptr,
                              umb_ptr, sge_b, sgr_b, sgse_b, sgsr_b, sue_b, sur_b, suse_b, susr_b,
-                             FMT_B, WORDS_B, GROUP_SIZE, BN, BK_B)
+                             FMT_B, FAST_B, GROUP_SIZE, BN, BK_B)
 
     @triton.jit
     def down_rows(h_row, part_out, w, slot, rows, rmask, K, KB, d_ptr, ds_ptr, dm_ptr,
                   stride_de, stride_dr, stride_dse, stride_dsr,
-                  FMT: tl.constexpr, WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
+                  FMT: tl.constexpr, FAST: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr):
         """part rows = w * (W_down h) for one expert slot of one group (float32)."""
         if FMT <= 1:
@@ -443,7 +453,7 @@ if triton is not None:
         y = tl.zeros((BN,), dtype=tl.float32)
         for k0 in range(0, lim, BK):
             y += row_dots(d_ptr, ds_ptr, dm_ptr, slot, rows, rmask, h_row, k0, K, KB,
-                          stride_de, stride_dr, stride_dse, stride_dsr, FMT, WORDS, GROUP_SIZE, BN, BK)
+                          stride_de, stride_dr, stride_dse, stride_dsr, FMT, FAST, GROUP_SIZE, BN, BK)
         if FMT == 1:
             y = y * tl.load(ds_ptr + slot * stride_dse + rows * stride_dsr, mask=rmask, other=0.0).to(tl.float32)
         tl.store(part_out + rows, y * w, mask=rmask)
@@ -453,8 +463,8 @@ if triton is not None:
                     slot_a, da_ptr, dsa_ptr, dma_ptr, KB_a, sde_a, sdr_a, sdse_a, sdsr_a,
                     slot_b, db_ptr, dsb_ptr, dmb_ptr, KB_b, sde_b, sdr_b, sdse_b, sdsr_b,
                     FIRST: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
-                    FMT_A: tl.constexpr, MAP_A: tl.constexpr, WORDS_A: tl.constexpr, BK_A: tl.constexpr,
-                    HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, WORDS_B: tl.constexpr,
+                    FMT_A: tl.constexpr, MAP_A: tl.constexpr, FAST_A: tl.constexpr, BK_A: tl.constexpr,
+                    HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, FAST_B: tl.constexpr,
                     BK_B: tl.constexpr):
         """Program (pair, row block): part[pair, rows] = w[pair] * (W_down[e] h[pair])[rows] in
         float32, for up to two groups like gate_up. One program per pair: round 4's down looped over
@@ -469,14 +479,14 @@ if triton is not None:
         sa = pair_slot(ids_ptr, slot_a, pair, MAP_A)
         if sa >= 0:
             down_rows(h_row, part_out, tl.load(wts_ptr + pair).to(tl.float32), sa, rows, rmask, K, KB_a,
-                      da_ptr, dsa_ptr, dma_ptr, sde_a, sdr_a, sdse_a, sdsr_a, FMT_A, WORDS_A, GROUP_SIZE, BN, BK_A)
+                      da_ptr, dsa_ptr, dma_ptr, sde_a, sdr_a, sdse_a, sdsr_a, FMT_A, FAST_A, GROUP_SIZE, BN, BK_A)
         else:
             sb = -1
             if HAS_B:
                 sb = pair_slot(ids_ptr, slot_b, pair, MAP_B)
             if sb >= 0:
                 down_rows(h_row, part_out, tl.load(wts_ptr + pair).to(tl.float32), sb, rows, rmask, K, KB_b,
-                          db_ptr, dsb_ptr, dmb_ptr, sde_b, sdr_b, sdse_b, sdsr_b, FMT_B, WORDS_B, GROUP_SIZE, BN,
+                          db_ptr, dsb_ptr, dmb_ptr, sde_b, sdr_b, sdse_b, sdsr_b, FMT_B, FAST_B, GROUP_SIZE, BN,
                           BK_B)
             elif FIRST:
                 tl.store(part_out + rows, tl.zeros((BN,), dtype=tl.float32), mask=rmask)
@@ -501,14 +511,15 @@ def _scale_args(pm: PackedMatrix):
     return s, (pm.minimum if pm.minimum is not None else s), s.stride(0), s.stride(1)
 
 
-# int8/int4 rows are read as int32 words (see word_dots) when the layout allows it; False: bytes.
-WORD_DECODE = True
+# The decode without int-to-float conversions (row_dots' FAST): int8/int4 rows read as int32 words
+# where the layout allows it, ternary digits split off in float arithmetic. False: the byte paths.
+FAST_DECODE = True
 
 
 def _words(pm: PackedMatrix) -> Tensor | None:
     """pm's data as an int32 view for the word decode path, or None (bytes path): dense and ternary
-    formats, rows not a whole number of words, or WORD_DECODE off."""
-    if not WORD_DECODE or pm.fmt not in ("int8", "int4", "int4_asym"):
+    formats, rows not a whole number of words, or FAST_DECODE off."""
+    if not FAST_DECODE or pm.fmt not in ("int8", "int4", "int4_asym"):
         return None
     cached = pm.__dict__.get("_words")
     if cached is not None and cached[0] is pm.data:
@@ -522,6 +533,13 @@ def _words(pm: PackedMatrix) -> Tensor | None:
 
 def _gate_up_words(g: ExpertGroup) -> bool:
     return _words(g.gate) is not None and _words(g.up) is not None
+
+
+def _fast(g: ExpertGroup, kernel: str) -> bool:
+    """The FAST constexpr of a group's launch: the conversion-free decode (see row_dots)."""
+    if g.gate.fmt == "ternary":
+        return FAST_DECODE
+    return _gate_up_words(g) if kernel == "gate_up" else _words(g.down) is not None
 
 
 def _check_group(group: ExpertGroup, hidden: int) -> None:
@@ -574,8 +592,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
                                 HAS_B=len(pair_groups) > 1, GROUP_SIZE=GROUP)
             for tag, g in (("A", ga), ("B", gb)):
                 meta[kernel].update({f"FMT_{tag}": FORMAT_CODES[g.gate.fmt], f"MAP_{tag}": g.slot_of is not None,
-                                     f"WORDS_{tag}": _gate_up_words(g) if kernel == "gate_up" else
-                                     _words(g.down) is not None,
+                                     f"FAST_{tag}": _fast(g, kernel),
                                      f"BK_{tag}": get_config(kernel, g.gate.fmt, host=host)["BK"]})
         args = []
         for g in (ga, gb):
