@@ -627,3 +627,107 @@ def test_engine_decode_with_prefetch_gives_the_same_tokens_and_logits(ckpt, wiki
     assert all(0 < n <= pre.model.moe_blocks()[0].top_k for n in staged), staged
     first = pre.model.moe_blocks()[0].experts._prefetch[0][2].slot_of    # layer 0 has no earlier layer
     assert int((first >= 0).sum()) == 0
+
+
+# ---- the post-attention add_rmsnorm fused with the router -------------------------------------------
+
+@pytest.mark.parametrize("bk", [32, 2048])      # 32: GEMV in column steps; 2048: one step over the row
+@pytest.mark.parametrize("renorm", [True, False])
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_add_rmsnorm_router_is_bitwise_add_rmsnorm_then_router_topk(dt, renorm, bk):
+    """One launch gives the bits of add_rmsnorm followed by router_topk: res, h, logits, ids,
+    weights; 60 experts (not a multiple of the 8-expert block), H = 100 (not a power of two); the
+    arrival counters end at zero (reset by each token's last program)."""
+    g = torch.Generator().manual_seed(21)
+    saved = {key: dict(cfg) for key, cfg in kernels.CONFIG.items()}
+    try:
+        kernels.set_config("router", "dense", BN=8, BK=bk)
+        norm_w = (torch.rand(100, generator=g) + 0.5).to(DEV, dt)
+        router_w = (torch.randn(60, 100, generator=g) * 0.3).to(DEV, dt)
+        for T in (1, 3):
+            x = torch.randn(1, T, 100, generator=g).to(DEV, dt)      # [B, T, H] as in _fused_layers
+            delta = torch.randn(1, T, 100, generator=g).to(DEV, dt)
+            res, h = kernels.add_rmsnorm(x, delta, norm_w, 1e-6)
+            want = (res, h, *kernels.router_topk(h.view(T, 100), router_w, 4, renorm))
+            got = kernels.add_rmsnorm_router(x, delta, norm_w, 1e-6, router_w, 4, renorm)
+            assert got[0].shape == x.shape and got[1].shape == x.shape and got[2].shape == (T, 60)
+            for name, a, b in zip(("res", "h", "logits", "ids", "w"), got, want):
+                assert a.dtype == b.dtype and torch.equal(a, b), (name, T, (a.float() - b.float()).abs().max())
+        assert int(kernels._ARRIVALS[x.device].abs().sum()) == 0
+        with pytest.raises(kernels.KernelError, match="router weight shape"):
+            kernels.add_rmsnorm_router(x, delta, norm_w, 1e-6, router_w[:, :50], 4, renorm)
+        with pytest.raises(kernels.KernelError, match="norm weight shape"):
+            kernels.add_rmsnorm_router(x, delta, norm_w[:50], 1e-6, router_w, 4, renorm)
+        with pytest.raises(kernels.KernelError, match="tokens"):
+            many = torch.zeros(kernels.ROUTER_MAX_TOKENS + 1, 100, device=DEV, dtype=dt)
+            kernels.add_rmsnorm_router(many, many, norm_w, 1e-6, router_w, 4, renorm)
+    finally:
+        kernels.CONFIG.clear()
+        kernels.CONFIG.update(saved)
+
+
+@needs_cuda
+def test_cuda_add_rmsnorm_router_is_bitwise_at_model_shapes():
+    """The compiled kernel at a real router's shape (H 2048, 128 experts, top-8, bf16, shipped
+    configs): bitwise add_rmsnorm + router_topk. The two reference kernels run with their own
+    num_warps; a reduction laid out differently would show here as a last-bit difference."""
+    g = torch.Generator().manual_seed(22)
+    norm_w = (torch.rand(2048, generator=g) + 0.5).to("cuda", torch.bfloat16)
+    router_w = (torch.randn(128, 2048, generator=g) * 0.05).to("cuda", torch.bfloat16)
+    for T in (1, 4, 1, 16):
+        for _ in range(8):
+            x = torch.randn(T, 2048, generator=g).to("cuda", torch.bfloat16) * 3
+            delta = torch.randn(T, 2048, generator=g).to("cuda", torch.bfloat16)
+            res, h = kernels.add_rmsnorm(x, delta, norm_w, 1e-6)
+            want = (res, h, *kernels.router_topk(h, router_w, 8, True))
+            got = kernels.add_rmsnorm_router(x, delta, norm_w, 1e-6, router_w, 8, True)
+            for name, a, b in zip(("res", "h", "logits", "ids", "w"), got, want):
+                assert torch.equal(a, b), (name, T, (a.float() - b.float()).abs().max())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_decode_with_norm_router_fused_is_the_same(ckpt, wiki_bytes, dtype):
+    """FUSED_NORM_ROUTER on and off: the same greedy tokens, the same decode-step logits (bitwise),
+    and an attached RouterTracer records the same routes and router logits; with it on, every MoE
+    layer of a fused step did route through add_rmsnorm_router (and none with it off)."""
+    from moebench.engine.model import RouterTracer
+    eng = Engine.load(ckpt, device=DEV, dtype=dtype, max_seq_len=32, experts_impl="triton")
+    n_layers = len(eng.model.moe_blocks())
+    prompt = wiki_bytes[400:410]           # 10 tokens <= triton_max_tokens: the prefill is fused too
+    calls = []
+    real = kernels.add_rmsnorm_router
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].numel() // args[0].shape[-1])
+        return real(*args, **kwargs)
+
+    saved = kernels.FUSED_NORM_ROUTER
+    runs = {}
+    try:
+        kernels.add_rmsnorm_router = counting
+        for on in (False, True):
+            kernels.FUSED_NORM_ROUTER = on
+            calls.clear()
+            tokens = eng.generate([prompt], 4, ignore_eos=True)[0].token_ids
+            gen_calls = list(calls)
+            tracer = RouterTracer(keep_logits=True)
+            eng.model.set_tracer(tracer)
+            try:
+                step = eng._decode(torch.tensor([[tokens[-1]]], device=DEV),
+                                   torch.tensor([[len(prompt) + 3]], device=DEV), len(prompt) + 4).cpu()
+            finally:
+                eng.model.set_tracer(None)
+            runs[on] = (tokens, step, tracer, gen_calls)
+    finally:
+        kernels.add_rmsnorm_router = real
+        kernels.FUSED_NORM_ROUTER = saved
+    (tok_off, step_off, tr_off, calls_off), (tok_on, step_on, tr_on, calls_on) = runs[False], runs[True]
+    assert calls_off == [] and calls_on == [10] * n_layers + [1] * n_layers * 3   # prefill, 3 decode steps
+    assert tok_on == tok_off and len(tok_on) == 4
+    assert torch.equal(step_on, step_off)
+    assert [r[0] for r in tr_on.records] == [r[0] for r in tr_off.records] == list(range(n_layers))
+    for (_, ids_a, w_a), (_, ids_b, w_b) in zip(tr_on.records, tr_off.records):
+        assert ids_a.shape == (1, 2) and torch.equal(ids_a, ids_b) and torch.equal(w_a, w_b)
+    assert len(tr_on.logits) == len(tr_off.logits) == n_layers
+    for (la, a), (lb, b) in zip(tr_on.logits, tr_off.logits):
+        assert la == lb and a.shape == (1, 8) and torch.equal(a, b)

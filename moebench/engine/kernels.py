@@ -663,32 +663,53 @@ def dense_group(w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> ExpertGroup:
 # to the activation dtype where the torch code does, so they agree with it to within reduction order.
 
 if triton is not None:
+    # The residual add + RMSNorm math, shared by add_rmsnorm_kernel and add_rmsnorm_router_kernel so
+    # the two round identically: s = x + delta in x's dtype, inv = 1 / rms(s) over the whole row,
+    # out = w * (s * inv rounded to x's dtype), in float32 (the caller rounds it).
     @triton.jit
-    def add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, eps,
-                           HAS_DELTA: tl.constexpr, DELTA_ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        """Row r: s = x + delta (rounded to x's dtype, written to res), out = w * norm(s). DELTA_ROWS
-        > 1: delta is the sum of rows r * DELTA_ROWS .. + DELTA_ROWS - 1 of d (fused_moe's float32
+    def residual_sum(x_ptr, d_ptr, r, N, offs, m, HAS_DELTA: tl.constexpr, DELTA_ROWS: tl.constexpr):
+        """Columns offs of row r of x + delta, rounded to x's dtype (x itself when not HAS_DELTA).
+        DELTA_ROWS > 1: delta is the sum of rows r * DELTA_ROWS .. + DELTA_ROWS - 1 of d (float32
         partials, added in order and rounded to x's dtype, exactly as moe_sum does)."""
-        r = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        m = offs < N
         dt = x_ptr.dtype.element_ty
         x = tl.load(x_ptr + r * N + offs, mask=m, other=0.0)
         if HAS_DELTA:
             if DELTA_ROWS == 1:
                 d = tl.load(d_ptr + r * N + offs, mask=m, other=0.0).to(tl.float32)
             else:
-                d = tl.zeros((BLOCK,), dtype=tl.float32)
+                d = tl.zeros(offs.shape, dtype=tl.float32)
                 for j in tl.static_range(DELTA_ROWS):
                     d += tl.load(d_ptr + (r * DELTA_ROWS + j) * N + offs, mask=m, other=0.0)
                 d = d.to(dt).to(tl.float32)
             x = (x.to(tl.float32) + d).to(dt)
-            tl.store(res_ptr + r * N + offs, x, mask=m)
-        xf = x.to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
-        xn = (xf * inv).to(dt).to(tl.float32)
+        return x
+
+    @triton.jit
+    def rms_inv(s, N, eps):
+        """1 / sqrt(mean(s^2) + eps) over a whole row s (masked lanes 0), float32."""
+        xf = s.to(tl.float32)
+        return 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+
+    @triton.jit
+    def rms_scale(s, inv, w_ptr, offs, m):
+        """w[offs] * (s * inv rounded to s's dtype), float32 (0 on masked lanes)."""
+        xn = (s.to(tl.float32) * inv).to(s.dtype).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(out_ptr + r * N + offs, (w * xn).to(out_ptr.dtype.element_ty), mask=m)
+        return w * xn
+
+    @triton.jit
+    def add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, eps,
+                           HAS_DELTA: tl.constexpr, DELTA_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        """Row r: s = x + delta (rounded to x's dtype, written to res), out = w * norm(s) (see
+        residual_sum for DELTA_ROWS > 1)."""
+        r = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        m = offs < N
+        x = residual_sum(x_ptr, d_ptr, r, N, offs, m, HAS_DELTA, DELTA_ROWS)
+        if HAS_DELTA:
+            tl.store(res_ptr + r * N + offs, x, mask=m)
+        out = rms_scale(x, rms_inv(x, N, eps), w_ptr, offs, m)
+        tl.store(out_ptr + r * N + offs, out.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def softmax_topk_store(z, m, offs, ids_ptr, w_ptr, r, TOPK: tl.constexpr, KP: tl.constexpr,
@@ -882,6 +903,104 @@ def router_topk(x: Tensor, weight: Tensor, top_k: int, renormalize: bool,
                                          BLOCK_E=_next_pow2(E), BE=be, BH=min(cfg["BK"], _next_pow2(H)),
                                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return logits, ids, w
+
+
+# _fused_layers routes a MoE block inside its post-attention norm (add_rmsnorm_router) when True.
+FUSED_NORM_ROUTER = True
+
+if triton is not None:
+    @triton.jit
+    def add_rmsnorm_router_kernel(x_ptr, d_ptr, nw_ptr, res_ptr, h_ptr, g_ptr, logits_ptr, count_ptr, ids_ptr,
+                                  w_ptr, N, E, eps, stride_g, HAS_DELTA: tl.constexpr, TOPK: tl.constexpr,
+                                  KP: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
+                                  BLOCK_E: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr):
+        """Program (token t, block of BE experts): add_rmsnorm_kernel's row t (program 0 stores res
+        and h), then router_topk_kernel's program on that h. Every program normalises the row itself
+        (no grid-wide wait for program 0), so the norm's loads are repeated per expert block; they are
+        one row each, L2-resident. The GEMV steps, sums and roundings are router_topk_kernel's."""
+        t = tl.program_id(0).to(tl.int64)
+        pb = tl.program_id(1)
+        dt = x_ptr.dtype.element_ty
+        offs = tl.arange(0, BLOCK)
+        m = offs < N
+        s = residual_sum(x_ptr, d_ptr, t, N, offs, m, HAS_DELTA, 1)
+        inv = rms_inv(s, N, eps)
+        h = rms_scale(s, inv, nw_ptr, offs, m).to(dt)
+        if pb == 0:
+            if HAS_DELTA:
+                tl.store(res_ptr + t * N + offs, s, mask=m)
+            tl.store(h_ptr + t * N + offs, h, mask=m)
+        rows = pb * BE + tl.arange(0, BE)
+        rm = rows < E
+        acc = tl.zeros((BE, BH), dtype=tl.float32)
+        if BH == BLOCK:      # one GEMV step (the usual case): the row is already in registers
+            wv = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + offs[None, :],
+                         mask=rm[:, None] & m[None, :], other=0.0).to(tl.float32)
+            acc += wv * h.to(tl.float32)[None, :]
+        else:                # BH-column steps: each step's slice of h is recomputed from x, delta, inv
+            for h0 in range(0, N, BH):
+                cols = h0 + tl.arange(0, BH)
+                cm = cols < N
+                sc = residual_sum(x_ptr, d_ptr, t, N, cols, cm, HAS_DELTA, 1)
+                hv = rms_scale(sc, inv, nw_ptr, cols, cm).to(dt).to(tl.float32)
+                wv = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + cols[None, :],
+                             mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+                acc += wv * hv[None, :]
+        logit = tl.sum(acc, axis=1).to(dt).to(tl.float32)
+        tl.store(logits_ptr + t * E + rows, logit, mask=rm)
+        arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
+        if arrived == tl.num_programs(1) - 1:
+            eo = tl.arange(0, BLOCK_E)
+            em = eo < E
+            z = tl.load(logits_ptr + t * E + eo, mask=em, other=float("-inf"), cache_modifier=".cg")
+            softmax_topk_store(z, em, eo, ids_ptr, w_ptr, t, TOPK, KP, NORM, BLOCK_E)
+            tl.atomic_xchg(count_ptr + t, 0)
+
+
+def add_rmsnorm_router(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, router_weight: Tensor,
+                       top_k: int, renormalize: bool, arrivals: Tensor | None = None
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """add_rmsnorm(x, delta, norm_weight, eps) followed by router_topk(h, router_weight, top_k,
+    renormalize) in one launch, bitwise the same results: (res, h) shaped like x in x's dtype, and
+    (logits [N, E] float32, topk_ids [N, k] int64, topk_w [N, k] float32) over the N = x.numel() / H
+    flattened tokens (N <= ROUTER_MAX_TOKENS). `arrivals` as in router_topk."""
+    _kernels()
+    H = x.shape[-1]
+    if tuple(norm_weight.shape) != (H,):
+        raise KernelError(f"add_rmsnorm_router: norm weight shape {tuple(norm_weight.shape)}, expected ({H},)")
+    if router_weight.dim() != 2 or router_weight.shape[1] != H or router_weight.stride(-1) != 1:
+        raise KernelError(f"add_rmsnorm_router: router weight shape {tuple(router_weight.shape)}; expected "
+                          f"[experts, {H}] with a unit last stride")
+    E = router_weight.shape[0]
+    xc = x.contiguous()
+    N = xc.numel() // H
+    if not 0 < top_k <= E or not 0 < N <= ROUTER_MAX_TOKENS:
+        raise KernelError(f"add_rmsnorm_router: {N} tokens, top_k {top_k}, {E} experts; expected 1 to "
+                          f"{ROUTER_MAX_TOKENS} tokens and 0 < top_k <= experts")
+    if delta is not None and delta.numel() != xc.numel():
+        raise KernelError(f"add_rmsnorm_router: delta shape {tuple(delta.shape)}; expected x's {tuple(xc.shape)}")
+    counts = arrivals if arrivals is not None else _ARRIVALS.get(x.device)
+    if counts is None:
+        counts = _ARRIVALS[x.device] = torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int32, device=x.device)
+    if counts.dtype != torch.int32 or counts.numel() < N:
+        raise KernelError(f"add_rmsnorm_router: arrivals {counts.dtype} [{counts.numel()}]; expected int32 with "
+                          f">= {N} zeros")
+    dc = delta.contiguous() if delta is not None else xc
+    res = torch.empty_like(xc) if delta is not None else xc
+    h = torch.empty_like(xc)
+    logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    ids = torch.empty(N, top_k, dtype=torch.long, device=x.device)
+    w = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
+    # router_topk's launch config: same expert blocks and GEMV steps, hence the same sums
+    cfg = get_config("router", "dense")
+    be = min(cfg["BN"], _next_pow2(E))
+    block = _next_pow2(H)
+    add_rmsnorm_router_kernel[(N, -(-E // be))](
+        xc, dc, norm_weight, res, h, router_weight, logits, counts, ids, w, H, E, eps, router_weight.stride(0),
+        HAS_DELTA=delta is not None, TOPK=top_k, KP=_next_pow2(top_k), NORM=renormalize, BLOCK=block,
+        BLOCK_E=_next_pow2(E), BE=be, BH=min(cfg["BK"], block), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    return res, h, logits, ids, w
 
 
 def qk_rope_cache(q: Tensor, k: Tensor, v: Tensor, q_norm_w: Tensor | None, k_norm_w: Tensor | None,

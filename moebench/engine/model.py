@@ -319,29 +319,44 @@ class MoEBlock(nn.Module):
             topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
         return logits, topk_ids, topk_w
 
-    def _route_traced(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        logits, topk_ids, topk_w = self.route(x)
+    def norm_router_ok(self, tokens: int) -> bool:
+        """Whether the fused decode layers may route this block's `tokens` tokens inside the
+        post-attention norm (kernels.add_rmsnorm_router, one launch) and pass the routes in: where
+        route() itself would use router_topk (the fused kernel gives its bits), in blocks without a
+        shared expert (the qwen3/olmoe-style decode path this fusion was made for)."""
+        from . import kernels
+        return (self.shared_expert is None and kernels.FUSED_ROUTER and kernels.FUSED_NORM_ROUTER
+                and tokens <= min(kernels.ROUTER_MAX_TOKENS, self.fused_max_tokens))
+
+    def _route_traced(self, x: Tensor, routes: tuple[Tensor, Tensor, Tensor] | None = None
+                      ) -> tuple[Tensor, Tensor]:
+        """route(x), or the given routes (logits, topk_ids, topk_w) for x's tokens, recorded in the
+        tracer either way."""
+        logits, topk_ids, topk_w = self.route(x) if routes is None else routes
         if self.tracer is not None:
             self.tracer.records.append((self.layer_idx, topk_ids.cpu(), topk_w.cpu()))
             if self.tracer.keep_logits:
                 self.tracer.logits.append((self.layer_idx, logits.float().cpu()))
         return topk_ids, topk_w
 
-    def forward_partials(self, x: Tensor) -> Tensor | None:
+    def forward_partials(self, x: Tensor, routes: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor | None:
         """The experts' float32 terms [N * top_k, H] (N = tokens of x) for the caller to sum (the
         fused decode layers do it inside the next add_rmsnorm), or None where this block cannot
-        (a shared expert, or experts without a fused partials path for this many tokens)."""
+        (a shared expert, or experts without a fused partials path for this many tokens).
+        routes: (logits [N, E], topk_ids [N, k], topk_w [N, k]) already computed for x's flattened
+        tokens (kernels.add_rmsnorm_router), used instead of routing here."""
         flat = x.reshape(-1, x.shape[-1])
         ok = getattr(self.experts, "partials_ok", None)
         if self.shared_expert is not None or ok is None or not ok(flat.shape[0]):
             return None
-        topk_ids, topk_w = self._route_traced(flat)
+        topk_ids, topk_w = self._route_traced(flat, routes)
         return self.experts.forward_partials(flat, topk_ids, topk_w)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, routes: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+        """x [..., H] -> [..., H]; routes as in forward_partials (None: route here)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        topk_ids, topk_w = self._route_traced(x)
+        topk_ids, topk_w = self._route_traced(x, routes)
         out = self.experts(x, topk_ids, topk_w)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -436,22 +451,31 @@ class MoETransformer(nn.Module):
     def _fused_layers(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, kv_len: int) -> Tensor:
         """DecoderLayer.forward for every layer, with each residual add fused into the next RMSNorm
         (the next layer's input norm, or the final norm): one kernel where there were ~9. The MoE
-        blocks' weighted expert sums are done by that same kernel where the experts allow it."""
+        blocks' weighted expert sums are done by that same kernel where the experts allow it, and
+        their routers run inside the post-attention norm's kernel (add_rmsnorm_router) where they can."""
         from . import kernels
         first = self.layers[0].input_layernorm
         x, h = kernels.add_rmsnorm(x, None, first.weight, first.eps)
+        tokens = x.numel() // x.shape[-1]
         for i, layer in enumerate(self.layers):
             a = layer.self_attn(h, cos, sin, positions, kv_len)
             post = layer.post_attention_layernorm
-            x, h = kernels.add_rmsnorm(x, a, post.weight, post.eps)
+            block = layer.mlp
+            routes = None
+            if isinstance(block, MoEBlock) and block.norm_router_ok(tokens):
+                x, h, *routed = kernels.add_rmsnorm_router(x, a, post.weight, post.eps, block.gate.weight,
+                                                           block.top_k, block.norm_topk_prob)
+                routes = tuple(routed)
+            else:
+                x, h = kernels.add_rmsnorm(x, a, post.weight, post.eps)
             if i + 1 < len(self.layers):
                 self._prefetch_next(self.layers[i + 1].mlp, h)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             part = None
-            if kernels.DEFER_MOE_SUM and isinstance(layer.mlp, MoEBlock):
-                part = layer.mlp.forward_partials(h)     # the MoE sum moves into the next norm
+            if kernels.DEFER_MOE_SUM and isinstance(block, MoEBlock):
+                part = block.forward_partials(h, routes)     # the MoE sum moves into the next norm
             if part is not None:
-                x, h = kernels.add_rmsnorm(x, part, nxt.weight, nxt.eps, delta_rows=layer.mlp.top_k)
+                x, h = kernels.add_rmsnorm(x, part, nxt.weight, nxt.eps, delta_rows=block.top_k)
             else:
-                x, h = kernels.add_rmsnorm(x, layer.mlp(h), nxt.weight, nxt.eps)
+                x, h = kernels.add_rmsnorm(x, block(h) if routes is None else block(h, routes), nxt.weight, nxt.eps)
         return h
