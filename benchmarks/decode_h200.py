@@ -605,6 +605,29 @@ def main(argv=None) -> dict:
             f"; engine uses the {'fused' if kernels.FUSED_ROUTER else 'torch + route_topk'} router")
         return out
 
+    @variant("norm_router_ab")
+    def _():
+        """add_rmsnorm + router_topk (two launches) against add_rmsnorm_router (one), layer 0's
+        post-attention norm and router at batch 1; the engine keeps whichever is faster."""
+        if small:
+            raise Skipped
+        layer = hf.model.layers[0]
+        wr = layer.mlp.gate.weight.detach()
+        nw = layer.post_attention_layernorm.weight.detach()
+        xr, ar = (torch.randn(1, 1, H, device=device, dtype=dtype) for _ in range(2))
+
+        def two():
+            _, hn = kernels.add_rmsnorm(xr, ar, nw, 1e-6)
+            return kernels.router_topk(hn.view(1, H), wr, k, True)
+        out = {"two_launches_us": time_graph(two, device) * 1e6,
+               "fused_us": time_graph(lambda: kernels.add_rmsnorm_router(xr, ar, nw, 1e-6, wr, k, True), device) * 1e6}
+        kernels.FUSED_NORM_ROUTER = out["fused_us"] < out["two_launches_us"]
+        out["fused_used"] = kernels.FUSED_NORM_ROUTER
+        log(f"  post-attention norm + router: add_rmsnorm + router_topk {out['two_launches_us']:.1f} us, "
+            f"add_rmsnorm_router {out['fused_us']:.1f} us; engine uses the "
+            f"{'fused' if kernels.FUSED_NORM_ROUTER else 'two-launch'} path")
+        return out
+
     @variant("parity_new_vs_reference")
     def _():
         n = min(16, args.prompt_len)   # <= triton_max_tokens: this prefill runs the fused kernels
