@@ -287,8 +287,30 @@ if triton is not None:
         return s_lo * lo + s_hi * hi
 
     @triton.jit
+    def word_x(x_ptr, wi, K, PER: tl.constexpr, BK: tl.constexpr):
+        """The PER x vectors [BK/4] of word-packed columns (x[PER * w + j] for j < PER), from one
+        contiguous (vectorised) load of [BK/4, PER] split in registers, not PER strided loads."""
+        col = PER * wi[:, None] + tl.arange(0, PER)[None, :]
+        xx = tl.load(x_ptr + col, mask=col < K, other=0.0).to(tl.float32)
+        if PER == 4:
+            e, o = tl.split(tl.reshape(xx, (BK // 4, 2, 2)))       # j = 2p + r: e = r 0, o = r 1
+            x0, x2 = tl.split(e)
+            x1, x3 = tl.split(o)
+            return x0, x1, x2, x3
+        else:
+            e, o = tl.split(tl.reshape(xx, (BK // 4, 4, 2)))       # j = 2p + r
+            ee, eo = tl.split(tl.reshape(e, (BK // 4, 2, 2)))      # even j = 4u + 2v: v 0 / 1
+            oe, oo = tl.split(tl.reshape(o, (BK // 4, 2, 2)))
+            x0, x4 = tl.split(ee)
+            x2, x6 = tl.split(eo)
+            x1, x5 = tl.split(oe)
+            x3, x7 = tl.split(oo)
+            return x0, x1, x2, x3, x4, x5, x6, x7
+
+    @triton.jit
     def word_dots(base, s_row, m_row, rmask, x_ptr, k0, K, KB,
-                  FMT: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                  FMT: tl.constexpr, FAST: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr):
         """row_dots for int8 / int4 / int4_asym rows read as int32 words (BK bytes = BK/4 words per
         step). No int-to-float conversion instructions, which run at 1/8 of the FMA rate and capped
         the byte path (round 6: int8 at 41%, int4 at 21% of copy bandwidth): a code c in the low bits
@@ -299,18 +321,28 @@ if triton is not None:
         acc = tl.zeros((BN, BK // 4), dtype=tl.float32)
         if FMT == 1:
             wv = wv ^ -2139062144                      # 0x80808080: byte q -> q + 128
+            if FAST == 2:
+                xq = word_x(x_ptr, wi, K, 4, BK)
             for j in tl.static_range(4):
-                col = 4 * wi + j
-                xj = tl.load(x_ptr + col, mask=col < K, other=0.0).to(tl.float32)
+                if FAST == 2:
+                    xj = xq[j]
+                else:
+                    col = 4 * wi + j
+                    xj = tl.load(x_ptr + col, mask=col < K, other=0.0).to(tl.float32)
                 q = (((wv >> (8 * j)) & 255) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
                 acc += q * xj[None, :]
             return tl.sum(acc, axis=1)
         else:
             # word w holds columns 8w..8w+7, column 8w+j in bits 4j..4j+3; 8 words = one 64-column group
             xs = tl.zeros((BK // 4,), dtype=tl.float32)
+            if FAST == 2:
+                xq = word_x(x_ptr, wi, K, 8, BK)
             for j in tl.static_range(8):
-                col = 8 * wi + j
-                xj = tl.load(x_ptr + col, mask=col < K, other=0.0).to(tl.float32)
+                if FAST == 2:
+                    xj = xq[j]
+                else:
+                    col = 8 * wi + j
+                    xj = tl.load(x_ptr + col, mask=col < K, other=0.0).to(tl.float32)
                 if FMT == 2:
                     q = (((wv >> (4 * j)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # c - 8
                 else:
@@ -343,7 +375,7 @@ if triton is not None:
         if FAST and FMT != 4:
             s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr
             return word_dots(base, s_row, m_ptr + slot * stride_se + rows[:, None] * stride_sr, rmask, x_ptr,
-                             k0, K, KB, FMT, GROUP_SIZE, BN, BK)
+                             k0, K, KB, FMT, FAST, GROUP_SIZE, BN, BK)
         i = k0 + tl.arange(0, BK)
         if FMT <= 1:
             m = rmask[:, None] & (i < K)[None, :]
@@ -535,11 +567,13 @@ def _gate_up_words(g: ExpertGroup) -> bool:
     return _words(g.gate) is not None and _words(g.up) is not None
 
 
-def _fast(g: ExpertGroup, kernel: str) -> bool:
-    """The FAST constexpr of a group's launch: the conversion-free decode (see row_dots)."""
+def _fast(g: ExpertGroup, kernel: str) -> int:
+    """The FAST constexpr of a group's launch: 0, or the conversion-free decode (see row_dots);
+    for word-read rows FAST_DECODE 2 loads x once per step and splits it in registers."""
     if g.gate.fmt == "ternary":
-        return FAST_DECODE
-    return _gate_up_words(g) if kernel == "gate_up" else _words(g.down) is not None
+        return int(bool(FAST_DECODE))
+    words = _gate_up_words(g) if kernel == "gate_up" else _words(g.down) is not None
+    return int(FAST_DECODE) if words else 0
 
 
 def _check_group(group: ExpertGroup, hidden: int) -> None:

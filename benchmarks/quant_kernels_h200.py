@@ -1,0 +1,157 @@
+"""Per-kernel times of the fused MoE decode kernels for each expert format and decode mode, one MoE
+layer of Qwen3-30B-A3B's shape at batch 1 (8 of 128 experts, hidden 2048, width 768).
+
+decode_h200.py times whole layers; this script splits a layer into its gate_up and down kernels
+(torch profiler, CUDA activity) and prints their registers and spills, so a decode change can be
+judged kernel by kernel:
+
+    python benchmarks/quant_kernels_h200.py --out $OUT       # on the GPU
+    python benchmarks/quant_kernels_h200.py --small          # CPU interpreter smoke test
+
+Modes (kernels.FAST_DECODE): 0 = int-to-float conversions; 1 = conversion-free decode (int32 words
+for int8/int4, float digit split for ternary); 2 = as 1, with x loaded once per step and split in
+registers for the word-read formats.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if "--small" in sys.argv or not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from moebench.engine import kernels  # noqa: E402
+from moebench.engine.quant import QuantizedTensor, quantize  # noqa: E402
+
+
+# (BN, BK, num_warps, num_stages); BK in bytes for the packed formats
+SWEEP = [(4, 512, 4, 3), (8, 1024, 8, 3), (4, 1024, 4, 2), (8, 512, 4, 3), (16, 256, 4, 3), (2, 1024, 4, 3),
+         (4, 2048, 8, 2), (16, 512, 8, 2)]
+
+
+def stacked_group(E: int, H: int, I: int, fmt: str, device, gen) -> tuple[kernels.ExpertGroup, int]:
+    """One layer's experts in `fmt` (random weights), and the bytes of one expert."""
+    mats = []
+    for rows, cols in ((I, H), (I, H), (H, I)):
+        w = torch.randn(E * rows, cols, generator=gen) * 0.02
+        if fmt == "dense":
+            mats.append(kernels.PackedMatrix.dense(w.view(E, rows, cols).to(device, torch.bfloat16)))
+            continue
+        q = quantize(w, fmt)
+        parts = {k: v.reshape(E, rows, *v.shape[1:]) for k, v in q.parts.items()}
+        mats.append(kernels.PackedMatrix.stack(
+            [QuantizedTensor(q.fmt, (rows, cols), {k: v[e] for k, v in parts.items()}) for e in range(E)], device))
+    return kernels.ExpertGroup(*mats, None, fmt), sum(m.nbytes_per_slot for m in mats)
+
+
+def kernel_times(fn, device, calls: int) -> dict[str, float]:
+    """Mean device microseconds per call of each kernel fn launches, over `calls` calls of fn."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.device_type.name == "CUDA" and ev.count:
+            out[ev.key] = getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0.0)) / calls
+    return out
+
+
+def compiled_stats(jit_fn) -> list[dict]:
+    """Registers and spills of every compiled specialisation of a Triton kernel (best effort: the
+    cache layout is Triton-internal)."""
+    rows = []
+    for cache in getattr(jit_fn, "device_caches", {}).values():
+        table = cache[0] if isinstance(cache, tuple) else cache
+        for ck in getattr(table, "values", lambda: [])():
+            consts = {k: v for k, v in getattr(ck, "constants", {}).items()
+                      if isinstance(k, str) and k.isupper()} if hasattr(ck, "constants") else {}
+            rows.append({"n_regs": getattr(ck, "n_regs", None), "n_spills": getattr(ck, "n_spills", None),
+                         "constants": {k: (v if isinstance(v, (int, bool)) else str(v)) for k, v in consts.items()}})
+    return rows
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--formats", default="dense,int8,int4,ternary")
+    ap.add_argument("--sweep", action="store_true", help="also try SWEEP's launch configs per format and mode")
+    args = ap.parse_args(argv)
+    small = args.small or not torch.cuda.is_available()
+    device = torch.device("cpu" if small else "cuda")
+    E, H, I, k = (16, 128, 64, 2) if small else (128, 2048, 768, 8)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, H, generator=gen).to(device, torch.bfloat16 if not small else torch.float32)
+    perm = torch.randperm(E, generator=gen)
+    id_sets = [perm[i:i + k].view(1, k).to(device) for i in range(0, E - k + 1, k)]  # disjoint experts
+    w = torch.softmax(torch.rand(1, k, generator=gen), -1).to(device)
+    results = {"shape": {"experts": E, "hidden": H, "width": I, "top_k": k}, "rows": []}
+    print(f"{'format':8} {'mode':>4} {'gate_up us':>10} {'down us':>8} {'GB/s':>6}  configs")
+    for fmt in args.formats.split(","):
+        group, nbytes = stacked_group(E, H, I, fmt, device, gen)
+        modes = [0] if fmt == "dense" else ([0, 1] if fmt == "ternary" else [0, 1, 2])
+        for mode in modes:
+            kernels.FAST_DECODE = mode
+
+            def layer():
+                for ids in id_sets:
+                    kernels.fused_moe(x, ids, w, [group], reduce=False)
+            if small:
+                layer()
+                row = {"format": fmt, "mode": mode, "ran": True}
+            else:
+                t = kernel_times(layer, device, calls=5)
+                gu = sum(v for n, v in t.items() if "gate_up" in n) / len(id_sets)
+                dn = sum(v for n, v in t.items() if "down_kernel" in n) / len(id_sets)
+                row = {"format": fmt, "mode": mode, "gate_up_us": gu, "down_us": dn,
+                       "GBps": k * nbytes / ((gu + dn) * 1e-6) / 1e9,
+                       "configs": {kk: kernels.get_config(kk, "dense" if fmt == "dense" else fmt)
+                                   for kk in ("gate_up", "down")}}
+                print(f"{fmt:8} {mode:>4} {gu:10.2f} {dn:8.2f} {row['GBps']:6.0f}  "
+                      f"{row['configs']['gate_up']} / {row['configs']['down']}")
+            if args.sweep and not small:
+                saved = {kk: kernels.get_config(kk, fmt if fmt != "dense" else "dense") for kk in ("gate_up", "down")}
+                best = {}
+                for cfg in SWEEP:
+                    for kk in ("gate_up", "down"):
+                        kernels.set_config(kk, fmt, BN=cfg[0], BK=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+                    t = kernel_times(layer, device, calls=3)
+                    for kk, key in (("gate_up", "gate_up"), ("down", "down_kernel")):
+                        us = sum(v for n, v in t.items() if key in n) / len(id_sets)
+                        if us < best.get(kk, (1e9,))[0]:
+                            best[kk] = (us, cfg)
+                for kk in ("gate_up", "down"):
+                    kernels.set_config(kk, fmt, **saved[kk])
+                row["sweep_best"] = best
+                print(f"{'':8} {'':>4} {best['gate_up'][0]:10.2f} {best['down'][0]:8.2f} "
+                      f"{k * nbytes / ((best['gate_up'][0] + best['down'][0]) * 1e-6) / 1e9:6.0f}  best of the sweep: "
+                      f"{best['gate_up'][1]} / {best['down'][1]}")
+            results["rows"].append(row)
+        kernels.FAST_DECODE = 1
+    if not small:
+        results["compiled"] = {"gate_up": compiled_stats(kernels.gate_up_kernel),
+                               "down": compiled_stats(kernels.down_kernel)}
+        for name, rows in results["compiled"].items():
+            for r in rows:
+                c = r["constants"]
+                print(f"  {name}: FMT_A={c.get('FMT_A')} FAST_A={c.get('FAST_A')} BN={c.get('BN')} BK_A={c.get('BK_A')}: "
+                      f"{r['n_regs']} registers, {r['n_spills']} spills")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quant_kernels_h200.json").write_text(json.dumps(results, indent=1, default=str))
+    return results
+
+
+if __name__ == "__main__":
+    main()
