@@ -33,7 +33,7 @@ from moebench.engine.quant import QuantizedTensor, quantize  # noqa: E402
 
 # (BN, BK, num_warps, num_stages); BK in bytes for the packed formats
 SWEEP = [(4, 512, 4, 3), (8, 1024, 8, 3), (4, 1024, 4, 2), (8, 512, 4, 3), (16, 256, 4, 3), (2, 1024, 4, 3),
-         (4, 2048, 8, 2), (16, 512, 8, 2)]
+         (4, 2048, 8, 2), (16, 512, 8, 2), (8, 128, 4, 3), (16, 128, 4, 2), (4, 256, 4, 3)]
 
 
 def stacked_group(E: int, H: int, I: int, fmt: str, device, gen) -> tuple[kernels.ExpertGroup, int]:
@@ -139,14 +139,46 @@ def main(argv=None) -> dict:
                       f"{best['gate_up'][1]} / {best['down'][1]}")
             results["rows"].append(row)
         kernels.FAST_DECODE = 1
+    # Maps and mixed groups, as TieredExperts builds them: a slot map costs a dependent load per
+    # program; a hot/cold layer launches its two formats together.
+    if not small and "int8" in args.formats:
+        half = E // 2
+        g8, _ = stacked_group(half, H, I, "int8", device, gen)
+        gt, _ = stacked_group(half, H, I, "ternary", device, gen)
+        g8.slot_of = torch.full((E,), -1, dtype=torch.int32)
+        gt.slot_of = torch.full((E,), -1, dtype=torch.int32)
+        g8.slot_of[perm[:half]] = torch.arange(half, dtype=torch.int32)
+        gt.slot_of[perm[half:]] = torch.arange(half, dtype=torch.int32)
+        g8.slot_of, gt.slot_of = g8.slot_of.to(device), gt.slot_of.to(device)
+        full8, _ = stacked_group(E, H, I, "int8", device, gen)
+        mapped8 = kernels.ExpertGroup(full8.gate, full8.up, full8.down, torch.arange(E, dtype=torch.int32, device=device))
+        hot, cold = perm[:half], perm[half:]
+        mixed_sets = [torch.cat([hot[i:i + k - 1], cold[i:i + 1]]).view(1, k).to(device)
+                      for i in range(0, half - k + 1, k)]
+        hot_sets = [hot[i:i + k].view(1, k).to(device) for i in range(0, half - k + 1, k)]
+        cases = {"int8, no map": ([full8], id_sets), "int8, identity map": ([mapped8], id_sets),
+                 "int8 + ternary groups, 8 hot picks": ([g8, gt], hot_sets),
+                 "int8 + ternary groups, 7 hot + 1 cold": ([g8, gt], mixed_sets)}
+        for mode in (1, 2):
+            kernels.FAST_DECODE = mode
+            for name, (groups, sets) in cases.items():
+                def layer(groups=groups, sets=sets):
+                    for ids in sets:
+                        kernels.fused_moe(x, ids, w, groups, reduce=False)
+                t = kernel_times(layer, device, calls=5)
+                gu = sum(v for n, v in t.items() if "gate_up" in n) / len(sets)
+                dn = sum(v for n, v in t.items() if "down_kernel" in n) / len(sets)
+                results["rows"].append({"case": name, "mode": mode, "gate_up_us": gu, "down_us": dn})
+                print(f"{name:40} mode {mode}: gate_up {gu:6.2f} us, down {dn:6.2f} us")
+        kernels.FAST_DECODE = 1
     if not small:
         results["compiled"] = {"gate_up": compiled_stats(kernels.gate_up_kernel),
                                "down": compiled_stats(kernels.down_kernel)}
         for name, rows in results["compiled"].items():
-            for r in rows:
-                c = r["constants"]
-                print(f"  {name}: FMT_A={c.get('FMT_A')} FAST_A={c.get('FAST_A')} BN={c.get('BN')} BK_A={c.get('BK_A')}: "
-                      f"{r['n_regs']} registers, {r['n_spills']} spills")
+            regs = [r["n_regs"] for r in rows if r["n_regs"] is not None]
+            if regs:
+                print(f"  {name}: {len(regs)} compiled variants, {min(regs)}-{max(regs)} registers, "
+                      f"{sum(bool(r['n_spills']) for r in rows)} with spills")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "quant_kernels_h200.json").write_text(json.dumps(results, indent=1, default=str))

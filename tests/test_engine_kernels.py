@@ -143,10 +143,13 @@ def test_int4_steps_spanning_several_scale_groups(fmt):
         kernels.CONFIG.update(saved)
 
 
+@pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("fmt", ["int8", "int4", "int4_asym"])
-def test_word_decode_matches_byte_decode_and_reference(fmt, monkeypatch):
-    """int8/int4 rows read as int32 words (magic-number decode) give what the byte path gives; an
-    int8 width that is not a whole number of words (H=90) falls back to the byte path."""
+def test_word_decode_matches_byte_decode_and_reference(fmt, mode, monkeypatch):
+    """int8/int4 rows read as int32 words (magic-number decode; mode 2: x split in registers) give
+    what the byte path gives; an int8 width that is not a whole number of words (H=90) falls back
+    to the byte path."""
+    monkeypatch.setattr(kernels, "FAST_DECODE", mode)
     g = torch.Generator().manual_seed(12)
     for hidden in (H, 90):
         mats = [[quantize(torch.randn(*s, generator=g) * 0.1, fmt) for _ in range(E)]
@@ -157,33 +160,31 @@ def test_word_decode_matches_byte_decode_and_reference(fmt, monkeypatch):
         want = reference(x, ids, w, tuple(torch.stack([q.dequantize() for q in m]) for m in mats))
         words = kernels.fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), [group]).cpu()
         assert (kernels._words(group.gate) is not None) == (fmt != "int8" or hidden % 4 == 0)
-        monkeypatch.setattr(kernels, "FAST_DECODE", False)
+        monkeypatch.setattr(kernels, "FAST_DECODE", 0)
         assert kernels._words(group.gate) is None
         byte = kernels.fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), [group]).cpu()
-        monkeypatch.setattr(kernels, "FAST_DECODE", True)
+        monkeypatch.setattr(kernels, "FAST_DECODE", mode)
         assert torch.allclose(words, want, atol=1e-4, rtol=1e-4), (words - want).abs().max()
         assert torch.allclose(words, byte, atol=1e-5, rtol=1e-5), (words - byte).abs().max()
 
 
-def test_two_groups_share_a_launch_pair():
-    """Three groups (int8, ternary, int4 in one layer): launched as (largest, next) then the third;
-    every pair's row is written by exactly one group, whichever launch holds it."""
+# expert e's (format, group): three formats, or two groups of one format plus a third group
+@pytest.mark.parametrize("layout", [[("int8", 0), ("int8", 0), ("int8", 0), ("ternary", 1), ("ternary", 1), ("int4", 2)],
+                                    [("int4", 0), ("int4", 1), ("int4", 0), ("int4", 1), ("int4", 0), ("int8", 2)]])
+def test_groups_of_several_formats_each_write_their_pairs(layout):
+    """Every pair's row is written by exactly one group, in any group order, whether the groups share a
+    launch pair (one format) or get launches of their own."""
     g = torch.Generator().manual_seed(13)
-    fmts = ["int8", "int8", "int8", "ternary", "ternary", "int4"]
-    mats = {f: [] for f in dict.fromkeys(fmts)}
-    for f in fmts:
-        mats[f].append(tuple(quantize(torch.randn(*s, generator=g) * 0.1, f) for s in ((I, H), (I, H), (H, I))))
+    experts = [tuple(quantize(torch.randn(*s, generator=g) * 0.1, f) for s in ((I, H), (I, H), (H, I)))
+               for f, _ in layout]
     groups = []
-    for f, members in mats.items():
+    for key in sorted({gk for _, gk in layout}):
+        members = [e for e, (_, gk) in enumerate(layout) if gk == key]
         slot_of = torch.full((E,), -1, dtype=torch.int32)
-        slot_of[[i for i, ff in enumerate(fmts) if ff == f]] = torch.arange(len(members), dtype=torch.int32)
-        groups.append(kernels.ExpertGroup(*(kernels.PackedMatrix.stack([m[j] for m in members], DEV) for j in range(3)),
-                                          slot_of.to(DEV), f))
-    by_expert = [None] * E
-    for f in mats:
-        for i, e in enumerate([i for i, ff in enumerate(fmts) if ff == f]):
-            by_expert[e] = mats[f][i]
-    dequant = tuple(torch.stack([by_expert[e][j].dequantize() for e in range(E)]) for j in range(3))
+        slot_of[members] = torch.arange(len(members), dtype=torch.int32)
+        groups.append(kernels.ExpertGroup(*(kernels.PackedMatrix.stack([experts[e][j] for e in members], DEV)
+                                            for j in range(3)), slot_of.to(DEV), str(key)))
+    dequant = tuple(torch.stack([experts[e][j].dequantize() for e in range(E)]) for j in range(3))
     x = torch.randn(4, H, generator=g)
     ids, w = routing(4, g)
     want = reference(x, ids, w, dequant)
@@ -192,14 +193,11 @@ def test_two_groups_share_a_launch_pair():
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
 
 
-@pytest.mark.parametrize("fast", [True, False])
 @pytest.mark.parametrize("bk", [None, 8])
-def test_ternary_kernel_decodes_every_byte_value(bk, fast, monkeypatch):
+def test_ternary_kernel_decodes_every_byte_value(bk):
     """Uniform random trits (every byte value 0..242 occurs) through the kernel vs dequantize().
     bk=8: K steps of 8 bytes (40 columns) start inside groups and bytes 12 and 25 straddle two
-    groups, so the per-byte lo/hi group scales are checked across step boundaries too. fast: the
-    float digit split (kernels.FAST_DECODE), else the integer one."""
-    monkeypatch.setattr(kernels, "FAST_DECODE", fast)
+    groups, so the per-byte lo/hi group scales are checked across step boundaries too."""
     if bk is not None:
         saved = {key: dict(cfg) for key, cfg in kernels.CONFIG.items()}
         for kernel in ("gate_up", "down"):

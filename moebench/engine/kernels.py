@@ -49,13 +49,14 @@ def _cfg(bn: int, bk: int, warps: int, stages: int) -> dict[str, int]:
     return {"BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages}
 
 
-# Shipped values: the H200 sweep of benchmarks/decode_h200.py (round 5, 8 disjoint experts per call).
+# Shipped values: the H200 sweeps of benchmarks/decode_h200.py (round 5, 8 disjoint experts per call)
+# and, for int8 and ternary, benchmarks/quant_kernels_h200.py (round 7, FAST_DECODE 2).
 CONFIG: dict[tuple[str, ...], dict[str, int]] = {
     ("gate_up", "dense"): _cfg(2, 2048, 4, 2), ("down", "dense"): _cfg(16, 256, 4, 3),
-    ("gate_up", "int8"): _cfg(8, 512, 8, 4), ("down", "int8"): _cfg(16, 256, 4, 3),
+    ("gate_up", "int8"): _cfg(8, 512, 4, 3), ("down", "int8"): _cfg(16, 256, 4, 3),
     ("gate_up", "int4"): _cfg(8, 256, 4, 3), ("down", "int4"): _cfg(16, 256, 4, 3),
     ("gate_up", "int4_asym"): _cfg(8, 256, 4, 3), ("down", "int4_asym"): _cfg(16, 256, 4, 3),
-    ("gate_up", "ternary"): _cfg(8, 256, 4, 3), ("down", "ternary"): _cfg(8, 256, 4, 3),
+    ("gate_up", "ternary"): _cfg(8, 256, 4, 3), ("down", "ternary"): _cfg(16, 128, 4, 2),
     ("gate_up", "ternary", "host"): _cfg(4, 512, 4, 3), ("down", "ternary", "host"): _cfg(16, 256, 4, 3),
     ("gemv", "dense"): {"BN": 4, "BK": 1024, "num_warps": 4, "num_stages": 3},   # round 6 sweep (run 4)
     # num_warps 1: the last program's softmax/top-k reductions stay inside one warp (round 5: 4 warps,
@@ -64,7 +65,8 @@ CONFIG: dict[tuple[str, ...], dict[str, int]] = {
 }
 
 
-# fused_moe runs host-memory expert groups on a side stream, concurrently with the HBM groups.
+# fused_moe runs host-memory expert groups, and HBM groups of formats other than the largest group's,
+# on side streams, concurrently with the largest group's format.
 OVERLAP_HOST = True
 _SIDE_STREAMS: dict = {}
 
@@ -220,20 +222,13 @@ def _kernels():
 
 if triton is not None:
     @triton.jit
-    def trit_digit(f, FLOAT: tl.constexpr):
-        """(f // 3, f % 3) of byte values f >= 0 (int32, or exact floats when FLOAT). FLOAT: no integer
-        multiply and no int-to-float conversion (1/8 of the FMA rate): f // 3 = round((f - 1) / 3),
-        since (f - 1) / 3 lies within 1/3 of it, and adding then subtracting 1.5 * 2^23 rounds to an
-        integer in float32."""
-        if FLOAT:
-            q = ((f * 0.33333334 - 0.33333334) + 12582912.0) - 12582912.0
-            return q, f - 3.0 * q
-        else:
-            q = (f * 21846) >> 16
-            return q, (f - q * 3).to(tl.float32)
+    def trit_digit(v):
+        """(v // 3, v % 3) of byte values 0 <= v <= 242 (int32; the remainder as float32)."""
+        q = (v * 21846) >> 16
+        return q, (v - q * 3).to(tl.float32)
 
     @triton.jit
-    def trit_term(v, s_row, x_ptr, b, bmask, K, GROUP_SIZE: tl.constexpr, FLOAT: tl.constexpr):
+    def trit_term(v, s_row, x_ptr, b, bmask, K, GROUP_SIZE: tl.constexpr):
         """Scaled dot part [BN, BK] of ternary bytes v [BN, BK] (columns 5b..5b+4) with x.
 
         Round 3 did, per digit, a two-multiply digit extraction, a [BN, BK] scale gather and a float
@@ -263,17 +258,15 @@ if triton is not None:
         # codes are trit + 1: sum_d (q_d - 1) x_d = sum_d q_d x_d - sum_d x_d
         lo = tl.zeros(v.shape, dtype=tl.float32) - (x0 + l1 + l2 + l3 + l4)[None, :]
         hi = tl.zeros(v.shape, dtype=tl.float32) - (h1 + h2 + h3 + h4)[None, :]
-        if FLOAT:
-            v = (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0   # the byte value, exact
-        q, d = trit_digit(v, FLOAT)
+        q, d = trit_digit(v)
         lo += d * x0[None, :]
-        q, d = trit_digit(q, FLOAT)
+        q, d = trit_digit(q)
         lo += d * l1[None, :]
         hi += d * h1[None, :]
-        q, d = trit_digit(q, FLOAT)
+        q, d = trit_digit(q)
         lo += d * l2[None, :]
         hi += d * h2[None, :]
-        q, d = trit_digit(q, FLOAT)
+        q, d = trit_digit(q)
         lo += d * l3[None, :]
         hi += d * h3[None, :]
         d = q.to(tl.float32)                        # the top digit: v // 81 <= 2
@@ -369,8 +362,8 @@ if triton is not None:
         """[BN] partial dots of rows of one expert with x over one K step (int8: unscaled codes).
         Dense/int8 steps cover BK columns from k0; packed formats cover BK *bytes* from k0 (int4:
         2 columns per byte, ternary: 5), so each loaded byte is decoded once, whole, in registers.
-        FAST: decode without int-to-float conversions: int8/int4 rows come as an int32 view (strides
-        in words; see word_dots), ternary digits are split off in float arithmetic (trit_term)."""
+        FAST (1, 2): int8/int4 rows come as an int32 view (strides in words) and are decoded without
+        int-to-float conversions; see word_dots."""
         base = w_ptr + slot * stride_we + rows[:, None] * stride_wr
         if FAST and FMT != 4:
             s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr
@@ -387,7 +380,7 @@ if triton is not None:
             v = tl.load(base + i[None, :], mask=bmask, other=0).to(tl.int32)
             s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr
             if FMT == 4:
-                return tl.sum(trit_term(v, s_row, x_ptr, i, bmask, K, GROUP_SIZE, FAST), axis=1)
+                return tl.sum(trit_term(v, s_row, x_ptr, i, bmask, K, GROUP_SIZE), axis=1)
             else:
                 # Low nibble = even column, high nibble = odd column. A group of 64 columns is 32 bytes:
                 # the products are summed per group first and scaled once per (row, group), so the
@@ -543,9 +536,12 @@ def _scale_args(pm: PackedMatrix):
     return s, (pm.minimum if pm.minimum is not None else s), s.stride(0), s.stride(1)
 
 
-# The decode without int-to-float conversions (row_dots' FAST): int8/int4 rows read as int32 words
-# where the layout allows it, ternary digits split off in float arithmetic. False: the byte paths.
-FAST_DECODE = True
+# row_dots' FAST for int8/int4 rows that can be read as int32 words: 0 = bytes with int-to-float
+# conversions; 1 = words, conversion-free decode, x loaded per column; 2 = as 1 with x loaded once
+# per step and split in registers. H200 (benchmarks/quant_kernels_h200.py, round 7), one int8 layer:
+# gate_up + down 19.4 / 29.0 / 17.4 us for 0 / 1 / 2. A float digit split for ternary was tried and
+# measured slower than its integer one (36.3 against 33.5 us), so ternary keeps the integer split.
+FAST_DECODE = 2
 
 
 def _words(pm: PackedMatrix) -> Tensor | None:
@@ -568,10 +564,7 @@ def _gate_up_words(g: ExpertGroup) -> bool:
 
 
 def _fast(g: ExpertGroup, kernel: str) -> int:
-    """The FAST constexpr of a group's launch: 0, or the conversion-free decode (see row_dots);
-    for word-read rows FAST_DECODE 2 loads x once per step and splits it in registers."""
-    if g.gate.fmt == "ternary":
-        return int(bool(FAST_DECODE))
+    """The FAST constexpr of a group's launch: FAST_DECODE where its rows can be read as words."""
     words = _gate_up_words(g) if kernel == "gate_up" else _words(g.down) is not None
     return int(FAST_DECODE) if words else 0
 
@@ -648,30 +641,44 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
             h, ids, wts, part, H, inter, h.stride(0), part.stride(0), *args, FIRST=first, **meta["down"])
 
     def launches(gs: list[ExpertGroup], first: bool) -> None:
-        # the group with the most experts leads each launch (its config sets the block shape)
+        # The group with the most experts leads; groups of one format share a launch pair. Two
+        # formats never do: a kernel gets the registers of its heaviest branch, and an int8 + ternary
+        # launch ran its int8 pairs at 16.5 + 10.9 us against 11.7 + 6.4 alone (round 7).
         gs = sorted(gs, key=lambda g: -g.gate.data.shape[0])
-        for i in range(0, len(gs), 2):
-            launch(gs[i:i + 2], first and i == 0)
+        i = 0
+        while i < len(gs):
+            n = 2 if i + 1 < len(gs) and gs[i + 1].gate.fmt == gs[i].gate.fmt else 1
+            launch(gs[i:i + n], first and i == 0)
+            i += n
 
-    host_groups = [g for g in groups if g.gate.data.device.type == "cpu"] if x.is_cuda and OVERLAP_HOST else []
-    if host_groups and len(host_groups) < len(groups):
-        # Host groups (zero-copy reads over PCIe, latency-bound) run on a side stream while the HBM
-        # groups run here; their pairs' rows are disjoint. No zeroing of other pairs' rows (it would
-        # race): the groups cover every expert (TieredExperts builds them so).
+    on_host = [g for g in groups if g.gate.data.device.type == "cpu" and x.is_cuda]
+    in_hbm = sorted((g for g in groups if not any(g is hg for hg in on_host)),   # identity: == compares tensors
+                    key=lambda g: -g.gate.data.shape[0])
+    # Branches that run concurrently with the lead group's launches: the other HBM formats, and the
+    # host groups (zero-copy reads over PCIe, latency-bound). Their pairs' rows are disjoint.
+    by_fmt: dict[str, list[ExpertGroup]] = {}
+    for g in in_hbm:                     # the largest group's format first
+        by_fmt.setdefault(g.gate.fmt, []).append(g)
+    lead, *branches = list(by_fmt.values()) or [[]]
+    branches += [on_host] if on_host else []
+    if x.is_cuda and OVERLAP_HOST and lead and branches:
+        # No zeroing of other pairs' rows here (it would race): the groups cover every expert
+        # (TieredExperts builds them so).
         main = torch.cuda.current_stream(x.device)
-        side = _SIDE_STREAMS.get(x.device)
-        if side is None:
-            side = _SIDE_STREAMS[x.device] = torch.cuda.Stream(x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            launches(host_groups, first=False)
-        launches([g for g in groups if not any(g is hg for hg in host_groups)],   # identity: == compares tensors
-                 first=False)
-        main.wait_stream(side)
+        sides = []
+        for i, branch in enumerate(branches):
+            side = _SIDE_STREAMS.get((x.device, i))
+            if side is None:
+                side = _SIDE_STREAMS[(x.device, i)] = torch.cuda.Stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                launches(branch, first=False)
+            sides.append(side)
+        launches(lead, first=False)
+        for side in sides:
+            main.wait_stream(side)
     else:
         # host groups (pinned, read over PCIe) never share a launch with HBM groups: other block shapes
-        on_host = [g for g in groups if g.gate.data.device.type == "cpu" and x.is_cuda]
-        in_hbm = [g for g in groups if not any(g is hg for hg in on_host)]
         launches(in_hbm, first=True)
         if on_host:
             launches(on_host, first=not in_hbm)

@@ -132,7 +132,10 @@ class TieredExperts(nn.Module):
                     for m in ("gate", "up", "down")]
             slot_of = torch.full((len(self._stores),), -1, dtype=torch.int32)
             slot_of[members] = torch.arange(len(members), dtype=torch.int32)
-            groups.append(kernels.ExpertGroup(*mats, slot_of.to(self.device), f"{fmt}@{home}"))
+            # A device group of every expert in order needs no map: the kernels then skip a dependent
+            # load per program (host groups keep theirs: prefetch rewrites it).
+            identity = home != "host" and members == list(range(len(self._stores)))
+            groups.append(kernels.ExpertGroup(*mats, None if identity else slot_of.to(self.device), f"{fmt}@{home}"))
             for i, e in enumerate(members):
                 self._stores[e] = QuantizedExpert(*(pm.slot(i) for pm in mats))
         self._cache.clear()
