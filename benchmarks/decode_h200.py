@@ -240,7 +240,9 @@ def time_graph(fn, device, iters: int = 20, reps: int = 5) -> float:
 SWEEP = [dict(BN=bn, BK=bk, num_warps=w, num_stages=st) for bn, bk, w, st in
          ((1, 1024, 4, 3), (2, 1024, 4, 3), (2, 1024, 8, 3), (4, 512, 4, 3), (4, 256, 4, 4), (8, 256, 4, 3),
           (4, 1024, 8, 3), (8, 512, 8, 4), (16, 256, 4, 3), (2, 2048, 8, 2), (1, 2048, 4, 2), (2, 2048, 4, 2),
-          (16, 512, 8, 3), (4, 2048, 8, 2), (4, 2048, 4, 2), (8, 1024, 8, 3))]
+          (16, 512, 8, 3), (4, 2048, 8, 2), (4, 2048, 4, 2), (8, 1024, 8, 3),
+          # many short programs, for ternary's one cold pair per layer
+          (2, 128, 4, 2), (2, 256, 4, 3), (1, 256, 4, 3), (4, 128, 4, 2), (2, 128, 1, 2))]
 GEMV_SWEEP = [dict(BN=bn, BK=bk, num_warps=w, num_stages=st) for bn, bk, w, st in
               ((8, 512, 4, 3), (4, 1024, 4, 3), (16, 256, 4, 4), (8, 1024, 8, 3), (2, 2048, 8, 3),
                (2, 2048, 4, 3), (4, 2048, 8, 2))]
@@ -309,6 +311,17 @@ def sweep_kernel_configs(groups_by_fmt: dict, hidden: int, top_k: int, num_exper
                           iters=1) / len(id_sets)
     for fmt, (group, nbytes) in groups_by_fmt.items():
         res = {}
+        pairs = top_k
+        if fmt == "ternary" and not host:
+            # Ternary is the cold format of the hot/cold plans: a layer sends it about one pair of its
+            # eight, and that pair's programs set the launch's length. Tune for that: the group holds
+            # one expert of each set (round 7 tuned it with all eight pairs ternary: 96 programs of
+            # 8 rows each for one pair, ALU-bound, long).
+            slot_of = torch.full((num_experts,), -1, dtype=torch.int32)
+            firsts = torch.stack([s[0, 0] for s in id_sets]).cpu()
+            slot_of[firsts] = firsts.to(torch.int32)
+            group = kernels.ExpertGroup(group.gate, group.up, group.down, slot_of.to(device), "ternary, 1 pair of 8")
+            pairs = 1
         for kernel in ("gate_up", "down"):
             times = []
             for cfg in SWEEP:
@@ -323,22 +336,25 @@ def sweep_kernel_configs(groups_by_fmt: dict, hidden: int, top_k: int, num_exper
                            "all": [(c, round(t * 1e6, 2)) for t, c in times]}
         t = layer_time(group)
         res["layer_us"] = t * 1e6
-        res["GBps"] = top_k * nbytes / t / 1e9
-        res["pct_of_copy_bw"] = 100 * top_k * nbytes / t / bw
-        byte_note = ""
-        if group.gate.fmt != "dense":
-            # A/B at the same configs: the decode with int-to-float conversions that FAST_DECODE replaced
-            kernels.FAST_DECODE = False
-            try:
-                res["byte_path_layer_us"] = layer_time(group) * 1e6
-            finally:
-                kernels.FAST_DECODE = True
-            byte_note = f"; with conversions (FAST_DECODE off) {res['byte_path_layer_us']:.1f} us"
+        res["pairs"] = pairs
+        res["GBps"] = pairs * nbytes / t / 1e9
+        res["pct_of_copy_bw"] = 100 * pairs * nbytes / t / bw
+        mode_note = ""
+        if kernels._words(group.gate) is not None and not host:
+            # A/B at the same configs: the byte decode with int-to-float conversions (mode 0); the
+            # engine keeps the faster mode for this format
+            mode = kernels.decode_mode(fmt)
+            kernels.FAST_BY_FORMAT[fmt] = 0
+            res["mode0_layer_us"] = layer_time(group) * 1e6
+            kernels.FAST_BY_FORMAT[fmt] = 0 if res["mode0_layer_us"] < res["layer_us"] else mode
+            res["decode_mode"] = kernels.FAST_BY_FORMAT[fmt]
+            mode_note = (f"; decode mode {mode} against mode 0 (conversions) {res['mode0_layer_us']:.1f} us: "
+                         f"keeps mode {res['decode_mode']}")
         out[fmt] = res
         where = "host (zero-copy over PCIe)" if host else "HBM"
-        log(f"  kernel sweep [{fmt} in {where}]: gate_up {res['gate_up']['best']}, down {res['down']['best']}: "
-            f"one layer {t * 1e6:.1f} us, {res['GBps']:.0f} GB/s of expert bytes ({res['pct_of_copy_bw']:.0f}% of "
-            f"copy bw){byte_note}")
+        log(f"  kernel sweep [{group.label or fmt} in {where}]: gate_up {res['gate_up']['best']}, down "
+            f"{res['down']['best']}: one layer {t * 1e6:.1f} us, {res['GBps']:.0f} GB/s of expert bytes "
+            f"({res['pct_of_copy_bw']:.0f}% of copy bw){mode_note}")
     return out
 
 

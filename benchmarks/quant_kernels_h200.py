@@ -8,9 +8,9 @@ judged kernel by kernel:
     python benchmarks/quant_kernels_h200.py --out $OUT       # on the GPU
     python benchmarks/quant_kernels_h200.py --small          # CPU interpreter smoke test
 
-Modes (kernels.FAST_DECODE): 0 = int-to-float conversions; 1 = conversion-free decode (int32 words
-for int8/int4, float digit split for ternary); 2 = as 1, with x loaded once per step and split in
-registers for the word-read formats.
+Modes (kernels.FAST_DECODE, int8/int4): 0 = bytes with int-to-float conversions; 1 = int32 words,
+conversion-free decode; 2 = as 1, with x loaded once per step and split in registers. (Round 7's
+first run also had a float digit split for ternary as its mode 1: slower, since removed.)
 """
 from __future__ import annotations
 
@@ -97,10 +97,11 @@ def main(argv=None) -> dict:
     id_sets = [perm[i:i + k].view(1, k).to(device) for i in range(0, E - k + 1, k)]  # disjoint experts
     w = torch.softmax(torch.rand(1, k, generator=gen), -1).to(device)
     results = {"shape": {"experts": E, "hidden": H, "width": I, "top_k": k}, "rows": []}
+    default_mode = kernels.FAST_DECODE
     print(f"{'format':8} {'mode':>4} {'gate_up us':>10} {'down us':>8} {'GB/s':>6}  configs")
     for fmt in args.formats.split(","):
         group, nbytes = stacked_group(E, H, I, fmt, device, gen)
-        modes = [0] if fmt == "dense" else ([0, 1] if fmt == "ternary" else [0, 1, 2])
+        modes = [0] if fmt in ("dense", "ternary") else [0, 1, 2]
         for mode in modes:
             kernels.FAST_DECODE = mode
 
@@ -138,7 +139,7 @@ def main(argv=None) -> dict:
                       f"{k * nbytes / ((best['gate_up'][0] + best['down'][0]) * 1e-6) / 1e9:6.0f}  best of the sweep: "
                       f"{best['gate_up'][1]} / {best['down'][1]}")
             results["rows"].append(row)
-        kernels.FAST_DECODE = 1
+        kernels.FAST_DECODE = default_mode
     # Maps and mixed groups, as TieredExperts builds them: a slot map costs a dependent load per
     # program; a hot/cold layer launches its two formats together.
     if not small and "int8" in args.formats:
@@ -170,7 +171,7 @@ def main(argv=None) -> dict:
                 dn = sum(v for n, v in t.items() if "down_kernel" in n) / len(sets)
                 results["rows"].append({"case": name, "mode": mode, "gate_up_us": gu, "down_us": dn})
                 print(f"{name:40} mode {mode}: gate_up {gu:6.2f} us, down {dn:6.2f} us")
-        kernels.FAST_DECODE = 1
+        kernels.FAST_DECODE = default_mode
     if not small:
         results["compiled"] = {"gate_up": compiled_stats(kernels.gate_up_kernel),
                                "down": compiled_stats(kernels.down_kernel)}

@@ -164,6 +164,9 @@ def test_word_decode_matches_byte_decode_and_reference(fmt, mode, monkeypatch):
         assert kernels._words(group.gate) is None
         byte = kernels.fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), [group]).cpu()
         monkeypatch.setattr(kernels, "FAST_DECODE", mode)
+        monkeypatch.setitem(kernels.FAST_BY_FORMAT, fmt, 0)         # a per-format override wins
+        assert kernels._words(group.gate) is None and kernels.decode_mode(fmt) == 0
+        monkeypatch.delitem(kernels.FAST_BY_FORMAT, fmt)
         assert torch.allclose(words, want, atol=1e-4, rtol=1e-4), (words - want).abs().max()
         assert torch.allclose(words, byte, atol=1e-5, rtol=1e-5), (words - byte).abs().max()
 

@@ -58,7 +58,8 @@ CONFIG: dict[tuple[str, ...], dict[str, int]] = {
     ("gate_up", "int4_asym"): _cfg(8, 256, 4, 3), ("down", "int4_asym"): _cfg(16, 256, 4, 3),
     ("gate_up", "ternary"): _cfg(8, 256, 4, 3), ("down", "ternary"): _cfg(16, 128, 4, 2),
     ("gate_up", "ternary", "host"): _cfg(4, 512, 4, 3), ("down", "ternary", "host"): _cfg(16, 256, 4, 3),
-    ("gemv", "dense"): {"BN": 4, "BK": 1024, "num_warps": 4, "num_stages": 3},   # round 6 sweep (run 4)
+    # round 7 sweeps (two runs): [q;k;v] 6.1 / 5.8 us, o_proj 4.6 / 4.4 us (cuBLAS 6.7 / 6.6 and 7.9)
+    ("gemv", "dense"): {"BN": 2, "BK": 2048, "num_warps": 4, "num_stages": 3},
     # num_warps 1: the last program's softmax/top-k reductions stay inside one warp (round 5: 4 warps,
     # 8 experts per program: 8 us per call, slower than cuBLAS + route_topk's ~7; this one: 5.0-5.3)
     ("router", "dense"): {"BN": 2, "BK": 2048, "num_warps": 1, "num_stages": 2},
@@ -542,12 +543,17 @@ def _scale_args(pm: PackedMatrix):
 # gate_up + down 19.4 / 29.0 / 17.4 us for 0 / 1 / 2. A float digit split for ternary was tried and
 # measured slower than its integer one (36.3 against 33.5 us), so ternary keeps the integer split.
 FAST_DECODE = 2
+FAST_BY_FORMAT: dict[str, int] = {}     # per-format overrides of FAST_DECODE (benchmarks set them)
+
+
+def decode_mode(fmt: str) -> int:
+    return FAST_BY_FORMAT.get(fmt, FAST_DECODE)
 
 
 def _words(pm: PackedMatrix) -> Tensor | None:
     """pm's data as an int32 view for the word decode path, or None (bytes path): dense and ternary
     formats, rows not a whole number of words, or FAST_DECODE off."""
-    if not FAST_DECODE or pm.fmt not in ("int8", "int4", "int4_asym"):
+    if pm.fmt not in ("int8", "int4", "int4_asym") or not decode_mode(pm.fmt):
         return None
     cached = pm.__dict__.get("_words")
     if cached is not None and cached[0] is pm.data:
@@ -564,9 +570,9 @@ def _gate_up_words(g: ExpertGroup) -> bool:
 
 
 def _fast(g: ExpertGroup, kernel: str) -> int:
-    """The FAST constexpr of a group's launch: FAST_DECODE where its rows can be read as words."""
+    """The FAST constexpr of a group's launch: its format's decode_mode where its rows can be read as words."""
     words = _gate_up_words(g) if kernel == "gate_up" else _words(g.down) is not None
-    return int(FAST_DECODE) if words else 0
+    return int(decode_mode(g.gate.fmt)) if words else 0
 
 
 def _check_group(group: ExpertGroup, hidden: int) -> None:
