@@ -49,14 +49,15 @@ def _cfg(bn: int, bk: int, warps: int, stages: int) -> dict[str, int]:
     return {"BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages}
 
 
-# Shipped values: the H200 sweeps of benchmarks/decode_h200.py (round 5, 8 disjoint experts per call)
-# and, for int8 and ternary, benchmarks/quant_kernels_h200.py (round 7, FAST_DECODE 2).
+# Shipped values: the H200 sweeps of benchmarks/decode_h200.py (round 5, 8 disjoint experts per call;
+# round 7 for ternary) and, for int8, benchmarks/quant_kernels_h200.py (round 7, FAST_DECODE 2).
 CONFIG: dict[tuple[str, ...], dict[str, int]] = {
     ("gate_up", "dense"): _cfg(2, 2048, 4, 2), ("down", "dense"): _cfg(16, 256, 4, 3),
     ("gate_up", "int8"): _cfg(8, 512, 4, 3), ("down", "int8"): _cfg(16, 256, 4, 3),
     ("gate_up", "int4"): _cfg(8, 256, 4, 3), ("down", "int4"): _cfg(16, 256, 4, 3),
     ("gate_up", "int4_asym"): _cfg(8, 256, 4, 3), ("down", "int4_asym"): _cfg(16, 256, 4, 3),
-    ("gate_up", "ternary"): _cfg(8, 256, 4, 3), ("down", "ternary"): _cfg(16, 128, 4, 2),
+    # ternary is the cold format of the hot/cold plans: tuned with one pair of a layer's eight (round 7 run 3)
+    ("gate_up", "ternary"): _cfg(4, 512, 4, 3), ("down", "ternary"): _cfg(8, 256, 4, 3),
     ("gate_up", "ternary", "host"): _cfg(4, 512, 4, 3), ("down", "ternary", "host"): _cfg(16, 256, 4, 3),
     # round 7 sweeps (two runs): [q;k;v] 6.1 / 5.8 us, o_proj 4.6 / 4.4 us (cuBLAS 6.7 / 6.6 and 7.9)
     ("gemv", "dense"): {"BN": 2, "BK": 2048, "num_warps": 4, "num_stages": 3},
