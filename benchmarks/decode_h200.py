@@ -43,6 +43,7 @@ from moebench.engine.quant import QuantizedTensor, format_nbytes, quantize  # no
 
 RESULTS: dict = {"variants": {}, "errors": {}, "skipped": []}
 OUT_FILE: Path | None = None
+SKIP: set[str] = set()          # --skip: variant names (and the short names some variants check)
 
 
 class Skipped(Exception):
@@ -58,6 +59,8 @@ def variant(name: str):
     def wrap(fn):
         t = time.perf_counter()
         try:
+            if name in SKIP:
+                raise Skipped
             out = fn()
             out["wall_s"] = round(time.perf_counter() - t, 1)
             RESULTS["variants"][name] = out
@@ -423,6 +426,7 @@ def main(argv=None) -> dict:
                 kernels.set_config(kernel, fmt, BN=64, BK=256)
     n_short, n_long = max(2, args.tokens // 4), args.tokens
     skip = set(s for s in args.skip.split(",") if s)
+    SKIP.update(skip)
     batches = [int(b) for b in args.batches.split(",") if b]
     graphs = device.type == "cuda"
     out_dir = Path(args.out)
