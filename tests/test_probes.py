@@ -151,6 +151,28 @@ def test_probe_thread_samples_marks_and_files(tmp_path):
     json.dumps(info)                                          # goes into the manifest as is
 
 
+def test_last_phase_energy_is_whole_when_the_sampler_lags(tmp_path):
+    """A reader slower than the interval (a busy machine): the phase that runs until stop() still gets
+    all of its energy, because stop() takes one last sample (before, the loop's last sample could be
+    up to a read before the end: a 0.2 s phase at 400 W measured 359 W)."""
+    state = {"joules": 0.0, "t": time.perf_counter()}
+
+    def reader():
+        time.sleep(0.08)                                  # 4x the interval: the loop lags
+        now = time.perf_counter()
+        state["joules"] += 400.0 * (now - state["t"])
+        state["t"] = now
+        return {"power_instant_w": 400.0, "energy_mj": state["joules"] * 1000.0}
+
+    probe = NvmlProbe(interval_ms=20, idle_s=0.0, reader=reader)
+    probe.start(tmp_path)
+    probe.mark("decode")
+    time.sleep(0.25)
+    info = probe.stop()
+    decode = info["summary"]["energy"]["phases"]["decode"]
+    assert decode["mean_power_w"] == pytest.approx(400.0, rel=0.03), decode
+
+
 def test_memory_energy_compare_from_manifests():
     def manifest(watts_decode, peak):
         rows = _table([(2, 80.0), (2, 400.0), (4, watts_decode)])
