@@ -651,22 +651,23 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
         # The group with the most experts leads; groups of one format share a launch pair. Two
         # formats never do: a kernel gets the registers of its heaviest branch, and an int8 + ternary
         # launch ran its int8 pairs at 16.5 + 10.9 us against 11.7 + 6.4 alone (round 7).
-        gs = sorted(gs, key=lambda g: -g.gate.data.shape[0])
-        i = 0
-        while i < len(gs):
-            n = 2 if i + 1 < len(gs) and gs[i + 1].gate.fmt == gs[i].gate.fmt else 1
-            launch(gs[i:i + n], first and i == 0)
-            i += n
+        by_fmt: dict[str, list[ExpertGroup]] = {}
+        for g in sorted(gs, key=lambda g: -g.gate.data.shape[0]):
+            by_fmt.setdefault(g.gate.fmt, []).append(g)
+        for same in by_fmt.values():
+            for i in range(0, len(same), 2):
+                launch(same[i:i + 2], first)
+                first = False
 
     on_host = [g for g in groups if g.gate.data.device.type == "cpu" and x.is_cuda]
     in_hbm = sorted((g for g in groups if not any(g is hg for hg in on_host)),   # identity: == compares tensors
                     key=lambda g: -g.gate.data.shape[0])
     # Branches that run concurrently with the lead group's launches: the other HBM formats, and the
     # host groups (zero-copy reads over PCIe, latency-bound). Their pairs' rows are disjoint.
-    by_fmt: dict[str, list[ExpertGroup]] = {}
+    fmts: dict[str, list[ExpertGroup]] = {}
     for g in in_hbm:                     # the largest group's format first
-        by_fmt.setdefault(g.gate.fmt, []).append(g)
-    lead, *branches = list(by_fmt.values()) or [[]]
+        fmts.setdefault(g.gate.fmt, []).append(g)
+    lead, *branches = list(fmts.values()) or [[]]
     branches += [on_host] if on_host else []
     if x.is_cuda and OVERLAP_HOST and lead and branches:
         # No zeroing of other pairs' rows here (it would race): the groups cover every expert
