@@ -74,10 +74,7 @@ def compiled_stats(jit_fn) -> list[dict]:
     for cache in getattr(jit_fn, "device_caches", {}).values():
         table = cache[0] if isinstance(cache, tuple) else cache
         for ck in getattr(table, "values", lambda: [])():
-            consts = {k: v for k, v in getattr(ck, "constants", {}).items()
-                      if isinstance(k, str) and k.isupper()} if hasattr(ck, "constants") else {}
-            rows.append({"n_regs": getattr(ck, "n_regs", None), "n_spills": getattr(ck, "n_spills", None),
-                         "constants": {k: (v if isinstance(v, (int, bool)) else str(v)) for k, v in consts.items()}})
+            rows.append({"n_regs": getattr(ck, "n_regs", None), "n_spills": getattr(ck, "n_spills", None)})
     return rows
 
 
