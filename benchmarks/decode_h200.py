@@ -727,88 +727,108 @@ def main(argv=None) -> dict:
     plans["int8hot_ternarycold_host_randomhot"] = (
         [["int8" if e in rand_hot[l] else "ternary" for e in range(E)] for l in range(L)],
         [["gpu" if e in rand_hot[l] else "host" for e in range(E)] for l in range(L)])
+    # The same plans with int8 activations (kernels mode 3: x and h rounded to int8 per block, dp4a).
+    for base in ("int4", "int8hot_ternarycold_gpu", "int8hot_ternarycold_host"):
+        plans[base + "_a8"] = plans[base]
+    plan_tokens: dict[str, list[int]] = {}
     for name, (precision, home) in plans.items():
         @variant(f"engine_{name}_triton_graphs")
         def _(precision=precision, home=home, name=name):
             if name in skip:
                 raise Skipped
-            t = time.perf_counter()
-            eng = build_engine(hf, max_seq_len=max_seq, cuda_graphs=graphs, experts_impl="triton",
-                               experts=tiered_experts(hf, precision, home, device, dtype), **choice)
-            build_s = time.perf_counter() - t
-            r = engine_rate(eng)
-            toks = r.pop("tokens")
-            # Bytes per token from THIS engine's routing on its own continuation: quantized experts
-            # change the hidden states and so the routing; round 1 used the bf16 model's routes, on
-            # which (a repetitive greedy continuation, its experts all "hot") no host expert was
-            # ever picked: "PCIe 0.0 MB/token". Both are kept.
-            own = eng.trace(prompt + toks, router_logits=False)
-            split = expert_bytes_per_token([ids[len(prompt):] for ids in own.topk_ids], precision, home, H, I)
-            split_bf16 = expert_bytes_per_token(routes, precision, home, H, I)
-            r["pcie_bytes_per_token_bf16_routes"] = split_bf16["pcie"]
-            r["host_expert_share_of_picks"] = sum(
-                sum(home[l][e] == "host" for e in ids[len(prompt):].flatten().tolist())
-                for l, ids in enumerate(own.topk_ids)) / max(1, sum(ids[len(prompt):].numel() for ids in own.topk_ids))
-            nbytes = non_expert + split["hbm"] + split["pcie"]
-            r.update(build_s=build_s, bytes_per_token=nbytes, hbm_bytes_per_token=non_expert + split["hbm"],
-                     pcie_bytes_per_token=split["pcie"], mbu_pct=mbu(r["tok_s"], nbytes),
-                     greedy_prefix_agree_with_bf16=next((i for i, (a, b) in enumerate(zip(toks, ref_tokens))
-                                                         if a != b), len(ref_tokens)))
-            msg = (f"engine {name} [triton{'+graphs' if graphs else ''}]: {r['tok_s']:.2f} tok/s, "
-                   f"{nbytes / 1e9:.3f} GB/token, MBU {r['mbu_pct']:.1f}%")
-            has_host = "host" in {h for row in home for h in row}
-            if has_host:
-                # The share of picks on host experts in the fused decode steps themselves (the trace
-                # above is a prefill through the per-expert path, whose routing can differ slightly).
-                r["host_share_of_decode_picks"] = decode_host_share(eng, prompt, n_short, home)
-                # Where a host-plan step spends its time (the round-2 host plan ran at 201 tok/s vs 359 for
-                # the same plan all on GPU, with ~0% host picks): kernel table of eager decode steps.
+            saved_modes = dict(kernels.FAST_BY_FORMAT)
+            if name.endswith("_a8"):     # int8 activations (mode 3) for the int8 and int4 experts
+                kernels.FAST_BY_FORMAT.update(int8=3, int4=3)
+            try:
+                t = time.perf_counter()
+                eng = build_engine(hf, max_seq_len=max_seq, cuda_graphs=graphs, experts_impl="triton",
+                                   experts=tiered_experts(hf, precision, home, device, dtype), **choice)
+                build_s = time.perf_counter() - t
+                r = engine_rate(eng)
+                toks = r.pop("tokens")
+                # Bytes per token from THIS engine's routing on its own continuation: quantized experts
+                # change the hidden states and so the routing; round 1 used the bf16 model's routes, on
+                # which (a repetitive greedy continuation, its experts all "hot") no host expert was
+                # ever picked: "PCIe 0.0 MB/token". Both are kept.
+                own = eng.trace(prompt + toks, router_logits=False)
+                split = expert_bytes_per_token([ids[len(prompt):] for ids in own.topk_ids], precision, home, H, I)
+                split_bf16 = expert_bytes_per_token(routes, precision, home, H, I)
+                r["pcie_bytes_per_token_bf16_routes"] = split_bf16["pcie"]
+                r["host_expert_share_of_picks"] = sum(
+                    sum(home[l][e] == "host" for e in ids[len(prompt):].flatten().tolist())
+                    for l, ids in enumerate(own.topk_ids)) / max(1, sum(ids[len(prompt):].numel() for ids in own.topk_ids))
+                nbytes = non_expert + split["hbm"] + split["pcie"]
+                r.update(build_s=build_s, bytes_per_token=nbytes, hbm_bytes_per_token=non_expert + split["hbm"],
+                         pcie_bytes_per_token=split["pcie"], mbu_pct=mbu(r["tok_s"], nbytes),
+                         greedy_prefix_agree_with_bf16=next((i for i, (a, b) in enumerate(zip(toks, ref_tokens))
+                                                             if a != b), len(ref_tokens)))
+                msg = (f"engine {name} [triton{'+graphs' if graphs else ''}]: {r['tok_s']:.2f} tok/s, "
+                       f"{nbytes / 1e9:.3f} GB/token, MBU {r['mbu_pct']:.1f}%")
+                has_host = "host" in {h for row in home for h in row}
+                # Where a plan's step spends its time (the round-2 host plan ran at 201 tok/s vs 359 for the
+                # same plan all on GPU; round 7's int4 plan was slower than its kernel times said): kernel
+                # table of eager decode steps, for every plan.
+                host_note = ""
+                if has_host:
+                    # The share of picks on host experts in the fused decode steps themselves (the trace
+                    # above is a prefill through the per-expert path, whose routing can differ slightly).
+                    r["host_share_of_decode_picks"] = decode_host_share(eng, prompt, n_short, home)
+                    host_note = f"host share of decode picks {100 * r['host_share_of_decode_picks']:.1f}%; "
                 saved = eng.cuda_graphs
                 eng.cuda_graphs = False
                 try:
-                    p = profile_step(eng, prompt, device, top=8)
+                    p = profile_step(eng, prompt, device, top=10)
                 finally:
                     eng.cuda_graphs = saved
                 r["profile"] = p
-                log(f"  {name}: host share of decode picks {100 * r['host_share_of_decode_picks']:.1f}%; "
-                    f"{p['kernels_per_step']:.0f} kernels/step, {p['kernel_ms_per_step']:.3f} ms kernel time/step:")
-                for kname, count, ms in p["rows"][:6]:
+                log(f"  {name}: {host_note}{p['kernels_per_step']:.0f} kernels/step, "
+                    f"{p['kernel_ms_per_step']:.3f} ms kernel time/step:")
+                for kname, count, ms in p["rows"][:10]:
                     log(f"    {ms:9.3f} {count:6d}  {kname}")
-            if has_host and device.type == "cuda":
-                # A/B: host groups on the main stream after the HBM groups (no side-stream overlap).
-                kernels.OVERLAP_HOST = False
-                eng._graphs.clear()
-                try:
-                    r["tok_s_no_overlap"] = engine_rate(eng)["tok_s"]
-                finally:
-                    kernels.OVERLAP_HOST = True
+                if has_host and device.type == "cuda":
+                    # A/B: host groups on the main stream after the HBM groups (no side-stream overlap).
+                    kernels.OVERLAP_HOST = False
                     eng._graphs.clear()
-                msg += f"; without the side-stream overlap {r['tok_s_no_overlap']:.2f} tok/s"
-            if has_host:
-                # Prefetch: each layer stages its predicted host experts in HBM one layer early.
-                for blk in eng.model.moe_blocks():
-                    blk.experts.enable_prefetch(blk.top_k)
-                eng._graphs.clear()
-                rp = engine_rate(eng)
-                r["tok_s_prefetch"] = rp["tok_s"]
-                r["prefetch_greedy_agree_with_no_prefetch"] = next(
-                    (i for i, (a, b) in enumerate(zip(rp["tokens"], toks)) if a != b), len(toks))
-                msg += (f"; with prefetch {r['tok_s_prefetch']:.2f} tok/s (greedy equals the plan without "
-                        f"prefetch for {r['prefetch_greedy_agree_with_no_prefetch']}/{len(toks)} tokens)")
-            if has_host and R["pinned_h2d_Bps"]:
-                bound = 1.0 / ((non_expert + split["hbm"]) / bw + split["pcie"] / R["pinned_h2d_Bps"])
-                r.update(tier_bound_tok_s=bound, pct_of_tier_bound=100 * r["tok_s"] / bound,
-                         pcie_achieved_Bps=split["pcie"] * r["tok_s"])
-                if "tok_s_prefetch" in r:
-                    r["pct_of_tier_bound_prefetch"] = 100 * r["tok_s_prefetch"] / bound
-                    msg += f" (with prefetch {r['pct_of_tier_bound_prefetch']:.1f}%)"
-                msg += (f"; PCIe {split['pcie'] / 1e6:.1f} MB/token ({100 * r['host_expert_share_of_picks']:.0f}% of "
-                        f"picks on host experts; bf16 routes would say {split_bf16['pcie'] / 1e6:.1f}), achieved "
-                        f"{r['pcie_achieved_Bps'] / 1e9:.1f} GB/s of {R['pinned_h2d_Bps'] / 1e9:.1f}; tier-aware bound "
-                        f"{bound:.1f} tok/s -> {r['pct_of_tier_bound']:.1f}% of it")
-            log(msg + f"; greedy equals bf16 for {r['greedy_prefix_agree_with_bf16']} tokens")
-            del eng
-            return r
+                    try:
+                        r["tok_s_no_overlap"] = engine_rate(eng)["tok_s"]
+                    finally:
+                        kernels.OVERLAP_HOST = True
+                        eng._graphs.clear()
+                    msg += f"; without the side-stream overlap {r['tok_s_no_overlap']:.2f} tok/s"
+                if has_host:
+                    # Prefetch: each layer stages its predicted host experts in HBM one layer early.
+                    for blk in eng.model.moe_blocks():
+                        blk.experts.enable_prefetch(blk.top_k)
+                    eng._graphs.clear()
+                    rp = engine_rate(eng)
+                    r["tok_s_prefetch"] = rp["tok_s"]
+                    r["prefetch_greedy_agree_with_no_prefetch"] = next(
+                        (i for i, (a, b) in enumerate(zip(rp["tokens"], toks)) if a != b), len(toks))
+                    msg += (f"; with prefetch {r['tok_s_prefetch']:.2f} tok/s (greedy equals the plan without "
+                            f"prefetch for {r['prefetch_greedy_agree_with_no_prefetch']}/{len(toks)} tokens)")
+                if has_host and R["pinned_h2d_Bps"]:
+                    bound = 1.0 / ((non_expert + split["hbm"]) / bw + split["pcie"] / R["pinned_h2d_Bps"])
+                    r.update(tier_bound_tok_s=bound, pct_of_tier_bound=100 * r["tok_s"] / bound,
+                             pcie_achieved_Bps=split["pcie"] * r["tok_s"])
+                    if "tok_s_prefetch" in r:
+                        r["pct_of_tier_bound_prefetch"] = 100 * r["tok_s_prefetch"] / bound
+                        msg += f" (with prefetch {r['pct_of_tier_bound_prefetch']:.1f}%)"
+                    msg += (f"; PCIe {split['pcie'] / 1e6:.1f} MB/token ({100 * r['host_expert_share_of_picks']:.0f}% of "
+                            f"picks on host experts; bf16 routes would say {split_bf16['pcie'] / 1e6:.1f}), achieved "
+                            f"{r['pcie_achieved_Bps'] / 1e9:.1f} GB/s of {R['pinned_h2d_Bps'] / 1e9:.1f}; tier-aware bound "
+                            f"{bound:.1f} tok/s -> {r['pct_of_tier_bound']:.1f}% of it")
+                plan_tokens[name] = toks
+                base = plan_tokens.get(name[:-3]) if name.endswith("_a8") else None
+                if base is not None:
+                    r["greedy_prefix_agree_without_a8"] = next((i for i, (a, b) in enumerate(zip(toks, base)) if a != b),
+                                                               len(base))
+                    msg += f"; greedy equals the plan without a8 for {r['greedy_prefix_agree_without_a8']}/{len(base)} tokens"
+                log(msg + f"; greedy equals bf16 for {r['greedy_prefix_agree_with_bf16']} tokens")
+                del eng
+                return r
+            finally:
+                kernels.FAST_BY_FORMAT.clear()
+                kernels.FAST_BY_FORMAT.update(saved_modes)
 
     # ---- batch throughput (fused path; > triton_max_tokens tokens use grouped_mm) -------------------
     @variant("batch_throughput_triton_graphs")

@@ -9,7 +9,8 @@ judged kernel by kernel:
     python benchmarks/quant_kernels_h200.py --small          # CPU interpreter smoke test
 
 Modes (kernels.FAST_DECODE, int8/int4): 0 = bytes with int-to-float conversions; 1 = int32 words,
-conversion-free decode; 2 = as 1, with x loaded once per step and split in registers. (Round 7's
+conversion-free decode; 2 = as 1, with x loaded once per step and split in registers; 3 = int8
+activations and dp4a (gate_up's time includes the x quantization launch). (Round 7's
 first run also had a float digit split for ternary as its mode 1: slower, since removed.)
 """
 from __future__ import annotations
@@ -84,6 +85,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--formats", default="dense,int8,int4,ternary")
     ap.add_argument("--sweep", action="store_true", help="also try SWEEP's launch configs per format and mode")
+    ap.add_argument("--modes", default="0,2,3", help="decode modes for int8/int4 (kernels.FAST_DECODE)")
     args = ap.parse_args(argv)
     small = args.small or not torch.cuda.is_available()
     device = torch.device("cpu" if small else "cuda")
@@ -98,7 +100,7 @@ def main(argv=None) -> dict:
     print(f"{'format':8} {'mode':>4} {'gate_up us':>10} {'down us':>8} {'GB/s':>6}  configs")
     for fmt in args.formats.split(","):
         group, nbytes = stacked_group(E, H, I, fmt, device, gen)
-        modes = [0] if fmt in ("dense", "ternary") else [0, 1, 2]
+        modes = [0] if fmt in ("dense", "ternary") else [int(m) for m in args.modes.split(",")]
         for mode in modes:
             kernels.FAST_DECODE = mode
 
@@ -110,27 +112,28 @@ def main(argv=None) -> dict:
                 row = {"format": fmt, "mode": mode, "ran": True}
             else:
                 t = kernel_times(layer, device, calls=5)
-                gu = sum(v for n, v in t.items() if "gate_up" in n) / len(id_sets)
+                # mode 3's x quantization (quantize_rows_kernel, one launch per layer) counts as gate_up's
+                gu = sum(v for n, v in t.items() if "gate_up" in n or "quantize_rows" in n) / len(id_sets)
                 dn = sum(v for n, v in t.items() if "down_kernel" in n) / len(id_sets)
                 row = {"format": fmt, "mode": mode, "gate_up_us": gu, "down_us": dn,
                        "GBps": k * nbytes / ((gu + dn) * 1e-6) / 1e9,
-                       "configs": {kk: kernels.get_config(kk, "dense" if fmt == "dense" else fmt)
+                       "configs": {kk: kernels.get_config(kk, fmt, a8=mode == 3)
                                    for kk in ("gate_up", "down")}}
                 print(f"{fmt:8} {mode:>4} {gu:10.2f} {dn:8.2f} {row['GBps']:6.0f}  "
                       f"{row['configs']['gate_up']} / {row['configs']['down']}")
             if args.sweep and not small:
-                saved = {kk: kernels.get_config(kk, fmt if fmt != "dense" else "dense") for kk in ("gate_up", "down")}
+                saved = {kk: kernels.get_config(kk, fmt, a8=mode == 3) for kk in ("gate_up", "down")}
                 best = {}
                 for cfg in SWEEP:
                     for kk in ("gate_up", "down"):
-                        kernels.set_config(kk, fmt, BN=cfg[0], BK=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+                        kernels.set_config(kk, fmt, a8=mode == 3, BN=cfg[0], BK=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
                     t = kernel_times(layer, device, calls=3)
-                    for kk, key in (("gate_up", "gate_up"), ("down", "down_kernel")):
-                        us = sum(v for n, v in t.items() if key in n) / len(id_sets)
+                    for kk, key in (("gate_up", ("gate_up", "quantize_rows")), ("down", ("down_kernel",))):
+                        us = sum(v for n, v in t.items() if any(kn in n for kn in key)) / len(id_sets)
                         if us < best.get(kk, (1e9,))[0]:
                             best[kk] = (us, cfg)
                 for kk in ("gate_up", "down"):
-                    kernels.set_config(kk, fmt, **saved[kk])
+                    kernels.set_config(kk, fmt, a8=mode == 3, **saved[kk])
                 row["sweep_best"] = best
                 print(f"{'':8} {'':>4} {best['gate_up'][0]:10.2f} {best['down'][0]:8.2f} "
                       f"{k * nbytes / ((best['gate_up'][0] + best['down'][0]) * 1e-6) / 1e9:6.0f}  best of the sweep: "
@@ -157,14 +160,14 @@ def main(argv=None) -> dict:
         cases = {"int8, no map": ([full8], id_sets), "int8, identity map": ([mapped8], id_sets),
                  "int8 + ternary groups, 8 hot picks": ([g8, gt], hot_sets),
                  "int8 + ternary groups, 7 hot + 1 cold": ([g8, gt], mixed_sets)}
-        for mode in (1, 2):
+        for mode in (2, 3):
             kernels.FAST_DECODE = mode
             for name, (groups, sets) in cases.items():
                 def layer(groups=groups, sets=sets):
                     for ids in sets:
                         kernels.fused_moe(x, ids, w, groups, reduce=False)
                 t = kernel_times(layer, device, calls=5)
-                gu = sum(v for n, v in t.items() if "gate_up" in n) / len(sets)
+                gu = sum(v for n, v in t.items() if "gate_up" in n or "quantize_rows" in n) / len(sets)
                 dn = sum(v for n, v in t.items() if "down_kernel" in n) / len(sets)
                 results["rows"].append({"case": name, "mode": mode, "gate_up_us": gu, "down_us": dn})
                 print(f"{name:40} mode {mode}: gate_up {gu:6.2f} us, down {dn:6.2f} us")

@@ -38,6 +38,8 @@ def small_blocks():
     for kernel in ("gate_up", "down"):
         for fmt in kernels.FORMAT_CODES:
             kernels.set_config(kernel, fmt, BN=16, BK=32)
+        for fmt in kernels.INT8_ACTIVATION_FORMATS:          # mode 3's own configs
+            kernels.set_config(kernel, fmt, a8=True, BN=16, BK=32)
     yield
     kernels.CONFIG.clear()
     kernels.CONFIG.update(saved)
@@ -169,6 +171,85 @@ def test_word_decode_matches_byte_decode_and_reference(fmt, mode, monkeypatch):
         monkeypatch.delitem(kernels.FAST_BY_FORMAT, fmt)
         assert torch.allclose(words, want, atol=1e-4, rtol=1e-4), (words - want).abs().max()
         assert torch.allclose(words, byte, atol=1e-5, rtol=1e-5), (words - byte).abs().max()
+
+
+def reference_a8(x, ids, w, mats, qh, quantized=None):
+    """reference() with mode 3's activation rounding (kernels.quantize_activations): x per 64 columns
+    and h per qh columns, for the experts in `quantized` (all when None)."""
+    wg, wu, wd = (m.double() for m in mats)
+    out = torch.zeros(x.shape[0], wd.shape[1])
+    xq = kernels.quantize_activations(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            a8 = quantized is None or e in quantized
+            xt = (xq if a8 else x)[t].double()
+            h = F.silu((wg[e] @ xt).float()) * (wu[e] @ xt).float()
+            if a8:
+                h = kernels.quantize_activations(h[None], qh)[0]
+            out[t] += w[t, j] * (wd[e] @ h.double()).float()
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_int8_activation_mode_matches_its_reference(fmt, monkeypatch):
+    """Mode 3 (x and h quantized to int8 per block, dp4a on the raw weight bytes) computes exactly
+    what quantize_activations says, stays within 2% of the unrounded result (int4 weights alone are
+    ~10% off), and leaves widths that are not whole 64-column blocks to mode 2."""
+    monkeypatch.setitem(kernels.FAST_BY_FORMAT, fmt, 3)
+    g = torch.Generator().manual_seed(21)
+    Hq, Iq = 128, 64
+    mats = [[quantize(torch.randn(*s, generator=g) * 0.1, fmt) for _ in range(E)] for s in ((Iq, Hq), (Iq, Hq), (Hq, Iq))]
+    group = kernels.ExpertGroup(*(kernels.PackedMatrix.stack(m, DEV) for m in mats), None, fmt)
+    assert kernels._fast(group, "gate_up") == kernels._fast(group, "down") == 3
+    dq = tuple(torch.stack([q.dequantize() for q in m]) for m in mats)
+    x = torch.randn(3, Hq, generator=g)
+    x[1, :64] *= 0.0                       # an all-zero block: scale 1, codes 0
+    ids, w = routing(3, g)
+    got = kernels.fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), [group]).cpu()
+    want = reference_a8(x, ids, w, dq, qh=16)           # the fixture's BN 16: one h block per program
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    exact = reference(x, ids, w, dq)
+    assert (got - exact).norm() / exact.norm() < 0.02
+    assert (got - exact).abs().max() > 1e-5       # the rounding is really there
+    # mode 3 launches take the a8 config: gate_up BN 8 makes h blocks of 8 columns
+    kernels.set_config("gate_up", fmt, a8=True, BN=8)
+    got8 = kernels.fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), [group]).cpu()
+    want8 = reference_a8(x, ids, w, dq, qh=8)
+    assert torch.allclose(got8, want8, atol=1e-5, rtol=1e-5), (got8 - want8).abs().max()
+    assert not torch.allclose(want8, want, atol=1e-5, rtol=1e-5)
+    # 96 columns: not whole blocks, so mode 2 (exact activations)
+    mats = [[quantize(torch.randn(*s, generator=g) * 0.1, fmt) for _ in range(E)] for s in ((I, H), (I, H), (H, I))]
+    group = kernels.ExpertGroup(*(kernels.PackedMatrix.stack(m, DEV) for m in mats), None, fmt)
+    assert kernels._fast(group, "gate_up") == 2
+    x = torch.randn(3, H, generator=g)
+    got = kernels.fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), [group]).cpu()
+    want = reference(x, ids, w, tuple(torch.stack([q.dequantize() for q in m]) for m in mats))
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+def test_int8_activation_group_beside_a_ternary_group(monkeypatch):
+    """A hot/cold layer: int8 experts in mode 3 and ternary ones (exact activations) in one call, on
+    side streams on CUDA; each pair gets its own group's arithmetic."""
+    monkeypatch.setitem(kernels.FAST_BY_FORMAT, "int8", 3)
+    g = torch.Generator().manual_seed(22)
+    Hq, Iq = 128, 64
+    fmts = ["int8", "ternary", "int8", "ternary", "int8", "int8"]
+    experts = [tuple(quantize(torch.randn(*s, generator=g) * 0.1, f) for s in ((Iq, Hq), (Iq, Hq), (Hq, Iq)))
+               for f in fmts]
+    groups = []
+    for fmt in ("int8", "ternary"):
+        members = [e for e, f in enumerate(fmts) if f == fmt]
+        slot_of = torch.full((E,), -1, dtype=torch.int32)
+        slot_of[members] = torch.arange(len(members), dtype=torch.int32)
+        groups.append(kernels.ExpertGroup(*(kernels.PackedMatrix.stack([experts[e][j] for e in members], DEV)
+                                            for j in range(3)), slot_of.to(DEV), fmt))
+    dq = tuple(torch.stack([experts[e][j].dequantize() for e in range(E)]) for j in range(3))
+    x = torch.randn(4, Hq, generator=g)
+    ids, w = routing(4, g)
+    got = kernels.fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), groups).cpu()
+    want = reference_a8(x, ids, w, dq, qh=16, quantized={e for e, f in enumerate(fmts) if f == "int8"})
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
 
 
 # expert e's (format, group): three formats, or two groups of one format plus a third group

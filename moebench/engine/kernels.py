@@ -59,6 +59,10 @@ CONFIG: dict[tuple[str, ...], dict[str, int]] = {
     # ternary is the cold format of the hot/cold plans: tuned with one pair of a layer's eight (round 7 run 3)
     ("gate_up", "ternary"): _cfg(4, 512, 4, 3), ("down", "ternary"): _cfg(8, 256, 4, 3),
     ("gate_up", "ternary", "host"): _cfg(4, 512, 4, 3), ("down", "ternary", "host"): _cfg(16, 256, 4, 3),
+    # decode mode 3 (int8 activations; gate_up BN is 8 at least), round 8's quant_kernels_h200 sweep:
+    # int4 gate_up 7.94 us against 9.76 with the mode-2 config, int8 10.88 against 11.21
+    ("gate_up", "int4", "a8"): _cfg(8, 1024, 4, 2), ("down", "int4", "a8"): _cfg(16, 128, 4, 2),
+    ("gate_up", "int8", "a8"): _cfg(8, 1024, 4, 3),
     # round 7 sweeps (two runs): [q;k;v] 6.1 / 5.8 us, o_proj 4.6 / 4.4 us (cuBLAS 6.7 / 6.6 and 7.9)
     ("gemv", "dense"): {"BN": 2, "BK": 2048, "num_warps": 4, "num_stages": 3},
     # num_warps 1: the last program's softmax/top-k reductions stay inside one warp (round 5: 4 warps,
@@ -77,11 +81,12 @@ class KernelError(ValueError):
     """Weights or inputs the fused kernels cannot take; the message says what was expected."""
 
 
-def set_config(kernel: str, fmt: str, host: bool = False, **params: int) -> None:
+def set_config(kernel: str, fmt: str, host: bool = False, a8: bool = False, **params: int) -> None:
     """Launch parameters for `kernel` ("gate_up", "down", "gemv" or "router"; the last two take
     fmt "dense") on weights of format `fmt`; host=True:
-    for groups read from pinned host memory (zero-copy over PCIe wants other block shapes than HBM).
-    Host groups without their own config use the format's config."""
+    for groups read from pinned host memory (zero-copy over PCIe wants other block shapes than HBM);
+    a8=True: for HBM groups in decode mode 3 (int8 activations). Host and a8 groups without their own
+    config use the format's config."""
     if kernel not in ("gate_up", "down", "gemv", "router"):
         raise KernelError(f"set_config: kernel {kernel!r}; expected 'gate_up', 'down', 'gemv' or 'router'")
     if fmt not in FORMAT_CODES:
@@ -89,7 +94,7 @@ def set_config(kernel: str, fmt: str, host: bool = False, **params: int) -> None
     bad = set(params) - set(DEFAULT_CONFIG)
     if bad:
         raise KernelError(f"set_config: unknown parameters {sorted(bad)}; expected {list(DEFAULT_CONFIG)}")
-    key = (kernel, fmt, "host") if host else (kernel, fmt)
+    key = (kernel, fmt, "host") if host else (kernel, fmt, "a8") if a8 else (kernel, fmt)
     cfg = {**CONFIG.get(key, CONFIG.get((kernel, fmt), DEFAULT_CONFIG)), **params}
     if fmt in ("int4", "int4_asym") and kernel in ("gate_up", "down") and cfg["BK"] % (GROUP // 2):
         # int4 steps cover whole 64-column groups (32 bytes) so each group's scale is loaded once
@@ -97,8 +102,10 @@ def set_config(kernel: str, fmt: str, host: bool = False, **params: int) -> None
     CONFIG[key] = cfg
 
 
-def get_config(kernel: str, fmt: str, host: bool = False) -> dict[str, int]:
+def get_config(kernel: str, fmt: str, host: bool = False, a8: bool = False) -> dict[str, int]:
     cfg = CONFIG.get((kernel, fmt, "host")) if host else None
+    if cfg is None and a8:
+        cfg = CONFIG.get((kernel, fmt, "a8"))
     return dict(cfg or CONFIG.get((kernel, fmt), DEFAULT_CONFIG))
 
 
@@ -302,10 +309,87 @@ if triton is not None:
             x3, x7 = tl.split(oo)
             return x0, x1, x2, x3, x4, x5, x6, x7
 
+    # dp4a through inline PTX on the GPU; the interpreter (CPU tests) runs the same sum in plain integers
+    _USE_ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+    @triton.jit
+    def dp4a(a, b, c, SIGNED_A: tl.constexpr):
+        """c + sum_i a.byte[i] * b.byte[i] per int32 element: b's bytes signed, a's signed when
+        SIGNED_A else unsigned (one instruction for four multiply-adds: sm_61+)."""
+        if _USE_ASM:
+            if SIGNED_A:
+                return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                                 dtype=tl.int32, is_pure=True, pack=1)
+            else:
+                return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                                 dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            out = c
+            for i in tl.static_range(4):
+                bi = (b << (24 - 8 * i)) >> 24
+                if SIGNED_A:
+                    ai = (a << (24 - 8 * i)) >> 24
+                else:
+                    ai = (a >> (8 * i)) & 255
+                out += ai * bi
+            return out
+
+    @triton.jit
+    def quant_pack(xx, QB: tl.constexpr):
+        """Mode 3's activation quantizer on a float32 tile xx [W, 8] (columns 8w..8w+7 of a row, W * 8
+        a multiple of QB): int8 codes per block of QB columns (scale absmax / 127, round half to even;
+        quantize_activations is the torch reference), packed four to an int32 word in two layouts:
+        natural (columns 8w..8w+3, 8w+4..8w+7: int8 weights' bytes) and even/odd (columns 8w, 8w+2, ...
+        and 8w+1, 8w+3, ...: int4 weights' low and high nibbles). Per block: the codes' sum (int4's -8
+        offset) and the scale."""
+        W: tl.constexpr = xx.shape[0]
+        NB: tl.constexpr = W * 8 // QB
+        amax = tl.max(tl.reshape(tl.abs(xx), (NB, QB)), axis=1)
+        amax = tl.where(amax > 0.0, amax, 1.0)
+        inv = tl.reshape(tl.broadcast_to(tl.div_rn(127.0, amax)[:, None], (NB, QB // 8)), (W,))
+        p = xx * inv[:, None]
+        if _USE_ASM:   # round half to even; asm, so the multiply cannot fuse into an FMA with a rounding add
+            q = tl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [p], dtype=tl.int32, is_pure=True,
+                                          pack=1)
+        else:          # 1.5 * 2^23 added in float32 rounds to an integer (half to even); its low bits are q
+            q = (p + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+        qsum = tl.sum(tl.reshape(q, (NB, QB)), axis=1)
+        j = tl.arange(0, 8)[None, :]
+        byte = q & 255
+        nat_lo = tl.sum(tl.where(j < 4, byte << (8 * j), 0), axis=1)      # disjoint bytes: the sum is the OR
+        nat_hi = tl.sum(tl.where(j >= 4, byte << (8 * (j - 4)), 0), axis=1)
+        even = tl.sum(tl.where(j % 2 == 0, byte << (8 * (j // 2)), 0), axis=1)
+        odd = tl.sum(tl.where(j % 2 == 1, byte << (8 * (j // 2)), 0), axis=1)
+        return nat_lo, nat_hi, even, odd, qsum, tl.div_rn(amax, 127.0)
+
+    @triton.jit
+    def store_quant(q_row, w8, wmask, b, bmask, K, QB: tl.constexpr, nat_lo, nat_hi, even, odd, qsum, scale):
+        """One quantized row's layout (int32 slots, K a multiple of 64): natural words [K/4], even words
+        [K/8], odd words [K/8], code sums [K/QB], scales [K/QB] (float32 bits). w8: 8-column word
+        indices; b: block indices."""
+        tl.store(q_row + 2 * w8, nat_lo, mask=wmask)
+        tl.store(q_row + 2 * w8 + 1, nat_hi, mask=wmask)
+        tl.store(q_row + K // 4 + w8, even, mask=wmask)
+        tl.store(q_row + K // 4 + K // 8 + w8, odd, mask=wmask)
+        tl.store(q_row + K // 2 + b, qsum, mask=bmask)
+        tl.store(q_row + K // 2 + K // QB + b, scale.to(tl.int32, bitcast=True), mask=bmask)
+
+    @triton.jit
+    def quantize_rows_kernel(x_ptr, q_ptr, K, stride_x, stride_q, W: tl.constexpr, QB: tl.constexpr):
+        """Program t: row t of x (K columns) quantized into q's layout (store_quant)."""
+        t = tl.program_id(0).to(tl.int64)
+        w8 = tl.arange(0, W)
+        col = 8 * w8[:, None] + tl.arange(0, 8)[None, :]
+        xx = tl.load(x_ptr + t * stride_x + col, mask=col < K, other=0.0).to(tl.float32)
+        nat_lo, nat_hi, even, odd, qsum, scale = quant_pack(xx, QB)
+        b = tl.arange(0, W * 8 // QB)
+        store_quant(q_ptr + t * stride_q, w8, 8 * w8 < K, b, b * QB < K, K, QB, nat_lo, nat_hi, even, odd, qsum,
+                    scale)
+
     @triton.jit
     def word_dots(base, s_row, m_row, rmask, x_ptr, k0, K, KB,
                   FMT: tl.constexpr, FAST: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr):
+                  BK: tl.constexpr, QB: tl.constexpr):
         """row_dots for int8 / int4 / int4_asym rows read as int32 words (BK bytes = BK/4 words per
         step). No int-to-float conversion instructions, which run at 1/8 of the FMA rate and capped
         the byte path (round 6: int8 at 41%, int4 at 21% of copy bandwidth): a code c in the low bits
@@ -313,6 +397,38 @@ if triton is not None:
         int8 bytes are flipped to offset binary (XOR 0x80) first; int4 codes are already unsigned."""
         wi = k0 // 4 + tl.arange(0, BK // 4)
         wv = tl.load(base + wi[None, :], mask=rmask[:, None] & (wi < KB // 4)[None, :], other=0)
+        if FAST == 3:
+            # int8 activations, quantized beforehand (x_ptr is the store_quant row, QB columns per
+            # block): four multiply-adds per dp4a on the raw weight bytes, exact int32 sums per block,
+            # one float multiply per block (and per int4 weight group)
+            zero = tl.zeros((BN, BK // 4), dtype=tl.int32)
+            if FMT == 1:
+                NB: tl.constexpr = BK // QB
+                xw = tl.load(x_ptr + wi, mask=wi < K // 4, other=0)
+                acc = dp4a(wv, tl.broadcast_to(xw[None, :], (BN, BK // 4)), zero, True)
+                bi = k0 // QB + tl.arange(0, NB)
+                xs = tl.load(x_ptr + K // 2 + K // QB + bi, mask=bi < K // QB, other=0).to(tl.float32, bitcast=True)
+                blk = tl.sum(tl.reshape(acc, (BN, NB, QB // 4)), axis=2)
+                return tl.sum(blk.to(tl.float32) * xs[None, :], axis=1)
+            else:
+                NB: tl.constexpr = 2 * BK // QB
+                xe = tl.load(x_ptr + K // 4 + wi, mask=wi < K // 8, other=0)
+                xo = tl.load(x_ptr + K // 4 + K // 8 + wi, mask=wi < K // 8, other=0)
+                lo = wv & 0x0F0F0F0F                          # columns 8w, 8w+2, 8w+4, 8w+6
+                hi = (wv >> 4) & 0x0F0F0F0F                   # columns 8w+1, ...
+                acc = dp4a(lo, tl.broadcast_to(xe[None, :], (BN, BK // 4)), zero, False)
+                acc = dp4a(hi, tl.broadcast_to(xo[None, :], (BN, BK // 4)), acc, False)
+                bi = 2 * k0 // QB + tl.arange(0, NB)
+                qsum = tl.load(x_ptr + K // 2 + bi, mask=bi < K // QB, other=0)
+                xs = tl.load(x_ptr + K // 2 + K // QB + bi, mask=bi < K // QB, other=0).to(tl.float32, bitcast=True)
+                blk = tl.sum(tl.reshape(acc, (BN, NB, QB // 8)), axis=2) - 8 * qsum[None, :]
+                part = blk.to(tl.float32) * xs[None, :]
+                NQ: tl.constexpr = BK // (GROUP_SIZE // 2)
+                per_group = tl.sum(tl.reshape(part, (BN, NQ, GROUP_SIZE // QB)), axis=2)
+                gi = k0 // (GROUP_SIZE // 2) + tl.arange(0, NQ)
+                gmask = rmask[:, None] & (gi * (GROUP_SIZE // 2) < KB)[None, :]
+                s = tl.load(s_row + gi[None, :], mask=gmask, other=0.0).to(tl.float32)
+                return tl.sum(s * per_group, axis=1)
         acc = tl.zeros((BN, BK // 4), dtype=tl.float32)
         if FMT == 1:
             wv = wv ^ -2139062144                      # 0x80808080: byte q -> q + 128
@@ -360,7 +476,7 @@ if triton is not None:
     def row_dots(w_ptr, s_ptr, m_ptr, slot, rows, rmask, x_ptr, k0, K, KB,
                  stride_we, stride_wr, stride_se, stride_sr,
                  FMT: tl.constexpr, FAST: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr):
+                 BK: tl.constexpr, QB: tl.constexpr):
         """[BN] partial dots of rows of one expert with x over one K step (int8: unscaled codes).
         Dense/int8 steps cover BK columns from k0; packed formats cover BK *bytes* from k0 (int4:
         2 columns per byte, ternary: 5), so each loaded byte is decoded once, whole, in registers.
@@ -370,7 +486,7 @@ if triton is not None:
         if FAST and FMT != 4:
             s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr
             return word_dots(base, s_row, m_ptr + slot * stride_se + rows[:, None] * stride_sr, rmask, x_ptr,
-                             k0, K, KB, FMT, FAST, GROUP_SIZE, BN, BK)
+                             k0, K, KB, FMT, FAST, GROUP_SIZE, BN, BK, QB)
         i = k0 + tl.arange(0, BK)
         if FMT <= 1:
             m = rmask[:, None] & (i < K)[None, :]
@@ -415,11 +531,13 @@ if triton is not None:
         return slot
 
     @triton.jit
-    def gate_up_rows(x_row, h_out, slot, rows, rmask, N, K, KB, g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr, um_ptr,
-                     stride_ge, stride_gr, stride_gse, stride_gsr, stride_ue, stride_ur, stride_use, stride_usr,
+    def gate_up_rows(x_row, h_out, hq_out, slot, rows, rmask, N, K, KB, g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr,
+                     um_ptr, stride_ge, stride_gr, stride_gse, stride_gsr, stride_ue, stride_ur, stride_use, stride_usr,
                      FMT: tl.constexpr, FAST: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr):
-        """h rows = silu(W_gate x) * (W_up x) for one expert slot of one group."""
+        """h rows = silu(W_gate x) * (W_up x) for one expert slot of one group. Mode 3: x_row is x's
+        quantized row (blocks of GROUP_SIZE), and h goes out quantized, one block per program (BN rows,
+        a multiple of 8), into hq_out, the pair's row of down's quantized input."""
         g = tl.zeros((BN,), dtype=tl.float32)
         u = tl.zeros((BN,), dtype=tl.float32)
         if FMT <= 1:
@@ -428,17 +546,23 @@ if triton is not None:
             lim = KB
         for k0 in range(0, lim, BK):
             g += row_dots(g_ptr, gs_ptr, gm_ptr, slot, rows, rmask, x_row, k0, K, KB,
-                          stride_ge, stride_gr, stride_gse, stride_gsr, FMT, FAST, GROUP_SIZE, BN, BK)
+                          stride_ge, stride_gr, stride_gse, stride_gsr, FMT, FAST, GROUP_SIZE, BN, BK, GROUP_SIZE)
             u += row_dots(u_ptr, us_ptr, um_ptr, slot, rows, rmask, x_row, k0, K, KB,
-                          stride_ue, stride_ur, stride_use, stride_usr, FMT, FAST, GROUP_SIZE, BN, BK)
+                          stride_ue, stride_ur, stride_use, stride_usr, FMT, FAST, GROUP_SIZE, BN, BK, GROUP_SIZE)
         if FMT == 1:
             g = g * tl.load(gs_ptr + slot * stride_gse + rows * stride_gsr, mask=rmask, other=0.0).to(tl.float32)
             u = u * tl.load(us_ptr + slot * stride_use + rows * stride_usr, mask=rmask, other=0.0).to(tl.float32)
         h = g / (1.0 + tl.exp(-g)) * u
-        tl.store(h_out + rows, h, mask=rmask)
+        if FAST == 3:
+            nat_lo, nat_hi, even, odd, qsum, scale = quant_pack(tl.reshape(h, (BN // 8, 8)), BN)
+            w8 = tl.program_id(1) * (BN // 8) + tl.arange(0, BN // 8)
+            b = tl.program_id(1) + tl.arange(0, 1)
+            store_quant(hq_out, w8, 8 * w8 < N, b, b * BN < N, N, BN, nat_lo, nat_hi, even, odd, qsum, scale)
+        else:
+            tl.store(h_out + rows, h, mask=rmask)
 
     @triton.jit
-    def gate_up_kernel(x_ptr, ids_ptr, h_ptr, N, K, stride_xt, stride_ht,
+    def gate_up_kernel(x_ptr, xq_ptr, ids_ptr, h_ptr, hq_ptr, N, K, stride_xt, stride_xqt, stride_ht, stride_hqt,
                        slot_a, ga_ptr, gsa_ptr, gma_ptr, ua_ptr, usa_ptr, uma_ptr, KB_a,
                        sge_a, sgr_a, sgse_a, sgsr_a, sue_a, sur_a, suse_a, susr_a,
                        slot_b, gb_ptr, gsb_ptr, gmb_ptr, ub_ptr, usb_ptr, umb_ptr, KB_b,
@@ -449,30 +573,41 @@ if triton is not None:
                        BK_B: tl.constexpr):
         """Program (pair, row block) for up to two expert groups (A, and B when HAS_B): each pair's
         expert is in at most one of them; a pair in neither is left to another launch. Two groups per
-        launch: a hot/cold plan's second format costs no extra launches (round 6: ~3 us each)."""
+        launch: a hot/cold plan's second format costs no extra launches (round 6: ~3 us each).
+        xq / hq: x and h quantized (store_quant rows), for groups in mode 3."""
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
         rmask = rows < N
-        x_row = x_ptr + (pair // TOPK) * stride_xt
+        tok = pair // TOPK
         h_out = h_ptr + pair * stride_ht
+        hq_out = hq_ptr + pair * stride_hqt
         sa = pair_slot(ids_ptr, slot_a, pair, MAP_A)
         if sa >= 0:
-            gate_up_rows(x_row, h_out, sa, rows, rmask, N, K, KB_a, ga_ptr, gsa_ptr, gma_ptr, ua_ptr, usa_ptr,
+            if FAST_A == 3:
+                xa = xq_ptr + tok * stride_xqt
+            else:
+                xa = x_ptr + tok * stride_xt
+            gate_up_rows(xa, h_out, hq_out, sa, rows, rmask, N, K, KB_a, ga_ptr, gsa_ptr, gma_ptr, ua_ptr, usa_ptr,
                          uma_ptr, sge_a, sgr_a, sgse_a, sgsr_a, sue_a, sur_a, suse_a, susr_a,
                          FMT_A, FAST_A, GROUP_SIZE, BN, BK_A)
         elif HAS_B:
             sb = pair_slot(ids_ptr, slot_b, pair, MAP_B)
             if sb >= 0:
-                gate_up_rows(x_row, h_out, sb, rows, rmask, N, K, KB_b, gb_ptr, gsb_ptr, gmb_ptr, ub_ptr, usb_ptr,
-                             umb_ptr, sge_b, sgr_b, sgse_b, sgsr_b, sue_b, sur_b, suse_b, susr_b,
+                if FAST_B == 3:
+                    xb = xq_ptr + tok * stride_xqt
+                else:
+                    xb = x_ptr + tok * stride_xt
+                gate_up_rows(xb, h_out, hq_out, sb, rows, rmask, N, K, KB_b, gb_ptr, gsb_ptr, gmb_ptr, ub_ptr,
+                             usb_ptr, umb_ptr, sge_b, sgr_b, sgse_b, sgsr_b, sue_b, sur_b, suse_b, susr_b,
                              FMT_B, FAST_B, GROUP_SIZE, BN, BK_B)
 
     @triton.jit
     def down_rows(h_row, part_out, w, slot, rows, rmask, K, KB, d_ptr, ds_ptr, dm_ptr,
                   stride_de, stride_dr, stride_dse, stride_dsr,
                   FMT: tl.constexpr, FAST: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr):
-        """part rows = w * (W_down h) for one expert slot of one group (float32)."""
+                  BK: tl.constexpr, QH: tl.constexpr):
+        """part rows = w * (W_down h) for one expert slot of one group (float32). Mode 3: h_row is h's
+        quantized row, blocks of QH columns (gate_up's BN)."""
         if FMT <= 1:
             lim = K
         else:
@@ -480,41 +615,49 @@ if triton is not None:
         y = tl.zeros((BN,), dtype=tl.float32)
         for k0 in range(0, lim, BK):
             y += row_dots(d_ptr, ds_ptr, dm_ptr, slot, rows, rmask, h_row, k0, K, KB,
-                          stride_de, stride_dr, stride_dse, stride_dsr, FMT, FAST, GROUP_SIZE, BN, BK)
+                          stride_de, stride_dr, stride_dse, stride_dsr, FMT, FAST, GROUP_SIZE, BN, BK, QH)
         if FMT == 1:
             y = y * tl.load(ds_ptr + slot * stride_dse + rows * stride_dsr, mask=rmask, other=0.0).to(tl.float32)
         tl.store(part_out + rows, y * w, mask=rmask)
 
     @triton.jit
-    def down_kernel(h_ptr, ids_ptr, wts_ptr, part_ptr, N, K, stride_ht, stride_pt,
+    def down_kernel(h_ptr, hq_ptr, ids_ptr, wts_ptr, part_ptr, N, K, stride_ht, stride_hqt, stride_pt,
                     slot_a, da_ptr, dsa_ptr, dma_ptr, KB_a, sde_a, sdr_a, sdse_a, sdsr_a,
                     slot_b, db_ptr, dsb_ptr, dmb_ptr, KB_b, sde_b, sdr_b, sdse_b, sdsr_b,
                     FIRST: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
                     FMT_A: tl.constexpr, MAP_A: tl.constexpr, FAST_A: tl.constexpr, BK_A: tl.constexpr,
                     HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, FAST_B: tl.constexpr,
-                    BK_B: tl.constexpr):
+                    BK_B: tl.constexpr, QH: tl.constexpr):
         """Program (pair, row block): part[pair, rows] = w[pair] * (W_down[e] h[pair])[rows] in
         float32, for up to two groups like gate_up. One program per pair: round 4's down looped over
         a token's k experts in one program, a chain of dependent loads that ran at ~1.8 TB/s against
         gate_up's ~3.1. The first launch also zeroes the rows of pairs in neither of its groups, so
-        every row is written once whatever the grouping, and moe_sum adds the k rows in a fixed order."""
+        every row is written once whatever the grouping, and moe_sum adds the k rows in a fixed order.
+        Mode 3 groups read h quantized (hq, blocks of QH columns)."""
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
         rmask = rows < N
-        h_row = h_ptr + pair * stride_ht
         part_out = part_ptr + pair * stride_pt
         sa = pair_slot(ids_ptr, slot_a, pair, MAP_A)
         if sa >= 0:
-            down_rows(h_row, part_out, tl.load(wts_ptr + pair).to(tl.float32), sa, rows, rmask, K, KB_a,
-                      da_ptr, dsa_ptr, dma_ptr, sde_a, sdr_a, sdse_a, sdsr_a, FMT_A, FAST_A, GROUP_SIZE, BN, BK_A)
+            if FAST_A == 3:
+                ha = hq_ptr + pair * stride_hqt
+            else:
+                ha = h_ptr + pair * stride_ht
+            down_rows(ha, part_out, tl.load(wts_ptr + pair).to(tl.float32), sa, rows, rmask, K, KB_a,
+                      da_ptr, dsa_ptr, dma_ptr, sde_a, sdr_a, sdse_a, sdsr_a, FMT_A, FAST_A, GROUP_SIZE, BN, BK_A, QH)
         else:
             sb = -1
             if HAS_B:
                 sb = pair_slot(ids_ptr, slot_b, pair, MAP_B)
             if sb >= 0:
-                down_rows(h_row, part_out, tl.load(wts_ptr + pair).to(tl.float32), sb, rows, rmask, K, KB_b,
+                if FAST_B == 3:
+                    hb = hq_ptr + pair * stride_hqt
+                else:
+                    hb = h_ptr + pair * stride_ht
+                down_rows(hb, part_out, tl.load(wts_ptr + pair).to(tl.float32), sb, rows, rmask, K, KB_b,
                           db_ptr, dsb_ptr, dmb_ptr, sde_b, sdr_b, sdse_b, sdsr_b, FMT_B, FAST_B, GROUP_SIZE, BN,
-                          BK_B)
+                          BK_B, QH)
             elif FIRST:
                 tl.store(part_out + rows, tl.zeros((BN,), dtype=tl.float32), mask=rmask)
 
@@ -543,8 +686,16 @@ def _scale_args(pm: PackedMatrix):
 # per step and split in registers. H200 (benchmarks/quant_kernels_h200.py, round 7), one int8 layer:
 # gate_up + down 19.4 / 29.0 / 17.4 us for 0 / 1 / 2. A float digit split for ternary was tried and
 # measured slower than its integer one (36.3 against 33.5 us), so ternary keeps the integer split.
+# 3 = int8 activations ("W8A8" / "W4A8", as llama.cpp's MMVQ does with q8_1): each program quantizes
+# its x (or h) chunk to int8 per block of GROUP columns in registers and multiplies raw weight bytes
+# with dp4a, exact int32 sums per block. Round 8's counters (ncu, benchmarks/kernel_counters_h200.py)
+# put mode 2's int4 gate_up at ~7 issued instructions per weight element and 24% of DRAM bandwidth:
+# issue-bound; dp4a does 4 (int8) or 8 (int4, two dp4a and two masks per word) per few instructions.
+# It changes the numbers (x is rounded to 8 bits per block; quantize_activations is the reference), so
+# it is opt-in per format.
 FAST_DECODE = 2
 FAST_BY_FORMAT: dict[str, int] = {}     # per-format overrides of FAST_DECODE (benchmarks set them)
+INT8_ACTIVATION_FORMATS = ("int8", "int4")
 
 
 def decode_mode(fmt: str) -> int:
@@ -571,9 +722,34 @@ def _gate_up_words(g: ExpertGroup) -> bool:
 
 
 def _fast(g: ExpertGroup, kernel: str) -> int:
-    """The FAST constexpr of a group's launch: its format's decode_mode where its rows can be read as words."""
+    """The FAST constexpr of a group's launch: its format's decode_mode where its rows can be read as
+    words. Mode 3 takes int8 and int4 groups whose hidden size and width are multiples of 64 (whole
+    quantization blocks), for gate_up and down alike (gate_up hands down a quantized h); others run 2."""
     words = _gate_up_words(g) if kernel == "gate_up" else _words(g.down) is not None
-    return int(decode_mode(g.gate.fmt)) if words else 0
+    mode = int(decode_mode(g.gate.fmt)) if words else 0
+    if mode == 3 and not (g.gate.fmt in INT8_ACTIVATION_FORMATS and g.gate.cols % GROUP == 0
+                          and g.gate.rows % GROUP == 0 and _gate_up_words(g) and _words(g.down) is not None):
+        mode = 2
+    return mode
+
+
+def quant_row_len(K: int, block: int) -> int:
+    """int32 slots of one quantized row (store_quant's layout): K/4 natural words, K/8 even and K/8
+    odd words, then a code sum and a scale per block."""
+    return K // 2 + 2 * (K // block)
+
+
+def quantize_activations(x: Tensor, block: int = GROUP) -> Tensor:
+    """What mode 3's kernels multiply with, as float32: each row of x cut into blocks of `block`
+    columns from column 0, each block scaled by 127 / its absmax, rounded half to even, scaled back."""
+    xf = x.float()
+    T, K = xf.shape
+    pad = -K % block
+    xb = torch.nn.functional.pad(xf, (0, pad)).view(T, -1, block)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+    q = torch.round(xb * (127.0 / amax))
+    return (q * (amax / 127.0)).view(T, -1)[:, :K]
 
 
 def _check_group(group: ExpertGroup, hidden: int) -> None:
@@ -612,6 +788,12 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
             raise KernelError(f"fused_moe: expert group {g.label!r} has width {g.gate.rows}, another {inter}")
     h = torch.empty(T * k, inter, dtype=torch.float32, device=x.device)
     part = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
+    # mode 3: x quantized once here; h quantized by gate_up, blocks of its BN (8 or more) columns
+    xq = hq = h
+    if any(_fast(g, "gate_up") == 3 for g in groups):
+        xq = torch.empty(T, quant_row_len(H, GROUP), dtype=torch.int32, device=x.device)
+        quantize_rows_kernel[(T,)](x, xq, H, x.stride(0), xq.stride(0), W=_next_pow2(H // 8), QB=GROUP, num_warps=4)
+        hq = torch.empty(T * k, quant_row_len(inter, 8), dtype=torch.int32, device=x.device)
 
     def launch(pair_groups: list[ExpertGroup], first: bool) -> None:
         """gate_up then down for the pairs of one or two groups (first: also zero the part rows of
@@ -619,15 +801,22 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
         group keeps its own BK."""
         host = pair_groups[0].gate.data.device.type == "cpu"
         ga, gb = pair_groups[0], pair_groups[-1]
+        a8 = _fast(ga, "gate_up") == 3
         meta = {}
         for kernel in ("gate_up", "down"):
-            cfg = get_config(kernel, ga.gate.fmt, host=host)
-            meta[kernel] = dict(BN=cfg["BN"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            cfg = get_config(kernel, ga.gate.fmt, host=host, a8=a8)
+            bn = cfg["BN"]
+            if kernel == "gate_up" and _fast(ga, kernel) == 3:
+                bn = min(max(bn, 8), GROUP)            # one block of h per program: 8 to 64 rows
+            meta[kernel] = dict(BN=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                                 HAS_B=len(pair_groups) > 1, GROUP_SIZE=GROUP)
             for tag, g in (("A", ga), ("B", gb)):
+                fast = _fast(g, kernel)
+                bk = get_config(kernel, g.gate.fmt, host=host, a8=a8)["BK"]
+                if fast == 3:       # a step covers whole x blocks (64 columns; int4: 2 columns per byte)
+                    bk = max(bk, GROUP if g.gate.fmt == "int8" else GROUP // 2)
                 meta[kernel].update({f"FMT_{tag}": FORMAT_CODES[g.gate.fmt], f"MAP_{tag}": g.slot_of is not None,
-                                     f"FAST_{tag}": _fast(g, kernel),
-                                     f"BK_{tag}": get_config(kernel, g.gate.fmt, host=host)["BK"]})
+                                     f"FAST_{tag}": fast, f"BK_{tag}": bk})
         args = []
         for g in (ga, gb):
             gs, gm, gse, gsr = _scale_args(g.gate)
@@ -636,7 +825,8 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
             args += [g.slot_of if g.slot_of is not None else ids, gd, gs, gm, ud, us, um, g.gate.data.shape[-1],
                      gd.stride(0), gd.stride(1), gse, gsr, ud.stride(0), ud.stride(1), use, usr]
         gate_up_kernel[(T * k, -(-inter // meta["gate_up"]["BN"]))](
-            x, ids, h, inter, H, x.stride(0), h.stride(0), *args, TOPK=k, **meta["gate_up"])
+            x, xq, ids, h, hq, inter, H, x.stride(0), xq.stride(0), h.stride(0), hq.stride(0), *args, TOPK=k,
+            **meta["gate_up"])
         args = []
         for g in (ga, gb):
             ds, dm, dse, dsr = _scale_args(g.down)
@@ -645,7 +835,8 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
             args += [g.slot_of if g.slot_of is not None else ids, dd, ds, dm, g.down.data.shape[-1],
                      dd.stride(0), dd.stride(1), dse, dsr]
         down_kernel[(T * k, -(-H // meta["down"]["BN"]))](
-            h, ids, wts, part, H, inter, h.stride(0), part.stride(0), *args, FIRST=first, **meta["down"])
+            h, hq, ids, wts, part, H, inter, h.stride(0), hq.stride(0), part.stride(0), *args, FIRST=first,
+            QH=meta["gate_up"]["BN"], **meta["down"])
 
     def launches(gs: list[ExpertGroup], first: bool) -> None:
         # The group with the most experts leads; groups of one format share a launch pair. Two
