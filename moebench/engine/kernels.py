@@ -686,9 +686,10 @@ def _scale_args(pm: PackedMatrix):
 # per step and split in registers. H200 (benchmarks/quant_kernels_h200.py, round 7), one int8 layer:
 # gate_up + down 19.4 / 29.0 / 17.4 us for 0 / 1 / 2. A float digit split for ternary was tried and
 # measured slower than its integer one (36.3 against 33.5 us), so ternary keeps the integer split.
-# 3 = int8 activations ("W8A8" / "W4A8", as llama.cpp's MMVQ does with q8_1): each program quantizes
-# its x (or h) chunk to int8 per block of GROUP columns in registers and multiplies raw weight bytes
-# with dp4a, exact int32 sums per block. Round 8's counters (ncu, benchmarks/kernel_counters_h200.py)
+# 3 = int8 activations ("W8A8" / "W4A8", as llama.cpp's MMVQ does with q8_1): x is quantized to int8
+# per block of GROUP columns once per layer (quantize_rows_kernel), h per block of gate_up's BN rows by
+# gate_up itself, and the kernels multiply raw weight bytes with dp4a, exact int32 sums per block.
+# Per layer on the H200, int4: gate_up + down 9.76 + 4.79 us against 10.16 + 7.90 in mode 2. Round 8's counters (ncu, benchmarks/kernel_counters_h200.py)
 # put mode 2's int4 gate_up at ~7 issued instructions per weight element and 24% of DRAM bandwidth:
 # issue-bound; dp4a does 4 (int8) or 8 (int4, two dp4a and two masks per word) per few instructions.
 # It changes the numbers (x is rounded to 8 bits per block; quantize_activations is the reference), so
