@@ -84,7 +84,8 @@ def variant(name: str):
 
 def build_engine(hf, *, max_seq_len: int, max_batch: int = 1, cuda_graphs: bool = False,
                  experts_impl: str = "auto", experts=None, prefill_chunk: int = 512,
-                 fused_ops: bool | None = None, gemv_max_tokens: int | None = None) -> Engine:
+                 fused_ops: bool | None = None, gemv_max_tokens: int | None = None,
+                 int8_activations: bool = False) -> Engine:
     """An Engine whose non-expert parameters are the transformers model's tensors (views). experts:
     None (the dense experts, also views) or {layer: nn.Module} replacing each MoE layer's experts."""
     cfg = ModelConfig.from_dict(hf.config.to_dict(), source="transformers config")
@@ -113,7 +114,7 @@ def build_engine(hf, *, max_seq_len: int, max_batch: int = 1, cuda_graphs: bool 
             block.experts = experts[block.layer_idx]
     return Engine(model.eval(), None, max_seq_len=max_seq_len, max_batch=max_batch, cuda_graphs=cuda_graphs,
                   experts_impl=experts_impl, prefill_chunk=prefill_chunk, fused_ops=fused_ops,
-                  gemv_max_tokens=gemv_max_tokens)
+                  gemv_max_tokens=gemv_max_tokens, int8_activations=int8_activations)
 
 
 def realistic_routing(hf, alpha: float, seed: int = 5) -> None:
@@ -248,32 +249,44 @@ SWEEP = [dict(BN=bn, BK=bk, num_warps=w, num_stages=st) for bn, bk, w, st in
           (2, 128, 4, 2), (2, 256, 4, 3), (1, 256, 4, 3), (4, 128, 4, 2), (2, 128, 1, 2))]
 GEMV_SWEEP = [dict(BN=bn, BK=bk, num_warps=w, num_stages=st) for bn, bk, w, st in
               ((8, 512, 4, 3), (4, 1024, 4, 3), (16, 256, 4, 4), (8, 1024, 8, 3), (2, 2048, 8, 3),
-               (2, 2048, 4, 3), (4, 2048, 8, 2))]
+               (2, 2048, 4, 3), (4, 2048, 8, 2), (1, 2048, 4, 3), (2, 1024, 4, 4), (4, 512, 4, 4),
+               (1, 4096, 4, 2), (2, 4096, 8, 2), (1, 1024, 2, 4), (4, 256, 4, 4))]
 
 
 def sweep_gemv(hf, device, dtype, bw: float) -> dict:
-    """kernels.linear vs F.linear (cuBLAS) at one token on layer 0's [q; k; v] and o_proj shapes;
-    keeps the GEMV config with the least total time."""
-    attn = hf.model.layers[0].self_attn
-    qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
-    mats = {"qkv": qkv, "o": attn.o_proj.weight.detach()}
-    xs = {n: torch.randn(1, w.shape[1], device=device, dtype=dtype) for n, w in mats.items()}
-    out = {"cublas_us": {n: time_graph(lambda n=n: F.linear(xs[n], mats[n]), device) * 1e6 for n in mats}}
+    """kernels.linear vs F.linear (cuBLAS) at one token on the [q; k; v] and o_proj shapes; keeps the
+    GEMV config with the least total time.
+
+    Each timed graph runs the projection of EVERY layer once (cold weights, as in a decode step):
+    round 7 timed layer 0's matrices 20 times over, and its 21 + 17 MB sat in the 50 MB L2, so the
+    sweep said 6.1 + 4.6 us per layer while the decode step's profile said ~15 us."""
+    layers = hf.model.layers
+    mats = {"qkv": [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
+                    for a in (layer.self_attn for layer in layers)],
+            "o": [layer.self_attn.o_proj.weight.detach() for layer in layers]}
+    xs = {n: torch.randn(1, ws[0].shape[1], device=device, dtype=dtype) for n, ws in mats.items()}
+
+    def per_layer_us(f, n) -> float:
+        return time_graph(lambda: [f(xs[n], w) for w in mats[n]], device, iters=1) / len(mats[n]) * 1e6
+    out = {"cublas_us": {n: per_layer_us(F.linear, n) for n in mats}}
     times = []
     for cfg in GEMV_SWEEP:
         kernels.set_config("gemv", "dense", **cfg)
         try:
-            t = {n: time_graph(lambda n=n: kernels.linear(xs[n], mats[n]), device) * 1e6 for n in mats}
+            t = {n: per_layer_us(kernels.linear, n) for n in mats}
             times.append((sum(t.values()), cfg, t))
         except Exception as e:  # noqa: BLE001 - a config this GPU cannot run
             log(f"  gemv sweep {cfg}: {type(e).__name__}: {e}")
     total, best, t = min(times, key=lambda x: x[0])
     kernels.set_config("gemv", "dense", **best)
     out.update(best=best, triton_us=t, all=[(c, {n: round(v, 2) for n, v in tt.items()}) for _, c, tt in times])
-    for n, w in mats.items():
-        nb = w.numel() * w.element_size()
-        log(f"  gemv [{n} {tuple(w.shape)}]: cuBLAS {out['cublas_us'][n]:.1f} us ({nb / out['cublas_us'][n] / 1e3:.0f} "
-            f"GB/s), triton {t[n]:.1f} us ({nb / t[n] / 1e3:.0f} GB/s) with {best}")
+    for n, ws in mats.items():
+        nb = ws[0].numel() * ws[0].element_size()
+        log(f"  gemv [{n} {tuple(ws[0].shape)}, cold]: cuBLAS {out['cublas_us'][n]:.1f} us "
+            f"({nb / out['cublas_us'][n] / 1e3:.0f} GB/s), triton {t[n]:.1f} us ({nb / t[n] / 1e3:.0f} GB/s) with {best}")
+    log("  gemv sweep (qkv + o us): " + ", ".join(
+        f"{tuple(c.values())}: {sum(tt.values()):.1f}" for _, c, tt in times))
+    del mats
     return out
 
 
@@ -736,99 +749,94 @@ def main(argv=None) -> dict:
         def _(precision=precision, home=home, name=name):
             if name in skip:
                 raise Skipped
-            saved_modes = dict(kernels.FAST_BY_FORMAT)
-            if name.endswith("_a8"):     # int8 activations (mode 3) for the int8 and int4 experts
-                kernels.FAST_BY_FORMAT.update(int8=3, int4=3)
+            t = time.perf_counter()
+            # *_a8: int8 activations for the int8/int4 experts (kernels' decode mode 3, dp4a)
+            eng = build_engine(hf, max_seq_len=max_seq, cuda_graphs=graphs, experts_impl="triton",
+                               experts=tiered_experts(hf, precision, home, device, dtype),
+                               int8_activations=name.endswith("_a8"), **choice)
+            build_s = time.perf_counter() - t
+            r = engine_rate(eng)
+            toks = r.pop("tokens")
+            # Bytes per token from THIS engine's routing on its own continuation: quantized experts
+            # change the hidden states and so the routing; round 1 used the bf16 model's routes, on
+            # which (a repetitive greedy continuation, its experts all "hot") no host expert was
+            # ever picked: "PCIe 0.0 MB/token". Both are kept.
+            own = eng.trace(prompt + toks, router_logits=False)
+            split = expert_bytes_per_token([ids[len(prompt):] for ids in own.topk_ids], precision, home, H, I)
+            split_bf16 = expert_bytes_per_token(routes, precision, home, H, I)
+            r["pcie_bytes_per_token_bf16_routes"] = split_bf16["pcie"]
+            r["host_expert_share_of_picks"] = sum(
+                sum(home[l][e] == "host" for e in ids[len(prompt):].flatten().tolist())
+                for l, ids in enumerate(own.topk_ids)) / max(1, sum(ids[len(prompt):].numel() for ids in own.topk_ids))
+            nbytes = non_expert + split["hbm"] + split["pcie"]
+            r.update(build_s=build_s, bytes_per_token=nbytes, hbm_bytes_per_token=non_expert + split["hbm"],
+                     pcie_bytes_per_token=split["pcie"], mbu_pct=mbu(r["tok_s"], nbytes),
+                     greedy_prefix_agree_with_bf16=next((i for i, (a, b) in enumerate(zip(toks, ref_tokens))
+                                                         if a != b), len(ref_tokens)))
+            msg = (f"engine {name} [triton{'+graphs' if graphs else ''}]: {r['tok_s']:.2f} tok/s, "
+                   f"{nbytes / 1e9:.3f} GB/token, MBU {r['mbu_pct']:.1f}%")
+            has_host = "host" in {h for row in home for h in row}
+            # Where a plan's step spends its time (the round-2 host plan ran at 201 tok/s vs 359 for the
+            # same plan all on GPU; round 7's int4 plan was slower than its kernel times said): kernel
+            # table of eager decode steps, for every plan.
+            host_note = ""
+            if has_host:
+                # The share of picks on host experts in the fused decode steps themselves (the trace
+                # above is a prefill through the per-expert path, whose routing can differ slightly).
+                r["host_share_of_decode_picks"] = decode_host_share(eng, prompt, n_short, home)
+                host_note = f"host share of decode picks {100 * r['host_share_of_decode_picks']:.1f}%; "
+            saved = eng.cuda_graphs
+            eng.cuda_graphs = False
             try:
-                t = time.perf_counter()
-                eng = build_engine(hf, max_seq_len=max_seq, cuda_graphs=graphs, experts_impl="triton",
-                                   experts=tiered_experts(hf, precision, home, device, dtype), **choice)
-                build_s = time.perf_counter() - t
-                r = engine_rate(eng)
-                toks = r.pop("tokens")
-                # Bytes per token from THIS engine's routing on its own continuation: quantized experts
-                # change the hidden states and so the routing; round 1 used the bf16 model's routes, on
-                # which (a repetitive greedy continuation, its experts all "hot") no host expert was
-                # ever picked: "PCIe 0.0 MB/token". Both are kept.
-                own = eng.trace(prompt + toks, router_logits=False)
-                split = expert_bytes_per_token([ids[len(prompt):] for ids in own.topk_ids], precision, home, H, I)
-                split_bf16 = expert_bytes_per_token(routes, precision, home, H, I)
-                r["pcie_bytes_per_token_bf16_routes"] = split_bf16["pcie"]
-                r["host_expert_share_of_picks"] = sum(
-                    sum(home[l][e] == "host" for e in ids[len(prompt):].flatten().tolist())
-                    for l, ids in enumerate(own.topk_ids)) / max(1, sum(ids[len(prompt):].numel() for ids in own.topk_ids))
-                nbytes = non_expert + split["hbm"] + split["pcie"]
-                r.update(build_s=build_s, bytes_per_token=nbytes, hbm_bytes_per_token=non_expert + split["hbm"],
-                         pcie_bytes_per_token=split["pcie"], mbu_pct=mbu(r["tok_s"], nbytes),
-                         greedy_prefix_agree_with_bf16=next((i for i, (a, b) in enumerate(zip(toks, ref_tokens))
-                                                             if a != b), len(ref_tokens)))
-                msg = (f"engine {name} [triton{'+graphs' if graphs else ''}]: {r['tok_s']:.2f} tok/s, "
-                       f"{nbytes / 1e9:.3f} GB/token, MBU {r['mbu_pct']:.1f}%")
-                has_host = "host" in {h for row in home for h in row}
-                # Where a plan's step spends its time (the round-2 host plan ran at 201 tok/s vs 359 for the
-                # same plan all on GPU; round 7's int4 plan was slower than its kernel times said): kernel
-                # table of eager decode steps, for every plan.
-                host_note = ""
-                if has_host:
-                    # The share of picks on host experts in the fused decode steps themselves (the trace
-                    # above is a prefill through the per-expert path, whose routing can differ slightly).
-                    r["host_share_of_decode_picks"] = decode_host_share(eng, prompt, n_short, home)
-                    host_note = f"host share of decode picks {100 * r['host_share_of_decode_picks']:.1f}%; "
-                saved = eng.cuda_graphs
-                eng.cuda_graphs = False
-                try:
-                    p = profile_step(eng, prompt, device, top=10)
-                finally:
-                    eng.cuda_graphs = saved
-                r["profile"] = p
-                log(f"  {name}: {host_note}{p['kernels_per_step']:.0f} kernels/step, "
-                    f"{p['kernel_ms_per_step']:.3f} ms kernel time/step:")
-                for kname, count, ms in p["rows"][:10]:
-                    log(f"    {ms:9.3f} {count:6d}  {kname}")
-                if has_host and device.type == "cuda":
-                    # A/B: host groups on the main stream after the HBM groups (no side-stream overlap).
-                    kernels.OVERLAP_HOST = False
-                    eng._graphs.clear()
-                    try:
-                        r["tok_s_no_overlap"] = engine_rate(eng)["tok_s"]
-                    finally:
-                        kernels.OVERLAP_HOST = True
-                        eng._graphs.clear()
-                    msg += f"; without the side-stream overlap {r['tok_s_no_overlap']:.2f} tok/s"
-                if has_host:
-                    # Prefetch: each layer stages its predicted host experts in HBM one layer early.
-                    for blk in eng.model.moe_blocks():
-                        blk.experts.enable_prefetch(blk.top_k)
-                    eng._graphs.clear()
-                    rp = engine_rate(eng)
-                    r["tok_s_prefetch"] = rp["tok_s"]
-                    r["prefetch_greedy_agree_with_no_prefetch"] = next(
-                        (i for i, (a, b) in enumerate(zip(rp["tokens"], toks)) if a != b), len(toks))
-                    msg += (f"; with prefetch {r['tok_s_prefetch']:.2f} tok/s (greedy equals the plan without "
-                            f"prefetch for {r['prefetch_greedy_agree_with_no_prefetch']}/{len(toks)} tokens)")
-                if has_host and R["pinned_h2d_Bps"]:
-                    bound = 1.0 / ((non_expert + split["hbm"]) / bw + split["pcie"] / R["pinned_h2d_Bps"])
-                    r.update(tier_bound_tok_s=bound, pct_of_tier_bound=100 * r["tok_s"] / bound,
-                             pcie_achieved_Bps=split["pcie"] * r["tok_s"])
-                    if "tok_s_prefetch" in r:
-                        r["pct_of_tier_bound_prefetch"] = 100 * r["tok_s_prefetch"] / bound
-                        msg += f" (with prefetch {r['pct_of_tier_bound_prefetch']:.1f}%)"
-                    msg += (f"; PCIe {split['pcie'] / 1e6:.1f} MB/token ({100 * r['host_expert_share_of_picks']:.0f}% of "
-                            f"picks on host experts; bf16 routes would say {split_bf16['pcie'] / 1e6:.1f}), achieved "
-                            f"{r['pcie_achieved_Bps'] / 1e9:.1f} GB/s of {R['pinned_h2d_Bps'] / 1e9:.1f}; tier-aware bound "
-                            f"{bound:.1f} tok/s -> {r['pct_of_tier_bound']:.1f}% of it")
-                plan_tokens[name] = toks
-                base = plan_tokens.get(name[:-3]) if name.endswith("_a8") else None
-                if base is not None:
-                    r["greedy_prefix_agree_without_a8"] = next((i for i, (a, b) in enumerate(zip(toks, base)) if a != b),
-                                                               len(base))
-                    msg += f"; greedy equals the plan without a8 for {r['greedy_prefix_agree_without_a8']}/{len(base)} tokens"
-                log(msg + f"; greedy equals bf16 for {r['greedy_prefix_agree_with_bf16']} tokens")
-                del eng
-                return r
+                p = profile_step(eng, prompt, device, top=10)
             finally:
-                kernels.FAST_BY_FORMAT.clear()
-                kernels.FAST_BY_FORMAT.update(saved_modes)
+                eng.cuda_graphs = saved
+            r["profile"] = p
+            log(f"  {name}: {host_note}{p['kernels_per_step']:.0f} kernels/step, "
+                f"{p['kernel_ms_per_step']:.3f} ms kernel time/step:")
+            for kname, count, ms in p["rows"][:10]:
+                log(f"    {ms:9.3f} {count:6d}  {kname}")
+            if has_host and device.type == "cuda":
+                # A/B: host groups on the main stream after the HBM groups (no side-stream overlap).
+                kernels.OVERLAP_HOST = False
+                eng._graphs.clear()
+                try:
+                    r["tok_s_no_overlap"] = engine_rate(eng)["tok_s"]
+                finally:
+                    kernels.OVERLAP_HOST = True
+                    eng._graphs.clear()
+                msg += f"; without the side-stream overlap {r['tok_s_no_overlap']:.2f} tok/s"
+            if has_host:
+                # Prefetch: each layer stages its predicted host experts in HBM one layer early.
+                for blk in eng.model.moe_blocks():
+                    blk.experts.enable_prefetch(blk.top_k)
+                eng._graphs.clear()
+                rp = engine_rate(eng)
+                r["tok_s_prefetch"] = rp["tok_s"]
+                r["prefetch_greedy_agree_with_no_prefetch"] = next(
+                    (i for i, (a, b) in enumerate(zip(rp["tokens"], toks)) if a != b), len(toks))
+                msg += (f"; with prefetch {r['tok_s_prefetch']:.2f} tok/s (greedy equals the plan without "
+                        f"prefetch for {r['prefetch_greedy_agree_with_no_prefetch']}/{len(toks)} tokens)")
+            if has_host and R["pinned_h2d_Bps"]:
+                bound = 1.0 / ((non_expert + split["hbm"]) / bw + split["pcie"] / R["pinned_h2d_Bps"])
+                r.update(tier_bound_tok_s=bound, pct_of_tier_bound=100 * r["tok_s"] / bound,
+                         pcie_achieved_Bps=split["pcie"] * r["tok_s"])
+                if "tok_s_prefetch" in r:
+                    r["pct_of_tier_bound_prefetch"] = 100 * r["tok_s_prefetch"] / bound
+                    msg += f" (with prefetch {r['pct_of_tier_bound_prefetch']:.1f}%)"
+                msg += (f"; PCIe {split['pcie'] / 1e6:.1f} MB/token ({100 * r['host_expert_share_of_picks']:.0f}% of "
+                        f"picks on host experts; bf16 routes would say {split_bf16['pcie'] / 1e6:.1f}), achieved "
+                        f"{r['pcie_achieved_Bps'] / 1e9:.1f} GB/s of {R['pinned_h2d_Bps'] / 1e9:.1f}; tier-aware bound "
+                        f"{bound:.1f} tok/s -> {r['pct_of_tier_bound']:.1f}% of it")
+            plan_tokens[name] = toks
+            base = plan_tokens.get(name[:-3]) if name.endswith("_a8") else None
+            if base is not None:
+                r["greedy_prefix_agree_without_a8"] = next((i for i, (a, b) in enumerate(zip(toks, base)) if a != b),
+                                                           len(base))
+                msg += f"; greedy equals the plan without a8 for {r['greedy_prefix_agree_without_a8']}/{len(base)} tokens"
+            log(msg + f"; greedy equals bf16 for {r['greedy_prefix_agree_with_bf16']} tokens")
+            del eng
+            return r
 
     # ---- batch throughput (fused path; > triton_max_tokens tokens use grouped_mm) -------------------
     @variant("batch_throughput_triton_graphs")

@@ -711,6 +711,47 @@ def test_engine_decode_with_prefetch_gives_the_same_tokens_and_logits(ckpt, wiki
     assert int((first >= 0).sum()) == 0
 
 
+@pytest.fixture(scope="module")
+def ckpt64(tmp_path_factory):
+    """Like ckpt, with an expert width of 64: whole 64-column blocks, so int8 activations apply."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], initializer_range=0.1,
+        max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(1)
+    path = tmp_path_factory.mktemp("tiny_qwen3moe_w64")
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def test_engine_int8_activations_run_the_int8_and_int4_groups_in_mode_3(ckpt64, wiki_bytes, tmp_path):
+    """Engine(int8_activations=True) on an int8-hot / int4-cold artifact: both groups decode in mode
+    3, the log-probs move (the rounding is there) but little, and the option needs the fused kernels."""
+    stats = calibrate(Engine.load(ckpt64, device="cpu", dtype="float32"), [wiki_bytes[:64]])
+    art = pack(ckpt64, plan_hot_cold(stats, 0.5, hot="int8", cold="int4", cold_home="gpu"), tmp_path / "art")
+    plain = Engine.load(art, device=DEV, dtype="float32", max_seq_len=64, experts_impl="triton")
+    a8 = Engine.load(art, device=DEV, dtype="float32", max_seq_len=64, experts_impl="triton", int8_activations=True)
+    with pytest.raises(EngineError, match="int8_activations needs experts_impl 'triton'"):
+        Engine.load(art, device=DEV, dtype="float32", max_seq_len=64, int8_activations=True)
+    for blk in a8.model.moe_blocks():
+        groups = blk.experts._fused_groups
+        assert sorted(g.label for g in groups) == ["int4@gpu", "int8@gpu"]
+        assert all(kernels._fast(g, k) == 3 for g in groups for k in ("gate_up", "down"))
+    assert all(kernels._fast(g, "gate_up") == kernels.decode_mode(g.gate.fmt) != 3
+               for blk in plain.model.moe_blocks() for g in blk.experts._fused_groups)
+    prompt = wiki_bytes[300:320]
+    a = plain.generate([prompt], 4, ignore_eos=True, top_logprobs=3)[0]
+    b = a8.generate([prompt], 4, ignore_eos=True, top_logprobs=3)[0]
+    # the 20-token prefill takes the per-expert path (exact activations) in both; the first decode
+    # step (one token, the fused kernels) is where the rounding shows
+    assert a.top_logprobs[0] == b.top_logprobs[0] and a.token_ids[0] == b.token_ids[0]
+    step_a, step_b = dict(a.top_logprobs[1]), dict(b.top_logprobs[1])
+    diffs = [abs(step_a[t] - step_b[t]) for t in step_a if t in step_b]
+    assert diffs and 0 < max(diffs) < 0.05, (step_a, step_b)     # 0.0115 seen on CPU
+
+
 # ---- the post-attention add_rmsnorm fused with the router -------------------------------------------
 
 @pytest.mark.parametrize("bk", [32, 2048])      # 32: GEMV in column steps; 2048: one step over the row

@@ -59,10 +59,11 @@ def test_identity_hashes_the_model_files(runner, zoo):
     assert "model.safetensors" in ident["model"]["files"] and ident["model"]["tiered"] is False
 
 
-def test_prefetch_host_without_the_fused_kernels_is_a_profile_error(zoo):
+@pytest.mark.parametrize("key", ["prefetch_host", "int8_activations"])
+def test_fused_kernel_options_without_the_fused_kernels_are_a_profile_error(zoo, key):
     from moebench.config import ProfileError
-    with pytest.raises(ProfileError, match="runners/x.toml: key 'prefetch_host' needs experts_impl"):
-        EngineRunner({"model": str(zoo / "tiny-moe"), "prefetch_host": True}, "runners/x.toml")
+    with pytest.raises(ProfileError, match=f"runners/x.toml: key '{key}' needs experts_impl"):
+        EngineRunner({"model": str(zoo / "tiny-moe"), key: True}, "runners/x.toml")
 
 
 def test_on_text_streams_pieces_that_join_to_the_text(runner):

@@ -193,13 +193,15 @@ class PackedMatrix:
 @dataclass
 class ExpertGroup:
     """Experts sharing one format and home. slot_of: int32 [E] (slot in this group's stacks, -1 for
-    experts of other groups), or None when slot == expert id for every expert."""
+    experts of other groups), or None when slot == expert id for every expert. int8_activations: run
+    the group in decode mode 3 where it can (int8/int4, whole 64-column blocks), whatever FAST_DECODE."""
 
     gate: PackedMatrix
     up: PackedMatrix
     down: PackedMatrix
     slot_of: Tensor | None = None
     label: str = field(default="")
+    int8_activations: bool = False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -727,7 +729,7 @@ def _fast(g: ExpertGroup, kernel: str) -> int:
     words. Mode 3 takes int8 and int4 groups whose hidden size and width are multiples of 64 (whole
     quantization blocks), for gate_up and down alike (gate_up hands down a quantized h); others run 2."""
     words = _gate_up_words(g) if kernel == "gate_up" else _words(g.down) is not None
-    mode = int(decode_mode(g.gate.fmt)) if words else 0
+    mode = (3 if g.int8_activations else int(decode_mode(g.gate.fmt))) if words else 0
     if mode == 3 and not (g.gate.fmt in INT8_ACTIVATION_FORMATS and g.gate.cols % GROUP == 0
                           and g.gate.rows % GROUP == 0 and _gate_up_words(g) and _words(g.down) is not None):
         mode = 2

@@ -113,13 +113,15 @@ class TieredExperts(nn.Module):
         self.fused_max_tokens = 16
         self.reset_telemetry()
 
-    def use_fused_kernels(self) -> None:
+    def use_fused_kernels(self, int8_activations: bool = False) -> None:
         """Run decode (T <= fused_max_tokens) through kernels.fused_moe: experts are re-stacked per
         (format, home) group, host groups in pinned memory the kernels read over PCIe in place, so
         the step has no host sync and no copy (CUDA-graph capturable). The per-expert stores become
         views into the stacks (no duplicate memory); larger T keeps the per-expert path. The
         per-tier token counters are not updated on the fused path (that would need a host sync), and
-        route-tail-skip (skip_tail_from) keeps the per-expert path, which decides it on the host."""
+        route-tail-skip (skip_tail_from) keeps the per-expert path, which decides it on the host.
+        int8_activations: the int8 and int4 groups multiply int8-rounded activations (kernels' decode
+        mode 3, dp4a; kernels.quantize_activations says what they see)."""
         from . import kernels
         by_key: dict[tuple[str, str], list[int]] = {}
         for e, (store, home) in enumerate(zip(self._stores, self.homes)):
@@ -135,7 +137,8 @@ class TieredExperts(nn.Module):
             # A device group of every expert in order needs no map: the kernels then skip a dependent
             # load per program (host groups keep theirs: prefetch rewrites it).
             identity = home != "host" and members == list(range(len(self._stores)))
-            groups.append(kernels.ExpertGroup(*mats, None if identity else slot_of.to(self.device), f"{fmt}@{home}"))
+            groups.append(kernels.ExpertGroup(*mats, None if identity else slot_of.to(self.device), f"{fmt}@{home}",
+                                              int8_activations))
             for i, e in enumerate(members):
                 self._stores[e] = QuantizedExpert(*(pm.slot(i) for pm in mats))
         self._cache.clear()
@@ -160,7 +163,7 @@ class TieredExperts(nn.Module):
                 groups.append(g)
                 continue
             static = g.slot_of
-            dynamic = kernels.ExpertGroup(g.gate, g.up, g.down, static.clone(), g.label)
+            dynamic = kernels.ExpertGroup(g.gate, g.up, g.down, static.clone(), g.label, g.int8_activations)
 
             def staged(pm: kernels.PackedMatrix) -> kernels.PackedMatrix:
                 def like(t):
@@ -168,7 +171,7 @@ class TieredExperts(nn.Module):
                 return kernels.PackedMatrix(pm.fmt, like(pm.data), pm.rows, pm.cols, like(pm.scale), like(pm.minimum))
             stage_slot_of = torch.full_like(static, -1)
             stage = kernels.ExpertGroup(staged(g.gate), staged(g.up), staged(g.down), stage_slot_of,
-                                        g.label.replace("@host", "@stage"))
+                                        g.label.replace("@host", "@stage"), g.int8_activations)
             groups += [stage, dynamic]
             entries.append((static, dynamic, stage))
         self._fused_groups = groups

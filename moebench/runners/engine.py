@@ -29,6 +29,9 @@ SCHEMA: dict[str, Field] = {
     "prefetch_host": Field(bool, default=False, doc="tiered artifacts with experts_impl = triton: stage each "
                            "layer's predicted host experts in GPU memory one layer early (pays off when many "
                            "picks land on the host tier)"),
+    "int8_activations": Field(bool, default=False, doc="tiered artifacts with experts_impl = triton: the int8 and "
+                              "int4 experts' decode rounds its activations to int8 per 64 columns and multiplies "
+                              "with dp4a (W8A8 / W4A8: faster on the GPU, slightly different numbers)"),
 }
 
 
@@ -87,9 +90,10 @@ class EngineRunner(Runner):
         if not self.model_path.is_dir() or not (self.model_path / "config.json").is_file():
             raise ProfileError(f"{profile_path or 'runner profile'}: key 'model': {self.model_path} is not a "
                                "checkpoint directory with config.json (build the zoo with `moebench zoo build`)")
-        if profile.get("prefetch_host") and profile.get("experts_impl", "auto") != "triton":
-            raise ProfileError(f"{profile_path or 'runner profile'}: key 'prefetch_host' needs experts_impl = "
-                               f"\"triton\" (the fused kernels), got {profile.get('experts_impl', 'auto')!r}")
+        for key in ("prefetch_host", "int8_activations"):
+            if profile.get(key) and profile.get("experts_impl", "auto") != "triton":
+                raise ProfileError(f"{profile_path or 'runner profile'}: key '{key}' needs experts_impl = "
+                                   f"\"triton\" (the fused kernels), got {profile.get('experts_impl', 'auto')!r}")
         self.concurrency = 1          # one engine, one request at a time (it holds a lock anyway)
         self.engine = None
         self.device = _resolve_device(profile.get("device", "auto"))
@@ -102,8 +106,9 @@ class EngineRunner(Runner):
                   if self.profile.get(k)}
         if self.profile.get("cuda_graphs") and self.device.startswith("cuda"):
             kwargs["cuda_graphs"] = True
-        if self.profile.get("prefetch_host"):
-            kwargs["prefetch_host"] = True
+        for key in ("prefetch_host", "int8_activations"):
+            if self.profile.get(key):
+                kwargs[key] = True
         t0 = time.perf_counter()
         self.engine = await asyncio.to_thread(Engine.load, self.model_path, device=self.device,
                                               dtype=self.profile.get("dtype", "bfloat16"), **kwargs)
