@@ -726,7 +726,7 @@ def ckpt64(tmp_path_factory):
     return path
 
 
-def test_engine_int8_activations_run_the_int8_and_int4_groups_in_mode_3(ckpt64, wiki_bytes, tmp_path):
+def test_engine_int8_activations_run_the_int8_and_int4_groups_in_mode_3(ckpt64, wiki_bytes, tmp_path, monkeypatch):
     """Engine(int8_activations=True) on an int8-hot / int4-cold artifact: both groups decode in mode
     3, the log-probs move (the rounding is there) but little, and the option needs the fused kernels."""
     stats = calibrate(Engine.load(ckpt64, device="cpu", dtype="float32"), [wiki_bytes[:64]])
@@ -736,6 +736,7 @@ def test_engine_int8_activations_run_the_int8_and_int4_groups_in_mode_3(ckpt64, 
     with pytest.raises(EngineError, match="int8_activations needs experts_impl 'triton'"):
         Engine.load(art, device=DEV, dtype="float32", max_seq_len=64, int8_activations=True)
     for blk in a8.model.moe_blocks():
+        assert blk.experts.wants_quantized_x() and not plain.model.moe_blocks()[0].experts.wants_quantized_x()
         groups = blk.experts._fused_groups
         assert sorted(g.label for g in groups) == ["int4@gpu", "int8@gpu"]
         assert all(kernels._fast(g, k) == 3 for g in groups for k in ("gate_up", "down"))
@@ -743,6 +744,8 @@ def test_engine_int8_activations_run_the_int8_and_int4_groups_in_mode_3(ckpt64, 
                for blk in plain.model.moe_blocks() for g in blk.experts._fused_groups)
     prompt = wiki_bytes[300:320]
     a = plain.generate([prompt], 4, ignore_eos=True, top_logprobs=3)[0]
+    # the decode steps take x's int8 rows from add_rmsnorm_router: no quantize_rows launch of their own
+    monkeypatch.setattr(kernels, "quantize_rows_kernel", None)
     b = a8.generate([prompt], 4, ignore_eos=True, top_logprobs=3)[0]
     # the 20-token prefill takes the per-expert path (exact activations) in both; the first decode
     # step (one token, the fused kernels) is where the rounding shows
@@ -787,6 +790,34 @@ def test_add_rmsnorm_router_is_bitwise_add_rmsnorm_then_router_topk(dt, renorm, 
     finally:
         kernels.CONFIG.clear()
         kernels.CONFIG.update(saved)
+
+
+@pytest.mark.parametrize("H", [128, 192])       # 192: not a power of two (masked tail words)
+def test_add_rmsnorm_router_quantizes_h_as_quantize_rows_does(H):
+    """quantize_h: the sixth result is bitwise the int8 rows quantize_rows_kernel makes of h (what
+    fused_moe would make itself), and the other five are unchanged; hidden sizes that are not whole
+    64-column blocks are refused."""
+    g = torch.Generator().manual_seed(23)
+    norm_w = (torch.rand(H, generator=g) + 0.5).to(DEV)
+    router_w = (torch.randn(16, H, generator=g) * 0.3).to(DEV)
+    x = torch.randn(1, 2, H, generator=g).to(DEV)
+    delta = torch.randn(1, 2, H, generator=g).to(DEV)
+    plain = kernels.add_rmsnorm_router(x, delta, norm_w, 1e-6, router_w, 4, True)
+    *five, xq = kernels.add_rmsnorm_router(x, delta, norm_w, 1e-6, router_w, 4, True, quantize_h=True)
+    for a, b in zip(plain, five):
+        assert torch.equal(a, b)
+    h = five[1].view(2, H)
+    want = torch.empty_like(xq)
+    kernels.quantize_rows_kernel[(2,)](h, want, H, h.stride(0), want.stride(0), W=kernels._next_pow2(H // 8),
+                                       QB=kernels.GROUP)
+    assert xq.shape == (2, kernels.quant_row_len(H, kernels.GROUP)) and torch.equal(xq, want)
+    codes = kernels.quantize_activations(h.cpu())            # the natural words hold the same codes
+    scale = xq[:, -H // kernels.GROUP:].cpu().view(torch.float32).repeat_interleave(kernels.GROUP, dim=1)
+    nat = xq[:, :H // 4].cpu().contiguous().view(torch.int8).float()
+    assert torch.allclose(nat * scale, codes, rtol=1e-6, atol=1e-7)
+    with pytest.raises(kernels.KernelError, match="multiple of 64"):
+        kernels.add_rmsnorm_router(x[..., :100], delta[..., :100], norm_w[:100], 1e-6, router_w[:, :100], 4, True,
+                                   quantize_h=True)
 
 
 @needs_cuda

@@ -770,11 +770,13 @@ def _check_group(group: ExpertGroup, hidden: int) -> None:
 
 
 def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGroup],
-              reduce: bool = True) -> Tensor:
+              reduce: bool = True, xq: Tensor | None = None) -> Tensor:
     """x [T, H]; topk_ids [T, k] (int64/int32); topk_w [T, k] -> [T, H] in x's dtype:
     sum_j topk_w[t, j] * down(silu(gate x) * up x) of expert topk_ids[t, j], every expert in
     exactly one of `groups`. Reads each (token, expert) pair's weights once; no host sync.
-    reduce=False: the float32 terms [T * k, H] instead (pair t*k + j), for add_rmsnorm to sum."""
+    reduce=False: the float32 terms [T * k, H] instead (pair t*k + j), for add_rmsnorm to sum.
+    xq: x's int8 rows as add_rmsnorm_router(quantize_h=True) made them, for groups in decode mode 3
+    (else they are made here, one more launch)."""
     if not groups:
         raise KernelError("fused_moe: no expert groups")
     gate_up_kernel, down_kernel, moe_sum_kernel = _kernels()
@@ -792,11 +794,18 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
     h = torch.empty(T * k, inter, dtype=torch.float32, device=x.device)
     part = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
     # mode 3: x quantized once here; h quantized by gate_up, blocks of its BN (8 or more) columns
-    xq = hq = h
+    hq = h
     if any(_fast(g, "gate_up") == 3 for g in groups):
-        xq = torch.empty(T, quant_row_len(H, GROUP), dtype=torch.int32, device=x.device)
-        quantize_rows_kernel[(T,)](x, xq, H, x.stride(0), xq.stride(0), W=_next_pow2(H // 8), QB=GROUP, num_warps=4)
+        if xq is None:
+            xq = torch.empty(T, quant_row_len(H, GROUP), dtype=torch.int32, device=x.device)
+            quantize_rows_kernel[(T,)](x, xq, H, x.stride(0), xq.stride(0), W=_next_pow2(H // 8), QB=GROUP,
+                                       num_warps=4)
+        elif xq.dtype != torch.int32 or tuple(xq.shape) != (T, quant_row_len(H, GROUP)) or xq.stride(-1) != 1:
+            raise KernelError(f"fused_moe: xq {xq.dtype} {tuple(xq.shape)}; expected int32 "
+                              f"[{T}, {quant_row_len(H, GROUP)}] rows from add_rmsnorm_router(quantize_h=True)")
         hq = torch.empty(T * k, quant_row_len(inter, 8), dtype=torch.int32, device=x.device)
+    else:
+        xq = h
 
     def launch(pair_groups: list[ExpertGroup], first: bool) -> None:
         """gate_up then down for the pairs of one or two groups (first: also zero the part rows of
@@ -1154,9 +1163,10 @@ FUSED_NORM_ROUTER = True
 if triton is not None:
     @triton.jit
     def add_rmsnorm_router_kernel(x_ptr, d_ptr, nw_ptr, res_ptr, h_ptr, g_ptr, logits_ptr, count_ptr, ids_ptr,
-                                  w_ptr, N, E, eps, stride_g, HAS_DELTA: tl.constexpr, TOPK: tl.constexpr,
-                                  KP: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
-                                  BLOCK_E: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr):
+                                  w_ptr, q_ptr, N, E, eps, stride_g, stride_q, HAS_DELTA: tl.constexpr,
+                                  TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
+                                  BLOCK_E: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, QUANT: tl.constexpr,
+                                  QB: tl.constexpr):
         """Program (token t, block of BE experts): add_rmsnorm_kernel's row t (program 0 stores res
         and h), then router_topk_kernel's program on that h. Every program normalises the row itself
         (no grid-wide wait for program 0), so the norm's loads are repeated per expert block; they are
@@ -1198,15 +1208,31 @@ if triton is not None:
             z = tl.load(logits_ptr + t * E + eo, mask=em, other=float("-inf"), cache_modifier=".cg")
             softmax_topk_store(z, em, eo, ids_ptr, w_ptr, t, TOPK, KP, NORM, BLOCK_E)
             tl.atomic_xchg(count_ptr + t, 0)
+        if QUANT:
+            # The experts' int8 activations (decode mode 3): quantize_rows_kernel's row of h, one block
+            # of QB columns per program, recomputed from x, delta and inv (the whole row quantized by
+            # one 1-warp program spilled: 1,168 bytes of stack on sm_90).
+            for qb in range(pb, (N + QB - 1) // QB, tl.num_programs(1)):
+                cols = qb * QB + tl.arange(0, QB)
+                cm = cols < N
+                sc = residual_sum(x_ptr, d_ptr, t, N, cols, cm, HAS_DELTA, 1)
+                hv = rms_scale(sc, inv, nw_ptr, cols, cm).to(dt).to(tl.float32)
+                nat_lo, nat_hi, even, odd, qsum, scale = quant_pack(tl.reshape(hv, (QB // 8, 8)), QB)
+                w8 = qb * (QB // 8) + tl.arange(0, QB // 8)
+                b = qb + tl.arange(0, 1)
+                store_quant(q_ptr + t * stride_q, w8, 8 * w8 < N, b, b * QB < N, N, QB, nat_lo, nat_hi, even, odd,
+                            qsum, scale)
 
 
 def add_rmsnorm_router(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, router_weight: Tensor,
-                       top_k: int, renormalize: bool, arrivals: Tensor | None = None
-                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                       top_k: int, renormalize: bool, arrivals: Tensor | None = None, quantize_h: bool = False
+                       ) -> tuple[Tensor, ...]:
     """add_rmsnorm(x, delta, norm_weight, eps) followed by router_topk(h, router_weight, top_k,
     renormalize) in one launch, bitwise the same results: (res, h) shaped like x in x's dtype, and
     (logits [N, E] float32, topk_ids [N, k] int64, topk_w [N, k] float32) over the N = x.numel() / H
-    flattened tokens (N <= ROUTER_MAX_TOKENS). `arrivals` as in router_topk."""
+    flattened tokens (N <= ROUTER_MAX_TOKENS). `arrivals` as in router_topk. quantize_h (H a multiple
+    of 64): also h's int8 rows for fused_moe(xq=...), a sixth result, as quantize_rows_kernel makes
+    them (one launch fewer per layer for experts in decode mode 3)."""
     _kernels()
     H = x.shape[-1]
     if tuple(norm_weight.shape) != (H,):
@@ -1222,6 +1248,8 @@ def add_rmsnorm_router(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps
                           f"{ROUTER_MAX_TOKENS} tokens and 0 < top_k <= experts")
     if delta is not None and delta.numel() != xc.numel():
         raise KernelError(f"add_rmsnorm_router: delta shape {tuple(delta.shape)}; expected x's {tuple(xc.shape)}")
+    if quantize_h and H % GROUP:
+        raise KernelError(f"add_rmsnorm_router: quantize_h needs a hidden size that is a multiple of {GROUP}, got {H}")
     counts = arrivals if arrivals is not None else _ARRIVALS.get(x.device)
     if counts is None:
         counts = _ARRIVALS[x.device] = torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int32, device=x.device)
@@ -1238,12 +1266,13 @@ def add_rmsnorm_router(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps
     cfg = get_config("router", "dense")
     be = min(cfg["BN"], _next_pow2(E))
     block = _next_pow2(H)
+    xq = torch.empty(N, quant_row_len(H, GROUP), dtype=torch.int32, device=x.device) if quantize_h else logits
     add_rmsnorm_router_kernel[(N, -(-E // be))](
-        xc, dc, norm_weight, res, h, router_weight, logits, counts, ids, w, H, E, eps, router_weight.stride(0),
-        HAS_DELTA=delta is not None, TOPK=top_k, KP=_next_pow2(top_k), NORM=renormalize, BLOCK=block,
-        BLOCK_E=_next_pow2(E), BE=be, BH=min(cfg["BK"], block), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
-    return res, h, logits, ids, w
+        xc, dc, norm_weight, res, h, router_weight, logits, counts, ids, w, xq, H, E, eps, router_weight.stride(0),
+        xq.stride(0), HAS_DELTA=delta is not None, TOPK=top_k, KP=_next_pow2(top_k), NORM=renormalize, BLOCK=block,
+        BLOCK_E=_next_pow2(E), BE=be, BH=min(cfg["BK"], block), QUANT=quantize_h, QB=GROUP,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return (res, h, logits, ids, w, xq) if quantize_h else (res, h, logits, ids, w)
 
 
 def qk_rope_cache(q: Tensor, k: Tensor, v: Tensor, q_norm_w: Tensor | None, k_norm_w: Tensor | None,

@@ -339,17 +339,21 @@ class MoEBlock(nn.Module):
                 self.tracer.logits.append((self.layer_idx, logits.float().cpu()))
         return topk_ids, topk_w
 
-    def forward_partials(self, x: Tensor, routes: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor | None:
+    def forward_partials(self, x: Tensor, routes: tuple[Tensor, Tensor, Tensor] | None = None,
+                         xq: Tensor | None = None) -> Tensor | None:
         """The experts' float32 terms [N * top_k, H] (N = tokens of x) for the caller to sum (the
         fused decode layers do it inside the next add_rmsnorm), or None where this block cannot
         (a shared expert, or experts without a fused partials path for this many tokens).
         routes: (logits [N, E], topk_ids [N, k], topk_w [N, k]) already computed for x's flattened
-        tokens (kernels.add_rmsnorm_router), used instead of routing here."""
+        tokens (kernels.add_rmsnorm_router), used instead of routing here. xq: x's int8 rows for
+        experts that want them (wants_quantized_x), from the same launch."""
         flat = x.reshape(-1, x.shape[-1])
         ok = getattr(self.experts, "partials_ok", None)
         if self.shared_expert is not None or ok is None or not ok(flat.shape[0]):
             return None
         topk_ids, topk_w = self._route_traced(flat, routes)
+        if xq is not None:
+            return self.experts.forward_partials(flat, topk_ids, topk_w, xq=xq)
         return self.experts.forward_partials(flat, topk_ids, topk_w)
 
     def forward(self, x: Tensor, routes: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
@@ -461,10 +465,15 @@ class MoETransformer(nn.Module):
             a = layer.self_attn(h, cos, sin, positions, kv_len)
             post = layer.post_attention_layernorm
             block = layer.mlp
-            routes = None
+            routes = xq = None
             if isinstance(block, MoEBlock) and block.norm_router_ok(tokens):
+                # experts with int8 activations get h's int8 rows from this launch too
+                wants = getattr(block.experts, "wants_quantized_x", None)
+                quant = bool(wants and wants()) and x.shape[-1] % kernels.GROUP == 0
                 x, h, *routed = kernels.add_rmsnorm_router(x, a, post.weight, post.eps, block.gate.weight,
-                                                           block.top_k, block.norm_topk_prob)
+                                                           block.top_k, block.norm_topk_prob, quantize_h=quant)
+                if quant:
+                    *routed, xq = routed
                 routes = tuple(routed)
             else:
                 x, h = kernels.add_rmsnorm(x, a, post.weight, post.eps)
@@ -473,7 +482,7 @@ class MoETransformer(nn.Module):
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             part = None
             if kernels.DEFER_MOE_SUM and isinstance(block, MoEBlock):
-                part = block.forward_partials(h, routes)     # the MoE sum moves into the next norm
+                part = block.forward_partials(h, routes, xq)     # the MoE sum moves into the next norm
             if part is not None:
                 x, h = kernels.add_rmsnorm(x, part, nxt.weight, nxt.eps, delta_rows=block.top_k)
             else:

@@ -261,14 +261,22 @@ class TieredExperts(nn.Module):
         """Whether forward_partials runs for T tokens (the fused kernels are on and cover T)."""
         return self._fused_groups is not None and T <= self.fused_max_tokens and self.skip_tail_from is None
 
-    def forward_partials(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-        """kernels.fused_moe(reduce=False): the float32 terms [T * k, H]; only where partials_ok."""
+    def wants_quantized_x(self) -> bool:
+        """Whether a fused group runs in decode mode 3 (int8 activations): then the caller can hand
+        forward_partials x's int8 rows (kernels.add_rmsnorm_router(quantize_h=True))."""
+        from . import kernels
+        return any(kernels._fast(g, "gate_up") == 3 for g in self._fused_groups or ())
+
+    def forward_partials(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
+                         xq: torch.Tensor | None = None) -> torch.Tensor:
+        """kernels.fused_moe(reduce=False): the float32 terms [T * k, H]; only where partials_ok.
+        xq: x's int8 rows (see wants_quantized_x), or None."""
         from . import kernels
         T, k = topk_ids.shape
         self._counters["calls"] += 1
         self._counters["routed"] += T * k
         self._join_prefetch()
-        return kernels.fused_moe(x, topk_ids, topk_w, self._fused_groups, reduce=False)
+        return kernels.fused_moe(x, topk_ids, topk_w, self._fused_groups, reduce=False, xq=xq)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         T, k = topk_ids.shape
