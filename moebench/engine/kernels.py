@@ -63,8 +63,10 @@ CONFIG: dict[tuple[str, ...], dict[str, int]] = {
     # int4 gate_up 7.94 us against 9.76 with the mode-2 config, int8 10.88 against 11.21
     ("gate_up", "int4", "a8"): _cfg(8, 1024, 4, 2), ("down", "int4", "a8"): _cfg(16, 128, 4, 2),
     ("gate_up", "int8", "a8"): _cfg(8, 1024, 4, 3),
-    # round 7 sweeps (two runs): [q;k;v] 6.1 / 5.8 us, o_proj 4.6 / 4.4 us (cuBLAS 6.7 / 6.6 and 7.9)
-    ("gemv", "dense"): {"BN": 2, "BK": 2048, "num_warps": 4, "num_stages": 3},
+    # round 8's sweep over every layer's weights (cold, as in a decode step; round 7 re-read one
+    # layer's from L2): [q;k;v] 7.5 us, o_proj 6.5 us, against 15.7 together for round 7's (2, 2048, 4, 3)
+    # and cuBLAS' 8.4 + 9.9
+    ("gemv", "dense"): {"BN": 2, "BK": 1024, "num_warps": 4, "num_stages": 4},
     # num_warps 1: the last program's softmax/top-k reductions stay inside one warp (round 5: 4 warps,
     # 8 experts per program: 8 us per call, slower than cuBLAS + route_topk's ~7; this one: 5.0-5.3)
     ("router", "dense"): {"BN": 2, "BK": 2048, "num_warps": 1, "num_stages": 2},
