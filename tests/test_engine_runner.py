@@ -59,6 +59,12 @@ def test_identity_hashes_the_model_files(runner, zoo):
     assert "model.safetensors" in ident["model"]["files"] and ident["model"]["tiered"] is False
 
 
+def test_identity_names_int8_activations(zoo, runner):
+    a8 = EngineRunner({"model": str(zoo / "tiny-moe"), "experts_impl": "triton", "int8_activations": True}, None)
+    assert a8.identity()["build"]["int8_activations"] is True
+    assert "int8_activations" not in runner.identity()["build"]
+
+
 @pytest.mark.parametrize("key", ["prefetch_host", "int8_activations"])
 def test_fused_kernel_options_without_the_fused_kernels_are_a_profile_error(zoo, key):
     from moebench.config import ProfileError

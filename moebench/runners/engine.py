@@ -125,8 +125,11 @@ class EngineRunner(Runner):
             model["config"] = json.loads((self.model_path / "config.json").read_text()).get("model_type")
         except (OSError, ValueError):
             pass
-        return {"model": model, "build": {"engine": "moebench", "torch": torch.__version__, "device": self.device,
-                                          "dtype": self.profile.get("dtype", "bfloat16")}}
+        build = {"engine": "moebench", "torch": torch.__version__, "device": self.device,
+                 "dtype": self.profile.get("dtype", "bfloat16")}
+        if self.profile.get("int8_activations"):        # changes the numbers: part of what was run
+            build["int8_activations"] = True
+        return {"model": model, "build": build}
 
     def _eng(self):
         if self.engine is None:
