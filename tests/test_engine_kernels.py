@@ -335,18 +335,23 @@ def test_bad_groups_are_rejected_with_a_clear_error():
 
 # ---- a real (tiny) checkpoint through the engine, on real text -----------------------------------
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
+def tiny_qwen3moe(tmp_path_factory, name: str, expert_width: int, seed: int):
+    """A random 2-layer Qwen3-MoE checkpoint (hidden 64, 8 experts, top-2, byte vocabulary)."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], initializer_range=0.1,
-        max_position_embeddings=256, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_qwen3moe_kernels")
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=expert_width,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        initializer_range=0.1, max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    path = tmp_path_factory.mktemp(name)
     transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_qwen3moe(tmp_path_factory, "tiny_qwen3moe_kernels", 48, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -714,16 +719,7 @@ def test_engine_decode_with_prefetch_gives_the_same_tokens_and_logits(ckpt, wiki
 @pytest.fixture(scope="module")
 def ckpt64(tmp_path_factory):
     """Like ckpt, with an expert width of 64: whole 64-column blocks, so int8 activations apply."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], initializer_range=0.1,
-        max_position_embeddings=256, tie_word_embeddings=False)
-    torch.manual_seed(1)
-    path = tmp_path_factory.mktemp("tiny_qwen3moe_w64")
-    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(path)
-    return path
+    return tiny_qwen3moe(tmp_path_factory, "tiny_qwen3moe_w64", 64, seed=1)
 
 
 def test_engine_int8_activations_run_the_int8_and_int4_groups_in_mode_3(ckpt64, wiki_bytes, tmp_path, monkeypatch):

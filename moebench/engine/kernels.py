@@ -820,7 +820,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
         for kernel in ("gate_up", "down"):
             cfg = get_config(kernel, ga.gate.fmt, host=host, a8=a8)
             bn = cfg["BN"]
-            if kernel == "gate_up" and _fast(ga, kernel) == 3:
+            if kernel == "gate_up" and a8:
                 bn = min(max(bn, 8), GROUP)            # one block of h per program: 8 to 64 rows
             meta[kernel] = dict(BN=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                                 HAS_B=len(pair_groups) > 1, GROUP_SIZE=GROUP)
