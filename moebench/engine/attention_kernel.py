@@ -26,7 +26,7 @@ from torch import Tensor
 
 # Imported through kernels.py so that its TRITON_INTERPRET switch (CPU-only machines) happens before
 # triton's first import.
-from .kernels import KernelError, _kernels, _next_pow2, tl, triton
+from .kernels import KernelError, _kernels, _next_pow2, grid_dependency, pdl_launch, tl, triton
 
 # Launch parameters. BLOCK_S: cache slots per loop step. Compiled for sm_90a (Triton 3.9, G=8, D=128,
 # bf16, ptxas -v): BLOCK_S 32 / 4 warps uses 192 registers and no spills (so 2 programs fit an SM);
@@ -47,7 +47,7 @@ if triton is not None:
                                 T, NH, kv_len, chunk, qk_scale,
                                 s_qb, s_qh, s_qt, s_cb, s_ch, s_cs, s_pb, s_pt,
                                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                                SPLIT: tl.constexpr, FP32: tl.constexpr):
+                                SPLIT: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr = False):
         """Program (b*T + t, kv head, split): the G query heads of one KV head group over the cache
         slots [split * chunk, split * chunk + chunk) that are < kv_len and <= positions[b, t].
 
@@ -57,6 +57,7 @@ if triton is not None:
         ([G, BLOCK_S, D] products + tl.sum) runs on the CUDA cores at ~16 FMAs per loaded K/V element,
         close to the H200's float32 rate at full memory bandwidth, and needs large register tiles;
         the padded dot costs no extra memory traffic and keeps the long-context kernel memory-bound."""
+        grid_dependency(PDL)
         bt = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -115,9 +116,10 @@ if triton is not None:
                      out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
     @triton.jit
-    def combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, n_splits, D: tl.constexpr, SP: tl.constexpr):
+    def combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, n_splits, D: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr = False):
         """Program (b*T + t) * NH + head: merge the head's n_splits partials (base-2 max, sum,
         unnormalised output) into its output row."""
+        grid_dependency(PDL)
         r = tl.program_id(0).to(tl.int64)
         j = tl.arange(0, SP)
         d = tl.arange(0, D)
@@ -204,7 +206,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Ten
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         positions.stride(0), positions.stride(1),
         G=G, GP=max(16, _next_pow2(G)), D=D, BLOCK_S=block, SPLIT=splits > 1, FP32=q.dtype == torch.float32,
-        num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
+        num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"], **pdl_launch(q.device))
     if splits > 1:
-        combine_kernel[(B * T * NH,)](part_acc, part_ml, out, splits, D=D, SP=_next_pow2(splits), num_warps=4)
+        combine_kernel[(B * T * NH,)](part_acc, part_ml, out, splits, D=D, SP=_next_pow2(splits), num_warps=4,
+                                      **pdl_launch(q.device))
     return out

@@ -233,7 +233,48 @@ def _kernels():
     return gate_up_kernel, down_kernel, moe_sum_kernel
 
 
+# Programmatic dependent launch (PDL, sm_90+): each decode-step kernel is launched with the
+# programmatic-serialization attribute, so the GPU starts launching it while the kernel before it in
+# the stream is still running; its programs then wait (griddepcontrol.wait) until that kernel has
+# finished and its writes are visible, before touching any memory. What it saves is the launch gap
+# between two dependent kernels (~1.5 us each in round 8's CUDA-graph steps: ~390 kernels, ~0.57 ms
+# of a 2.6 ms step). Every program waits first, whatever it does after: a kernel whose programs all
+# exited without waiting could finish before its predecessor, and the next kernel's wait would then
+# not cover that predecessor. PDL = False turns it off (benchmarks A/B it).
+PDL = True
+_PDL_OK: dict = {}
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Keyword arguments for launching a kernel that has the PDL constexpr on `device`: PDL and
+    launch_pdl both on where it can work (CUDA, compute capability 9+, a Triton that has
+    griddepcontrol and the launch option), else PDL off (the wait compiles away)."""
+    if not PDL or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return {"PDL": False}
+    ok = _PDL_OK.get(device)
+    if ok is None:
+        try:
+            import dataclasses
+
+            from triton.backends.nvidia.compiler import CUDAOptions
+            from triton.language.extra.cuda import gdc_wait  # noqa: F401 - presence check
+            ok = ("launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
+                  and torch.cuda.get_device_capability(device)[0] >= 9)
+        except Exception:  # noqa: BLE001 - an older Triton: no PDL
+            ok = False
+        _PDL_OK[device] = ok
+    return {"PDL": True, "launch_pdl": True} if ok else {"PDL": False}
+
+
 if triton is not None:
+    @triton.jit
+    def grid_dependency(PDL: tl.constexpr):
+        """With PDL: wait for the previous kernel in the stream to finish (its writes visible), then
+        let the next one start launching. Must run before the program touches memory."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
     @triton.jit
     def trit_digit(v):
         """(v // 3, v % 3) of byte values 0 <= v <= 242 (int32; the remainder as float32)."""
@@ -379,8 +420,9 @@ if triton is not None:
         tl.store(q_row + K // 2 + K // QB + b, scale.to(tl.int32, bitcast=True), mask=bmask)
 
     @triton.jit
-    def quantize_rows_kernel(x_ptr, q_ptr, K, stride_x, stride_q, W: tl.constexpr, QB: tl.constexpr):
+    def quantize_rows_kernel(x_ptr, q_ptr, K, stride_x, stride_q, W: tl.constexpr, QB: tl.constexpr, PDL: tl.constexpr = False):
         """Program t: row t of x (K columns) quantized into q's layout (store_quant)."""
+        grid_dependency(PDL)
         t = tl.program_id(0).to(tl.int64)
         w8 = tl.arange(0, W)
         col = 8 * w8[:, None] + tl.arange(0, 8)[None, :]
@@ -574,11 +616,12 @@ if triton is not None:
                        TOPK: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
                        FMT_A: tl.constexpr, MAP_A: tl.constexpr, FAST_A: tl.constexpr, BK_A: tl.constexpr,
                        HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, FAST_B: tl.constexpr,
-                       BK_B: tl.constexpr):
+                       BK_B: tl.constexpr, PDL: tl.constexpr = False):
         """Program (pair, row block) for up to two expert groups (A, and B when HAS_B): each pair's
         expert is in at most one of them; a pair in neither is left to another launch. Two groups per
         launch: a hot/cold plan's second format costs no extra launches (round 6: ~3 us each).
         xq / hq: x and h quantized (store_quant rows), for groups in mode 3."""
+        grid_dependency(PDL)
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
         rmask = rows < N
@@ -631,13 +674,14 @@ if triton is not None:
                     FIRST: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
                     FMT_A: tl.constexpr, MAP_A: tl.constexpr, FAST_A: tl.constexpr, BK_A: tl.constexpr,
                     HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, FAST_B: tl.constexpr,
-                    BK_B: tl.constexpr, QH: tl.constexpr):
+                    BK_B: tl.constexpr, QH: tl.constexpr, PDL: tl.constexpr = False):
         """Program (pair, row block): part[pair, rows] = w[pair] * (W_down[e] h[pair])[rows] in
         float32, for up to two groups like gate_up. One program per pair: round 4's down looped over
         a token's k experts in one program, a chain of dependent loads that ran at ~1.8 TB/s against
         gate_up's ~3.1. The first launch also zeroes the rows of pairs in neither of its groups, so
         every row is written once whatever the grouping, and moe_sum adds the k rows in a fixed order.
         Mode 3 groups read h quantized (hq, blocks of QH columns)."""
+        grid_dependency(PDL)
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
         rmask = rows < N
@@ -666,8 +710,9 @@ if triton is not None:
                 tl.store(part_out + rows, tl.zeros((BN,), dtype=tl.float32), mask=rmask)
 
     @triton.jit
-    def moe_sum_kernel(part_ptr, out_ptr, N, stride_pt, stride_ot, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    def moe_sum_kernel(part_ptr, out_ptr, N, stride_pt, stride_ot, TOPK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """out[t] = sum_j part[t * TOPK + j] in the order j = 0..TOPK-1 (deterministic), x's dtype."""
+        grid_dependency(PDL)
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = offs < N
@@ -801,7 +846,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
         if xq is None:
             xq = torch.empty(T, quant_row_len(H, GROUP), dtype=torch.int32, device=x.device)
             quantize_rows_kernel[(T,)](x, xq, H, x.stride(0), xq.stride(0), W=_next_pow2(H // 8), QB=GROUP,
-                                       num_warps=4)
+                                       num_warps=4, **pdl_launch(x.device))
         elif xq.dtype != torch.int32 or tuple(xq.shape) != (T, quant_row_len(H, GROUP)) or xq.stride(-1) != 1:
             raise KernelError(f"fused_moe: xq {xq.dtype} {tuple(xq.shape)}; expected int32 "
                               f"[{T}, {quant_row_len(H, GROUP)}] rows from add_rmsnorm_router(quantize_h=True)")
@@ -840,7 +885,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
                      gd.stride(0), gd.stride(1), gse, gsr, ud.stride(0), ud.stride(1), use, usr]
         gate_up_kernel[(T * k, -(-inter // meta["gate_up"]["BN"]))](
             x, xq, ids, h, hq, inter, H, x.stride(0), xq.stride(0), h.stride(0), hq.stride(0), *args, TOPK=k,
-            **meta["gate_up"])
+            **meta["gate_up"], **pdl_launch(x.device))
         args = []
         for g in (ga, gb):
             ds, dm, dse, dsr = _scale_args(g.down)
@@ -850,7 +895,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
                      dd.stride(0), dd.stride(1), dse, dsr]
         down_kernel[(T * k, -(-H // meta["down"]["BN"]))](
             h, hq, ids, wts, part, H, inter, h.stride(0), hq.stride(0), part.stride(0), *args, FIRST=first,
-            QH=meta["gate_up"]["BN"], **meta["down"])
+            QH=meta["gate_up"]["BN"], **meta["down"], **pdl_launch(x.device))
 
     def launches(gs: list[ExpertGroup], first: bool) -> None:
         # The group with the most experts leads; groups of one format share a launch pair. Two
@@ -900,7 +945,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     block = min(1024, _next_pow2(H))
     moe_sum_kernel[(T, -(-H // block))](part, out, H, part.stride(0), out.stride(0), TOPK=k, BLOCK=block,
-                                        num_warps=4)
+                                        num_warps=4, **pdl_launch(x.device))
     return out
 
 
@@ -953,9 +998,10 @@ if triton is not None:
 
     @triton.jit
     def add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, eps,
-                           HAS_DELTA: tl.constexpr, DELTA_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                           HAS_DELTA: tl.constexpr, DELTA_ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """Row r: s = x + delta (rounded to x's dtype, written to res), out = w * norm(s) (see
         residual_sum for DELTA_ROWS > 1)."""
+        grid_dependency(PDL)
         r = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < N
@@ -989,8 +1035,9 @@ if triton is not None:
 
     @triton.jit
     def route_topk_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOPK: tl.constexpr, KP: tl.constexpr,
-                          NORM: tl.constexpr, BLOCK_E: tl.constexpr):
+                          NORM: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
         """One token: softmax + top-k of its E router logits."""
+        grid_dependency(PDL)
         r = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_E)
         m = offs < E
@@ -1000,12 +1047,13 @@ if triton is not None:
     @triton.jit
     def router_topk_kernel(x_ptr, g_ptr, logits_ptr, count_ptr, ids_ptr, w_ptr, E, H, stride_xt, stride_g,
                            TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                           BE: tl.constexpr, BH: tl.constexpr):
+                           BE: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False):
         """Program (token t, block of BE experts): router logits of those experts (a GEMV slice,
         float32, rounded to x's dtype as F.linear rounds them) to `logits`; the token's last program
         to finish (a per-token arrival counter, acq_rel atomics) then runs softmax + top-k on all E
         logits and resets the counter for the next call. One launch where there were two (cuBLAS'
         M=1 GEMM, ~5 us for this 128 x 2048 matrix, and route_topk)."""
+        grid_dependency(PDL)
         t = tl.program_id(0).to(tl.int64)
         pb = tl.program_id(1)
         rows = pb * BE + tl.arange(0, BE)
@@ -1047,9 +1095,10 @@ if triton is not None:
                              qo_ptr, kc_ptr, vc_ptr, T, NH, eps,
                              s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_cb, s_ct,
                              s_ob, s_oh, s_ot, s_cab, s_cah, s_cas,
-                             HAS_NORM: tl.constexpr, D: tl.constexpr):
+                             HAS_NORM: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False):
         """Program (b*T + t, head): query heads -> normed, rotated, written to qo [B, NH, T, D];
         key/value heads -> normed+rotated key and the value written to their cache slot pos[b, t]."""
+        grid_dependency(PDL)
         bt = tl.program_id(0)
         h = tl.program_id(1)
         b = bt // T
@@ -1099,7 +1148,8 @@ def add_rmsnorm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float,
     if delta_rows > 1 and dc.dtype != torch.float32:
         raise KernelError(f"add_rmsnorm: partial rows (delta_rows={delta_rows}) must be float32, got {dc.dtype}")
     add_rmsnorm_kernel[(rows,)](xc, dc, weight, res, out, N, eps, HAS_DELTA=delta is not None,
-                                DELTA_ROWS=delta_rows, BLOCK=_next_pow2(N), num_warps=4 if N >= 1024 else 1)
+                                DELTA_ROWS=delta_rows, BLOCK=_next_pow2(N), num_warps=4 if N >= 1024 else 1,
+                                **pdl_launch(x.device))
     return res, out
 
 
@@ -1115,7 +1165,7 @@ def route_topk(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, T
     ids = torch.empty(N, top_k, dtype=torch.long, device=lg.device)
     w = torch.empty(N, top_k, dtype=torch.float32, device=lg.device)
     route_topk_kernel[(N,)](lg, ids, w, E, lg.stride(0), TOPK=top_k, KP=_next_pow2(top_k), NORM=renormalize,
-                            BLOCK_E=_next_pow2(E), num_warps=1)
+                            BLOCK_E=_next_pow2(E), num_warps=1, **pdl_launch(logits.device))
     return ids, w
 
 
@@ -1155,7 +1205,8 @@ def router_topk(x: Tensor, weight: Tensor, top_k: int, renormalize: bool,
     router_topk_kernel[(N, -(-E // be))](xc, weight, logits, counts, ids, w, E, H, xc.stride(0), weight.stride(0),
                                          TOPK=top_k, KP=_next_pow2(top_k), NORM=renormalize,
                                          BLOCK_E=_next_pow2(E), BE=be, BH=min(cfg["BK"], _next_pow2(H)),
-                                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                                         **pdl_launch(x.device))
     return logits, ids, w
 
 
@@ -1168,11 +1219,12 @@ if triton is not None:
                                   w_ptr, q_ptr, N, E, eps, stride_g, stride_q, HAS_DELTA: tl.constexpr,
                                   TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
                                   BLOCK_E: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, QUANT: tl.constexpr,
-                                  QB: tl.constexpr):
+                                  QB: tl.constexpr, PDL: tl.constexpr = False):
         """Program (token t, block of BE experts): add_rmsnorm_kernel's row t (program 0 stores res
         and h), then router_topk_kernel's program on that h. Every program normalises the row itself
         (no grid-wide wait for program 0), so the norm's loads are repeated per expert block; they are
         one row each, L2-resident. The GEMV steps, sums and roundings are router_topk_kernel's."""
+        grid_dependency(PDL)
         t = tl.program_id(0).to(tl.int64)
         pb = tl.program_id(1)
         dt = x_ptr.dtype.element_ty
@@ -1273,7 +1325,7 @@ def add_rmsnorm_router(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps
         xc, dc, norm_weight, res, h, router_weight, logits, counts, ids, w, xq, H, E, eps, router_weight.stride(0),
         xq.stride(0), HAS_DELTA=delta is not None, TOPK=top_k, KP=_next_pow2(top_k), NORM=renormalize, BLOCK=block,
         BLOCK_E=_next_pow2(E), BE=be, BH=min(cfg["BK"], block), QUANT=quantize_h, QB=GROUP,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(x.device))
     return (res, h, logits, ids, w, xq) if quantize_h else (res, h, logits, ids, w)
 
 
@@ -1309,7 +1361,7 @@ def qk_rope_cache(q: Tensor, k: Tensor, v: Tensor, q_norm_w: Tensor | None, k_no
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), cos.stride(0), cos.stride(1),
         qo.stride(0), qo.stride(1), qo.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HAS_NORM=has_norm, D=D, num_warps=1)
+        HAS_NORM=has_norm, D=D, num_warps=1, **pdl_launch(q.device))
     return qo
 
 
@@ -1321,8 +1373,9 @@ def qk_rope_cache(q: Tensor, k: Tensor, v: Tensor, q_norm_w: Tensor | None, k_no
 if triton is not None:
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xt, stride_wn, stride_yt,
-                    HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
         """Program (row block, token): y[t, rows] = W[rows] . x[t] (+ bias), float32 accumulation."""
+        grid_dependency(PDL)
         nb = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)
         rows = nb * BN + tl.arange(0, BN)
@@ -1360,7 +1413,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     cfg = get_config("gemv", "dense")
     gemv_kernel[(-(-N // cfg["BN"]), T)](x2, weight, bias if bias is not None else weight, y, N, K,
                                          x2.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-                                         BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                                         BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                                         **pdl_launch(x.device))
     return y.view(*x.shape[:-1], N)
 
 
@@ -1372,9 +1426,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 if triton is not None:
     @triton.jit
     def stage_copy_kernel(src_ptr, dst_ptr, pred_ptr, host_slot_ptr, n_words, src_stride, dst_stride,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """Program (j, chunk): if predicted expert pred[j] lives in this host group (slot s >= 0),
         copy chunk `chunk` of slot s's words to stage slot j."""
+        grid_dependency(PDL)
         j = tl.program_id(0)
         c = tl.program_id(1)
         e = tl.load(pred_ptr + j).to(tl.int64)
@@ -1387,9 +1442,10 @@ if triton is not None:
 
     @triton.jit
     def stage_maps_kernel(pred_ptr, host_slot_ptr, stage_slot_ptr, host_dyn_ptr, E,
-                          K: tl.constexpr, BLOCK_E: tl.constexpr):
+                          K: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
         """stage_slot[e] = j if e == pred[j] and e lives in this host group, else -1; host_dyn[e] =
         the host slot of e unless it is staged (-1): the two groups then cover e exactly once."""
+        grid_dependency(PDL)
         offs = tl.arange(0, BLOCK_E)
         m = offs < E
         hs = tl.load(host_slot_ptr + offs, mask=m, other=-1)
@@ -1425,7 +1481,7 @@ def stage_experts(pred_ids: Tensor, host_slot_of: Tensor, host: ExpertGroup, sta
             block = 4096
             stage_copy_kernel[(k, -(-src.shape[1] // block))](src, dst, pred, host_slot_of, src.shape[1],
                                                                 src.stride(0), dst.stride(0), BLOCK=block,
-                                                                num_warps=8)
+                                                                num_warps=8, **pdl_launch(dst.device))
     E = host_slot_of.numel()
     stage_maps_kernel[(1,)](pred, host_slot_of, stage_slot_of, host_dyn, E, K=k, BLOCK_E=_next_pow2(E),
-                            num_warps=1)
+                            num_warps=1, **pdl_launch(pred.device))
