@@ -685,6 +685,19 @@ def main(argv=None) -> dict:
     def _():
         return bf16_rate(eng_new, "triton")
 
+    @variant("engine_bf16_triton_graphs_no_pdl")
+    def _():
+        """A/B: the same engine without programmatic dependent launch (kernels.PDL off)."""
+        kernels.PDL = False
+        eng_new._graphs.clear()
+        try:
+            r = bf16_rate(eng_new, "triton, PDL off")
+        finally:
+            kernels.PDL = True
+            eng_new._graphs.clear()
+        r["pdl_supported_here"] = kernels.pdl_launch(device).get("launch_pdl", False)
+        return r
+
     @variant("engine_bf16_triton_graphs_moe_sum_kernel")
     def _():
         """A/B: the same engine with moe_sum as its own launch (kernels.DEFER_MOE_SUM off)."""

@@ -90,7 +90,7 @@ def test_dense_experts_triton_matches_loop_on_strided_views():
     assert torch.allclose(m(xd, idsd, wd), want, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "int4_asym", "ternary"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "int4_asym", "ternary", "ternary2"])
 def test_tiered_fused_path_matches_per_expert_path(fmt):
     """Two formats in one layer (hot int8, the rest `fmt`) and both homes: the fused kernels give
     what TieredExperts' per-expert dequantize path gives, and that path still works afterwards on
@@ -191,11 +191,12 @@ def reference_a8(x, ids, w, mats, qh, quantized=None):
     return out
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "ternary2"])
 def test_int8_activation_mode_matches_its_reference(fmt, monkeypatch):
     """Mode 3 (x and h quantized to int8 per block, dp4a on the raw weight bytes) computes exactly
     what quantize_activations says, stays within 2% of the unrounded result (int4 weights alone are
-    ~10% off), and leaves widths that are not whole 64-column blocks to mode 2."""
+    ~10% off), and leaves widths that are not whole 64-column blocks to mode 2. ternary2's h blocks
+    are 16 columns at least (a weight word spans 16)."""
     monkeypatch.setitem(kernels.FAST_BY_FORMAT, fmt, 3)
     g = torch.Generator().manual_seed(21)
     Hq, Iq = 128, 64
@@ -212,12 +213,18 @@ def test_int8_activation_mode_matches_its_reference(fmt, monkeypatch):
     exact = reference(x, ids, w, dq)
     assert (got - exact).norm() / exact.norm() < 0.02
     assert (got - exact).abs().max() > 1e-5       # the rounding is really there
-    # mode 3 launches take the a8 config: gate_up BN 8 makes h blocks of 8 columns
+    # mode 3 launches take the a8 config: gate_up BN 8 makes h blocks of 8 columns (ternary2: 16)
     kernels.set_config("gate_up", fmt, a8=True, BN=8)
     got8 = kernels.fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), [group]).cpu()
-    want8 = reference_a8(x, ids, w, dq, qh=8)
+    want8 = reference_a8(x, ids, w, dq, qh=16 if fmt == "ternary2" else 8)
     assert torch.allclose(got8, want8, atol=1e-5, rtol=1e-5), (got8 - want8).abs().max()
-    assert not torch.allclose(want8, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(want8, want) == (fmt == "ternary2")
+    if fmt == "ternary2":       # h blocks of 32 columns: the rounding changes, the kernel follows
+        kernels.set_config("gate_up", fmt, a8=True, BN=32)
+        got32 = kernels.fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), [group]).cpu()
+        want32 = reference_a8(x, ids, w, dq, qh=32)
+        assert torch.allclose(got32, want32, atol=1e-5, rtol=1e-5), (got32 - want32).abs().max()
+        assert not torch.allclose(want32, want, atol=1e-5, rtol=1e-5)
     # 96 columns: not whole blocks, so mode 2 (exact activations)
     mats = [[quantize(torch.randn(*s, generator=g) * 0.1, fmt) for _ in range(E)] for s in ((I, H), (I, H), (H, I))]
     group = kernels.ExpertGroup(*(kernels.PackedMatrix.stack(m, DEV) for m in mats), None, fmt)
@@ -228,17 +235,19 @@ def test_int8_activation_mode_matches_its_reference(fmt, monkeypatch):
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
 
 
-def test_int8_activation_group_beside_a_ternary_group(monkeypatch):
-    """A hot/cold layer: int8 experts in mode 3 and ternary ones (exact activations) in one call, on
-    side streams on CUDA; each pair gets its own group's arithmetic."""
+@pytest.mark.parametrize("cold", ["ternary", "ternary2"])
+def test_int8_activation_group_beside_a_ternary_group(cold, monkeypatch):
+    """A hot/cold layer: int8 experts in mode 3 and ternary ones in one call, on side streams on
+    CUDA; each pair gets its own group's arithmetic (ternary: exact activations; ternary2: mode 3 too)."""
     monkeypatch.setitem(kernels.FAST_BY_FORMAT, "int8", 3)
+    monkeypatch.setitem(kernels.FAST_BY_FORMAT, cold, 3)
     g = torch.Generator().manual_seed(22)
     Hq, Iq = 128, 64
-    fmts = ["int8", "ternary", "int8", "ternary", "int8", "int8"]
+    fmts = ["int8", cold, "int8", cold, "int8", "int8"]
     experts = [tuple(quantize(torch.randn(*s, generator=g) * 0.1, f) for s in ((Iq, Hq), (Iq, Hq), (Hq, Iq)))
                for f in fmts]
     groups = []
-    for fmt in ("int8", "ternary"):
+    for fmt in ("int8", cold):
         members = [e for e, f in enumerate(fmts) if f == fmt]
         slot_of = torch.full((E,), -1, dtype=torch.int32)
         slot_of[members] = torch.arange(len(members), dtype=torch.int32)
@@ -248,8 +257,9 @@ def test_int8_activation_group_beside_a_ternary_group(monkeypatch):
     x = torch.randn(4, Hq, generator=g)
     ids, w = routing(4, g)
     got = kernels.fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), groups).cpu()
-    want = reference_a8(x, ids, w, dq, qh=16, quantized={e for e, f in enumerate(fmts) if f == "int8"})
+    want = reference_a8(x, ids, w, dq, qh=16, quantized={e for e, f in enumerate(fmts) if f != "ternary"})
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    assert [kernels._fast(gr, "gate_up") for gr in groups] == [3, 3 if cold == "ternary2" else 0]
 
 
 # expert e's (format, group): three formats, or two groups of one format plus a third group

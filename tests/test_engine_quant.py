@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moebench.engine.quant import (QuantError, QuantizedTensor, bytes_per_weight, format_nbytes, pack_nibbles,
-                                   pack_trits, parse_format, quantize, unpack_nibbles, unpack_trits)
+from moebench.engine.quant import (QuantError, QuantizedTensor, bytes_per_weight, format_nbytes, pack_crumbs,
+                                   pack_nibbles, pack_trits, parse_format, quantize, unpack_crumbs, unpack_nibbles,
+                                   unpack_trits)
 
 LENGTHS = [1, 2, 3, 4, 5, 6, 7, 63, 64, 65, 127, 128, 333]
 
@@ -38,6 +39,31 @@ def test_trits_extremes_and_every_byte_value():
     assert torch.equal(unpack_trits(packed, 5), digits)
 
 
+def test_crumbs_round_trip_and_the_dp4a_word_layout():
+    """Four 2-bit codes per byte; in each 32-bit word (16 codes), (word >> 2j) & 0x03030303 holds
+    codes 4j..4j+3 in bytes 0..3, the column order of one natural word of int8 activations."""
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 4, (3, 128), generator=g, dtype=torch.uint8)
+    packed = pack_crumbs(codes)
+    assert packed.shape == (3, 32) and torch.equal(unpack_crumbs(packed, 128), codes)
+    words = packed.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF   # little-endian words
+    for w in range(8):
+        for j in range(4):
+            m = (int(words[1, w]) >> (2 * j)) & 0x03030303
+            assert [(m >> (8 * lane)) & 255 for lane in range(4)] == codes[1, 16 * w + 4 * j:16 * w + 4 * j + 4].tolist()
+    with pytest.raises(QuantError, match="multiple of 16"):
+        pack_crumbs(codes[:, :40])
+
+
+def test_ternary2_holds_ternarys_codes_and_scales_in_two_bits():
+    w = torch.randn(24, 200, generator=torch.Generator().manual_seed(4))
+    a, b = quantize(w, "ternary"), quantize(w, "ternary2")
+    assert torch.equal(a.dequantize(), b.dequantize()) and torch.equal(a.parts["scale"], b.parts["scale"])
+    assert b.parts["q"].shape == (24, 256 // 4)          # 200 columns padded to 256, four per byte
+    assert b.nbytes == format_nbytes("ternary2", 24, 200) > a.nbytes
+    assert bytes_per_weight("ternary2") == pytest.approx(0.25 + 2 / 64)
+
+
 def test_unpack_rejects_wrong_length_and_dtype():
     with pytest.raises(QuantError, match="expected 3 bytes"):
         unpack_trits(torch.zeros(4, dtype=torch.uint8), 11)
@@ -45,7 +71,7 @@ def test_unpack_rejects_wrong_length_and_dtype():
         unpack_nibbles(torch.zeros(4, dtype=torch.int32), 8)
 
 
-ALL_FORMATS = ["bf16", "int8", "int4", "int4_asym", "ternary", "ternary+r8", "int4+r4"]
+ALL_FORMATS = ["bf16", "int8", "int4", "int4_asym", "ternary", "ternary2", "ternary+r8", "int4+r4"]
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)

@@ -37,7 +37,7 @@ from torch import Tensor
 from .quant import GROUP, QuantizedTensor, parse_format
 
 # Storage formats the kernels decode; the code is the FMT constexpr of the kernels.
-FORMAT_CODES = {"dense": 0, "int8": 1, "int4": 2, "int4_asym": 3, "ternary": 4}
+FORMAT_CODES = {"dense": 0, "int8": 1, "int4": 2, "int4_asym": 3, "ternary": 4, "ternary2": 5}
 
 # Launch parameters per (kernel, format) or (kernel, format, "host") for groups in pinned host
 # memory: BN output rows per program, BK input columns (packed formats: bytes) per loop step,
@@ -59,6 +59,10 @@ CONFIG: dict[tuple[str, ...], dict[str, int]] = {
     # ternary is the cold format of the hot/cold plans: tuned with one pair of a layer's eight (round 7 run 3)
     ("gate_up", "ternary"): _cfg(4, 512, 4, 3), ("down", "ternary"): _cfg(8, 256, 4, 3),
     ("gate_up", "ternary", "host"): _cfg(4, 512, 4, 3), ("down", "ternary", "host"): _cfg(16, 256, 4, 3),
+    # ternary2 (2-bit codes, word decode): not yet swept; int4's mode-2 shapes, a whole 2048-column row
+    # (512 bytes) per a8 gate_up step
+    ("gate_up", "ternary2"): _cfg(8, 256, 4, 3), ("down", "ternary2"): _cfg(16, 256, 4, 3),
+    ("gate_up", "ternary2", "a8"): _cfg(16, 512, 4, 2), ("down", "ternary2", "a8"): _cfg(16, 256, 4, 2),
     # decode mode 3 (int8 activations; gate_up BN is 8 at least), round 8's quant_kernels_h200 sweep:
     # int4 gate_up 7.94 us against 9.76 with the mode-2 config, int8 10.88 against 11.21
     ("gate_up", "int4", "a8"): _cfg(8, 1024, 4, 2), ("down", "int4", "a8"): _cfg(16, 128, 4, 2),
@@ -98,9 +102,11 @@ def set_config(kernel: str, fmt: str, host: bool = False, a8: bool = False, **pa
         raise KernelError(f"set_config: unknown parameters {sorted(bad)}; expected {list(DEFAULT_CONFIG)}")
     key = (kernel, fmt, "host") if host else (kernel, fmt, "a8") if a8 else (kernel, fmt)
     cfg = {**CONFIG.get(key, CONFIG.get((kernel, fmt), DEFAULT_CONFIG)), **params}
-    if fmt in ("int4", "int4_asym") and kernel in ("gate_up", "down") and cfg["BK"] % (GROUP // 2):
-        # int4 steps cover whole 64-column groups (32 bytes) so each group's scale is loaded once
-        raise KernelError(f"set_config: {kernel}/{fmt} BK={cfg['BK']} bytes; expected a multiple of {GROUP // 2}")
+    per_byte = {"int4": 2, "int4_asym": 2, "ternary2": 4}.get(fmt)
+    if per_byte and kernel in ("gate_up", "down") and cfg["BK"] % (GROUP // per_byte):
+        # steps cover whole 64-column groups (int4: 32 bytes, ternary2: 16) so each group's scale is loaded once
+        raise KernelError(f"set_config: {kernel}/{fmt} BK={cfg['BK']} bytes; expected a multiple of "
+                          f"{GROUP // per_byte}")
     CONFIG[key] = cfg
 
 
@@ -161,7 +167,7 @@ class PackedMatrix:
                 raise KernelError(f"PackedMatrix.stack: matrix {i} is {m.fmt} {tuple(m.shape)}, "
                                   f"matrix 0 is {fmt} {tuple(shape)}")
         names = {"bf16": ("w",), "int8": ("q", "scale"), "int4": ("q", "scale"),
-                 "int4_asym": ("q", "scale", "min"), "ternary": ("q", "scale")}[base]
+                 "int4_asym": ("q", "scale", "min"), "ternary": ("q", "scale"), "ternary2": ("q", "scale")}[base]
         stacked = {}
         for name in names:
             first = mats[0].parts[name]
@@ -436,7 +442,7 @@ if triton is not None:
     def word_dots(base, s_row, m_row, rmask, x_ptr, k0, K, KB,
                   FMT: tl.constexpr, FAST: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, QB: tl.constexpr):
-        """row_dots for int8 / int4 / int4_asym rows read as int32 words (BK bytes = BK/4 words per
+        """row_dots for int8 / int4 / int4_asym / ternary2 rows read as int32 words (BK bytes = BK/4 words per
         step). No int-to-float conversion instructions, which run at 1/8 of the FMA rate and capped
         the byte path (round 6: int8 at 41%, int4 at 21% of copy bandwidth): a code c in the low bits
         of (0x4B000000 | c) read as a float is 2^23 + c, so one OR and one float subtract decode it.
@@ -456,6 +462,30 @@ if triton is not None:
                 xs = tl.load(x_ptr + K // 2 + K // QB + bi, mask=bi < K // QB, other=0).to(tl.float32, bitcast=True)
                 blk = tl.sum(tl.reshape(acc, (BN, NB, QB // 4)), axis=2)
                 return tl.sum(blk.to(tl.float32) * xs[None, :], axis=1)
+            elif FMT == 5:
+                # ternary2: word w = columns 16w..16w+15; (w >> 2j) & 0x03030303 = the codes (trit + 1)
+                # of columns 16w+4j..+3, the bytes of x's natural word 4w+j. sum (c - 1) x = dp4a - qsum.
+                NB: tl.constexpr = 4 * BK // QB
+                xi = 4 * wi[:, None] + tl.arange(0, 4)[None, :]
+                xx = tl.load(x_ptr + xi, mask=xi < K // 4, other=0)          # [BK/4, 4], contiguous
+                xe, xo = tl.split(tl.reshape(xx, (BK // 4, 2, 2)))           # j = 2p + r
+                x0, x2 = tl.split(xe)
+                x1, x3 = tl.split(xo)
+                acc = dp4a(wv & 0x03030303, tl.broadcast_to(x0[None, :], (BN, BK // 4)), zero, False)
+                acc = dp4a((wv >> 2) & 0x03030303, tl.broadcast_to(x1[None, :], (BN, BK // 4)), acc, False)
+                acc = dp4a((wv >> 4) & 0x03030303, tl.broadcast_to(x2[None, :], (BN, BK // 4)), acc, False)
+                acc = dp4a((wv >> 6) & 0x03030303, tl.broadcast_to(x3[None, :], (BN, BK // 4)), acc, False)
+                bi = 4 * k0 // QB + tl.arange(0, NB)
+                qsum = tl.load(x_ptr + K // 2 + bi, mask=bi < K // QB, other=0)
+                xs = tl.load(x_ptr + K // 2 + K // QB + bi, mask=bi < K // QB, other=0).to(tl.float32, bitcast=True)
+                blk = tl.sum(tl.reshape(acc, (BN, NB, QB // 16)), axis=2) - qsum[None, :]
+                part = blk.to(tl.float32) * xs[None, :]
+                NQ: tl.constexpr = BK // (GROUP_SIZE // 4)
+                per_group = tl.sum(tl.reshape(part, (BN, NQ, GROUP_SIZE // QB)), axis=2)
+                gi = k0 // (GROUP_SIZE // 4) + tl.arange(0, NQ)
+                gmask = rmask[:, None] & (gi * (GROUP_SIZE // 4) < KB)[None, :]
+                s = tl.load(s_row + gi[None, :], mask=gmask, other=0.0).to(tl.float32)
+                return tl.sum(s * per_group, axis=1)
             else:
                 NB: tl.constexpr = 2 * BK // QB
                 xe = tl.load(x_ptr + K // 4 + wi, mask=wi < K // 8, other=0)
@@ -489,6 +519,22 @@ if triton is not None:
                 q = (((wv >> (8 * j)) & 255) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
                 acc += q * xj[None, :]
             return tl.sum(acc, axis=1)
+        elif FMT == 5:
+            # ternary2, float x: column 16w + 4j + l is in bits 8l + 2j..; OR-ing 0x4B000000 onto the
+            # 2-bit code c and reading it as a float gives 2^23 + c, so subtracting 2^23 + 1 gives the
+            # trit. x is read per column (L1-resident): 16 strided loads of [BK/4] per step.
+            for j in tl.static_range(4):
+                for lane in tl.static_range(4):
+                    col = 16 * wi + 4 * j + lane
+                    xj = tl.load(x_ptr + col, mask=col < K, other=0.0).to(tl.float32)
+                    q = (((wv >> (8 * lane + 2 * j)) & 3) | 0x4B000000).to(tl.float32, bitcast=True) - 8388609.0
+                    acc += q * xj[None, :]
+            NG: tl.constexpr = BK // (GROUP_SIZE // 4)
+            per_group = tl.sum(tl.reshape(acc, (BN, NG, GROUP_SIZE // 16)), axis=2)
+            gi = k0 // (GROUP_SIZE // 4) + tl.arange(0, NG)
+            gmask = rmask[:, None] & (gi * (GROUP_SIZE // 4) < KB)[None, :]
+            s = tl.load(s_row + gi[None, :], mask=gmask, other=0.0).to(tl.float32)
+            return tl.sum(s * per_group, axis=1)
         else:
             # word w holds columns 8w..8w+7, column 8w+j in bits 4j..4j+3; 8 words = one 64-column group
             xs = tl.zeros((BK // 4,), dtype=tl.float32)
@@ -745,7 +791,7 @@ def _scale_args(pm: PackedMatrix):
 # it is opt-in per format.
 FAST_DECODE = 2
 FAST_BY_FORMAT: dict[str, int] = {}     # per-format overrides of FAST_DECODE (benchmarks set them)
-INT8_ACTIVATION_FORMATS = ("int8", "int4")
+INT8_ACTIVATION_FORMATS = ("int8", "int4", "ternary2")
 
 
 def decode_mode(fmt: str) -> int:
@@ -754,8 +800,8 @@ def decode_mode(fmt: str) -> int:
 
 def _words(pm: PackedMatrix) -> Tensor | None:
     """pm's data as an int32 view for the word decode path, or None (bytes path): dense and ternary
-    formats, rows not a whole number of words, or FAST_DECODE off."""
-    if pm.fmt not in ("int8", "int4", "int4_asym") or not decode_mode(pm.fmt):
+    formats, rows not a whole number of words, or FAST_DECODE off (ternary2 has only the word path)."""
+    if pm.fmt not in ("int8", "int4", "int4_asym", "ternary2") or not (decode_mode(pm.fmt) or pm.fmt == "ternary2"):
         return None
     cached = pm.__dict__.get("_words")
     if cached is not None and cached[0] is pm.data:
@@ -777,6 +823,8 @@ def _fast(g: ExpertGroup, kernel: str) -> int:
     quantization blocks), for gate_up and down alike (gate_up hands down a quantized h); others run 2."""
     words = _gate_up_words(g) if kernel == "gate_up" else _words(g.down) is not None
     mode = (3 if g.int8_activations else int(decode_mode(g.gate.fmt))) if words else 0
+    if g.gate.fmt == "ternary2" and mode < 2:
+        mode = 2                        # its only float-x decode (x read per column, no split)
     if mode == 3 and not (g.gate.fmt in INT8_ACTIVATION_FORMATS and g.gate.cols % GROUP == 0
                           and g.gate.rows % GROUP == 0 and _gate_up_words(g) and _words(g.down) is not None):
         mode = 2
@@ -866,14 +914,15 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
             cfg = get_config(kernel, ga.gate.fmt, host=host, a8=a8)
             bn = cfg["BN"]
             if kernel == "gate_up" and a8:
-                bn = min(max(bn, 8), GROUP)            # one block of h per program: 8 to 64 rows
+                # one block of h per program: 8 to 64 rows (ternary2's down words span 16 columns)
+                bn = min(max(bn, 16 if ga.gate.fmt == "ternary2" else 8), GROUP)
             meta[kernel] = dict(BN=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                                 HAS_B=len(pair_groups) > 1, GROUP_SIZE=GROUP)
             for tag, g in (("A", ga), ("B", gb)):
                 fast = _fast(g, kernel)
                 bk = get_config(kernel, g.gate.fmt, host=host, a8=a8)["BK"]
                 if fast == 3:       # a step covers whole x blocks (64 columns; int4: 2 columns per byte)
-                    bk = max(bk, GROUP if g.gate.fmt == "int8" else GROUP // 2)
+                    bk = max(bk, {"int8": GROUP, "int4": GROUP // 2}.get(g.gate.fmt, GROUP // 4))
                 meta[kernel].update({f"FMT_{tag}": FORMAT_CODES[g.gate.fmt], f"MAP_{tag}": g.slot_of is not None,
                                      f"FAST_{tag}": fast, f"BK_{tag}": bk})
         args = []
