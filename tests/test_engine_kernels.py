@@ -145,6 +145,30 @@ def test_int4_steps_spanning_several_scale_groups(fmt):
         kernels.CONFIG.update(saved)
 
 
+@pytest.mark.parametrize("a8", [False, True])
+def test_ternary2_steps_of_one_scale_group(a8, monkeypatch):
+    """ternary2 with BK = 16 bytes (one 64-column group, 4 words) per K step: 4 steps over a 256-wide
+    row, each group scaled once; BK must be whole groups. Float x matches the dequantized reference;
+    int8 x matches quantize_activations' reference."""
+    monkeypatch.setitem(kernels.FAST_BY_FORMAT, "ternary2", 3 if a8 else 2)
+    for kernel in ("gate_up", "down"):
+        kernels.set_config(kernel, "ternary2", a8=a8, BN=16, BK=16)
+    with pytest.raises(kernels.KernelError, match="multiple of 16"):
+        kernels.set_config("down", "ternary2", BK=24)
+    g = torch.Generator().manual_seed(23)
+    Hq, Iq = 256, 64
+    mats = [[quantize(torch.randn(*s, generator=g) * 0.1, "ternary2") for _ in range(E)]
+            for s in ((Iq, Hq), (Iq, Hq), (Hq, Iq))]
+    group = kernels.ExpertGroup(*(kernels.PackedMatrix.stack(m, DEV) for m in mats), None, "ternary2")
+    assert kernels._fast(group, "gate_up") == (3 if a8 else 2)
+    dq = tuple(torch.stack([q.dequantize() for q in m]) for m in mats)
+    x = torch.randn(3, Hq, generator=g)
+    ids, w = routing(3, g)
+    got = kernels.fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), [group]).cpu()
+    want = reference_a8(x, ids, w, dq, qh=16) if a8 else reference(x, ids, w, dq)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
+
+
 @pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("fmt", ["int8", "int4", "int4_asym"])
 def test_word_decode_matches_byte_decode_and_reference(fmt, mode, monkeypatch):
