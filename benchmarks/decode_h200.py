@@ -329,7 +329,7 @@ def sweep_kernel_configs(groups_by_fmt: dict, hidden: int, top_k: int, num_exper
     for fmt, (group, nbytes) in groups_by_fmt.items():
         res = {}
         pairs = top_k
-        if fmt == "ternary" and not host:
+        if fmt in ("ternary", "ternary2") and not host:
             # Ternary is the cold format of the hot/cold plans: a layer sends it about one pair of its
             # eight, and that pair's programs set the launch's length. Tune for that: the group holds
             # one expert of each set (round 7 tuned it with all eight pairs ternary: 96 programs of
@@ -357,7 +357,7 @@ def sweep_kernel_configs(groups_by_fmt: dict, hidden: int, top_k: int, num_exper
         res["GBps"] = pairs * nbytes / t / 1e9
         res["pct_of_copy_bw"] = 100 * pairs * nbytes / t / bw
         mode_note = ""
-        if kernels._words(group.gate) is not None and not host:
+        if kernels._words(group.gate) is not None and not host and fmt != "ternary2":   # ternary2: words only
             # A/B at the same configs: the byte decode with int-to-float conversions (mode 0); the
             # engine keeps the faster mode for this format
             mode = kernels.decode_mode(fmt)
@@ -554,7 +554,7 @@ def main(argv=None) -> dict:
         if args.no_sweep or small:
             raise Skipped
         groups = {"dense": (kernels.dense_group(*dense_expert_weights(hf, 0)), 3 * H * I * elem)}
-        for fmt in ("int8", "int4", "ternary"):
+        for fmt in ("int8", "int4", "ternary", "ternary2"):
             mats = [kernels.PackedMatrix.stack(quantize_stacked(w, fmt), device) for w in dense_expert_weights(hf, 0)]
             groups[fmt] = (kernels.ExpertGroup(*mats, None, fmt), sum(m.nbytes_per_slot for m in mats))
         res = sweep_kernel_configs(groups, H, k, cfg.num_experts, device, dtype, bw)
@@ -754,9 +754,50 @@ def main(argv=None) -> dict:
     plans["int8hot_ternarycold_host_randomhot"] = (
         [["int8" if e in rand_hot[l] else "ternary" for e in range(E)] for l in range(L)],
         [["gpu" if e in rand_hot[l] else "host" for e in range(E)] for l in range(L)])
+    # The hot/cold plans with ternary2 cold experts: ternary's codes in 2 bits (25% more bytes than
+    # base 3), decoded by shift + mask (+ dp4a with int8 activations) instead of base-3 digit chains.
+    for base in ("int8hot_ternarycold_gpu", "int8hot_ternarycold_host"):
+        precision, home = plans[base]
+        plans[base.replace("ternary", "ternary2")] = ([["ternary2" if p == "ternary" else p for p in row]
+                                                       for row in precision], home)
     # The same plans with int8 activations (kernels mode 3: x and h rounded to int8 per block, dp4a).
-    for base in ("int4", "int8hot_ternarycold_gpu", "int8hot_ternarycold_host"):
+    for base in ("int4", "int8hot_ternarycold_gpu", "int8hot_ternarycold_host", "int8hot_ternary2cold_gpu",
+                 "int8hot_ternary2cold_host"):
         plans[base + "_a8"] = plans[base]
+    @variant("prefetch_prediction")
+    def _():
+        """How well prefetch's guess (layer l+1's router on layer l's MoE input) names layer l+1's
+        picks, on the bf16 model's decode positions: share of all picks, and of the picks of the
+        calibrated plan's cold (host) experts, that the guess had in its top k."""
+        moe_in: dict[int, torch.Tensor] = {}
+        layers = hf.model.layers
+        hooks = [layer.mlp.register_forward_hook(lambda m, a, o, i=i: moe_in.__setitem__(i, a[0].detach()))
+                 for i, layer in enumerate(layers)]
+        try:
+            with torch.inference_mode():
+                hf(torch.tensor([prompt + ref_tokens], device=device))
+        finally:
+            for hk in hooks:
+                hk.remove()
+        n0 = len(prompt)
+        hit = tot = cold_hit = cold_tot = 0
+        for l in range(L - 1):
+            wr = layers[l + 1].mlp.gate.weight.float()
+            pred = (moe_in[l][0, n0:].float() @ wr.T).topk(k, dim=-1).indices.tolist()
+            act = (moe_in[l + 1][0, n0:].float() @ wr.T).topk(k, dim=-1).indices.tolist()
+            for p, a in zip(pred, act):
+                for e in a:
+                    tot += 1
+                    hit += e in p
+                    if e not in hot[l + 1]:
+                        cold_tot += 1
+                        cold_hit += e in p
+        r = {"picks": tot, "predicted_share": hit / max(1, tot), "cold_picks": cold_tot,
+             "cold_predicted_share": cold_hit / max(1, cold_tot)}
+        log(f"prefetch guess (router l+1 on layer l's MoE input): {100 * r['predicted_share']:.1f}% of {tot} "
+            f"decode picks, {100 * r['cold_predicted_share']:.1f}% of the {cold_tot} cold-expert picks")
+        return r
+
     plan_tokens: dict[str, list[int]] = {}
     for name, (precision, home) in plans.items():
         @variant(f"engine_{name}_triton_graphs")

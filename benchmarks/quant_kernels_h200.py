@@ -37,8 +37,9 @@ SWEEP = [(4, 512, 4, 3), (8, 1024, 8, 3), (4, 1024, 4, 2), (8, 512, 4, 3), (16, 
          (4, 2048, 8, 2), (16, 512, 8, 2), (8, 128, 4, 3), (16, 128, 4, 2), (4, 256, 4, 3)]
 
 
-def stacked_group(E: int, H: int, I: int, fmt: str, device, gen) -> tuple[kernels.ExpertGroup, int]:
-    """One layer's experts in `fmt` (random weights), and the bytes of one expert."""
+def stacked_group(E: int, H: int, I: int, fmt: str, device, gen, pin: bool = False) -> tuple[kernels.ExpertGroup, int]:
+    """One layer's experts in `fmt` (random weights), and the bytes of one expert; pin: in pinned
+    host memory (the host tier, read over PCIe by the kernels)."""
     mats = []
     for rows, cols in ((I, H), (I, H), (H, I)):
         w = torch.randn(E * rows, cols, generator=gen) * 0.02
@@ -48,7 +49,8 @@ def stacked_group(E: int, H: int, I: int, fmt: str, device, gen) -> tuple[kernel
         q = quantize(w, fmt)
         parts = {k: v.reshape(E, rows, *v.shape[1:]) for k, v in q.parts.items()}
         mats.append(kernels.PackedMatrix.stack(
-            [QuantizedTensor(q.fmt, (rows, cols), {k: v[e] for k, v in parts.items()}) for e in range(E)], device))
+            [QuantizedTensor(q.fmt, (rows, cols), {k: v[e] for k, v in parts.items()}) for e in range(E)], device,
+            pin=pin))
     return kernels.ExpertGroup(*mats, None, fmt), sum(m.nbytes_per_slot for m in mats)
 
 
@@ -66,6 +68,92 @@ def kernel_times(fn, device, calls: int) -> dict[str, float]:
         if ev.device_type.name == "CUDA" and ev.count:
             out[ev.key] = getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0.0)) / calls
     return out
+
+
+# host configs tried for ternary2 in pinned memory (a8 gate_up takes BN 16..64)
+HOST_SWEEP = [(16, 512, 4, 2), (16, 256, 4, 3), (32, 512, 8, 2), (16, 512, 8, 1), (64, 512, 8, 2), (16, 128, 4, 4),
+              (8, 256, 4, 3), (4, 512, 4, 3)]
+
+
+def host_layer(results: dict, g8, perm, half: int, H: int, I: int, k: int, x, w, device, gen) -> None:
+    """The calibrated host plan's layer: int8 hot experts in HBM, ternary2 cold ones in pinned host
+    memory (about one pair of eight per layer). Wall time in a CUDA graph of: the cold pair alone,
+    hot + cold with and without the side-stream overlap, the hot pairs alone; then host launch
+    configs for the cold pair (int8 activations), and the PCIe rate the best one reaches."""
+    E = 2 * half
+    gh, nbytes = stacked_group(half, H, I, "ternary2", device, gen, pin=True)
+    gh.slot_of = torch.full((E,), -1, dtype=torch.int32)
+    gh.slot_of[perm[half:]] = torch.arange(half, dtype=torch.int32)
+    gh.slot_of = gh.slot_of.to(device)
+    hot, cold = perm[:half], perm[half:]
+    # one cold expert per call, each a different one (no L2 reuse between calls)
+    mixed = [torch.cat([hot[i:i + k - 1], cold[j:j + 1]]).view(1, k).to(device)
+             for j, i in enumerate(range(0, half - k + 1, k))]
+    for mode in (2, 3):
+        kernels.FAST_DECODE = mode
+        for grp in (g8, gh):
+            grp.int8_activations = mode == 3
+
+        def run(groups):
+            def layer():
+                for ids in mixed:
+                    kernels.fused_moe(x, ids, w, groups, reduce=False)
+            return graph_us(layer, device) / len(mixed)
+        row = {"case": "int8 hot + ternary2 host", "mode": mode, "cold_pair_alone_us": run([gh]),
+               "hot_alone_us": run([g8]), "together_us": run([g8, gh])}
+        kernels.OVERLAP_HOST = False
+        row["together_no_overlap_us"] = run([g8, gh])
+        kernels.OVERLAP_HOST = True
+        row["cold_pair_GBps"] = nbytes / (row["cold_pair_alone_us"] * 1e-6) / 1e9
+        if mode == 3:
+            best = {}
+            saved = {kk: kernels.CONFIG.get((kk, "ternary2", "host")) for kk in ("gate_up", "down")}
+            for kk in ("gate_up", "down"):
+                for cfg in HOST_SWEEP:
+                    kernels.set_config(kk, "ternary2", host=True, BN=cfg[0], BK=cfg[1], num_warps=cfg[2],
+                                       num_stages=cfg[3])
+                    us = run([gh])
+                    if us < best.get(kk, (1e9,))[0]:
+                        best[kk] = (us, cfg)
+                b = best[kk][1]
+                kernels.set_config(kk, "ternary2", host=True, BN=b[0], BK=b[1], num_warps=b[2], num_stages=b[3])
+            row["host_sweep_best"] = best
+            row["cold_pair_alone_best_us"] = run([gh])
+            row["together_best_us"] = run([g8, gh])
+            for kk, cfg in saved.items():
+                if cfg is None:
+                    kernels.CONFIG.pop((kk, "ternary2", "host"), None)
+                else:
+                    kernels.CONFIG[(kk, "ternary2", "host")] = cfg
+        results["rows"].append(row)
+        print(f"host layer mode {mode}: cold pair alone {row['cold_pair_alone_us']:.2f} us "
+              f"({row['cold_pair_GBps']:.1f} GB/s over PCIe), hot alone {row['hot_alone_us']:.2f}, together "
+              f"{row['together_us']:.2f} (no overlap {row['together_no_overlap_us']:.2f})"
+              + (f"; host sweep best {row['host_sweep_best']['gate_up'][1]} / {row['host_sweep_best']['down'][1]}: "
+                 f"cold pair {row['cold_pair_alone_best_us']:.2f} us, together {row['together_best_us']:.2f}"
+                 if mode == 3 else ""))
+    for grp in (g8, gh):
+        grp.int8_activations = False
+    kernels.FAST_DECODE = 2
+
+
+def graph_us(fn, device, reps: int = 20) -> float:
+    """Wall microseconds of one call of fn, replayed in a CUDA graph (side streams overlap here,
+    where kernel_times adds their kernels up)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
 
 
 def compiled_stats(jit_fn) -> list[dict]:
@@ -101,6 +189,8 @@ def main(argv=None) -> dict:
     for fmt in args.formats.split(","):
         group, nbytes = stacked_group(E, H, I, fmt, device, gen)
         modes = [0] if fmt in ("dense", "ternary") else [int(m) for m in args.modes.split(",")]
+        if fmt == "ternary2":          # words only: its modes are 2 (float x) and 3 (int8 x)
+            modes = [m for m in modes if m >= 2]
         for mode in modes:
             kernels.FAST_DECODE = mode
 
@@ -146,11 +236,11 @@ def main(argv=None) -> dict:
         half = E // 2
         g8, _ = stacked_group(half, H, I, "int8", device, gen)
         gt, _ = stacked_group(half, H, I, "ternary", device, gen)
-        g8.slot_of = torch.full((E,), -1, dtype=torch.int32)
-        gt.slot_of = torch.full((E,), -1, dtype=torch.int32)
-        g8.slot_of[perm[:half]] = torch.arange(half, dtype=torch.int32)
-        gt.slot_of[perm[half:]] = torch.arange(half, dtype=torch.int32)
-        g8.slot_of, gt.slot_of = g8.slot_of.to(device), gt.slot_of.to(device)
+        gt2, _ = stacked_group(half, H, I, "ternary2", device, gen)
+        for grp, members in ((g8, perm[:half]), (gt, perm[half:]), (gt2, perm[half:])):
+            grp.slot_of = torch.full((E,), -1, dtype=torch.int32)
+            grp.slot_of[members] = torch.arange(half, dtype=torch.int32)
+            grp.slot_of = grp.slot_of.to(device)
         full8, _ = stacked_group(E, H, I, "int8", device, gen)
         mapped8 = kernels.ExpertGroup(full8.gate, full8.up, full8.down, torch.arange(E, dtype=torch.int32, device=device))
         hot, cold = perm[:half], perm[half:]
@@ -159,7 +249,8 @@ def main(argv=None) -> dict:
         hot_sets = [hot[i:i + k].view(1, k).to(device) for i in range(0, half - k + 1, k)]
         cases = {"int8, no map": ([full8], id_sets), "int8, identity map": ([mapped8], id_sets),
                  "int8 + ternary groups, 8 hot picks": ([g8, gt], hot_sets),
-                 "int8 + ternary groups, 7 hot + 1 cold": ([g8, gt], mixed_sets)}
+                 "int8 + ternary groups, 7 hot + 1 cold": ([g8, gt], mixed_sets),
+                 "int8 + ternary2 groups, 7 hot + 1 cold": ([g8, gt2], mixed_sets)}
         for mode in (2, 3):
             kernels.FAST_DECODE = mode
             for name, (groups, sets) in cases.items():
@@ -169,9 +260,18 @@ def main(argv=None) -> dict:
                 t = kernel_times(layer, device, calls=5)
                 gu = sum(v for n, v in t.items() if "gate_up" in n or "quantize_rows" in n) / len(sets)
                 dn = sum(v for n, v in t.items() if "down_kernel" in n) / len(sets)
-                results["rows"].append({"case": name, "mode": mode, "gate_up_us": gu, "down_us": dn})
-                print(f"{name:40} mode {mode}: gate_up {gu:6.2f} us, down {dn:6.2f} us")
+                wall = graph_us(layer, device) / len(sets)
+                results["rows"].append({"case": name, "mode": mode, "gate_up_us": gu, "down_us": dn,
+                                        "layer_wall_us": wall})
+                print(f"{name:40} mode {mode}: gate_up {gu:6.2f} us, down {dn:6.2f} us (kernel sums); "
+                      f"layer {wall:6.2f} us wall in a CUDA graph")
         kernels.FAST_DECODE = default_mode
+        try:
+            host_layer(results, g8, perm, half, H, I, k, x, w, device, gen)
+        except Exception:  # noqa: BLE001 - keep the rows above
+            import traceback
+            traceback.print_exc()
+            results["host_layer_error"] = traceback.format_exc()
     if not small:
         results["compiled"] = {"gate_up": compiled_stats(kernels.gate_up_kernel),
                                "down": compiled_stats(kernels.down_kernel)}

@@ -597,40 +597,41 @@ if triton is not None:
             s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr
             return word_dots(base, s_row, m_ptr + slot * stride_se + rows[:, None] * stride_sr, rmask, x_ptr,
                              k0, K, KB, FMT, FAST, GROUP_SIZE, BN, BK, QB)
-        i = k0 + tl.arange(0, BK)
-        if FMT <= 1:
-            m = rmask[:, None] & (i < K)[None, :]
-            xk = tl.load(x_ptr + i, mask=i < K, other=0.0).to(tl.float32)
-            w = tl.load(base + i[None, :], mask=m, other=0).to(tl.float32)
-            return tl.sum(w * xk[None, :], axis=1)
-        else:
-            bmask = rmask[:, None] & (i < KB)[None, :]
-            v = tl.load(base + i[None, :], mask=bmask, other=0).to(tl.int32)
-            s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr
-            if FMT == 4:
-                return tl.sum(trit_term(v, s_row, x_ptr, i, bmask, K, GROUP_SIZE), axis=1)
+        else:   # an explicit else: the compiler builds code after a constexpr-if's return too
+            i = k0 + tl.arange(0, BK)
+            if FMT <= 1:
+                m = rmask[:, None] & (i < K)[None, :]
+                xk = tl.load(x_ptr + i, mask=i < K, other=0.0).to(tl.float32)
+                w = tl.load(base + i[None, :], mask=m, other=0).to(tl.float32)
+                return tl.sum(w * xk[None, :], axis=1)
             else:
-                # Low nibble = even column, high nibble = odd column. A group of 64 columns is 32 bytes:
-                # the products are summed per group first and scaled once per (row, group), so the
-                # scales are [BN, BK/32] loads, not one gather per byte (round 4: 618 GB/s).
-                lo = (v & 15).to(tl.float32)
-                hi = ((v >> 4) & 15).to(tl.float32)
-                x0 = tl.load(x_ptr + 2 * i, mask=2 * i < K, other=0.0).to(tl.float32)
-                x1 = tl.load(x_ptr + 2 * i + 1, mask=2 * i + 1 < K, other=0.0).to(tl.float32)
-                gi = k0 // (GROUP_SIZE // 2) + tl.arange(0, BK // (GROUP_SIZE // 2))
-                gmask = rmask[:, None] & (gi * (GROUP_SIZE // 2) < KB)[None, :]
-                s = tl.load(s_row + gi[None, :], mask=gmask, other=0.0).to(tl.float32)
-                if FMT == 2:
-                    prod = (lo - 8.0) * x0[None, :] + (hi - 8.0) * x1[None, :]
-                    per_group = tl.sum(tl.reshape(prod, (BN, BK // (GROUP_SIZE // 2), GROUP_SIZE // 2)), axis=2)
-                    return tl.sum(s * per_group, axis=1)
+                bmask = rmask[:, None] & (i < KB)[None, :]
+                v = tl.load(base + i[None, :], mask=bmask, other=0).to(tl.int32)
+                s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr
+                if FMT == 4:
+                    return tl.sum(trit_term(v, s_row, x_ptr, i, bmask, K, GROUP_SIZE), axis=1)
                 else:
-                    prod = lo * x0[None, :] + hi * x1[None, :]
-                    per_group = tl.sum(tl.reshape(prod, (BN, BK // (GROUP_SIZE // 2), GROUP_SIZE // 2)), axis=2)
-                    x_group = tl.sum(tl.reshape(x0 + x1, (BK // (GROUP_SIZE // 2), GROUP_SIZE // 2)), axis=1)
-                    mn = tl.load(m_ptr + slot * stride_se + rows[:, None] * stride_sr + gi[None, :], mask=gmask,
-                                 other=0.0).to(tl.float32)
-                    return tl.sum(s * per_group + mn * x_group[None, :], axis=1)
+                    # Low nibble = even column, high nibble = odd column. A group of 64 columns is 32 bytes:
+                    # the products are summed per group first and scaled once per (row, group), so the
+                    # scales are [BN, BK/32] loads, not one gather per byte (round 4: 618 GB/s).
+                    lo = (v & 15).to(tl.float32)
+                    hi = ((v >> 4) & 15).to(tl.float32)
+                    x0 = tl.load(x_ptr + 2 * i, mask=2 * i < K, other=0.0).to(tl.float32)
+                    x1 = tl.load(x_ptr + 2 * i + 1, mask=2 * i + 1 < K, other=0.0).to(tl.float32)
+                    gi = k0 // (GROUP_SIZE // 2) + tl.arange(0, BK // (GROUP_SIZE // 2))
+                    gmask = rmask[:, None] & (gi * (GROUP_SIZE // 2) < KB)[None, :]
+                    s = tl.load(s_row + gi[None, :], mask=gmask, other=0.0).to(tl.float32)
+                    if FMT == 2:
+                        prod = (lo - 8.0) * x0[None, :] + (hi - 8.0) * x1[None, :]
+                        per_group = tl.sum(tl.reshape(prod, (BN, BK // (GROUP_SIZE // 2), GROUP_SIZE // 2)), axis=2)
+                        return tl.sum(s * per_group, axis=1)
+                    else:
+                        prod = lo * x0[None, :] + hi * x1[None, :]
+                        per_group = tl.sum(tl.reshape(prod, (BN, BK // (GROUP_SIZE // 2), GROUP_SIZE // 2)), axis=2)
+                        x_group = tl.sum(tl.reshape(x0 + x1, (BK // (GROUP_SIZE // 2), GROUP_SIZE // 2)), axis=1)
+                        mn = tl.load(m_ptr + slot * stride_se + rows[:, None] * stride_sr + gi[None, :], mask=gmask,
+                                     other=0.0).to(tl.float32)
+                        return tl.sum(s * per_group + mn * x_group[None, :], axis=1)
 
     @triton.jit
     def pair_slot(ids_ptr, slot_ptr, pair, HAS_MAP: tl.constexpr):
