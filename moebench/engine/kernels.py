@@ -1509,31 +1509,6 @@ if triton is not None:
             tl.store(dst_ptr + j * dst_stride + offs, v, mask=m)
 
     @triton.jit
-    def stage_copy_table_kernel(table_ptr, pred_ptr, host_slot_ptr, NSEG: tl.constexpr, BLOCK: tl.constexpr,
-                                PDL: tl.constexpr = False):
-        """Program (j, chunk): stage_copy_kernel for every tensor of a host group in one launch. The
-        chunks of segment i (one tensor: gate/up/down data, scales, minimums) start at table[i, 5];
-        table rows are (source address, stage address, words per slot, source slot stride, stage
-        slot stride, first chunk), int64, the addresses of int32 words (pinned host memory is mapped
-        into the device's address space, so the source address is the host pointer)."""
-        grid_dependency(PDL)
-        j = tl.program_id(0)
-        c = tl.program_id(1)
-        e = tl.load(pred_ptr + j).to(tl.int64)
-        s = tl.load(host_slot_ptr + e).to(tl.int64)
-        if s >= 0:
-            seg = 0
-            for i in tl.static_range(1, NSEG):
-                seg = tl.where(c >= tl.load(table_ptr + i * 6 + 5), i, seg)
-            row = table_ptr + seg * 6
-            src = tl.load(row).to(tl.pointer_type(tl.int32))
-            dst = tl.load(row + 1).to(tl.pointer_type(tl.int32))
-            offs = (c - tl.load(row + 5)) * BLOCK + tl.arange(0, BLOCK)
-            m = offs < tl.load(row + 2)
-            v = tl.load(src + s * tl.load(row + 3) + offs, mask=m)
-            tl.store(dst + j * tl.load(row + 4) + offs, v, mask=m)
-
-    @triton.jit
     def stage_maps_kernel(pred_ptr, host_slot_ptr, stage_slot_ptr, host_dyn_ptr, E,
                           K: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
         """stage_slot[e] = j if e == pred[j] and e lives in this host group, else -1; host_dyn[e] =
@@ -1556,52 +1531,15 @@ def _word_view(t: Tensor) -> Tensor:
     return flat.view(torch.int32) if flat.shape[1] % 4 == 0 else flat
 
 
-# stage_copy_table_kernel's chunk (int32 words): one expert of Qwen3-30B-A3B's shape in ternary2 is
-# ~330 chunks, so a predicted host expert's copy is spread over that many programs (PCIe reads in flight)
-STAGE_BLOCK = 1024
-
-
-def _stage_segments(host: ExpertGroup, stage: ExpertGroup) -> list[tuple[Tensor, Tensor]]:
-    """(host tensor, stage tensor) word views of every tensor of a group: data, scales, minimums."""
-    segs = []
-    for mat in ("gate", "up", "down"):
-        src_pm, dst_pm = getattr(host, mat), getattr(stage, mat)
-        for src_t, dst_t in ((src_pm.data, dst_pm.data), (src_pm.scale, dst_pm.scale),
-                             (src_pm.minimum, dst_pm.minimum)):
-            if src_t is not None:
-                segs.append((_word_view(src_t), _word_view(dst_t)))
-    return segs
-
-
-def stage_copy_table(host: ExpertGroup, stage: ExpertGroup) -> Tensor | None:
-    """The table stage_copy_table_kernel reads (int64 [segments, 6], on the stage's device), or None
-    when a tensor's slot is not a whole number of int32 words (stage_experts then copies tensor by
-    tensor). Build it outside CUDA-graph capture: it is a host-to-device copy."""
-    rows, chunk = [], 0
-    for src, dst in _stage_segments(host, stage):
-        if src.dtype != torch.int32 or src.stride(1) != 1 or dst.stride(1) != 1:
-            return None
-        rows.append([src.data_ptr(), dst.data_ptr(), src.shape[1], src.stride(0), dst.stride(0), chunk])
-        chunk += -(-src.shape[1] // STAGE_BLOCK)
-    return torch.tensor(rows, dtype=torch.int64).to(stage.gate.data.device)
-
-
 def stage_experts(pred_ids: Tensor, host_slot_of: Tensor, host: ExpertGroup, stage: ExpertGroup,
-                  stage_slot_of: Tensor, host_dyn: Tensor, table: Tensor | None = None) -> None:
+                  stage_slot_of: Tensor, host_dyn: Tensor) -> None:
     """Copy the predicted experts (pred_ids [k]) that live in `host` into `stage` (slot j for
     pred_ids[j]) and rewrite the maps (stage.slot_of is stage_slot_of, the host group's dynamic
-    slot_of is host_dyn; host_slot_of is its static one). No host sync; graph-capturable.
-    table (stage_copy_table's): one copy launch for all the group's tensors, in chunks of
-    STAGE_BLOCK words; without it, one launch per tensor (round 9, H200: six launches per layer,
-    each a few programs per predicted expert, left the prefetched host plan at ~54% of its bound)."""
+    slot_of is host_dyn; host_slot_of is its static one). No host sync; graph-capturable."""
     _kernels()
     k = pred_ids.numel()
     pred = pred_ids.reshape(-1)
-    if table is not None:
-        n_chunks = sum(-(-src.shape[1] // STAGE_BLOCK) for src, _ in _stage_segments(host, stage))
-        stage_copy_table_kernel[(k, n_chunks)](table, pred, host_slot_of, NSEG=table.shape[0], BLOCK=STAGE_BLOCK,
-                                               num_warps=4, **pdl_launch(pred.device))
-    for mat in ("gate", "up", "down") if table is None else ():
+    for mat in ("gate", "up", "down"):
         src_pm, dst_pm = getattr(host, mat), getattr(stage, mat)
         for src_t, dst_t in ((src_pm.data, dst_pm.data), (src_pm.scale, dst_pm.scale),
                              (src_pm.minimum, dst_pm.minimum)):

@@ -176,8 +176,6 @@ class TieredExperts(nn.Module):
             entries.append((static, dynamic, stage))
         self._fused_groups = groups
         self._prefetch = entries
-        # one copy launch per host group and step (None: tensor by tensor; see kernels.stage_experts)
-        self._pf_tables = [kernels.stage_copy_table(dynamic, stage) for _, dynamic, stage in entries]
         self._pf_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pf_arrivals = torch.zeros(kernels.ROUTER_MAX_TOKENS, dtype=torch.int32, device=self.device)
         self._pf_pending = False
@@ -196,8 +194,8 @@ class TieredExperts(nn.Module):
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else _no_stream():
             _, ids, _ = kernels.router_topk(h, gate_weight, top_k, renormalize, arrivals=self._pf_arrivals)
-            for (static, dynamic, stage), table in zip(self._prefetch, self._pf_tables):
-                kernels.stage_experts(ids[0], static, dynamic, stage, stage.slot_of, dynamic.slot_of, table)
+            for static, dynamic, stage in self._prefetch:
+                kernels.stage_experts(ids[0], static, dynamic, stage, stage.slot_of, dynamic.slot_of)
         self._pf_refs = (h, ids)            # kept alive until the join (the side stream reads them)
         self._pf_pending = stream is not None
 
