@@ -748,6 +748,14 @@ def test_engine_decode_with_prefetch_gives_the_same_tokens_and_logits(ckpt, wiki
     assert all(0 < n <= pre.model.moe_blocks()[0].top_k for n in staged), staged
     first = pre.model.moe_blocks()[0].experts._prefetch[0][2].slot_of    # layer 0 has no earlier layer
     assert int((first >= 0).sum()) == 0
+    # the guess from each layer's attention input (one sublayer earlier): other experts may be staged,
+    # the results stay the same
+    pre.model.prefetch_early = True
+    pre._graphs.clear()
+    c = pre.generate([prompt], 5, ignore_eos=True, top_logprobs=3)[0]
+    assert a.token_ids == c.token_ids and a.top_logprobs == c.top_logprobs
+    staged = [int((blk.experts._prefetch[0][2].slot_of >= 0).sum()) for blk in pre.model.moe_blocks()[1:]]
+    assert all(0 < n <= pre.model.moe_blocks()[0].top_k for n in staged), staged
 
 
 @pytest.fixture(scope="module")

@@ -396,6 +396,10 @@ class MoETransformer(nn.Module):
         self.max_batch = 0
         self.max_seq_len = 0
         self.fused_max_tokens = 0
+        # Host-tier prefetch (TieredExperts.enable_prefetch): guess layer l+1's experts from layer l's
+        # MoE input (default) or, when True, from its attention input, one sublayer earlier: the
+        # stage copies then overlap layer l's attention too, on an older guess.
+        self.prefetch_early = False
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
@@ -462,6 +466,8 @@ class MoETransformer(nn.Module):
         x, h = kernels.add_rmsnorm(x, None, first.weight, first.eps)
         tokens = x.numel() // x.shape[-1]
         for i, layer in enumerate(self.layers):
+            if self.prefetch_early and i + 1 < len(self.layers):
+                self._prefetch_next(self.layers[i + 1].mlp, h)     # h: this layer's attention input
             a = layer.self_attn(h, cos, sin, positions, kv_len)
             post = layer.post_attention_layernorm
             block = layer.mlp
@@ -477,8 +483,8 @@ class MoETransformer(nn.Module):
                 routes = tuple(routed)
             else:
                 x, h = kernels.add_rmsnorm(x, a, post.weight, post.eps)
-            if i + 1 < len(self.layers):
-                self._prefetch_next(self.layers[i + 1].mlp, h)
+            if not self.prefetch_early and i + 1 < len(self.layers):
+                self._prefetch_next(self.layers[i + 1].mlp, h)     # h: this layer's MoE input
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             part = None
             if kernels.DEFER_MOE_SUM and isinstance(block, MoEBlock):
