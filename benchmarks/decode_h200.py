@@ -1,7 +1,9 @@
 """Engine decode speed on one GPU, every variant in one run: bf16 (old gather path and the fused Triton
-kernels), quantized experts (int4; hot int8 + cold ternary; each again with int8 activations, the
-`*_a8` plans: Engine(int8_activations=True)), the half-experts-in-host-RAM plan against its tier-aware
-bound, batch 1/4/16/64 throughput, prefill at 4,096 tokens, kernel and GEMV config sweeps (cold
+kernels; A/Bs of PDL, cuBLAS projections, the deferred MoE sum), quantized experts (int4; hot int8 +
+cold ternary or ternary2; each again with int8 activations, the `*_a8` plans:
+Engine(int8_activations=True)), the half-experts-in-host-RAM plans against their tier-aware bound
+(without prefetch, with it, and with the guess from the attention input; plus how often the guess is
+right), batch 1/4/16/64 throughput, prefill at 4,096 tokens, kernel and GEMV config sweeps (cold
 weights) and a kernel-time profile of one decode step per plan.
 
     python benchmarks/decode_h200.py --out $OUT          # Qwen3-30B-A3B shape, cuda, bf16

@@ -750,12 +750,15 @@ def test_engine_decode_with_prefetch_gives_the_same_tokens_and_logits(ckpt, wiki
     assert int((first >= 0).sum()) == 0
     # the guess from each layer's attention input (one sublayer earlier): other experts may be staged,
     # the results stay the same
-    pre.model.prefetch_early = True
-    pre._graphs.clear()
-    c = pre.generate([prompt], 5, ignore_eos=True, top_logprobs=3)[0]
+    with pytest.raises(EngineError, match="prefetch_early needs prefetch_host"):
+        Engine.load(art, device=DEV, dtype="float32", max_seq_len=64, experts_impl="triton", prefetch_early=True)
+    early = Engine.load(art, device=DEV, dtype="float32", max_seq_len=64, experts_impl="triton", prefetch_host=True,
+                        prefetch_early=True)
+    assert early.model.prefetch_early and not pre.model.prefetch_early
+    c = early.generate([prompt], 5, ignore_eos=True, top_logprobs=3)[0]
     assert a.token_ids == c.token_ids and a.top_logprobs == c.top_logprobs
-    staged = [int((blk.experts._prefetch[0][2].slot_of >= 0).sum()) for blk in pre.model.moe_blocks()[1:]]
-    assert all(0 < n <= pre.model.moe_blocks()[0].top_k for n in staged), staged
+    staged = [int((blk.experts._prefetch[0][2].slot_of >= 0).sum()) for blk in early.model.moe_blocks()[1:]]
+    assert all(0 < n <= early.model.moe_blocks()[0].top_k for n in staged), staged
 
 
 @pytest.fixture(scope="module")

@@ -72,6 +72,13 @@ def test_fused_kernel_options_without_the_fused_kernels_are_a_profile_error(zoo,
         EngineRunner({"model": str(zoo / "tiny-moe"), key: True}, "runners/x.toml")
 
 
+def test_prefetch_early_without_prefetch_host_is_a_profile_error(zoo):
+    from moebench.config import ProfileError
+    with pytest.raises(ProfileError, match="runners/x.toml: key 'prefetch_early' needs prefetch_host = true"):
+        EngineRunner({"model": str(zoo / "tiny-moe"), "experts_impl": "triton", "prefetch_early": True},
+                     "runners/x.toml")
+
+
 def test_on_text_streams_pieces_that_join_to_the_text(runner):
     """GenerateRequest.on_text gets the output as it is generated (from the engine's worker thread);
     the pieces join to the final text, or run past it where a stop string cut the text."""

@@ -29,6 +29,9 @@ SCHEMA: dict[str, Field] = {
     "prefetch_host": Field(bool, default=False, doc="tiered artifacts with experts_impl = triton: stage each "
                            "layer's predicted host experts in GPU memory one layer early (pays off when many "
                            "picks land on the host tier)"),
+    "prefetch_early": Field(bool, default=False, doc="with prefetch_host: guess each layer's host experts from the "
+                            "previous layer's attention input instead of its MoE input (a longer copy window, "
+                            "an older guess)"),
     "int8_activations": Field(bool, default=False, doc="tiered artifacts with experts_impl = triton: the int8 and "
                               "int4 experts' decode rounds its activations to int8 per 64 columns and multiplies "
                               "with dp4a (W8A8 / W4A8: faster on the GPU, slightly different numbers)"),
@@ -94,6 +97,8 @@ class EngineRunner(Runner):
             if profile.get(key) and profile.get("experts_impl", "auto") != "triton":
                 raise ProfileError(f"{profile_path or 'runner profile'}: key '{key}' needs experts_impl = "
                                    f"\"triton\" (the fused kernels), got {profile.get('experts_impl', 'auto')!r}")
+        if profile.get("prefetch_early") and not profile.get("prefetch_host"):
+            raise ProfileError(f"{profile_path or 'runner profile'}: key 'prefetch_early' needs prefetch_host = true")
         self.concurrency = 1          # one engine, one request at a time (it holds a lock anyway)
         self.engine = None
         self.device = _resolve_device(profile.get("device", "auto"))
@@ -106,7 +111,7 @@ class EngineRunner(Runner):
                   if self.profile.get(k)}
         if self.profile.get("cuda_graphs") and self.device.startswith("cuda"):
             kwargs["cuda_graphs"] = True
-        for key in ("prefetch_host", "int8_activations"):
+        for key in ("prefetch_host", "int8_activations", "prefetch_early"):
             if self.profile.get(key):
                 kwargs[key] = True
         t0 = time.perf_counter()
