@@ -987,7 +987,8 @@ def print_table(R: dict) -> None:
             if "pct_of_tier_bound_prefetch" in r:
                 note += f" = {r['pct_of_tier_bound_prefetch']:.0f}% of it"
             if "pct_of_tier_bound_prefetch_early" in r:
-                note += f"; early prefetch {r['tok_s_prefetch_early']:.1f} = {r['pct_of_tier_bound_prefetch_early']:.0f}%"
+                note += (f"; early prefetch {r['tok_s_prefetch_early']:.1f} = "
+                         f"{r['pct_of_tier_bound_prefetch_early']:.0f}%")
         log(f"{name:44s} {r['tok_s']:9.2f} {r['bytes_per_token'] / 1e9:7.3f} {r['mbu_pct']:6.1f}  {note}")
     for B, r in v.get("batch_throughput_triton_graphs", {}).items():
         if isinstance(r, dict):

@@ -50,7 +50,8 @@ def test_crumbs_round_trip_and_the_dp4a_word_layout():
     for w in range(8):
         for j in range(4):
             m = (int(words[1, w]) >> (2 * j)) & 0x03030303
-            assert [(m >> (8 * lane)) & 255 for lane in range(4)] == codes[1, 16 * w + 4 * j:16 * w + 4 * j + 4].tolist()
+            col = 16 * w + 4 * j
+            assert [(m >> (8 * lane)) & 255 for lane in range(4)] == codes[1, col:col + 4].tolist()
     with pytest.raises(QuantError, match="multiple of 16"):
         pack_crumbs(codes[:, :40])
 

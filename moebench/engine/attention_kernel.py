@@ -116,7 +116,8 @@ if triton is not None:
                      out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
     @triton.jit
-    def combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, n_splits, D: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr = False):
+    def combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, n_splits, D: tl.constexpr, SP: tl.constexpr,
+                       PDL: tl.constexpr = False):
         """Program (b*T + t) * NH + head: merge the head's n_splits partials (base-2 max, sum,
         unnormalised output) into its output row."""
         grid_dependency(PDL)

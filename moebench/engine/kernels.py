@@ -426,7 +426,8 @@ if triton is not None:
         tl.store(q_row + K // 2 + K // QB + b, scale.to(tl.int32, bitcast=True), mask=bmask)
 
     @triton.jit
-    def quantize_rows_kernel(x_ptr, q_ptr, K, stride_x, stride_q, W: tl.constexpr, QB: tl.constexpr, PDL: tl.constexpr = False):
+    def quantize_rows_kernel(x_ptr, q_ptr, K, stride_x, stride_q, W: tl.constexpr, QB: tl.constexpr,
+                             PDL: tl.constexpr = False):
         """Program t: row t of x (K columns) quantized into q's layout (store_quant)."""
         grid_dependency(PDL)
         t = tl.program_id(0).to(tl.int64)
@@ -775,7 +776,8 @@ if triton is not None:
                 tl.store(part_out + rows, tl.zeros((BN,), dtype=tl.float32), mask=rmask)
 
     @triton.jit
-    def moe_sum_kernel(part_ptr, out_ptr, N, stride_pt, stride_ot, TOPK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    def moe_sum_kernel(part_ptr, out_ptr, N, stride_pt, stride_ot, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
         """out[t] = sum_j part[t * TOPK + j] in the order j = 0..TOPK-1 (deterministic), x's dtype."""
         grid_dependency(PDL)
         t = tl.program_id(0).to(tl.int64)
@@ -843,7 +845,7 @@ def _fast(g: ExpertGroup, kernel: str) -> int:
     words = _gate_up_words(g) if kernel == "gate_up" else _words(g.down) is not None
     mode = (3 if g.int8_activations else int(decode_mode(g.gate.fmt))) if words else 0
     if g.gate.fmt == "ternary2" and mode < 2:
-        mode = 2                        # its only float-x decode (x read per column, no split)
+        mode = 2                        # ternary2 has no byte path: float x runs the word decode
     if mode == 3 and not (g.gate.fmt in INT8_ACTIVATION_FORMATS and g.gate.cols % GROUP == 0
                           and g.gate.rows % GROUP == 0 and _gate_up_words(g) and _words(g.down) is not None):
         mode = 2
@@ -1066,7 +1068,8 @@ if triton is not None:
 
     @triton.jit
     def add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, eps,
-                           HAS_DELTA: tl.constexpr, DELTA_ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                           HAS_DELTA: tl.constexpr, DELTA_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr = False):
         """Row r: s = x + delta (rounded to x's dtype, written to res), out = w * norm(s) (see
         residual_sum for DELTA_ROWS > 1)."""
         grid_dependency(PDL)
@@ -1481,8 +1484,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     cfg = get_config("gemv", "dense")
     gemv_kernel[(-(-N // cfg["BN"]), T)](x2, weight, bias if bias is not None else weight, y, N, K,
                                          x2.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-                                         BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                                         **pdl_launch(x.device))
+                                         BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"],
+                                         num_stages=cfg["num_stages"], **pdl_launch(x.device))
     return y.view(*x.shape[:-1], N)
 
 
