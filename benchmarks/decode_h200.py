@@ -795,7 +795,7 @@ def main(argv=None) -> dict:
         def shares(source: dict) -> tuple[int, float, int, float]:
             hit = tot = cold_hit = cold_tot = 0
             for l in range(L - 1):
-                wr = layers[l + 1].mlp.gate.weight.float()
+                wr = layers[l + 1].mlp.gate.weight.detach().float()     # no autograd (--small's weights want it)
                 pred = (source[l][0, n0:].float() @ wr.T).topk(k, dim=-1).indices.tolist()
                 act = (moe_in[l + 1][0, n0:].float() @ wr.T).topk(k, dim=-1).indices.tolist()
                 for p, a in zip(pred, act):
