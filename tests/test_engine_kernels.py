@@ -405,14 +405,17 @@ def test_engine_triton_decode_matches_default_path(ckpt, wiki_bytes):
     assert out_a == out_b and len(out_b) == 6
 
 
-def test_engine_triton_on_tiered_artifact_matches_default_path(ckpt, wiki_bytes, tmp_path):
+@pytest.mark.parametrize("cold, home", [("ternary", "host"), ("ternary2", "gpu")])
+def test_engine_triton_on_tiered_artifact_matches_default_path(ckpt, wiki_bytes, tmp_path, cold, home):
+    """A packed hot/cold artifact (ternary2: saved and loaded in its own layout) decodes the same
+    through the fused kernels as through the per-expert path."""
     stats = calibrate(Engine.load(ckpt, device="cpu", dtype="float32"), [wiki_bytes[:64], wiki_bytes[64:128]])
-    art = pack(ckpt, plan_hot_cold(stats, 0.5, hot="int8", cold="ternary", cold_home="host"), tmp_path / "art")
+    art = pack(ckpt, plan_hot_cold(stats, 0.5, hot="int8", cold=cold, cold_home=home), tmp_path / "art")
     ref = Engine.load(art, device=DEV, dtype="float32", max_seq_len=64)
     fused = Engine.load(art, device=DEV, dtype="float32", max_seq_len=64, experts_impl="triton")
     blocks = fused.model.moe_blocks()
     assert all(b.experts._fused_groups is not None for b in blocks)
-    assert sorted(gr.label for gr in blocks[0].experts._fused_groups) == ["int8@gpu", "ternary@host"]
+    assert sorted(gr.label for gr in blocks[0].experts._fused_groups) == ["int8@gpu", f"{cold}@{home}"]
     prompt = wiki_bytes[200:210]
     a, b = ref.logits(prompt), fused.logits(prompt)
     assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
