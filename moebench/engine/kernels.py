@@ -453,6 +453,26 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def a8_group_sums(acc, x_ptr, s_row, rmask, k0, K, KB, CPB: tl.constexpr, OFFSET: tl.constexpr,
+                      GROUP_SIZE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, QB: tl.constexpr):
+        """The end of a mode-3 step over packed codes (int4: CPB 2 columns per byte, codes offset by 8;
+        ternary2: CPB 4, offset 1): acc [BN, BK/4] int32 dp4a sums per word -> per x block (QB
+        columns) minus OFFSET * the block's code sum, times x's block scale, summed per 64-column
+        weight group and scaled by it: [BN] float32."""
+        NB: tl.constexpr = CPB * BK // QB
+        bi = CPB * k0 // QB + tl.arange(0, NB)
+        qsum = tl.load(x_ptr + K // 2 + bi, mask=bi < K // QB, other=0)
+        xs = tl.load(x_ptr + K // 2 + K // QB + bi, mask=bi < K // QB, other=0).to(tl.float32, bitcast=True)
+        blk = tl.sum(tl.reshape(acc, (BN, NB, QB // (4 * CPB))), axis=2) - OFFSET * qsum[None, :]
+        part = blk.to(tl.float32) * xs[None, :]
+        NQ: tl.constexpr = BK // (GROUP_SIZE // CPB)
+        per_group = tl.sum(tl.reshape(part, (BN, NQ, GROUP_SIZE // QB)), axis=2)
+        gi = k0 // (GROUP_SIZE // CPB) + tl.arange(0, NQ)
+        gmask = rmask[:, None] & (gi * (GROUP_SIZE // CPB) < KB)[None, :]
+        s = tl.load(s_row + gi[None, :], mask=gmask, other=0.0).to(tl.float32)
+        return tl.sum(s * per_group, axis=1)
+
+    @triton.jit
     def word_dots(base, s_row, m_row, rmask, x_ptr, k0, K, KB,
                   FMT: tl.constexpr, FAST: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, QB: tl.constexpr):
@@ -479,7 +499,6 @@ if triton is not None:
             elif FMT == 5:
                 # ternary2: word w = columns 16w..16w+15; (w >> 2j) & 0x03030303 = the codes (trit + 1)
                 # of columns 16w+4j..+3, the bytes of x's natural word 4w+j. sum (c - 1) x = dp4a - qsum.
-                NB: tl.constexpr = 4 * BK // QB
                 xi = 4 * wi[:, None] + tl.arange(0, 4)[None, :]
                 xx = tl.load(x_ptr + xi, mask=xi < K // 4, other=0)          # [BK/4, 4], contiguous
                 xe, xo = tl.split(tl.reshape(xx, (BK // 4, 2, 2)))           # j = 2p + r
@@ -489,36 +508,15 @@ if triton is not None:
                 acc = dp4a((wv >> 2) & 0x03030303, tl.broadcast_to(x1[None, :], (BN, BK // 4)), acc, False)
                 acc = dp4a((wv >> 4) & 0x03030303, tl.broadcast_to(x2[None, :], (BN, BK // 4)), acc, False)
                 acc = dp4a((wv >> 6) & 0x03030303, tl.broadcast_to(x3[None, :], (BN, BK // 4)), acc, False)
-                bi = 4 * k0 // QB + tl.arange(0, NB)
-                qsum = tl.load(x_ptr + K // 2 + bi, mask=bi < K // QB, other=0)
-                xs = tl.load(x_ptr + K // 2 + K // QB + bi, mask=bi < K // QB, other=0).to(tl.float32, bitcast=True)
-                blk = tl.sum(tl.reshape(acc, (BN, NB, QB // 16)), axis=2) - qsum[None, :]
-                part = blk.to(tl.float32) * xs[None, :]
-                NQ: tl.constexpr = BK // (GROUP_SIZE // 4)
-                per_group = tl.sum(tl.reshape(part, (BN, NQ, GROUP_SIZE // QB)), axis=2)
-                gi = k0 // (GROUP_SIZE // 4) + tl.arange(0, NQ)
-                gmask = rmask[:, None] & (gi * (GROUP_SIZE // 4) < KB)[None, :]
-                s = tl.load(s_row + gi[None, :], mask=gmask, other=0.0).to(tl.float32)
-                return tl.sum(s * per_group, axis=1)
+                return a8_group_sums(acc, x_ptr, s_row, rmask, k0, K, KB, 4, 1, GROUP_SIZE, BN, BK, QB)
             else:
-                NB: tl.constexpr = 2 * BK // QB
                 xe = tl.load(x_ptr + K // 4 + wi, mask=wi < K // 8, other=0)
                 xo = tl.load(x_ptr + K // 4 + K // 8 + wi, mask=wi < K // 8, other=0)
                 lo = wv & 0x0F0F0F0F                          # columns 8w, 8w+2, 8w+4, 8w+6
                 hi = (wv >> 4) & 0x0F0F0F0F                   # columns 8w+1, ...
                 acc = dp4a(lo, tl.broadcast_to(xe[None, :], (BN, BK // 4)), zero, False)
                 acc = dp4a(hi, tl.broadcast_to(xo[None, :], (BN, BK // 4)), acc, False)
-                bi = 2 * k0 // QB + tl.arange(0, NB)
-                qsum = tl.load(x_ptr + K // 2 + bi, mask=bi < K // QB, other=0)
-                xs = tl.load(x_ptr + K // 2 + K // QB + bi, mask=bi < K // QB, other=0).to(tl.float32, bitcast=True)
-                blk = tl.sum(tl.reshape(acc, (BN, NB, QB // 8)), axis=2) - 8 * qsum[None, :]
-                part = blk.to(tl.float32) * xs[None, :]
-                NQ: tl.constexpr = BK // (GROUP_SIZE // 2)
-                per_group = tl.sum(tl.reshape(part, (BN, NQ, GROUP_SIZE // QB)), axis=2)
-                gi = k0 // (GROUP_SIZE // 2) + tl.arange(0, NQ)
-                gmask = rmask[:, None] & (gi * (GROUP_SIZE // 2) < KB)[None, :]
-                s = tl.load(s_row + gi[None, :], mask=gmask, other=0.0).to(tl.float32)
-                return tl.sum(s * per_group, axis=1)
+                return a8_group_sums(acc, x_ptr, s_row, rmask, k0, K, KB, 2, 8, GROUP_SIZE, BN, BK, QB)
         acc = tl.zeros((BN, BK // 4), dtype=tl.float32)
         if FMT == 1:
             wv = wv ^ -2139062144                      # 0x80808080: byte q -> q + 128
@@ -816,13 +814,15 @@ INT8_ACTIVATION_FORMATS = ("int8", "int4", "ternary2")
 
 
 def decode_mode(fmt: str) -> int:
-    return FAST_BY_FORMAT.get(fmt, FAST_DECODE)
+    mode = FAST_BY_FORMAT.get(fmt, FAST_DECODE)
+    # ternary2 has no byte path: float x runs its word decode (mode 2) whatever is asked below that
+    return max(mode, 2) if fmt == "ternary2" else mode
 
 
 def _words(pm: PackedMatrix) -> Tensor | None:
     """pm's data as an int32 view for the word decode path, or None (bytes path): dense and ternary
     formats, rows not a whole number of words, or FAST_DECODE off (ternary2 has only the word path)."""
-    if pm.fmt not in ("int8", "int4", "int4_asym", "ternary2") or not (decode_mode(pm.fmt) or pm.fmt == "ternary2"):
+    if pm.fmt not in ("int8", "int4", "int4_asym", "ternary2") or not decode_mode(pm.fmt):
         return None
     cached = pm.__dict__.get("_words")
     if cached is not None and cached[0] is pm.data:
@@ -844,8 +844,6 @@ def _fast(g: ExpertGroup, kernel: str) -> int:
     quantization blocks), for gate_up and down alike (gate_up hands down a quantized h); others run 2."""
     words = _gate_up_words(g) if kernel == "gate_up" else _words(g.down) is not None
     mode = (3 if g.int8_activations else int(decode_mode(g.gate.fmt))) if words else 0
-    if g.gate.fmt == "ternary2" and mode < 2:
-        mode = 2                        # ternary2 has no byte path: float x runs the word decode
     if mode == 3 and not (g.gate.fmt in INT8_ACTIVATION_FORMATS and g.gate.cols % GROUP == 0
                           and g.gate.rows % GROUP == 0 and _gate_up_words(g) and _words(g.down) is not None):
         mode = 2
