@@ -126,6 +126,36 @@ def test_batches_larger_than_max_batch_and_callbacks(ckpt):
     assert eng.generate(prompts[:1], max_new_tokens=0)[0].token_ids == []
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_decoding_one_step_ahead_of_the_host_changes_no_output(ckpt, device):
+    """Engine.decode_ahead (on by default on CUDA: step n+1 is queued before the host takes token
+    n) gives the same tokens, log-probs, seeded samples, stops and callbacks as step-by-step decode,
+    with CUDA graphs too, where the queued step overwrites the graph's logits buffer."""
+    require(device)
+    path, _ = ckpt
+    assert Engine.load(path, device=device, max_seq_len=64).decode_ahead == (device == "cuda")
+    prompts = [random_ids(n, seed=40 + n) for n in (5, 11)]
+    full = Engine.load(path, device=device, max_seq_len=64).generate(prompts[:1], 16, ignore_eos=True)[0].token_ids
+    stop = full[5]
+
+    def run(ahead: bool, graphs: bool) -> list:
+        eng = Engine.load(path, device=device, max_seq_len=64, max_batch=2, cuda_graphs=graphs)
+        eng.decode_ahead = ahead
+        seen: list[tuple[int, int]] = []
+        outs = [eng.generate(prompts, 16, ignore_eos=True, top_logprobs=3, on_token=lambda i, t: seen.append((i, t))),
+                eng.generate(prompts, 16, temperature=1.2, seed=7, ignore_eos=True),
+                eng.generate(prompts[:1], 16, stop_ids=[stop]),
+                eng.generate(prompts[:1], 1, ignore_eos=True)]
+        return [[(o.token_ids, o.finish_reason, o.stop_token, len(o.token_times),
+                  [[t for t, _ in step] for step in o.top_logprobs]) for o in batch] for batch in outs] + [seen]
+
+    for graphs in (False, True) if device == "cuda" else (False,):
+        base = run(False, graphs)
+        assert base[2][0][0] == full[:full.index(stop)] and base[2][0][1] == "stop"
+        assert base[3][0][0] == full[:1] and base[3][0][3] == 1
+        assert run(True, graphs) == base, graphs
+
+
 def test_bad_requests_are_refused_with_clear_errors(ckpt):
     path, _ = ckpt
     eng = Engine.load(path, max_seq_len=32)
