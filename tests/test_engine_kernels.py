@@ -538,6 +538,13 @@ def test_router_topk_matches_linear_softmax_topk(renorm):
         assert int(kernels._ARRIVALS[x.device].abs().sum()) == 0
         with pytest.raises(kernels.KernelError, match="weight shape"):
             kernels.router_topk(x, weight[:, :50], 4, renorm)
+        # out=: the same results in the caller's tensors
+        out = (torch.empty(T, 60, device=DEV), torch.empty(T, 4, dtype=torch.long, device=DEV),
+               torch.empty(T, 4, device=DEV))
+        got = kernels.router_topk(x, weight, 4, renorm, out=out)
+        assert all(a is b for a, b in zip(got, out)) and torch.equal(out[1], ids) and torch.equal(out[2], w)
+        with pytest.raises(kernels.KernelError, match=r"router_topk: out .*expected contiguous"):
+            kernels.router_topk(x, weight, 4, renorm, out=(out[0], out[1][:, :2], out[2]))
     finally:
         kernels.CONFIG.clear()
         kernels.CONFIG.update(saved)
@@ -765,6 +772,15 @@ def test_engine_decode_with_prefetch_gives_the_same_tokens_and_logits(ckpt, wiki
     assert a.token_ids == c.token_ids and a.top_logprobs == c.top_logprobs
     staged = [int((blk.experts._prefetch[0][2].slot_of >= 0).sum()) for blk in early.model.moe_blocks()[1:]]
     assert all(0 < n <= early.model.moe_blocks()[0].top_k for n in staged), staged
+    if DEV == "cuda":
+        # captured in CUDA graphs: the copies on the host lane (or their own stream) join the capture
+        for kw in ({}, {"prefetch_host": True}, {"prefetch_host": True, "prefetch_early": True}):
+            g = Engine.load(art, device=DEV, dtype="float32", max_seq_len=64, experts_impl="triton",
+                            cuda_graphs=True, **kw)
+            d = g.generate([prompt], 5, ignore_eos=True, top_logprobs=3)[0]
+            assert g._graphs and a.token_ids == d.token_ids, kw
+            assert all(abs(x - y) < 1e-4 for sa, sd in zip(a.top_logprobs, d.top_logprobs)
+                       for (_, x), (_, y) in zip(sa, sd)), kw
 
 
 @pytest.fixture(scope="module")

@@ -83,6 +83,20 @@ OVERLAP_HOST = True
 _SIDE_STREAMS: dict = {}
 
 
+def host_lane(device) -> "torch.cuda.Stream":
+    """The side stream of a device's host-tier work: fused_moe's host groups and the groups marked
+    host_lane (prefetch's HBM stage), and prefetch's stage copies. One stream, so a layer's host
+    launches follow its stage copies in stream order: no join per copy, and the main stream never
+    waits for a copy, only for the host launches at the layer's end."""
+    device = torch.device(device)
+    if device.index is None:        # "cuda" and "cuda:0" must name one lane
+        device = torch.device(device.type, torch.cuda.current_device())
+    lane = _SIDE_STREAMS.get((device, "host"))
+    if lane is None:
+        lane = _SIDE_STREAMS[(device, "host")] = torch.cuda.Stream(device)
+    return lane
+
+
 class KernelError(ValueError):
     """Weights or inputs the fused kernels cannot take; the message says what was expected."""
 
@@ -210,6 +224,7 @@ class ExpertGroup:
     slot_of: Tensor | None = None
     label: str = field(default="")
     int8_activations: bool = False
+    host_lane: bool = False      # HBM group run with the host groups (on host_lane): prefetch's stage
 
 
 # ------------------------------------------------------------------------------------------------
@@ -884,13 +899,15 @@ def _check_group(group: ExpertGroup, hidden: int) -> None:
 
 
 def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGroup],
-              reduce: bool = True, xq: Tensor | None = None) -> Tensor:
+              reduce: bool = True, xq: Tensor | None = None, after_lane: bool = False) -> Tensor:
     """x [T, H]; topk_ids [T, k] (int64/int32); topk_w [T, k] -> [T, H] in x's dtype:
     sum_j topk_w[t, j] * down(silu(gate x) * up x) of expert topk_ids[t, j], every expert in
     exactly one of `groups`. Reads each (token, expert) pair's weights once; no host sync.
     reduce=False: the float32 terms [T * k, H] instead (pair t*k + j), for add_rmsnorm to sum.
     xq: x's int8 rows as add_rmsnorm_router(quantize_h=True) made them, for groups in decode mode 3
-    (else they are made here, one more launch)."""
+    (else they are made here, one more launch).
+    after_lane: the host lane holds work the groups read (prefetch's stage copies): where the host
+    groups do not run on the lane, the main stream waits for it first."""
     if not groups:
         raise KernelError("fused_moe: no expert groups")
     gate_up_kernel, down_kernel, moe_sum_kernel = _kernels()
@@ -977,23 +994,25 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
                 launch(same[i:i + 2], first)
                 first = False
 
-    on_host = [g for g in groups if g.gate.data.device.type == "cpu" and x.is_cuda]
-    in_hbm = sorted((g for g in groups if not any(g is hg for hg in on_host)),   # identity: == compares tensors
+    # The host lane: host groups (zero-copy reads over PCIe, latency-bound) and prefetch's stage,
+    # whose launches must follow the stage copies (host_lane's docstring). A stage of the host
+    # groups' format shares their launch pair.
+    lane = [g for g in groups if x.is_cuda and (g.host_lane or g.gate.data.device.type == "cpu")]
+    in_hbm = sorted((g for g in groups if not any(g is lg for lg in lane)),   # identity: == compares tensors
                     key=lambda g: -g.gate.data.shape[0])
     # Branches that run concurrently with the lead group's launches: the other HBM formats, and the
-    # host groups (zero-copy reads over PCIe, latency-bound). Their pairs' rows are disjoint.
+    # host lane. Their pairs' rows are disjoint.
     fmts: dict[str, list[ExpertGroup]] = {}
     for g in in_hbm:                     # the largest group's format first
         fmts.setdefault(g.gate.fmt, []).append(g)
     lead, *branches = list(fmts.values()) or [[]]
-    branches += [on_host] if on_host else []
-    if x.is_cuda and OVERLAP_HOST and lead and branches:
+    if x.is_cuda and OVERLAP_HOST and lead and (branches or lane):
         # No zeroing of other pairs' rows here (it would race): the groups cover every expert
         # (TieredExperts builds them so).
         main = torch.cuda.current_stream(x.device)
         sides = []
-        for i, branch in enumerate(branches):
-            side = _SIDE_STREAMS.get((x.device, i))
+        for i, branch in [*enumerate(branches), *([("host", lane)] if lane else [])]:
+            side = host_lane(x.device) if i == "host" else _SIDE_STREAMS.get((x.device, i))
             if side is None:
                 side = _SIDE_STREAMS[(x.device, i)] = torch.cuda.Stream(x.device)
             side.wait_stream(main)
@@ -1005,9 +1024,11 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
             main.wait_stream(side)
     else:
         # host groups (pinned, read over PCIe) never share a launch with HBM groups: other block shapes
+        if after_lane and x.is_cuda:
+            torch.cuda.current_stream(x.device).wait_stream(host_lane(x.device))   # prefetch's copies
         launches(in_hbm, first=True)
-        if on_host:
-            launches(on_host, first=not in_hbm)
+        if lane:
+            launches(lane, first=not in_hbm)
     if not reduce:
         return part
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
@@ -1248,11 +1269,13 @@ ROUTER_MAX_TOKENS = 64
 
 
 def router_topk(x: Tensor, weight: Tensor, top_k: int, renormalize: bool,
-                arrivals: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                arrivals: Tensor | None = None, out: tuple[Tensor, Tensor, Tensor] | None = None
+                ) -> tuple[Tensor, Tensor, Tensor]:
     """x [N, H] (N <= ROUTER_MAX_TOKENS), router weight [E, H] -> (logits [N, E] float32 (values
     rounded to x's dtype), topk_ids [N, k] int64, topk_w [N, k] float32): F.linear + route_topk in
     one launch. The arrival counters (int32 [>= N], zero) are shared per device unless `arrivals` is
-    given: calls on two streams at once need their own (the host-tier prefetch passes its own)."""
+    given: calls on two streams at once need their own (the host-tier prefetch passes its own).
+    out: the three result tensors to write (shapes and dtypes as above), instead of new ones."""
     _kernels()
     N, H = x.shape
     E = weight.shape[0]
@@ -1266,9 +1289,15 @@ def router_topk(x: Tensor, weight: Tensor, top_k: int, renormalize: bool,
     counts = arrivals if arrivals is not None else _ARRIVALS.get(x.device)
     if counts is None:
         counts = _ARRIVALS[x.device] = torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int32, device=x.device)
-    logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
-    ids = torch.empty(N, top_k, dtype=torch.long, device=x.device)
-    w = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
+    if out is None:
+        out = (torch.empty(N, E, dtype=torch.float32, device=x.device),
+               torch.empty(N, top_k, dtype=torch.long, device=x.device),
+               torch.empty(N, top_k, dtype=torch.float32, device=x.device))
+    logits, ids, w = out
+    want = ((N, E, torch.float32), (N, top_k, torch.long), (N, top_k, torch.float32))
+    if any((*t.shape, t.dtype) != wt or not t.is_contiguous() for t, wt in zip(out, want)):
+        raise KernelError(f"router_topk: out {[(tuple(t.shape), t.dtype) for t in out]}; expected contiguous "
+                          f"{[((a, b), d) for a, b, d in want]}")
     cfg = get_config("router", "dense")
     be = min(cfg["BN"], _next_pow2(E))
     router_topk_kernel[(N, -(-E // be))](xc, weight, logits, counts, ids, w, E, H, xc.stride(0), weight.stride(0),

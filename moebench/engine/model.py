@@ -449,12 +449,14 @@ class MoETransformer(nn.Module):
         return self.norm(x)
 
     @staticmethod
-    def _prefetch_next(block: nn.Module, h: Tensor) -> None:
+    def _prefetch_next(block: nn.Module, h: Tensor, early: bool = False) -> None:
         """Let the next layer's tiered experts stage their predicted host experts now (its router on
-        this layer's MoE input, on a side stream; see TieredExperts.prefetch). One-token steps only."""
+        h, on a side stream; see TieredExperts.prefetch). One-token steps only. early: h is this
+        layer's attention input and this layer's experts have not run yet (own copy stream)."""
         experts = getattr(block, "experts", None)
         if isinstance(block, MoEBlock) and getattr(experts, "_prefetch", None) and h.numel() == h.shape[-1]:
-            experts.prefetch(h.reshape(1, -1), block.gate.weight, block.top_k, block.norm_topk_prob)
+            experts.prefetch(h.reshape(1, -1), block.gate.weight, block.top_k, block.norm_topk_prob,
+                             own_stream=early)
 
     def _fused_layers(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, kv_len: int) -> Tensor:
         """DecoderLayer.forward for every layer, with each residual add fused into the next RMSNorm
@@ -467,7 +469,7 @@ class MoETransformer(nn.Module):
         tokens = x.numel() // x.shape[-1]
         for i, layer in enumerate(self.layers):
             if self.prefetch_early and i + 1 < len(self.layers):
-                self._prefetch_next(self.layers[i + 1].mlp, h)     # h: this layer's attention input
+                self._prefetch_next(self.layers[i + 1].mlp, h, early=True)   # h: this layer's attention input
             a = layer.self_attn(h, cos, sin, positions, kv_len)
             post = layer.post_attention_layernorm
             block = layer.mlp
@@ -483,14 +485,17 @@ class MoETransformer(nn.Module):
                 routes = tuple(routed)
             else:
                 x, h = kernels.add_rmsnorm(x, a, post.weight, post.eps)
-            if not self.prefetch_early and i + 1 < len(self.layers):
-                self._prefetch_next(self.layers[i + 1].mlp, h)     # h: this layer's MoE input
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            part = None
+            part = out = None
             if kernels.DEFER_MOE_SUM and isinstance(block, MoEBlock):
                 part = block.forward_partials(h, routes, xq)     # the MoE sum moves into the next norm
+            if part is None:
+                out = block(h) if routes is None else block(h, routes)
+            if not self.prefetch_early and i + 1 < len(self.layers):
+                # after this layer's experts: the copies queue behind its host launches on the lane
+                self._prefetch_next(self.layers[i + 1].mlp, h)     # h: this layer's MoE input
             if part is not None:
                 x, h = kernels.add_rmsnorm(x, part, nxt.weight, nxt.eps, delta_rows=block.top_k)
             else:
-                x, h = kernels.add_rmsnorm(x, block(h) if routes is None else block(h, routes), nxt.weight, nxt.eps)
+                x, h = kernels.add_rmsnorm(x, out, nxt.weight, nxt.eps)
         return h

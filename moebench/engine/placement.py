@@ -110,6 +110,8 @@ class TieredExperts(nn.Module):
         self._cache: OrderedDict[int, QuantizedExpert] = OrderedDict()
         self._fused_groups = None          # set by use_fused_kernels()
         self._prefetch: list = []          # set by enable_prefetch()
+        self._pf_pending = False           # an own-stream prefetch the host lane has not waited for
+        self._pf_refs = None               # the tensors a prefetch's copies read, kept until joined
         self.fused_max_tokens = 16
         self.reset_telemetry()
 
@@ -171,40 +173,57 @@ class TieredExperts(nn.Module):
                 return kernels.PackedMatrix(pm.fmt, like(pm.data), pm.rows, pm.cols, like(pm.scale), like(pm.minimum))
             stage_slot_of = torch.full_like(static, -1)
             stage = kernels.ExpertGroup(staged(g.gate), staged(g.up), staged(g.down), stage_slot_of,
-                                        g.label.replace("@host", "@stage"), g.int8_activations)
+                                        g.label.replace("@host", "@stage"), g.int8_activations, host_lane=True)
             groups += [stage, dynamic]
             entries.append((static, dynamic, stage))
         self._fused_groups = groups
         self._prefetch = entries
-        self._pf_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        on_cuda = self.device.type == "cuda"
+        self._pf_stream = torch.cuda.Stream(self.device) if on_cuda else None    # own_stream=True
         self._pf_arrivals = torch.zeros(kernels.ROUTER_MAX_TOKENS, dtype=torch.int32, device=self.device)
+        # the guess's router outputs: allocated once, not on the side stream in every step
+        self._pf_out = (torch.empty(1, len(self._stores), dtype=torch.float32, device=self.device),
+                        torch.empty(1, top_k, dtype=torch.long, device=self.device),
+                        torch.empty(1, top_k, dtype=torch.float32, device=self.device))
         self._pf_pending = False
         self._pf_refs = None
 
-    def prefetch(self, h: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool) -> None:
+    def prefetch(self, h: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool,
+                 own_stream: bool = False) -> None:
         """Predict this layer's experts from an earlier hidden state h [1, H] (the previous layer's
-        MoE input) with this layer's router, and stage the predicted host experts in HBM, on a side
-        stream: the PCIe reads overlap the previous layer's work. The layer's forward waits for it.
-        A wrong guess costs PCIe time, never correctness (unstaged experts are read from host)."""
+        MoE input) with this layer's router, and stage the predicted host experts in HBM, on the
+        host lane (kernels.host_lane): the PCIe reads overlap the previous layer's work, and this
+        layer's host launches follow them in stream order. Call it after the previous layer's
+        experts ran, or their host launches queue behind these copies. own_stream: copy on a stream
+        of this layer's instead, which the lane waits for when this layer runs (for guesses made
+        before the previous layer's experts ran). A wrong guess costs PCIe time, never correctness
+        (unstaged experts are read from host)."""
         if not self._prefetch or h.shape[0] != 1:
             return
         from . import kernels
-        stream = self._pf_stream
-        if stream is not None:
+        stream = None
+        if self.device.type == "cuda":
+            stream = self._pf_stream if own_stream else kernels.host_lane(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else _no_stream():
-            _, ids, _ = kernels.router_topk(h, gate_weight, top_k, renormalize, arrivals=self._pf_arrivals)
+            _, ids, _ = kernels.router_topk(h, gate_weight, top_k, renormalize, arrivals=self._pf_arrivals,
+                                            out=self._pf_out)
             for static, dynamic, stage in self._prefetch:
                 kernels.stage_experts(ids[0], static, dynamic, stage, stage.slot_of, dynamic.slot_of)
-        self._pf_refs = (h, ids)            # kept alive until the join (the side stream reads them)
-        self._pf_pending = stream is not None
+        self._pf_refs = h                   # kept alive until the main stream has joined the lane
+        self._pf_pending = own_stream and stream is not None
 
-    def _join_prefetch(self) -> None:
-        if self._prefetch and self._pf_pending:
-            torch.cuda.current_stream(self.device).wait_stream(self._pf_stream)
+    def _fused(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, **kw) -> torch.Tensor:
+        """kernels.fused_moe over this layer's groups, after any pending prefetch: the host lane
+        (which runs the stage and host groups) waits for an own-stream prefetch; fused_moe's end
+        joins the lane into the main stream, which covers the prefetch's reads of h."""
+        from . import kernels
+        if self._pf_pending:
+            kernels.host_lane(self.device).wait_stream(self._pf_stream)
             self._pf_pending = False
-        if self._prefetch:
-            self._pf_refs = None
+        out = kernels.fused_moe(x, topk_ids, topk_w, self._fused_groups, after_lane=self._pf_refs is not None, **kw)
+        self._pf_refs = None
+        return out
 
     def sync_free_tokens(self) -> int:
         """Up to how many tokens forward runs without host syncs (0 unless the fused path is on)."""
@@ -271,12 +290,10 @@ class TieredExperts(nn.Module):
                          xq: torch.Tensor | None = None) -> torch.Tensor:
         """kernels.fused_moe(reduce=False): the float32 terms [T * k, H]; only where partials_ok.
         xq: x's int8 rows (see wants_quantized_x), or None."""
-        from . import kernels
         T, k = topk_ids.shape
         self._counters["calls"] += 1
         self._counters["routed"] += T * k
-        self._join_prefetch()
-        return kernels.fused_moe(x, topk_ids, topk_w, self._fused_groups, reduce=False, xq=xq)
+        return self._fused(x, topk_ids, topk_w, reduce=False, xq=xq)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         T, k = topk_ids.shape
@@ -284,9 +301,7 @@ class TieredExperts(nn.Module):
         c["calls"] += 1
         c["routed"] += T * k
         if self._fused_groups is not None and T <= self.fused_max_tokens and self.skip_tail_from is None:
-            from . import kernels
-            self._join_prefetch()
-            return kernels.fused_moe(x, topk_ids, topk_w, self._fused_groups)
+            return self._fused(x, topk_ids, topk_w)
         active = torch.ones_like(topk_ids, dtype=torch.bool)
         cached_at_start = set(self._cache)
         if self.skip_tail_from is not None and self.skip_tail_from < k:
