@@ -3,8 +3,10 @@ kernels; A/Bs of PDL, cuBLAS projections, the deferred MoE sum), quantized exper
 cold ternary or ternary2; each again with int8 activations, the `*_a8` plans:
 Engine(int8_activations=True)), the half-experts-in-host-RAM plans against their tier-aware bound
 (without prefetch, with it, and with the guess from the attention input; plus how often the guess is
-right), batch 1/4/16/64 throughput, prefill at 4,096 tokens, kernel and GEMV config sweeps (cold
-weights) and a kernel-time profile of one decode step per plan.
+right), each plan again with the host taking every token before the next step is queued (the
+`step_by_step` figures: Engine.decode_ahead off), batch 1/4/16/64 throughput, prefill at 4,096
+tokens, kernel and GEMV config sweeps (cold weights), a kernel-time profile of one decode step per
+plan and, with --timeline, one graph-replayed step's kernel timeline per plan and prefetch mode.
 
     python benchmarks/decode_h200.py --out $OUT          # Qwen3-30B-A3B shape, cuda, bf16
     python benchmarks/decode_h200.py --small             # CPU smoke test of every code path
@@ -406,7 +408,7 @@ def profile_step(eng: Engine, prompt: list[int], device, top: int = 20, steps: i
         # device totals: the CUDA kernel events only (was: every row not named aten::* or cuda*). In
         # rounds 8 and 9 the first profile of each run counted about twice the kernels of later ones
         # (the same plan: 971 kernels/step when profiled first, 489 otherwise; its top rows were the
-        # same); whether this filter was the cause is not yet checked on a GPU.
+        # same). With this filter the first plan profiled in round 10 (int4) read 393, as later ones do.
         kernel_keys = {ev.key[:70] for ev in prof.key_averages()
                        if getattr(getattr(ev, "device_type", None), "name", "") == "CUDA"}
         rows = [r for r in rows if r[0] in kernel_keys]
@@ -417,6 +419,44 @@ def profile_step(eng: Engine, prompt: list[int], device, top: int = 20, steps: i
         kernels_total = sum(r[1] for r in rows)
         ms_total = sum(r[2] for r in rows)
     return {"rows": rows[:top], "kernels_per_step": kernels_total / steps, "kernel_ms_per_step": ms_total / steps}
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def step_timeline(eng: Engine, prompt: list[int], path: Path, steps: int = 6) -> dict:
+    """Kernel timeline of graph-replayed decode steps (torch.profiler's CUDA activity records). One
+    step runs from one decode forward's first kernel (the embedding lookup) to the next one's; its
+    kernels, with times in us from its start, go to `path`. Returns the step's period, the time
+    some kernel ran, and the rest: the GPU idle between and inside the step's kernels (host work
+    between steps, launch gaps, waits). Stream ids are not reported: in graph replays they name the
+    graph's internal streams, not the ones the code used."""
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    eng.generate([prompt], 2, ignore_eos=True)       # graphs captured
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        eng.generate([prompt], steps, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        trace = json.loads(Path(f"{tmp}/trace.json").read_text())
+    ks = sorted((e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    starts = [i for i, e in enumerate(ks) if "indexSel" in e["name"]]      # prefill, then each decode step
+    if len(starts) < 3:
+        return {"error": f"{len(starts)} embedding lookups among {len(ks)} kernels; expected a prefill and "
+                         f"{steps - 1} decode steps"}
+    i, j = starts[-3], starts[-2]
+    t0, t1 = ks[i]["ts"], ks[j]["ts"]
+    step = ks[i:j]
+    busy = sum(min(b, t1) - a for a, b in _union([(e["ts"], e["ts"] + e["dur"]) for e in step]))
+    path.write_text(json.dumps([[e["name"][:48], round(e["ts"] - t0, 2), round(e["dur"], 2)] for e in step]))
+    return {"period_us": t1 - t0, "kernels": len(step), "busy_us": busy, "idle_us": (t1 - t0) - busy}
 
 
 def main(argv=None) -> dict:
@@ -430,6 +470,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--skip", default="", help="comma-separated variant names to skip")
     ap.add_argument("--no-sweep", action="store_true", help="keep the default kernel configs")
+    ap.add_argument("--timeline", action="store_true",
+                    help="expert plans: write one graph-replayed decode step's kernels per plan and prefetch mode "
+                         "(timeline_*.json) and log its period and GPU idle time")
     ap.add_argument("--router-skew", type=float, default=0.5,
                     help="Zipf exponent of expert usage (router row norms; see realistic_routing); 0 = the plain "
                          "random model, whose tokens all route alike")
@@ -706,6 +749,16 @@ def main(argv=None) -> dict:
         r["pdl_supported_here"] = kernels.pdl_launch(device).get("launch_pdl", False)
         return r
 
+    @variant("engine_bf16_triton_graphs_step_by_step")
+    def _():
+        """A/B: the same engine with the host taking each token before the next step is queued
+        (Engine.decode_ahead off): the GPU idles while the host copies, checks and launches."""
+        eng_new.decode_ahead = False
+        try:
+            return bf16_rate(eng_new, "triton, step by step")
+        finally:
+            eng_new.decode_ahead = True
+
     @variant("engine_bf16_triton_graphs_moe_sum_kernel")
     def _():
         """A/B: the same engine with moe_sum as its own launch (kernels.DEFER_MOE_SUM off)."""
@@ -868,6 +921,28 @@ def main(argv=None) -> dict:
                 f"{p['kernel_ms_per_step']:.3f} ms kernel time/step:")
             for kname, count, ms in p["rows"][:10]:
                 log(f"    {ms:9.3f} {count:6d}  {kname}")
+
+            def timeline(mode: str) -> None:
+                if not args.timeline or device.type != "cuda":
+                    return
+                try:
+                    t = step_timeline(eng, prompt, out_dir / f"timeline_{name}_{mode}.json")
+                except Exception as e:  # noqa: BLE001 (a diagnostic: never lose the plan's figures)
+                    t = {"error": f"{type(e).__name__}: {e}"}
+                r.setdefault("timeline", {})[mode] = t
+                if "error" in t:
+                    log(f"  timeline {mode}: {t['error']}")
+                    return
+                log(f"  timeline {mode}: a step every {t['period_us']:.0f} us, {t['kernels']} kernels; some kernel "
+                    f"ran for {t['busy_us']:.0f} us of it, none for {t['idle_us']:.0f} us")
+            timeline("plain")
+            # A/B: the host takes each token before the next step is queued (Engine.decode_ahead off)
+            eng.decode_ahead = False
+            try:
+                r["tok_s_step_by_step"] = engine_rate(eng)["tok_s"]
+            finally:
+                eng.decode_ahead = True
+            msg += f"; step by step {r['tok_s_step_by_step']:.2f} tok/s"
             if has_host and device.type == "cuda":
                 # A/B: host groups on the main stream after the HBM groups (no side-stream overlap).
                 kernels.OVERLAP_HOST = False
@@ -884,6 +959,7 @@ def main(argv=None) -> dict:
                     blk.experts.enable_prefetch(blk.top_k)
                 eng._graphs.clear()
                 rp = engine_rate(eng)
+                timeline("prefetch")
                 r["tok_s_prefetch"] = rp["tok_s"]
                 r["prefetch_greedy_agree_with_no_prefetch"] = next(
                     (i for i, (a, b) in enumerate(zip(rp["tokens"], toks)) if a != b), len(toks))
@@ -896,6 +972,7 @@ def main(argv=None) -> dict:
                 eng._graphs.clear()
                 try:
                     rq = engine_rate(eng)
+                    timeline("prefetch_early")
                 finally:
                     eng.model.prefetch_early = False
                     eng._graphs.clear()
