@@ -1054,19 +1054,21 @@ def print_table(R: dict) -> None:
     for name, r in v.items():
         if "tok_s" not in r:
             continue
-        note = ""
+        notes = []
         if hf_rate and name.startswith("engine"):
-            note = f"{r['tok_s'] / hf_rate:.1f}x transformers"
+            notes.append(f"{r['tok_s'] / hf_rate:.1f}x transformers")
+        if "tok_s_step_by_step" in r:
+            notes.append(f"step by step {r['tok_s_step_by_step']:.1f}")
         if "pct_of_tier_bound" in r:
-            note += f"; {r['pct_of_tier_bound']:.0f}% of tier bound {r['tier_bound_tok_s']:.1f}"
+            notes.append(f"{r['pct_of_tier_bound']:.0f}% of tier bound {r['tier_bound_tok_s']:.1f}")
         if "tok_s_prefetch" in r:
-            note += f"; prefetch {r['tok_s_prefetch']:.1f} tok/s"
+            notes.append(f"prefetch {r['tok_s_prefetch']:.1f} tok/s")
             if "pct_of_tier_bound_prefetch" in r:
-                note += f" = {r['pct_of_tier_bound_prefetch']:.0f}% of it"
+                notes[-1] += f" = {r['pct_of_tier_bound_prefetch']:.0f}% of it"
             if "pct_of_tier_bound_prefetch_early" in r:
-                note += (f"; early prefetch {r['tok_s_prefetch_early']:.1f} = "
-                         f"{r['pct_of_tier_bound_prefetch_early']:.0f}%")
-        log(f"{name:44s} {r['tok_s']:9.2f} {r['bytes_per_token'] / 1e9:7.3f} {r['mbu_pct']:6.1f}  {note}")
+                notes.append(f"early prefetch {r['tok_s_prefetch_early']:.1f} = "
+                             f"{r['pct_of_tier_bound_prefetch_early']:.0f}%")
+        log(f"{name:44s} {r['tok_s']:9.2f} {r['bytes_per_token'] / 1e9:7.3f} {r['mbu_pct']:6.1f}  {'; '.join(notes)}")
     for B, r in v.get("batch_throughput_triton_graphs", {}).items():
         if isinstance(r, dict):
             log(f"{'batch ' + B + ' (triton)':44s} {r['tok_s_total']:9.1f}")
