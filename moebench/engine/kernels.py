@@ -83,18 +83,23 @@ OVERLAP_HOST = True
 _SIDE_STREAMS: dict = {}
 
 
+def _side_stream(device, key) -> "torch.cuda.Stream":
+    """fused_moe's side stream `key` of a device, made on first use."""
+    device = torch.device(device)
+    if device.index is None:        # "cuda" and "cuda:0" must name one stream
+        device = torch.device(device.type, torch.cuda.current_device())
+    side = _SIDE_STREAMS.get((device, key))
+    if side is None:
+        side = _SIDE_STREAMS[(device, key)] = torch.cuda.Stream(device)
+    return side
+
+
 def host_lane(device) -> "torch.cuda.Stream":
     """The side stream of a device's host-tier work: fused_moe's host groups and the groups marked
     host_lane (prefetch's HBM stage), and prefetch's stage copies. One stream, so a layer's host
     launches follow its stage copies in stream order: no join per copy, and the main stream never
     waits for a copy, only for the host launches at the layer's end."""
-    device = torch.device(device)
-    if device.index is None:        # "cuda" and "cuda:0" must name one lane
-        device = torch.device(device.type, torch.cuda.current_device())
-    lane = _SIDE_STREAMS.get((device, "host"))
-    if lane is None:
-        lane = _SIDE_STREAMS[(device, "host")] = torch.cuda.Stream(device)
-    return lane
+    return _side_stream(device, "host")
 
 
 class KernelError(ValueError):
@@ -1011,10 +1016,8 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
         # (TieredExperts builds them so).
         main = torch.cuda.current_stream(x.device)
         sides = []
-        for i, branch in [*enumerate(branches), *([("host", lane)] if lane else [])]:
-            side = host_lane(x.device) if i == "host" else _SIDE_STREAMS.get((x.device, i))
-            if side is None:
-                side = _SIDE_STREAMS[(x.device, i)] = torch.cuda.Stream(x.device)
+        for key, branch in [*enumerate(branches), *([("host", lane)] if lane else [])]:
+            side = _side_stream(x.device, key)      # "host": host_lane
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 launches(branch, first=False)

@@ -178,15 +178,12 @@ class TieredExperts(nn.Module):
             entries.append((static, dynamic, stage))
         self._fused_groups = groups
         self._prefetch = entries
-        on_cuda = self.device.type == "cuda"
-        self._pf_stream = torch.cuda.Stream(self.device) if on_cuda else None    # own_stream=True
+        self._pf_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # own_stream
         self._pf_arrivals = torch.zeros(kernels.ROUTER_MAX_TOKENS, dtype=torch.int32, device=self.device)
         # the guess's router outputs: allocated once, not on the side stream in every step
         self._pf_out = (torch.empty(1, len(self._stores), dtype=torch.float32, device=self.device),
                         torch.empty(1, top_k, dtype=torch.long, device=self.device),
                         torch.empty(1, top_k, dtype=torch.float32, device=self.device))
-        self._pf_pending = False
-        self._pf_refs = None
 
     def prefetch(self, h: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool,
                  own_stream: bool = False) -> None:
