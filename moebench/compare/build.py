@@ -57,6 +57,11 @@ def build_compare(base_dir: str | Path, cand_dir: str | Path) -> dict[str, Any]:
         section = mem(bm, cm)
         if section:
             out.update({k: v for k, v in section.items() if k in ("memory", "energy")})
+    engine = _optional("moebench.compare.engine", "engine_compare")
+    if engine is not None:
+        section = engine(bm, cm, brecs, crecs)
+        if section:
+            out["engine"] = section
     return out
 
 

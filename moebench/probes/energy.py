@@ -341,4 +341,42 @@ def memory_energy_compare(base_manifest: dict[str, Any], cand_manifest: dict[str
     for side, e in (("baseline", be), ("candidate", ce)):
         if e.get("cost_per_million_tokens"):
             energy[f"cost_per_million_tokens_{side}"] = e["cost_per_million_tokens"]
+    phases: dict[str, Any] = {}
+    for side, e in (("baseline", be), ("candidate", ce)):
+        for name, ph in (e.get("phases") or {}).items():
+            phases.setdefault(name, {})[side] = {k: ph.get(k) for k in ("duration_s", "energy_j", "net_j",
+                                                                          "mean_power_w")}
+    energy["phases"] = phases
+    energy["whole_run"] = {"baseline": be.get("whole_run"), "candidate": ce.get("whole_run")}
+    for side, m, s in (("baseline", base_manifest, b), ("candidate", cand_manifest, c)):
+        torch_mem = (m.get("engine") or {}).get("torch_memory")
+        if torch_mem:
+            memory.setdefault("torch", {})[side] = torch_mem
+    memory["gpus"], energy["gpus"] = _cards_compare(b, c)
+    memory["cards"] = {"baseline": b.get("cards", 1), "candidate": c.get("cards", 1),
+                       "headline_baseline": b.get("headline"), "headline_candidate": c.get("headline")}
     return {"memory": memory, "energy": energy}
+
+
+MEMORY_KEYS = ("peak_used_bytes", "min_free_bytes", "reserved_bytes", "total_bytes", "n_samples")
+
+
+def _cards_compare(b: dict[str, Any], c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per-card memory and energy of both runs, keyed "gpuN" (a card only one run sampled has one
+    side), plus "sum": the headline figures (the sum over cards, or the one card)."""
+    memory: dict[str, Any] = {}
+    energy: dict[str, Any] = {}
+    for side, s in (("baseline", b), ("candidate", c)):
+        cards = [(f"gpu{g.get('index')}", g) for g in s.get("gpus") or []]
+        cards.append(("sum", {"memory": s.get("memory"), "energy": s.get("energy")}))
+        for key, g in cards:
+            mem = g.get("memory") or {}
+            memory.setdefault(key, {})[side] = {k: mem.get(k) for k in MEMORY_KEYS}
+            e = g.get("energy") or {}
+            whole = e.get("whole_run") or {}
+            energy.setdefault(key, {})[side] = {
+                "idle_power_w": e.get("idle_power_w"), "whole_run_counter_j": whole.get("counter_j"),
+                "whole_run_integral_j": whole.get("integral_j"),
+                "rel_diff_integral_vs_counter": whole.get("rel_diff_integral_vs_counter"),
+                "phases_j": {n: ph.get("energy_j") for n, ph in (e.get("phases") or {}).items()}}
+    return memory, energy
