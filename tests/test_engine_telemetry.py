@@ -142,3 +142,32 @@ idle_end_s = 0.2
     energy = nv["summary"]["energy"]
     assert energy["idle_phase"] == "baseline_idle"
     assert energy["idle_power_w"] == pytest.approx(210.0, rel=0.05)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused path's device counters need CUDA")
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_fused_path_counts_picks_on_the_device_under_cuda_graphs(tiered, prefetch):
+    art, batches = tiered
+    eng = Engine.load(art, device="cuda", dtype="bfloat16", experts_impl="triton", cuda_graphs=True,
+                      prefetch_host=prefetch)
+    prompt, new = batches[0][:40], 24
+    out = eng.generate([prompt], new, ignore_eos=True)[0]
+    assert eng._graphs, "decode steps ran as CUDA graphs"
+    tel = eng.telemetry()
+    steps = tel["decode_steps"]
+    assert steps >= new - 1
+    trace = eng.trace(prompt + out.token_ids[:steps], router_logits=False)
+    for layer, ids in zip(tel["tiers"]["layers"], trace.topk_ids):
+        # every pick counted once, graph replays included, warm-up and capture runs excluded
+        assert layer["routed"] == (len(prompt) + steps) * TOP_K
+        assert layer["picks_gpu"] + layer["picks_host"] == layer["routed"]
+        assert (layer["host_hits"] + layer["host_misses"] + layer["prefetch_hits"] + layer["host_direct"]
+                == layer["picks_host"])
+        assert layer["host_direct"] + layer["prefetch_hits"] > 0          # decode's host picks, fused
+        if prefetch:
+            assert layer["stage_copies"] > 0 and layer["bytes_h2d"] > 0
+        else:
+            assert layer["prefetch_hits"] == layer["stage_copies"] == 0
+        assert abs(layer["routed"] - ids.numel()) == 0
+    assert tel["torch_memory"]["available"] and tel["torch_memory"]["phases"]["decode"]["peak_allocated_bytes"] > 0
+    assert set(tel["torch_memory"]["phases"]) >= {"load", "prefill", "decode", "score"}

@@ -280,9 +280,15 @@ class TieredExperts(nn.Module):
         self._count_fused(topk_ids)
         return out
 
+    # The fused path's pick counter (one small launch per layer and step); benchmarks switch it off
+    # to measure what it costs (benchmarks/gpu_rig_h200.py).
+    count_picks = True
+
     def _count_fused(self, topk_ids: torch.Tensor) -> None:
         """Add this call's picks to the device counters (after fused_moe, which joined the host lane,
         so the stage maps read are the ones this call used)."""
+        if not self.count_picks:
+            return
         if not _COUNT_KERNEL:
             _COUNT_KERNEL.append(_pick_counter())
         ids = topk_ids.reshape(-1)
