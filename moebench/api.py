@@ -235,11 +235,12 @@ def run(opts: RunOptions) -> tuple[Path, int]:
                 await runner.start(str(run_dir))
                 ident = runner.identity()
                 store.update_manifest(model=ident.get("model"), build=ident.get("build"))
+                # Idle is measured loaded and warm, before the first task: the draw the tasks' energy
+                # is net of (before the load, the card idles at another level).
                 if probe is not None:
-                    # Idle is measured loaded and warm, before the first task: the draw the tasks'
-                    # energy is net of (before the load, the card idles at another level).
                     probe.mark("warmup")
-                    await runner.warmup()
+                await runner.warmup()
+                if probe is not None:
                     await asyncio.to_thread(probe.measure_idle, float(suite.probes.get("idle_s", 5.0)))
                 try:
                     return await _evaluate_all(tasks, items, runner, store, opts.quiet, probe)

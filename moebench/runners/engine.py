@@ -136,6 +136,9 @@ class EngineRunner(Runner):
     async def start(self, run_dir: str | None = None) -> None:
         if self.engine is not None:
             return
+        await self._load()
+
+    async def _load(self) -> None:
         from moebench.engine import Engine
         kwargs = {k: self.profile[k] for k in ("max_seq_len", "max_batch", "prefill_chunk")
                   if self.profile.get(k)}
@@ -160,7 +163,20 @@ class EngineRunner(Runner):
         eng = self._eng()
         ids = list(range(1, 17)) if eng.tokenizer is None else eng.tokenize("Warm-up: the quick brown fox.")
         t0 = time.perf_counter()
-        await asyncio.to_thread(eng.generate, [ids], 8, ignore_eos=True)
+        try:
+            await asyncio.to_thread(eng.generate, [ids], 8, ignore_eos=True)
+        except Exception as e:
+            chosen = self.choices["experts_impl"]
+            if chosen["value"] != "triton" or "experts_impl" in self.profile:
+                raise
+            # the fused kernels were our choice, not the user's: fall back to the plain path, and say so
+            self.choices["experts_impl"] = {"value": "auto", "why": f"the fused kernels failed in the warm-up "
+                                            f"({type(e).__name__}: {e}); torch's experts path instead"}
+            self.events.append({"event": "fallback", "what": "experts_impl", "error": f"{type(e).__name__}: {e}"})
+            self.engine = None
+            await self._load()
+            eng = self._eng()
+            await asyncio.to_thread(eng.generate, [ids], 8, ignore_eos=True)
         self.warmup_s = time.perf_counter() - t0
         eng.reset_telemetry()
 
