@@ -65,8 +65,10 @@ def decode_choices(profile: dict[str, Any], device: str) -> dict[str, dict[str, 
         out["experts_impl"] = {"value": "triton" if ok else "auto",
                                "why": "auto on CUDA: the fused Triton kernels" if ok else
                                f"auto on CUDA, Triton unavailable ({kernels._IMPORT_ERROR})"}
+    elif impl == "auto":
+        out["experts_impl"] = {"value": "auto", "why": "auto on the CPU: torch's experts path"}
     else:
-        out["experts_impl"] = {"value": impl, "why": "profile" if "experts_impl" in profile else "default"}
+        out["experts_impl"] = {"value": impl, "why": "profile"}
     graphs = profile.get("cuda_graphs", "auto")
     out["cuda_graphs"] = ({"value": cuda, "why": f"auto on {'CUDA' if cuda else 'the CPU (no graphs)'}"}
                           if graphs == "auto" else {"value": bool(graphs) and cuda, "why": "profile"})
@@ -167,7 +169,7 @@ class EngineRunner(Runner):
             await asyncio.to_thread(eng.generate, [ids], 8, ignore_eos=True)
         except Exception as e:
             chosen = self.choices["experts_impl"]
-            if chosen["value"] != "triton" or "experts_impl" in self.profile:
+            if not (chosen["value"] == "triton" and chosen["why"].startswith("auto")):
                 raise
             # the fused kernels were our choice, not the user's: fall back to the plain path, and say so
             self.choices["experts_impl"] = {"value": "auto", "why": f"the fused kernels failed in the warm-up "
