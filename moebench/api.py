@@ -19,6 +19,7 @@ from moebench.identity import host_identity, moebench_identity
 from moebench.progress import Progress
 from moebench.runners import make_runner, runner_schemas
 from moebench.runners.base import CapabilityError, Runner, check_capabilities
+from moebench.runners.responses import describe
 from moebench.store import RunStore, write_json_atomic
 from moebench.tasks import task_class, task_schemas
 from moebench.tasks.base import Task, TaskContext
@@ -152,7 +153,7 @@ async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runne
                 except CapabilityError:
                     raise
                 except Exception as e:   # recorded, retried on resume, never counted as wrong
-                    rec = {**base, "status": "error", "correct": None, "error": f"{type(e).__name__}: {e}"}
+                    rec = {**base, "status": "error", "correct": None, "error": describe(e)}
                 rec["task"], rec["item_id"] = task.name, item.item_id
                 rec["wall_s"] = round(time.perf_counter() - t0, 4)
                 store.append(rec)
