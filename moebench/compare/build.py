@@ -49,9 +49,10 @@ def build_compare(base_dir: str | Path, cand_dir: str | Path) -> dict[str, Any]:
     needle = _optional("moebench.compare.needle", "needle_compare")
     if needle is not None and any(r.get("task") == "needle" for r in brecs + crecs):
         out["needle"] = needle(_records_of(brecs, "needle"), _records_of(crecs, "needle"))
-    speed = _optional("moebench.compare.speed", "speed_compare")
-    if speed is not None and any(r.get("task") == "speed" for r in brecs + crecs):
-        out["speed"] = speed(_records_of(brecs, "speed"), _records_of(crecs, "speed"))
+    if any(r.get("task") == "speed" for r in brecs + crecs):
+        from moebench.compare.speed import read_token_times, speed_compare
+        out["speed"] = speed_compare(_records_of(brecs, "speed"), _records_of(crecs, "speed"),
+                                     read_token_times(base_dir), read_token_times(cand_dir))
     mem = _optional("moebench.probes.energy", "memory_energy_compare")
     if mem is not None and (bm.get("probes") or cm.get("probes")):
         section = mem(bm, cm)
