@@ -631,9 +631,36 @@ def _load_compare(compare_dir: Path) -> dict[str, Any]:
     return data
 
 
+def _matrix_pairs(cdir: Path) -> list[Path] | None:
+    """The per-candidate compare directories of a several-candidate compare (matrix.json), else None."""
+    path = cdir / "matrix.json"
+    if (cdir / "compare.json").is_file() or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return [cdir / c["compare_dir"] for c in data["candidates"]]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise GateInputError(f"{path}: not a moebench matrix ({type(e).__name__}: {e})") from None
+
+
 def run_gate(compare_dir: str | os.PathLike[str], rules_path: str | os.PathLike[str]) -> int:
-    """Check `compare_dir/compare.json` against the rules; write summary.md and junit.xml; exit code."""
+    """Check `compare_dir/compare.json` against the rules; write summary.md, junit.xml, gate.json; exit code.
+
+    A several-candidate compare directory (matrix.json) gates every candidate's directory with the same
+    rules; its exit code is the worst (1 over 3 over 0) and its summary.md joins theirs.
+    """
     cdir, rpath = Path(compare_dir), Path(rules_path)
+    try:
+        pairs = _matrix_pairs(cdir) if cdir.is_dir() else None
+    except GateInputError as e:
+        print(f"moebench gate: error: {e}", file=sys.stderr)
+        return 2
+    if pairs is not None:
+        codes = [run_gate(p, rpath) for p in pairs]
+        code = 2 if 2 in codes else 1 if 1 in codes else EXIT_INCONCLUSIVE if EXIT_INCONCLUSIVE in codes else 0
+        parts = [(p / SUMMARY_FILE).read_text(encoding="utf-8") for p in pairs if (p / SUMMARY_FILE).is_file()]
+        _write(cdir / SUMMARY_FILE, ("\n".join(parts)).encode("utf-8"))
+        return code
     try:
         compare = _load_compare(cdir)
         rules = load_rules(rpath)
@@ -646,7 +673,13 @@ def run_gate(compare_dir: str | os.PathLike[str], rules_path: str | os.PathLike[
     checks = evaluate(compare, rules, options["correction"])
     code = exit_code(checks, options["on_inconclusive"])
     summary = summary_markdown(checks, compare, rpath, options["on_inconclusive"])
-    _write(cdir / SUMMARY_FILE, summary.encode("utf-8"))
+    try:                 # the figures behind the verdict, as `moebench compare` summarised them
+        from moebench.compare.tables import matrix_row, summary_markdown as results_markdown
+        details = results_markdown([compare], [matrix_row(compare)])
+    except Exception as e:      # a hand-edited compare.json: the verdict still stands
+        details = f"(results summary unavailable: {type(e).__name__}: {e})\n"
+    _write(cdir / SUMMARY_FILE, (summary + "\n" + details.replace("## moebench compare", "### moebench compare", 1)
+                                 ).encode("utf-8"))
     _write(cdir / JUNIT_FILE, junit_xml(checks))
     _write(cdir / GATE_FILE, (json.dumps(gate_json(checks, rpath, code), indent=2) + "\n").encode("utf-8"))
     if (cdir / "report.html").is_file():      # the report opens with the verdict: render it again
