@@ -347,26 +347,101 @@ def _is_main_thread() -> bool:
 
 # --- compare / report / gate -------------------------------------------------------------------
 
+MATRIX_JSON = "matrix.json"
+MATRIX_CSV = "matrix.csv"
+SUMMARY_MD = "summary.md"
+
+
+def _check_run(p: str) -> None:
+    if not (Path(p) / "manifest.json").is_file():
+        raise UsageError(f"{p}: not a moebench run (no manifest.json)")
+
+
 def compare(baseline: str, candidate: str, out: str | None = None, results_dir: str = "results",
-            write_report: bool = True) -> tuple[Path, dict[str, Any]]:
+            write_report: bool = True, speed_ab: str | None = None) -> tuple[Path, dict[str, Any]]:
+    """Compare one candidate with the baseline: compare.json, summary.md, matrix.csv/json, report.html."""
+    out_dir, cmps, _ = compare_many(baseline, [candidate], out, results_dir, write_report, speed_ab)
+    return out_dir, cmps[0]
+
+
+def _pair_dir_name(i: int, label: Any, run: str) -> str:
+    return f"{i + 1:02d}_{_slug(str(label or Path(run).name))}"
+
+
+def compare_many(baseline: str, candidates: list[str], out: str | None = None, results_dir: str = "results",
+                 write_report: bool = True, speed_ab: str | None = None
+                 ) -> tuple[Path, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Compare each candidate with the baseline. Returns (compare dir, compare.json objects, matrix rows).
+
+    One candidate: compare.json (DESIGN.md section 5) in the compare directory itself. Several: one
+    complete two-run compare directory per candidate, `NN_<label>/` (compare.json, summary.md,
+    report.html: each gate-able alone), and in the top directory matrix.json, matrix.csv, summary.md
+    and report.html over all of them. Both layouts write matrix.csv/matrix.json (a row per candidate).
+    """
     from moebench.compare.build import build_compare
-    for p in (baseline, candidate):
-        if not (Path(p) / "manifest.json").is_file():
-            raise UsageError(f"{p}: not a moebench run (no manifest.json)")
-    cmp = build_compare(baseline, candidate)
-    out_dir = Path(out) if out else Path(results_dir) / f"compare_{Path(baseline).name}_vs_{Path(candidate).name}"
+    from moebench.compare.tables import matrix_row, summary_markdown, to_csv
+    if not candidates:
+        raise UsageError("compare: give at least one candidate run")
+    for p in (baseline, *candidates):
+        _check_run(p)
+    if speed_ab is not None and len(candidates) != 1:
+        raise UsageError("--speed-ab: an A/B directory belongs to one candidate; compare one candidate with it")
+    if out:
+        out_dir = Path(out)
+    elif len(candidates) == 1:
+        out_dir = Path(results_dir) / f"compare_{Path(baseline).name}_vs_{Path(candidates[0]).name}"
+    else:
+        out_dir = Path(results_dir) / f"compare_{Path(baseline).name}_vs_{len(candidates)}_candidates"
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out_dir / "compare.json", cmp)
+    cmps, rows, pair_dirs = [], [], []
+    for i, cand in enumerate(candidates):
+        try:
+            cmp = build_compare(baseline, cand, speed_ab=speed_ab)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if len(candidates) == 1:
+            pair_dir = out_dir
+        else:
+            pair_dir = out_dir / _pair_dir_name(i, cmp["candidate"].get("label"), cand)
+            pair_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(pair_dir / "compare.json", cmp)
+        row = matrix_row(cmp, "." if pair_dir == out_dir else pair_dir.name)
+        if pair_dir != out_dir:
+            (pair_dir / SUMMARY_MD).write_text(summary_markdown([cmp], [row]), encoding="utf-8")
+        cmps.append(cmp)
+        rows.append(row)
+        pair_dirs.append(pair_dir)
+    matrix = {"schema_version": 1, "baseline": cmps[0]["baseline"],
+              "candidates": [{"label": c["candidate"].get("label"), "run": c["candidate"].get("run"),
+                              "compare_dir": r["compare_dir"]} for c, r in zip(cmps, rows)],
+              "rows": rows}
+    write_json_atomic(out_dir / MATRIX_JSON, matrix)
+    (out_dir / MATRIX_CSV).write_text(to_csv(rows), encoding="utf-8")
+    (out_dir / SUMMARY_MD).write_text(summary_markdown(cmps, rows), encoding="utf-8")
     if write_report:
+        for d in pair_dirs:
+            if d != out_dir:
+                report(str(d))
         report(str(out_dir))
-    return out_dir, cmp
+    return out_dir, cmps, rows
+
+
+def trend(runs: list[str], out: str | None = None, results_dir: str = "results", order: str = "time") -> Path:
+    """Headline figures of several runs ordered by build and time: trend.json, trend.csv, trend.html."""
+    from moebench.report.trend import write_trend
+    for p in runs:
+        _check_run(p)
+    if len(runs) < 2:
+        raise UsageError("trend: give at least two runs")
+    out_dir = Path(out) if out else Path(results_dir) / f"trend_{len(runs)}_runs"
+    return write_trend([Path(r) for r in runs], out_dir, order)
 
 
 def report(path: str, out: str | None = None) -> Path:
     from moebench.report.render import render
     p = Path(path)
-    if not ((p / "compare.json").is_file() or (p / "manifest.json").is_file()):
-        raise UsageError(f"{p}: neither a run (manifest.json) nor a compare directory (compare.json)")
+    if not ((p / "compare.json").is_file() or (p / "manifest.json").is_file() or (p / MATRIX_JSON).is_file()):
+        raise UsageError(f"{p}: neither a run (manifest.json) nor a compare directory (compare.json, matrix.json)")
     return render(p, Path(out) if out else None)
 
 
