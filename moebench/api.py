@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
+import errno
 import json
 import re
+import shutil
 import signal
 import sys
 import time
@@ -19,7 +21,8 @@ from moebench.identity import host_identity, moebench_identity
 from moebench.progress import Progress
 from moebench.runners import make_runner, runner_schemas
 from moebench.runners.base import CapabilityError, Runner, check_capabilities
-from moebench.store import RunStore, write_json_atomic
+from moebench.runners.responses import describe
+from moebench.store import RunLock, RunStore, write_json_atomic
 from moebench.tasks import task_class, task_schemas
 from moebench.tasks.base import Task, TaskContext
 
@@ -127,10 +130,16 @@ def _start_probe(suite: SuiteProfile) -> tuple[Any, dict[str, Any]]:
     return probe, {"nvml": {"available": True}}
 
 
+# OS errors that mean the run cannot go on (a full disk, a read-only or failing filesystem): they end
+# the run instead of becoming one error record per remaining item.
+FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
+
+
 async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runner, store: RunStore,
-                        quiet: bool) -> dict[str, int]:
+                        quiet: bool, counts: dict[str, int]) -> dict[str, int]:
+    """Ask every unfinished item; `counts` is updated in place so an interrupted run still has them."""
     finished = store.finished_keys()
-    counts = {"asked": 0, "errors": 0, "skipped_finished": 0}
+    counts.update(asked=0, errors=0, skipped_finished=0)
     for task in tasks:
         await task.prepare(runner)
         all_items = items[task.name]
@@ -151,8 +160,12 @@ async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runne
                     rec = {**base, "status": "ok", **fields}
                 except CapabilityError:
                     raise
+                except OSError as e:
+                    if e.errno in FATAL_ERRNOS:
+                        raise
+                    rec = {**base, "status": "error", "correct": None, "error": describe(e)}
                 except Exception as e:   # recorded, retried on resume, never counted as wrong
-                    rec = {**base, "status": "error", "correct": None, "error": f"{type(e).__name__}: {e}"}
+                    rec = {**base, "status": "error", "correct": None, "error": describe(e)}
                 rec["task"], rec["item_id"] = task.name, item.item_id
                 rec["wall_s"] = round(time.perf_counter() - t0, 4)
                 store.append(rec)
@@ -171,11 +184,34 @@ class _Interrupted(Exception):
     pass
 
 
+def os_error_line(e: OSError) -> str:
+    """One line for a disk or OS error: the path, what went wrong and the errno."""
+    name = errno.errorcode.get(e.errno, "?") if e.errno is not None else "?"
+    where = f"{e.filename}: " if e.filename else ""
+    return f"error: {where}{e.strerror or e} (errno {e.errno} {name})"
+
+
 def run(opts: RunOptions) -> tuple[Path, int]:
     """Run a suite against a runner into a run directory. Returns (run dir, exit code)."""
     suite, runner_p = load_profiles(opts.suite, opts.runner)
     label = opts.label or runner_p.name
     run_dir = _run_dir(opts, suite, label)
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # The lock comes first: a second writer is refused before it reads or touches anything.
+    lock = RunLock(run_dir).acquire()
+    try:
+        store, tasks, runner, items, ctx = _prepare(opts, suite, runner_p, label, run_dir, lock)
+    except BaseException:
+        lock.release()
+        if created:                 # refused before anything was written: leave no empty folder behind
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    return run_dir, _execute(opts, suite, store, tasks, runner, items, ctx)
+
+
+def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, label: str, run_dir: Path,
+             lock: RunLock) -> tuple[RunStore, list[Task], Runner, dict[str, list], TaskContext]:
     _check_resumable(run_dir, suite, runner_p)
     baseline = Path(opts.baseline) if opts.baseline else None
     if baseline is not None and not (baseline / "manifest.json").is_file():
@@ -201,19 +237,34 @@ def run(opts: RunOptions) -> tuple[Path, int]:
         "baseline_run": str(baseline) if baseline else None,
         "limit": opts.limit,
     }
-    store = RunStore.create_or_resume(run_dir, manifest)
-    probe, probe_info = _start_probe(suite)
-    ctx.probe = probe
-    store.update_manifest(probes=probe_info)
+    return RunStore.create_or_resume(run_dir, manifest, lock=lock), tasks, runner, items, ctx
+
+
+def _execute(opts: RunOptions, suite: SuiteProfile, store: RunStore, tasks: list[Task], runner: Runner,
+             items: dict[str, list], ctx: TaskContext) -> int:
+    """Run the tasks into an open store and finish its manifest whatever happens. Returns the exit code."""
+    run_dir = store.path
+    previous_status = store.previous_status
+    status, exit_code = "failed", 1
+    counts: dict[str, int] = {}
+    probe = None
+    reported = False                    # an error line was printed already
 
     def on_term(signum, frame):     # SIGTERM ends the run as "interrupted", like Ctrl-C
         raise _Interrupted(f"signal {signum}")
 
     old_term = signal.signal(signal.SIGTERM, on_term) if _is_main_thread() else None
-    status, exit_code = "failed", 1
-    counts: dict[str, int] = {}
     try:
+        probe, probe_info = _start_probe(suite)
+        ctx.probe = probe
+        store.update_manifest(probes=probe_info)
+
         async def main() -> dict[str, int]:
+            # Inside the loop SIGTERM cancels the run at its next await, never between writing a
+            # record and counting it, so an interrupted run's counts match its records.
+            term = old_term is not None
+            if term:
+                asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
             if probe is not None:
                 probe.start(run_dir)
                 probe.mark("load")
@@ -223,44 +274,70 @@ def run(opts: RunOptions) -> tuple[Path, int]:
                 store.update_manifest(model=ident.get("model"), build=ident.get("build"))
                 if probe is not None:
                     probe.mark("idle")
-                return await _evaluate_all(tasks, items, runner, store, opts.quiet)
+                return await _evaluate_all(tasks, items, runner, store, opts.quiet, counts)
             finally:
+                if term:
+                    asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+                    signal.signal(signal.SIGTERM, on_term)
                 await runner.close()
 
-        counts = asyncio.run(main())
+        asyncio.run(main())
         status = "complete"
         exit_code = 0
         if counts.get("asked") and counts["errors"] == counts["asked"]:
             exit_code = 1              # every item errored: the run did not measure anything
-    except (KeyboardInterrupt, _Interrupted):
+    except (KeyboardInterrupt, _Interrupted, asyncio.CancelledError):
         status, exit_code = "interrupted", 130
     except CapabilityError as e:
         status, exit_code = "failed", 2
-        store.add_event("capability_error", message=str(e))
+        _try(store.add_event, "capability_error", message=str(e))
         print(f"error: {e}", file=sys.stderr)
+    except OSError as e:                # a full disk, a vanished folder: one line, no traceback chain
+        print(os_error_line(e), file=sys.stderr)
+        reported = True
+        status, exit_code = "failed", 1
+        _try(store.add_event, "failed", message=describe(e))
     except Exception as e:
-        store.add_event("failed", message=f"{type(e).__name__}: {e}")
-        print(f"error: run failed: {type(e).__name__}: {e}", file=sys.stderr)
+        _try(store.add_event, "failed", message=describe(e))
+        print(f"error: run failed: {describe(e)}", file=sys.stderr)
         status, exit_code = "failed", 1
     finally:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
+        if status == "failed" and previous_status is not None:
+            # A resume that failed leaves the run as it found it (a crashed writer's "running" reads
+            # as interrupted), with the failure in its events.
+            status = "interrupted" if previous_status == "running" else previous_status
         probe_summary = None
         if probe is not None:
             try:
                 probe_summary = probe.stop()
             except Exception as e:   # a probe problem never loses the run
-                probe_summary = {"error": f"{type(e).__name__}: {e}"}
-        records = list(store.records().values())
-        summary = {t.name: t.summarize([r for r in records if r.get("task") == t.name]) for t in tasks}
-        events = store.manifest.get("events", []) + list(getattr(runner, "events", []))
-        probes = dict(store.manifest.get("probes") or {})
-        if probe_summary is not None:
-            probes["nvml"] = {**probes.get("nvml", {}), **probe_summary}
-        store.finish(status, summary=summary, counts=counts, events=events, probes=probes,
-                     data_files=ctx.data_files)
-        store.close()
-    return run_dir, exit_code
+                probe_summary = {"error": describe(e)}
+        try:
+            records = list(store.records().values())
+            summary = {t.name: t.summarize([r for r in records if r.get("task") == t.name]) for t in tasks}
+            events = store.manifest.get("events", []) + list(getattr(runner, "events", []))
+            probes = dict(store.manifest.get("probes") or {})
+            if probe_summary is not None:
+                probes["nvml"] = {**probes.get("nvml", {}), **probe_summary}
+            store.finish(status, summary=summary, counts=counts, events=events, probes=probes,
+                         data_files=ctx.data_files)
+        except OSError as e:         # the manifest keeps its last whole version; say why once
+            if not reported:
+                print(os_error_line(e), file=sys.stderr)
+            exit_code = exit_code or 1
+        finally:
+            store.close()
+    return exit_code
+
+
+def _try(fn, *args: Any, **kwargs: Any) -> None:
+    """Record something in the manifest if the disk still lets us; the caller reports the failure."""
+    try:
+        fn(*args, **kwargs)
+    except OSError:
+        pass
 
 
 def _is_main_thread() -> bool:

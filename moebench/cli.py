@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     except (api.UsageError, ProfileError, DatasetError, StoreError, CapabilityError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:            # a full disk or a failing filesystem: one line naming path and errno
+        print(api.os_error_line(e), file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

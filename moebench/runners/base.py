@@ -79,6 +79,10 @@ class GenerateResult:
     token_times: list[float] | None = None
     timings: dict[str, Any] = field(default_factory=dict)
     endpoint: str | None = None
+    # Chat models that think first: their reasoning text, kept apart from `text` (the answer), and
+    # its token count where the server reports one.
+    reasoning: str | None = None
+    reasoning_tokens: int | None = None
 
     def to_record_fields(self) -> dict[str, Any]:
         """The fields every task copies into its record."""
@@ -93,6 +97,9 @@ class GenerateResult:
             out["timings"] = self.timings
         if self.endpoint:
             out["endpoint"] = self.endpoint
+        if self.reasoning is not None:
+            out["reasoning"] = self.reasoning
+            out["reasoning_tokens"] = self.reasoning_tokens
         return out
 
 
