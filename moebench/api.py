@@ -22,6 +22,7 @@ from moebench.progress import Progress
 from moebench.runners import make_runner, runner_schemas
 from moebench.runners.base import CapabilityError, Runner, check_capabilities
 from moebench.runners.responses import describe
+from moebench.secrets import env_secret_values, redact
 from moebench.store import RunLock, RunStore, write_json_atomic
 from moebench.tasks import task_class, task_schemas
 from moebench.tasks.base import Task, TaskContext
@@ -242,7 +243,7 @@ def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, lab
     manifest = {
         "run_id": uuid.uuid4().hex[:12],
         "label": label,
-        "suite": suite.to_dict(),
+        "suite": redact(suite.to_dict()),
         "runner": runner_p.redacted(),
         "moebench": moebench_identity(),
         "host": host_identity(),
@@ -251,7 +252,8 @@ def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, lab
         "baseline_run": str(baseline) if baseline else None,
         "limit": opts.limit,
     }
-    return RunStore.create_or_resume(run_dir, manifest, lock=lock), tasks, runner, items, ctx
+    secrets = frozenset(env_secret_values(runner_p.settings))
+    return RunStore.create_or_resume(run_dir, manifest, lock=lock, secrets=secrets), tasks, runner, items, ctx
 
 
 def _execute(opts: RunOptions, suite: SuiteProfile, store: RunStore, tasks: list[Task], runner: Runner,

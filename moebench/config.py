@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from moebench.secrets import literal_secrets, redact
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -227,9 +229,6 @@ COMMON_RUNNER_SCHEMA: dict[str, Field] = {
     "concurrency": Field(int, default=1, check=positive),
 }
 
-SECRET_KEYS = ("api_key", "token", "password", "secret")
-
-
 @dataclass
 class RunnerProfile:
     kind: str
@@ -238,14 +237,9 @@ class RunnerProfile:
     settings: dict[str, Any] = field(default_factory=dict)
 
     def redacted(self) -> dict[str, Any]:
-        """Settings safe to write into a run: secret-looking values replaced."""
-        out = {}
-        for k, v in self.settings.items():
-            if any(s in k.lower() for s in SECRET_KEYS) and not k.endswith("_env"):
-                out[k] = "***"
-            else:
-                out[k] = v
-        return {"kind": self.kind, "name": self.name, "path": self.path, **out}
+        """Settings safe to write into a run: secret-named values and secret-shaped text replaced,
+        at every depth."""
+        return {"kind": self.kind, "name": self.name, "path": self.path, **redact(self.settings)}
 
 
 def load_runner(path: str | os.PathLike[str], runner_schemas: dict[str, dict[str, Field]]) -> RunnerProfile:
@@ -256,9 +250,13 @@ def load_runner(path: str | os.PathLike[str], runner_schemas: dict[str, dict[str
         raise ProfileError(
             f"{p}: key 'kind' must be one of {', '.join(map(repr, sorted(runner_schemas)))}, got {kind!r}"
         )
-    for key in ("api_key", "token", "password"):
-        if key in raw:
-            raise ProfileError(f"{p}: key {key!r}: secrets never live in files; use {key}_env = \"VARNAME\"")
+    found = literal_secrets(raw)
+    if found:
+        raise ProfileError(f"{p}: key {found[0]!r}"
+                           + (f" (and {', '.join(map(repr, found[1:]))})" if len(found) > 1 else "")
+                           + ": secrets never live in files; put the value in an environment variable "
+                           "(api_key_env = \"VARNAME\" for the HTTP runner's key; a llama-server inherits "
+                           "moebench's environment)")
     settings = validate(raw, {**COMMON_RUNNER_SCHEMA, **runner_schemas[kind]}, str(p))
     # Relative model/binary paths in a profile are relative to the working directory (the repo root).
     name = settings.pop("name", None) or p.stem

@@ -22,6 +22,8 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
+from moebench.secrets import scrub
+
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 ITEMS = "items.jsonl"
@@ -209,12 +211,15 @@ class RunStore:
         self._lock = threading.Lock()
         self._items_file = None
         self.lock: RunLock | None = None
+        # Values of the environment variables the profile names (API keys): never written, wherever
+        # they turn up (a server echoing the key in an error message).
+        self.secrets: frozenset[str] = frozenset()
         self.previous_status: str | None = None     # a resumed run's status before this writer
 
     # -- creation / opening ---------------------------------------------------------------------
     @classmethod
     def create_or_resume(cls, path: str | os.PathLike[str], manifest: dict[str, Any],
-                         lock: RunLock | None = None) -> "RunStore":
+                         lock: RunLock | None = None, secrets: frozenset[str] = frozenset()) -> "RunStore":
         """Open `path` for writing. An existing unfinished run is resumed; a fresh one is created.
 
         Returns the store; `store.resumed` tells which. The manifest's fixed identity fields of a
@@ -222,6 +227,7 @@ class RunStore:
         taken here) is held until `close`; RunLocked when another process holds it.
         """
         store = cls(path)
+        store.secrets = frozenset(secrets)
         store.path.mkdir(parents=True, exist_ok=True)
         store.lock = lock if lock is not None else RunLock(store.path).acquire()
         try:
@@ -286,8 +292,11 @@ class RunStore:
             raise StoreError(f"{self.manifest_path}: not valid JSON ({e})") from None
 
     def write_manifest(self) -> None:
+        data = self.manifest
+        if self.secrets:
+            data = json.loads(scrub(json.dumps(data, ensure_ascii=False, default=str), self.secrets))
         with self._lock:
-            write_json_atomic(self.manifest_path, self.manifest)
+            write_json_atomic(self.manifest_path, data)
 
     def update_manifest(self, **fields: Any) -> None:
         self.manifest.update(fields)
@@ -307,7 +316,8 @@ class RunStore:
         for key in ("task", "item_id", "status"):
             if key not in record:
                 raise ValueError(f"record lacks {key!r}: {record!r}")
-        line = json.dumps(record, ensure_ascii=False, default=str).encode("utf-8") + b"\n"
+        text = json.dumps(record, ensure_ascii=False, default=str)
+        line = (scrub(text, self.secrets) if self.secrets else text).encode("utf-8") + b"\n"
         with self._lock:
             assert self._items_file is not None, "store not opened for writing"
             try:
