@@ -660,6 +660,7 @@ def run_gate(compare_dir: str | os.PathLike[str], rules_path: str | os.PathLike[
         code = 2 if 2 in codes else 1 if 1 in codes else EXIT_INCONCLUSIVE if EXIT_INCONCLUSIVE in codes else 0
         parts = [(p / SUMMARY_FILE).read_text(encoding="utf-8") for p in pairs if (p / SUMMARY_FILE).is_file()]
         _write(cdir / SUMMARY_FILE, ("\n".join(parts)).encode("utf-8"))
+        _rerender(cdir)
         return code
     try:
         compare = _load_compare(cdir)
@@ -682,14 +683,20 @@ def run_gate(compare_dir: str | os.PathLike[str], rules_path: str | os.PathLike[
                                  ).encode("utf-8"))
     _write(cdir / JUNIT_FILE, junit_xml(checks))
     _write(cdir / GATE_FILE, (json.dumps(gate_json(checks, rpath, code), indent=2) + "\n").encode("utf-8"))
-    if (cdir / "report.html").is_file():      # the report opens with the verdict: render it again
-        try:
-            from moebench.report.render import render
-            render(cdir)
-        except Exception as e:                # the verdict stands even if the report cannot be redrawn
-            print(f"moebench gate: warning: report.html not updated ({type(e).__name__}: {e})", file=sys.stderr)
+    _rerender(cdir)
     print(summary, end="")
     return code
+
+
+def _rerender(cdir: Path) -> None:
+    """The report opens with the verdict: render an existing report.html again after a gate."""
+    if not (cdir / "report.html").is_file():
+        return
+    try:
+        from moebench.report.render import render
+        render(cdir)
+    except Exception as e:                # the verdict stands even if the report cannot be redrawn
+        print(f"moebench gate: warning: report.html not updated ({type(e).__name__}: {e})", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ from typing import Any, Callable
 from moebench.compare.pairs import pair_runs
 from moebench.store import load_run
 
-COMPARE_SCHEMA_VERSION = 1
+COMPARE_SCHEMA_VERSION = 2
 
 
 def _optional(module: str, name: str) -> Callable[..., Any] | None:

@@ -29,7 +29,7 @@ from typing import Any
 from moebench.config import Field, positive
 from moebench.datasets import data_file, register
 from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
-from moebench.compare.speed import speed_compare, summarize_speed  # noqa: F401 (speed_compare re-exported)
+from moebench.compare.speed import read_token_times, speed_compare, summarize_speed  # noqa: F401 (speed_compare re-exported)
 from moebench.compare.speed_ab import ab_section, output_identity  # noqa: F401 (output_identity re-exported)
 from moebench.store import write_json_atomic
 from moebench.tasks.base import Item, Task, TaskContext, prompt_hash
@@ -246,9 +246,10 @@ class SpeedTask(Task):
 
     def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         ok = [r for r in records if r.get("status") == "ok"]
+        times = read_token_times(self.ctx.run_dir) if self.ctx.run_dir is not None else None
         return {"n": len(records), "n_ok": len(ok),
                 "n_errors": sum(1 for r in records if r.get("status") == "error"),
-                "by_prompt_length": summarize_speed(ok)}
+                "by_prompt_length": summarize_speed(ok, times)}
 
 
 # --- probe plumbing -------------------------------------------------------------------------------
