@@ -440,11 +440,14 @@ def trend(runs: list[str], out: str | None = None, results_dir: str = "results",
 
 
 def report(path: str, out: str | None = None) -> Path:
-    from moebench.report.render import render
+    from moebench.report.render import ReportError, render
     p = Path(path)
     if not ((p / "compare.json").is_file() or (p / "manifest.json").is_file() or (p / MATRIX_JSON).is_file()):
         raise UsageError(f"{p}: neither a run (manifest.json) nor a compare directory (compare.json, matrix.json)")
-    return render(p, Path(out) if out else None)
+    try:
+        return render(p, Path(out) if out else None)
+    except ReportError as e:          # a malformed input file: bad input, named in the message
+        raise UsageError(str(e)) from None
 
 
 def gate(compare_dir: str, rules: str) -> int:
