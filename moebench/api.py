@@ -28,6 +28,9 @@ from moebench.tasks import task_class, task_schemas
 from moebench.tasks.base import Task, TaskContext
 
 
+BASELINE_IDLE_END = "baseline_idle_end"   # the optional idle window after the last task
+
+
 class UsageError(Exception):
     """Bad usage or bad input: exit code 2."""
 
@@ -125,6 +128,7 @@ def _start_probe(suite: SuiteProfile) -> tuple[Any, dict[str, Any]]:
         return None, {"nvml": {"available": False, "reason": f"probe not importable: {e}"}}
     from moebench.probes.energy import tariffs_from_probes
     probe = NvmlProbe(interval_ms=suite.probes.get("interval_ms", 100), gpu_index=suite.probes.get("gpu_index", 0),
+                      gpu_indices=suite.probes.get("gpu_indices"), idle_s=suite.probes.get("idle_s", 5.0),
                       tariffs=tariffs_from_probes(suite.probes))
     if not probe.available:
         return None, {"nvml": {"available": False, "reason": getattr(probe, "reason", "unavailable")}}
@@ -137,11 +141,17 @@ FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 
 
 async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runner, store: RunStore,
-                        quiet: bool, counts: dict[str, int]) -> dict[str, int]:
+                        quiet: bool, counts: dict[str, int], probe: Any = None) -> dict[str, int]:
     """Ask every unfinished item; `counts` is updated in place so an interrupted run still has them."""
     finished = store.finished_keys()
     counts.update(asked=0, errors=0, skipped_finished=0)
+
+    def mark(phase: str) -> None:
+        if probe is not None:
+            probe.mark(phase)
+
     for task in tasks:
+        mark("prepare")                  # datasets, tokenizing: host work, kept out of idle
         await task.prepare(runner)
         all_items = items[task.name]
         todo = [it for it in all_items if (task.name, it.item_id) not in finished]
@@ -174,10 +184,14 @@ async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runne
                 counts["errors"] += rec["status"] == "error"
                 progress.advance(error=rec["status"] == "error")
 
+        # A task that marks no phases of its own is booked as a whole under its phase, so that no
+        # work lands in "idle"; speed and needle mark prefill/decode/idle per request themselves.
+        mark(task.phase or "prepare")
         try:
             await asyncio.gather(*(one(it) for it in todo))
         finally:
             progress.close()
+            mark("idle")
     return counts
 
 
@@ -268,15 +282,28 @@ def _execute(opts: RunOptions, suite: SuiteProfile, store: RunStore, tasks: list
             if term:
                 asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
             if probe is not None:
-                probe.start(run_dir)
+                probe.start(run_dir, idle_s=0)
                 probe.mark("load")
             try:
                 await runner.start(str(run_dir))
                 ident = runner.identity()
                 store.update_manifest(model=ident.get("model"), build=ident.get("build"))
+                # Idle is measured loaded and warm, before the first task: the draw the tasks' energy
+                # is net of (before the load, the card idles at another level).
                 if probe is not None:
-                    probe.mark("idle")
-                return await _evaluate_all(tasks, items, runner, store, opts.quiet, counts)
+                    probe.mark("warmup")
+                await runner.warmup()
+                if probe is not None:
+                    await asyncio.to_thread(probe.measure_idle, float(suite.probes.get("idle_s", 5.0)))
+                try:
+                    return await _evaluate_all(tasks, items, runner, store, opts.quiet, counts, probe)
+                finally:
+                    if probe is not None and suite.probes.get("idle_end_s"):
+                        await asyncio.to_thread(probe.measure_idle, float(suite.probes["idle_end_s"]),
+                                                BASELINE_IDLE_END)
+                    telemetry = runner.telemetry()
+                    if telemetry:
+                        store.update_manifest(engine=telemetry)
             finally:
                 if term:
                     asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)

@@ -141,12 +141,28 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
 
 
+def _gpu_indices(value: Any) -> str | None:
+    if isinstance(value, str):
+        return None if value == "all" else 'must be "all" or a list of GPU indices'
+    if not value:
+        return "must list at least one GPU index"
+    if any(i < 0 for i in value):
+        return "must hold GPU indices >= 0"
+    return "must not repeat a GPU index" if len(set(value)) != len(value) else None
+
+
 # --- suites -----------------------------------------------------------------------------------
 
 PROBES_SCHEMA: dict[str, Field] = {
     "nvml": Field(bool, default=True, doc="sample GPU memory/power/energy where NVML is present"),
     "interval_ms": Field(int, default=100, check=positive),
-    "gpu_index": Field(int, default=0, check=non_negative),
+    "gpu_index": Field(int, default=0, check=non_negative, doc="the one GPU to sample (see gpu_indices)"),
+    "gpu_indices": Field((list, str), item_type=int, check=_gpu_indices,
+                         doc='several GPUs: a list of NVML indices or "all" (overrides gpu_index)'),
+    "idle_s": Field(float, default=5.0, check=non_negative,
+                    doc="seconds of idle measured after the model is loaded and warm, before the first task"),
+    "idle_end_s": Field(float, default=0.0, check=non_negative,
+                        doc="seconds of idle measured again after the last task (0: none)"),
     "tariff_day_per_kwh": Field(float, doc="electricity price by day, per kWh"),
     "tariff_night_per_kwh": Field(float, doc="electricity price by night, per kWh"),
     "currency": Field(str, default="EUR"),

@@ -35,7 +35,15 @@ Rules file (TOML); a table per task named as in compare.json's "tasks", plus the
     [needle]
     min_found = 10
     [memory]
-    max_peak_used_gib = 80
+    max_peak_used_gib = 80           # the run's headline: its one card, or the sum of its cards
+    [memory.gpu1]                    # one card by NVML index (runs sampled with gpu_indices)
+    max_peak_used_gib = 22
+    [energy]
+    max_whole_run_kj = 50            # candidate energy over the whole run (NVML counter), kJ
+    max_idle_power_w = 400           # candidate idle draw, measured after load
+    max_decode_net_j_per_token_ratio = 1.1
+    [energy.sum]                     # the sum over cards (the headline with several cards)
+    max_whole_run_kj = 150
 
     [gate]
     on_inconclusive = "exit3"        # exit3 (default) | fail (exit 1) | pass (exit 0, still listed)
@@ -59,6 +67,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -66,7 +75,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moebench.config import Field, ProfileError, load_toml, non_negative, positive, validate
-from moebench.report.sections import memory_value, needle_cells, needle_counts, number, speed_rows
+from moebench.report.sections import memory_value, needle_cells, needle_counts, number, side_value, speed_rows
 from moebench.scoring.stats import holm_adjust
 
 SUMMARY_FILE = "summary.md"
@@ -249,6 +258,27 @@ def _peak_ratio(memory: dict[str, Any]) -> float:
     return cand / base
 
 
+def _cand(key: str, label: str, scale: float = 1.0) -> Callable[[dict[str, Any]], float]:
+    """The candidate's `key` in a per-card energy entry ({"baseline": {...}, "candidate": {...}})."""
+    def get(section: dict[str, Any]) -> float:
+        v = side_value(section, "candidate", key)
+        if v is None:
+            raise Missing(f"no candidate {label}")
+        return v * scale
+    return get
+
+
+def _decode_j_ratio(energy: dict[str, Any]) -> float:
+    dec = (energy.get("per_token") or {}).get("decode") if isinstance(energy.get("per_token"), dict) else None
+    v = number((dec or {}).get("net_ratio"))
+    if v is None:
+        raise Missing("no per_token.decode.net_ratio (decode J/token of both runs, net of idle)")
+    return v
+
+
+CARD_KEY = re.compile(r"^(gpu\d+|sum)$")
+
+
 def _kld_key(key: str) -> Callable[[dict[str, Any]], float]:
     return lambda kld: _req(kld, key)
 
@@ -311,7 +341,32 @@ SECTION_RULES: dict[str, dict[str, Rule]] = {
         "max_peak_used_gib": Rule(Field(float, check=positive), "max", _peak_gib, "candidate peak used GiB"),
         "max_peak_used_ratio": Rule(Field(float, check=positive), "max", _peak_ratio, "peak used ratio"),
     },
+    "energy": {
+        "max_whole_run_kj": Rule(Field(float, check=positive), "max",
+                                 _cand("whole_run_counter_j", "whole-run energy (NVML counter)", 1e-3),
+                                 "candidate whole-run energy kJ"),
+        "max_idle_power_w": Rule(Field(float, check=positive), "max", _cand("idle_power_w", "idle power"),
+                                 "candidate idle power W"),
+        "max_decode_net_j_per_token_ratio": Rule(Field(float, check=positive), "max", _decode_j_ratio,
+                                                 "decode net J/token ratio"),
+    },
 }
+
+
+def _section_data(compare: dict[str, Any], section: str) -> Any:
+    """compare.json's part a rules section reads: "memory", "energy", or one card of them
+    ("memory.gpu1", "energy.sum": compare[...]["gpus"][card]). Plain [energy] reads the sum's
+    per-card figures beside the section's own."""
+    name, _, card = section.partition(".")
+    data = compare.get(name)
+    if not isinstance(data, dict):
+        return None
+    if card:
+        gpus = data.get("gpus") if isinstance(data.get("gpus"), dict) else {}
+        return gpus.get(card)
+    if name == "energy" and isinstance(data.get("gpus"), dict) and isinstance(data["gpus"].get("sum"), dict):
+        return {**data, **data["gpus"]["sum"]}
+    return data
 
 
 # keys of a section table that tune its rules instead of being rules
@@ -380,13 +435,22 @@ def load_rules(path: str | os.PathLike[str]) -> list[tuple[str, bool, dict[str, 
                 add_task(tname, ttable, f"{p} [tasks.{tname}]")
         elif name in SECTION_RULES:
             schema = {**{k: r.field for k, r in SECTION_RULES[name].items()}, **SECTION_OPTIONS.get(name, {})}
-            settings = validate(table, schema, where)
-            if not any(k in SECTION_RULES[name] for k in table):
-                raise ProfileError(f"{where}: no rules, only options ({', '.join(sorted(table))})")
-            out.append((name, False, settings))
+            cards = {k: v for k, v in table.items() if isinstance(v, dict)} if name in ("memory", "energy") else {}
+            for card, sub in cards.items():
+                if not CARD_KEY.match(card):
+                    raise ProfileError(f"{where}: sub-table [{name}.{card}]: expected a card as gpuN "
+                                       f"(its NVML index) or 'sum'")
+                out.append((f"{name}.{card}", False, validate(sub, schema, f"{p} [{name}.{card}]")))
+            plain = {k: v for k, v in table.items() if k not in cards}
+            if plain or not cards:
+                settings = validate(plain, schema, where)
+                if not any(k in SECTION_RULES[name] for k in plain):
+                    raise ProfileError(f"{where}: no rules, only options ({', '.join(sorted(plain))})")
+                out.append((name, False, settings))
         else:
             add_task(name, table, where)
-    if not any(any(k in TASK_RULES or k in SECTION_RULES.get(sec, {}) for k in s) for sec, _, s in out):
+    if not any(any(k in TASK_RULES or k in SECTION_RULES.get(sec.partition(".")[0], {}) for k in s)
+               for sec, _, s in out):
         raise ProfileError(f"{p}: no rules; a gate with nothing to check would always pass")
     return out
 
@@ -430,13 +494,13 @@ def evaluate(compare: dict[str, Any], rules: list[tuple[str, bool, dict[str, Any
     tasks = compare.get("tasks") if isinstance(compare.get("tasks"), dict) else {}
     holm = _holm(compare, rules, correction)
     for section, is_task, settings in rules:
-        table = TASK_RULES if is_task else SECTION_RULES[section]
+        table = TASK_RULES if is_task else SECTION_RULES[section.partition(".")[0]]
         if is_task:
             data = tasks.get(section)
             absent = (f"task {section!r} is not in compare.json (tasks there: "
                       f"{', '.join(sorted(tasks)) or 'none'})")
         else:
-            data = compare.get(section)
+            data = _section_data(compare, section)
             absent = f"section {section!r} is not in compare.json"
         for name, limit in settings.items():
             if name not in table:

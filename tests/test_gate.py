@@ -63,6 +63,9 @@ COMPARE = {
                             "ttft_s": {"median_ratio": 0.97, "ratio_ci95": [0.95, 0.99], "n_pairs": 24}},
                  "identity": {"n_differ_any": 2}},
     "memory": {"baseline": {"peak_used_bytes": 40 * 2**30}, "candidate": {"peak_used_bytes": 35 * 2**30}},
+    "energy": {"per_token": {"decode": {"net_ratio": 1.05}},
+               "gpus": {"sum": {"baseline": {"idle_power_w": 80.0, "whole_run_counter_j": 15000.0},
+                                "candidate": {"idle_power_w": 90.0, "whole_run_counter_j": 12000.0}}}},
 }
 
 # (section, rule, a limit the fixture meets, a limit it breaks)
@@ -102,6 +105,9 @@ CASES = [
     ("needle", "min_found_share", 0.85, 0.9),
     ("memory", "max_peak_used_gib", 36.0, 34.0),
     ("memory", "max_peak_used_ratio", 0.9, 0.85),
+    ("energy", "max_whole_run_kj", 12.5, 11.5),
+    ("energy", "max_idle_power_w", 95.0, 85.0),
+    ("energy", "max_decode_net_j_per_token_ratio", 1.1, 1.0),
 ]
 
 

@@ -69,6 +69,11 @@ def build_compare(base_dir: str | Path, cand_dir: str | Path, speed_ab: str | Pa
         section = mem(bm, cm)
         if section:
             out.update({k: v for k, v in section.items() if k in ("memory", "energy")})
+    engine = _optional("moebench.compare.engine", "engine_compare")
+    if engine is not None:
+        section = engine(bm, cm, brecs, crecs)
+        if section:
+            out["engine"] = section
     if speed_ab is not None:
         out["speed_ab"] = load_speed_ab(speed_ab)
     return out

@@ -17,6 +17,7 @@ from markupsafe import Markup
 
 from moebench import store
 from moebench.report import plots
+from moebench.report.rig import rig_context
 from moebench.report.sections import (SPEED_METRICS, needle_cells, needle_counts, number, per_side,
                                       speed_rows)
 
@@ -554,6 +555,8 @@ def _timeline_series(path: Path, warnings: list[str]):
                         f"used-memory column ({', '.join(USED_COLUMNS)}); found {', '.join(map(str, df.columns))}")
         return None
     import pandas as pd
+    if "gpu" in df.columns and df["gpu"].nunique() > 1:     # several cards: the rig's total per tick
+        df = df.groupby(tcol, as_index=False, sort=True)[ucol].sum()
     t = df[tcol]
     if pd.api.types.is_datetime64_any_dtype(t):
         t0 = t.iloc[0]
@@ -697,6 +700,7 @@ def compare_context(compare_dir: Path) -> dict[str, Any]:
         "speed_ab": _speed_ab_context(compare.get("speed_ab")),
         "memory": _memory_context(compare.get("memory"), compare_dir, [base, cand], warnings),
         "energy": _energy_context(compare.get("energy")),
+        "rig": rig_context(compare),
         "gate": _gate_context(compare_dir, warnings),
         "verdict": _verdict_context(tasks, compare),
     }

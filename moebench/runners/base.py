@@ -123,6 +123,15 @@ class Runner:
     async def close(self) -> None:
         """Release everything; must be safe to call twice and after a failed start."""
 
+    async def warmup(self) -> None:
+        """Run a little work before the measured idle window, so the backend is warm (compiled kernels,
+        captured graphs, clocks up) when the run measures its idle draw. A no-op by default."""
+
+    def telemetry(self) -> dict[str, Any] | None:
+        """What the backend measured about itself over the run (the engine: torch memory per phase,
+        tier counters, the decode path it chose), for the manifest's "engine" key; None when nothing."""
+        return None
+
     # -- identity -------------------------------------------------------------------------------
     def identity(self) -> dict[str, Any]:
         """Model and build identity for the manifest: {"model": {...}, "build": {...}}."""

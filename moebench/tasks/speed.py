@@ -80,6 +80,7 @@ def timing_fields(token_times: list[float] | None, prompt_tokens: int | None,
 
 class SpeedTask(Task):
     kind = "speed"
+    phase = None
     options = {
         "prompt_lengths": Field(list, item_type=int, default=lambda: list(DEFAULT_PROMPT_LENGTHS),
                                 check=_lengths_ok, doc="prompt lengths in tokens"),
@@ -178,11 +179,13 @@ class SpeedTask(Task):
         Prompts are built (tokenized) before the clock starts. Returns item id -> record fields,
         or the exception that measurement raised.
         """
+        _mark(self.ctx, "prepare", time.perf_counter())     # tokenizing prompts: host work, not idle
         prompts: dict[tuple[int, int], tuple[str, int | None]] = {}
         for rep in range(self.repeats):
             for c in range(clients):
                 prefix = measurement_prefix(self.seed, length, clients, rep, c)
                 prompts[(rep, c)] = await self.build_prompt(runner, prefix, length)
+        _mark(self.ctx, "warmup", time.perf_counter())
         for w in range(self.warmup):       # first requests pay for allocation and compilation
             prefix = measurement_prefix(self.seed + 1_000_003 + w, length, clients, 0, 0)
             prompt, n = await self.build_prompt(runner, prefix, length)
