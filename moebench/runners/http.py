@@ -35,16 +35,18 @@ def url_problem(value: Any) -> str | None:
     """Why a base URL cannot work (checked when the profile loads, not on every item)."""
     urls = value if isinstance(value, list) else [value]
     for u in urls:
+        which = f" ({u!r})" if isinstance(value, list) else ""      # a single value is quoted by the caller
         try:
             parsed = httpx.URL(u)
             port = parsed.port
         except (httpx.InvalidURL, ValueError, TypeError) as e:
-            return f"must be an http(s) URL ({u!r}: {e})"
+            return f"must be an http(s) URL{which}: {e}"
         if parsed.scheme not in ("http", "https") or not parsed.host:
-            return f"must be an http(s) URL with a host, like http://127.0.0.1:8080/v1 ({u!r})"
+            return f"must be an http(s) URL with a host, like http://127.0.0.1:8080/v1{which}"
         if port is not None and not 1 <= port <= 65535:
-            return f"has port {port}, outside 1-65535 ({u!r})"
+            return f"has port {port}, outside 1-65535{which}"
     return None
+
 
 SCHEMA: dict[str, Field] = {
     "base_url": Field(str, check=url_problem, doc="e.g. http://127.0.0.1:8080/v1"),
@@ -80,7 +82,8 @@ class HttpRunner(Runner):
             raise ProfileError(f"{where}: needs key 'base_url' or 'base_urls' (e.g. \"http://127.0.0.1:8080/v1\")")
         problem = url_problem(urls)
         if problem:
-            raise ProfileError(f"{where}: key {'base_url' if profile.get('base_url') else 'base_urls'} {problem}")
+            key = "base_url" if profile.get("base_url") else "base_urls"
+            raise ProfileError(f"{where}: key {key!r} {problem}, got {urls!r}")
         self.base_urls = [u.rstrip("/") for u in urls]
         self.api = profile.get("api", "completions")
         self.model = profile.get("model", "default")
