@@ -115,6 +115,13 @@ def test_draft_counters_become_acceptance_rates_compared_and_reported(tmp_path, 
     assert "Speculative decoding" in html
     assert html.count('<td class="num">0.95</td><td class="num">0.25</td>') == 2          # per prompt length
     assert "Sampling: baseline greedy (seed 1234); candidate temperature 1, top_p 0.9, seed 1234." in html
+    # A gate rule on the acceptance rate: the sampled candidate's 0.25 fails 0.5, passes 0.2.
+    for limit, code in ((0.5, 1), (0.2, 0)):
+        rules = tmp_path / f"rules{limit}.toml"
+        rules.write_text(f"[speed]\nmin_acceptance_rate = {limit}\n")
+        assert api.gate(str(out), str(rules)) == code
+        if code:
+            assert "draft acceptance rate" in (out / "summary.md").read_text()
 
 
 def test_top_p_on_a_runner_without_sampling_is_refused_before_any_work(tmp_path, data_dir):
