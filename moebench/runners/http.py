@@ -102,7 +102,7 @@ class HttpRunner(Runner):
             if not key:
                 raise ProfileError(f"{where}: key 'api_key_env' names {key_env!r}, which is not set in the environment")
             self.headers["Authorization"] = f"Bearer {key}"
-        caps = {Capability.GENERATE, Capability.STREAM, Capability.TOP_LOGPROBS}
+        caps = {Capability.GENERATE, Capability.STREAM, Capability.TOP_LOGPROBS, Capability.SAMPLING}
         if profile.get("tokenize") == "llama-server":
             caps.add(Capability.TOKENIZE)
         if profile.get("token_prompts"):
@@ -171,6 +171,10 @@ class HttpRunner(Runner):
         body: dict[str, Any] = {"model": self.model, "max_tokens": req.max_tokens, "temperature": req.temperature}
         if req.seed is not None:
             body["seed"] = req.seed
+        if req.top_p is not None:
+            body["top_p"] = req.top_p
+        if req.top_k is not None:
+            body["top_k"] = req.top_k           # vLLM, SGLang and llama-server accept it
         if req.stop:
             body["stop"] = req.stop
         if self.api == "chat":
@@ -224,6 +228,7 @@ class HttpRunner(Runner):
         finish = None
         ended = False
         usage: dict[str, Any] = {}
+        server_timings: dict[str, Any] = {}
         event = "message"
         async with self.client.stream("POST", url, json=body) as resp:
             if resp.status_code >= 400:
@@ -258,6 +263,8 @@ class HttpRunner(Runner):
                     raise RunnerError(f"{url}: stream chunk is not a JSON object: {payload[:200]!r}")
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                if isinstance(chunk.get("timings"), dict):
+                    server_timings = chunk["timings"]       # llama-server's (draft counters among them)
                 choices = chunk.get("choices") or []
                 if not choices:
                     continue
@@ -285,7 +292,7 @@ class HttpRunner(Runner):
         if not ended and finish is None:
             raise RunnerError(f"{url}: the stream ended after {len(times)} pieces without [DONE] or a "
                               f"finish_reason (the server stopped mid-answer)")
-        timings: dict[str, Any] = {"wall_s": time.perf_counter() - t0, **first}
+        timings: dict[str, Any] = {**server_timings, "wall_s": time.perf_counter() - t0, **first}
         if reasoning:
             timings["reasoning_pieces"] = len(reasoning)
         return GenerateResult(
