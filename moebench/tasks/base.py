@@ -4,6 +4,7 @@ A task kind is a `Task` subclass with:
 - `kind`: the name suites use (`task = "gsm8k"`);
 - `options`: its own suite keys (a schema of `config.Field`s);
 - `needs(runner)`: the runner capabilities it requires, checked before any work starts;
+- `check(runner)`: optional further checks of the runner's set-up, also before any work;
 - `items()`: the items in the dataset's own order (already cut to `limit`), ids stable across runs;
 - `evaluate(item, runner)`: ask and score one item, return the record's fields;
 - `summarize(records)`: optional task-level figures for the manifest and compare.
@@ -58,6 +59,9 @@ class Task:
 
     def needs(self, runner: Runner) -> set[str]:
         return {Capability.GENERATE}
+
+    def check(self, runner: Runner) -> None:
+        """Refuse a runner set-up this task cannot measure (raise ProfileError), before any work."""
 
     def items(self) -> list[Item]:
         raise NotImplementedError
