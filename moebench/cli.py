@@ -95,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--runner", required=True)
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--max-logprobs", type=int, default=100,
+                   help="largest logprobs a request may ask (the vocabulary size gives whole distributions)")
     return p
 
 
@@ -182,7 +184,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "serve":
         from moebench.serve import serve
-        serve(args.runner, host=args.host, port=args.port)
+        serve(args.runner, host=args.host, port=args.port, max_logprobs=args.max_logprobs)
         return 0
     raise AssertionError(args.command)
 

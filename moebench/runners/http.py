@@ -20,6 +20,7 @@ from typing import Any, Callable
 import httpx
 
 from moebench.config import Field, ProfileError, positive
+from moebench.runners import prompt_logprobs as prompt_lp
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
 
 SCHEMA: dict[str, Field] = {
@@ -32,8 +33,17 @@ SCHEMA: dict[str, Field] = {
     "connect_timeout_s": Field(float, default=10.0, check=positive),
     "retries": Field(int, default=3),
     "backoff_s": Field(float, default=0.5),
-    "tokenize": Field(str, default="none", choices=("none", "llama-server"),
-                      doc="where token counts come from: llama-server's /tokenize beside /v1"),
+    "tokenize": Field(str, default="none", choices=("none", "llama-server", "vllm"),
+                      doc="the server's own /tokenize beside /v1: llama-server's {content} or vLLM's {prompt} form"),
+    "tokenizer": Field(str, doc="a local tokenizer (HF folder, tokenizer.json or GGUF) where the server has no "
+                                "usable /tokenize; also maps echoed token text to ids"),
+    "prompt_logprobs": Field(str, default="none", choices=prompt_lp.MODES,
+                             doc="how the server returns prompt log-probs (KLD): vLLM's prompt_logprobs field, "
+                                 "legacy echo + logprobs, or SGLang's /generate"),
+    "prompt_logprobs_k": Field(int, default=20, check=positive, doc="top K prompt log-probs asked per position"),
+    "prompt_logprob_ids": Field(bool, default=False,
+                                doc="the server also scores given token ids at each position (SGLang's "
+                                    "token_ids_logprob): a candidate asks for the baseline's top-K ids"),
     "token_prompts": Field(bool, default=False, doc="the server accepts token-id prompts"),
     "extra_body": Field(dict, default=dict, doc="extra JSON fields sent with every request"),
 }
@@ -67,8 +77,23 @@ class HttpRunner(Runner):
                 raise ProfileError(f"{where}: key 'api_key_env' names {key_env!r}, which is not set in the environment")
             self.headers["Authorization"] = f"Bearer {key}"
         caps = {Capability.GENERATE, Capability.STREAM, Capability.TOP_LOGPROBS}
-        if profile.get("tokenize") == "llama-server":
+        self.tokenize_form = profile.get("tokenize", "none")
+        self.local_tokenizer = None
+        if profile.get("tokenizer"):
+            from moebench.runners.local_tokenizer import load_tokenizer
+            self.local_tokenizer = load_tokenizer(profile["tokenizer"], where)
+        if self.tokenize_form != "none" or self.local_tokenizer is not None:
             caps.add(Capability.TOKENIZE)
+        self.prompt_logprobs_mode = profile.get("prompt_logprobs", "none")
+        self.prompt_logprobs_k = int(profile.get("prompt_logprobs_k", 20))
+        if self.prompt_logprobs_mode != "none":
+            caps.add(Capability.PROMPT_LOGPROBS)
+            if profile.get("prompt_logprob_ids"):
+                if self.prompt_logprobs_mode != "sglang":
+                    raise ProfileError(f"{where}: key 'prompt_logprob_ids' needs prompt_logprobs = \"sglang\" "
+                                       "(vLLM's OpenAI server does not take prompt_logprob_token_ids; "
+                                       "docs/kld.md)")
+                caps.add(Capability.PROMPT_LOGPROB_IDS)
         if profile.get("token_prompts"):
             caps.add(Capability.TOKEN_PROMPTS)
         self.capabilities = frozenset(caps)
@@ -206,14 +231,66 @@ class HttpRunner(Runner):
             top_logprobs=top or None, token_times=times, endpoint=base,
             timings={"wall_s": time.perf_counter() - t0})
 
+    # -- tokens and prompt log-probs (KLD, fitted prompt lengths) ----------------------------------
+    def vocab_size(self) -> int | None:
+        return self.local_tokenizer.vocab_size if self.local_tokenizer is not None else None
+
+    def bos_policy(self) -> tuple[bool, int | None]:
+        tok = self.local_tokenizer
+        return (tok.add_bos, tok.bos_token_id) if tok is not None else (False, None)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        if self.local_tokenizer is None:
+            return await super().detokenize(token_ids)
+        return self.local_tokenizer.decode(token_ids)
+
+    async def prompt_logprobs(self, token_ids: list[int], top_k: int | None = None,
+                              score_ids: list[int] | None = None) -> list[Any]:
+        """Rows as moebench.lmeval.scoring describes (entry 0 None; entry i: log-prob of token i and
+        {id: log-prob} of the top K, plus `score_ids` where the server scores fixed ids)."""
+        mode = self.prompt_logprobs_mode
+        if mode == "none":
+            raise RunnerError("this http runner's profile sets no prompt_logprobs mode")
+        ids = [int(t) for t in token_ids]
+        prompt: list[int] | str = ids
+        if Capability.TOKEN_PROMPTS not in self.capabilities and mode != "sglang":
+            if self.local_tokenizer is None:
+                raise RunnerError("prompt log-probs of fixed tokens need `token_prompts = true` or a local "
+                                  "`tokenizer` to send them as text")
+            prompt = self.local_tokenizer.decode(ids)
+        k = int(top_k or self.prompt_logprobs_k)
+        path, body = prompt_lp.request(mode, self.model, prompt, k,
+                                       score_ids if Capability.PROMPT_LOGPROB_IDS in self.capabilities else None)
+        piece_map = self.local_tokenizer.id_of_piece if self.local_tokenizer is not None else None
+
+        async def call(url: str) -> list[Any]:
+            assert self.client is not None
+            root = url[:-3] if url.endswith("/v1") else url
+            resp = await self.client.post(root + path, json=body)
+            resp.raise_for_status()
+            data = _json(resp, root + path)
+            where = f"{root}{path} ({mode})"
+            if mode == "vllm":
+                return prompt_lp.parse_vllm(data, ids, where)
+            if mode == "echo":
+                return prompt_lp.parse_echo(data, ids, where, piece_map)
+            return prompt_lp.parse_sglang(data, ids, where)
+
+        return await self._with_retries(call)
+
     async def tokenize(self, text: str) -> list[int]:
         if Capability.TOKENIZE not in self.capabilities:
             return await super().tokenize(text)
+        if self.tokenize_form == "none":
+            assert self.local_tokenizer is not None
+            return self.local_tokenizer.encode(text)
+        form = ({"model": self.model, "prompt": text, "add_special_tokens": False} if self.tokenize_form == "vllm"
+                else {"content": text, "add_special": False})
 
         async def call(url: str) -> list[int]:
             assert self.client is not None
             root = url[:-3] if url.endswith("/v1") else url
-            resp = await self.client.post(root + "/tokenize", json={"content": text, "add_special": False})
+            resp = await self.client.post(root + "/tokenize", json=form)
             resp.raise_for_status()
             data = _json(resp, root + "/tokenize")
             tokens = data.get("tokens") if isinstance(data, dict) else None
