@@ -22,6 +22,7 @@ import httpx
 from moebench.config import Field, ProfileError, positive
 from moebench.runners import prompt_logprobs as prompt_lp
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
+from moebench.scoring.answers import first_stop
 
 SCHEMA: dict[str, Field] = {
     "base_url": Field(str, doc="e.g. http://127.0.0.1:8080/v1"),
@@ -46,6 +47,9 @@ SCHEMA: dict[str, Field] = {
                                     "token_ids_logprob): a candidate asks for the baseline's top-K ids"),
     "token_prompts": Field(bool, default=False, doc="the server accepts token-id prompts"),
     "extra_body": Field(dict, default=dict, doc="extra JSON fields sent with every request"),
+    "max_stop": Field(int, default=4, check=positive,
+                      doc="stop strings the server accepts per request (OpenAI and vLLM: 4); the rest "
+                          "are applied to the returned text"),
 }
 
 
@@ -68,6 +72,7 @@ class HttpRunner(Runner):
         self.retries = int(profile.get("retries", 3))
         self.backoff_s = float(profile.get("backoff_s", 0.5))
         self.extra_body = dict(profile.get("extra_body") or {})
+        self.max_stop = int(profile.get("max_stop", 4))
         self.in_flight = {u: 0 for u in self.base_urls}
         key_env = profile.get("api_key_env")
         self.headers = {}
@@ -147,7 +152,7 @@ class HttpRunner(Runner):
         if req.seed is not None:
             body["seed"] = req.seed
         if req.stop:
-            body["stop"] = req.stop
+            body["stop"] = req.stop[: self.max_stop]    # the rest: cut client-side (_apply_stops)
         if self.api == "chat":
             if not isinstance(req.prompt, str):
                 raise RunnerError("the chat API takes text prompts only")
@@ -174,14 +179,14 @@ class HttpRunner(Runner):
         async def call(url: str) -> GenerateResult:
             assert self.client is not None
             if request.stream:
-                return await self._stream(url + path, {**body, "stream": True,
-                                                      "stream_options": {"include_usage": True}}, url,
-                                          request.on_text)
+                return _apply_stops(await self._stream(url + path, {**body, "stream": True,
+                                                                   "stream_options": {"include_usage": True}},
+                                                       url, request.on_text), request.stop[self.max_stop:])
             t0 = time.perf_counter()
             resp = await self.client.post(url + path, json=body)
             resp.raise_for_status()
             data = _json(resp, url + path)
-            result = parse_response(data, self.api)
+            result = _apply_stops(parse_response(data, self.api), request.stop[self.max_stop:])
             result.endpoint = url
             result.timings.setdefault("wall_s", time.perf_counter() - t0)
             return result
@@ -299,6 +304,15 @@ class HttpRunner(Runner):
             return [t if isinstance(t, int) else t["id"] for t in tokens]
 
         return await self._with_retries(call)
+
+
+def _apply_stops(result: GenerateResult, stops: list[str]) -> GenerateResult:
+    """Stop strings beyond what the server accepts: cut the text at the first one, as a server would."""
+    cut = first_stop(result.text, stops)
+    if cut is not None:
+        result.text, result.finish_reason = result.text[:cut], "stop"
+        result.token_ids = None             # the server's ids cover the uncut text
+    return result
 
 
 def _json(resp: httpx.Response, where: str) -> Any:

@@ -756,7 +756,7 @@ class LlamaServerRunner(Runner):
                 raise ProfileError(f"{where}: no llama-perplexity for KLD: {e}") from None
             source = "moebench's built llama.cpp tools (the profile names no binary)"
         try:
-            sorted_args = llama_args.perplexity_args(self.profile["args"], ppl, server, where)
+            sorted_args = llama_args.perplexity_args(self.profile["args"], ppl, where)
         except llama_args.ArgsError as e:
             raise ProfileError(str(e)) from None
         self._plan = PerplexityPlan(binary=str(ppl), version=llama_args.version_line(ppl), source=source,

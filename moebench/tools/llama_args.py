@@ -181,19 +181,13 @@ def sort_args(args: list[str], perplexity: HelpFlags, server: HelpFlags | None =
     return SortedArgs(passed, dropped, refused)
 
 
-def perplexity_args(args: list[str], perplexity_binary: str | Path, server_binary: str | Path | None,
-                    where: str) -> SortedArgs:
-    """sort_args on the binaries' own help; raise ArgsError naming refused flags."""
+def perplexity_args(args: list[str], perplexity_binary: str | Path, where: str) -> SortedArgs:
+    """sort_args on llama-perplexity's own help; raise ArgsError naming refused flags. (The server
+    binary is not asked: KLD starts no llama-server process at all, not even for --help.)"""
     ppl = help_flags(perplexity_binary)
     if not ppl.takes_value:
         raise ArgsError(f"{perplexity_binary} --help lists no flags: is it llama.cpp's llama-perplexity?")
-    srv = None
-    if server_binary is not None:
-        try:
-            srv = help_flags(server_binary)
-        except ArgsError:
-            srv = None
-    out = sort_args(list(args), ppl, srv)
+    out = sort_args(list(args), ppl)
     if out.refused:
         owned = [f for f in out.refused if f in OWNED_NAMES]
         unknown = [f for f in out.refused if f not in OWNED_NAMES]

@@ -106,6 +106,79 @@ def server_env() -> dict[str, str]:
     return env
 
 
+class VllmServer:
+    """A vLLM OpenAI-compatible server on a free local port, in its own process group; `with` stops it.
+
+    Start-up takes minutes on a small CPU machine (model load, CPU kernel warm-up), hence the long
+    default timeout; the log goes to `log_path`."""
+
+    def __init__(self, model: str | os.PathLike[str], log_path: str | os.PathLike[str], *,
+                 served_name: str = "vllm-zoo", startup_timeout_s: float = 900.0, **kwargs):
+        self.model, self.log_path, self.served_name = Path(model), Path(log_path), served_name
+        self.startup_timeout_s = startup_timeout_s
+        self.kwargs = kwargs
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> "VllmServer":
+        import socket
+        import urllib.request
+        if not is_installed():
+            raise ToolError(f"vLLM is not installed in {install_dir()}: run `python -m moebench.tools.vllm`")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        cmd = server_command(self.model, self.port, served_name=self.served_name, **self.kwargs)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        log.write(("$ " + " ".join(cmd) + "\n").encode())
+        log.flush()
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                     env=server_env(), start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-3000:]
+                raise ToolError(f"vLLM exited with code {self.proc.returncode} while starting; log "
+                                f"{self.log_path} ends with:\n{tail}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(2.0)
+        self.stop()
+        raise ToolError(f"vLLM did not answer /health within {self.startup_timeout_s:.0f} s; log {self.log_path}")
+
+    def stop(self) -> None:
+        import signal
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                break
+            try:
+                proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     parser = argparse.ArgumentParser(prog="python -m moebench.tools.vllm",
