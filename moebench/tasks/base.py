@@ -83,6 +83,23 @@ class Task:
         return items[: self.limit] if self.limit else items
 
 
+# A fitted prompt whose length the server counts more than this far off is flagged (issue: tokenizers
+# that differ from the server's make "a 32k prompt" mean something else).
+PROMPT_TOKENS_TOLERANCE = 0.005
+
+
+def prompt_tokens_check(fitted: int | None, reported: int | None) -> dict[str, Any]:
+    """The server-reported prompt length beside the fitted one: relative disagreement and a flag."""
+    if not fitted or reported is None:
+        return {}
+    rel = (reported - fitted) / fitted
+    return {"prompt_tokens_disagreement": rel, "prompt_tokens_flagged": abs(rel) > PROMPT_TOKENS_TOLERANCE}
+
+
+def count_flagged(records: list[dict[str, Any]]) -> int:
+    return sum(1 for r in records if r.get("status") == "ok" and r.get("prompt_tokens_flagged"))
+
+
 def prompt_hash(prompt: str | list[int]) -> str:
     """Stable hash of what was asked: compare excludes a pair whose prompts differ."""
     if isinstance(prompt, str):

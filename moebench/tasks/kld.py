@@ -30,6 +30,7 @@ How the log-probs are obtained is chosen from the runner's capabilities, never i
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -440,6 +441,9 @@ class KldTask(Task):
         out: dict[str, Any] = {"n": len(records), "n_scored": 0, "n_correct": 0, "accuracy": None,
                                "n_errors": sum(1 for r in records if r.get("status") == "error"),
                                "role": "candidate" if self.is_candidate else "baseline", "n_chunks": len(ok)}
+        if self.ctx.run_dir is not None and (self.out_dir / "llama_perplexity.json").is_file():
+            # the build that measured: binary, --version line, flags passed and dropped, command lines
+            out["llama_perplexity"] = json.loads((self.out_dir / "llama_perplexity.json").read_text())
         if not ok or self.ctx.run_dir is None:
             return out
         if not self.is_candidate:

@@ -30,7 +30,7 @@ from moebench.config import Field, positive
 from moebench.datasets import data_file, register
 from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
 from moebench.compare.speed import speed_compare, summarize_speed  # noqa: F401 (speed_compare re-exported)
-from moebench.tasks.base import Item, Task, TaskContext, prompt_hash
+from moebench.tasks.base import Item, Task, TaskContext, prompt_hash, count_flagged, prompt_tokens_check
 from moebench.tasks.needle import HAYSTACK_FILE, HaystackIndex, build_index, fit_haystack, load_haystack
 
 DEFAULT_PROMPT_LENGTHS = [128, 512, 2048, 8192, 16384]
@@ -162,6 +162,7 @@ class SpeedTask(Task):
             "prompt_tokens": real_prompt_tokens,
             "prompt_tokens_source": "tokenizer" if prompt_tokens else ("server" if result.prompt_tokens else None),
             "runner_prompt_tokens": result.prompt_tokens,
+            **prompt_tokens_check(prompt_tokens, result.prompt_tokens),
             "output_tokens": result.output_tokens or len(result.token_times or []),
             "output_tokens_requested": self.output_tokens,
             "stopped_early": (result.output_tokens or 0) < self.output_tokens,
@@ -246,6 +247,7 @@ class SpeedTask(Task):
         ok = [r for r in records if r.get("status") == "ok"]
         return {"n": len(records), "n_ok": len(ok),
                 "n_errors": sum(1 for r in records if r.get("status") == "error"),
+                "n_prompt_tokens_flagged": count_flagged(records),
                 "by_prompt_length": summarize_speed(ok)}
 
 
