@@ -69,7 +69,7 @@ def main() -> None:
             prof = tmp / f"serve-echo-{k}.toml"
             prof.write_text(f'kind = "http"\nbase_url = "{srv.url}"\nmodel = "zoo"\ntoken_prompts = true\n'
                             f'prompt_logprobs = "echo"\nprompt_logprobs_k = {k}\ntokenizer = "{hf}"\n'
-                            'timeout_s = 1800\n')
+                            'timeout_s = 1800\nmax_response_bytes = 4000000000\n')
             t0 = time.time()
             cand = run(suite, prof, tmp / f"serve-echo-{k}", base)
             wall = time.time() - t0

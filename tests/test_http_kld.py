@@ -80,7 +80,8 @@ def test_serve_echo_with_whole_vocabulary_equals_engine_exact(pair):
     """Done-when: K = vocabulary through `moebench serve` equals the engine runner's exact KLD."""
     from moebench.serve import BackgroundServer, ServeOptions
     with BackgroundServer(_engine_runner(pair["tiered"]), ServeOptions(port=0, max_logprobs=VOCAB)) as srv:
-        prof = _http_profile(pair["tmp"] / "serve-echo.toml", srv.url, "echo", VOCAB, pair["hf"])
+        prof = _http_profile(pair["tmp"] / "serve-echo.toml", srv.url, "echo", VOCAB, pair["hf"],
+                             "max_response_bytes = 2000000000\n")     # whole distributions: ~90 MB a chunk
         run, items = _run(pair["suite"], prof, pair["tmp"] / "serve-echo", pair["base_run"])
     assert all(r["complete"] and r["method"] == "exact" for r in items)
     _, cmp = api.compare(str(pair["base_run"]), str(run), out=str(pair["tmp"] / "cmp-echo"), write_report=False)

@@ -61,6 +61,7 @@ def backend(runner: Runner) -> str:
 
 class KldTask(Task):
     kind = "kld"
+    phase = "score"
     options = {
         "corpus": Field(str, default=DEFAULT_CORPUS, doc="text file in the data mirror (CRLF normalised)"),
         "context": Field(int, default=512, check=positive, doc="tokens per chunk (llama-perplexity -c)"),
