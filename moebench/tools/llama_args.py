@@ -80,7 +80,9 @@ class HelpFlags:
         return name in self.takes_value
 
 
-_HELP_LINE = re.compile(r"^\s*(-[^\s,][^\s,]*(?:,\s*-[^\s,]+)*)(?:\s([^\s-][^\s]*|\[[^\]]*\]))?(?:\s{2,}|\s*$)")
+# flags separated by commas, then an optional value placeholder (which may hold single spaces, e.g.
+# "<tensor name pattern>=<buffer type>,..."), then two or more spaces before the description
+_HELP_LINE = re.compile(r"^\s*(-[^\s,][^\s,]*(?:,\s*-[^\s,]+)*)(?:\s([^\s-].*?))?(?:\s{2,}|\s*$)")
 
 
 def parse_help(text: str) -> HelpFlags:
