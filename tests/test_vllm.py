@@ -45,7 +45,7 @@ async def _engine_continuations(model: Path, tmp: Path) -> dict[str, dict[str, f
     task = CmmluTask({"task": "cmmlu", "subjects": ["anatomy", "astronomy", "virology"], "per_subject_limit": 4,
                       "shots": 5, "scoring": "auto", "top_logprobs": 100, "max_tokens": 8},
                      TaskContext(data_dir=data_dir(), run_dir=tmp))
-    runner = EngineRunner({"model": str(model), "dtype": "bfloat16", "device": "cpu"})
+    runner = EngineRunner({"model": str(model), "dtype": "float32", "device": "cpu"})   # bf16 matmuls crawl on CPU
     await runner.start()
     try:
         return {it.item_id: await continuation_logprobs(runner, it.data["prompt"]) for it in task.items()}
@@ -79,8 +79,8 @@ def test_quality_smoke_over_vllm(vllm_server, tmp_path):
     _, eng_items = _run(cm_suite, eng, tmp_path / "engine")
     acc_v = sum(r["correct"] for r in cm) / len(cm)
     acc_e = sum(r["correct"] for r in eng_items) / len(eng_items)
-    # The same continuation log-likelihoods from the engine's own logits (bf16 both): vLLM's prompt
-    # log-probs must match them, so the answers agree.
+    # The same continuation log-likelihoods from the engine's own logits (float32; vLLM computes in
+    # bf16): vLLM's prompt log-probs must match them, so the answers agree.
     ours = asyncio.run(_engine_continuations(vllm_server[2], tmp_path))
     diffs = [abs(r["choice_logprobs"][x] - ours[r["item_id"]][x]) for r in cm for x in "ABCD"]
     agree = sum(max(ours[r["item_id"]], key=ours[r["item_id"]].get) == r["answer"] for r in cm)
