@@ -18,8 +18,8 @@ def _speed_run(tmp: Path, model: Path, name: str, sampling: str) -> Path:
                      f'repeats = 2\nwarmup = 0\n{sampling}[probes]\nnvml = false\n')
     runner = tmp / "draft.toml"
     runner.write_text(f'kind = "llama-server"\nmodel = "{model}"\nctx_size = 2048\nstartup_timeout_s = 120\n'
-                      f'args = ["--threads", "1", "-md", "{model}", "--draft-max", "4", "--draft-min", "1", '
-                      f'"-cd", "2048"]\n')
+                      f'args = ["--threads", "1", "-md", "{model}", "--spec-type", "draft-simple", '
+                      f'"--spec-draft-n-max", "4", "--spec-draft-n-min", "1"]\n')
     run_dir, code = api.run(api.RunOptions(suite=str(suite), runner=str(runner), out=str(tmp / name), quiet=True))
     assert code == 0, (run_dir / "manifest.json").read_text()
     return run_dir
