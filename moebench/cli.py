@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--runner", required=True)
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--api-key-env", metavar="NAME",
+                   help="require 'Authorization: Bearer KEY', KEY read from environment variable NAME "
+                        "(required with a --host beyond loopback)")
     return p
 
 
@@ -204,7 +207,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "serve":
         from moebench.serve import serve
-        serve(args.runner, host=args.host, port=args.port)
+        serve(args.runner, host=args.host, port=args.port, api_key_env=args.api_key_env)
         return 0
     raise AssertionError(args.command)
 
