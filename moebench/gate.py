@@ -39,7 +39,7 @@ import math
 import os
 import sys
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -394,8 +394,11 @@ def _load_compare(compare_dir: Path) -> dict[str, Any]:
     return data
 
 
-def run_gate(compare_dir: str | os.PathLike[str], rules_path: str | os.PathLike[str]) -> int:
-    """Check `compare_dir/compare.json` against the rules; write summary.md and junit.xml; exit code."""
+def run_gate(compare_dir: str | os.PathLike[str], rules_path: str | os.PathLike[str], as_json: bool = False) -> int:
+    """Check `compare_dir/compare.json` against the rules; write summary.md and junit.xml; exit code.
+
+    Prints the Markdown summary, or with `as_json` one JSON object: {"passed", "exit_code", "checks"}.
+    """
     cdir, rpath = Path(compare_dir), Path(rules_path)
     try:
         compare = _load_compare(cdir)
@@ -404,13 +407,21 @@ def run_gate(compare_dir: str | os.PathLike[str], rules_path: str | os.PathLike[
         print(f"moebench gate: error: {e}", file=sys.stderr)
         if cdir.is_dir():   # let CI show why, next to where the table would be
             _write(cdir / SUMMARY_FILE, f"## moebench gate: ERROR\n\n{_md(str(e))}\n".encode())
+        if as_json:
+            print(json.dumps({"passed": False, "exit_code": 2, "rules": str(rpath), "error": str(e), "checks": []},
+                             sort_keys=True))
         return 2
     checks = evaluate(compare, rules)
     summary = summary_markdown(checks, compare, rpath)
     _write(cdir / SUMMARY_FILE, summary.encode("utf-8"))
     _write(cdir / JUNIT_FILE, junit_xml(checks))
-    print(summary, end="")
-    return 1 if any(not c.passed for c in checks) else 0
+    code = 1 if any(not c.passed for c in checks) else 0
+    if as_json:
+        print(json.dumps({"passed": code == 0, "exit_code": code, "rules": str(rpath),
+                          "checks": [asdict(c) for c in checks]}, sort_keys=True))
+    else:
+        print(summary, end="")
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
