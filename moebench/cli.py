@@ -55,11 +55,28 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true",
                    help="print one JSON object (run_dir, status, exit_code, summary) instead of the text lines")
 
-    c = _command(sub, "compare", "pair two runs item by item; writes compare.json and report.html",
-                 "moebench compare results/base results/cand --out results/cmp")
+    c = _command(sub, "compare", "pair runs item by item with a baseline; writes compare.json, summary.md, "
+                                 "matrix.csv/json and report.html",
+                 "moebench compare results/base results/cand --out results/cmp\n"
+                 "moebench compare results/base results/q8 results/q4 --out results/cmp --format md\n"
+                 "moebench compare results/base results/cand --json")
     c.add_argument("baseline", help="baseline run directory")
-    c.add_argument("candidate", help="candidate run directory")
+    c.add_argument("candidates", nargs="+", metavar="candidate",
+                   help="one or more candidate runs (several: one compare directory per candidate inside --out)")
     c.add_argument("--out", help="compare directory (default: results/compare_<base>_vs_<cand>/)")
+    c.add_argument("--format", choices=("text", "md", "csv", "json"), default="text",
+                   help="what to print: text (a table, then the directory), md (summary.md), csv (matrix.csv), "
+                        "json (compare.json, or matrix.json for several candidates); with md, csv and json "
+                        "the directory goes to stderr")
+    c.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
+    c.add_argument("--speed-ab", metavar="AB_DIR", help="add a `moebench speed-ab` directory's rounds and ratios")
+
+    tr = _command(sub, "trend", "headline figures of several runs across builds: trend.html, .csv, .json",
+                  "moebench trend results/run-b11000 results/run-b11434 --order build --out results/trend")
+    tr.add_argument("runs", nargs="+", metavar="run", help="run directories, two or more")
+    tr.add_argument("--out", help="trend directory (default: results/trend_<n>_runs/)")
+    tr.add_argument("--order", choices=("time", "build", "given"), default="time",
+                    help="x axis order: start time, llama.cpp build number, or as given")
 
     rp = _command(sub, "report", "render report.html for a run or compare directory",
                   "moebench report results/cmp\nmoebench report results/base --out /tmp/base.html")
@@ -183,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     except (api.UsageError, ProfileError, DatasetError, StoreError, CapabilityError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:            # a full disk or a failing filesystem: one line naming path and errno
+        print(api.os_error_line(e), file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -201,9 +221,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(run_dir)
         return code
     if args.command == "compare":
-        from moebench.compare.build import format_table
-        out_dir, cmp = api.compare(args.baseline, args.candidate, args.out)
-        print(format_table(cmp))
+        return _compare(args)
+    if args.command == "trend":
+        out_dir = api.trend(args.runs, args.out, order=args.order)
+        print((out_dir / "trend.csv").read_text(encoding="utf-8"), end="")
         print(out_dir)
         return 0
     if args.command == "report":
@@ -268,8 +289,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         opts = {k: v for k, v in speed[0].items() if k not in ("task", "name", "limit")}
         result = run_ab(str(resolve_profile_path(args.profile_a, "runners")),
                         str(resolve_profile_path(args.profile_b, "runners")), opts, args.out, order=args.order)
+        from moebench.compare.speed_ab import format_rounds
+        print(format_rounds(result["speed_ab"]))
         outs = result.get("outputs", {})
-        print(f"outputs compared: {outs.get('n_compared')}, differing: {outs.get('n_differ')}")
+        print(f"outputs compared: {outs.get('n_compared')} prompts over {len(outs.get('pairs', []))} A/B pass "
+              f"pairs, differing in any pair: {outs.get('n_differ')}")
+        api.report(args.out)
         print(args.out)
         return 0
     if args.command == "serve":
@@ -278,6 +303,25 @@ def _dispatch(args: argparse.Namespace) -> int:
         serve(str(resolve_profile_path(args.runner, "runners")), host=args.host, port=args.port)
         return 0
     raise AssertionError(args.command)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from moebench import api
+    from moebench.compare.tables import text_table
+    out_dir, cmps, rows = api.compare_many(args.baseline, args.candidates, args.out, speed_ab=args.speed_ab)
+    if args.format == "text":
+        print(text_table(cmps, rows))
+        print(out_dir)
+        return 0
+    if args.format == "md":
+        print((out_dir / api.SUMMARY_MD).read_text(encoding="utf-8"), end="")
+    elif args.format == "csv":
+        print((out_dir / api.MATRIX_CSV).read_text(encoding="utf-8"), end="")
+    else:
+        name = "compare.json" if len(cmps) == 1 else api.MATRIX_JSON
+        print((out_dir / name).read_text(encoding="utf-8"), end="")
+    print(out_dir, file=sys.stderr)
+    return 0
 
 
 def _tier(args: argparse.Namespace) -> int:

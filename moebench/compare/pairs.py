@@ -80,11 +80,42 @@ def pair_task(base: dict[str, dict[str, Any]], cand: dict[str, dict[str, Any]],
     }
 
 
+def per_subject(t: dict[str, Any], base: dict[str, dict[str, Any]], cand: dict[str, dict[str, Any]],
+                n_boot: int = 1000) -> dict[str, dict[str, Any]]:
+    """Per CMMLU subject (the middle part of "cmmlu/<subject>/<row>"): paired accuracy and flips.
+
+    Pairs the same way as the task (excluded items stay out), one entry per subject, sorted by name.
+    """
+    excluded = set(t["excluded"])
+    subjects: dict[str, list[str]] = {}
+    for item_id in sorted(set(base) & set(cand), key=natural_key):
+        if item_id in excluded:
+            continue
+        parts = item_id.split("/")
+        if len(parts) == 3:
+            subjects.setdefault(parts[1], []).append(item_id)
+    wins, losses = set(t["wins"]), set(t["losses"])
+    out = {}
+    for subject, ids in sorted(subjects.items()):
+        b = [bool(base[i]["correct"]) for i in ids]
+        c = [bool(cand[i]["correct"]) for i in ids]
+        n_w, n_l = sum(i in wins for i in ids), sum(i in losses for i in ids)
+        out[subject] = {"n_paired": len(ids), "baseline_correct": sum(b), "candidate_correct": sum(c),
+                        "baseline_accuracy": sum(b) / len(ids), "candidate_accuracy": sum(c) / len(ids),
+                        "wins": [i for i in ids if i in wins], "losses": [i for i in ids if i in losses],
+                        "mcnemar_p": mcnemar_exact_p(n_w, n_l),
+                        "delta_ci95": list(paired_bootstrap_ci(b, c, n_boot=n_boot))}
+    return out
+
+
 def pair_runs(base_records: list[dict[str, Any]], cand_records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-task pairing for every task with correctness in either run, plus an overall block."""
     bt, ct = _by_task(base_records), _by_task(cand_records)
     tasks = [t for t in list(bt) + [t for t in ct if t not in bt] if t in _scored_tasks(bt) | _scored_tasks(ct)]
     per_task = {t: pair_task(bt.get(t, {}), ct.get(t, {})) for t in tasks}
+    for t in tasks:
+        if t == "cmmlu" or t.startswith("cmmlu"):
+            per_task[t]["per_subject"] = per_subject(per_task[t], bt.get(t, {}), ct.get(t, {}))
     overall = None
     if per_task:
         # Overall pairs every scored item of every task; ids are prefixed by task to stay unique.

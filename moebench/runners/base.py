@@ -79,6 +79,10 @@ class GenerateResult:
     token_times: list[float] | None = None
     timings: dict[str, Any] = field(default_factory=dict)
     endpoint: str | None = None
+    # Chat models that think first: their reasoning text, kept apart from `text` (the answer), and
+    # its token count where the server reports one.
+    reasoning: str | None = None
+    reasoning_tokens: int | None = None
 
     def to_record_fields(self) -> dict[str, Any]:
         """The fields every task copies into its record."""
@@ -93,6 +97,9 @@ class GenerateResult:
             out["timings"] = self.timings
         if self.endpoint:
             out["endpoint"] = self.endpoint
+        if self.reasoning is not None:
+            out["reasoning"] = self.reasoning
+            out["reasoning_tokens"] = self.reasoning_tokens
         return out
 
 
@@ -115,6 +122,15 @@ class Runner:
 
     async def close(self) -> None:
         """Release everything; must be safe to call twice and after a failed start."""
+
+    async def warmup(self) -> None:
+        """Run a little work before the measured idle window, so the backend is warm (compiled kernels,
+        captured graphs, clocks up) when the run measures its idle draw. A no-op by default."""
+
+    def telemetry(self) -> dict[str, Any] | None:
+        """What the backend measured about itself over the run (the engine: torch memory per phase,
+        tier counters, the decode path it chose), for the manifest's "engine" key; None when nothing."""
+        return None
 
     # -- identity -------------------------------------------------------------------------------
     def identity(self) -> dict[str, Any]:

@@ -29,7 +29,9 @@ from typing import Any
 from moebench.config import Field, positive
 from moebench.datasets import data_file, register
 from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
-from moebench.compare.speed import speed_compare, summarize_speed  # noqa: F401 (speed_compare re-exported)
+from moebench.compare.speed import read_token_times, speed_compare, summarize_speed  # noqa: F401 (speed_compare re-exported)
+from moebench.compare.speed_ab import ab_section, output_identity  # noqa: F401 (output_identity re-exported)
+from moebench.store import write_json_atomic
 from moebench.tasks.base import Item, Task, TaskContext, prompt_hash
 from moebench.tasks.needle import HAYSTACK_FILE, HaystackIndex, build_index, fit_haystack, load_haystack
 
@@ -78,6 +80,7 @@ def timing_fields(token_times: list[float] | None, prompt_tokens: int | None,
 
 class SpeedTask(Task):
     kind = "speed"
+    phase = None
     options = {
         "prompt_lengths": Field(list, item_type=int, default=lambda: list(DEFAULT_PROMPT_LENGTHS),
                                 check=_lengths_ok, doc="prompt lengths in tokens"),
@@ -176,11 +179,13 @@ class SpeedTask(Task):
         Prompts are built (tokenized) before the clock starts. Returns item id -> record fields,
         or the exception that measurement raised.
         """
+        _mark(self.ctx, "prepare", time.perf_counter())     # tokenizing prompts: host work, not idle
         prompts: dict[tuple[int, int], tuple[str, int | None]] = {}
         for rep in range(self.repeats):
             for c in range(clients):
                 prefix = measurement_prefix(self.seed, length, clients, rep, c)
                 prompts[(rep, c)] = await self.build_prompt(runner, prefix, length)
+        _mark(self.ctx, "warmup", time.perf_counter())
         for w in range(self.warmup):       # first requests pay for allocation and compilation
             prefix = measurement_prefix(self.seed + 1_000_003 + w, length, clients, 0, 0)
             prompt, n = await self.build_prompt(runner, prefix, length)
@@ -244,9 +249,10 @@ class SpeedTask(Task):
 
     def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         ok = [r for r in records if r.get("status") == "ok"]
+        times = read_token_times(self.ctx.run_dir) if self.ctx.run_dir is not None else None
         return {"n": len(records), "n_ok": len(ok),
                 "n_errors": sum(1 for r in records if r.get("status") == "error"),
-                "by_prompt_length": summarize_speed(ok)}
+                "by_prompt_length": summarize_speed(ok, times)}
 
 
 # --- probe plumbing -------------------------------------------------------------------------------
@@ -344,7 +350,7 @@ def run_ab(profile_a_path: str, profile_b_path: str, suite_options: dict[str, An
         passes.append(data)
 
     pooled = {w: [r for p in passes if p["which"] == w for r in p["records"]] for w in "AB"}
-    identity = output_identity([p for p in passes if p["which"] == "A"], [p for p in passes if p["which"] == "B"])
+    section = ab_section(passes, order, profiles)
     result = {
         "order": order,
         "profiles": profiles,
@@ -353,36 +359,23 @@ def run_ab(profile_a_path: str, profile_b_path: str, suite_options: dict[str, An
                    for p in passes],
         "summary": {w: summarize_speed(pooled[w]) for w in "AB"},
         "speed_b_vs_a": speed_compare(pooled["A"], pooled["B"]),
-        "outputs": identity,
+        "outputs": section["identity"],
+        "speed_ab": section,
     }
     (out / "ab.json").write_text(json.dumps(result, indent=2, default=str))
+    write_json_atomic(out / "compare.json", ab_compare(result))
     return result
 
 
-def _output_key(r: dict[str, Any]) -> tuple[str, Any]:
-    ids = r.get("output_token_ids")
-    return ("token_ids", tuple(ids)) if ids else ("text", r.get("output"))
-
-
-def output_identity(a_passes: list[dict[str, Any]], b_passes: list[dict[str, Any]]) -> dict[str, Any]:
-    """Compare outputs for the same prompts: A's first pass vs B's first pass, and each side with itself."""
-    def by_item(p: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        return {r["item_id"]: r for r in p["records"] if r.get("status") == "ok"}
-
-    def diff(x: dict[str, Any], y: dict[str, Any]) -> tuple[int, list[str], set[str]]:
-        a, b = by_item(x), by_item(y)
-        common = sorted(set(a) & set(b))
-        differ = [i for i in common if _output_key(a[i]) != _output_key(b[i])]
-        return len(common), differ, {_output_key(a[i])[0] for i in common}
-
-    n, differ, basis = diff(a_passes[0], b_passes[0])
-    out = {"n_compared": n, "n_differ": len(differ), "differ": differ,
-           "compared_on": "token_ids" if basis == {"token_ids"} else "text"}
-    for name, side in (("a_self", a_passes), ("b_self", b_passes)):
-        if len(side) > 1:        # a backend that is not deterministic with itself explains A/B differences
-            m, d, _ = diff(side[0], side[-1])
-            out[f"{name}_n_compared"], out[f"{name}_n_differ"] = m, len(d)
-    return out
+def ab_compare(result: dict[str, Any]) -> dict[str, Any]:
+    """A compare.json for an A/B directory (A the baseline, B the candidate), so that `moebench report`
+    and `moebench gate` read it like any other compare."""
+    from moebench.compare.build import COMPARE_SCHEMA_VERSION
+    profiles = result["profiles"]
+    return {"schema_version": COMPARE_SCHEMA_VERSION,
+            "baseline": {"run": None, "label": f"A: {Path(profiles['A']).stem}", "profile": profiles["A"]},
+            "candidate": {"run": None, "label": f"B: {Path(profiles['B']).stem}", "profile": profiles["B"]},
+            "tasks": {}, "overall": None, "speed": result["speed_b_vs_a"], "speed_ab": result["speed_ab"]}
 
 
 if __name__ == "__main__":
