@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
 
     tr = _command(sub, "trend", "headline figures of several runs across builds: trend.html, .csv, .json",
                   "moebench trend results/run-b11000 results/run-b11434 --order build --out results/trend")
-    tr.add_argument("runs", nargs="+", metavar="run", help="run directories, two or more")
+    tr.add_argument("runs", nargs="+", metavar="run", help="run directories to put side by side")
     tr.add_argument("--out", help="trend directory (default: results/trend_<n>_runs/)")
     tr.add_argument("--order", choices=("time", "build", "given"), default="time",
                     help="x axis order: start time, llama.cpp build number, or as given")

@@ -117,11 +117,12 @@ def test_run_and_gate_json(markov_server, tmp_path, data_dir):
     proc = moebench_cli("gate", str(tmp_path / "cmp"), "--rules", str(rules), "--json", cwd=cwd,
                         env={"PYTHONPATH": str(REPO)})
     out = json.loads(proc.stdout)
-    assert proc.returncode == 0 and out["passed"] is True and out["exit_code"] == 0
-    assert [(c["section"], c["rule"], c["passed"]) for c in out["checks"]] == [("gsm8k", "max_losses", True)]
+    assert proc.returncode == 0 and out["verdict"] == "pass" and out["exit_code"] == 0
+    assert [(c["section"], c["rule"], c["verdict"]) for c in out["checks"]] == [("gsm8k", "max_losses", "pass")]
+    assert json.loads((tmp_path / "cmp" / "gate.json").read_text()) == out      # what gate.json holds
     assert (tmp_path / "cmp" / "summary.md").is_file()
     rules.write_text("[gsm8k]\nmax_lossez = 0\n", encoding="utf-8")
     proc = moebench_cli("gate", str(tmp_path / "cmp"), "--rules", str(rules), "--json", cwd=cwd,
                         env={"PYTHONPATH": str(REPO)})
     out = json.loads(proc.stdout)
-    assert proc.returncode == 2 and out["passed"] is False and "max_lossez" in out["error"]
+    assert proc.returncode == 2 and out["exit_code"] == 2 and "max_lossez" in out["error"]
