@@ -30,6 +30,10 @@ def _command(sub, name: str, help: str, examples: str):
                           epilog="examples:\n" + "\n".join(f"  {ln}" for ln in examples.strip().splitlines()))
 
 
+# Modules of the extras (pyproject.toml): a command that needs one says which extra to install.
+OPTIONAL_MODULES = {"torch": "engine", "safetensors": "engine", "tokenizers": "engine", "transformers": "engine",
+                    "lm_eval": "lmeval", "yaml": "lmeval"}
+
 RUNNER_HELP = "runner profile: a name under runners/ (engine-bf16, http) or a path to a TOML file"
 
 
@@ -199,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(args)
     except (api.UsageError, ProfileError, DatasetError, StoreError, CapabilityError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        extra = OPTIONAL_MODULES.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"error: `moebench {args.command}` needs {e.name}, which is not installed here: "
+              f"pip install 'moebench[{extra}]'", file=sys.stderr)
         return 2
     except OSError as e:            # a full disk or a failing filesystem: one line naming path and errno
         print(api.os_error_line(e), file=sys.stderr)
