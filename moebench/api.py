@@ -23,7 +23,7 @@ from moebench.runners import make_runner, runner_schemas
 from moebench.runners.base import CapabilityError, Runner, check_capabilities
 from moebench.runners.responses import describe
 from moebench.secrets import env_secret_values, redact
-from moebench.store import RunLock, RunStore, write_json_atomic
+from moebench.store import RunLock, RunStore, StoreError, now_iso, write_json_atomic
 from moebench.tasks import task_class, task_schemas
 from moebench.tasks.base import Task, TaskContext
 
@@ -223,12 +223,27 @@ def run(opts: RunOptions) -> tuple[Path, int]:
     lock = RunLock(run_dir).acquire()
     try:
         store, tasks, runner, items, ctx = _prepare(opts, suite, runner_p, label, run_dir, lock)
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, OSError) and not created:
+            _note_failed_resume(run_dir, e)
         lock.release()
         if created:                 # refused before anything was written: leave no empty folder behind
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     return run_dir, _execute(opts, suite, store, tasks, runner, items, ctx)
+
+
+def _note_failed_resume(run_dir: Path, e: OSError) -> None:
+    """A resume that could not even open the run: its manifest keeps its status and gains the failure
+    and an end time, where the disk still lets us write it."""
+    try:
+        store = RunStore.open(run_dir)
+        store.manifest.setdefault("events", []).append({"time": now_iso(), "event": "failed",
+                                                        "message": f"resume: {describe(e)}"})
+        store.manifest["ended_at"] = now_iso()
+        store.write_manifest()
+    except (OSError, StoreError):
+        pass                        # unreadable or unwritable: it stays as it was, whole
 
 
 def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, label: str, run_dir: Path,
@@ -473,11 +488,14 @@ def trend(runs: list[str], out: str | None = None, results_dir: str = "results",
 
 
 def report(path: str, out: str | None = None) -> Path:
-    from moebench.report.render import render
+    from moebench.report.render import ReportError, render
     p = Path(path)
     if not ((p / "compare.json").is_file() or (p / "manifest.json").is_file() or (p / MATRIX_JSON).is_file()):
         raise UsageError(f"{p}: neither a run (manifest.json) nor a compare directory (compare.json, matrix.json)")
-    return render(p, Path(out) if out else None)
+    try:
+        return render(p, Path(out) if out else None)
+    except ReportError as e:          # a malformed input file: bad input, named in the message
+        raise UsageError(str(e)) from None
 
 
 def gate(compare_dir: str, rules: str, as_json: bool = False) -> int:

@@ -185,10 +185,14 @@ def _parser() -> argparse.ArgumentParser:
 
     s = _command(sub, "serve", "an OpenAI-compatible server over a runner (/v1/completions, /v1/chat/completions)",
                  "moebench serve --runner engine-bf16 --port 8000\n"
-                 "moebench serve --runner llama-q4_0 --port 8081")
+                 "moebench serve --runner llama-q4_0 --port 8081\n"
+                 "MOEBENCH_KEY=secret moebench serve --runner http --host 0.0.0.0 --api-key-env MOEBENCH_KEY")
     s.add_argument("--runner", required=True, help=RUNNER_HELP)
     s.add_argument("--port", type=int, default=8000, help="TCP port (0: pick a free one)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--api-key-env", metavar="NAME",
+                   help="require 'Authorization: Bearer KEY', KEY read from environment variable NAME "
+                        "(required with a --host beyond loopback)")
     return p
 
 
@@ -311,7 +315,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "serve":
         from moebench.config import resolve_profile_path
         from moebench.serve import serve
-        serve(str(resolve_profile_path(args.runner, "runners")), host=args.host, port=args.port)
+        serve(str(resolve_profile_path(args.runner, "runners")), host=args.host, port=args.port,
+              api_key_env=args.api_key_env)
         return 0
     raise AssertionError(args.command)
 

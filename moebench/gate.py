@@ -27,6 +27,7 @@ Rules file (TOML); a table per task named as in compare.json's "tasks", plus the
     min_decode_ratio = 0.9           # candidate / baseline decode tok/s, every prompt length and client count
     max_ttft_ratio = 1.2             # also min_prefill_ratio, max_tpot_ratio, max_itl_ratio, max_e2e_ratio
     min_samples = 5                  # timed requests per side and group below which a group is inconclusive
+    min_acceptance_rate = 0.6        # speculative decoding: the candidate's draft acceptance, every group
     [speed_ab]                       # `moebench speed-ab` results (B is the candidate)
     min_rounds_won = 3               # B won at least 3 rounds ...
     min_rounds = 4                   # ... of at least 4
@@ -185,6 +186,14 @@ def _speed(metric: str) -> Callable[[dict[str, Any]], list[Estimate]]:
     return get
 
 
+def _min_acceptance(speed: dict[str, Any]) -> float:
+    """The candidate's lowest draft acceptance rate over prompt lengths and client counts."""
+    vals = [r["acceptance_candidate"] for r in speed_rows(speed) if r.get("acceptance_candidate") is not None]
+    if not vals:
+        raise Missing("no draft acceptance rate (the candidate's backend reported no draft counters)")
+    return min(vals)
+
+
 def _ab_ratio(metric: str) -> Callable[[dict[str, Any]], list[Estimate]]:
     """The paired B/A ratio of speed-ab (median over every prompt measured in both, all rounds)."""
     def get(ab: dict[str, Any]) -> list[Estimate]:
@@ -318,6 +327,8 @@ SECTION_RULES: dict[str, dict[str, Rule]] = {
                               "inter-token latency ratio"),
         "max_e2e_ratio": Rule(Field(float, check=positive), "interval_max", _speed("e2e_s"),
                               "end-to-end latency ratio"),
+        "min_acceptance_rate": Rule(Field(float, check=_fraction), "min", _min_acceptance,
+                                    "candidate draft acceptance rate (lowest group)"),
     },
     "speed_ab": {
         "min_rounds_won": Rule(Field(int, check=non_negative), "min", _ab_rounds("won"), "rounds won by B"),

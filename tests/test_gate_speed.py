@@ -115,3 +115,27 @@ def test_significant_loss_over_several_tasks_is_holm_adjusted(tmp_path):
     assert "Holm-adjusted over 2 tasks 0.06" in msgs[0]["message"]
     assert run_gate(d, rules(tmp_path, "[gate]\ncorrection = \"none\"\n" + both)) == 1
     assert run_gate(d, rules(tmp_path, "[gsm8k]\nfail_on_significant_loss = true\n")) == 1   # one task: no family
+
+
+def test_compare_folds_in_speed_ab_rounds(paced, tmp_path):
+    """`compare BASE CAND --speed-ab DIR`: the A/B rounds join the runs' compare, summary and gate."""
+    from conftest import moebench_cli
+    from moebench.tasks.speed import run_ab
+    a, b = paced(first_ms=20, every_ms=12), paced(first_ms=20, every_ms=6)
+    base, cand = speed_run(tmp_path, "a", a.url, 5), speed_run(tmp_path, "b", b.url, 5)
+    pa, pb = _runner_profile(tmp_path, "pa", a.url), _runner_profile(tmp_path, "pb", b.url)
+    run_ab(str(pa), str(pb), {"prompt_lengths": [200], "output_tokens": 6, "repeats": 3, "clients": 1,
+                              "warmup": 0}, str(tmp_path / "ab"), order="ABBA")
+    out = tmp_path / "cmp"
+    proc = moebench_cli("compare", str(base), str(cand), "--out", str(out), "--speed-ab", str(tmp_path / "ab"),
+                        "--format", "md", check=True)
+    assert "- round 1: A pass 0 " in proc.stdout and "- round 2: A pass 3 " in proc.stdout
+    assert "rounds won: B 2, A 0, tied 0 of 2" in proc.stdout
+    cmp = json.loads((out / "compare.json").read_text())
+    assert cmp["speed_ab"]["source"] == str((tmp_path / "ab").resolve())
+    assert cmp["speed"]["rows"][0]["decode_ratio"] > 1.3             # the runs agree with the rounds
+    r = rules(tmp_path, "[speed_ab]\nmin_rounds_won = 2\nmin_rounds = 2\n[speed]\nmin_decode_ratio = 1.1\n")
+    assert run_gate(out, r) == 0
+    assert "A/B speed rounds (ABBA)" in (out / "report.html").read_text(encoding="utf-8")
+    bad = moebench_cli("compare", str(base), str(cand), "--out", str(out), "--speed-ab", str(tmp_path))
+    assert bad.returncode == 2 and "ab.json: not found" in bad.stderr

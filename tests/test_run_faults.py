@@ -246,3 +246,27 @@ def test_full_disk_mid_run_then_resume_after_freeing_space(tmp_path, data_dir):
         assert sorted(set(ids)) == sorted(f"gsm8k/test/{i}" for i in range(40))
     finally:
         srv.shutdown()
+
+
+def test_resume_that_cannot_open_its_items_keeps_the_status_and_notes_the_failure(tmp_path, data_dir):
+    srv = serve({"default": "#### 1"})
+    try:
+        suite, runner = _profiles(tmp_path, srv.server_address[1], 3)
+        out = tmp_path / "run"
+        assert moebench_cli("run", str(suite), "--runner", str(runner), "--out", str(out)).returncode == 0
+        m = json.loads((out / "manifest.json").read_text())
+        m["status"] = "interrupted"                       # as if it had been stopped
+        (out / "manifest.json").write_text(json.dumps(m))
+        (out / "items.jsonl").rename(out / "items.saved")
+        (out / "items.jsonl").mkdir()                     # cannot be opened for appending
+        res = moebench_cli("run", str(suite), "--runner", str(runner), "--out", str(out), "--resume")
+        assert res.returncode == 1 and "Traceback" not in res.stderr
+        assert [x for x in res.stderr.splitlines() if x.startswith("error")] == [
+            f"error: {out / 'items.jsonl'}: Is a directory (errno 21 EISDIR)"]
+        m2 = json.loads((out / "manifest.json").read_text())
+        assert m2["status"] == "interrupted" and m2["ended_at"] > m["ended_at"]
+        assert m2["events"][-1]["event"] == "failed" and "EISDIR" not in m2["events"][-1]["message"]
+        assert "Is a directory" in m2["events"][-1]["message"]
+        assert _leftovers(out) == []
+    finally:
+        srv.shutdown()

@@ -45,9 +45,12 @@ def build_compare(base_dir: str | Path, cand_dir: str | Path, speed_ab: str | Pa
         "tasks": paired["tasks"],
         "overall": paired["overall"],
     }
-    if bm.get("status") != "complete" or cm.get("status") != "complete":
-        out["warnings"] = [f"{side} run status is {m.get('status')!r}, not 'complete'"
-                           for side, m in (("baseline", bm), ("candidate", cm)) if m.get("status") != "complete"]
+    warnings = [f"{side} run status is {m.get('status')!r}, not 'complete'"
+                for side, m in (("baseline", bm), ("candidate", cm)) if m.get("status") != "complete"]
+    warnings += [f"{t}: nothing paired: {r['unpaired_reason']}" for t, r in paired["tasks"].items()
+                 if r.get("unpaired_reason")]
+    if warnings:
+        out["warnings"] = warnings
 
     kld = _optional("moebench.compare.kld", "kld_compare")
     if kld is not None and (any(r.get("task") == "kld" for r in crecs)):

@@ -101,8 +101,30 @@ def summarize_speed(records: list[dict[str, Any]],
         entry["output_tokens"] = _stats([r.get("output_tokens") for r in recs])
         dec = entry["decode_tok_s"]
         entry["aggregate_decode_tok_s"] = dec["median"] * clients if dec else None
+        draft = draft_summary(recs)
+        if draft:
+            entry["draft"] = draft
         out.setdefault(str(length), {})[str(clients)] = entry
     return out
+
+
+def _sampling(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The sampling settings of a side's speed records (older runs, greedy, carry none: null)."""
+    return next((r["sampling"] for r in records if isinstance(r.get("sampling"), dict)), None)
+
+
+def draft_summary(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Speculative decoding over a group: pooled acceptance rate (accepted / drafted over all requests),
+    the per-request rates' spread, tokens per verification step; None where no record has counters."""
+    recs = [r for r in records if isinstance(r.get("draft_n"), int)]
+    if not recs:
+        return None
+    drafted = sum(r["draft_n"] for r in recs)
+    accepted = sum(r.get("draft_n_accepted") or 0 for r in recs)
+    return {"n": len(recs), "draft_n": drafted, "draft_n_accepted": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "acceptance_rate_stats": _stats([r.get("acceptance_rate") for r in recs]),
+            "tokens_per_step": _stats([r.get("tokens_per_step") for r in recs])}
 
 
 def _from_id(r: dict[str, Any], part: int) -> int:
@@ -150,6 +172,8 @@ def speed_compare(base_records: list[dict[str, Any]], cand_records: list[dict[st
                     cv = [_value(r, m) for r in cgroups[key]]
                 ci = bootstrap_ratio_ci(bv, cv, n_boot=n_boot) if row[f"{name}_ratio"] is not None else None
                 row[f"{name}_ratio_ci95"] = list(ci) if ci else None
+            for side, entry in (("baseline", b), ("candidate", c)):
+                row[f"acceptance_{side}"] = (entry.get("draft") or {}).get("acceptance_rate")
             row["n_baseline"] = b["ttft_s"]["n"] if b["ttft_s"] else 0
             row["n_candidate"] = c["ttft_s"]["n"] if c["ttft_s"] else 0
             row["baseline_stats"] = {m: b.get(m) for m in metrics}
@@ -162,6 +186,7 @@ def speed_compare(base_records: list[dict[str, Any]], cand_records: list[dict[st
 
     only = sorted({f"{l}/{c}" for l in base for c in base[l]} ^ {f"{l}/{c}" for l in cand for c in cand[l]})
     return {"rows": rows,
+            "sampling": {"baseline": _sampling(base_recs), "candidate": _sampling(cand_recs)},
             "geomean": {RATIO_NAMES[m]: geomean(f"{RATIO_NAMES[m]}_ratio") for m in metrics},
             "unpaired_groups": only,
             "interval": "95% percentile bootstrap of the ratio of medians, 2000 resamples per side",

@@ -17,7 +17,7 @@ from markupsafe import Markup
 
 from moebench import store
 from moebench.report import plots
-from moebench.report.rig import rig_context
+from moebench.report.rig import rig_context, run_rig_context
 from moebench.report.sections import (SPEED_METRICS, needle_cells, needle_counts, number, per_side,
                                       speed_rows)
 
@@ -249,6 +249,7 @@ def run_context(run_dir: Path) -> dict[str, Any]:
         "accuracy_svg": _svg(plots.interval_plot(dots)) if dots else None,
         "rows": rows,
         "counts": {k: sum(1 for r in rows if r["kind"] == k) for k in ("correct", "wrong", "error", "unscored")},
+        "rig": run_rig_context(manifest, records),
     }
 
 
@@ -487,8 +488,23 @@ def _speed_context(speed: Any) -> dict[str, Any] | None:
             if isinstance(b, dict) or isinstance(c, dict):
                 percentiles.append({"prompt_length": r["prompt_length"], "clients": r["clients"], "metric": label,
                                     "baseline": b or {}, "candidate": c or {}})
+    sampling = speed.get("sampling") if isinstance(speed, dict) and isinstance(speed.get("sampling"), dict) else {}
     return {"rows": rows, "metrics": metrics, "plots": figs, "show_clients": len(client_counts) > 1,
-            "geomean": [(k, v) for k, v in geo.items() if number(v) is not None], "percentiles": percentiles}
+            "geomean": [(k, v) for k, v in geo.items() if number(v) is not None], "percentiles": percentiles,
+            "sampling": [(side, _sampling_text(sampling.get(side))) for side in ("baseline", "candidate")
+                         if sampling.get(side)],
+            "acceptance": any(r.get("acceptance_baseline") is not None or r.get("acceptance_candidate") is not None
+                              for r in rows)}
+
+
+def _sampling_text(s: Any) -> str:
+    if not isinstance(s, dict):
+        return "-"
+    if not s.get("temperature"):
+        return f"greedy (seed {s.get('seed')})"
+    parts = [f"temperature {s['temperature']:g}"]
+    parts += [f"{k} {s[k]:g}" for k in ("top_p", "top_k") if s.get(k) is not None]
+    return ", ".join(parts) + f", seed {s.get('seed')}"
 
 
 def _speed_ab_context(ab: Any) -> dict[str, Any] | None:

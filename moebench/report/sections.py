@@ -103,6 +103,7 @@ def speed_rows(speed: Any) -> list[dict[str, Any]]:
         for side in SIDES:
             st = r.get(f"{side}_stats")
             row[f"{side}_stats"] = st if isinstance(st, dict) else {}
+            row[f"acceptance_{side}"] = number(r.get(f"acceptance_{side}"))   # speculative decoding
         rows.append(row)
     rows.sort(key=lambda x: (x["clients"] or 0, x["prompt_length"] is None, x["prompt_length"] or 0))
     return rows

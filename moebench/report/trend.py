@@ -121,13 +121,18 @@ def write_trend(runs: list[Path], out_dir: Path, order: str = "time") -> Path:
         w.writerow({k: ("" if v is None else v) for k, v in r.items()})
     (out_dir / "trend.csv").write_text(buf.getvalue(), encoding="utf-8")
     xs = list(range(1, len(rows) + 1))
+    short = [str(r["label"])[:14] for r in rows]
+
+    def tick(v: float) -> str:         # the run's label under its point
+        i = int(round(v)) - 1
+        return short[i] if 0 <= i < len(short) and float(v).is_integer() else ""
     figures, warnings = [], []
     for n in names:
         ys = [number(r.get(n)) for r in rows]
         if sum(y is not None for y in ys) < 2:
             warnings.append(f"{n}: measured in fewer than two of the runs; drawn anyway")
-        figures.append((n, _svg(plots.line_plot([(n, xs, ys)], "run (in order; see the table)", n,
-                                                y_zero=False))))
+        figures.append((n, _svg(plots.line_plot([(n, xs, ys)], f"runs by {order_text}", n, y_zero=False,
+                                                xfmt=tick))))
     html = _environment().get_template("report.html").render(
         mode="trend", title=f"moebench trend: {len(rows)} runs", trend_path=str(out_dir), order_by=order_text,
         warnings=warnings, runs=rows, figures=figures)

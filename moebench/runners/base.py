@@ -25,6 +25,7 @@ class Capability:
     TOKEN_PROMPTS = "token_prompts"    # prompts given as token ids
     ROUTER_TRACE = "router_trace"      # per-layer top-k expert ids and weights per token
     CHOICE_LOGPROBS = "choice_logprobs"  # next-token log-probs of given choice strings, none missed
+    SAMPLING = "sampling"              # top_p and top_k truncation when sampling (temperature > 0)
 
 
 class RunnerError(Exception):
@@ -51,6 +52,8 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     temperature: float = 0.0
     seed: int | None = 0
+    top_p: float | None = None    # nucleus sampling; None leaves the backend's default
+    top_k: int | None = None      # top-k sampling; None leaves the backend's default
     top_logprobs: int = 0
     stream: bool = False          # ask for per-token arrival times
     ignore_eos: bool = False      # keep generating past EOS (speed measurements)

@@ -35,16 +35,18 @@ def url_problem(value: Any) -> str | None:
     """Why a base URL cannot work (checked when the profile loads, not on every item)."""
     urls = value if isinstance(value, list) else [value]
     for u in urls:
+        which = f" ({u!r})" if isinstance(value, list) else ""      # a single value is quoted by the caller
         try:
             parsed = httpx.URL(u)
             port = parsed.port
         except (httpx.InvalidURL, ValueError, TypeError) as e:
-            return f"must be an http(s) URL ({u!r}: {e})"
+            return f"must be an http(s) URL{which}: {e}"
         if parsed.scheme not in ("http", "https") or not parsed.host:
-            return f"must be an http(s) URL with a host, like http://127.0.0.1:8080/v1 ({u!r})"
+            return f"must be an http(s) URL with a host, like http://127.0.0.1:8080/v1{which}"
         if port is not None and not 1 <= port <= 65535:
-            return f"has port {port}, outside 1-65535 ({u!r})"
+            return f"has port {port}, outside 1-65535{which}"
     return None
+
 
 SCHEMA: dict[str, Field] = {
     "base_url": Field(str, check=url_problem, doc="e.g. http://127.0.0.1:8080/v1"),
@@ -80,7 +82,8 @@ class HttpRunner(Runner):
             raise ProfileError(f"{where}: needs key 'base_url' or 'base_urls' (e.g. \"http://127.0.0.1:8080/v1\")")
         problem = url_problem(urls)
         if problem:
-            raise ProfileError(f"{where}: key {'base_url' if profile.get('base_url') else 'base_urls'} {problem}")
+            key = "base_url" if profile.get("base_url") else "base_urls"
+            raise ProfileError(f"{where}: key {key!r} {problem}, got {urls!r}")
         self.base_urls = [u.rstrip("/") for u in urls]
         self.api = profile.get("api", "completions")
         self.model = profile.get("model", "default")
@@ -99,7 +102,7 @@ class HttpRunner(Runner):
             if not key:
                 raise ProfileError(f"{where}: key 'api_key_env' names {key_env!r}, which is not set in the environment")
             self.headers["Authorization"] = f"Bearer {key}"
-        caps = {Capability.GENERATE, Capability.STREAM, Capability.TOP_LOGPROBS}
+        caps = {Capability.GENERATE, Capability.STREAM, Capability.TOP_LOGPROBS, Capability.SAMPLING}
         if profile.get("tokenize") == "llama-server":
             caps.add(Capability.TOKENIZE)
         if profile.get("token_prompts"):
@@ -168,6 +171,10 @@ class HttpRunner(Runner):
         body: dict[str, Any] = {"model": self.model, "max_tokens": req.max_tokens, "temperature": req.temperature}
         if req.seed is not None:
             body["seed"] = req.seed
+        if req.top_p is not None:
+            body["top_p"] = req.top_p
+        if req.top_k is not None:
+            body["top_k"] = req.top_k           # vLLM, SGLang and llama-server accept it
         if req.stop:
             body["stop"] = req.stop
         if self.api == "chat":
@@ -221,6 +228,7 @@ class HttpRunner(Runner):
         finish = None
         ended = False
         usage: dict[str, Any] = {}
+        server_timings: dict[str, Any] = {}
         event = "message"
         async with self.client.stream("POST", url, json=body) as resp:
             if resp.status_code >= 400:
@@ -255,6 +263,8 @@ class HttpRunner(Runner):
                     raise RunnerError(f"{url}: stream chunk is not a JSON object: {payload[:200]!r}")
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                if isinstance(chunk.get("timings"), dict):
+                    server_timings = chunk["timings"]       # llama-server's (draft counters among them)
                 choices = chunk.get("choices") or []
                 if not choices:
                     continue
@@ -282,7 +292,7 @@ class HttpRunner(Runner):
         if not ended and finish is None:
             raise RunnerError(f"{url}: the stream ended after {len(times)} pieces without [DONE] or a "
                               f"finish_reason (the server stopped mid-answer)")
-        timings: dict[str, Any] = {"wall_s": time.perf_counter() - t0, **first}
+        timings: dict[str, Any] = {**server_timings, "wall_s": time.perf_counter() - t0, **first}
         if reasoning:
             timings["reasoning_pieces"] = len(reasoning)
         return GenerateResult(

@@ -330,7 +330,7 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
 class LlamaServerRunner(Runner):
     kind = "llama-server"
     capabilities = frozenset({Capability.GENERATE, Capability.STREAM, Capability.TOP_LOGPROBS,
-                              Capability.CHOICE_LOGPROBS,
+                              Capability.CHOICE_LOGPROBS, Capability.SAMPLING,
                               Capability.TOKENIZE, Capability.TOKEN_PROMPTS})
 
     def __init__(self, profile: dict[str, Any], profile_path: str | None = None):
@@ -575,6 +575,10 @@ class LlamaServerRunner(Runner):
         }
         if request.seed is not None:
             payload["seed"] = request.seed
+        if request.top_p is not None:
+            payload["top_p"] = request.top_p
+        if request.top_k is not None:
+            payload["top_k"] = request.top_k
         if request.top_logprobs:
             payload["n_probs"] = request.top_logprobs
         if request.stream:

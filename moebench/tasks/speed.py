@@ -10,6 +10,12 @@ Per measurement (DESIGN.md section 6):
   prefill_tok_s = prompt tokens / ttft_s
   decode_tok_s  = (n_out - 1) / (t_last - t_first)
 
+Sampling: greedy by default; `temperature`, `top_p`, `top_k` and `seed` (which also seeds the unique
+prompt prefixes) set it, and every record carries them as `sampling`. Speculative decoding: where the
+backend reports draft counters (llama-server's `timings.draft_n`, `draft_n_accepted`), a record adds
+them, `acceptance_rate` = accepted / drafted and `tokens_per_step` = n_out / (n_out - accepted) (each
+verification step yields its accepted drafts plus one token of its own).
+
 A/B mode (`run_ab`) runs two runner profiles interleaved (ABBA), each pass in a FRESH process
 (`python -m moebench.tasks.speed --runner PROFILE ...`), and counts outputs that differ between A and B.
 """
@@ -53,6 +59,27 @@ def _lengths_ok(v: list[int]) -> str | None:
     return None if all(x > 0 for x in v) else "must hold positive token counts"
 
 
+def _non_negative(v: Any) -> str | None:
+    return None if v >= 0 else "must not be negative"
+
+
+def _unit_interval(v: Any) -> str | None:
+    return None if 0 < v <= 1 else "must be in (0, 1]"
+
+
+def draft_fields(timings: dict[str, Any] | None, output_tokens: int | None) -> dict[str, Any]:
+    """Speculative decoding figures from the backend's draft counters; {} where it reports none."""
+    t = timings or {}
+    drafted, accepted = t.get("draft_n"), t.get("draft_n_accepted")
+    if not isinstance(drafted, int) or not isinstance(accepted, int) or isinstance(drafted, bool):
+        return {}
+    out: dict[str, Any] = {"draft_n": drafted, "draft_n_accepted": accepted,
+                           "acceptance_rate": accepted / drafted if drafted > 0 else None}
+    n = output_tokens or 0
+    out["tokens_per_step"] = n / (n - accepted) if n > accepted >= 0 else None
+    return out
+
+
 def measurement_prefix(seed: int, prompt_len: int, clients: int, repeat: int, client: int) -> str:
     """A unique, reproducible opening: differs per measurement, identical across processes (A/B)."""
     rng = random.Random(f"speed:{seed}:{prompt_len}:{clients}:{repeat}:{client}")
@@ -89,7 +116,10 @@ class SpeedTask(Task):
         "clients": Field((int, list), default=1, check=_clients_ok,
                          doc="closed-loop clients: one count or a list of counts"),
         "warmup": Field(int, default=1, doc="untimed requests before each prompt length group"),
-        "seed": Field(int, default=1234, doc="seeds the unique prompt prefixes"),
+        "seed": Field(int, default=1234, doc="seeds the unique prompt prefixes and the sampler"),
+        "temperature": Field(float, default=0.0, check=_non_negative, doc="0 = greedy (the default)"),
+        "top_p": Field(float, check=_unit_interval, doc="nucleus sampling; unset = the backend's default"),
+        "top_k": Field(int, check=_non_negative, doc="top-k sampling; unset = the backend's default"),
     }
 
     def __init__(self, opts: dict[str, Any], ctx: TaskContext):
@@ -103,13 +133,18 @@ class SpeedTask(Task):
         self.repeats = int(opts["repeats"])
         self.warmup = int(opts["warmup"])
         self.seed = int(opts["seed"])
+        self.sampling = {"temperature": float(opts["temperature"]), "top_p": opts.get("top_p"),
+                         "top_k": opts.get("top_k"), "seed": self.seed}
         self.index: HaystackIndex | None = None
         self._text: str | None = None
         self._groups: dict[tuple[int, int], asyncio.Task] = {}
         self._group_lock: asyncio.Lock | None = None
 
     def needs(self, runner: Runner) -> set[str]:
-        return {Capability.GENERATE, Capability.STREAM}
+        needs = {Capability.GENERATE, Capability.STREAM}
+        if self.sampling["top_p"] is not None or self.sampling["top_k"] is not None:
+            needs.add(Capability.SAMPLING)
+        return needs
 
     def items(self) -> list[Item]:
         out = []
@@ -147,7 +182,9 @@ class SpeedTask(Task):
     # -- measuring -------------------------------------------------------------------------------
     async def measure(self, runner: Runner, prompt: str, prompt_tokens: int | None,
                       concurrent: bool) -> dict[str, Any]:
-        request = GenerateRequest(prompt=prompt, max_tokens=self.output_tokens, temperature=0.0, seed=0,
+        request = GenerateRequest(prompt=prompt, max_tokens=self.output_tokens,
+                                  temperature=self.sampling["temperature"], seed=self.seed,
+                                  top_p=self.sampling["top_p"], top_k=self.sampling["top_k"],
                                   stream=True, ignore_eos=True, cache_prompt=False)
         t_start = time.perf_counter()
         result = await runner.generate(request)
@@ -168,6 +205,8 @@ class SpeedTask(Task):
             "output_tokens": result.output_tokens or len(result.token_times or []),
             "output_tokens_requested": self.output_tokens,
             "stopped_early": (result.output_tokens or 0) < self.output_tokens,
+            "sampling": dict(self.sampling),
+            **draft_fields(result.timings, result.output_tokens or len(result.token_times or [])),
             **fields,
             "_token_times": result.token_times,
         }
@@ -252,6 +291,7 @@ class SpeedTask(Task):
         times = read_token_times(self.ctx.run_dir) if self.ctx.run_dir is not None else None
         return {"n": len(records), "n_ok": len(ok),
                 "n_errors": sum(1 for r in records if r.get("status") == "error"),
+                "sampling": dict(self.sampling),
                 "by_prompt_length": summarize_speed(ok, times)}
 
 
