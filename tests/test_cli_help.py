@@ -67,7 +67,7 @@ def test_lm_eval_without_out_and_with_a_short_profile_name(markov_server, tmp_pa
     m = json.loads((cwd / run_dir / "manifest.json").read_text())
     assert m["status"] == "complete"
     recs = [json.loads(x) for x in (cwd / run_dir / "items.jsonl").read_text().splitlines() if x.strip()]
-    assert {r["item_id"] for r in recs} == {"gsm8k/0", "gsm8k/1"}         # one record per filter and document
+    assert {r["item_id"] for r in recs} == {"gsm8k/test/0", "gsm8k/test/1"}         # one record per filter and document
 
 
 def test_serve_takes_a_short_profile_name(markov_server, tmp_path):
