@@ -56,8 +56,8 @@ A rule whose task or section is absent from compare.json FAILS: a gate never pas
 Speed ratio rules judge intervals, not single numbers: per prompt length and client count, the 95%
 bootstrap interval of the candidate/baseline ratio. A group FAILS when its whole interval is on the
 wrong side of the limit, PASSES when its whole interval is on the right side, and is INCONCLUSIVE when
-the interval straddles the limit, is missing, or either side timed fewer than `min_samples` requests
-(the summary says which). The rule fails when any group fails, else is inconclusive when any group is.
+the interval straddles the limit, is missing, either side timed fewer than `min_samples` requests, or
+the sample counts are unknown (a compare.json older than schema 2); the summary says which. The rule fails when any group fails, else is inconclusive when any group is.
 
 `fail_on_significant_loss` on several tasks is one family of tests: the McNemar p-values are
 Holm-adjusted over those tasks before they are compared with each task's alpha.
