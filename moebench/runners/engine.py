@@ -102,18 +102,23 @@ class EngineRunner(Runner):
         self.concurrency = 1          # one engine, one request at a time (it holds a lock anyway)
         self.engine = None
         self.device = _resolve_device(profile.get("device", "auto"))
+        from moebench.engine.decode_config import DecodeConfig, DecodeConfigError
+        options = {k: profile[k] for k in ("experts_impl", "prefetch_host", "int8_activations", "prefetch_early")
+                   if profile.get(k)}
+        try:
+            # the engine's decode settings, device defaults resolved: what the manifest records
+            self.decode = DecodeConfig(**options).resolved("cuda" if self.device.startswith("cuda") else "cpu")
+        except DecodeConfigError as err:
+            raise ProfileError(f"{profile_path or 'runner profile'}: {err}") from None
 
     async def start(self, run_dir: str | None = None) -> None:
         if self.engine is not None:
             return
         from moebench.engine import Engine
-        kwargs = {k: self.profile[k] for k in ("max_seq_len", "max_batch", "prefill_chunk", "experts_impl")
-                  if self.profile.get(k)}
+        kwargs = {k: self.profile[k] for k in ("max_seq_len", "max_batch", "prefill_chunk") if self.profile.get(k)}
         if self.profile.get("cuda_graphs") and self.device.startswith("cuda"):
             kwargs["cuda_graphs"] = True
-        for key in ("prefetch_host", "int8_activations", "prefetch_early"):
-            if self.profile.get(key):
-                kwargs[key] = True
+        kwargs["decode"] = self.decode
         t0 = time.perf_counter()
         self.engine = await asyncio.to_thread(Engine.load, self.model_path, device=self.device,
                                               dtype=self.profile.get("dtype", "bfloat16"), **kwargs)
@@ -134,6 +139,9 @@ class EngineRunner(Runner):
                  "dtype": self.profile.get("dtype", "bfloat16")}
         if self.profile.get("int8_activations"):        # changes the numbers: part of what was run
             build["int8_activations"] = True
+        # every decode switch and launch table of the engine (moebench.engine.decode_config)
+        build["decode"] = self.decode.identity()
+        build["cuda_graphs"] = bool(self.profile.get("cuda_graphs")) and self.device.startswith("cuda")
         return {"model": model, "build": build}
 
     def _eng(self):

@@ -24,20 +24,10 @@ import os
 import torch
 from torch import Tensor
 
-# Imported through kernels.py so that its TRITON_INTERPRET switch (CPU-only machines) happens before
-# triton's first import.
-from .kernels import KernelError, _kernels, _next_pow2, grid_dependency, pdl_launch, tl, triton
+from ..decode_config import DEFAULT, AttentionLaunch, DecodeConfig
+from .runtime import KernelError, grid_dependency, next_pow2, pdl_launch, require, tl, triton  # noqa: F401
 
-# Launch parameters. BLOCK_S: cache slots per loop step. Compiled for sm_90a (Triton 3.9, G=8, D=128,
-# bf16, ptxas -v): BLOCK_S 32 / 4 warps uses 192 registers and no spills (so 2 programs fit an SM);
-# 64 / 4 warps spills; 64 / 8 warps uses 250 registers, no spills; 16 / 4 warps 109. Not yet timed.
-# Splits: a context gets one split (one launch, no combine) until one program per (query row, KV head)
-# would stream more than SPLIT_MIN_SLOTS slots (for D=128 bf16, 512 slots are 256 KiB of K+V, several
-# microseconds for one SM); then enough splits for ~PROGRAMS_PER_SM programs per SM (one wave at the
-# register use above), none shorter than SPLIT_MIN_SLOTS. All guesses to sweep on the H200.
-CONFIG = {"BLOCK_S": 32, "num_warps": 4, "num_stages": 3}   # H200 sweep, round 5: 7.3 us at 256 slots, 14.2 at 4,096
-SPLIT_MIN_SLOTS = 512
-PROGRAMS_PER_SM = 2
+# Launch shape and KV splits: DecodeConfig.attention (AttentionLaunch).
 LOG2E = 1.4426950408889634
 
 if triton is not None:
@@ -141,26 +131,28 @@ def _sm_count(device: torch.device) -> int:
     return 132      # the interpreter: the H200's count, so CPU tests split as the GPU would
 
 
-def num_splits_for(kv_len: int, programs: int, sm_count: int = 132) -> int:
+def num_splits_for(kv_len: int, programs: int, sm_count: int = 132,
+                   launch: AttentionLaunch = DEFAULT.attention) -> int:
     """Splits of the KV range for `programs` = B * T * NKV programs per split: 1 for short contexts
-    (one launch, no combine), else enough for ~PROGRAMS_PER_SM programs per SM, each split covering
-    at least SPLIT_MIN_SLOTS slots."""
-    by_length = max(1, kv_len // SPLIT_MIN_SLOTS)
-    by_occupancy = max(1, -(-PROGRAMS_PER_SM * sm_count // max(1, programs)))
+    (one launch, no combine), else enough for ~launch.programs_per_sm programs per SM, each split
+    covering at least launch.split_min_slots slots."""
+    by_length = max(1, kv_len // launch.split_min_slots)
+    by_occupancy = max(1, -(-launch.programs_per_sm * sm_count // max(1, programs)))
     return min(by_length, by_occupancy)
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, kv_len: int,
-                     scale: float | None = None, num_splits: int | None = None) -> Tensor:
+                     scale: float | None = None, num_splits: int | None = None,
+                     cfg: DecodeConfig = DEFAULT) -> Tensor:
     """softmax(q k^T * scale) v over cache slots [0, kv_len) with slot <= positions[b, t], GQA.
 
-    q [B, NH, T, D] (unit last stride; kernels.qk_rope_cache's output), k_cache / v_cache
+    q [B, NH, T, D] (unit last stride; rope_kv.qk_rope_cache's output), k_cache / v_cache
     [B', NKV, S, D] with B' >= B, the same strides and a unit last stride, positions [B, T] integer
     (cache slot of each query), kv_len a python int <= S, scale default 1/sqrt(D). Query head h uses KV
     head h // (NH // NKV), as F.scaled_dot_product_attention(..., enable_gqa=True). Returns
     [B, T, NH * D] contiguous in q's dtype. num_splits forces the KV split count (tests, tuning);
     None picks it from kv_len (`num_splits_for`). q and the caches must share a dtype."""
-    _kernels()
+    require()
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise KernelError(f"decode_attention: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache "
                           f"{tuple(v_cache.shape)}; expected q [B, NH, T, D] and caches [B', NKV, S, D]")
@@ -189,9 +181,10 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Ten
         raise KernelError("decode_attention: Triton's interpreter miscomputes bf16 tl.dot; use float32 "
                           "or float16 on CPU (bf16 runs compiled on CUDA)")
     G = NH // NKV
-    block = CONFIG["BLOCK_S"]
+    launch = cfg.attention
+    block = launch.block_s
     if num_splits is None:
-        num_splits = num_splits_for(kv_len, B * T * NKV, _sm_count(q.device))
+        num_splits = num_splits_for(kv_len, B * T * NKV, _sm_count(q.device), launch)
     # Split boundaries on block multiples; recount so no split is empty.
     chunk = -(-(-(-kv_len // max(1, num_splits))) // block) * block
     splits = -(-kv_len // chunk)
@@ -206,9 +199,9 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Ten
         q, k_cache, v_cache, positions, out, part_acc, part_ml, T, NH, kv_len, chunk, qk_scale,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         positions.stride(0), positions.stride(1),
-        G=G, GP=max(16, _next_pow2(G)), D=D, BLOCK_S=block, SPLIT=splits > 1, FP32=q.dtype == torch.float32,
-        num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"], **pdl_launch(q.device))
+        G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_S=block, SPLIT=splits > 1, FP32=q.dtype == torch.float32,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch(q.device, cfg))
     if splits > 1:
-        combine_kernel[(B * T * NH,)](part_acc, part_ml, out, splits, D=D, SP=_next_pow2(splits), num_warps=4,
-                                      **pdl_launch(q.device))
+        combine_kernel[(B * T * NH,)](part_acc, part_ml, out, splits, D=D, SP=next_pow2(splits), num_warps=4,
+                                      **pdl_launch(q.device, cfg))
     return out
