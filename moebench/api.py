@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
+import errno
 import json
 import re
+import shutil
 import signal
 import sys
 import time
@@ -19,9 +21,14 @@ from moebench.identity import host_identity, moebench_identity
 from moebench.progress import Progress
 from moebench.runners import make_runner, runner_schemas
 from moebench.runners.base import CapabilityError, Runner, check_capabilities
-from moebench.store import RunStore, write_json_atomic
+from moebench.runners.responses import describe
+from moebench.secrets import env_secret_values, redact
+from moebench.store import RunLock, RunStore, StoreError, now_iso, write_json_atomic
 from moebench.tasks import task_class, task_schemas
 from moebench.tasks.base import Task, TaskContext
+
+
+BASELINE_IDLE_END = "baseline_idle_end"   # the optional idle window after the last task
 
 
 class UsageError(Exception):
@@ -121,17 +128,30 @@ def _start_probe(suite: SuiteProfile) -> tuple[Any, dict[str, Any]]:
         return None, {"nvml": {"available": False, "reason": f"probe not importable: {e}"}}
     from moebench.probes.energy import tariffs_from_probes
     probe = NvmlProbe(interval_ms=suite.probes.get("interval_ms", 100), gpu_index=suite.probes.get("gpu_index", 0),
+                      gpu_indices=suite.probes.get("gpu_indices"), idle_s=suite.probes.get("idle_s", 5.0),
                       tariffs=tariffs_from_probes(suite.probes))
     if not probe.available:
         return None, {"nvml": {"available": False, "reason": getattr(probe, "reason", "unavailable")}}
     return probe, {"nvml": {"available": True}}
 
 
+# OS errors that mean the run cannot go on (a full disk, a read-only or failing filesystem): they end
+# the run instead of becoming one error record per remaining item.
+FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
+
+
 async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runner, store: RunStore,
-                        quiet: bool) -> dict[str, int]:
+                        quiet: bool, counts: dict[str, int], probe: Any = None) -> dict[str, int]:
+    """Ask every unfinished item; `counts` is updated in place so an interrupted run still has them."""
     finished = store.finished_keys()
-    counts = {"asked": 0, "errors": 0, "skipped_finished": 0}
+    counts.update(asked=0, errors=0, skipped_finished=0)
+
+    def mark(phase: str) -> None:
+        if probe is not None:
+            probe.mark(phase)
+
     for task in tasks:
+        mark("prepare")                  # datasets, tokenizing: host work, kept out of idle
         await task.prepare(runner)
         all_items = items[task.name]
         todo = [it for it in all_items if (task.name, it.item_id) not in finished]
@@ -151,8 +171,12 @@ async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runne
                     rec = {**base, "status": "ok", **fields}
                 except CapabilityError:
                     raise
+                except OSError as e:
+                    if e.errno in FATAL_ERRNOS:
+                        raise
+                    rec = {**base, "status": "error", "correct": None, "error": describe(e)}
                 except Exception as e:   # recorded, retried on resume, never counted as wrong
-                    rec = {**base, "status": "error", "correct": None, "error": f"{type(e).__name__}: {e}"}
+                    rec = {**base, "status": "error", "correct": None, "error": describe(e)}
                 rec["task"], rec["item_id"] = task.name, item.item_id
                 rec["wall_s"] = round(time.perf_counter() - t0, 4)
                 store.append(rec)
@@ -160,10 +184,14 @@ async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runne
                 counts["errors"] += rec["status"] == "error"
                 progress.advance(error=rec["status"] == "error")
 
+        # A task that marks no phases of its own is booked as a whole under its phase, so that no
+        # work lands in "idle"; speed and needle mark prefill/decode/idle per request themselves.
+        mark(task.phase or "prepare")
         try:
             await asyncio.gather(*(one(it) for it in todo))
         finally:
             progress.close()
+            mark("idle")
     return counts
 
 
@@ -171,11 +199,49 @@ class _Interrupted(Exception):
     pass
 
 
+def os_error_line(e: OSError) -> str:
+    """One line for a disk or OS error: the path, what went wrong and the errno."""
+    name = errno.errorcode.get(e.errno, "?") if e.errno is not None else "?"
+    where = f"{e.filename}: " if e.filename else ""
+    return f"error: {where}{e.strerror or e} (errno {e.errno} {name})"
+
+
 def run(opts: RunOptions) -> tuple[Path, int]:
     """Run a suite against a runner into a run directory. Returns (run dir, exit code)."""
     suite, runner_p = load_profiles(opts.suite, opts.runner)
     label = opts.label or runner_p.name
     run_dir = _run_dir(opts, suite, label)
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # The lock comes first: a second writer is refused before it reads or touches anything.
+    lock = RunLock(run_dir).acquire()
+    try:
+        store, tasks, runner, items, ctx = _prepare(opts, suite, runner_p, label, run_dir, lock)
+    except BaseException as e:
+        if isinstance(e, OSError) and not created:
+            _note_failed_resume(run_dir, e)
+        lock.release()
+        if created:                 # refused before anything was written: leave no empty folder behind
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    return run_dir, _execute(opts, suite, store, tasks, runner, items, ctx)
+
+
+def _note_failed_resume(run_dir: Path, e: OSError) -> None:
+    """A resume that could not even open the run: its manifest keeps its status and gains the failure
+    and an end time, where the disk still lets us write it."""
+    try:
+        store = RunStore.open(run_dir)
+        store.manifest.setdefault("events", []).append({"time": now_iso(), "event": "failed",
+                                                        "message": f"resume: {describe(e)}"})
+        store.manifest["ended_at"] = now_iso()
+        store.write_manifest()
+    except (OSError, StoreError):
+        pass                        # unreadable or unwritable: it stays as it was, whole
+
+
+def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, label: str, run_dir: Path,
+             lock: RunLock) -> tuple[RunStore, list[Task], Runner, dict[str, list], TaskContext]:
     _check_resumable(run_dir, suite, runner_p)
     baseline = Path(opts.baseline) if opts.baseline else None
     if baseline is not None and not (baseline / "manifest.json").is_file():
@@ -192,7 +258,7 @@ def run(opts: RunOptions) -> tuple[Path, int]:
     manifest = {
         "run_id": uuid.uuid4().hex[:12],
         "label": label,
-        "suite": suite.to_dict(),
+        "suite": redact(suite.to_dict()),
         "runner": runner_p.redacted(),
         "moebench": moebench_identity(),
         "host": host_identity(),
@@ -201,66 +267,121 @@ def run(opts: RunOptions) -> tuple[Path, int]:
         "baseline_run": str(baseline) if baseline else None,
         "limit": opts.limit,
     }
-    store = RunStore.create_or_resume(run_dir, manifest)
-    probe, probe_info = _start_probe(suite)
-    ctx.probe = probe
-    store.update_manifest(probes=probe_info)
+    secrets = frozenset(env_secret_values(runner_p.settings))
+    return RunStore.create_or_resume(run_dir, manifest, lock=lock, secrets=secrets), tasks, runner, items, ctx
+
+
+def _execute(opts: RunOptions, suite: SuiteProfile, store: RunStore, tasks: list[Task], runner: Runner,
+             items: dict[str, list], ctx: TaskContext) -> int:
+    """Run the tasks into an open store and finish its manifest whatever happens. Returns the exit code."""
+    run_dir = store.path
+    previous_status = store.previous_status
+    status, exit_code = "failed", 1
+    counts: dict[str, int] = {}
+    probe = None
+    reported = False                    # an error line was printed already
 
     def on_term(signum, frame):     # SIGTERM ends the run as "interrupted", like Ctrl-C
         raise _Interrupted(f"signal {signum}")
 
     old_term = signal.signal(signal.SIGTERM, on_term) if _is_main_thread() else None
-    status, exit_code = "failed", 1
-    counts: dict[str, int] = {}
     try:
+        probe, probe_info = _start_probe(suite)
+        ctx.probe = probe
+        store.update_manifest(probes=probe_info)
+
         async def main() -> dict[str, int]:
+            # Inside the loop SIGTERM cancels the run at its next await, never between writing a
+            # record and counting it, so an interrupted run's counts match its records.
+            term = old_term is not None
+            if term:
+                asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
             if probe is not None:
-                probe.start(run_dir)
+                probe.start(run_dir, idle_s=0)
                 probe.mark("load")
             try:
                 await runner.start(str(run_dir))
                 ident = runner.identity()
                 store.update_manifest(model=ident.get("model"), build=ident.get("build"))
+                # Idle is measured loaded and warm, before the first task: the draw the tasks' energy
+                # is net of (before the load, the card idles at another level).
                 if probe is not None:
-                    probe.mark("idle")
-                return await _evaluate_all(tasks, items, runner, store, opts.quiet)
+                    probe.mark("warmup")
+                await runner.warmup()
+                if probe is not None:
+                    await asyncio.to_thread(probe.measure_idle, float(suite.probes.get("idle_s", 5.0)))
+                try:
+                    return await _evaluate_all(tasks, items, runner, store, opts.quiet, counts, probe)
+                finally:
+                    if probe is not None and suite.probes.get("idle_end_s"):
+                        await asyncio.to_thread(probe.measure_idle, float(suite.probes["idle_end_s"]),
+                                                BASELINE_IDLE_END)
+                    telemetry = runner.telemetry()
+                    if telemetry:
+                        store.update_manifest(engine=telemetry)
             finally:
+                if term:
+                    asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+                    signal.signal(signal.SIGTERM, on_term)
                 await runner.close()
 
-        counts = asyncio.run(main())
+        asyncio.run(main())
         status = "complete"
         exit_code = 0
         if counts.get("asked") and counts["errors"] == counts["asked"]:
             exit_code = 1              # every item errored: the run did not measure anything
-    except (KeyboardInterrupt, _Interrupted):
+    except (KeyboardInterrupt, _Interrupted, asyncio.CancelledError):
         status, exit_code = "interrupted", 130
     except CapabilityError as e:
         status, exit_code = "failed", 2
-        store.add_event("capability_error", message=str(e))
+        _try(store.add_event, "capability_error", message=str(e))
         print(f"error: {e}", file=sys.stderr)
+    except OSError as e:                # a full disk, a vanished folder: one line, no traceback chain
+        print(os_error_line(e), file=sys.stderr)
+        reported = True
+        status, exit_code = "failed", 1
+        _try(store.add_event, "failed", message=describe(e))
     except Exception as e:
-        store.add_event("failed", message=f"{type(e).__name__}: {e}")
-        print(f"error: run failed: {type(e).__name__}: {e}", file=sys.stderr)
+        _try(store.add_event, "failed", message=describe(e))
+        print(f"error: run failed: {describe(e)}", file=sys.stderr)
         status, exit_code = "failed", 1
     finally:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
+        if status == "failed" and previous_status is not None:
+            # A resume that failed leaves the run as it found it (a crashed writer's "running" reads
+            # as interrupted), with the failure in its events.
+            status = "interrupted" if previous_status == "running" else previous_status
         probe_summary = None
         if probe is not None:
             try:
                 probe_summary = probe.stop()
             except Exception as e:   # a probe problem never loses the run
-                probe_summary = {"error": f"{type(e).__name__}: {e}"}
-        records = list(store.records().values())
-        summary = {t.name: t.summarize([r for r in records if r.get("task") == t.name]) for t in tasks}
-        events = store.manifest.get("events", []) + list(getattr(runner, "events", []))
-        probes = dict(store.manifest.get("probes") or {})
-        if probe_summary is not None:
-            probes["nvml"] = {**probes.get("nvml", {}), **probe_summary}
-        store.finish(status, summary=summary, counts=counts, events=events, probes=probes,
-                     data_files=ctx.data_files)
-        store.close()
-    return run_dir, exit_code
+                probe_summary = {"error": describe(e)}
+        try:
+            records = list(store.records().values())
+            summary = {t.name: t.summarize([r for r in records if r.get("task") == t.name]) for t in tasks}
+            events = store.manifest.get("events", []) + list(getattr(runner, "events", []))
+            probes = dict(store.manifest.get("probes") or {})
+            if probe_summary is not None:
+                probes["nvml"] = {**probes.get("nvml", {}), **probe_summary}
+            store.finish(status, summary=summary, counts=counts, events=events, probes=probes,
+                         data_files=ctx.data_files)
+        except OSError as e:         # the manifest keeps its last whole version; say why once
+            if not reported:
+                print(os_error_line(e), file=sys.stderr)
+            exit_code = exit_code or 1
+        finally:
+            store.close()
+    return exit_code
+
+
+def _try(fn, *args: Any, **kwargs: Any) -> None:
+    """Record something in the manifest if the disk still lets us; the caller reports the failure."""
+    try:
+        fn(*args, **kwargs)
+    except OSError:
+        pass
 
 
 def _is_main_thread() -> bool:
@@ -270,27 +391,105 @@ def _is_main_thread() -> bool:
 
 # --- compare / report / gate -------------------------------------------------------------------
 
+MATRIX_JSON = "matrix.json"
+MATRIX_CSV = "matrix.csv"
+SUMMARY_MD = "summary.md"
+
+
+def _check_run(p: str) -> None:
+    if not (Path(p) / "manifest.json").is_file():
+        raise UsageError(f"{p}: not a moebench run (no manifest.json)")
+
+
 def compare(baseline: str, candidate: str, out: str | None = None, results_dir: str = "results",
-            write_report: bool = True) -> tuple[Path, dict[str, Any]]:
+            write_report: bool = True, speed_ab: str | None = None) -> tuple[Path, dict[str, Any]]:
+    """Compare one candidate with the baseline: compare.json, summary.md, matrix.csv/json, report.html."""
+    out_dir, cmps, _ = compare_many(baseline, [candidate], out, results_dir, write_report, speed_ab)
+    return out_dir, cmps[0]
+
+
+def _pair_dir_name(i: int, label: Any, run: str) -> str:
+    return f"{i + 1:02d}_{_slug(str(label or Path(run).name))}"
+
+
+def compare_many(baseline: str, candidates: list[str], out: str | None = None, results_dir: str = "results",
+                 write_report: bool = True, speed_ab: str | None = None
+                 ) -> tuple[Path, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Compare each candidate with the baseline. Returns (compare dir, compare.json objects, matrix rows).
+
+    One candidate: compare.json (DESIGN.md section 5) in the compare directory itself. Several: one
+    complete two-run compare directory per candidate, `NN_<label>/` (compare.json, summary.md,
+    report.html: each gate-able alone), and in the top directory matrix.json, matrix.csv, summary.md
+    and report.html over all of them. Both layouts write matrix.csv/matrix.json (a row per candidate).
+    """
     from moebench.compare.build import build_compare
-    for p in (baseline, candidate):
-        if not (Path(p) / "manifest.json").is_file():
-            raise UsageError(f"{p}: not a moebench run (no manifest.json)")
-    cmp = build_compare(baseline, candidate)
-    out_dir = Path(out) if out else Path(results_dir) / f"compare_{Path(baseline).name}_vs_{Path(candidate).name}"
+    from moebench.compare.tables import matrix_row, summary_markdown, to_csv
+    if not candidates:
+        raise UsageError("compare: give at least one candidate run")
+    for p in (baseline, *candidates):
+        _check_run(p)
+    if speed_ab is not None and len(candidates) != 1:
+        raise UsageError("--speed-ab: an A/B directory belongs to one candidate; compare one candidate with it")
+    if out:
+        out_dir = Path(out)
+    elif len(candidates) == 1:
+        out_dir = Path(results_dir) / f"compare_{Path(baseline).name}_vs_{Path(candidates[0]).name}"
+    else:
+        out_dir = Path(results_dir) / f"compare_{Path(baseline).name}_vs_{len(candidates)}_candidates"
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out_dir / "compare.json", cmp)
+    cmps, rows, pair_dirs = [], [], []
+    for i, cand in enumerate(candidates):
+        try:
+            cmp = build_compare(baseline, cand, speed_ab=speed_ab)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if len(candidates) == 1:
+            pair_dir = out_dir
+        else:
+            pair_dir = out_dir / _pair_dir_name(i, cmp["candidate"].get("label"), cand)
+            pair_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(pair_dir / "compare.json", cmp)
+        row = matrix_row(cmp, "." if pair_dir == out_dir else pair_dir.name)
+        if pair_dir != out_dir:
+            (pair_dir / SUMMARY_MD).write_text(summary_markdown([cmp], [row]), encoding="utf-8")
+        cmps.append(cmp)
+        rows.append(row)
+        pair_dirs.append(pair_dir)
+    matrix = {"schema_version": 1, "baseline": cmps[0]["baseline"],
+              "candidates": [{"label": c["candidate"].get("label"), "run": c["candidate"].get("run"),
+                              "compare_dir": r["compare_dir"]} for c, r in zip(cmps, rows)],
+              "rows": rows}
+    write_json_atomic(out_dir / MATRIX_JSON, matrix)
+    (out_dir / MATRIX_CSV).write_text(to_csv(rows), encoding="utf-8")
+    (out_dir / SUMMARY_MD).write_text(summary_markdown(cmps, rows), encoding="utf-8")
     if write_report:
+        for d in pair_dirs:
+            if d != out_dir:
+                report(str(d))
         report(str(out_dir))
-    return out_dir, cmp
+    return out_dir, cmps, rows
+
+
+def trend(runs: list[str], out: str | None = None, results_dir: str = "results", order: str = "time") -> Path:
+    """Headline figures of several runs ordered by build and time: trend.json, trend.csv, trend.html."""
+    from moebench.report.trend import write_trend
+    for p in runs:
+        _check_run(p)
+    if len(runs) < 2:
+        raise UsageError("trend: give at least two runs")
+    out_dir = Path(out) if out else Path(results_dir) / f"trend_{len(runs)}_runs"
+    return write_trend([Path(r) for r in runs], out_dir, order)
 
 
 def report(path: str, out: str | None = None) -> Path:
-    from moebench.report.render import render
+    from moebench.report.render import ReportError, render
     p = Path(path)
-    if not ((p / "compare.json").is_file() or (p / "manifest.json").is_file()):
-        raise UsageError(f"{p}: neither a run (manifest.json) nor a compare directory (compare.json)")
-    return render(p, Path(out) if out else None)
+    if not ((p / "compare.json").is_file() or (p / "manifest.json").is_file() or (p / MATRIX_JSON).is_file()):
+        raise UsageError(f"{p}: neither a run (manifest.json) nor a compare directory (compare.json, matrix.json)")
+    try:
+        return render(p, Path(out) if out else None)
+    except ReportError as e:          # a malformed input file: bad input, named in the message
+        raise UsageError(str(e)) from None
 
 
 def gate(compare_dir: str, rules: str) -> int:

@@ -25,10 +25,24 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true", help="continue an unfinished run, keeping finished items")
     r.add_argument("--baseline", help="baseline run directory, for tasks that measure against one (kld)")
 
-    c = sub.add_parser("compare", help="pair two runs item by item; writes compare.json and report.html")
+    c = sub.add_parser("compare", help="pair runs item by item with a baseline; writes compare.json, "
+                                       "summary.md, matrix.csv/json and report.html")
     c.add_argument("baseline")
-    c.add_argument("candidate")
+    c.add_argument("candidates", nargs="+", metavar="candidate",
+                   help="one or more candidate runs (several: one compare directory per candidate inside --out)")
     c.add_argument("--out", help="compare directory (default results/compare_<base>_vs_<cand>/)")
+    c.add_argument("--format", choices=("text", "md", "csv", "json"), default="text",
+                   help="what to print: text (a table, then the directory), md (summary.md), csv (matrix.csv), "
+                        "json (compare.json, or matrix.json for several candidates); with md, csv and json "
+                        "the directory goes to stderr")
+    c.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
+    c.add_argument("--speed-ab", metavar="AB_DIR", help="add a `moebench speed-ab` directory's rounds and ratios")
+
+    tr = sub.add_parser("trend", help="headline figures of several runs across builds: trend.html, .csv, .json")
+    tr.add_argument("runs", nargs="+", metavar="run")
+    tr.add_argument("--out", help="trend directory (default results/trend_<n>_runs/)")
+    tr.add_argument("--order", choices=("time", "build", "given"), default="time",
+                    help="x axis order: start time (default), llama.cpp build number, or as given")
 
     rp = sub.add_parser("report", help="render report.html for a run or compare directory")
     rp.add_argument("path")
@@ -95,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--runner", required=True)
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--api-key-env", metavar="NAME",
+                   help="require 'Authorization: Bearer KEY', KEY read from environment variable NAME "
+                        "(required with a --host beyond loopback)")
     return p
 
 
@@ -110,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     except (api.UsageError, ProfileError, DatasetError, StoreError, CapabilityError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:            # a full disk or a failing filesystem: one line naming path and errno
+        print(api.os_error_line(e), file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -125,9 +145,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(run_dir)
         return code
     if args.command == "compare":
-        from moebench.compare.build import format_table
-        out_dir, cmp = api.compare(args.baseline, args.candidate, args.out)
-        print(format_table(cmp))
+        return _compare(args)
+    if args.command == "trend":
+        out_dir = api.trend(args.runs, args.out, order=args.order)
+        print((out_dir / "trend.csv").read_text(encoding="utf-8"), end="")
         print(out_dir)
         return 0
     if args.command == "report":
@@ -176,15 +197,38 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise api.UsageError(f"{suite.path}: has no speed task")
         opts = {k: v for k, v in speed[0].items() if k not in ("task", "name", "limit")}
         result = run_ab(args.profile_a, args.profile_b, opts, args.out, order=args.order)
+        from moebench.compare.speed_ab import format_rounds
+        print(format_rounds(result["speed_ab"]))
         outs = result.get("outputs", {})
-        print(f"outputs compared: {outs.get('n_compared')}, differing: {outs.get('n_differ')}")
+        print(f"outputs compared: {outs.get('n_compared')} prompts over {len(outs.get('pairs', []))} A/B pass "
+              f"pairs, differing in any pair: {outs.get('n_differ')}")
+        api.report(args.out)
         print(args.out)
         return 0
     if args.command == "serve":
         from moebench.serve import serve
-        serve(args.runner, host=args.host, port=args.port)
+        serve(args.runner, host=args.host, port=args.port, api_key_env=args.api_key_env)
         return 0
     raise AssertionError(args.command)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from moebench import api
+    from moebench.compare.tables import text_table
+    out_dir, cmps, rows = api.compare_many(args.baseline, args.candidates, args.out, speed_ab=args.speed_ab)
+    if args.format == "text":
+        print(text_table(cmps, rows))
+        print(out_dir)
+        return 0
+    if args.format == "md":
+        print((out_dir / api.SUMMARY_MD).read_text(encoding="utf-8"), end="")
+    elif args.format == "csv":
+        print((out_dir / api.MATRIX_CSV).read_text(encoding="utf-8"), end="")
+    else:
+        name = "compare.json" if len(cmps) == 1 else api.MATRIX_JSON
+        print((out_dir / name).read_text(encoding="utf-8"), end="")
+    print(out_dir, file=sys.stderr)
+    return 0
 
 
 def _tier(args: argparse.Namespace) -> int:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from moebench.secrets import literal_secrets, redact
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -139,12 +141,28 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
 
 
+def _gpu_indices(value: Any) -> str | None:
+    if isinstance(value, str):
+        return None if value == "all" else 'must be "all" or a list of GPU indices'
+    if not value:
+        return "must list at least one GPU index"
+    if any(i < 0 for i in value):
+        return "must hold GPU indices >= 0"
+    return "must not repeat a GPU index" if len(set(value)) != len(value) else None
+
+
 # --- suites -----------------------------------------------------------------------------------
 
 PROBES_SCHEMA: dict[str, Field] = {
     "nvml": Field(bool, default=True, doc="sample GPU memory/power/energy where NVML is present"),
     "interval_ms": Field(int, default=100, check=positive),
-    "gpu_index": Field(int, default=0, check=non_negative),
+    "gpu_index": Field(int, default=0, check=non_negative, doc="the one GPU to sample (see gpu_indices)"),
+    "gpu_indices": Field((list, str), item_type=int, check=_gpu_indices,
+                         doc='several GPUs: a list of NVML indices or "all" (overrides gpu_index)'),
+    "idle_s": Field(float, default=5.0, check=non_negative,
+                    doc="seconds of idle measured after the model is loaded and warm, before the first task"),
+    "idle_end_s": Field(float, default=0.0, check=non_negative,
+                        doc="seconds of idle measured again after the last task (0: none)"),
     "tariff_day_per_kwh": Field(float, doc="electricity price by day, per kWh"),
     "tariff_night_per_kwh": Field(float, doc="electricity price by night, per kWh"),
     "currency": Field(str, default="EUR"),
@@ -211,9 +229,6 @@ COMMON_RUNNER_SCHEMA: dict[str, Field] = {
     "concurrency": Field(int, default=1, check=positive),
 }
 
-SECRET_KEYS = ("api_key", "token", "password", "secret")
-
-
 @dataclass
 class RunnerProfile:
     kind: str
@@ -222,14 +237,9 @@ class RunnerProfile:
     settings: dict[str, Any] = field(default_factory=dict)
 
     def redacted(self) -> dict[str, Any]:
-        """Settings safe to write into a run: secret-looking values replaced."""
-        out = {}
-        for k, v in self.settings.items():
-            if any(s in k.lower() for s in SECRET_KEYS) and not k.endswith("_env"):
-                out[k] = "***"
-            else:
-                out[k] = v
-        return {"kind": self.kind, "name": self.name, "path": self.path, **out}
+        """Settings safe to write into a run: secret-named values and secret-shaped text replaced,
+        at every depth."""
+        return {"kind": self.kind, "name": self.name, "path": self.path, **redact(self.settings)}
 
 
 def load_runner(path: str | os.PathLike[str], runner_schemas: dict[str, dict[str, Field]]) -> RunnerProfile:
@@ -240,9 +250,13 @@ def load_runner(path: str | os.PathLike[str], runner_schemas: dict[str, dict[str
         raise ProfileError(
             f"{p}: key 'kind' must be one of {', '.join(map(repr, sorted(runner_schemas)))}, got {kind!r}"
         )
-    for key in ("api_key", "token", "password"):
-        if key in raw:
-            raise ProfileError(f"{p}: key {key!r}: secrets never live in files; use {key}_env = \"VARNAME\"")
+    found = literal_secrets(raw)
+    if found:
+        raise ProfileError(f"{p}: key {found[0]!r}"
+                           + (f" (and {', '.join(map(repr, found[1:]))})" if len(found) > 1 else "")
+                           + ": secrets never live in files; put the value in an environment variable "
+                           "(api_key_env = \"VARNAME\" for the HTTP runner's key; a llama-server inherits "
+                           "moebench's environment)")
     settings = validate(raw, {**COMMON_RUNNER_SCHEMA, **runner_schemas[kind]}, str(p))
     # Relative model/binary paths in a profile are relative to the working directory (the repo root).
     name = settings.pop("name", None) or p.stem

@@ -1,9 +1,11 @@
 """The regression gate: check a compare directory against rules, for CI.
 
 `run_gate(compare_dir, rules_path) -> int`: 0 when every rule holds, 1 when any fails, 2 on a usage
-or input error (no compare.json, malformed rules: the message names the file and key). It writes
-`summary.md` (a markdown table for `$GITHUB_STEP_SUMMARY`) and `junit.xml` (one testcase per rule)
-into the compare directory and prints the summary.
+or input error (no compare.json, malformed rules: the message names the file and key), 3 when no rule
+fails but at least one is INCONCLUSIVE (see below; `[gate] on_inconclusive` changes that). It writes
+`summary.md` (a markdown table for `$GITHUB_STEP_SUMMARY`), `junit.xml` (one testcase per rule; an
+inconclusive rule is a skipped testcase with its reason) and `gate.json` (the verdicts, which the
+report shows first) into the compare directory and prints the summary.
 
 Rules file (TOML); a table per task named as in compare.json's "tasks", plus the optional sections:
 
@@ -22,14 +24,43 @@ Rules file (TOML); a table per task named as in compare.json's "tasks", plus the
     max_p99 = 1.0
     min_same_top_p = 0.9
     [speed]
-    min_decode_ratio = 0.9           # candidate / baseline, worst prompt length
+    min_decode_ratio = 0.9           # candidate / baseline decode tok/s, every prompt length and client count
+    max_ttft_ratio = 1.2             # also min_prefill_ratio, max_tpot_ratio, max_itl_ratio, max_e2e_ratio
+    min_samples = 5                  # timed requests per side and group below which a group is inconclusive
+    min_acceptance_rate = 0.6        # speculative decoding: the candidate's draft acceptance, every group
+    [speed_ab]                       # `moebench speed-ab` results (B is the candidate)
+    min_rounds_won = 3               # B won at least 3 rounds ...
+    min_rounds = 4                   # ... of at least 4
+    min_decode_ratio = 1.0           # paired B/A decode ratio (interval verdict, as [speed])
+    max_differing_outputs = 0        # A/B output identity, over every A pass against every B pass
     [needle]
     min_found = 10
     [memory]
-    max_peak_used_gib = 80
+    max_peak_used_gib = 80           # the run's headline: its one card, or the sum of its cards
+    [memory.gpu1]                    # one card by NVML index (runs sampled with gpu_indices)
+    max_peak_used_gib = 22
+    [energy]
+    max_whole_run_kj = 50            # candidate energy over the whole run (NVML counter), kJ
+    max_idle_power_w = 400           # candidate idle draw, measured after load
+    max_decode_net_j_per_token_ratio = 1.1
+    [energy.sum]                     # the sum over cards (the headline with several cards)
+    max_whole_run_kj = 150
+
+    [gate]
+    on_inconclusive = "exit3"        # exit3 (default) | fail (exit 1) | pass (exit 0, still listed)
+    correction = "holm"              # holm (default) | none: fail_on_significant_loss over several tasks
 
 A task whose name collides with a section (e.g. a scored "needle" task) goes under [tasks.NAME].
 A rule whose task or section is absent from compare.json FAILS: a gate never passes on missing data.
+
+Speed ratio rules judge intervals, not single numbers: per prompt length and client count, the 95%
+bootstrap interval of the candidate/baseline ratio. A group FAILS when its whole interval is on the
+wrong side of the limit, PASSES when its whole interval is on the right side, and is INCONCLUSIVE when
+the interval straddles the limit, is missing, or either side timed fewer than `min_samples` requests
+(the summary says which). The rule fails when any group fails, else is inconclusive when any group is.
+
+`fail_on_significant_loss` on several tasks is one family of tests: the McNemar p-values are
+Holm-adjusted over those tasks before they are compared with each task's alpha.
 """
 from __future__ import annotations
 
@@ -37,6 +68,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -44,10 +76,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moebench.config import Field, ProfileError, load_toml, non_negative, positive, validate
-from moebench.report.sections import memory_value, needle_cells, needle_counts, number, speed_rows
+from moebench.report.sections import memory_value, needle_cells, needle_counts, number, side_value, speed_rows
+from moebench.scoring.stats import holm_adjust
 
 SUMMARY_FILE = "summary.md"
 JUNIT_FILE = "junit.xml"
+GATE_FILE = "gate.json"
+DEFAULT_MIN_SAMPLES = 5
+EXIT_INCONCLUSIVE = 3
+INCONCLUSIVE_CHOICES = ("exit3", "fail", "pass")
 
 
 def _fraction(v: Any) -> str | None:
@@ -63,9 +100,19 @@ class Rule:
     """A limit on one figure: `get` reads the figure from the section, `kind` says which side passes."""
 
     field: Field
-    kind: str                                   # "max" | "min" | "flag"
-    get: Callable[[dict[str, Any]], float]
+    kind: str                                   # "max" | "min" | "flag" | "interval_max" | "interval_min"
+    get: Callable[[dict[str, Any]], Any]        # a number; for interval rules a list of Estimate
     what: str                                   # the figure, for messages
+
+
+@dataclass
+class Estimate:
+    """One group's ratio with its interval and sample counts, for an interval rule."""
+
+    where: str                                  # "512 tokens, 1 client"
+    value: float
+    ci: tuple[float, float] | None
+    n: int | None                               # the smaller side's sample count
 
 
 def _req(section: dict[str, Any], key: str, label: str = "") -> float:
@@ -121,13 +168,64 @@ def _nonzero(n: float) -> float:
     return n
 
 
-def _speed(metric: str, worst: Callable[[list[float]], float]) -> Callable[[dict[str, Any]], float]:
-    def get(speed: dict[str, Any]) -> float:
-        ratios = [r[f"{metric}_ratio"] for r in speed_rows(speed) if r[f"{metric}_ratio"] is not None]
-        if not ratios:
+def _speed(metric: str) -> Callable[[dict[str, Any]], list[Estimate]]:
+    def get(speed: dict[str, Any]) -> list[Estimate]:
+        out = []
+        for r in speed_rows(speed):
+            if r[f"{metric}_ratio"] is None:
+                continue
+            ns = [r.get("n_baseline"), r.get("n_candidate")]
+            n = min(ns) if all(isinstance(x, int) for x in ns) else None
+            ci = r.get(f"{metric}_ratio_ci95")
+            where = f"{r['prompt_length']} tokens" + (f", {r['clients']} client{'s' if r['clients'] != 1 else ''}"
+                                                        if r.get("clients") is not None else "")
+            out.append(Estimate(where, r[f"{metric}_ratio"], tuple(ci) if ci else None, n))
+        if not out:
             raise Missing(f"no {metric} ratio at any prompt length")
-        return worst(ratios)
+        return out
     return get
+
+
+def _min_acceptance(speed: dict[str, Any]) -> float:
+    """The candidate's lowest draft acceptance rate over prompt lengths and client counts."""
+    vals = [r["acceptance_candidate"] for r in speed_rows(speed) if r.get("acceptance_candidate") is not None]
+    if not vals:
+        raise Missing("no draft acceptance rate (the candidate's backend reported no draft counters)")
+    return min(vals)
+
+
+def _ab_ratio(metric: str) -> Callable[[dict[str, Any]], list[Estimate]]:
+    """The paired B/A ratio of speed-ab (median over every prompt measured in both, all rounds)."""
+    def get(ab: dict[str, Any]) -> list[Estimate]:
+        paired = ab.get("paired") if isinstance(ab.get("paired"), dict) else {}
+        m = paired.get(metric) if isinstance(paired.get(metric), dict) else None
+        if not m or number(m.get("median_ratio")) is None:
+            raise Missing(f"no paired.{metric}.median_ratio")
+        ci = m.get("ratio_ci95")
+        ci_t = (number(ci[0]), number(ci[1])) if isinstance(ci, list) and len(ci) == 2 else None
+        n = m.get("n_pairs")
+        return [Estimate("all rounds", number(m["median_ratio"]),  # type: ignore[arg-type]
+                         ci_t if ci_t and None not in ci_t else None, int(n) if isinstance(n, int) else None)]
+    return get
+
+
+def _ab_rounds(key: str) -> Callable[[dict[str, Any]], float]:
+    def get(ab: dict[str, Any]) -> float:
+        rounds = ab.get("rounds")
+        if not isinstance(rounds, list) or not rounds:
+            raise Missing("no rounds")
+        if key == "rounds":
+            return len(rounds)
+        return sum(1 for r in rounds if isinstance(r, dict) and r.get("winner") == "B")
+    return get
+
+
+def _ab_differing(ab: dict[str, Any]) -> float:
+    ident = ab.get("identity") if isinstance(ab.get("identity"), dict) else {}
+    v = number(ident.get("n_differ_any"))
+    if v is None:
+        raise Missing("no identity.n_differ_any")
+    return v
 
 
 def _needle(key: str) -> Callable[[dict[str, Any]], float]:
@@ -169,6 +267,27 @@ def _peak_ratio(memory: dict[str, Any]) -> float:
     return cand / base
 
 
+def _cand(key: str, label: str, scale: float = 1.0) -> Callable[[dict[str, Any]], float]:
+    """The candidate's `key` in a per-card energy entry ({"baseline": {...}, "candidate": {...}})."""
+    def get(section: dict[str, Any]) -> float:
+        v = side_value(section, "candidate", key)
+        if v is None:
+            raise Missing(f"no candidate {label}")
+        return v * scale
+    return get
+
+
+def _decode_j_ratio(energy: dict[str, Any]) -> float:
+    dec = (energy.get("per_token") or {}).get("decode") if isinstance(energy.get("per_token"), dict) else None
+    v = number((dec or {}).get("net_ratio"))
+    if v is None:
+        raise Missing("no per_token.decode.net_ratio (decode J/token of both runs, net of idle)")
+    return v
+
+
+CARD_KEY = re.compile(r"^(gpu\d+|sum)$")
+
+
 def _kld_key(key: str) -> Callable[[dict[str, Any]], float]:
     return lambda kld: _req(kld, key)
 
@@ -197,12 +316,31 @@ SECTION_RULES: dict[str, dict[str, Rule]] = {
                                      "router agreement (worst layer)"),
     },
     "speed": {
-        "min_decode_ratio": Rule(Field(float, check=positive), "min", _speed("decode_tok_s", min),
-                                 "decode tok/s ratio (worst length)"),
-        "min_prefill_ratio": Rule(Field(float, check=positive), "min", _speed("prefill_tok_s", min),
-                                  "prefill tok/s ratio (worst length)"),
-        "max_ttft_ratio": Rule(Field(float, check=positive), "max", _speed("ttft_s", max),
-                               "TTFT ratio (worst length)"),
+        "min_decode_ratio": Rule(Field(float, check=positive), "interval_min", _speed("decode_tok_s"),
+                                 "decode tok/s ratio"),
+        "min_prefill_ratio": Rule(Field(float, check=positive), "interval_min", _speed("prefill_tok_s"),
+                                  "prefill tok/s ratio"),
+        "max_ttft_ratio": Rule(Field(float, check=positive), "interval_max", _speed("ttft_s"), "TTFT ratio"),
+        "max_tpot_ratio": Rule(Field(float, check=positive), "interval_max", _speed("tpot_s"),
+                               "time per output token ratio"),
+        "max_itl_ratio": Rule(Field(float, check=positive), "interval_max", _speed("itl_s"),
+                              "inter-token latency ratio"),
+        "max_e2e_ratio": Rule(Field(float, check=positive), "interval_max", _speed("e2e_s"),
+                              "end-to-end latency ratio"),
+        "min_acceptance_rate": Rule(Field(float, check=_fraction), "min", _min_acceptance,
+                                    "candidate draft acceptance rate (lowest group)"),
+    },
+    "speed_ab": {
+        "min_rounds_won": Rule(Field(int, check=non_negative), "min", _ab_rounds("won"), "rounds won by B"),
+        "min_rounds": Rule(Field(int, check=positive), "min", _ab_rounds("rounds"), "A/B rounds"),
+        "min_decode_ratio": Rule(Field(float, check=positive), "interval_min", _ab_ratio("decode_tok_s"),
+                                 "paired B/A decode tok/s ratio"),
+        "min_prefill_ratio": Rule(Field(float, check=positive), "interval_min", _ab_ratio("prefill_tok_s"),
+                                  "paired B/A prefill tok/s ratio"),
+        "max_ttft_ratio": Rule(Field(float, check=positive), "interval_max", _ab_ratio("ttft_s"),
+                               "paired B/A TTFT ratio"),
+        "max_differing_outputs": Rule(Field(int, check=non_negative), "max", _ab_differing,
+                                      "prompts whose outputs differ between an A and a B pass"),
     },
     "needle": {
         "min_found": Rule(Field(int, check=non_negative), "min", _needle("found_candidate"), "cells found"),
@@ -214,6 +352,42 @@ SECTION_RULES: dict[str, dict[str, Rule]] = {
         "max_peak_used_gib": Rule(Field(float, check=positive), "max", _peak_gib, "candidate peak used GiB"),
         "max_peak_used_ratio": Rule(Field(float, check=positive), "max", _peak_ratio, "peak used ratio"),
     },
+    "energy": {
+        "max_whole_run_kj": Rule(Field(float, check=positive), "max",
+                                 _cand("whole_run_counter_j", "whole-run energy (NVML counter)", 1e-3),
+                                 "candidate whole-run energy kJ"),
+        "max_idle_power_w": Rule(Field(float, check=positive), "max", _cand("idle_power_w", "idle power"),
+                                 "candidate idle power W"),
+        "max_decode_net_j_per_token_ratio": Rule(Field(float, check=positive), "max", _decode_j_ratio,
+                                                 "decode net J/token ratio"),
+    },
+}
+
+
+def _section_data(compare: dict[str, Any], section: str) -> Any:
+    """compare.json's part a rules section reads: "memory", "energy", or one card of them
+    ("memory.gpu1", "energy.sum": compare[...]["gpus"][card]). Plain [energy] reads the sum's
+    per-card figures beside the section's own."""
+    name, _, card = section.partition(".")
+    data = compare.get(name)
+    if not isinstance(data, dict):
+        return None
+    if card:
+        gpus = data.get("gpus") if isinstance(data.get("gpus"), dict) else {}
+        return gpus.get(card)
+    if name == "energy" and isinstance(data.get("gpus"), dict) and isinstance(data["gpus"].get("sum"), dict):
+        return {**data, **data["gpus"]["sum"]}
+    return data
+
+
+# keys of a section table that tune its rules instead of being rules
+SECTION_OPTIONS: dict[str, dict[str, Field]] = {
+    "speed": {"min_samples": Field(int, default=DEFAULT_MIN_SAMPLES, check=positive)},
+    "speed_ab": {"min_samples": Field(int, default=DEFAULT_MIN_SAMPLES, check=positive)},
+}
+GATE_OPTIONS: dict[str, Field] = {
+    "on_inconclusive": Field(str, default="exit3", choices=INCONCLUSIVE_CHOICES),
+    "correction": Field(str, default="holm", choices=("holm", "none")),
 }
 
 
@@ -225,6 +399,11 @@ class Check:
     limit: str
     passed: bool
     message: str
+    verdict: str = ""     # "pass" | "fail" | "inconclusive"
+
+    def __post_init__(self) -> None:
+        if not self.verdict:
+            self.verdict = "pass" if self.passed else "fail"
 
 
 class GateInputError(Exception):
@@ -232,6 +411,13 @@ class GateInputError(Exception):
 
 
 # --- rules ------------------------------------------------------------------------------------
+
+def load_gate_options(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The rules file's [gate] table (how inconclusive rules exit, the multiple-testing correction)."""
+    p = Path(path)
+    raw = load_toml(p)
+    return validate(raw.get("gate", {}), GATE_OPTIONS, f"{p} [gate]")
+
 
 def load_rules(path: str | os.PathLike[str]) -> list[tuple[str, bool, dict[str, Any]]]:
     """Parse and validate the rules file: [(section, is_task, settings)]; errors name file and key."""
@@ -250,16 +436,32 @@ def load_rules(path: str | os.PathLike[str]) -> list[tuple[str, bool, dict[str, 
         where = f"{p} [{name}]"
         if not isinstance(table, dict):
             raise ProfileError(f"{p}: key {name!r} must be a table ([{name}]) of rules, got {table!r}")
+        if name == "gate":
+            validate(table, GATE_OPTIONS, where)
+            continue
         if name == "tasks":
             for tname, ttable in table.items():
                 if not isinstance(ttable, dict):
                     raise ProfileError(f"{p}: key 'tasks.{tname}' must be a table of rules, got {ttable!r}")
                 add_task(tname, ttable, f"{p} [tasks.{tname}]")
         elif name in SECTION_RULES:
-            out.append((name, False, validate(table, {k: r.field for k, r in SECTION_RULES[name].items()}, where)))
+            schema = {**{k: r.field for k, r in SECTION_RULES[name].items()}, **SECTION_OPTIONS.get(name, {})}
+            cards = {k: v for k, v in table.items() if isinstance(v, dict)} if name in ("memory", "energy") else {}
+            for card, sub in cards.items():
+                if not CARD_KEY.match(card):
+                    raise ProfileError(f"{where}: sub-table [{name}.{card}]: expected a card as gpuN "
+                                       f"(its NVML index) or 'sum'")
+                out.append((f"{name}.{card}", False, validate(sub, schema, f"{p} [{name}.{card}]")))
+            plain = {k: v for k, v in table.items() if k not in cards}
+            if plain or not cards:
+                settings = validate(plain, schema, where)
+                if not any(k in SECTION_RULES[name] for k in plain):
+                    raise ProfileError(f"{where}: no rules, only options ({', '.join(sorted(plain))})")
+                out.append((name, False, settings))
         else:
             add_task(name, table, where)
-    if not any(any(k != "alpha" for k in s) for _, _, s in out):
+    if not any(any(k in TASK_RULES or k in SECTION_RULES.get(sec.partition(".")[0], {}) for k in s)
+               for sec, _, s in out):
         raise ProfileError(f"{p}: no rules; a gate with nothing to check would always pass")
     return out
 
@@ -278,17 +480,38 @@ def fmt(v: Any) -> str:
     return str(v)
 
 
-def evaluate(compare: dict[str, Any], rules: list[tuple[str, bool, dict[str, Any]]]) -> list[Check]:
+def _holm(compare: dict[str, Any], rules: list[tuple[str, bool, dict[str, Any]]],
+          correction: str) -> dict[str, tuple[float, int]]:
+    """task -> (Holm-adjusted McNemar p, family size) over the tasks whose significant-loss rule is on."""
+    if correction != "holm":
+        return {}
+    tasks = compare.get("tasks") if isinstance(compare.get("tasks"), dict) else {}
+    family: dict[str, float] = {}
+    for section, is_task, settings in rules:
+        t = tasks.get(section)
+        if is_task and settings.get("fail_on_significant_loss") and isinstance(t, dict):
+            p = number(t.get("mcnemar_p"))
+            if p is not None:
+                family[section] = p
+    if len(family) < 2:
+        return {}
+    adjusted = holm_adjust(list(family.values()))
+    return {name: (adj, len(family)) for name, adj in zip(family, adjusted)}
+
+
+def evaluate(compare: dict[str, Any], rules: list[tuple[str, bool, dict[str, Any]]],
+             correction: str = "holm") -> list[Check]:
     checks: list[Check] = []
     tasks = compare.get("tasks") if isinstance(compare.get("tasks"), dict) else {}
+    holm = _holm(compare, rules, correction)
     for section, is_task, settings in rules:
-        table = TASK_RULES if is_task else SECTION_RULES[section]
+        table = TASK_RULES if is_task else SECTION_RULES[section.partition(".")[0]]
         if is_task:
             data = tasks.get(section)
             absent = (f"task {section!r} is not in compare.json (tasks there: "
                       f"{', '.join(sorted(tasks)) or 'none'})")
         else:
-            data = compare.get(section)
+            data = _section_data(compare, section)
             absent = f"section {section!r} is not in compare.json"
         for name, limit in settings.items():
             if name not in table:
@@ -304,29 +527,81 @@ def evaluate(compare: dict[str, Any], rules: list[tuple[str, bool, dict[str, Any
                 checks.append(Check(section, name, "missing", shown_limit, False,
                                     f"{section}: {e} in compare.json; cannot check {rule.what}"))
                 continue
-            checks.append(_judge(section, name, rule, value, limit, data, settings))
+            if rule.kind.startswith("interval_"):
+                checks.append(_judge_interval(section, name, rule, value, limit, settings))
+            else:
+                checks.append(_judge(section, name, rule, value, limit, data, settings, holm.get(section)))
     return checks
 
 
 def _limit_text(rule: Rule, limit: Any) -> str:
     if rule.kind == "flag":
         return "not (losses > wins and p < alpha)" if limit else "off"
-    return f"{'<=' if rule.kind == 'max' else '>='} {fmt(limit)}"
+    return f"{'<=' if rule.kind.endswith('max') else '>='} {fmt(limit)}"
+
+
+def _judge_interval(section: str, name: str, rule: Rule, estimates: list[Estimate], limit: float,
+                    settings: dict[str, Any]) -> Check:
+    """Fail when a group's interval lies wholly beyond the limit; pass when every group's interval
+    lies wholly within it; inconclusive otherwise, saying why (too few samples, no interval, straddles)."""
+    min_n = int(settings.get("min_samples", DEFAULT_MIN_SAMPLES))
+    upper = rule.kind == "interval_max"
+    failed, unsure, passed = [], [], []
+    for e in estimates:
+        shown = f"{fmt(e.value)}" + (f" [{fmt(e.ci[0])}, {fmt(e.ci[1])}]" if e.ci else "")
+        # too few samples first: a bootstrap over two requests is no interval, whatever it says
+        if e.n is None:
+            unsure.append(f"{e.where}: sample count unknown")
+        elif e.n < min_n:
+            unsure.append(f"{e.where}: {e.n} sample{'s' if e.n != 1 else ''} per side, fewer than "
+                          f"min_samples = {min_n} ({shown})")
+        elif e.ci is not None and (e.ci[0] > limit if upper else e.ci[1] < limit):
+            failed.append(f"{e.where}: {shown}")
+        elif e.ci is None:
+            unsure.append(f"{e.where}: no interval")
+        elif (e.ci[1] <= limit) if upper else (e.ci[0] >= limit):
+            passed.append(e)
+        else:
+            unsure.append(f"{e.where}: {shown} straddles {fmt(limit)}")
+    worst = max(estimates, key=lambda e: e.value) if upper else min(estimates, key=lambda e: e.value)
+    value = f"{fmt(worst.value)}" + (f" [{fmt(worst.ci[0])}, {fmt(worst.ci[1])}]" if worst.ci else "") + \
+        f" at {worst.where}" + (f", n={worst.n}" if worst.n is not None else "")
+    shown_limit = _limit_text(rule, limit) + " (95% interval)"
+    if failed:
+        msg = f"{section}: {rule.what} breaks the limit {_limit_text(rule, limit)}: the whole interval is beyond it at " \
+              + "; ".join(failed)
+        return Check(section, name, value, shown_limit, False, msg, "fail")
+    if unsure:
+        msg = f"{section}: {rule.what} INCONCLUSIVE against {_limit_text(rule, limit)}: " + "; ".join(unsure)
+        return Check(section, name, value, shown_limit, False, msg, "inconclusive")
+    msg = f"{section}: {rule.what} within the limit {_limit_text(rule, limit)} at every group " \
+          f"({len(passed)}), interval included"
+    return Check(section, name, value, shown_limit, True, msg, "pass")
 
 
 def _judge(section: str, name: str, rule: Rule, value: float, limit: Any, data: dict[str, Any],
-           settings: dict[str, Any]) -> Check:
+           settings: dict[str, Any], holm: tuple[float, int] | None = None) -> Check:
     if rule.kind == "flag":
         alpha = settings.get("alpha", 0.05)
         wins, losses = _ids(data, "wins"), _ids(data, "losses")
         shown = f"p={value:.3g} ({losses} loss{'es' if losses != 1 else ''}, {wins} win{'s' if wins != 1 else ''})"
+        if holm is not None:
+            shown += f", Holm {holm[0]:.3g}"
         if not limit:
             return Check(section, name, shown, "off", True, "rule switched off")
-        significant = losses > wins and value < alpha
-        msg = (f"{section}: losses ({losses}) outnumber wins ({wins}) with McNemar p = {value:.3g} < {alpha}"
-               if significant else f"{section}: no significant loss (p = {value:.3g}, alpha {alpha})")
-        return Check(section, name, shown, f"not (losses > wins and p < {alpha})", not significant, msg)
-    ok = value <= limit if rule.kind == "max" else value >= limit
+        p_used = holm[0] if holm is not None else value
+        significant = losses > wins and p_used < alpha
+        if significant:
+            msg = f"{section}: losses ({losses}) outnumber wins ({wins}) with McNemar p = {value:.3g} < {alpha}"
+            if holm is not None:
+                msg += f" and, Holm-adjusted over {holm[1]} tasks, {holm[0]:.3g} < {alpha}"
+        else:
+            msg = f"{section}: no significant loss (p = {value:.3g}" + \
+                  (f", Holm-adjusted over {holm[1]} tasks {holm[0]:.3g}" if holm is not None else "") + \
+                  f", alpha {alpha})"
+        limit_text = f"not (losses > wins and p{' (Holm)' if holm is not None else ''} < {alpha})"
+        return Check(section, name, shown, limit_text, not significant, msg)
+    ok = value <= limit if rule.kind.endswith("max") else value >= limit
     if not math.isfinite(value):
         ok = False
     msg = f"{section}: {rule.what} = {fmt(value)}, {'within' if ok else 'breaks'} the limit {_limit_text(rule, limit)}"
@@ -339,36 +614,73 @@ def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def summary_markdown(checks: list[Check], compare: dict[str, Any], rules_path: Path) -> str:
-    failed = [c for c in checks if not c.passed]
+RESULT_TEXT = {"pass": "PASS", "fail": "**FAIL**", "inconclusive": "*INCONCLUSIVE*"}
+
+
+def overall_verdict(checks: list[Check]) -> str:
+    if any(c.verdict == "fail" for c in checks):
+        return "fail"
+    return "inconclusive" if any(c.verdict == "inconclusive" for c in checks) else "pass"
+
+
+def exit_code(checks: list[Check], on_inconclusive: str = "exit3") -> int:
+    verdict = overall_verdict(checks)
+    if verdict == "fail":
+        return 1
+    if verdict == "inconclusive":
+        return {"exit3": EXIT_INCONCLUSIVE, "fail": 1, "pass": 0}[on_inconclusive]
+    return 0
+
+
+def summary_markdown(checks: list[Check], compare: dict[str, Any], rules_path: Path,
+                     on_inconclusive: str = "exit3") -> str:
+    failed = [c for c in checks if c.verdict == "fail"]
+    unsure = [c for c in checks if c.verdict == "inconclusive"]
+    held = len(checks) - len(failed) - len(unsure)
+    verdict = overall_verdict(checks).upper()
+    counts = f"{held}/{len(checks)} rules hold" + (f", {len(unsure)} inconclusive" if unsure else "")
     base = (compare.get("baseline") or {}).get("label") if isinstance(compare.get("baseline"), dict) else None
     cand = (compare.get("candidate") or {}).get("label") if isinstance(compare.get("candidate"), dict) else None
-    lines = [f"## moebench gate: {'FAIL' if failed else 'PASS'} "
-             f"({len(checks) - len(failed)}/{len(checks)} rules hold)", ""]
+    lines = [f"## moebench gate: {verdict} ({counts})", ""]
     if base or cand:
         lines += [f"Candidate `{_md(str(cand or '?'))}` against baseline `{_md(str(base or '?'))}`; "
                   f"rules from `{_md(str(rules_path))}`.", ""]
     lines += ["| rule | value | limit | result |", "|---|---|---|---|"]
     for c in checks:
         lines.append(f"| {_md(c.section)}.{_md(c.rule)} | {_md(c.value)} | {_md(c.limit)} | "
-                     f"{'PASS' if c.passed else '**FAIL**'} |")
+                     f"{RESULT_TEXT[c.verdict]} |")
     if failed:
         lines += ["", "Failures:", ""] + [f"- {_md(c.message)}" for c in failed]
+    if unsure:
+        effect = {"exit3": f"exit code {EXIT_INCONCLUSIVE}", "fail": "counted as failures",
+                  "pass": "not failing the gate"}[on_inconclusive]
+        lines += ["", f"Inconclusive ({effect}; measure more samples or see the A/A noise floor):", ""]
+        lines += [f"- {_md(c.message)}" for c in unsure]
     return "\n".join(lines) + "\n"
 
 
 def junit_xml(checks: list[Check]) -> bytes:
-    failures = sum(1 for c in checks if not c.passed)
+    failures = sum(1 for c in checks if c.verdict == "fail")
+    skipped = sum(1 for c in checks if c.verdict == "inconclusive")
     suites = ET.Element("testsuites", name="moebench gate", tests=str(len(checks)), failures=str(failures))
     suite = ET.SubElement(suites, "testsuite", name="moebench gate", tests=str(len(checks)),
-                          failures=str(failures), errors="0", skipped="0")
+                          failures=str(failures), errors="0", skipped=str(skipped))
     for c in checks:
         case = ET.SubElement(suite, "testcase", classname=f"moebench.gate.{c.section}", name=c.rule)
         ET.SubElement(case, "system-out").text = f"value {c.value}; limit {c.limit}"
-        if not c.passed:
+        if c.verdict == "fail":
             ET.SubElement(case, "failure", message=c.message, type="GateFailure").text = c.message
+        elif c.verdict == "inconclusive":
+            ET.SubElement(case, "skipped", message=c.message).text = c.message
     ET.indent(suites)
     return ET.tostring(suites, encoding="utf-8", xml_declaration=True)
+
+
+def gate_json(checks: list[Check], rules_path: Path, code: int) -> dict[str, Any]:
+    """gate.json: the verdict and every rule's, for the report's opening table."""
+    return {"verdict": overall_verdict(checks), "exit_code": code, "rules_file": str(rules_path),
+            "checks": [{"section": c.section, "rule": c.rule, "value": c.value, "limit": c.limit,
+                        "verdict": c.verdict, "message": c.message} for c in checks]}
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -394,23 +706,72 @@ def _load_compare(compare_dir: Path) -> dict[str, Any]:
     return data
 
 
+def _matrix_pairs(cdir: Path) -> list[Path] | None:
+    """The per-candidate compare directories of a several-candidate compare (matrix.json), else None."""
+    path = cdir / "matrix.json"
+    if (cdir / "compare.json").is_file() or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return [cdir / c["compare_dir"] for c in data["candidates"]]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise GateInputError(f"{path}: not a moebench matrix ({type(e).__name__}: {e})") from None
+
+
 def run_gate(compare_dir: str | os.PathLike[str], rules_path: str | os.PathLike[str]) -> int:
-    """Check `compare_dir/compare.json` against the rules; write summary.md and junit.xml; exit code."""
+    """Check `compare_dir/compare.json` against the rules; write summary.md, junit.xml, gate.json; exit code.
+
+    A several-candidate compare directory (matrix.json) gates every candidate's directory with the same
+    rules; its exit code is the worst (1 over 3 over 0) and its summary.md joins theirs.
+    """
     cdir, rpath = Path(compare_dir), Path(rules_path)
+    try:
+        pairs = _matrix_pairs(cdir) if cdir.is_dir() else None
+    except GateInputError as e:
+        print(f"moebench gate: error: {e}", file=sys.stderr)
+        return 2
+    if pairs is not None:
+        codes = [run_gate(p, rpath) for p in pairs]
+        code = 2 if 2 in codes else 1 if 1 in codes else EXIT_INCONCLUSIVE if EXIT_INCONCLUSIVE in codes else 0
+        parts = [(p / SUMMARY_FILE).read_text(encoding="utf-8") for p in pairs if (p / SUMMARY_FILE).is_file()]
+        _write(cdir / SUMMARY_FILE, ("\n".join(parts)).encode("utf-8"))
+        _rerender(cdir)
+        return code
     try:
         compare = _load_compare(cdir)
         rules = load_rules(rpath)
+        options = load_gate_options(rpath)
     except (GateInputError, ProfileError) as e:
         print(f"moebench gate: error: {e}", file=sys.stderr)
         if cdir.is_dir():   # let CI show why, next to where the table would be
             _write(cdir / SUMMARY_FILE, f"## moebench gate: ERROR\n\n{_md(str(e))}\n".encode())
         return 2
-    checks = evaluate(compare, rules)
-    summary = summary_markdown(checks, compare, rpath)
-    _write(cdir / SUMMARY_FILE, summary.encode("utf-8"))
+    checks = evaluate(compare, rules, options["correction"])
+    code = exit_code(checks, options["on_inconclusive"])
+    summary = summary_markdown(checks, compare, rpath, options["on_inconclusive"])
+    try:                 # the figures behind the verdict, as `moebench compare` summarised them
+        from moebench.compare.tables import matrix_row, summary_markdown as results_markdown
+        details = results_markdown([compare], [matrix_row(compare)])
+    except Exception as e:      # a hand-edited compare.json: the verdict still stands
+        details = f"(results summary unavailable: {type(e).__name__}: {e})\n"
+    _write(cdir / SUMMARY_FILE, (summary + "\n" + details.replace("## moebench compare", "### moebench compare", 1)
+                                 ).encode("utf-8"))
     _write(cdir / JUNIT_FILE, junit_xml(checks))
+    _write(cdir / GATE_FILE, (json.dumps(gate_json(checks, rpath, code), indent=2) + "\n").encode("utf-8"))
+    _rerender(cdir)
     print(summary, end="")
-    return 1 if any(not c.passed for c in checks) else 0
+    return code
+
+
+def _rerender(cdir: Path) -> None:
+    """The report opens with the verdict: render an existing report.html again after a gate."""
+    if not (cdir / "report.html").is_file():
+        return
+    try:
+        from moebench.report.render import render
+        render(cdir)
+    except Exception as e:                # the verdict stands even if the report cannot be redrawn
+        print(f"moebench gate: warning: report.html not updated ({type(e).__name__}: {e})", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

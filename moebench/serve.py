@@ -4,9 +4,11 @@ Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions`, `POST /v1/ch
 the tokenizer endpoints lm-eval's `local-completions` auto-detects (`GET /tokenizer_info`,
 `POST /tokenize`, `POST /detokenize`, vLLM-style). Built on aiohttp (installed with lm-eval's API extra).
 
-Safety: binds 127.0.0.1 by default; request bodies over `max_body_bytes` get 413; at most
-`max_concurrency` requests run at once and `max_queue` more wait, beyond that 429. Every error is a
-JSON body `{"error": {"message", "type", "code"}}` with a 4xx/5xx status.
+Safety: binds 127.0.0.1 by default; beyond loopback it requires a bearer key (`api_key`, from the
+environment variable `--api-key-env` names), checked on every endpoint but /health; request bodies
+over `max_body_bytes` get 413; at most `max_concurrency` requests run at once and `max_queue` more
+wait, beyond that 429 with `Retry-After`. Every error is a JSON body
+`{"error": {"message", "type", "code"}}` with a 4xx/5xx status.
 
 Streaming: `stream: true` sends text as the runner generates it (GenerateRequest.on_text), holding
 back only what could still be the start of a stop string; a completions request with several prompts
@@ -18,8 +20,11 @@ generated token's own log-prob is null when it is not among the returned alterna
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import logging
+import os
 import socket
 import sys
 import threading
@@ -48,17 +53,45 @@ class ServeOptions:
     max_queue: int = 64                  # requests waiting for a slot before 429
     max_tokens_limit: int = 32768        # largest max_tokens accepted
     model_name: str | None = None        # the id /v1/models reports; None = the runner's name
+    api_key: str | None = None           # bearer key every endpoint but /health requires; None = open
+    retry_after_s: int = 1               # what a 429 asks the client to wait
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
+        self.headers = headers or {}
 
 
-def _error_response(status: int, message: str, type_: str, param: str | None = None) -> web.Response:
+def _error_response(status: int, message: str, type_: str, param: str | None = None,
+                    headers: dict[str, str] | None = None) -> web.Response:
     return web.json_response({"error": {"message": message, "type": type_, "param": param, "code": status}},
-                             status=status)
+                             status=status, headers=headers)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _bearer_auth(api_key: str | None):
+    """Middleware: without the right `Authorization: Bearer KEY`, 401 (constant-time comparison)."""
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if api_key is not None and request.path != "/health":
+            given = request.headers.get("Authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+                return _error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                       "authentication_error", headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+    return check
 
 
 @web.middleware
@@ -66,7 +99,7 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
     try:
         return await handler(request)
     except ApiError as e:
-        return _error_response(e.status, e.message, e.type, e.param)
+        return _error_response(e.status, e.message, e.type, e.param, e.headers)
     except web.HTTPRequestEntityTooLarge as e:
         return _error_response(413, f"request body too large: {e.text}", "invalid_request_error")
     except web.HTTPException as e:
@@ -146,7 +179,8 @@ class Server:
         self._pieces: dict[int, str] = {}
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.options.max_body_bytes, middlewares=[_json_errors])
+        app = web.Application(client_max_size=self.options.max_body_bytes,
+                              middlewares=[_json_errors, _bearer_auth(self.options.api_key)])
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
@@ -179,7 +213,8 @@ class Server:
         """Wait for a slot; refuse with 429 when the queue is full (bounded memory and latency)."""
         if self.slots.locked() and self.waiting >= self.options.max_queue:
             raise ApiError(429, f"server busy: {self.max_concurrency} requests running and "
-                                f"{self.waiting} waiting; retry later", "rate_limit_error")
+                                f"{self.waiting} waiting; retry after {self.options.retry_after_s} s",
+                           "rate_limit_error", headers={"Retry-After": str(self.options.retry_after_s)})
         self.waiting += 1
         try:
             await self.slots.acquire()
@@ -622,22 +657,37 @@ class BackgroundServer:
         self.close()
 
 
+def api_key_from_env(host: str, api_key_env: str | None) -> str | None:
+    """The bearer key to require, from the environment variable `api_key_env` names. Serving beyond
+    loopback without one is refused (UsageError), as is naming a variable that is unset or empty."""
+    from moebench.api import UsageError
+    if api_key_env is None:
+        if not is_loopback(host):
+            raise UsageError(f"serve --host {host}: reachable from other machines, so a key is required: "
+                             f"put one in an environment variable and pass --api-key-env NAME "
+                             f"(or bind 127.0.0.1)")
+        return None
+    key = os.environ.get(api_key_env, "")
+    if not key.strip():
+        raise UsageError(f"serve --api-key-env {api_key_env}: the environment variable {api_key_env!r} is "
+                         f"{'empty' if api_key_env in os.environ else 'not set'}")
+    return key.strip()
+
+
 def serve(runner_profile_path: str, host: str = "127.0.0.1", port: int = 8000,
           max_body_bytes: int = ServeOptions.max_body_bytes, max_concurrency: int | None = None,
-          max_queue: int = ServeOptions.max_queue) -> None:
+          max_queue: int = ServeOptions.max_queue, api_key_env: str | None = None) -> None:
     """Serve a runner profile until interrupted (Ctrl-C / SIGTERM). Prints the base URL when ready."""
     import signal
 
     from moebench.config import load_runner
     from moebench.runners import make_runner, runner_schemas
 
+    api_key = api_key_from_env(host, api_key_env)      # refused before any model is loaded
     profile = load_runner(runner_profile_path, runner_schemas())
     runner = make_runner(profile)
     options = ServeOptions(host=host, port=port, max_body_bytes=max_body_bytes, max_concurrency=max_concurrency,
-                           max_queue=max_queue, model_name=profile.name)
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"warning: serving on {host}: reachable from other machines, with no authentication",
-              file=sys.stderr)
+                           max_queue=max_queue, model_name=profile.name, api_key=api_key)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -650,7 +700,8 @@ def serve(runner_profile_path: str, host: str = "127.0.0.1", port: int = 8000,
         app_runner = None
         try:
             app_runner, url = await start_server(runner, options)
-            print(f"serving {profile.name} ({profile.kind}) on {url}", flush=True)
+            print(f"serving {profile.name} ({profile.kind}) on {url}"
+                  + (f" (bearer key from ${api_key_env} required)" if api_key else ""), flush=True)
             await stop.wait()
         finally:
             if app_runner is not None:

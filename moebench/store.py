@@ -5,26 +5,111 @@
   A torn last line (a crash mid-write) is ignored on read and cut off on resume; nothing else is
   ever rewritten. When an item appears more than once (an error retried on resume), the last
   record wins.
+- `.lock`: an OS file lock (flock) that the writing process holds for the run's life, so two writers
+  never interleave in one directory; the file names the holder (PID, host, start time) for the refusal
+  message. The kernel drops the lock when its holder dies, so a stale file is simply taken over.
 Everything downstream (compare, report, gate) reads only this.
 """
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import json
 import os
+import socket
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Iterator
+
+from moebench.secrets import scrub
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 ITEMS = "items.jsonl"
 
 STATUSES = ("running", "complete", "failed", "interrupted")
+LOCK = ".lock"
 
 
 class StoreError(ValueError):
     """A run directory is missing or malformed; the message names the file."""
+
+
+class RunLocked(StoreError):
+    """Another live process is writing into this run directory."""
+
+
+class RunLock:
+    """An exclusive OS lock on a run directory, held from `acquire` until `release` (or process death).
+
+    `previous` is what the lock file said before we took it (a dead holder's PID and start time),
+    so a takeover can be recorded.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str]):
+        self.path = Path(run_dir) / LOCK
+        self._fd: int | None = None
+        self.previous: dict[str, Any] | None = None
+
+    def _read_holder(self) -> dict[str, Any] | None:
+        try:
+            text = self.path.read_text(encoding="utf-8")
+            holder = json.loads(text) if text.strip() else None
+        except (OSError, ValueError):
+            return None
+        return holder if isinstance(holder, dict) else None
+
+    def acquire(self) -> "RunLock":
+        import fcntl
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            holder = self._read_holder() or {}
+            who = (f"PID {holder.get('pid', '?')} on {holder.get('host', '?')}, started "
+                   f"{holder.get('started_at', '?')}") if holder else "a process that is still starting"
+            raise RunLocked(f"{self.path.parent}: another moebench process is writing this run ({who}); "
+                            f"wait for it to finish or choose another --out") from None
+        self._fd = fd
+        self.previous = self._read_holder()
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": now_iso(),
+                "command": " ".join(sys.argv)[:500]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        os.fsync(fd)
+        return self
+
+    def took_over(self) -> dict[str, Any] | None:
+        """The previous holder when it died holding the lock (a stale lock we took over), else None."""
+        prev = self.previous
+        return prev if prev and "released_at" not in prev else None
+
+    def release(self) -> None:
+        """Mark the file released (so the next holder knows this was no crash) and drop the lock."""
+        if self._fd is None:
+            return
+        import fcntl
+        fd, self._fd = self._fd, None
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            holder["released_at"] = now_iso()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        except (OSError, ValueError):
+            pass            # a full disk must not stop the release; the lock itself goes with the fd
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
 
 
 def now_iso() -> str:
@@ -42,14 +127,36 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _name_path(e: OSError, path: Path) -> OSError:
+    """An OSError from writing a file object carries no file name: give it the one we were writing."""
+    if e.filename is None:
+        e.filename = str(path)
+    return e
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
+    """Replace `path` with `data` all at once: the old file stays whole if anything fails, and the
+    temporary file never outlives a failure (a full disk leaves no debris)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with tmp.open("w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, ensure_ascii=False, default=str)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, ensure_ascii=False, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise _name_path(e, path) from None
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
     _fsync_dir(path.parent)
 
 
@@ -103,33 +210,58 @@ class RunStore:
         self.manifest_path = self.path / MANIFEST
         self._lock = threading.Lock()
         self._items_file = None
+        self.lock: RunLock | None = None
+        # Values of the environment variables the profile names (API keys): never written, wherever
+        # they turn up (a server echoing the key in an error message).
+        self.secrets: frozenset[str] = frozenset()
+        self.previous_status: str | None = None     # a resumed run's status before this writer
 
     # -- creation / opening ---------------------------------------------------------------------
     @classmethod
-    def create_or_resume(cls, path: str | os.PathLike[str], manifest: dict[str, Any]) -> "RunStore":
+    def create_or_resume(cls, path: str | os.PathLike[str], manifest: dict[str, Any],
+                         lock: RunLock | None = None, secrets: frozenset[str] = frozenset()) -> "RunStore":
         """Open `path` for writing. An existing unfinished run is resumed; a fresh one is created.
 
         Returns the store; `store.resumed` tells which. The manifest's fixed identity fields of a
-        resumed run are kept, and `resumes` counts the resumptions.
+        resumed run are kept, and `resumes` counts the resumptions. The run's lock (`lock`, or one
+        taken here) is held until `close`; RunLocked when another process holds it.
         """
         store = cls(path)
+        store.secrets = frozenset(secrets)
         store.path.mkdir(parents=True, exist_ok=True)
-        store.resumed = store.manifest_path.exists()
-        if store.resumed:
-            old = store.read_manifest()
+        store.lock = lock if lock is not None else RunLock(store.path).acquire()
+        try:
+            store._open_for_writing(manifest)
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    def _open_for_writing(self, manifest: dict[str, Any]) -> None:
+        self.resumed = self.manifest_path.exists()
+        self.previous_status = None
+        if self.resumed:
+            old = self.read_manifest()
+            self.previous_status = old.get("status")
             merged = {**manifest, **{k: old[k] for k in ("run_id", "started_at") if k in old}}
             merged["resumes"] = int(old.get("resumes", 0)) + 1
             merged["events"] = list(old.get("events", [])) + [
                 {"time": now_iso(), "event": "resumed", "previous_status": old.get("status")}]
             manifest = merged
-            store._cut_torn_tail()
+            self._cut_torn_tail()
         manifest = {"schema_version": SCHEMA_VERSION, **manifest, "status": "running"}
         manifest.setdefault("started_at", now_iso())
         manifest.pop("ended_at", None)
-        store.manifest = manifest
-        store.write_manifest()
-        store._items_file = store.items_path.open("ab")
-        return store
+        stale = self.lock.took_over()
+        if stale:
+            manifest["events"] = list(manifest.get("events", [])) + [
+                {"time": now_iso(), "event": "stale_lock_taken_over", "previous_pid": stale.get("pid"),
+                 "previous_host": stale.get("host"), "previous_started_at": stale.get("started_at")}]
+        self.manifest = manifest
+        # The items file opens before the manifest says "running": a resume that cannot write leaves
+        # the manifest exactly as it found it.
+        self._items_file = self.items_path.open("ab")
+        self.write_manifest()
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> "RunStore":
@@ -160,8 +292,11 @@ class RunStore:
             raise StoreError(f"{self.manifest_path}: not valid JSON ({e})") from None
 
     def write_manifest(self) -> None:
+        data = self.manifest
+        if self.secrets:
+            data = json.loads(scrub(json.dumps(data, ensure_ascii=False, default=str), self.secrets))
         with self._lock:
-            write_json_atomic(self.manifest_path, self.manifest)
+            write_json_atomic(self.manifest_path, data)
 
     def update_manifest(self, **fields: Any) -> None:
         self.manifest.update(fields)
@@ -181,12 +316,16 @@ class RunStore:
         for key in ("task", "item_id", "status"):
             if key not in record:
                 raise ValueError(f"record lacks {key!r}: {record!r}")
-        line = json.dumps(record, ensure_ascii=False, default=str).encode("utf-8") + b"\n"
+        text = json.dumps(record, ensure_ascii=False, default=str)
+        line = (scrub(text, self.secrets) if self.secrets else text).encode("utf-8") + b"\n"
         with self._lock:
             assert self._items_file is not None, "store not opened for writing"
-            self._items_file.write(line)
-            self._items_file.flush()
-            os.fsync(self._items_file.fileno())
+            try:
+                self._items_file.write(line)
+                self._items_file.flush()
+                os.fsync(self._items_file.fileno())
+            except OSError as e:
+                raise _name_path(e, self.items_path) from None
 
     def records(self) -> dict[tuple[str, str], dict[str, Any]]:
         return latest_records(self.items_path)
@@ -197,9 +336,16 @@ class RunStore:
 
     def close(self) -> None:
         with self._lock:
-            if self._items_file is not None:
-                self._items_file.close()
+            try:
+                if self._items_file is not None:
+                    self._items_file.close()
+            except OSError:
+                pass        # a write already failed and was reported; a torn tail is cut on resume
+            finally:
                 self._items_file = None
+                if self.lock is not None:
+                    self.lock.release()
+                    self.lock = None
 
 
 def load_run(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -39,16 +39,33 @@ COMPARE = {
             "p95": 0.12, "p99": 0.41, "p999": 1.37, "max": 4.2, "min": 0.0, "same_top_p": 0.9431,
             "delta_p": {"mean": -0.0021, "rms": 0.0412}, "ln_ppl_ratio": 0.0187, "ppl_ratio": 1.0189,
             "per_layer": {"router_agreement": [0.97, 0.91, 0.95]}},
-    "speed": {"rows": [{"prompt_length": L, "baseline": {"ttft_s": t_b, "prefill_tok_s": p_b, "decode_tok_s": d_b},
-                        "candidate": {"ttft_s": t_c, "prefill_tok_s": p_c, "decode_tok_s": d_c}}
-                       for L, t_b, t_c, p_b, p_c, d_b, d_c in [
-                           (512, 0.1, 0.13, 5120.0, 3993.6, 40.0, 36.8),     # decode 0.92, ttft 1.3
-                           (4096, 0.5, 0.6, 8192.0, 6389.76, 38.0, 34.2),   # decode 0.90, prefill 0.78
-                           (16384, 2.0, 2.4, 8192.0, 6881.28, 30.0, 26.7)]]},  # decode 0.89
+    # ten timed requests per side and group; 95% intervals of the ratios narrow enough to decide
+    "speed": {"rows": [{"prompt_length": L, "clients": 1, "n_baseline": 10, "n_candidate": 10,
+                        "baseline": {"ttft_s": t_b, "prefill_tok_s": p_b, "decode_tok_s": d_b},
+                        "candidate": {"ttft_s": t_c, "prefill_tok_s": p_c, "decode_tok_s": d_c},
+                        "ttft_ratio_ci95": [t_c / t_b - 0.03, t_c / t_b + 0.03],
+                        "prefill_ratio_ci95": [p_c / p_b - 0.01, p_c / p_b + 0.01],
+                        "decode_ratio_ci95": [d_c / d_b - 0.005, d_c / d_b + 0.005],
+                        "tpot_ratio": d_b / d_c, "tpot_ratio_ci95": [d_b / d_c - 0.01, d_b / d_c + 0.01],
+                        "itl_ratio": d_b / d_c, "itl_ratio_ci95": [d_b / d_c - 0.01, d_b / d_c + 0.01],
+                        "e2e_ratio": 1.1, "e2e_ratio_ci95": [1.08, 1.12], "acceptance_candidate": acc}
+                       for L, t_b, t_c, p_b, p_c, d_b, d_c, acc in [
+                           (512, 0.1, 0.13, 5120.0, 3993.6, 40.0, 36.8, 0.8),     # decode 0.92, ttft 1.3
+                           (4096, 0.5, 0.6, 8192.0, 6389.76, 38.0, 34.2, 0.65),  # decode 0.90, prefill 0.78
+                           (16384, 2.0, 2.4, 8192.0, 6881.28, 30.0, 26.7, 0.7)]]},  # decode 0.89
     "needle": {"cells": [{"length": L, "depth": d, "prompt_tokens": L - 2, "found_baseline": True,
                           "found_candidate": not (L == 16384 and d == 0.9)}
                          for L in (4096, 8192, 16384) for d in (0.1, 0.5, 0.9)]},
+    # B (the candidate) won rounds 1, 2 and 4 of 4; paired ratios over 24 prompts measured in both
+    "speed_ab": {"rounds": [{"round": i + 1, "winner": w} for i, w in enumerate("BBAB")],
+                 "paired": {"decode_tok_s": {"median_ratio": 1.08, "ratio_ci95": [1.05, 1.11], "n_pairs": 24},
+                            "prefill_tok_s": {"median_ratio": 1.02, "ratio_ci95": [1.01, 1.03], "n_pairs": 24},
+                            "ttft_s": {"median_ratio": 0.97, "ratio_ci95": [0.95, 0.99], "n_pairs": 24}},
+                 "identity": {"n_differ_any": 2}},
     "memory": {"baseline": {"peak_used_bytes": 40 * 2**30}, "candidate": {"peak_used_bytes": 35 * 2**30}},
+    "energy": {"per_token": {"decode": {"net_ratio": 1.05}},
+               "gpus": {"sum": {"baseline": {"idle_power_w": 80.0, "whole_run_counter_j": 15000.0},
+                                "candidate": {"idle_power_w": 90.0, "whole_run_counter_j": 12000.0}}}},
 }
 
 # (section, rule, a limit the fixture meets, a limit it breaks)
@@ -74,11 +91,24 @@ CASES = [
     ("speed", "min_decode_ratio", 0.85, 0.9),
     ("speed", "min_prefill_ratio", 0.75, 0.8),
     ("speed", "max_ttft_ratio", 1.35, 1.25),
+    ("speed", "max_tpot_ratio", 1.14, 1.1),
+    ("speed", "max_itl_ratio", 1.14, 1.1),
+    ("speed", "max_e2e_ratio", 1.15, 1.05),
+    ("speed", "min_acceptance_rate", 0.6, 0.7),       # lowest group: 0.65
+    ("speed_ab", "min_rounds_won", 3, 4),
+    ("speed_ab", "min_rounds", 4, 5),
+    ("speed_ab", "min_decode_ratio", 1.04, 1.12),
+    ("speed_ab", "min_prefill_ratio", 1.0, 1.04),
+    ("speed_ab", "max_ttft_ratio", 1.0, 0.94),
+    ("speed_ab", "max_differing_outputs", 2, 1),
     ("needle", "min_found", 8, 9),
     ("needle", "max_lost", 1, 0),
     ("needle", "min_found_share", 0.85, 0.9),
     ("memory", "max_peak_used_gib", 36.0, 34.0),
     ("memory", "max_peak_used_ratio", 0.9, 0.85),
+    ("energy", "max_whole_run_kj", 12.5, 11.5),
+    ("energy", "max_idle_power_w", 95.0, 85.0),
+    ("energy", "max_decode_net_j_per_token_ratio", 1.1, 1.0),
 ]
 
 

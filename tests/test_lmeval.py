@@ -147,11 +147,13 @@ def test_run_lm_eval_gsm8k_filters_errors_and_prompts(tmp_path, data_dir):
     out = evaluate_runner(runner, ["gsm8k"], 3, tmp_path / "run")
     manifest, records = load_run(out)
     assert manifest["status"] == "complete" and manifest["adapter_stats"]["errors"] == 1
-    assert {r["task"] for r in records} == {"gsm8k:strict-match", "gsm8k:flexible-extract"}
+    # strict-match scores as moebench's gsm8k does: it takes the native name (and item ids)
+    assert {r["task"] for r in records} == {"gsm8k", "gsm8k:flexible-extract"}
+    assert {r["item_id"] for r in records} == {f"gsm8k/test/{i}" for i in range(3)}
     train = [json.loads(l) for l in (data_dir / "gsm8k" / "train.jsonl").read_text().splitlines()[:5]]
     shots = "".join(f"Question: {t['question']}\nAnswer: {t['answer']}\n\n" for t in train)
     for rec in records:
-        doc = int(rec["item_id"].split("/")[1])
+        doc = int(rec["item_id"].split("/")[-1])
         prompt = shots + f"Question: {test_rows[doc]['question']}\nAnswer:"
         assert rec["prompt_hash"] == sha(prompt)
         if doc == 1:
@@ -222,12 +224,12 @@ def test_import_two_logs_and_compare_reports_planted_flips(samples_files, tmp_pa
     bdir, cdir = import_lm_eval(base, tmp_path / "run_base"), import_lm_eval(cand, tmp_path / "run_cand")
     manifest, records = load_run(bdir)
     assert manifest["status"] == "complete" and len(records) == 6 * 2 + 6
-    rec = next(r for r in records if r["item_id"] == "gsm8k/0" and r["task"] == "gsm8k:strict-match")
+    rec = next(r for r in records if r["item_id"] == "gsm8k/test/0" and r["task"] == "gsm8k")
     assert rec["prompt_hash"] and rec["output"] and rec["reference"].split("#### ")[-1] == "18"
 
     _, cmp = compare(str(bdir), str(cdir), str(tmp_path / "cmp"), write_report=False)
     t = cmp["tasks"]
-    assert t["gsm8k:strict-match"]["wins"] == ["gsm8k/0"] and t["gsm8k:strict-match"]["losses"] == []
+    assert t["gsm8k"]["wins"] == ["gsm8k/test/0"] and t["gsm8k"]["losses"] == []
     assert t["gsm8k:flexible-extract"]["wins"] == [] and t["gsm8k:flexible-extract"]["losses"] == []
     assert t["cmmlu_anatomy"]["wins"] == ["cmmlu_anatomy/1"]
     assert t["cmmlu_anatomy"]["losses"] == ["cmmlu_anatomy/2"]
@@ -408,3 +410,30 @@ def test_lm_eval_loglikelihood_through_serve_echo_matches_adapter(tmp_path, data
         assert sha(row["arguments"][0][0]) == rec["prompt_hash"]
         assert [lp for lp, _ in row["filtered_resps"]] == pytest.approx(rec["choice_logprobs"], abs=1e-6)
         assert bool(row["acc"]) == rec["correct"]
+
+
+def test_native_run_and_imported_lm_eval_run_pair_item_by_item(samples_files, tmp_path, data_dir):
+    """moebench's own gsm8k run against an imported lm-eval gsm8k log of the same items: the strict-match
+    rows take moebench's task name and item ids, the prompts hash alike, and every item pairs."""
+    from moebench import api
+    from moebench.serve import BackgroundServer, ServeOptions
+
+    gsm = next(p for p in samples_files if "gsm8k" in p.name)
+    imported = import_lm_eval([gsm], tmp_path / "imported")
+    with BackgroundServer(MarkovRunner(), ServeOptions(port=0)) as s:
+        suite = tmp_path / "g.toml"
+        suite.write_text('name = "g"\n[[tasks]]\ntask = "gsm8k"\nlimit = 6\n[probes]\nnvml = false\n')
+        runner = tmp_path / "r.toml"
+        runner.write_text(f'kind = "http"\nbase_url = "{s.url}"\n')
+        native, code = api.run(api.RunOptions(suite=str(suite), runner=str(runner), out=str(tmp_path / "native"),
+                                              quiet=True))
+    assert code == 0
+    _, cmp = api.compare(str(native), str(imported), str(tmp_path / "cmp"), write_report=False)
+    g = cmp["tasks"]["gsm8k"]
+    assert g["n_paired"] == 6 and g["excluded"] == [], g["excluded_reasons"]
+    # The other filter has no native twin: compare says why it pairs nothing.
+    flex = cmp["tasks"]["gsm8k:flexible-extract"]
+    assert flex["n_paired"] == 0
+    assert flex["unpaired_reason"].startswith("task 'gsm8k:flexible-extract' is only in the candidate run; "
+                                              "the baseline has 'gsm8k'")
+    assert any(w.startswith("gsm8k:flexible-extract: nothing paired: ") for w in cmp["warnings"])

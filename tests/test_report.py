@@ -367,11 +367,14 @@ def test_report_and_gate_on_a_compare_built_by_the_real_builder(tmp_path):
     assert "idle_power_w</td>" in energy and ">80<" in energy              # both runs idle at 80 W
     assert "net_j_per_token" in energy
     rules = tmp_path / "rules.toml"
+    # three timed requests per side and length: min_samples = 3 lets them decide (the default, 5, would
+    # call the speed rule inconclusive)
     rules.write_text("[gsm8k]\nmax_losses = 2\n[needle]\nmax_lost = 0\n[speed]\nmin_decode_ratio = 0.85\n"
-                     "[memory]\nmax_peak_used_ratio = 0.8\n")
+                     "min_samples = 3\n[memory]\nmax_peak_used_ratio = 0.8\n")
     assert run_gate(cdir, rules) == 1
     summary = (cdir / "summary.md").read_text()
     assert "| gsm8k.max_losses | 2 | <= 2 | PASS |" in summary
     assert "| needle.max_lost | 1 | <= 0 | **FAIL** |" in summary
     assert "| memory.max_peak_used_ratio | 0.75 | <= 0.8 | PASS |" in summary
-    assert "speed.min_decode_ratio | 0.9 | >= 0.85 | PASS" in summary
+    assert "speed.min_decode_ratio | 0.9 [0.882, 0.9184] at 512 tokens, 1 client, n=3 | " \
+           ">= 0.85 (95% interval) | PASS" in summary

@@ -251,3 +251,75 @@ def test_bad_cgroup_setting_is_an_error_and_leaves_no_cgroup():
     assert "pids.max" in r.reason
     for parent in sandbox.plan().cgroup_parents.values():
         assert not (parent / f"moebench-sbx-{r.run_id}").exists()
+
+
+@pytest.mark.skipif("mount" not in sandbox.plan().namespaces, reason="needs a mount namespace")
+def test_check_sees_only_the_python_runtime_not_the_host(tmp_path):
+    """Marker files planted in the project, in the home folder and in another folder: the check can
+    neither read nor list them; it still runs the harness's Python and writes its private tmp."""
+    import sys
+    repo = Path(__file__).resolve().parent.parent
+    home = Path.home()
+    markers = [repo / f".sandbox-marker-{os.getpid()}", home / f".sandbox-marker-{os.getpid()}",
+               tmp_path / "marker.txt"]
+    for m in markers:
+        m.write_text("HOST-SECRET-MARKER")
+        m.chmod(0o644)
+    try:
+        prog = textwrap.dedent(f"""
+            import os, sys
+            seen = []
+            for path in {[str(m) for m in markers]!r}:
+                try:
+                    seen.append(open(path).read())
+                except OSError as e:
+                    seen.append(type(e).__name__)
+            for folder in {[str(repo), str(home), "/home", "/work", "/etc", str(tmp_path)]!r}:
+                try:
+                    seen.append(sorted(os.listdir(folder)))
+                except OSError as e:
+                    seen.append(type(e).__name__)
+            import json, hashlib, math, decimal, collections    # stdlib, including C extensions
+            open("scratch.txt", "w").write("ok")
+            print(json.dumps(seen))
+            print(sorted(os.listdir("/")))
+            try:
+                open({os.path.join(os.path.realpath(sys.base_prefix), "probe")!r}, "w")
+            except OSError as e:
+                print(type(e).__name__)
+        """)
+        r = run_untrusted(prog, timeout_s=20)
+        assert r.passed, r
+        assert any(x.startswith("private-root") for x in r.isolation), (r.isolation, r.missing)
+        out = r.stdout_tail.splitlines()
+        import json as _json
+        seen = _json.loads(out[0])
+        assert "HOST-SECRET-MARKER" not in r.stdout_tail
+        assert seen[:3] == ["FileNotFoundError"] * 3, seen
+        # the project, /home, /work and the other folder do not exist; home and /etc hold only
+        # what the runtime needs (the path to the interpreter, the loader cache)
+        assert seen[3] == "FileNotFoundError" and seen[5] == "FileNotFoundError" and seen[6] == "FileNotFoundError"
+        assert seen[8] == "FileNotFoundError"
+        if os.path.realpath(sys.base_prefix).startswith(str(home) + os.sep):
+            assert seen[4] == [os.path.relpath(os.path.realpath(sys.base_prefix), home).split(os.sep)[0]]
+        else:
+            assert seen[4] == "FileNotFoundError"
+        assert seen[7] in (["ld.so.cache"], "FileNotFoundError")
+        assert set(_json.loads(out[1].replace("'", '"'))) <= {"dev", "etc", "lib", "lib64", "lib32", "libx32",
+                                                             "proc", "root", "tmp", "usr", "var", "home", "opt"}
+        assert out[2] in ("OSError", "PermissionError")    # read-only runtime (EROFS is an OSError)
+    finally:
+        for m in markers:
+            m.unlink()
+    _assert_harness_fine(r)
+
+
+@pytest.mark.skipif("mount" not in sandbox.plan().namespaces, reason="needs a mount namespace")
+def test_private_root_that_cannot_be_built_is_reported(monkeypatch):
+    view = sandbox._root_view()
+    monkeypatch.setattr(sandbox, "_root_view", lambda: {**view, "binds": [*view["binds"], "/nonexistent-runtime"]})
+    r = run_untrusted("print('ran')", timeout_s=20)
+    assert r.passed and r.stdout_tail == "ran\n", r
+    assert not any(x.startswith("private-root") for x in r.isolation)
+    assert any(m.startswith("filesystem view: the check sees the host's files (private root not built")
+               and "nonexistent-runtime" in m for m in r.missing), r.missing

@@ -284,3 +284,40 @@ def test_ab_mode_fresh_processes_and_output_identity(paced, tmp_path):
     assert (tmp_path / "ab" / "ab.json").is_file() and (tmp_path / "ab" / "pass3_A.json").is_file()
     with pytest.raises(ValueError, match="order"):
         run_ab(str(pa), str(pb), opts, str(tmp_path / "ab2"), order="AAC")
+
+
+def test_ab_rounds_won_paired_ratios_and_gate(paced, tmp_path):
+    """B decodes at twice A's pace: it wins every round; the rounds keep the A,B,B,A order; output
+    identity is checked over every A pass against every B pass; the gate counts rounds won."""
+    from moebench.api import report
+    from moebench.gate import run_gate
+    a = paced(first_ms=20, every_ms=12)
+    b = paced(first_ms=20, every_ms=6, variant=True)
+    pa, pb = _runner_profile(tmp_path, "a", a.url), _runner_profile(tmp_path, "b", b.url)
+    opts = {"prompt_lengths": [200], "output_tokens": 6, "repeats": 3, "clients": 1, "warmup": 0}
+    out = tmp_path / "ab"
+    result = run_ab(str(pa), str(pb), opts, str(out), order="ABBAABBA")
+    ab = result["speed_ab"]
+    assert [(r["round"], r["a_pass"], r["b_pass"]) for r in ab["rounds"]] == [(1, 0, 1), (2, 3, 2), (3, 4, 5),
+                                                                              (4, 7, 6)]
+    assert all(r["winner"] == "B" and r["n_pairs"] == 3 for r in ab["rounds"])
+    assert ab["rounds_won"] == {"A": 0, "B": 4, "tie": 0}
+    dec = ab["paired"]["decode_tok_s"]
+    assert dec["n_pairs"] == 12 and dec["median_ratio"] == pytest.approx(2.0, rel=0.25)
+    assert 1.0 < dec["ratio_ci95"][0] <= dec["median_ratio"] <= dec["ratio_ci95"][1]
+    ident = ab["identity"]
+    assert len(ident["pairs"]) == 16 and {(p["a_pass"], p["b_pass"]) for p in ident["pairs"]} == \
+        {(i, j) for i in (0, 3, 4, 7) for j in (1, 2, 5, 6)}
+    prompts = {q["body"]["prompt"] for q in b.requests}
+    assert ident["n_differ_any"] == sum(_differs(p) for p in prompts) > 0
+    assert all(p["n_differ"] == ident["n_differ_any"] for p in ident["pairs"])
+    # the A/B directory is a compare directory: report and gate read it
+    html = report(str(out)).read_text(encoding="utf-8")
+    assert "A/B speed rounds (ABBAABBA)" in html and "Rounds won: B 4" in html
+    rules = tmp_path / "ab.toml"
+    rules.write_text("[speed_ab]\nmin_rounds_won = 4\nmin_rounds = 4\nmin_decode_ratio = 1.2\nmin_samples = 5\n")
+    assert run_gate(out, rules) == 0
+    rules.write_text("[speed_ab]\nmin_rounds_won = 5\n")
+    assert run_gate(out, rules) == 1
+    rules.write_text("[speed_ab]\nmax_differing_outputs = 0\n")
+    assert run_gate(out, rules) == 1

@@ -25,6 +25,16 @@ def _scored_tasks(by_task: dict[str, dict[str, dict[str, Any]]]) -> set[str]:
     return {t for t, recs in by_task.items() if any(r.get("correct") is not None for r in recs.values())}
 
 
+def same_prompt(a: Any, b: Any) -> bool:
+    """Both hashes are sha256 hex of the prompt, whole (lm-eval) or its first 16 digits (moebench):
+    compared over the shorter one. A side without a hash cannot be checked and counts as the same."""
+    if not a or not b:
+        return True
+    a, b = str(a), str(b)
+    n = min(len(a), len(b))
+    return a[:n] == b[:n]
+
+
 def pair_task(base: dict[str, dict[str, Any]], cand: dict[str, dict[str, Any]],
               n_boot: int = 2000) -> dict[str, Any]:
     """Pair one task's records by item id.
@@ -47,7 +57,7 @@ def pair_task(base: dict[str, dict[str, Any]], cand: dict[str, dict[str, Any]],
             reason = f"error in {side}: {(b if side == 'baseline' else c).get('error', '')}"[:200]
         elif b.get("correct") is None or c.get("correct") is None:
             reason = "not scored"
-        elif b.get("prompt_hash") and c.get("prompt_hash") and b["prompt_hash"] != c["prompt_hash"]:
+        elif not same_prompt(b.get("prompt_hash"), c.get("prompt_hash")):
             reason = "prompt hash differs (the suites differ)"
         if reason:
             excluded.append(item_id)
@@ -80,11 +90,75 @@ def pair_task(base: dict[str, dict[str, Any]], cand: dict[str, dict[str, Any]],
     }
 
 
+def per_subject(t: dict[str, Any], base: dict[str, dict[str, Any]], cand: dict[str, dict[str, Any]],
+                n_boot: int = 1000) -> dict[str, dict[str, Any]]:
+    """Per CMMLU subject (the middle part of "cmmlu/<subject>/<row>"): paired accuracy and flips.
+
+    Pairs the same way as the task (excluded items stay out), one entry per subject, sorted by name.
+    """
+    excluded = set(t["excluded"])
+    subjects: dict[str, list[str]] = {}
+    for item_id in sorted(set(base) & set(cand), key=natural_key):
+        if item_id in excluded:
+            continue
+        parts = item_id.split("/")
+        if len(parts) == 3:
+            subjects.setdefault(parts[1], []).append(item_id)
+    wins, losses = set(t["wins"]), set(t["losses"])
+    out = {}
+    for subject, ids in sorted(subjects.items()):
+        b = [bool(base[i]["correct"]) for i in ids]
+        c = [bool(cand[i]["correct"]) for i in ids]
+        n_w, n_l = sum(i in wins for i in ids), sum(i in losses for i in ids)
+        out[subject] = {"n_paired": len(ids), "baseline_correct": sum(b), "candidate_correct": sum(c),
+                        "baseline_accuracy": sum(b) / len(ids), "candidate_accuracy": sum(c) / len(ids),
+                        "wins": [i for i in ids if i in wins], "losses": [i for i in ids if i in losses],
+                        "mcnemar_p": mcnemar_exact_p(n_w, n_l),
+                        "delta_ci95": list(paired_bootstrap_ci(b, c, n_boot=n_boot))}
+    return out
+
+
+def _near_names(task: str, others: list[str]) -> list[str]:
+    """Task names that look like the same task spelled another way ("gsm8k" and "gsm8k:strict-match")."""
+    stem = task.split(":", 1)[0]
+    return [o for o in others if o != task and o.split(":", 1)[0] == stem]
+
+
+def why_unpaired(task: str, bt: dict[str, dict[str, dict[str, Any]]], ct: dict[str, dict[str, dict[str, Any]]],
+                 result: dict[str, Any]) -> str:
+    """One sentence on why a task has no pair at all (so nobody reads '0 paired' as 'no difference')."""
+    for side, here, there in (("baseline", bt, ct), ("candidate", ct, bt)):
+        if task not in there or not there[task]:
+            other = "candidate" if side == "baseline" else "baseline"
+            near = _near_names(task, list(there))
+            hint = (f"; the {other} has {', '.join(map(repr, near))}: the same task under another name "
+                    f"(an lm-eval filter name? re-import with `moebench import-lm-eval` to use moebench's names)"
+                    if near else f"; the {other} has tasks {', '.join(map(repr, list(there)[:8])) or 'none'}")
+            return f"task {task!r} is only in the {side} run{hint}"
+    b_ids, c_ids = set(bt[task]), set(ct[task])
+    if not b_ids & c_ids:
+        return (f"no item ids in common: the baseline has e.g. {min(b_ids, key=natural_key)!r}, the candidate "
+                f"e.g. {min(c_ids, key=natural_key)!r} (different datasets, splits or id schemes)")
+    counts: dict[str, int] = {}
+    for item_id in b_ids & c_ids:
+        reason = result["excluded_reasons"].get(item_id, "excluded")
+        kind = reason.split(":", 1)[0]
+        counts[kind] = counts.get(kind, 0) + 1
+    parts = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return f"all {len(b_ids & c_ids)} items in both runs were excluded: {parts}"
+
+
 def pair_runs(base_records: list[dict[str, Any]], cand_records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-task pairing for every task with correctness in either run, plus an overall block."""
     bt, ct = _by_task(base_records), _by_task(cand_records)
     tasks = [t for t in list(bt) + [t for t in ct if t not in bt] if t in _scored_tasks(bt) | _scored_tasks(ct)]
     per_task = {t: pair_task(bt.get(t, {}), ct.get(t, {})) for t in tasks}
+    for t, result in per_task.items():
+        if result["n_paired"] == 0:
+            result["unpaired_reason"] = why_unpaired(t, bt, ct, result)
+    for t in tasks:
+        if t == "cmmlu" or t.startswith("cmmlu"):
+            per_task[t]["per_subject"] = per_subject(per_task[t], bt.get(t, {}), ct.get(t, {}))
     overall = None
     if per_task:
         # Overall pairs every scored item of every task; ids are prefixed by task to stay unique.

@@ -157,6 +157,8 @@ class DecodeConfig:
     fused_norm_router: a MoE block without a shared expert is routed inside its post-attention
         norm's launch.
     router_max_tokens: most tokens one fused router call takes (size of its arrival counters).
+    count_tier_picks: tiered experts on the fused path count each call's picks per expert on the
+        device (one small launch per layer and step), so their telemetry covers CUDA-graph replays.
     """
 
     experts_impl: str = "auto"
@@ -174,6 +176,7 @@ class DecodeConfig:
     defer_moe_sum: bool = True
     fused_norm_router: bool = True
     router_max_tokens: int = 64
+    count_tier_picks: bool = True
     launch: Mapping[tuple[str, str, str], Launch] = field(default_factory=lambda: dict(SHIPPED_LAUNCH))
     attention: AttentionLaunch = AttentionLaunch()
 

@@ -24,6 +24,7 @@ from .config import ModelConfig
 from .decode_config import DecodeConfig, DecodeConfigError
 from .loader import load_model, resolve_device, resolve_dtype
 from .model import MoETransformer, RouterTracer
+from .placement import collect_telemetry, counter_states, find_tiered, reset_telemetry, restore_counter_states
 from .tokenizer import Tokenizer
 
 DEFAULT_MAX_SEQ_LEN = 8192   # cap on the config's max_position_embeddings when none is given
@@ -69,6 +70,43 @@ class RouterTrace:
     logits: Tensor | None = field(default=None, repr=False)   # [T, vocab] float32, when asked for
 
 
+class TorchMemory:
+    """torch's own peak memory per engine phase (load, prefill, decode, score), read from the CUDA
+    caching allocator: peak allocated (tensors) and peak reserved (what the allocator holds from the
+    driver, which NVML's "used" includes). Each `record(phase)` closes a phase: it keeps the phase's
+    peaks (the largest over its repeats) and resets the allocator's peak counters. Host-side reads,
+    no GPU sync. On the CPU torch keeps no such statistics: `peaks()` says so."""
+
+    SOURCE = "torch.cuda.max_memory_allocated / max_memory_reserved (CUDA caching allocator)"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.on = device.type == "cuda"
+        self._peaks: dict[str, dict[str, int]] = {}
+
+    def reset(self) -> None:
+        if self.on:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def record(self, phase: str) -> None:
+        if not self.on:
+            return
+        got = {"peak_allocated_bytes": int(torch.cuda.max_memory_allocated(self.device)),
+               "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(self.device))}
+        mine = self._peaks.setdefault(phase, {k: 0 for k in got})
+        for k, v in got.items():
+            mine[k] = max(mine[k], v)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peaks(self) -> dict:
+        if not self.on:
+            return {"available": False, "reason": f"torch keeps no allocator statistics on {self.device.type}"}
+        phases = {k: dict(v) for k, v in self._peaks.items()}
+        return {"available": True, "source": self.SOURCE, "phases": phases,
+                "peak_allocated_bytes": max((v["peak_allocated_bytes"] for v in phases.values()), default=None),
+                "peak_reserved_bytes": max((v["peak_reserved_bytes"] for v in phases.values()), default=None)}
+
+
 class Engine:
     """One model, one KV cache, one frozen DecodeConfig (`decode`).
 
@@ -112,6 +150,8 @@ class Engine:
             raise EngineError(f"Engine: {err}") from None
         except DecodeConfigError as err:
             raise EngineError(str(err)) from None
+        self.torch_memory = TorchMemory(self.device)
+        self.decode_steps = 0              # decode steps run (graph replays included)
         self.decode: DecodeConfig = decode
         self.reconfigure(decode)
 
@@ -142,13 +182,33 @@ class Engine:
         """Load a Hugging Face checkpoint directory (or a tiered artifact holding plan.json); decode
         settings as in Engine()."""
         path = Path(path)
+        memory = TorchMemory(torch.device(resolve_device(device)))
+        memory.reset()
         cfg = ModelConfig.from_pretrained(path)
         model = load_model(path, resolve_device(device), resolve_dtype(dtype), config=cfg)
         tok = None
         if (path / "tokenizer.json").is_file():
             tok = Tokenizer.from_dir(path, cfg.bos_token_id, cfg.eos_token_ids)
-        return cls(model, tok, max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                   cuda_graphs=cuda_graphs, decode=decode, **decode_options)
+        eng = cls(model, tok, max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                  cuda_graphs=cuda_graphs, decode=decode, **decode_options)
+        eng.torch_memory.record("load")
+        return eng
+
+    # ---- what the engine measured about itself ----
+    def telemetry(self) -> dict:
+        """torch memory per phase, decode steps, and (tiered models) the tier counters per layer and
+        in total (see placement.COUNTERS). Reads device counters: one host sync."""
+        with self._lock:
+            out = {"torch_memory": self.torch_memory.peaks(), "decode_steps": self.decode_steps}
+            if find_tiered(self.model):
+                out["tiers"] = collect_telemetry(self.model)
+            return out
+
+    def reset_telemetry(self) -> None:
+        """Zero the tier counters and the step count (torch's memory peaks are kept: they are real)."""
+        with self._lock:
+            reset_telemetry(self.model)
+            self.decode_steps = 0
 
     # ---- properties the runner reads ----
     @property
@@ -223,6 +283,7 @@ class Engine:
             h = self.model(tokens[:, s:e], pos, kv_len=e)
             if need_logits:
                 out.append(self.model.lm_head(h[0]).float().cpu())
+        self.torch_memory.record("score")
         return torch.cat(out) if need_logits else None
 
     # ---- generation ----
@@ -292,10 +353,12 @@ class Engine:
 
         def queue_step(step: int, ids: Tensor):
             # Every row decodes (finished ones too: static shapes); row b writes slot lens[b] + step.
+            self.decode_steps += 1
             cur.copy_(ids.view(B, 1))
             return pick(self._decode(cur, base_pos + step, self._kv_len(max(lens) + step + 1)))
 
         nxt = pick(self._prefill(prompts))                               # [B, V] float32 logits
+        self.torch_memory.record("prefill")
         for step in range(max_new):
             ids, host, event = nxt
             last = step == max_new - 1
@@ -324,6 +387,7 @@ class Engine:
                 break
             if not ahead:
                 nxt = queue_step(step, ids)
+        self.torch_memory.record("decode")
         return outs
 
     def _decode(self, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
@@ -334,7 +398,10 @@ class Engine:
             if graph is None:
                 if self._graph_pool is None:
                     self._graph_pool = torch.cuda.graph_pool_handle()
+                # the warm-up and capture runs are no user's work: keep them out of the tier counters
+                counters = counter_states(self.model)
                 graph = self._graphs[(B, kv_len)] = _DecodeGraph(self.model, B, kv_len, self._graph_pool)
+                restore_counter_states(self.model, counters)
             return graph.run(tokens, positions)
         h = self.model(tokens, positions, kv_len)
         return self.model.lm_head(h[:, -1]).float()

@@ -15,6 +15,7 @@ are computed cannot change the result.
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from contextlib import nullcontext as _no_stream
 from dataclasses import dataclass
@@ -27,8 +28,57 @@ from .decode_config import DEFAULT, DecodeConfig
 from .quant import QuantizedTensor
 
 HOMES = ("gpu", "host")
-COUNTERS = ("calls", "routed", "tokens_gpu", "tokens_host_hit", "tokens_host_miss", "tokens_skipped",
-            "cache_hits", "cache_misses", "bytes_h2d")
+# Counted on the host by the per-expert path (prefill, CPU, route-tail-skip). calls counts Python
+# forward calls (a replayed CUDA graph makes none); cache_hits/misses count experts per call,
+# tokens_host_hit/miss count picks.
+HOST_COUNTERS = ("calls", "tokens_gpu", "tokens_host_hit", "tokens_host_miss", "tokens_skipped",
+                 "cache_hits", "cache_misses", "bytes_h2d")
+# What telemetry() reports per layer: the host counters, plus figures from the per-expert pick
+# histograms (host side for the per-expert path, device side for the fused path, so CUDA-graph
+# replays count too):
+#   routed = picks_gpu + picks_host                      every (token, rank) pick
+#   picks_host = host_hits + host_misses + route_tail_skips + host_direct + prefetch_hits
+#   host_direct: fused-path host picks read over PCIe in place; prefetch_hits: fused-path host picks
+#   that found their expert staged in HBM by prefetch; stage_copies: experts prefetch copied.
+#   bytes_h2d: cache fills plus prefetch copies; bytes_host_read: in-place reads (host_direct x the
+#   expert's bytes: exact for one-token decode steps, an upper bound for several tokens per call).
+#   copy_wait_s: time compute waited for cache fills (CUDA events on the GPU, the copy itself on the CPU).
+COUNTERS = HOST_COUNTERS + ("routed", "picks_gpu", "picks_host", "host_hits", "host_misses", "host_direct",
+                            "prefetch_hits", "route_tail_skips", "stage_copies", "bytes_host_read", "copy_wait_s")
+
+
+def _pick_counter():
+    """A Triton kernel counting one fused call's picks per expert on the device (one launch, no host
+    sync, captured in CUDA graphs): picks[e] += 1 per pick; with NG prefetch stage maps, staged[e]
+    += 1 per pick found staged, and copies[e] += 1 per expert the last prefetch staged (every
+    predicted host expert is copied, so the staged set is what it copied)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def count_picks_kernel(ids_ptr, n, picks_ptr, staged_ptr, copies_ptr, m0, m1, m2, E,
+                           NG: tl.constexpr, BLOCK: tl.constexpr, BE: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        e = tl.load(ids_ptr + offs, mask=mask, other=0)
+        tl.atomic_add(picks_ptr + e, 1, mask=mask)
+        if NG > 0:
+            ee = tl.arange(0, BE)
+            me = ee < E
+            on = tl.load(m0 + e, mask=mask, other=-1) >= 0
+            st = tl.load(m0 + ee, mask=me, other=-1) >= 0
+            if NG > 1:
+                on = on | (tl.load(m1 + e, mask=mask, other=-1) >= 0)
+                st = st | (tl.load(m1 + ee, mask=me, other=-1) >= 0)
+            if NG > 2:
+                on = on | (tl.load(m2 + e, mask=mask, other=-1) >= 0)
+                st = st | (tl.load(m2 + ee, mask=me, other=-1) >= 0)
+            tl.atomic_add(staged_ptr + e, 1, mask=mask & on)
+            tl.atomic_add(copies_ptr + ee, 1, mask=me & st)
+    return count_picks_kernel
+
+
+_COUNT_KERNEL = []
 
 
 @dataclass
@@ -114,6 +164,12 @@ class TieredExperts(nn.Module):
         self._pf_pending = False           # an own-stream prefetch the host lane has not waited for
         self._pf_refs = None               # the tensors a prefetch's copies read, kept until joined
         self.decode: DecodeConfig = DEFAULT      # see configure
+        E = len(self._stores)
+        self._nbytes = torch.tensor([s.nbytes for s in self._stores], dtype=torch.float64)
+        self._is_host = torch.tensor([h == "host" for h in homes])
+        self._host_picks = torch.zeros(E, dtype=torch.int64)     # per-expert path, counted on the host
+        self._dev_counts = None            # fused path: [3, E] int32 picks / staged picks / stage copies
+        self._wait_events: list = []       # (before, after) CUDA timing events around cache-fill waits
         self.reset_telemetry()
 
     def configure(self, cfg: DecodeConfig, top_k: int) -> None:
@@ -156,6 +212,7 @@ class TieredExperts(nn.Module):
         self._cache.clear()
         self._fused_groups = groups
         self._prefetch = []
+        self._dev_counts = torch.zeros(3, len(self._stores), dtype=torch.int32, device=self.device)
 
     def enable_prefetch(self, top_k: int) -> None:
         """Let `prefetch` stage predicted host experts in HBM (fused path, decode of one token).
@@ -231,7 +288,26 @@ class TieredExperts(nn.Module):
         out = kernels.fused_moe(x, topk_ids, topk_w, self._fused_groups, cfg=self.decode,
                                 after_lane=self._pf_refs is not None, **kw)
         self._pf_refs = None
+        self._count_fused(topk_ids)
         return out
+
+    def _count_fused(self, topk_ids: torch.Tensor) -> None:
+        """Add this call's picks to the device counters (after fused_moe, which joined the host lane,
+        so the stage maps read are the ones this call used)."""
+        if not self.decode.count_tier_picks:      # DecodeConfig.count_tier_picks
+            return
+        if not _COUNT_KERNEL:
+            _COUNT_KERNEL.append(_pick_counter())
+        ids = topk_ids.reshape(-1)
+        maps = [stage.slot_of for _, _, stage in self._prefetch][:3]
+        if len(self._prefetch) > 3:
+            raise ValueError("TieredExperts: the pick counter reads at most 3 prefetch stage maps")
+        c = self._dev_counts
+        E = c.shape[1]
+        m = maps + [c[0]] * (3 - len(maps))
+        _COUNT_KERNEL[0][(1,)](ids, ids.numel(), c[0], c[1], c[2], m[0], m[1], m[2], E, NG=len(maps),
+                               BLOCK=max(16, 1 << (ids.numel() - 1).bit_length()),
+                               BE=max(16, 1 << (E - 1).bit_length()), num_warps=1)
 
     def sync_free_tokens(self) -> int:
         """Up to how many tokens forward runs without host syncs (0 unless the fused path is on)."""
@@ -253,11 +329,57 @@ class TieredExperts(nn.Module):
         host = sum(s.nbytes for s, h in zip(self._stores, self.homes) if h == "host")
         return {"gpu": gpu, "host": host, "cache": sum(c.nbytes for c in self._cache.values())}
 
-    def telemetry(self) -> dict[str, int]:
-        return dict(self._counters)
+    def telemetry(self) -> dict[str, int | float]:
+        """This layer's counters (see COUNTERS). Reads the device counters: one host sync."""
+        c: dict[str, int | float] = dict(self._counters)
+        self._resolve_waits()
+        picks = self._host_picks.clone()
+        staged = copies = torch.zeros_like(picks)
+        if self._dev_counts is not None:
+            dev = self._dev_counts.to("cpu", torch.int64)
+            picks, staged, copies = picks + dev[0], dev[1], dev[2]
+        host = self._is_host
+        c["picks_host"] = int(picks[host].sum())
+        c["picks_gpu"] = int(picks[~host].sum())
+        c["routed"] = c["picks_host"] + c["picks_gpu"]
+        c["host_hits"], c["host_misses"] = c["tokens_host_hit"], c["tokens_host_miss"]
+        c["route_tail_skips"] = c["tokens_skipped"]
+        c["prefetch_hits"] = int(staged.sum())
+        fused_host = picks - self._host_picks
+        fused_host[~host] = 0
+        direct = fused_host - staged
+        c["host_direct"] = int(direct.sum())
+        c["stage_copies"] = int(copies.sum())
+        c["bytes_h2d"] = int(c["bytes_h2d"] + float((copies.double() * self._nbytes).sum()))
+        c["bytes_host_read"] = int(float((direct.double() * self._nbytes).sum()))
+        c["copy_wait_s"] = float(self._copy_wait_s)
+        return c
 
     def reset_telemetry(self) -> None:
-        self._counters = {k: 0 for k in COUNTERS}
+        self._counters = {k: 0 for k in HOST_COUNTERS}
+        self._host_picks.zero_()
+        if self._dev_counts is not None:
+            self._dev_counts.zero_()
+        self._wait_events = []
+        self._copy_wait_s = 0.0
+
+    def counter_state(self) -> tuple:
+        """A copy of every counter (Engine restores it around CUDA-graph warm-up and capture runs,
+        which are not the user's work)."""
+        return (dict(self._counters), self._host_picks.clone(),
+                None if self._dev_counts is None else self._dev_counts.clone())
+
+    def restore_counters(self, state: tuple) -> None:
+        self._counters, picks, dev = dict(state[0]), state[1], state[2]
+        self._host_picks.copy_(picks)
+        if dev is not None and self._dev_counts is not None:
+            self._dev_counts.copy_(dev)
+
+    def _resolve_waits(self) -> None:
+        for before, after in self._wait_events:
+            after.synchronize()
+            self._copy_wait_s += before.elapsed_time(after) / 1000.0
+        self._wait_events = []
 
     def clear_cache(self) -> None:
         self._cache.clear()
@@ -268,7 +390,10 @@ class TieredExperts(nn.Module):
         src = self._stores[expert_id]
         self._counters["bytes_h2d"] += src.nbytes
         if self._copy_stream is None:
-            return src.clone(), None
+            t0 = time.perf_counter()          # on the CPU the copy is the wait
+            dst = src.clone()
+            self._copy_wait_s += time.perf_counter() - t0
+            return dst, None
         with torch.cuda.stream(self._copy_stream):
             dst = src.to(self.device, non_blocking=True)
             event = torch.cuda.Event()
@@ -278,7 +403,13 @@ class TieredExperts(nn.Module):
     def _finish_copy(self, dst: QuantizedExpert, event) -> QuantizedExpert:
         if event is not None:
             compute = torch.cuda.current_stream(self.device)
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(compute)
             compute.wait_event(event)
+            after.record(compute)           # after - before: how long compute stalled on the copy
+            self._wait_events.append((before, after))
+            if len(self._wait_events) > 4096:
+                self._resolve_waits()
             dst.record_stream(compute)  # memory born on the copy stream, used on this one
         return dst
 
@@ -303,16 +434,13 @@ class TieredExperts(nn.Module):
                          xq: torch.Tensor | None = None) -> torch.Tensor:
         """kernels.fused_moe(reduce=False): the float32 terms [T * k, H]; only where partials_ok.
         xq: x's int8 rows (see wants_quantized_x), or None."""
-        T, k = topk_ids.shape
         self._counters["calls"] += 1
-        self._counters["routed"] += T * k
         return self._fused(x, topk_ids, topk_w, reduce=False, xq=xq)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         T, k = topk_ids.shape
         c = self._counters
         c["calls"] += 1
-        c["routed"] += T * k
         if self.partials_ok(T):
             return self._fused(x, topk_ids, topk_w)
         active = torch.ones_like(topk_ids, dtype=torch.bool)
@@ -325,6 +453,8 @@ class TieredExperts(nn.Module):
             active &= ~skipped
             c["tokens_skipped"] += int(skipped.sum())
 
+        self._host_picks.index_add_(0, topk_ids.reshape(-1).cpu(),
+                                    torch.ones(topk_ids.numel(), dtype=torch.int64))
         ids_cpu = torch.where(active, topk_ids, -1).cpu()
         needed = [int(e) for e in torch.unique(ids_cpu) if e >= 0]
         counts = {e: int((ids_cpu == e).sum()) for e in needed}
@@ -378,6 +508,15 @@ def collect_telemetry(model: nn.Module) -> dict:
     layers = [m.telemetry() for m in find_tiered(model)]
     total = {k: sum(layer[k] for layer in layers) for k in COUNTERS}
     return {"layers": layers, "total": total}
+
+
+def counter_states(model: nn.Module) -> list:
+    return [m.counter_state() for m in find_tiered(model)]
+
+
+def restore_counter_states(model: nn.Module, states: list) -> None:
+    for m, st in zip(find_tiered(model), states):
+        m.restore_counters(st)
 
 
 def reset_telemetry(model: nn.Module) -> None:

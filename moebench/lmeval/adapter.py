@@ -308,9 +308,11 @@ def evaluate_runner(runner: Runner, tasks: list[str], limit: int | None, out_dir
         manifest.update(moebench=moebench_identity(), host=host_identity())
     except ImportError:      # identity helpers are optional for this entry point
         pass
+    from moebench.secrets import env_secret_values
     from moebench.store import RunStore
 
-    store = RunStore.create_or_resume(out_dir, manifest)
+    secrets = frozenset(env_secret_values(runner_profile.settings)) if runner_profile is not None else frozenset()
+    store = RunStore.create_or_resume(out_dir, manifest, secrets=secrets)
     loop = LoopThread()
     lm = None
     status = "failed"

@@ -5,8 +5,14 @@ returns the same rows in memory from `simple_evaluate(..., log_samples=True)["sa
 through `records_from_samples`, so a run made with `moebench lm-eval` and an imported one look alike
 and `moebench compare` pairs them item by item.
 
+Names follow moebench's own tasks where one exists, so a native run and an imported one pair item by
+item: lm-eval's `gsm8k` under its `strict-match` filter (the "#### N" answer, as moebench scores it)
+becomes task `gsm8k` with item ids `gsm8k/test/<doc_id>` (the doc id is the line in test.jsonl); its
+other filters keep their name (`gsm8k:flexible-extract`). Other tasks are `<task>` or, with several
+filters, `<task>:<filter>`, with item ids `<task>/<doc_id>`.
+
 Record fields (besides DESIGN.md section 4's): `prompt_hash` is lm-eval's own (sha256 of the first
-request's context), `lm_eval_filter`, `lm_eval_metrics` (every metric of the row), `doc_hash`,
+request's context; moebench's native hash is its first 16 hex digits, so compare checks the two), `lm_eval_filter`, `lm_eval_metrics` (every metric of the row), `doc_hash`,
 `target_hash`, and for multiple choice `choice_logprobs`.
 """
 from __future__ import annotations
@@ -22,6 +28,9 @@ from moebench.store import RunStore
 
 # Metrics whose value 1 means "right", in order of preference for the record's `correct`.
 MAIN_METRICS = ("exact_match", "acc", "pass@1", "pass_at_1", "em", "acc_norm")
+
+# lm-eval task -> (moebench task, the filter that scores as moebench does, item id pattern).
+NATIVE_NAMES = {"gsm8k": ("gsm8k", "strict-match", "gsm8k/test/{doc_id}")}
 
 SAMPLES_NAME = re.compile(r"^samples_(?P<task>.+)_(?P<date>\d{4}-\d{2}-\d{2}T[0-9.\-]+)\.jsonl$")
 
@@ -74,6 +83,16 @@ def _loglikelihood_pair(resp: Any) -> tuple[float, bool] | None:
     return None
 
 
+def native_names(task_name: str, filt: str, doc_id: Any, with_filter: bool) -> tuple[str, str]:
+    """(task, item_id) of one sample: moebench's own names where the task has a native twin."""
+    native = NATIVE_NAMES.get(task_name)
+    if native is None:
+        return (f"{task_name}:{filt}" if with_filter else task_name), f"{task_name}/{doc_id}"
+    name, primary, pattern = native
+    task = name if (filt == primary or not with_filter) else f"{name}:{filt}"
+    return task, pattern.format(doc_id=doc_id)
+
+
 def record_from_sample(task_name: str, sample: dict[str, Any], with_filter: bool) -> dict[str, Any]:
     """One moebench record from one lm-eval sample row (one doc under one filter)."""
     for key in ("doc_id", "filter", "filtered_resps"):
@@ -86,14 +105,16 @@ def record_from_sample(task_name: str, sample: dict[str, Any], with_filter: bool
     target = sample.get("target")
     metric = main_metric(sample)
     value = _number(sample.get(metric)) if metric else None
+    task, item_id = native_names(task_name, filt, sample["doc_id"], with_filter)
     record: dict[str, Any] = {
-        "task": f"{task_name}:{filt}" if with_filter else task_name,
-        "item_id": f"{task_name}/{sample['doc_id']}",
+        "task": task,
+        "item_id": item_id,
         "status": "ok",
         "correct": (value == 1.0) if value is not None else None,
         "prompt_hash": sample.get("prompt_hash"),
         "lm_eval_task": task_name,
         "lm_eval_filter": filt,
+        "lm_eval_doc_id": sample["doc_id"],
         "lm_eval_main_metric": metric,
         "lm_eval_metrics": {m: sample.get(m) for m in sample.get("metrics", []) if m in sample},
         "doc_hash": sample.get("doc_hash"),

@@ -216,6 +216,64 @@ def energy_summary(samples: Any, phases: Iterable[dict[str, Any]],
     return out
 
 
+SUMMED_COLUMNS = ("mem_total_bytes", "mem_used_bytes", "mem_free_bytes", "mem_reserved_bytes",
+                  "energy_mj") + POWER_COLUMNS
+
+
+def summed_rows(rows: list[dict[str, Any]], cards: list[Any]) -> list[dict[str, Any]]:
+    """One row per tick holding the sum over `cards` of each counter; a counter is summed only at
+    ticks where every card answered it (else that tick leaves it out, never a partial sum)."""
+    by_t: dict[float, dict[Any, dict[str, Any]]] = {}
+    for r in rows:
+        by_t.setdefault(float(r["t"]), {})[r.get("gpu")] = r
+    out = []
+    for t in sorted(by_t):
+        tick = by_t[t]
+        s: dict[str, Any] = {"t": t, "gpu": "sum"}
+        for col in SUMMED_COLUMNS:
+            vals = [tick[c].get(col) for c in cards if c in tick]
+            if len(vals) == len(cards) and all(_num(v) for v in vals):
+                s[col] = float(sum(vals))
+        out.append(s)
+    return out
+
+
+def _card_brief(summary: dict[str, Any]) -> dict[str, Any]:
+    """A card's figures for the manifest: its memory, idle power, whole run and per-phase energy."""
+    e = summary.get("energy") or {}
+    phases = {name: {k: ph.get(k) for k in ("duration_s", "energy_j", "counter_j", "integral_j", "net_j",
+                                               "mean_power_w")}
+              for name, ph in (e.get("phases") or {}).items()}
+    return {"memory": summary["memory"], "energy": {
+        "idle_power_w": e.get("idle_power_w"), "power_column": e.get("power_column"),
+        "whole_run": e.get("whole_run"), "phases": phases} if e else None}
+
+
+def cards_summary(samples: Any, phases: Iterable[dict[str, Any]], tokens: dict[str, int] | None = None,
+                  tariffs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """energy_summary over one or several cards (samples with a `gpu` column, one row per card and tick).
+
+    The headline "memory"/"energy" are the one card's, or with several cards those of their per-tick
+    sum (peak memory used by all cards at once; energy, idle power and J/token of the whole rig).
+    "gpus": each card's memory and energy by phase; "cards": how many."""
+    phases = list(phases)
+    rows = _rows(samples)
+    cards = sorted({r.get("gpu") for r in rows if r.get("gpu") is not None}, key=str)
+    if len(cards) <= 1:
+        out = energy_summary(rows, phases, tokens=tokens, tariffs=tariffs)
+        out["cards"] = 1
+        out["headline"] = f"GPU {cards[0]}" if cards else "GPU"
+        out["gpus"] = [{"index": cards[0] if cards else None, **_card_brief(out)}]
+        return out
+    out = energy_summary(summed_rows(rows, cards), phases, tokens=tokens, tariffs=tariffs)
+    out["memory"]["source"] += f"; summed over GPUs {', '.join(map(str, cards))} at each tick"
+    out["cards"] = len(cards)
+    out["headline"] = f"sum of GPUs {', '.join(map(str, cards))}"
+    out["gpus"] = [{"index": c, **_card_brief(energy_summary([r for r in rows if r.get("gpu") == c], phases))}
+                   for c in cards]
+    return out
+
+
 def tokens_from_records(records: Iterable[dict[str, Any]], tasks: tuple[str, ...] = ("speed", "needle")) -> dict[str, int]:
     """Prefill and decode token totals of ok records (prompt_tokens, output_tokens) of the given tasks."""
     pre = dec = 0
@@ -283,4 +341,42 @@ def memory_energy_compare(base_manifest: dict[str, Any], cand_manifest: dict[str
     for side, e in (("baseline", be), ("candidate", ce)):
         if e.get("cost_per_million_tokens"):
             energy[f"cost_per_million_tokens_{side}"] = e["cost_per_million_tokens"]
+    phases: dict[str, Any] = {}
+    for side, e in (("baseline", be), ("candidate", ce)):
+        for name, ph in (e.get("phases") or {}).items():
+            phases.setdefault(name, {})[side] = {k: ph.get(k) for k in ("duration_s", "energy_j", "net_j",
+                                                                          "mean_power_w")}
+    energy["phases"] = phases
+    energy["whole_run"] = {"baseline": be.get("whole_run"), "candidate": ce.get("whole_run")}
+    for side, m, s in (("baseline", base_manifest, b), ("candidate", cand_manifest, c)):
+        torch_mem = (m.get("engine") or {}).get("torch_memory")
+        if torch_mem:
+            memory.setdefault("torch", {})[side] = torch_mem
+    memory["gpus"], energy["gpus"] = _cards_compare(b, c)
+    memory["cards"] = {"baseline": b.get("cards", 1), "candidate": c.get("cards", 1),
+                       "headline_baseline": b.get("headline"), "headline_candidate": c.get("headline")}
     return {"memory": memory, "energy": energy}
+
+
+MEMORY_KEYS = ("peak_used_bytes", "min_free_bytes", "reserved_bytes", "total_bytes", "n_samples")
+
+
+def _cards_compare(b: dict[str, Any], c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per-card memory and energy of both runs, keyed "gpuN" (a card only one run sampled has one
+    side), plus "sum": the headline figures (the sum over cards, or the one card)."""
+    memory: dict[str, Any] = {}
+    energy: dict[str, Any] = {}
+    for side, s in (("baseline", b), ("candidate", c)):
+        cards = [(f"gpu{g.get('index')}", g) for g in s.get("gpus") or []]
+        cards.append(("sum", {"memory": s.get("memory"), "energy": s.get("energy")}))
+        for key, g in cards:
+            mem = g.get("memory") or {}
+            memory.setdefault(key, {})[side] = {k: mem.get(k) for k in MEMORY_KEYS}
+            e = g.get("energy") or {}
+            whole = e.get("whole_run") or {}
+            energy.setdefault(key, {})[side] = {
+                "idle_power_w": e.get("idle_power_w"), "whole_run_counter_j": whole.get("counter_j"),
+                "whole_run_integral_j": whole.get("integral_j"),
+                "rel_diff_integral_vs_counter": whole.get("rel_diff_integral_vs_counter"),
+                "phases_j": {n: ph.get("energy_j") for n, ph in (e.get("phases") or {}).items()}}
+    return memory, energy

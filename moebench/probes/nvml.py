@@ -1,11 +1,19 @@
-"""NVML sampler: GPU memory, power, energy counter, utilisation and clocks in a background thread.
+"""NVML sampler: GPU memory, power, energy counter, utilisation and clocks of one or several GPUs,
+read by one background thread.
 
 Usage (the run wires it):
-    probe = NvmlProbe(interval_ms=100, gpu_index=0)
+    probe = NvmlProbe(interval_ms=100, gpu_indices=[0, 1])      # or "all", or gpu_index=0
     if probe.available:
-        probe.start(run_dir)          # takes a short "baseline_idle" window first (idle power)
-        probe.mark("load"); ...; probe.mark("prefill", at=t); probe.count_tokens(prefill=n, decode=m)
-        info = probe.stop()           # writes nvml_samples.parquet (or .csv) and nvml_phases.json
+        probe.start(run_dir, idle_s=0)   # sampling starts; no work yet
+        probe.mark("load"); ...          # load the model, warm it up
+        probe.measure_idle(5.0)          # the "baseline_idle" window: loaded, warm, nothing running
+        probe.mark("prefill", at=t); probe.count_tokens(prefill=n, decode=m)
+        info = probe.stop()              # writes nvml_samples.parquet (or .csv) and nvml_phases.json
+
+Every tick reads every card at the same instant `t`; the samples file holds one row per (tick, card)
+with the card's NVML index in column `gpu`. The summary gives each card's memory and energy under
+"gpus" and, as its headline "memory"/"energy", the one card's figures or, with several cards, the
+figures of their per-tick sum ("sum": memory used by the whole rig at once, energy of all cards).
 Where NVML is absent (no driver, no GPU: this CPU machine) `available` is False with `reason`, and
 every method is a harmless no-op, so the run goes on.
 
@@ -28,7 +36,7 @@ FI_POWER_INSTANT = 186    # NVML_FI_DEV_POWER_INSTANT
 FI_POWER_AVERAGE = 185    # NVML_FI_DEV_POWER_AVERAGE
 BASELINE_IDLE = "baseline_idle"
 
-SAMPLE_COLUMNS = ("t", "mem_total_bytes", "mem_used_bytes", "mem_free_bytes", "mem_reserved_bytes",
+SAMPLE_COLUMNS = ("t", "gpu", "mem_total_bytes", "mem_used_bytes", "mem_free_bytes", "mem_reserved_bytes",
                   "power_instant_w", "power_avg_w", "power_usage_w", "energy_mj",
                   "sm_util_pct", "mem_util_pct", "sm_clock_mhz", "mem_clock_mhz")
 
@@ -43,48 +51,73 @@ def _field_value(v: Any) -> float | None:
                   5: val.siVal, 6: getattr(val, "usVal", 0)}.get(kind, val.ullVal))
 
 
+def resolve_gpu_indices(spec: Any, count: int, where: str = "gpu_indices") -> list[int]:
+    """[indices] from `"all"`, an int or a list of ints, checked against the `count` cards NVML sees."""
+    if spec == "all":
+        return list(range(count))
+    items = [spec] if isinstance(spec, int) and not isinstance(spec, bool) else spec
+    if not isinstance(items, (list, tuple)) or not items or any(
+            not isinstance(i, int) or isinstance(i, bool) for i in items):
+        raise ValueError(f"{where}: expected \"all\", a GPU index or a non-empty list of GPU indices, got {spec!r}")
+    bad = [i for i in items if not 0 <= i < count]
+    if bad:
+        raise ValueError(f"{where}: GPU index {bad[0]} does not exist (NVML sees {count} GPU(s): 0..{count - 1})")
+    if len(set(items)) != len(items):
+        raise ValueError(f"{where}: GPU indices repeat: {list(items)!r}")
+    return list(items)
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
 class NvmlReader:
-    """One GPU through pynvml; `read()` returns one sample (missing counters as None)."""
+    """Several GPUs through pynvml (or a module with its API: `nvml`); `read()` returns one sample
+    per card (missing counters as None), each with the card's index under "gpu"."""
 
-    def __init__(self, gpu_index: int = 0):
-        import pynvml                    # nvidia-ml-py
-        self.nv = pynvml
-        pynvml.nvmlInit()
+    def __init__(self, gpu_indices: Any = 0, nvml: Any = None):
+        if nvml is None:
+            import pynvml as nvml        # nvidia-ml-py
+        self.nv = nvml
+        nvml.nvmlInit()
         try:
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
-            name = pynvml.nvmlDeviceGetName(self.handle)
-            self.name = name.decode() if isinstance(name, bytes) else str(name)
-            drv = pynvml.nvmlSystemGetDriverVersion()
-            self.driver = drv.decode() if isinstance(drv, bytes) else str(drv)
+            self.indices = resolve_gpu_indices(gpu_indices, int(nvml.nvmlDeviceGetCount()))
+            self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in self.indices]
+            self.names = [_text(nvml.nvmlDeviceGetName(h)) for h in self.handles]
+            self.driver = _text(nvml.nvmlSystemGetDriverVersion())
         except Exception:
-            pynvml.nvmlShutdown()
+            nvml.nvmlShutdown()
             raise
-        self.has_fields = True
-        self.has_memory_v2 = True
+        # per card: older drivers lack the field values or the v2 memory call
+        self.has_fields = [True] * len(self.handles)
+        self.has_memory_v2 = [True] * len(self.handles)
 
-    def read(self) -> dict[str, Any]:
-        nv, h = self.nv, self.handle
-        s: dict[str, Any] = {}
+    def read(self) -> list[dict[str, Any]]:
+        return [self._read_card(c) for c in range(len(self.handles))]
+
+    def _read_card(self, c: int) -> dict[str, Any]:
+        nv, h = self.nv, self.handles[c]
+        s: dict[str, Any] = {"gpu": self.indices[c]}
         try:
-            if self.has_memory_v2:
+            if self.has_memory_v2[c]:
                 m = nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2)
                 s["mem_reserved_bytes"] = int(m.reserved)
             else:
                 m = nv.nvmlDeviceGetMemoryInfo(h)
             s.update(mem_total_bytes=int(m.total), mem_used_bytes=int(m.used), mem_free_bytes=int(m.free))
         except nv.NVMLError:
-            if self.has_memory_v2:           # older drivers: v1 (used then includes reserved)
-                self.has_memory_v2 = False
-        if self.has_fields:
+            if self.has_memory_v2[c]:        # older drivers: v1 (used then includes reserved)
+                self.has_memory_v2[c] = False
+        if self.has_fields[c]:
             try:
                 vals = nv.nvmlDeviceGetFieldValues(h, [FI_POWER_INSTANT, FI_POWER_AVERAGE])
                 inst, avg = (_field_value(v) for v in vals)
                 s["power_instant_w"] = inst / 1000.0 if inst is not None else None
                 s["power_avg_w"] = avg / 1000.0 if avg is not None else None
                 if inst is None and avg is None:
-                    self.has_fields = False
+                    self.has_fields[c] = False
             except nv.NVMLError:
-                self.has_fields = False
+                self.has_fields[c] = False
         for key, fn in (("power_usage_w", lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0),
                         ("energy_mj", lambda: float(nv.nvmlDeviceGetTotalEnergyConsumption(h)))):
             try:
@@ -104,7 +137,8 @@ class NvmlReader:
         return s
 
     def identity(self) -> dict[str, Any]:
-        return {"gpu_name": self.name, "driver": self.driver}
+        return {"gpu_name": self.names[0], "driver": self.driver,
+                "gpus": [{"index": i, "name": n} for i, n in zip(self.indices, self.names)]}
 
     def close(self) -> None:
         try:
@@ -114,11 +148,15 @@ class NvmlReader:
 
 
 class NvmlProbe:
-    """Background sampler with phase marks. Times are seconds since `start()` (perf_counter based)."""
+    """Background sampler with phase marks. Times are seconds since `start()` (perf_counter based).
+
+    gpu_indices: "all", an index or a list of indices (NVML's numbering); None: `gpu_index`.
+    reader: a callable returning one sample dict (one card) or a list of them (several), in place of
+    NVML (tests). nvml: a module with pynvml's API in place of pynvml (tests: a fake of N cards)."""
 
     def __init__(self, interval_ms: int = 100, gpu_index: int = 0, idle_s: float = 1.0,
                  tariffs: dict[str, Any] | None = None,
-                 reader: Callable[[], dict[str, Any]] | None = None):
+                 reader: Callable[[], Any] | None = None, gpu_indices: Any = None, nvml: Any = None):
         self.interval_s = max(0.001, interval_ms / 1000.0)
         self.gpu_index = gpu_index
         self.idle_s = idle_s
@@ -129,10 +167,14 @@ class NvmlProbe:
         self._reader_obj: NvmlReader | None = None
         self._read = reader
         if reader is None:
+            spec = gpu_index if gpu_indices is None else gpu_indices
             try:
-                self._reader_obj = NvmlReader(gpu_index)
+                self._reader_obj = NvmlReader(spec, nvml=nvml)
                 self._read = self._reader_obj.read
                 self.device = self._reader_obj.identity()
+            except ValueError as e:      # a bad gpu_indices: the user's mistake, said as such
+                self.reason = f"NVML probe: {e}"
+                return
             except Exception as e:       # ImportError, NVMLError_LibraryNotFound, no such GPU, ...
                 self.reason = f"NVML unavailable: {type(e).__name__}: {e}"
                 return
@@ -149,18 +191,35 @@ class NvmlProbe:
 
     # -- life cycle -------------------------------------------------------------------------------
     def start(self, run_dir: str | Path | None = None, idle_s: float | None = None) -> None:
-        """Start sampling; blocks for `idle_s` to measure the idle draw before any work."""
+        """Start sampling; with idle_s > 0, first blocks that long in a "baseline_idle" window."""
         if not self.available or self._thread is not None:
             return
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self._t0 = time.perf_counter()
-        self.mark(BASELINE_IDLE)
         self._thread = threading.Thread(target=self._loop, name="nvml-probe", daemon=True)
         self._thread.start()
         idle = self.idle_s if idle_s is None else idle_s
         if idle > 0:
-            time.sleep(idle)
-        self.mark("idle")
+            self.measure_idle(idle)
+
+    def measure_idle(self, seconds: float, phase: str = BASELINE_IDLE, then: str = "idle") -> None:
+        """Block `seconds` in the `phase` window (nothing must run meanwhile), then mark `then`.
+        The run calls it once the model is loaded and warm, so the idle draw is the loaded card's."""
+        if not self.available or self._t0 is None or seconds <= 0:
+            return
+        self.mark(phase)
+        time.sleep(seconds)
+        self.mark(then)
+
+    def _samples_of(self, got: Any, now: float) -> list[dict[str, Any]]:
+        rows = got if isinstance(got, list) else [got]
+        out = []
+        for r in rows:
+            r = dict(r)
+            r.setdefault("gpu", self.gpu_index)
+            r["t"] = now
+            out.append(r)
+        return out
 
     def _loop(self) -> None:
         assert self._t0 is not None and self._read is not None
@@ -168,13 +227,13 @@ class NvmlProbe:
         while not self._stop.is_set():
             now = time.perf_counter()
             try:
-                s = self._read()
+                got = self._read()
             except Exception:
                 self.read_errors += 1
-                s = {}
-            s["t"] = now - self._t0
+                got = []
+            rows = self._samples_of(got, now - self._t0)
             with self._lock:
-                self.samples.append(s)
+                self.samples.extend(rows)
             next_t += self.interval_s
             delay = next_t - time.perf_counter()
             if delay < 0:                 # fell behind (slow reads): do not burst to catch up
@@ -217,21 +276,21 @@ class NvmlProbe:
             final = None
         with self._lock:
             if final is not None:
-                final["t"] = time.perf_counter() - (self._t0 or 0.0)
-                self.samples.append(final)
+                self.samples.extend(self._samples_of(final, time.perf_counter() - (self._t0 or 0.0)))
             self.phases.append({"phase": "end", "t": end})
             samples = list(self.samples)
             phases = sorted(self.phases, key=lambda p: p["t"])
         if self._reader_obj is not None:
             self._reader_obj.close()
+        cards = sorted({int(s["gpu"]) for s in samples if s.get("gpu") is not None})
         out: dict[str, Any] = {"available": True, "interval_ms": self.interval_s * 1000.0, **self.device,
-                               "n_samples": len(samples), "read_errors": self.read_errors,
+                               "gpu_indices": cards, "n_samples": len(samples), "read_errors": self.read_errors,
                                "tokens": dict(tokens or self.tokens)}
         if self.run_dir is not None:
             out.update(write_samples(self.run_dir, samples, phases))
-        from moebench.probes.energy import energy_summary
-        out["summary"] = energy_summary(samples, phases, tokens=tokens or self.tokens,
-                                        tariffs=tariffs or self.tariffs)
+        from moebench.probes.energy import cards_summary
+        out["summary"] = cards_summary(samples, phases, tokens=tokens or self.tokens,
+                                       tariffs=tariffs or self.tariffs)
         return out
 
 
@@ -256,7 +315,8 @@ def write_samples(run_dir: Path, samples: list[dict[str, Any]], phases: list[dic
 
 
 def read_samples(run_dir: str | Path) -> tuple[Any, list[dict[str, Any]]]:
-    """(samples DataFrame, phases) of a run directory, for re-summarising later."""
+    """(samples DataFrame, phases) of a run directory, for re-summarising later (column `gpu`: the
+    card of each row; one row per card and tick)."""
     import pandas as pd
     d = Path(run_dir)
     pq, csv = d / "nvml_samples.parquet", d / "nvml_samples.csv"

@@ -390,3 +390,44 @@ def timeline(series: Sequence[tuple[str, Sequence[float], Sequence[float]]],
     out += _legend_row(names + list(seen), used_colours + list(seen.values()), height + 2)
     out.append("</svg>")
     return "".join(out)
+
+
+def _point_title(p: dict, size_text: str) -> str:
+    return f"{p['label']}: x={float(p['x']):.4g}, y={float(p['y']):.4g}{size_text}"
+
+
+def scatter(points: Sequence[dict], xlabel: str, ylabel: str, size_label: str, height: int = 300,
+            log_x: bool = False) -> str:
+    """Labelled points: each dict has label, x, y and optionally size (drawn as the marker's area,
+    scaled to the largest) and colour. Points with a missing x or y are listed under the plot instead."""
+    ok = [p for p in points if isinstance(p.get("x"), (int, float)) and isinstance(p.get("y"), (int, float))
+          and math.isfinite(p["x"]) and math.isfinite(p["y"]) and (p["x"] > 0 or not log_x)]
+    if not ok:
+        return empty_plot(f"{ylabel} vs {xlabel}: no candidate has both values")
+    xs, ys = [float(p["x"]) for p in ok], [float(p["y"]) for p in ok]
+    pad_x = (max(xs) - min(xs)) * 0.08 or abs(xs[0]) * 0.1 or 1.0
+    x_lo, x_hi = (min(xs) / 1.3, max(xs) * 1.3) if log_x else (min(xs) - pad_x, max(xs) + pad_x)
+    yt = nice_ticks(min(0.0, min(ys)), max(ys) * 1.1 if max(ys) > 0 else 1.0)
+    xt = nice_ticks(x_lo, x_hi) if not log_x else sorted(set(xs))
+    f = _Frame(x_lo, x_hi, yt[0], yt[-1], height, log_x=log_x)
+    sizes = [p.get("size") for p in ok]
+    s_max = max((s for s in sizes if isinstance(s, (int, float)) and s > 0), default=None)
+    missing = [p for p in points if p not in ok]
+    out = _open(height + 16 * (1 + bool(missing)), f"{ylabel} vs {xlabel}")
+    out += _axes(f, xt, yt, xlabel, ylabel, xfmt=lambda v: fmt_tick(v))
+    for i, p in enumerate(ok):
+        s = p.get("size")
+        r = 4 + 10 * math.sqrt(s / s_max) if s_max and isinstance(s, (int, float)) and s > 0 else 4
+        colour = p.get("colour") or SERIES_COLOURS[(i + 1) % len(SERIES_COLOURS)]
+        cx, cy = f.px(float(p["x"])), f.py(float(p["y"]))
+        size_text = f", {size_label} {s:.4g}" if isinstance(s, (int, float)) else f", {size_label} n/a"
+        out.append(f'<circle cx="{_num(cx)}" cy="{_num(cy)}" r="{_num(r)}" fill="{colour}" fill-opacity="0.6" '
+                   f'stroke="{colour}"><title>{escape(_point_title(p, size_text))}</title></circle>')
+        out.append(f'<text class="tick" x="{_num(cx + r + 3)}" y="{_num(cy + 4)}">{escape(str(p["label"]))}</text>')
+    out.append(f'<text class="tick" x="{MARGIN_L}" y="{height + 12}">marker area: {escape(size_label)}'
+               f'{" (largest = " + fmt_tick(s_max) + ")" if s_max else " (no values: equal markers)"}</text>')
+    if missing:
+        out.append(f'<text class="tick" x="{MARGIN_L}" y="{height + 28}">not drawn (a value missing): '
+                   f'{escape(", ".join(str(p["label"]) for p in missing))}</text>')
+    out.append("</svg>")
+    return "".join(out)

@@ -17,10 +17,13 @@ from markupsafe import Markup
 
 from moebench import store
 from moebench.report import plots
+from moebench.report.rig import rig_context
 from moebench.report.sections import (SPEED_METRICS, needle_cells, needle_counts, number, per_side,
                                       speed_rows)
 
 REPORT_FILE = "report.html"
+MATRIX_FILE = "matrix.json"
+GATE_FILE = "gate.json"
 EXCERPT_CHARS = 240
 OUTPUT_CHARS = 20_000          # raw outputs beyond this are cut in the report (the run keeps them)
 MAX_ALL_ROWS = 3_000           # unchanged items listed per task; flips are always listed
@@ -41,6 +44,8 @@ def render(path: str | os.PathLike[str], out: str | os.PathLike[str] | None = No
     src = Path(path)
     if (src / "compare.json").is_file():
         context = compare_context(src)
+    elif (src / MATRIX_FILE).is_file():
+        context = matrix_context(src)
     elif (src / store.MANIFEST).is_file():
         context = run_context(src)
     else:
@@ -56,7 +61,12 @@ def render(path: str | os.PathLike[str], out: str | os.PathLike[str] | None = No
 
 
 def _templates_dir() -> Path:
-    """The packaged templates (moebench.templates in a wheel), else the checkout's templates/."""
+    """The checkout's templates/ beside this package, else the packaged ones (moebench.templates in a wheel).
+
+    The checkout comes first: an editable install of another checkout maps moebench.templates there."""
+    here = Path(__file__).resolve().parents[2] / "templates"
+    if (here / "report.html").is_file():
+        return here
     try:
         import moebench.templates as packaged  # installed wheel: package-dir maps templates/ here
         return Path(packaged.__file__).parent
@@ -261,6 +271,9 @@ def _side(compare: dict[str, Any], role: str, compare_dir: Path, warnings: list[
     run_dir = resolve_run(info.get("run"), compare_dir)
     side = {"role": role, "label": info.get("label") or role, "run": info.get("run"), "found": False,
             "identity": [], "records": {}}
+    if run_dir is None and info.get("profile") and not info.get("run"):
+        side["identity"] = [("runner profile", str(info["profile"]))]    # a speed-ab side: no run directory
+        return side
     if run_dir is None:
         warnings.append(f"{role} run {info.get('run')!r} not found (looked relative to {compare_dir} "
                         f"and {Path.cwd()}): answers and outputs are not shown")
@@ -441,6 +454,10 @@ def _needle_context(needle: Any) -> dict[str, Any] | None:
     return {"counts": needle_counts(cells), "svg": _svg(svg)}
 
 
+PERCENTILE_METRICS = (("ttft_s", "TTFT s"), ("tpot_s", "TPOT s"), ("itl_s", "ITL s"), ("e2e_s", "end-to-end s"),
+                      ("decode_tok_s", "decode tok/s"), ("prefill_tok_s", "prefill tok/s"))
+
+
 def _speed_context(speed: Any) -> dict[str, Any] | None:
     rows = speed_rows(speed)
     if not rows:
@@ -462,8 +479,68 @@ def _speed_context(speed: Any) -> dict[str, Any] | None:
             figs.append((f"{label} vs prompt length", _svg(plots.line_plot(
                 series, "prompt tokens", label, log_x=True, xfmt=plots.fmt_tokens, colours=colours))))
     geo = speed.get("geomean") if isinstance(speed, dict) and isinstance(speed.get("geomean"), dict) else {}
-    return {"rows": rows, "metrics": SPEED_METRICS, "plots": figs, "show_clients": len(client_counts) > 1,
-            "geomean": [(k, v) for k, v in geo.items() if number(v) is not None]}
+    metrics = [m for m in SPEED_METRICS if any(r.get(f"{m}_ratio") is not None for r in rows)]
+    percentiles = []
+    for r in rows:
+        for m, label in PERCENTILE_METRICS:
+            b, c = r["baseline_stats"].get(m), r["candidate_stats"].get(m)
+            if isinstance(b, dict) or isinstance(c, dict):
+                percentiles.append({"prompt_length": r["prompt_length"], "clients": r["clients"], "metric": label,
+                                    "baseline": b or {}, "candidate": c or {}})
+    sampling = speed.get("sampling") if isinstance(speed, dict) and isinstance(speed.get("sampling"), dict) else {}
+    return {"rows": rows, "metrics": metrics, "plots": figs, "show_clients": len(client_counts) > 1,
+            "geomean": [(k, v) for k, v in geo.items() if number(v) is not None], "percentiles": percentiles,
+            "sampling": [(side, _sampling_text(sampling.get(side))) for side in ("baseline", "candidate")
+                         if sampling.get(side)],
+            "acceptance": any(r.get("acceptance_baseline") is not None or r.get("acceptance_candidate") is not None
+                              for r in rows)}
+
+
+def _sampling_text(s: Any) -> str:
+    if not isinstance(s, dict):
+        return "-"
+    if not s.get("temperature"):
+        return f"greedy (seed {s.get('seed')})"
+    parts = [f"temperature {s['temperature']:g}"]
+    parts += [f"{k} {s[k]:g}" for k in ("top_p", "top_k") if s.get(k) is not None]
+    return ", ".join(parts) + f", seed {s.get('seed')}"
+
+
+def _speed_ab_context(ab: Any) -> dict[str, Any] | None:
+    if not isinstance(ab, dict) or not isinstance(ab.get("rounds"), list):
+        return None
+    paired = ab.get("paired") if isinstance(ab.get("paired"), dict) else {}
+    return {"rounds": [r for r in ab["rounds"] if isinstance(r, dict)], "order": ab.get("order"),
+            "profiles": ab.get("profiles") or {}, "won": ab.get("rounds_won") or {},
+            "paired": [(m, v) for m, v in paired.items() if isinstance(v, dict)],
+            "identity": ab.get("identity") if isinstance(ab.get("identity"), dict) else {},
+            "metric": ab.get("round_metric", "decode_tok_s")}
+
+
+def _gate_context(directory: Path, warnings: list[str]) -> dict[str, Any] | None:
+    path = directory / GATE_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = _load_json(path)
+    except ReportError as e:
+        warnings.append(str(e))
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("checks"), list) else None
+
+
+def _verdict_context(tasks: list[dict[str, Any]], cmp: dict[str, Any]) -> dict[str, Any]:
+    """The opening table: what a reviewer needs to know whether the candidate regressed."""
+    from moebench.compare.tables import matrix_row
+    row = matrix_row(cmp)
+    figures = [("KLD mean", fmt_number(row["kld.mean"], 4)), ("KLD same top", fmt_percent(row["kld.same_top_p"], 2)),
+               ("decode ratio (geomean)", fmt_number(row["speed.decode_ratio"], 3)),
+               ("prefill ratio (geomean)", fmt_number(row["speed.prefill_ratio"], 3)),
+               ("peak GPU memory used", fmt_gib(row["memory.peak_used_bytes"])),
+               ("decode J/token", fmt_number(row["energy.decode_j_per_token"], 3))]
+    if row["speed_ab.rounds"]:
+        figures.append(("speed-ab rounds won by B", f"{row['speed_ab.rounds_won_b']} of {row['speed_ab.rounds']}"))
+    return {"tasks": tasks, "figures": [(k, v) for k, v in figures if v != "–"]}
 
 
 TIME_COLUMNS = ("t_s", "t", "time_s", "elapsed_s", "time", "timestamp", "ts")
@@ -493,6 +570,8 @@ def _timeline_series(path: Path, warnings: list[str]):
                         f"used-memory column ({', '.join(USED_COLUMNS)}); found {', '.join(map(str, df.columns))}")
         return None
     import pandas as pd
+    if "gpu" in df.columns and df["gpu"].nunique() > 1:     # several cards: the rig's total per tick
+        df = df.groupby(tcol, as_index=False, sort=True)[ucol].sum()
     t = df[tcol]
     if pd.api.types.is_datetime64_any_dtype(t):
         t0 = t.iloc[0]
@@ -615,7 +694,9 @@ def compare_context(compare_dir: Path) -> dict[str, Any]:
         rows = _flip_rows(name, t, base, cand, notes)
         reasons = t.get("excluded_reasons") if isinstance(t.get("excluded_reasons"), dict) else {}
         excluded = [(i, str(reasons.get(i, ""))) for i in _id_list(t.get("excluded"))]
+        subjects = t.get("per_subject") if isinstance(t.get("per_subject"), dict) else {}
         flips.append({"task": name, "rows": rows, "notes": notes, "excluded": excluded,
+                      "subjects": [_task_summary(sub, v) for sub, v in subjects.items() if isinstance(v, dict)],
                       "counts": {k: sum(1 for r in rows if r["kind"] == k)
                                  for k in ("win", "loss", "same-right", "same-wrong")}})
     return {
@@ -631,6 +712,55 @@ def compare_context(compare_dir: Path) -> dict[str, Any]:
         "kld": _kld_context(compare.get("kld")),
         "needle": _needle_context(compare.get("needle")),
         "speed": _speed_context(compare.get("speed")),
+        "speed_ab": _speed_ab_context(compare.get("speed_ab")),
         "memory": _memory_context(compare.get("memory"), compare_dir, [base, cand], warnings),
         "energy": _energy_context(compare.get("energy")),
+        "rig": rig_context(compare),
+        "gate": _gate_context(compare_dir, warnings),
+        "verdict": _verdict_context(tasks, compare),
     }
+
+
+# --- several candidates -------------------------------------------------------------------------
+
+def matrix_context(matrix_dir: Path) -> dict[str, Any]:
+    """One report over several candidates: the headline table, per-task deltas, the size/KLD/speed
+    scatter, and links to each candidate's own report."""
+    from moebench.compare.tables import TASK_FIELDS
+    matrix = _load_json(matrix_dir / MATRIX_FILE)
+    if not isinstance(matrix, dict) or not isinstance(matrix.get("rows"), list):
+        raise ReportError(f"{matrix_dir / MATRIX_FILE}: expected an object with 'rows'")
+    warnings: list[str] = []
+    rows = [r for r in matrix["rows"] if isinstance(r, dict)]
+    tasks: list[str] = []
+    for r in rows:
+        for k in r:
+            if k.endswith(".delta") and not k.startswith(("kld.", "speed")):
+                t = k[: -len(".delta")]
+                if t not in tasks:
+                    tasks.append(t)
+    cands = []
+    for r in rows:
+        d = matrix_dir / str(r.get("compare_dir") or ".")
+        gate = _gate_context(d, warnings) if d != matrix_dir else None
+        cands.append({"row": r, "link": f"{r.get('compare_dir')}/{REPORT_FILE}" if d != matrix_dir else None,
+                      "gate": gate,
+                      "tasks": [{"task": t, **{f: r.get(f"{t}.{f}") for f in TASK_FIELDS}} for t in tasks]})
+    points = [{"label": str(r.get("candidate")), "x": number(r.get("model_bytes")) and r["model_bytes"] / 2**20,
+               "y": number(r.get("kld.mean")), "size": number(r.get("speed.decode_tok_s"))} for r in rows]
+    scatter = _svg(plots.scatter(points, "model size (MiB)", "mean KLD against the baseline",
+                                 "candidate decode tok/s (geomean over prompt lengths)"))
+    base = matrix.get("baseline") if isinstance(matrix.get("baseline"), dict) else {}
+    base_dir = resolve_run(base.get("run"), matrix_dir)
+    manifests = []
+    if base_dir is not None:
+        manifests.append({"role": "baseline", "label": base.get("label"), "run": base.get("run"),
+                          "identity": identity(store.load_run(base_dir)[0])})
+    for r in rows:
+        d = resolve_run(r.get("run"), matrix_dir)
+        if d is not None:
+            manifests.append({"role": "candidate", "label": r.get("candidate"), "run": r.get("run"),
+                              "identity": identity(store.load_run(d)[0])})
+    return {"mode": "matrix", "title": f"moebench compare: {len(rows)} candidates against {base.get('label')}",
+            "compare_path": str(matrix_dir), "warnings": warnings, "candidates": cands, "tasks": tasks,
+            "scatter": scatter, "manifests": manifests}

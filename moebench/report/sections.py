@@ -12,9 +12,10 @@ import math
 from typing import Any, Iterable
 
 SIDES = ("baseline", "candidate")
-SPEED_METRICS = ("ttft_s", "prefill_tok_s", "decode_tok_s")
+SPEED_METRICS = ("ttft_s", "prefill_tok_s", "decode_tok_s", "tpot_s", "itl_s", "e2e_s")
 # Short names some writers use for ratio keys ("decode" for decode_tok_s).
-_SHORT = {"ttft_s": "ttft", "prefill_tok_s": "prefill", "decode_tok_s": "decode"}
+_SHORT = {"ttft_s": "ttft", "prefill_tok_s": "prefill", "decode_tok_s": "decode", "tpot_s": "tpot",
+          "itl_s": "itl", "e2e_s": "e2e"}
 
 
 def number(v: Any) -> float | None:
@@ -92,6 +93,17 @@ def speed_rows(speed: Any) -> list[dict[str, Any]]:
             if ratio is None and base and cand is not None:
                 ratio = cand / base       # candidate over baseline, as the design defines ratios
             row[f"{metric}_ratio"] = ratio
+            ci = next((r[k] for k in (f"{short}_ratio_ci95", f"{metric}_ratio_ci95") if k in r), None)
+            row[f"{metric}_ratio_ci95"] = (
+                [number(ci[0]), number(ci[1])] if isinstance(ci, list) and len(ci) == 2
+                and number(ci[0]) is not None and number(ci[1]) is not None else None)
+        for side in SIDES:
+            n = number(r.get(f"n_{side}"))
+            row[f"n_{side}"] = int(n) if n is not None else None
+        for side in SIDES:
+            st = r.get(f"{side}_stats")
+            row[f"{side}_stats"] = st if isinstance(st, dict) else {}
+            row[f"acceptance_{side}"] = number(r.get(f"acceptance_{side}"))   # speculative decoding
         rows.append(row)
     rows.sort(key=lambda x: (x["clients"] or 0, x["prompt_length"] is None, x["prompt_length"] or 0))
     return rows

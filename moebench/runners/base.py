@@ -25,6 +25,7 @@ class Capability:
     TOKEN_PROMPTS = "token_prompts"    # prompts given as token ids
     ROUTER_TRACE = "router_trace"      # per-layer top-k expert ids and weights per token
     CHOICE_LOGPROBS = "choice_logprobs"  # next-token log-probs of given choice strings, none missed
+    SAMPLING = "sampling"              # top_p and top_k truncation when sampling (temperature > 0)
 
 
 class RunnerError(Exception):
@@ -51,6 +52,8 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     temperature: float = 0.0
     seed: int | None = 0
+    top_p: float | None = None    # nucleus sampling; None leaves the backend's default
+    top_k: int | None = None      # top-k sampling; None leaves the backend's default
     top_logprobs: int = 0
     stream: bool = False          # ask for per-token arrival times
     ignore_eos: bool = False      # keep generating past EOS (speed measurements)
@@ -79,6 +82,10 @@ class GenerateResult:
     token_times: list[float] | None = None
     timings: dict[str, Any] = field(default_factory=dict)
     endpoint: str | None = None
+    # Chat models that think first: their reasoning text, kept apart from `text` (the answer), and
+    # its token count where the server reports one.
+    reasoning: str | None = None
+    reasoning_tokens: int | None = None
 
     def to_record_fields(self) -> dict[str, Any]:
         """The fields every task copies into its record."""
@@ -93,6 +100,9 @@ class GenerateResult:
             out["timings"] = self.timings
         if self.endpoint:
             out["endpoint"] = self.endpoint
+        if self.reasoning is not None:
+            out["reasoning"] = self.reasoning
+            out["reasoning_tokens"] = self.reasoning_tokens
         return out
 
 
@@ -115,6 +125,15 @@ class Runner:
 
     async def close(self) -> None:
         """Release everything; must be safe to call twice and after a failed start."""
+
+    async def warmup(self) -> None:
+        """Run a little work before the measured idle window, so the backend is warm (compiled kernels,
+        captured graphs, clocks up) when the run measures its idle draw. A no-op by default."""
+
+    def telemetry(self) -> dict[str, Any] | None:
+        """What the backend measured about itself over the run (the engine: torch memory per phase,
+        tier counters, the decode path it chose), for the manifest's "engine" key; None when nothing."""
+        return None
 
     # -- identity -------------------------------------------------------------------------------
     def identity(self) -> dict[str, Any]:

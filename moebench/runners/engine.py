@@ -19,13 +19,17 @@ from moebench.scoring.answers import first_stop
 
 SCHEMA: dict[str, Field] = {
     "model": Field(str, required=True, doc="a Hugging Face checkpoint directory or a packed tiered artifact"),
-    "dtype": Field(str, default="bfloat16", choices=("float32", "bfloat16", "float16")),
+    "dtype": Field(str, default="bfloat16", choices=("auto", "float32", "bfloat16", "float16"),
+                   doc="auto: float32 on the CPU (exact for bf16 weights, and faster there), bfloat16 on CUDA"),
     "device": Field(str, default="auto", doc="auto | cpu | cuda | cuda:N"),
     "max_seq_len": Field(int, check=positive, doc="KV cache length (default: the model's, capped)"),
     "max_batch": Field(int, default=1, check=positive),
     "prefill_chunk": Field(int, default=512, check=positive),
-    "experts_impl": Field(str, default="auto", doc="auto | gather | loop | grouped_mm | ... (see engine docs)"),
-    "cuda_graphs": Field(bool, default=False, doc="replay decode steps as CUDA graphs (GPU only)"),
+    "experts_impl": Field(str, default="auto", doc="auto | gather | loop | grouped_mm | triton (see engine docs); "
+                          "auto on CUDA: triton (the fused kernels) where Triton runs"),
+    "cuda_graphs": Field((bool, str), default="auto", check=lambda v: None if v in (True, False, "auto") else
+                         'must be true, false or "auto"',
+                         doc="replay decode steps as CUDA graphs; auto: on with CUDA"),
     "prefetch_host": Field(bool, default=False, doc="tiered artifacts with experts_impl = triton: stage each "
                            "layer's predicted host experts in GPU memory one layer early (pays off when many "
                            "picks land on the host tier)"),
@@ -43,6 +47,32 @@ def _resolve_device(name: str) -> str:
         return name
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def decode_choices(profile: dict[str, Any], device: str) -> dict[str, dict[str, Any]]:
+    """The decode path for this profile on this device: each choice's value and why. The fast path
+    is the default where the device has it (CUDA: bf16, fused Triton kernels, CUDA graphs,
+    decode-ahead); a key set in the profile wins."""
+    cuda = device.startswith("cuda")
+    out: dict[str, dict[str, Any]] = {}
+    dtype = profile.get("dtype", "bfloat16")
+    out["dtype"] = ({"value": "bfloat16" if cuda else "float32", "why": f"auto on {'CUDA' if cuda else 'the CPU'}"}
+                    if dtype == "auto" else {"value": dtype, "why": "profile"})
+    impl = profile.get("experts_impl", "auto")
+    if impl == "auto" and cuda:
+        from moebench.engine import kernels
+        ok = kernels.available()
+        out["experts_impl"] = {"value": "triton" if ok else "auto",
+                               "why": "auto on CUDA: the fused Triton kernels" if ok else
+                               f"auto on CUDA, Triton unavailable ({kernels._IMPORT_ERROR})"}
+    elif impl == "auto":
+        out["experts_impl"] = {"value": "auto", "why": "auto on the CPU: torch's experts path"}
+    else:
+        out["experts_impl"] = {"value": impl, "why": "profile"}
+    graphs = profile.get("cuda_graphs", "auto")
+    out["cuda_graphs"] = ({"value": cuda, "why": f"auto on {'CUDA' if cuda else 'the CPU (no graphs)'}"}
+                          if graphs == "auto" else {"value": bool(graphs) and cuda, "why": "profile"})
+    return out
 
 
 def _model_hash(path: Path) -> dict[str, Any]:
@@ -93,36 +123,72 @@ class EngineRunner(Runner):
         if not self.model_path.is_dir() or not (self.model_path / "config.json").is_file():
             raise ProfileError(f"{profile_path or 'runner profile'}: key 'model': {self.model_path} is not a "
                                "checkpoint directory with config.json (build the zoo with `moebench zoo build`)")
+        self.device = _resolve_device(profile.get("device", "auto"))
+        self.choices = decode_choices(profile, self.device)
+        impl = self.choices["experts_impl"]["value"]
         for key in ("prefetch_host", "int8_activations"):
-            if profile.get(key) and profile.get("experts_impl", "auto") != "triton":
+            if profile.get(key) and impl != "triton":
                 raise ProfileError(f"{profile_path or 'runner profile'}: key '{key}' needs experts_impl = "
-                                   f"\"triton\" (the fused kernels), got {profile.get('experts_impl', 'auto')!r}")
+                                   f"\"triton\" (the fused kernels; auto picks them on CUDA), got {impl!r}")
         if profile.get("prefetch_early") and not profile.get("prefetch_host"):
             raise ProfileError(f"{profile_path or 'runner profile'}: key 'prefetch_early' needs prefetch_host = true")
         self.concurrency = 1          # one engine, one request at a time (it holds a lock anyway)
         self.engine = None
-        self.device = _resolve_device(profile.get("device", "auto"))
-        from moebench.engine.decode_config import DecodeConfig, DecodeConfigError
-        options = {k: profile[k] for k in ("experts_impl", "prefetch_host", "int8_activations", "prefetch_early")
-                   if profile.get(k)}
-        try:
-            # the engine's decode settings, device defaults resolved: what the manifest records
-            self.decode = DecodeConfig(**options).resolved("cuda" if self.device.startswith("cuda") else "cpu")
-        except DecodeConfigError as err:
-            raise ProfileError(f"{profile_path or 'runner profile'}: {err}") from None
 
     async def start(self, run_dir: str | None = None) -> None:
         if self.engine is not None:
             return
+        await self._load()
+
+    async def _load(self) -> None:
         from moebench.engine import Engine
-        kwargs = {k: self.profile[k] for k in ("max_seq_len", "max_batch", "prefill_chunk") if self.profile.get(k)}
-        if self.profile.get("cuda_graphs") and self.device.startswith("cuda"):
-            kwargs["cuda_graphs"] = True
-        kwargs["decode"] = self.decode
+        kwargs = {k: self.profile[k] for k in ("max_seq_len", "max_batch", "prefill_chunk")
+                  if self.profile.get(k)}
+        kwargs["cuda_graphs"] = self.choices["cuda_graphs"]["value"]
+        kwargs["decode"] = self.decode_config()
         t0 = time.perf_counter()
         self.engine = await asyncio.to_thread(Engine.load, self.model_path, device=self.device,
-                                              dtype=self.profile.get("dtype", "bfloat16"), **kwargs)
+                                              dtype=self.choices["dtype"]["value"], **kwargs)
         self.load_s = time.perf_counter() - t0
+        eng = self.engine
+        self.choices["decode_ahead"] = {"value": eng.decode_ahead, "why": "on with CUDA (the host's per-token work "
+                                        "overlaps the next step)" if eng.decode_ahead else "off on the CPU"}
+        # cuda_graphs asked for, but an experts module needs host syncs (route-tail-skip): no graphs
+        self.choices["cuda_graphs"]["runs"] = bool(eng.cuda_graphs and eng._graph_batch_limit() > 0)
+
+    async def warmup(self) -> None:
+        """A short generation (compiles kernels, captures the first decode graph), then the tier
+        counters start from zero, so the run's telemetry is its tasks' alone."""
+        eng = self._eng()
+        ids = list(range(1, 17)) if eng.tokenizer is None else eng.tokenize("Warm-up: the quick brown fox.")
+        t0 = time.perf_counter()
+        try:
+            await asyncio.to_thread(eng.generate, [ids], 8, ignore_eos=True)
+        except Exception as e:
+            chosen = self.choices["experts_impl"]
+            if not (chosen["value"] == "triton" and chosen["why"].startswith("auto")):
+                raise
+            # the fused kernels were our choice, not the user's: fall back to the plain path, and say so
+            self.choices["experts_impl"] = {"value": "auto", "why": f"the fused kernels failed in the warm-up "
+                                            f"({type(e).__name__}: {e}); torch's experts path instead"}
+            self.events.append({"event": "fallback", "what": "experts_impl", "error": f"{type(e).__name__}: {e}"})
+            self.engine = None
+            await self._load()
+            eng = self._eng()
+            await asyncio.to_thread(eng.generate, [ids], 8, ignore_eos=True)
+        self.warmup_s = time.perf_counter() - t0
+        eng.reset_telemetry()
+
+    def telemetry(self) -> dict[str, Any] | None:
+        if self.engine is None:
+            return None
+        out = {"choices": self.choices, "load_s": getattr(self, "load_s", None),
+               "warmup_s": getattr(self, "warmup_s", None), **self.engine.telemetry()}
+        tm = out.get("torch_memory") or {}
+        if tm.get("available"):      # the key compare's memory section reads beside NVML's figures
+            out["torch_peak_allocated_bytes"] = tm.get("peak_allocated_bytes")
+            out["torch_peak_reserved_bytes"] = tm.get("peak_reserved_bytes")
+        return out
 
     async def close(self) -> None:
         self.engine = None
@@ -136,13 +202,20 @@ class EngineRunner(Runner):
         except (OSError, ValueError):
             pass
         build = {"engine": "moebench", "torch": torch.__version__, "device": self.device,
-                 "dtype": self.profile.get("dtype", "bfloat16")}
+                 "dtype": self.choices["dtype"]["value"], "choices": self.choices}
         if self.profile.get("int8_activations"):        # changes the numbers: part of what was run
             build["int8_activations"] = True
         # every decode switch and launch table of the engine (moebench.engine.decode_config)
-        build["decode"] = self.decode.identity()
-        build["cuda_graphs"] = bool(self.profile.get("cuda_graphs")) and self.device.startswith("cuda")
+        build["decode"] = self.decode_config().identity()
         return {"model": model, "build": build}
+
+    def decode_config(self):
+        """The engine's DecodeConfig from the profile and the runner's choices, device defaults
+        resolved: what the engine decodes with and the manifest records."""
+        from moebench.engine.decode_config import DecodeConfig
+        options = {key: True for key in ("prefetch_host", "int8_activations", "prefetch_early") if self.profile.get(key)}
+        cfg = DecodeConfig(experts_impl=self.choices["experts_impl"]["value"], **options)
+        return cfg.resolved("cuda" if self.device.startswith("cuda") else "cpu")
 
     def _eng(self):
         if self.engine is None:

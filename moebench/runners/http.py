@@ -2,7 +2,13 @@
 
 - `/v1/completions` or `/v1/chat/completions` (`api`), through httpx, async.
 - Several endpoints (`base_urls`) share the work: each request goes to the least busy one.
-- Retries with exponential backoff on connection errors, timeouts and 5xx; never on 4xx.
+- Retries with exponential backoff on connection errors, timeouts and 5xx; never on 4xx but 429, whose
+  `Retry-After` is honoured (up to `max_retry_wait_s`).
+- Every response is read through a byte bound derived from `max_tokens` (and `max_response_bytes`, a hard
+  cap): a runaway reply fails the request naming its size instead of filling memory and the run.
+- An error event or error object inside a stream fails the request (never a short `ok` answer).
+- Chat reasoning (`reasoning_content`, `reasoning`) counts toward first-token time and is kept apart
+  from the answer text.
 - Both log-prob formats: legacy completions (`logprobs.top_logprobs` = list of dicts) and chat-style
   (`logprobs.content[].top_logprobs` = list of {token, logprob}), which vLLM and llama-server return.
 - Streaming (SSE) records each token's arrival time for the speed task.
@@ -21,10 +27,30 @@ import httpx
 
 from moebench.config import Field, ProfileError, positive
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
+from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, bounded_lines, describe, read_bounded,
+                                        response_limit, retry_after_s)
+
+
+def url_problem(value: Any) -> str | None:
+    """Why a base URL cannot work (checked when the profile loads, not on every item)."""
+    urls = value if isinstance(value, list) else [value]
+    for u in urls:
+        which = f" ({u!r})" if isinstance(value, list) else ""      # a single value is quoted by the caller
+        try:
+            parsed = httpx.URL(u)
+            port = parsed.port
+        except (httpx.InvalidURL, ValueError, TypeError) as e:
+            return f"must be an http(s) URL{which}: {e}"
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            return f"must be an http(s) URL with a host, like http://127.0.0.1:8080/v1{which}"
+        if port is not None and not 1 <= port <= 65535:
+            return f"has port {port}, outside 1-65535{which}"
+    return None
+
 
 SCHEMA: dict[str, Field] = {
-    "base_url": Field(str, doc="e.g. http://127.0.0.1:8080/v1"),
-    "base_urls": Field(list, item_type=str, doc="several servers sharing the items"),
+    "base_url": Field(str, check=url_problem, doc="e.g. http://127.0.0.1:8080/v1"),
+    "base_urls": Field(list, item_type=str, check=url_problem, doc="several servers sharing the items"),
     "model": Field(str, default="default"),
     "api": Field(str, default="completions", choices=("completions", "chat")),
     "api_key_env": Field(str, doc="name of the environment variable holding the API key"),
@@ -32,6 +58,10 @@ SCHEMA: dict[str, Field] = {
     "connect_timeout_s": Field(float, default=10.0, check=positive),
     "retries": Field(int, default=3),
     "backoff_s": Field(float, default=0.5),
+    "max_retry_wait_s": Field(float, default=120.0, check=positive,
+                              doc="longest wait a 429/503 Retry-After may ask for before the next attempt"),
+    "max_response_bytes": Field(int, default=DEFAULT_MAX_RESPONSE_BYTES, check=positive,
+                                doc="hard cap on one response's size (the bound from max_tokens is usually lower)"),
     "tokenize": Field(str, default="none", choices=("none", "llama-server"),
                       doc="where token counts come from: llama-server's /tokenize beside /v1"),
     "token_prompts": Field(bool, default=False, doc="the server accepts token-id prompts"),
@@ -50,6 +80,10 @@ class HttpRunner(Runner):
             urls.insert(0, profile["base_url"])
         if not urls:
             raise ProfileError(f"{where}: needs key 'base_url' or 'base_urls' (e.g. \"http://127.0.0.1:8080/v1\")")
+        problem = url_problem(urls)
+        if problem:
+            key = "base_url" if profile.get("base_url") else "base_urls"
+            raise ProfileError(f"{where}: key {key!r} {problem}, got {urls!r}")
         self.base_urls = [u.rstrip("/") for u in urls]
         self.api = profile.get("api", "completions")
         self.model = profile.get("model", "default")
@@ -57,6 +91,8 @@ class HttpRunner(Runner):
         self.concurrency = self.per_endpoint * len(self.base_urls)
         self.retries = int(profile.get("retries", 3))
         self.backoff_s = float(profile.get("backoff_s", 0.5))
+        self.max_retry_wait_s = float(profile.get("max_retry_wait_s", 120.0))
+        self.max_response_bytes = int(profile.get("max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES))
         self.extra_body = dict(profile.get("extra_body") or {})
         self.in_flight = {u: 0 for u in self.base_urls}
         key_env = profile.get("api_key_env")
@@ -66,7 +102,7 @@ class HttpRunner(Runner):
             if not key:
                 raise ProfileError(f"{where}: key 'api_key_env' names {key_env!r}, which is not set in the environment")
             self.headers["Authorization"] = f"Bearer {key}"
-        caps = {Capability.GENERATE, Capability.STREAM, Capability.TOP_LOGPROBS}
+        caps = {Capability.GENERATE, Capability.STREAM, Capability.TOP_LOGPROBS, Capability.SAMPLING}
         if profile.get("tokenize") == "llama-server":
             caps.add(Capability.TOKENIZE)
         if profile.get("token_prompts"):
@@ -92,35 +128,53 @@ class HttpRunner(Runner):
     def _pick(self) -> str:
         return min(self.base_urls, key=lambda u: self.in_flight[u])
 
+    def _wait_s(self, attempt: int, retry_after: float | None) -> float:
+        if retry_after is not None:             # the server said when: honour it (within reason)
+            return min(retry_after, self.max_retry_wait_s)
+        return self.backoff_s * (2 ** attempt) * (0.5 + random.random())
+
     async def _with_retries(self, call):
-        """Run `call(base_url)` with retries on connection errors, timeouts and 5xx (never 4xx)."""
+        """Run `call(base_url)` with retries on connection errors, timeouts, 5xx and 429 (never other 4xx)."""
         if self.client is None:
             await self.start()
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             url = self._pick()
             self.in_flight[url] += 1
+            retry_after = None
             try:
                 return await call(url)
-            except httpx.HTTPStatusError as e:
-                status = e.response.status_code
-                body = e.response.text[:300]
-                if 400 <= status < 500:
-                    raise RunnerError(f"{url}: HTTP {status}: {body}") from None
-                last = RunnerError(f"{url}: HTTP {status}: {body}")
+            except HttpStatus as e:
+                if 400 <= e.status < 500 and e.status != 429:
+                    raise RunnerError(str(e)) from None
+                last = RunnerError(str(e))
+                retry_after = retry_after_s(e.retry_after)
             except (httpx.TransportError, httpx.TimeoutException) as e:
-                last = RunnerError(f"{url}: {type(e).__name__}: {e}")
+                last = RunnerError(f"{url}: {describe(e)}")
             finally:
                 self.in_flight[url] -= 1
             if attempt < self.retries:
-                await asyncio.sleep(self.backoff_s * (2 ** attempt) * (0.5 + random.random()))
+                await asyncio.sleep(self._wait_s(attempt, retry_after))
         assert last is not None
         raise RunnerError(f"gave up after {self.retries + 1} attempts: {last}")
+
+    async def _post(self, url: str, body: dict[str, Any], limit: int) -> bytes:
+        """POST and read the whole reply within `limit` bytes; HttpStatus for an HTTP error status."""
+        assert self.client is not None
+        async with self.client.stream("POST", url, json=body) as resp:
+            raw = await read_bounded(resp, limit, url)
+            if resp.status_code >= 400:
+                raise HttpStatus(url, resp.status_code, raw, resp.headers.get("retry-after"))
+        return raw
 
     def _body(self, req: GenerateRequest) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "max_tokens": req.max_tokens, "temperature": req.temperature}
         if req.seed is not None:
             body["seed"] = req.seed
+        if req.top_p is not None:
+            body["top_p"] = req.top_p
+        if req.top_k is not None:
+            body["top_k"] = req.top_k           # vLLM, SGLang and llama-server accept it
         if req.stop:
             body["stop"] = req.stop
         if self.api == "chat":
@@ -145,18 +199,17 @@ class HttpRunner(Runner):
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         path = "/chat/completions" if self.api == "chat" else "/completions"
         body = self._body(request)
+        limit = response_limit(request.max_tokens, request.top_logprobs, self.max_response_bytes)
 
         async def call(url: str) -> GenerateResult:
             assert self.client is not None
             if request.stream:
                 return await self._stream(url + path, {**body, "stream": True,
                                                       "stream_options": {"include_usage": True}}, url,
-                                          request.on_text)
+                                          request.on_text, limit)
             t0 = time.perf_counter()
-            resp = await self.client.post(url + path, json=body)
-            resp.raise_for_status()
-            data = _json(resp, url + path)
-            result = parse_response(data, self.api)
+            raw = await self._post(url + path, body, limit)
+            result = parse_response(_json(raw, url + path), self.api)
             result.endpoint = url
             result.timings.setdefault("wall_s", time.perf_counter() - t0)
             return result
@@ -164,58 +217,101 @@ class HttpRunner(Runner):
         return await self._with_retries(call)
 
     async def _stream(self, url: str, body: dict[str, Any], base: str,
-                      on_text: Callable[[str], None] | None = None) -> GenerateResult:
+                      on_text: Callable[[str], None] | None, limit: int) -> GenerateResult:
         assert self.client is not None
         t0 = time.perf_counter()
         texts: list[str] = []
-        times: list[float] = []
+        reasoning: list[str] = []
+        times: list[float] = []                 # every generated piece, reasoning included
+        first: dict[str, float] = {}
         top: list[dict[str, float]] = []
         finish = None
+        ended = False
         usage: dict[str, Any] = {}
+        server_timings: dict[str, Any] = {}
+        event = "message"
         async with self.client.stream("POST", url, json=body) as resp:
             if resp.status_code >= 400:
-                await resp.aread()
-                resp.raise_for_status()
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+                raw = await read_bounded(resp, min(limit, 1 << 20), url)
+                raise HttpStatus(url, resp.status_code, raw, resp.headers.get("retry-after"))
+            async for line in bounded_lines(resp, limit, url):
+                if not line:
+                    event = "message"           # a blank line ends one SSE event
                     continue
-                payload = line[5:].strip()
+                if line.startswith("event:"):
+                    event = line[6:].strip()
+                    continue
+                if not line.startswith(("data:", "error:")):
+                    continue
+                payload = line.split(":", 1)[1].strip()
                 if payload == "[DONE]":
+                    ended = True
                     break
                 try:
                     chunk = json.loads(payload)
                 except json.JSONDecodeError:
+                    if event == "error" or line.startswith("error:"):
+                        raise RunnerError(f"{url}: error event in the stream after {len(times)} pieces: "
+                                          f"{payload[:300]}") from None
                     raise RunnerError(f"{url}: stream chunk is not JSON: {payload[:200]!r}") from None
+                if event == "error" or line.startswith("error:") or (isinstance(chunk, dict) and "error" in chunk):
+                    err = chunk.get("error", chunk) if isinstance(chunk, dict) else chunk
+                    detail = err.get("message", err) if isinstance(err, dict) else err
+                    raise RunnerError(f"{url}: error event in the stream after {len(times)} pieces: "
+                                      f"{str(detail)[:300]}")
+                if not isinstance(chunk, dict):
+                    raise RunnerError(f"{url}: stream chunk is not a JSON object: {payload[:200]!r}")
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                if isinstance(chunk.get("timings"), dict):
+                    server_timings = chunk["timings"]       # llama-server's (draft counters among them)
                 choices = chunk.get("choices") or []
                 if not choices:
                     continue
                 c = choices[0]
-                piece = (c.get("delta") or {}).get("content") if self.api == "chat" else c.get("text")
+                now = time.perf_counter() - t0
+                if self.api == "chat":
+                    delta = c.get("delta") or {}
+                    piece = delta.get("content")
+                    thought = delta.get("reasoning_content") or delta.get("reasoning")
+                    if thought:
+                        reasoning.append(thought)
+                        first.setdefault("first_reasoning_s", now)
+                        if not piece:
+                            times.append(now)
+                else:
+                    piece = c.get("text")
                 if piece:
                     texts.append(piece)
-                    times.append(time.perf_counter() - t0)
+                    times.append(now)
+                    first.setdefault("first_content_s", now)
                     if on_text is not None:
                         on_text(piece)
                     top.extend(_top_logprobs(c.get("logprobs")) or [])
                 finish = c.get("finish_reason") or finish
+        if not ended and finish is None:
+            raise RunnerError(f"{url}: the stream ended after {len(times)} pieces without [DONE] or a "
+                              f"finish_reason (the server stopped mid-answer)")
+        timings: dict[str, Any] = {**server_timings, "wall_s": time.perf_counter() - t0, **first}
+        if reasoning:
+            timings["reasoning_pieces"] = len(reasoning)
         return GenerateResult(
             text="".join(texts), output_tokens=usage.get("completion_tokens") or len(times),
             prompt_tokens=usage.get("prompt_tokens"), finish_reason=finish,
             top_logprobs=top or None, token_times=times, endpoint=base,
-            timings={"wall_s": time.perf_counter() - t0})
+            reasoning="".join(reasoning) or None,
+            reasoning_tokens=_reasoning_tokens(usage) if reasoning else None,
+            timings=timings)
 
     async def tokenize(self, text: str) -> list[int]:
         if Capability.TOKENIZE not in self.capabilities:
             return await super().tokenize(text)
 
         async def call(url: str) -> list[int]:
-            assert self.client is not None
             root = url[:-3] if url.endswith("/v1") else url
-            resp = await self.client.post(root + "/tokenize", json={"content": text, "add_special": False})
-            resp.raise_for_status()
-            data = _json(resp, root + "/tokenize")
+            raw = await self._post(root + "/tokenize", {"content": text, "add_special": False},
+                                   self.max_response_bytes)
+            data = _json(raw, root + "/tokenize")
             tokens = data.get("tokens") if isinstance(data, dict) else None
             if not isinstance(tokens, list):
                 raise RunnerError(f"{root}/tokenize: no 'tokens' list in the response")
@@ -224,11 +320,29 @@ class HttpRunner(Runner):
         return await self._with_retries(call)
 
 
-def _json(resp: httpx.Response, where: str) -> Any:
+class HttpStatus(Exception):
+    """An HTTP error status, with what `_with_retries` needs to decide on a retry."""
+
+    def __init__(self, url: str, status: int, body: bytes, retry_after: str | None):
+        self.status = status
+        self.retry_after = retry_after
+        text = body[:300].decode("utf-8", "replace")
+        super().__init__(f"{url}: HTTP {status}: {text}"
+                         + (f" (Retry-After: {retry_after})" if retry_after else ""))
+
+
+def _reasoning_tokens(usage: dict[str, Any]) -> int | None:
+    """Reasoning token count where the server reports it (OpenAI-style usage details)."""
+    details = usage.get("completion_tokens_details") or {}
+    n = details.get("reasoning_tokens") if isinstance(details, dict) else None
+    return n if isinstance(n, int) else None
+
+
+def _json(raw: bytes, where: str) -> Any:
     try:
-        return resp.json()
+        return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise RunnerError(f"{where}: response is not JSON: {resp.text[:200]!r}") from None
+        raise RunnerError(f"{where}: response is not JSON: {raw[:200].decode('utf-8', 'replace')!r}") from None
 
 
 def _top_logprobs(lp: Any) -> list[dict[str, float]] | None:
@@ -250,15 +364,20 @@ def parse_response(data: Any, api: str) -> GenerateResult:
     """Parse a non-streamed completions/chat response, or raise RunnerError saying what is wrong."""
     if not isinstance(data, dict):
         raise RunnerError(f"response is not a JSON object: {str(data)[:200]}")
-    if "error" in data and "choices" not in data:
+    if data.get("error"):                # an error object is an error, whatever else came with it
         raise RunnerError(f"server error: {str(data['error'])[:300]}")
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise RunnerError(f"response has no choices: {str(data)[:200]}")
     c = choices[0]
+    reasoning = None
     if api == "chat":
         msg = c.get("message")
         text = msg.get("content") if isinstance(msg, dict) else None
+        if isinstance(msg, dict):
+            reasoning = msg.get("reasoning_content") or msg.get("reasoning") or None
+            if text is None and reasoning:
+                text = ""                   # the budget ran out while the model was still reasoning
     else:
         text = c.get("text")
     if not isinstance(text, str):
@@ -267,4 +386,6 @@ def parse_response(data: Any, api: str) -> GenerateResult:
     timings = dict(data.get("timings") or {})       # llama-server adds its own timings
     return GenerateResult(text=text, prompt_tokens=usage.get("prompt_tokens"),
                           output_tokens=usage.get("completion_tokens"), finish_reason=c.get("finish_reason"),
-                          top_logprobs=_top_logprobs(c.get("logprobs")), timings=timings)
+                          top_logprobs=_top_logprobs(c.get("logprobs")), timings=timings,
+                          reasoning=reasoning if isinstance(reasoning, str) else None,
+                          reasoning_tokens=_reasoning_tokens(usage) if reasoning else None)

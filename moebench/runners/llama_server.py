@@ -34,6 +34,7 @@ import httpx
 
 from moebench.config import Field, ProfileError, non_negative, positive
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
+from moebench.runners.responses import DEFAULT_MAX_RESPONSE_BYTES, bounded_lines, describe, read_bounded, response_limit
 from moebench.store import now_iso
 from moebench.tools import llamacpp
 
@@ -70,6 +71,8 @@ SCHEMA: dict[str, Field] = {
     "parallel": Field(int, check=positive, doc="server slots (--parallel); defaults to concurrency"),
     "ctx_size": Field(int, check=positive, doc="-c: total context, shared by the slots"),
     "env": Field(dict, default=dict, check=_env_problem, doc="extra environment for the server"),
+    "max_response_bytes": Field(int, default=DEFAULT_MAX_RESPONSE_BYTES, check=positive,
+                                doc="hard cap on one response's size (the bound from max_tokens is usually lower)"),
 }
 
 
@@ -327,7 +330,7 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
 class LlamaServerRunner(Runner):
     kind = "llama-server"
     capabilities = frozenset({Capability.GENERATE, Capability.STREAM, Capability.TOP_LOGPROBS,
-                              Capability.CHOICE_LOGPROBS,
+                              Capability.CHOICE_LOGPROBS, Capability.SAMPLING,
                               Capability.TOKENIZE, Capability.TOKEN_PROMPTS})
 
     def __init__(self, profile: dict[str, Any], profile_path: str | None = None):
@@ -542,7 +545,7 @@ class LlamaServerRunner(Runner):
                                       f"{self.profile['request_timeout_s']} s ({type(e).__name__})") from None
                 await self._recover(generation, f"timeout, process gone: {type(e).__name__}")
             except httpx.TransportError as e:   # refused, reset, disconnected mid-response
-                await self._recover(generation, f"{type(e).__name__}: {e}".strip(": "))
+                await self._recover(generation, describe(e))
         raise RunnerError("llama-server request failed repeatedly although the server answers /health")
 
     @staticmethod
@@ -571,6 +574,10 @@ class LlamaServerRunner(Runner):
         }
         if request.seed is not None:
             payload["seed"] = request.seed
+        if request.top_p is not None:
+            payload["top_p"] = request.top_p
+        if request.top_k is not None:
+            payload["top_k"] = request.top_k
         if request.top_logprobs:
             payload["n_probs"] = request.top_logprobs
         if request.stream:
@@ -591,6 +598,9 @@ class LlamaServerRunner(Runner):
     def _finish_reason(stop_type: str | None) -> str | None:
         return {"eos": "stop", "word": "stop", "limit": "length"}.get(stop_type or "", stop_type)
 
+    def _limit(self, request: GenerateRequest) -> int:
+        return response_limit(request.max_tokens, request.top_logprobs, int(self.profile["max_response_bytes"]))
+
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         if isinstance(request.prompt, list) and not all(isinstance(t, int) for t in request.prompt):
             raise RunnerError("a token prompt must be a list of ints")
@@ -602,10 +612,14 @@ class LlamaServerRunner(Runner):
     async def _generate_once(self, client: httpx.AsyncClient, payload: dict[str, Any],
                              request: GenerateRequest) -> GenerateResult:
         t0 = time.perf_counter()
-        r = await client.post("/completion", json=payload)
+        async with client.stream("POST", "/completion", json=payload) as r:
+            raw = await read_bounded(r, self._limit(request), f"llama-server {r.request.url.path}")
         wall = time.perf_counter() - t0
-        self._check_status(r)
-        data = r.json()
+        self._check_status(r, raw)
+        data = json.loads(raw)
+        if data.get("error"):
+            err = data["error"]
+            raise RunnerError(f"llama-server error: {err.get('message', err) if isinstance(err, dict) else err}")
         timings = dict(data.get("timings") or {})
         timings.update(wall_s=wall, tokens_cached=data.get("tokens_cached"), stop_type=data.get("stop_type"))
         probs = data.get("completion_probabilities")
@@ -632,7 +646,7 @@ class LlamaServerRunner(Runner):
         async with client.stream("POST", "/completion", json=payload) as r:
             if r.status_code != 200:
                 self._check_status(r, await r.aread())
-            async for line in r.aiter_lines():
+            async for line in bounded_lines(r, self._limit(request), f"llama-server {r.request.url.path}"):
                 if not line.startswith(("data:", "error:")):
                     continue
                 body = line.split(":", 1)[1].strip()

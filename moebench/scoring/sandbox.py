@@ -8,6 +8,11 @@ Layers, each applied where this machine allows it and named in `SandboxResult.is
   left in it, so a fork bomb cannot leave stragglers), a new mount namespace with fresh,
   size-limited tmpfs over /tmp, /var/tmp and /dev/shm (the check's work dir lives there; nothing it
   writes in those places reaches the host) and its own /proc.
+- a private root (in the mount namespace, through `pivot_root`): the check sees the Python runtime
+  (the interpreter's installation, standard library only: site-packages is covered) and the system
+  libraries it loads, all read-only, plus /dev/null, /dev/zero, /dev/(u)random, its own /proc and its
+  private tmpfs /tmp; nothing else of the host (no project, no home, no other folders). Where the
+  root cannot be built the check runs with the host's view and `missing` says why.
 - cgroups (v1 or v2, created under this process's own cgroup, removed afterwards): `pids.max`
   bounds the whole check's process count, `memory` bounds its total memory.
 - an unprivileged uid (`nobody`) when the harness runs as root, so the check cannot write to files
@@ -137,7 +142,8 @@ def _unshare_plan(missing: list[str]) -> tuple[list[str], list[str]]:
     ok, err = _try([*full, "--", "true"])
     if ok:
         return full, ["net", "pid", "mount"]
-    missing.append(f"pid+mount namespaces: unshare refused ({err})")
+    missing.append(f"pid+mount namespaces: unshare refused ({err}); without a mount namespace the "
+                   f"check sees the host's files")
     net_only = [exe, *as_user, "--net"]
     ok, err = _try([*net_only, "--", "true"])
     if ok:
@@ -198,6 +204,34 @@ def plan() -> _Plan:
                 missing.append(f"cgroup {c}: controller not writable here")
     _PLAN = _Plan(prefix, namespaces, drop_to, kind, parents, missing)
     return _PLAN
+
+
+# System library folders the interpreter and its extension modules load from; symlinks (merged /usr)
+# are recreated as symlinks.
+LIBRARY_DIRS = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32", "/lib", "/lib64", "/lib32", "/libx32")
+RUNTIME_FILES = ("/etc/ld.so.cache",)
+DEVICES = ("null", "zero", "random", "urandom")
+
+
+def _root_view() -> dict[str, Any]:
+    """What the private root shows: read-only binds, symlinks, and the folders hidden inside them."""
+    prefix = os.path.realpath(sys.base_prefix)
+    binds = [prefix]
+    interp_dir = os.path.dirname(os.path.realpath(sys.executable))
+    if not interp_dir.startswith(prefix + os.sep):
+        binds.append(interp_dir)
+    links: dict[str, str] = {}
+    for d in LIBRARY_DIRS:
+        if os.path.islink(d):
+            links[d] = os.readlink(d)
+        elif os.path.isdir(d) and not any(d == b or d.startswith(b + os.sep) for b in binds):
+            binds.append(d)
+    files = [f for f in RUNTIME_FILES if os.path.isfile(f)]
+    # Third-party packages are not the standard library: covered, whichever binds contain them.
+    import sysconfig
+    hide = sorted({os.path.realpath(sysconfig.get_paths(vars={"base": prefix, "platbase": prefix})[k])
+                   for k in ("purelib", "platlib")})
+    return {"binds": binds, "links": links, "files": files, "hide": hide}
 
 
 def _interpreters(dropping: bool) -> list[str]:
@@ -338,6 +372,7 @@ def _run_untrusted(program: str, timeout_s: float, limits: SandboxLimits) -> San
             "drop_to": list(p.drop_to) if p.drop_to else None,
             "interpreters": _interpreters(p.drop_to is not None), "flags": list(limits.python_flags),
             "expose_prefix": os.path.realpath(sys.base_prefix),
+            "root_view": _root_view(),
             "rlimits": {"CPU": cpu_s, "AS": limits.address_space_bytes, "FSIZE": limits.file_size_bytes,
                         "NOFILE": limits.open_files, "CORE": 0,
                         # with a pids cgroup, NPROC (per uid, shared by parallel checks) is a backstop
@@ -459,6 +494,11 @@ def _last_line(text: str) -> str:
 def _classify(c: _Collected, oom: bool, timeout_s: float, cpu_s: int, limits: SandboxLimits,
               isolation: list[str], missing: list[str], run_id: str, wall: float) -> SandboxResult:
     msgs = {m.get("stage"): m for m in c.messages}
+    fs = msgs.get("fs")
+    if fs is not None and fs.get("view") == "private-root":
+        isolation = [*isolation, f"private-root({fs.get('how')}: python runtime read-only, private tmp)"]
+    elif fs is not None:
+        missing = [*missing, f"filesystem view: the check sees the host's files ({fs.get('reason')})"]
     running = msgs.get("running")
     exited = msgs.get("exited")
     base = dict(stdout_tail=_tail(c.stdout), stderr_tail=_tail(c.stderr), wall_s=wall,
@@ -479,7 +519,8 @@ def _classify(c: _Collected, oom: bool, timeout_s: float, cpu_s: int, limits: Sa
     base["cpu_s"] = used
     if sig is not None:
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
-        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and used is not None and used >= cpu_s - 0.05):
+        # The kernel's SIGKILL at the hard CPU limit can come with rusage a tick or two short of it.
+        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and used is not None and used >= 0.9 * cpu_s):
             return SandboxResult(False, "timeout", f"CPU time limit ({cpu_s} s)", signal=sig, **base)
         if oom:
             return SandboxResult(False, "killed", f"out of memory (cgroup limit {limits.memory_bytes} bytes)",
@@ -504,7 +545,7 @@ def _mount(source: str, target: str, fstype: str | None, flags: int, opts: str |
         raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
 
 
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_MOVE = 0x1, 0x2, 0x4, 0x20, 0x1000, 0x2000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC = 0x1, 0x2, 0x4, 0x20, 0x1000, 0x2000, 0x4000
 
 
 def _mount_tmpfs(target: str, size: int, mode: str = "1777") -> None:
@@ -539,6 +580,66 @@ def _expose_prefix(prefix: str) -> str | None:
     return blocked
 
 
+MNT_DETACH = 2
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
+
+
+def _bind_ro(src: str, dst: str) -> None:
+    _mount(src, dst, None, MS_BIND | MS_REC)
+    _mount("none", dst, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _private_root(view: dict[str, Any], tmpfs_bytes: int) -> str:
+    """Build a root holding only the Python runtime (read-only), devices, /proc and private tmpfs, and
+    switch to it (pivot_root, the old root detached). Returns how the switch was made."""
+    import ctypes
+    root = "/tmp/.moebench-root"               # on the namespace's private /tmp
+    os.mkdir(root, 0o755)
+    _mount_tmpfs(root, 1 << 20, mode="0755")
+    for src in view["binds"]:
+        dst = root + src
+        os.makedirs(dst, 0o755, exist_ok=True)
+        _bind_ro(src, dst)
+    for link, target in view["links"].items():
+        os.makedirs(os.path.dirname(root + link), 0o755, exist_ok=True)
+        os.symlink(target, root + link)
+    for f in view["files"]:
+        os.makedirs(os.path.dirname(root + f), 0o755, exist_ok=True)
+        open(root + f, "w").close()
+        _bind_ro(f, root + f)
+    for d in view["hide"]:
+        if os.path.isdir(root + d):
+            _mount("tmpfs", root + d, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=0555")
+    os.makedirs(root + "/dev", 0o755)
+    for dev in DEVICES:
+        if os.path.exists("/dev/" + dev):
+            open(root + "/dev/" + dev, "w").close()
+            _mount("/dev/" + dev, root + "/dev/" + dev, None, MS_BIND)
+    for d in ("/tmp", "/var/tmp", "/dev/shm"):
+        os.makedirs(root + d, 0o755, exist_ok=True)
+        _mount_tmpfs(root + d, tmpfs_bytes)
+    os.makedirs(root + "/proc", 0o555)
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | 0x8)     # 0x8: MS_NOEXEC
+    os.chdir(root)
+    os.mkdir(".old")
+    libc = ctypes.CDLL(None, use_errno=True)
+    number = SYS_PIVOT_ROOT.get(os.uname().machine)
+    if number is not None and libc.syscall(number, b".", b".old") == 0:
+        os.chdir("/")
+        if libc.umount2(b"/.old", MNT_DETACH) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"umount of the old root: {os.strerror(err)}")
+        os.rmdir("/.old")
+        how = "pivot_root"
+    else:
+        os.rmdir(".old")
+        os.chroot(".")                         # no pivot_root here: chroot (the check runs as nobody)
+        os.chdir("/")
+        how = "chroot"
+    _mount("none", "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    return how
+
+
 def _launch(cfg: dict[str, Any]) -> int:
     import resource
     status_fd = cfg["status_fd"]
@@ -556,11 +657,16 @@ def _launch(cfg: dict[str, Any]) -> int:
             for target in ("/tmp", "/var/tmp", "/dev/shm"):
                 if os.path.isdir(target):
                     _mount_tmpfs(target, cfg["tmpfs_bytes"])
-            if cfg["drop_to"] and cfg.get("expose_prefix"):
-                try:
-                    _expose_prefix(cfg["expose_prefix"])
-                except OSError:
-                    pass                       # the next interpreter candidate (system python3) runs
+            try:
+                how = _private_root(cfg["root_view"], cfg["tmpfs_bytes"])
+                report("fs", view="private-root", how=how)
+            except OSError as e:
+                report("fs", view="host", reason=f"private root not built: {type(e).__name__}: {e}")
+                if cfg["drop_to"] and cfg.get("expose_prefix"):
+                    try:
+                        _expose_prefix(cfg["expose_prefix"])
+                    except OSError:
+                        pass                   # the next interpreter candidate (system python3) runs
             os.mkdir(inner, 0o700)
             Path(inner, "prog.py").write_bytes(source)
         drop = cfg["drop_to"]

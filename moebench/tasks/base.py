@@ -49,6 +49,9 @@ class TaskContext:
 class Task:
     kind: str = "base"
     options: dict[str, Field] = {}
+    # The probe phase the run marks while this task's items run ("generate": text generation,
+    # "score": log-probs only). None: the task marks its own phases per item (speed, needle).
+    phase: str | None = "generate"
 
     def __init__(self, opts: dict[str, Any], ctx: TaskContext):
         self.opts = opts

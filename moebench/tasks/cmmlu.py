@@ -54,6 +54,7 @@ def format_question(row: dict[str, str]) -> str:
 
 class CmmluTask(Task):
     kind = "cmmlu"
+    phase = "score"
     options = {
         "shots": Field(int, default=5, check=non_negative),
         "subjects": Field(list, item_type=str, doc="subject file stems; default all 67"),

@@ -82,6 +82,7 @@ def _id_dtype(n: int) -> Any:
 
 class KldTask(Task):
     kind = "kld"
+    phase = "score"
     options = {
         "corpus": Field(str, default=DEFAULT_CORPUS, doc="text file in the data mirror (CRLF normalised)"),
         "context": Field(int, default=512, check=positive, doc="tokens per chunk (llama-perplexity -c)"),

@@ -292,6 +292,7 @@ def _depths_ok(v: list[float]) -> str | None:
 
 class NeedleTask(Task):
     kind = "needle"
+    phase = None
     options = {
         "lengths": Field(list, item_type=int, default=lambda: list(DEFAULT_LENGTHS), check=_lengths_ok,
                          doc="target prompt lengths in the runner's own tokens"),
@@ -336,6 +337,8 @@ class NeedleTask(Task):
             await self.prepare(runner)
         assert self.index is not None
         length, depth, code = item.data["length"], item.data["depth"], item.data["code"]
+        if runner.concurrency <= 1:
+            self.ctx.mark("prepare")         # fitting the prompt with the tokenizer: host work, not idle
         built = await build_needle_prompt(runner.tokenize, self.index, length, depth, code)
         stream = Capability.STREAM in runner.capabilities
         request = GenerateRequest(prompt=built.prompt, max_tokens=self.max_tokens, temperature=0.0,

@@ -10,6 +10,12 @@ Per measurement (DESIGN.md section 6):
   prefill_tok_s = prompt tokens / ttft_s
   decode_tok_s  = (n_out - 1) / (t_last - t_first)
 
+Sampling: greedy by default; `temperature`, `top_p`, `top_k` and `seed` (which also seeds the unique
+prompt prefixes) set it, and every record carries them as `sampling`. Speculative decoding: where the
+backend reports draft counters (llama-server's `timings.draft_n`, `draft_n_accepted`), a record adds
+them, `acceptance_rate` = accepted / drafted and `tokens_per_step` = n_out / (n_out - accepted) (each
+verification step yields its accepted drafts plus one token of its own).
+
 A/B mode (`run_ab`) runs two runner profiles interleaved (ABBA), each pass in a FRESH process
 (`python -m moebench.tasks.speed --runner PROFILE ...`), and counts outputs that differ between A and B.
 """
@@ -29,7 +35,9 @@ from typing import Any
 from moebench.config import Field, positive
 from moebench.datasets import data_file, register
 from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
-from moebench.compare.speed import speed_compare, summarize_speed  # noqa: F401 (speed_compare re-exported)
+from moebench.compare.speed import read_token_times, speed_compare, summarize_speed  # noqa: F401 (speed_compare re-exported)
+from moebench.compare.speed_ab import ab_section, output_identity  # noqa: F401 (output_identity re-exported)
+from moebench.store import write_json_atomic
 from moebench.tasks.base import Item, Task, TaskContext, prompt_hash
 from moebench.tasks.needle import HAYSTACK_FILE, HaystackIndex, build_index, fit_haystack, load_haystack
 
@@ -49,6 +57,27 @@ def _lengths_ok(v: list[int]) -> str | None:
     if not v:
         return "must list at least one prompt length"
     return None if all(x > 0 for x in v) else "must hold positive token counts"
+
+
+def _non_negative(v: Any) -> str | None:
+    return None if v >= 0 else "must not be negative"
+
+
+def _unit_interval(v: Any) -> str | None:
+    return None if 0 < v <= 1 else "must be in (0, 1]"
+
+
+def draft_fields(timings: dict[str, Any] | None, output_tokens: int | None) -> dict[str, Any]:
+    """Speculative decoding figures from the backend's draft counters; {} where it reports none."""
+    t = timings or {}
+    drafted, accepted = t.get("draft_n"), t.get("draft_n_accepted")
+    if not isinstance(drafted, int) or not isinstance(accepted, int) or isinstance(drafted, bool):
+        return {}
+    out: dict[str, Any] = {"draft_n": drafted, "draft_n_accepted": accepted,
+                           "acceptance_rate": accepted / drafted if drafted > 0 else None}
+    n = output_tokens or 0
+    out["tokens_per_step"] = n / (n - accepted) if n > accepted >= 0 else None
+    return out
 
 
 def measurement_prefix(seed: int, prompt_len: int, clients: int, repeat: int, client: int) -> str:
@@ -78,6 +107,7 @@ def timing_fields(token_times: list[float] | None, prompt_tokens: int | None,
 
 class SpeedTask(Task):
     kind = "speed"
+    phase = None
     options = {
         "prompt_lengths": Field(list, item_type=int, default=lambda: list(DEFAULT_PROMPT_LENGTHS),
                                 check=_lengths_ok, doc="prompt lengths in tokens"),
@@ -86,7 +116,10 @@ class SpeedTask(Task):
         "clients": Field((int, list), default=1, check=_clients_ok,
                          doc="closed-loop clients: one count or a list of counts"),
         "warmup": Field(int, default=1, doc="untimed requests before each prompt length group"),
-        "seed": Field(int, default=1234, doc="seeds the unique prompt prefixes"),
+        "seed": Field(int, default=1234, doc="seeds the unique prompt prefixes and the sampler"),
+        "temperature": Field(float, default=0.0, check=_non_negative, doc="0 = greedy (the default)"),
+        "top_p": Field(float, check=_unit_interval, doc="nucleus sampling; unset = the backend's default"),
+        "top_k": Field(int, check=_non_negative, doc="top-k sampling; unset = the backend's default"),
     }
 
     def __init__(self, opts: dict[str, Any], ctx: TaskContext):
@@ -100,13 +133,18 @@ class SpeedTask(Task):
         self.repeats = int(opts["repeats"])
         self.warmup = int(opts["warmup"])
         self.seed = int(opts["seed"])
+        self.sampling = {"temperature": float(opts["temperature"]), "top_p": opts.get("top_p"),
+                         "top_k": opts.get("top_k"), "seed": self.seed}
         self.index: HaystackIndex | None = None
         self._text: str | None = None
         self._groups: dict[tuple[int, int], asyncio.Task] = {}
         self._group_lock: asyncio.Lock | None = None
 
     def needs(self, runner: Runner) -> set[str]:
-        return {Capability.GENERATE, Capability.STREAM}
+        needs = {Capability.GENERATE, Capability.STREAM}
+        if self.sampling["top_p"] is not None or self.sampling["top_k"] is not None:
+            needs.add(Capability.SAMPLING)
+        return needs
 
     def items(self) -> list[Item]:
         out = []
@@ -144,7 +182,9 @@ class SpeedTask(Task):
     # -- measuring -------------------------------------------------------------------------------
     async def measure(self, runner: Runner, prompt: str, prompt_tokens: int | None,
                       concurrent: bool) -> dict[str, Any]:
-        request = GenerateRequest(prompt=prompt, max_tokens=self.output_tokens, temperature=0.0, seed=0,
+        request = GenerateRequest(prompt=prompt, max_tokens=self.output_tokens,
+                                  temperature=self.sampling["temperature"], seed=self.seed,
+                                  top_p=self.sampling["top_p"], top_k=self.sampling["top_k"],
                                   stream=True, ignore_eos=True, cache_prompt=False)
         t_start = time.perf_counter()
         result = await runner.generate(request)
@@ -165,6 +205,8 @@ class SpeedTask(Task):
             "output_tokens": result.output_tokens or len(result.token_times or []),
             "output_tokens_requested": self.output_tokens,
             "stopped_early": (result.output_tokens or 0) < self.output_tokens,
+            "sampling": dict(self.sampling),
+            **draft_fields(result.timings, result.output_tokens or len(result.token_times or [])),
             **fields,
             "_token_times": result.token_times,
         }
@@ -176,11 +218,13 @@ class SpeedTask(Task):
         Prompts are built (tokenized) before the clock starts. Returns item id -> record fields,
         or the exception that measurement raised.
         """
+        _mark(self.ctx, "prepare", time.perf_counter())     # tokenizing prompts: host work, not idle
         prompts: dict[tuple[int, int], tuple[str, int | None]] = {}
         for rep in range(self.repeats):
             for c in range(clients):
                 prefix = measurement_prefix(self.seed, length, clients, rep, c)
                 prompts[(rep, c)] = await self.build_prompt(runner, prefix, length)
+        _mark(self.ctx, "warmup", time.perf_counter())
         for w in range(self.warmup):       # first requests pay for allocation and compilation
             prefix = measurement_prefix(self.seed + 1_000_003 + w, length, clients, 0, 0)
             prompt, n = await self.build_prompt(runner, prefix, length)
@@ -244,9 +288,11 @@ class SpeedTask(Task):
 
     def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         ok = [r for r in records if r.get("status") == "ok"]
+        times = read_token_times(self.ctx.run_dir) if self.ctx.run_dir is not None else None
         return {"n": len(records), "n_ok": len(ok),
                 "n_errors": sum(1 for r in records if r.get("status") == "error"),
-                "by_prompt_length": summarize_speed(ok)}
+                "sampling": dict(self.sampling),
+                "by_prompt_length": summarize_speed(ok, times)}
 
 
 # --- probe plumbing -------------------------------------------------------------------------------
@@ -344,7 +390,7 @@ def run_ab(profile_a_path: str, profile_b_path: str, suite_options: dict[str, An
         passes.append(data)
 
     pooled = {w: [r for p in passes if p["which"] == w for r in p["records"]] for w in "AB"}
-    identity = output_identity([p for p in passes if p["which"] == "A"], [p for p in passes if p["which"] == "B"])
+    section = ab_section(passes, order, profiles)
     result = {
         "order": order,
         "profiles": profiles,
@@ -353,36 +399,23 @@ def run_ab(profile_a_path: str, profile_b_path: str, suite_options: dict[str, An
                    for p in passes],
         "summary": {w: summarize_speed(pooled[w]) for w in "AB"},
         "speed_b_vs_a": speed_compare(pooled["A"], pooled["B"]),
-        "outputs": identity,
+        "outputs": section["identity"],
+        "speed_ab": section,
     }
     (out / "ab.json").write_text(json.dumps(result, indent=2, default=str))
+    write_json_atomic(out / "compare.json", ab_compare(result))
     return result
 
 
-def _output_key(r: dict[str, Any]) -> tuple[str, Any]:
-    ids = r.get("output_token_ids")
-    return ("token_ids", tuple(ids)) if ids else ("text", r.get("output"))
-
-
-def output_identity(a_passes: list[dict[str, Any]], b_passes: list[dict[str, Any]]) -> dict[str, Any]:
-    """Compare outputs for the same prompts: A's first pass vs B's first pass, and each side with itself."""
-    def by_item(p: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        return {r["item_id"]: r for r in p["records"] if r.get("status") == "ok"}
-
-    def diff(x: dict[str, Any], y: dict[str, Any]) -> tuple[int, list[str], set[str]]:
-        a, b = by_item(x), by_item(y)
-        common = sorted(set(a) & set(b))
-        differ = [i for i in common if _output_key(a[i]) != _output_key(b[i])]
-        return len(common), differ, {_output_key(a[i])[0] for i in common}
-
-    n, differ, basis = diff(a_passes[0], b_passes[0])
-    out = {"n_compared": n, "n_differ": len(differ), "differ": differ,
-           "compared_on": "token_ids" if basis == {"token_ids"} else "text"}
-    for name, side in (("a_self", a_passes), ("b_self", b_passes)):
-        if len(side) > 1:        # a backend that is not deterministic with itself explains A/B differences
-            m, d, _ = diff(side[0], side[-1])
-            out[f"{name}_n_compared"], out[f"{name}_n_differ"] = m, len(d)
-    return out
+def ab_compare(result: dict[str, Any]) -> dict[str, Any]:
+    """A compare.json for an A/B directory (A the baseline, B the candidate), so that `moebench report`
+    and `moebench gate` read it like any other compare."""
+    from moebench.compare.build import COMPARE_SCHEMA_VERSION
+    profiles = result["profiles"]
+    return {"schema_version": COMPARE_SCHEMA_VERSION,
+            "baseline": {"run": None, "label": f"A: {Path(profiles['A']).stem}", "profile": profiles["A"]},
+            "candidate": {"run": None, "label": f"B: {Path(profiles['B']).stem}", "profile": profiles["B"]},
+            "tasks": {}, "overall": None, "speed": result["speed_b_vs_a"], "speed_ab": result["speed_ab"]}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,153 @@
+"""compare.json["speed_ab"]: interleaved A/B speed passes (`moebench speed-ab`) as rounds, paired ratios
+and output identity. B is the candidate, A the baseline.
+
+Every pass times the same prompts (the prefixes are seeded per measurement), so measurements pair by
+item id across passes. Round k pairs the k-th A pass with the k-th B pass (A,B,B,A gives rounds
+(pass 0, pass 1) and (pass 3, pass 2)); a round's ratio is the median over its prompts of B/A, and
+its winner is the side with the faster decode. Over all rounds, the median paired ratio gets a 95%
+bootstrap interval (prompts resampled).
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from moebench.compare.speed import tpot
+from moebench.scoring.stats import bootstrap_paired_ratio_ci
+
+AB_METRICS = ("decode_tok_s", "prefill_tok_s", "ttft_s", "tpot_s")
+# the figure that decides a round; higher is faster
+ROUND_METRIC = "decode_tok_s"
+
+
+def _value(r: dict[str, Any], metric: str) -> float | None:
+    v = tpot(r) if metric == "tpot_s" else r.get(metric)
+    return float(v) if isinstance(v, (int, float)) and v > 0 else None
+
+
+def _ok(p: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["item_id"]: r for r in p.get("records", []) if r.get("status") == "ok"}
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def rounds(passes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per round, in the order the passes ran."""
+    a = [p for p in passes if p["which"] == "A"]
+    b = [p for p in passes if p["which"] == "B"]
+    out = []
+    for k, (pa, pb) in enumerate(zip(a, b), start=1):
+        ra, rb = _ok(pa), _ok(pb)
+        common = sorted(set(ra) & set(rb))
+        entry: dict[str, Any] = {"round": k, "a_pass": pa["pass_index"], "b_pass": pb["pass_index"],
+                                 "n_pairs": len(common)}
+        for m in AB_METRICS:
+            ratios = [vb / va for i in common
+                      if (va := _value(ra[i], m)) is not None and (vb := _value(rb[i], m)) is not None]
+            entry[f"a_{m}"] = _median([v for i in common if (v := _value(ra[i], m)) is not None])
+            entry[f"b_{m}"] = _median([v for i in common if (v := _value(rb[i], m)) is not None])
+            entry[f"{m}_ratio"] = _median(ratios)
+        ratio = entry[f"{ROUND_METRIC}_ratio"]
+        entry["winner"] = None if ratio is None else ("B" if ratio > 1 else "A" if ratio < 1 else "tie")
+        out.append(entry)
+    return out
+
+
+def paired_ratios(passes: list[dict[str, Any]], n_boot: int = 2000) -> dict[str, dict[str, Any]]:
+    """Per metric: the median B/A ratio over every prompt of every round, its interval and count."""
+    a = [p for p in passes if p["which"] == "A"]
+    b = [p for p in passes if p["which"] == "B"]
+    out: dict[str, dict[str, Any]] = {}
+    for m in AB_METRICS:
+        ratios: list[float] = []
+        for pa, pb in zip(a, b):
+            ra, rb = _ok(pa), _ok(pb)
+            for i in sorted(set(ra) & set(rb)):
+                va, vb = _value(ra[i], m), _value(rb[i], m)
+                if va is not None and vb is not None:
+                    ratios.append(vb / va)
+        ci = bootstrap_paired_ratio_ci(ratios, n_boot=n_boot)
+        out[m] = {"median_ratio": _median(ratios), "ratio_ci95": list(ci) if ci else None, "n_pairs": len(ratios)}
+    return out
+
+
+def _output_key(r: dict[str, Any]) -> tuple[str, Any]:
+    ids = r.get("output_token_ids")
+    return ("token_ids", tuple(ids)) if ids else ("text", r.get("output"))
+
+
+def output_identity(a_passes: list[dict[str, Any]], b_passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """Outputs for the same prompts compared over EVERY A pass against EVERY B pass, and each side with itself.
+
+    `n_differ` (= `n_differ_any`) counts prompts whose outputs differ in at least one A/B pair;
+    `n_compared` the prompts present in every pass compared.
+    """
+    def diff(x: dict[str, Any], y: dict[str, Any]) -> tuple[set[str], set[str], set[str]]:
+        a, b = _ok(x), _ok(y)
+        common = set(a) & set(b)
+        differ = {i for i in common if _output_key(a[i]) != _output_key(b[i])}
+        return common, differ, {_output_key(a[i])[0] for i in common}
+
+    pairs, differ_any, basis = [], set(), set()
+    compared: set[str] | None = None
+    for pa in a_passes:
+        for pb in b_passes:
+            common, differ, kinds = diff(pa, pb)
+            pairs.append({"a_pass": pa.get("pass_index"), "b_pass": pb.get("pass_index"),
+                          "n_compared": len(common), "n_differ": len(differ)})
+            differ_any |= differ
+            basis |= kinds
+            compared = common if compared is None else compared & common
+    out: dict[str, Any] = {"n_compared": len(compared or ()), "n_differ": len(differ_any),
+                           "n_differ_any": len(differ_any), "differ": sorted(differ_any), "pairs": pairs,
+                           "compared_on": "token_ids" if basis == {"token_ids"} else "text"}
+    for name, side in (("a_self", a_passes), ("b_self", b_passes)):
+        if len(side) > 1:        # a backend that is not deterministic with itself explains A/B differences
+            n_cmp, d_all = 0, set()
+            for i in range(len(side)):
+                for j in range(i + 1, len(side)):
+                    common, d, _ = diff(side[i], side[j])
+                    n_cmp = max(n_cmp, len(common))
+                    d_all |= d
+            out[f"{name}_n_compared"], out[f"{name}_n_differ"] = n_cmp, len(d_all)
+    return out
+
+
+def ab_section(passes: list[dict[str, Any]], order: str, profiles: dict[str, str], n_boot: int = 2000) -> dict[str, Any]:
+    rs = rounds(passes)
+    won = {side: sum(1 for r in rs if r["winner"] == side) for side in ("A", "B", "tie")}
+    return {
+        "order": order,
+        "profiles": profiles,
+        "round_metric": ROUND_METRIC,
+        "rounds": rs,
+        "rounds_won": won,
+        "paired": paired_ratios(passes, n_boot=n_boot),
+        "identity": output_identity([p for p in passes if p["which"] == "A"],
+                                    [p for p in passes if p["which"] == "B"]),
+        "meaning": "B (candidate) / A (baseline); a round is the k-th A pass with the k-th B pass; "
+                   "the faster decode wins it",
+    }
+
+
+def format_rounds(section: dict[str, Any]) -> str:
+    """The rounds as text lines, in the order they ran, plus the tally and the paired ratio."""
+    lines = []
+    for r in section.get("rounds", []):
+        ratio = r.get(f"{ROUND_METRIC}_ratio")
+        lines.append(f"round {r['round']}: A pass {r['a_pass']} {_f(r.get('a_' + ROUND_METRIC))} tok/s, "
+                     f"B pass {r['b_pass']} {_f(r.get('b_' + ROUND_METRIC))} tok/s, "
+                     f"B/A {_f(ratio, 4)} -> {r.get('winner') or 'no result'}")
+    won = section.get("rounds_won", {})
+    p = (section.get("paired") or {}).get(ROUND_METRIC) or {}
+    ci = p.get("ratio_ci95")
+    lines.append(f"rounds won: B {won.get('B', 0)}, A {won.get('A', 0)}, tied {won.get('tie', 0)} of "
+                 f"{len(section.get('rounds', []))}; median paired decode ratio B/A {_f(p.get('median_ratio'), 4)}"
+                 + (f" [{_f(ci[0], 4)}, {_f(ci[1], 4)}]" if ci else "") + f" over {p.get('n_pairs', 0)} prompts")
+    return "\n".join(lines)
+
+
+def _f(v: Any, digits: int = 4) -> str:
+    return "-" if v is None else f"{v:.{digits}g}"

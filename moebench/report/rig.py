@@ -1,0 +1,131 @@
+"""The report's rig sections, from compare.json: GPUs card by card and summed (NVML memory and
+energy), torch's own memory per engine phase beside NVML's, energy by phase, and the engine's
+decode choices and tier telemetry (per-layer bars; host hit rate against decode speed)."""
+from __future__ import annotations
+
+from typing import Any
+
+from moebench.report import plots
+from moebench.report.sections import number
+
+SIDES = ("baseline", "candidate")
+
+
+def _get(d: Any, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
+
+
+def cards_rows(memory: Any, energy: Any) -> list[dict[str, Any]]:
+    """One row per card and side, the sum last: peak used, min free, reserved, idle W, whole-run J
+    by counter and by integrated power, their relative difference."""
+    rows = []
+    keys = sorted((k for k in (_get(memory, "gpus") or {}) if k != "sum"), key=lambda k: (len(k), k))
+    for key in keys + ["sum"]:
+        for side in SIDES:
+            m = _get(memory, "gpus", key, side)
+            e = _get(energy, "gpus", key, side)
+            if not m and not e:
+                continue
+            m, e = m or {}, e or {}
+            rows.append({"card": "sum" if key == "sum" else key.replace("gpu", "GPU "), "side": side,
+                         "peak_used_bytes": m.get("peak_used_bytes"), "min_free_bytes": m.get("min_free_bytes"),
+                         "reserved_bytes": m.get("reserved_bytes"), "idle_power_w": e.get("idle_power_w"),
+                         "counter_j": e.get("whole_run_counter_j"), "integral_j": e.get("whole_run_integral_j"),
+                         "rel_diff": e.get("rel_diff_integral_vs_counter")})
+    return rows
+
+
+def torch_rows(memory: Any) -> list[dict[str, Any]]:
+    """torch's peak allocated / reserved per engine phase and side, with NVML's peak used beside."""
+    rows = []
+    for side in SIDES:
+        tm = _get(memory, "torch", side)
+        if not isinstance(tm, dict) or not tm.get("available"):
+            continue
+        nvml_peak = _get(memory, side, "peak_used_bytes")
+        for phase, v in (tm.get("phases") or {}).items():
+            rows.append({"side": side, "phase": phase, "allocated": v.get("peak_allocated_bytes"),
+                         "reserved": v.get("peak_reserved_bytes"), "nvml_peak_used": nvml_peak})
+    return rows
+
+
+def phase_rows(energy: Any) -> list[dict[str, Any]]:
+    rows = []
+    for phase, sides in (_get(energy, "phases") or {}).items():
+        row = {"phase": phase}
+        for side in SIDES:
+            p = sides.get(side) or {}
+            row.update({f"{side}_s": p.get("duration_s"), f"{side}_j": p.get("energy_j"),
+                        f"{side}_net_j": p.get("net_j"), f"{side}_w": p.get("mean_power_w")})
+        rows.append(row)
+    return rows
+
+
+def _tier_plots(side: str, tiers: dict[str, Any]) -> list[tuple[str, Any]]:
+    layers = tiers.get("layers") or []
+    labels = [str(layer.get("layer")) for layer in layers]
+    out = []
+    picks = [("GPU tier", [number(layer.get("picks_gpu")) for layer in layers]),
+             ("host: cache hits", [number(layer.get("host_hits")) for layer in layers]),
+             ("host: prefetch hits", [number(layer.get("prefetch_hits")) for layer in layers]),
+             ("host: copied (misses)", [number(layer.get("host_misses")) for layer in layers]),
+             ("host: read over PCIe", [number(layer.get("host_direct")) for layer in layers]),
+             ("host: tail-skipped", [number(layer.get("route_tail_skips")) for layer in layers])]
+    for name, values in picks:
+        if any(v for v in values):
+            out.append((f"{side}: expert picks per layer, {name}",
+                        plots.bar_plot(labels, values, "picks", xlabel="MoE layer")))
+    rate = [number(layer.get("host_hit_rate")) for layer in layers]
+    if any(v is not None for v in rate):
+        out.append((f"{side}: host-tier picks served from GPU memory, per layer",
+                    plots.bar_plot(labels, rate, "host hit rate", y_max=1.0, xlabel="MoE layer")))
+    moved = [number(layer.get("bytes_h2d")) for layer in layers]
+    if any(v for v in moved):
+        out.append((f"{side}: bytes copied host to device, per layer",
+                    plots.bar_plot(labels, moved, "bytes", xlabel="MoE layer")))
+    return out
+
+
+def engine_context(engine: Any) -> dict[str, Any] | None:
+    """Choices, tier totals and plots per side, and the hit-rate-vs-speed points."""
+    if not isinstance(engine, dict):
+        return None
+    sides, figs = [], []
+    for side in SIDES:
+        s = engine.get(side)
+        if not isinstance(s, dict):
+            continue
+        tiers = s.get("tiers") if isinstance(s.get("tiers"), dict) else None
+        sides.append({"side": side, "choices": sorted((s.get("choices") or {}).items()),
+                      "decode_steps": s.get("decode_steps"), "decode_tok_s": s.get("decode_tok_s_median"),
+                      "total": (tiers or {}).get("total")})
+        if tiers:
+            figs += _tier_plots(side, tiers)
+    points = [p for p in engine.get("hit_rate_vs_speed") or [] if isinstance(p, dict)]
+    series = [(p["run"], [number(p.get("host_hit_rate"))], [number(p.get("decode_tok_s_median"))]) for p in points]
+    if any(xs[0] is not None and ys[0] is not None for _, xs, ys in series):
+        figs.append(("host hit rate against decode speed (median over the speed task)",
+                     plots.line_plot(series, "host hit rate", "decode tok/s")))
+    if not sides:
+        return None
+    return {"sides": sides, "plots": [(t, plots_markup(svg)) for t, svg in figs]}
+
+
+def plots_markup(svg: str):
+    from markupsafe import Markup
+    return Markup(svg)
+
+
+def rig_context(compare: dict[str, Any]) -> dict[str, Any] | None:
+    """Everything the rig sections show, or None when compare.json has none of it."""
+    memory, energy = compare.get("memory"), compare.get("energy")
+    ctx = {"cards": cards_rows(memory, energy), "torch": torch_rows(memory), "phases": phase_rows(energy),
+           "headlines": {side: _get(memory, "cards", f"headline_{side}") for side in SIDES},
+           "engine": engine_context(compare.get("engine"))}
+    if not (ctx["cards"] or ctx["torch"] or ctx["phases"] or ctx["engine"]):
+        return None
+    return ctx
