@@ -571,7 +571,7 @@ def count_step_ops(eng, tokens, pos, kv_len) -> int:
                 state["ops"] += 1
             return func(*args, **(kwargs or {}))
 
-    jit_type = type(kernels.gate_up_kernel)
+    jit_type = type(kernels.moe_kernels.gate_up_kernel)
     run = jit_type.run
 
     def counted_run(self, *a, **k):

@@ -64,7 +64,7 @@ def decode_choices(profile: dict[str, Any], device: str) -> dict[str, dict[str, 
         ok = kernels.available()
         out["experts_impl"] = {"value": "triton" if ok else "auto",
                                "why": "auto on CUDA: the fused Triton kernels" if ok else
-                               f"auto on CUDA, Triton unavailable ({kernels._IMPORT_ERROR})"}
+                               f"auto on CUDA, Triton unavailable ({kernels.unavailable_reason()})"}
     elif impl == "auto":
         out["experts_impl"] = {"value": "auto", "why": "auto on the CPU: torch's experts path"}
     else:

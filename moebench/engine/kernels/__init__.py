@@ -23,10 +23,10 @@ from .moe import fused_moe, group_mode, wants_quantized_x
 from .norm_router import add_rmsnorm, add_rmsnorm_router, route_topk, router_topk
 from .packed import ExpertGroup, PackedMatrix, dense_group
 from .rope_kv import qk_rope_cache
-from .runtime import KernelError, available, pdl_launch
+from .runtime import KernelError, available, pdl_launch, unavailable_reason
 from .staging import host_lane, stage_experts
 
 __all__ = ["decode_attention", "num_splits_for", "linear", "quant_row_len", "quantize_activations", "fused_moe",
            "group_mode", "wants_quantized_x", "add_rmsnorm", "add_rmsnorm_router", "route_topk", "router_topk",
-           "ExpertGroup", "PackedMatrix", "dense_group", "qk_rope_cache", "KernelError", "available", "pdl_launch",
+           "ExpertGroup", "PackedMatrix", "dense_group", "qk_rope_cache", "KernelError", "available", "pdl_launch", "unavailable_reason",
            "host_lane", "stage_experts"]

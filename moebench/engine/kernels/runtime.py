@@ -42,6 +42,11 @@ def available() -> bool:
     return IMPORT_ERROR is None
 
 
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot run here (None where they can)."""
+    return IMPORT_ERROR
+
+
 def require() -> None:
     if IMPORT_ERROR is not None:
         raise KernelError(f"the fused kernels cannot run here: {IMPORT_ERROR}")
