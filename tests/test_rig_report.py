@@ -122,3 +122,17 @@ def test_compare_report_and_gate_per_card(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[memory.card7]\nmax_peak_used_gib = 3\n")
     assert run_gate(str(cdir), str(bad)) == 2
+
+
+def test_a_single_runs_report_shows_its_cards_torch_memory_phases_and_tiers(tmp_path):
+    layers = [_layer(600, 150, 50), _layer(500, 100, 50, prefetch=150)]
+    total = {k: sum(l[k] for l in layers) for k in layers[0]}
+    run = _run(tmp_path / "tiered", "tiered", [70.0, 60.0], [300.0, 90.0], [12, 4], {"layers": layers, "total": total},
+               1500.0)
+    html = render(run).read_text()
+    gpus = html[html.index('id="gpus"'):html.index('id="torch-memory"')]
+    assert "<td>GPU 0</td>" in gpus and "<td>GPU 1</td>" in gpus and "<td>sum</td>" in gpus
+    assert "baseline" not in gpus and "16.00 GiB" in gpus                 # 12 + 4 GiB at once
+    phases = html[html.index('id="energy-phases"'):html.index('id="engine"')]
+    assert "<td>baseline_idle</td>" in phases and "candidate net J" in phases and "baseline s" not in phases
+    assert "expert picks per layer, host: prefetch hits" in html[html.index('id="engine"'):]

@@ -353,8 +353,8 @@ def memory_energy_compare(base_manifest: dict[str, Any], cand_manifest: dict[str
         if torch_mem:
             memory.setdefault("torch", {})[side] = torch_mem
     memory["gpus"], energy["gpus"] = _cards_compare(b, c)
-    memory["cards"] = {"baseline": b.get("cards", 1), "candidate": c.get("cards", 1),
-                       "headline_baseline": b.get("headline"), "headline_candidate": c.get("headline")}
+    memory["cards"] = {side: {"cards": s.get("cards", 1), "headline": s.get("headline")}
+                       for side, s in (("baseline", b), ("candidate", c))}
     return {"memory": memory, "energy": energy}
 
 

@@ -17,7 +17,7 @@ from markupsafe import Markup
 
 from moebench import store
 from moebench.report import plots
-from moebench.report.rig import rig_context
+from moebench.report.rig import rig_context, run_rig_context
 from moebench.report.sections import (SPEED_METRICS, needle_cells, needle_counts, number, per_side,
                                       speed_rows)
 
@@ -249,6 +249,7 @@ def run_context(run_dir: Path) -> dict[str, Any]:
         "accuracy_svg": _svg(plots.interval_plot(dots)) if dots else None,
         "rows": rows,
         "counts": {k: sum(1 for r in rows if r["kind"] == k) for k in ("correct", "wrong", "error", "unscored")},
+        "rig": run_rig_context(manifest, records),
     }
 
 

@@ -123,9 +123,35 @@ def plots_markup(svg: str):
 def rig_context(compare: dict[str, Any]) -> dict[str, Any] | None:
     """Everything the rig sections show, or None when compare.json has none of it."""
     memory, energy = compare.get("memory"), compare.get("energy")
-    ctx = {"cards": cards_rows(memory, energy), "torch": torch_rows(memory), "phases": phase_rows(energy),
-           "headlines": {side: _get(memory, "cards", f"headline_{side}") for side in SIDES},
+    phases = phase_rows(energy)
+    ctx = {"cards": cards_rows(memory, energy), "torch": torch_rows(memory), "phases": phases,
+           "phase_sides": [s for s in SIDES if any(r.get(f"{s}_s") is not None for r in phases)],
+           "headlines": {side: _get(memory, "cards", side, "headline") for side in SIDES},
            "engine": engine_context(compare.get("engine"))}
     if not (ctx["cards"] or ctx["torch"] or ctx["phases"] or ctx["engine"]):
         return None
     return ctx
+
+
+def _one_side(d: Any) -> Any:
+    """A compare-shaped part with only its "candidate" entries kept (a run is shown as that side)."""
+    if isinstance(d, dict):
+        if "baseline" in d or "candidate" in d:
+            d = {k: v for k, v in d.items() if k != "baseline"}
+        return {k: _one_side(v) for k, v in d.items()}
+    return d
+
+
+def run_rig_context(manifest: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The rig sections for a single run: its probe summary and engine telemetry, laid out as the
+    candidate side of a compare."""
+    from moebench.compare.engine import engine_compare
+    from moebench.probes.energy import memory_energy_compare
+    section = memory_energy_compare(manifest, manifest)
+    compare = {k: _one_side(v) for k, v in section.items() if isinstance(v, dict) and v.get("available")}
+    engine = engine_compare({}, manifest, [], records)
+    if engine:
+        compare["engine"] = _one_side(engine)
+        compare["engine"]["hit_rate_vs_speed"] = engine["hit_rate_vs_speed"]
+    return rig_context(compare)
+

@@ -156,6 +156,10 @@ class Runner:
     async def detokenize(self, token_ids: list[int]) -> str:
         raise CapabilityError(f"runner kind {self.kind!r} cannot detokenize")
 
+    async def server_metrics(self) -> dict[str, float] | None:
+        """The backend's Prometheus counters (name -> value), or None where it exposes none."""
+        return None
+
     async def __aenter__(self) -> "Runner":
         await self.start()
         return self
