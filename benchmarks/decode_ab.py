@@ -34,6 +34,7 @@ class Context:
     tokens: int
     reps: int
     plans: dict
+    options: dict = field(default_factory=dict)      # extra Engine options (--engine-option)
     results: dict = field(default_factory=dict)
 
     @property
@@ -62,7 +63,7 @@ def bf16(ctx: Context) -> dict:
     """The dense bf16 experts through the fused Triton kernels."""
     from decode_setup import build_engine
     return _rate(ctx, build_engine(ctx.hf, max_seq_len=ctx.max_seq, cuda_graphs=ctx.device.type == "cuda",
-                                   experts_impl="triton"))
+                                   experts_impl="triton", **ctx.options))
 
 
 def plan_rate(ctx: Context, name: str, prefetch_early: bool = False) -> dict:
@@ -73,7 +74,7 @@ def plan_rate(ctx: Context, name: str, prefetch_early: bool = False) -> dict:
     precision, home = ctx.plans[name]
     experts = tiered_experts(ctx.hf, precision, home, ctx.device, ctx.dtype)
     opts = dict(max_seq_len=ctx.max_seq, cuda_graphs=ctx.device.type == "cuda", experts_impl="triton",
-                int8_activations=name.endswith("_a8"))
+                int8_activations=name.endswith("_a8"), **ctx.options)
     out = _rate(ctx, build_engine(ctx.hf, experts=experts, **opts))
     if prefetch_early:
         pre = _rate(ctx, build_engine(ctx.hf, experts=experts, prefetch_host=True, prefetch_early=True, **opts))
@@ -109,9 +110,13 @@ def run(args) -> dict:
     trace = ref.trace(prompt + cont, router_logits=False)
     counts = torch.stack([torch.bincount(ids.flatten(), minlength=cfg.num_experts) for ids in trace.topk_ids])
     del ref
+    options = {}
+    for item in args.engine_option:
+        key, _, value = item.partition("=")
+        options[key] = json.loads(value)
     ctx = Context(hf, device, dtype, prompt, args.tokens, args.reps,
-                  expert_plans(cfg.num_hidden_layers, cfg.num_experts, hot_halves(counts)))
-    out = {"tree": str(args.tree), "moebench": moebench.__file__, "device": str(device), "torch": torch.__version__,
+                  expert_plans(cfg.num_hidden_layers, cfg.num_experts, hot_halves(counts)), options)
+    out = {"tree": str(args.tree), "engine_options": options, "moebench": moebench.__file__, "device": str(device), "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "variants": {}, "errors": {}}
     names = [n for n in args.variants.split(",") if n] if args.variants else list(VARIANTS)
     for name in names:
@@ -156,6 +161,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--engine-option", action="append", default=[], metavar="KEY=JSON",
+                    help="an extra Engine option for every engine, e.g. count_tier_picks=false (the tree must know it)")
     ap.add_argument("--small", action="store_true", help="a small shape on the CPU (a smoke test of the script)")
     ap.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"), help="print the A/B table of two runs")
     args = ap.parse_args(argv)
