@@ -171,7 +171,7 @@ def counter_overhead(profile_path: Path, rounds: int = 10, tokens: int = 1024) -
     plain = eng.decode
     ids = haystack_ids(eng, 256)
     # as long as a measured generation, so every KV bucket's graph is captured before the clock runs
-    # (a capture inside round 0 made that round's first mode 25% slower in both H200 runs)
+    # (a capture inside the first measured round makes its first mode ~25% slower)
     eng.generate([ids[:128]], tokens, ignore_eos=True)
     rates: dict[str, list[float]] = {"on": [], "off": []}
     try:
