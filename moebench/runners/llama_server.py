@@ -374,7 +374,8 @@ class LlamaServerRunner(Runner):
         if self.proc is not None and self.proc.poll() is None:
             return
         try:
-            self.binary = llamacpp.tool(self.profile["binary"])
+            # Built on first use (minutes); in a thread so the event loop stays responsive.
+            self.binary = await asyncio.to_thread(llamacpp.tool, self.profile["binary"], True)
         except llamacpp.ToolError as e:
             raise RunnerError(str(e)) from None
         log_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="moebench-llama-"))
