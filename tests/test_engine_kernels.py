@@ -914,3 +914,25 @@ def test_engine_decode_with_norm_router_fused_is_the_same(ckpt, wiki_bytes, dtyp
     assert len(tr_on.logits) == len(tr_off.logits) == n_layers
     for (la, a), (lb, b) in zip(tr_on.logits, tr_off.logits):
         assert la == lb and a.shape == (1, 8) and torch.equal(a, b)
+
+
+@needs_cuda
+@pytest.mark.parametrize("switch", ["pdl", "overlap_host"])
+def test_cuda_pdl_and_overlap_switches_change_no_output(ckpt, wiki_bytes, tmp_path, switch):
+    """DecodeConfig.pdl (programmatic dependent launch) and overlap_host (host and other-format groups
+    on side streams) only move work in time: an engine with the switch off, beside one with it on in
+    the same process, gives the same greedy tokens and top log-probs, graph-replayed, on a hot/cold
+    artifact whose cold half is read from host memory."""
+    stats = calibrate(Engine.load(ckpt, device="cpu", dtype="float32"), [wiki_bytes[:64], wiki_bytes[64:128]])
+    art = pack(ckpt, plan_hot_cold(stats, 0.25, hot="int8", cold="ternary", cold_home="host"), tmp_path / "art")
+    on = Engine.load(art, device=DEV, dtype="float32", max_seq_len=64, cuda_graphs=True,
+                     decode=small(experts_impl="triton"))
+    off = Engine.load(art, device=DEV, dtype="float32", max_seq_len=64, cuda_graphs=True,
+                      decode=replace(small(experts_impl="triton"), **{switch: False}))
+    assert getattr(on.decode, switch) and not getattr(off.decode, switch)
+    prompt = wiki_bytes[300:320]
+    a = on.generate([prompt], 6, ignore_eos=True, top_logprobs=3)[0]
+    b = off.generate([prompt], 6, ignore_eos=True, top_logprobs=3)[0]
+    assert on._graphs and off._graphs
+    assert a.token_ids == b.token_ids
+    assert all(abs(x - y) < 1e-5 for sa, sb in zip(a.top_logprobs, b.top_logprobs) for (_, x), (_, y) in zip(sa, sb))
