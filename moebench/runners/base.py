@@ -176,6 +176,10 @@ class Runner:
         """(whether the model's tokenizer adds BOS to a text, the BOS id)."""
         return False, None
 
+    async def server_metrics(self) -> dict[str, float] | None:
+        """The backend's Prometheus counters (name -> value), or None where it exposes none."""
+        return None
+
     async def __aenter__(self) -> "Runner":
         await self.start()
         return self

@@ -29,6 +29,7 @@ from moebench.config import Field, ProfileError, positive
 from moebench.runners import prompt_logprobs as prompt_lp
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
 from moebench.scoring.answers import first_stop
+from moebench.runners.metrics import parse_prometheus
 from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, bounded_lines, describe, read_bounded,
                                         response_limit, retry_after_s)
 
@@ -400,6 +401,25 @@ class HttpRunner(Runner):
             return [t if isinstance(t, int) else t["id"] for t in tokens]
 
         return await self._with_retries(call)
+
+    async def server_metrics(self) -> dict[str, float] | None:
+        """Counters of every endpoint's Prometheus /metrics page, summed; None where any has none."""
+        if self.client is None:
+            await self.start()
+        assert self.client is not None
+        total: dict[str, float] = {}
+        for url in self.base_urls:
+            root = url[:-3] if url.endswith("/v1") else url
+            try:
+                async with self.client.stream("GET", root + "/metrics") as resp:
+                    raw = await read_bounded(resp, 16 << 20, root + "/metrics")
+                    if resp.status_code != 200:
+                        return None
+            except (httpx.HTTPError, RunnerError):
+                return None           # no metrics page: no server-side counters, not an error
+            for name, value in parse_prometheus(raw.decode("utf-8", "replace")).items():
+                total[name] = total.get(name, 0.0) + value
+        return total
 
 
 def _apply_stops(result: GenerateResult, stops: list[str]) -> GenerateResult:

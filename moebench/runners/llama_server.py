@@ -378,7 +378,7 @@ class LlamaServerRunner(Runner):
     def _resolve_binary(self) -> Path:
         if self.binary is None:
             try:
-                self.binary = llamacpp.tool(self.profile["binary"])
+                self.binary = llamacpp.tool(self.profile["binary"], True)
             except llamacpp.ToolError as e:
                 raise RunnerError(str(e)) from None
         return self.binary
@@ -386,7 +386,11 @@ class LlamaServerRunner(Runner):
     async def start(self, run_dir: str | None = None) -> None:
         if self.proc is not None and self.proc.poll() is None:
             return
-        self._resolve_binary()
+        try:
+            # Built on first use (minutes); in a thread so the event loop stays responsive.
+            self.binary = await asyncio.to_thread(llamacpp.tool, self.profile["binary"], True)
+        except llamacpp.ToolError as e:
+            raise RunnerError(str(e)) from None
         if self.needed is not None and set(self.needed) <= SERVERLESS:
             return                     # e.g. KLD only: llama-perplexity loads the model, not a server
         self.server_started = True
@@ -765,7 +769,7 @@ class LlamaServerRunner(Runner):
                                    "llama-perplexity there (cmake --target llama-perplexity)")
         else:
             try:
-                ppl = llamacpp.tool("llama-perplexity")
+                ppl = llamacpp.tool("llama-perplexity", True)
             except llamacpp.ToolError as e:
                 raise ProfileError(f"{where}: no llama-perplexity for KLD: {e}") from None
             source = "moebench's built llama.cpp tools (the profile names no binary)"

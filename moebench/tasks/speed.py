@@ -14,7 +14,9 @@ Sampling: greedy by default; `temperature`, `top_p`, `top_k` and `seed` (which a
 prompt prefixes) set it, and every record carries them as `sampling`. Speculative decoding: where the
 backend reports draft counters (llama-server's `timings.draft_n`, `draft_n_accepted`), a record adds
 them, `acceptance_rate` = accepted / drafted and `tokens_per_step` = n_out / (n_out - accepted) (each
-verification step yields its accepted drafts plus one token of its own).
+verification step yields its accepted drafts plus one token of its own). Where the backend keeps them
+on its Prometheus /metrics page instead (vLLM), the counters are read before and after each group and
+every record of the group carries the difference as `group_spec_decode`.
 
 A/B mode (`run_ab`) runs two runner profiles interleaved (ABBA), each pass in a FRESH process
 (`python -m moebench.tasks.speed --runner PROFILE ...`), and counts outputs that differ between A and B.
@@ -35,6 +37,7 @@ from typing import Any
 from moebench.config import Field, positive
 from moebench.datasets import data_file, register
 from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
+from moebench.runners.metrics import spec_decode_delta
 from moebench.compare.speed import read_token_times, speed_compare, summarize_speed  # noqa: F401 (speed_compare re-exported)
 from moebench.compare.speed_ab import ab_section, output_identity  # noqa: F401 (output_identity re-exported)
 from moebench.store import write_json_atomic
@@ -246,9 +249,15 @@ class SpeedTask(Task):
                 except Exception as e:
                     results[item_id] = e
 
+        before = await runner.server_metrics()      # server-side draft counters (vLLM), where kept
         _mark(self.ctx, "mixed" if clients > 1 else "idle", time.perf_counter())
         await asyncio.gather(*(client_loop(c) for c in range(clients)))
         _mark(self.ctx, "idle", time.perf_counter())
+        group_spec = spec_decode_delta(before, await runner.server_metrics() if before else None)
+        if group_spec is not None:
+            for rec in results.values():
+                if isinstance(rec, dict):
+                    rec["group_spec_decode"] = group_spec
         self._write_token_times(results)
         return results
 

@@ -137,7 +137,7 @@ class PerplexityPlan:
 
 def _binary() -> str:
     from moebench.tools.llamacpp import tool
-    return str(tool("llama-perplexity"))
+    return str(tool("llama-perplexity", build=True))
 
 
 def run_perplexity(model: str | Path, args: list[str], log_path: Path | None = None,
