@@ -18,13 +18,32 @@ COUNTERS = {0.0: (20, 19), 1.0: (20, 5)}
 
 
 class _DraftServer:
-    def __init__(self):
+    """`per_reply`: llama-server style, counters in each stream's final `timings`; else vLLM style,
+    cumulative counters on GET /metrics (8 drafted, 6 accepted per request)."""
+
+    def __init__(self, per_reply: bool = True):
         self.bodies: list[dict] = []
+        self.drafted = self.accepted = 0
         outer = self
 
         class H(BaseHTTPRequestHandler):
             def log_message(self, *a):
                 pass
+
+            def do_GET(self):
+                text = ("# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.\n"
+                        "# TYPE vllm:spec_decode_num_draft_tokens_total counter\n"
+                        f'vllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {float(outer.drafted)}\n'
+                        f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(outer.accepted)}\n'
+                        'vllm:num_requests_running{model_name="m"} 0.0\n').encode()
+                if per_reply:
+                    text, code = b"not found", 404
+                else:
+                    code = 200
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(text)))
+                self.end_headers()
+                self.wfile.write(text)
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -45,8 +64,12 @@ class _DraftServer:
                     self.wfile.write(b"data: " + json.dumps({"choices": [{"index": 0, "text": f" t{i}"}]}).encode()
                                      + b"\n\n")
                 last = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}],
-                        "usage": {"prompt_tokens": 40, "completion_tokens": n},
-                        "timings": {"predicted_n": n, "draft_n": drafted, "draft_n_accepted": accepted}}
+                        "usage": {"prompt_tokens": 40, "completion_tokens": n}}
+                if per_reply:
+                    last["timings"] = {"predicted_n": n, "draft_n": drafted, "draft_n_accepted": accepted}
+                else:
+                    outer.drafted += 8
+                    outer.accepted += 6
                 self.wfile.write(b"data: " + json.dumps(last).encode() + b"\n\ndata: [DONE]\n\n")
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
@@ -142,3 +165,19 @@ def test_top_p_on_a_runner_without_sampling_is_refused_before_any_work(tmp_path,
     greedy = SpeedTask(validate({"task": "speed"}, {**COMMON_TASK_SCHEMA, **SpeedTask.options}, "t"),
                        TaskContext(data_dir=data_dir))
     check_capabilities(GreedyOnly({}), {"speed": greedy.needs(GreedyOnly({}))})     # greedy needs no sampling
+
+
+def test_server_side_draft_counters_are_read_per_group_from_metrics(tmp_path, data_dir):
+    srv = _DraftServer(per_reply=False)
+    try:
+        run = _run(tmp_path, srv.url, "vllm", "")
+    finally:
+        srv.server.shutdown()
+    recs = _records(run)
+    assert len(recs) == 4 and all("draft_n" not in r for r in recs)
+    for r in recs:       # 2 requests per group, 8 drafted and 6 accepted each
+        assert r["group_spec_decode"] == {"draft_n": 16, "draft_n_accepted": 12, "acceptance_rate": 0.75,
+                                          "source": "/metrics vllm"}
+    by_len = json.loads((run / "manifest.json").read_text())["summary"]["speed"]["by_prompt_length"]
+    assert all(by_len[L]["1"]["draft"]["acceptance_rate"] == 0.75 for L in ("32", "64"))
+    assert srv.drafted == 32                    # no request outside the groups was counted (warmup = 0)

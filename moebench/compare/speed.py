@@ -118,10 +118,15 @@ def draft_summary(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     the per-request rates' spread, tokens per verification step; None where no record has counters."""
     recs = [r for r in records if isinstance(r.get("draft_n"), int)]
     if not recs:
-        return None
+        group = next((r["group_spec_decode"] for r in records if isinstance(r.get("group_spec_decode"), dict)), None)
+        if group is None:
+            return None
+        return {"n": len(records), "draft_n": group.get("draft_n"), "draft_n_accepted": group.get("draft_n_accepted"),
+                "acceptance_rate": group.get("acceptance_rate"), "acceptance_rate_stats": None,
+                "tokens_per_step": None, "source": group.get("source")}
     drafted = sum(r["draft_n"] for r in recs)
     accepted = sum(r.get("draft_n_accepted") or 0 for r in recs)
-    return {"n": len(recs), "draft_n": drafted, "draft_n_accepted": accepted,
+    return {"n": len(recs), "draft_n": drafted, "draft_n_accepted": accepted, "source": "per request",
             "acceptance_rate": accepted / drafted if drafted else None,
             "acceptance_rate_stats": _stats([r.get("acceptance_rate") for r in recs]),
             "tokens_per_step": _stats([r.get("tokens_per_step") for r in recs])}

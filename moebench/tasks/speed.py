@@ -14,7 +14,9 @@ Sampling: greedy by default; `temperature`, `top_p`, `top_k` and `seed` (which a
 prompt prefixes) set it, and every record carries them as `sampling`. Speculative decoding: where the
 backend reports draft counters (llama-server's `timings.draft_n`, `draft_n_accepted`), a record adds
 them, `acceptance_rate` = accepted / drafted and `tokens_per_step` = n_out / (n_out - accepted) (each
-verification step yields its accepted drafts plus one token of its own).
+verification step yields its accepted drafts plus one token of its own). Where the backend keeps them
+on its Prometheus /metrics page instead (vLLM), the counters are read before and after each group and
+every record of the group carries the difference as `group_spec_decode`.
 
 A/B mode (`run_ab`) runs two runner profiles interleaved (ABBA), each pass in a FRESH process
 (`python -m moebench.tasks.speed --runner PROFILE ...`), and counts outputs that differ between A and B.
@@ -35,10 +37,11 @@ from typing import Any
 from moebench.config import Field, positive
 from moebench.datasets import data_file, register
 from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
+from moebench.runners.metrics import spec_decode_delta
 from moebench.compare.speed import read_token_times, speed_compare, summarize_speed  # noqa: F401 (speed_compare re-exported)
 from moebench.compare.speed_ab import ab_section, output_identity  # noqa: F401 (output_identity re-exported)
 from moebench.store import write_json_atomic
-from moebench.tasks.base import Item, Task, TaskContext, prompt_hash
+from moebench.tasks.base import Item, Task, TaskContext, count_flagged, prompt_hash, prompt_tokens_check
 from moebench.tasks.needle import HAYSTACK_FILE, HaystackIndex, build_index, fit_haystack, load_haystack
 
 DEFAULT_PROMPT_LENGTHS = [128, 512, 2048, 8192, 16384]
@@ -202,6 +205,7 @@ class SpeedTask(Task):
             "prompt_tokens": real_prompt_tokens,
             "prompt_tokens_source": "tokenizer" if prompt_tokens else ("server" if result.prompt_tokens else None),
             "runner_prompt_tokens": result.prompt_tokens,
+            **prompt_tokens_check(prompt_tokens, result.prompt_tokens),
             "output_tokens": result.output_tokens or len(result.token_times or []),
             "output_tokens_requested": self.output_tokens,
             "stopped_early": (result.output_tokens or 0) < self.output_tokens,
@@ -245,9 +249,15 @@ class SpeedTask(Task):
                 except Exception as e:
                     results[item_id] = e
 
+        before = await runner.server_metrics()      # server-side draft counters (vLLM), where kept
         _mark(self.ctx, "mixed" if clients > 1 else "idle", time.perf_counter())
         await asyncio.gather(*(client_loop(c) for c in range(clients)))
         _mark(self.ctx, "idle", time.perf_counter())
+        group_spec = spec_decode_delta(before, await runner.server_metrics() if before else None)
+        if group_spec is not None:
+            for rec in results.values():
+                if isinstance(rec, dict):
+                    rec["group_spec_decode"] = group_spec
         self._write_token_times(results)
         return results
 
@@ -291,6 +301,7 @@ class SpeedTask(Task):
         times = read_token_times(self.ctx.run_dir) if self.ctx.run_dir is not None else None
         return {"n": len(records), "n_ok": len(ok),
                 "n_errors": sum(1 for r in records if r.get("status") == "error"),
+                "n_prompt_tokens_flagged": count_flagged(records),
                 "sampling": dict(self.sampling),
                 "by_prompt_length": summarize_speed(ok, times)}
 
