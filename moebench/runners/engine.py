@@ -255,6 +255,16 @@ class EngineRunner(Runner):
     def bos_token_id(self) -> int | None:
         return getattr(self._eng().config, "bos_token_id", None)
 
+    def vocab_size(self) -> int | None:
+        return self._eng().vocab_size
+
+    def bos_policy(self) -> tuple[bool, int | None]:
+        """From the engine's tokenizer (tokenizer_config's add_bos_token)."""
+        tok = getattr(self._eng(), "tokenizer", None)
+        if tok is None:
+            return False, None
+        return bool(getattr(tok, "add_bos", False)), getattr(tok, "bos_token_id", None)
+
     async def tokenize(self, text: str) -> list[int]:
         return self._eng().tokenize(text)
 
