@@ -15,10 +15,7 @@ from moebench.config import repo_root
 from moebench.datasets import data_dir, data_file, read_text
 
 ZOO = Path("models/zoo")
-# From the haystack (War and Peace), never from the KLD corpus. 4,096 tokens rank the experts by use well
-# enough for a hot/cold split and keep the demo's first result within minutes on 2 cores (the
-# calibration's forward passes dominated it at 16,384); `moebench tier calibrate --tokens` takes more.
-CALIBRATION_TOKENS = 4096
+CALIBRATION_TOKENS = 16384      # from the haystack (War and Peace), never from the KLD corpus
 CALIBRATION_SEQ = 512
 
 
