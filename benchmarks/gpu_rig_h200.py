@@ -5,7 +5,7 @@ fast path), then `moebench compare` (compare.json + report.html) for each suite.
   - the engine's own loop on the same models and prompt lengths (Engine.generate, its own clock),
     against the speed suite's medians through `moebench run` (item 5 of issue 18: within 10%);
   - the cost of the fused path's pick counters: the tiered model's decode tok/s with
-    TieredExperts.count_picks on and off, interleaved (item 4: within 2%).
+    DecodeConfig.count_tier_picks on and off, interleaved (item 4: within 2%).
 
 Run on the GPU machine from a checkout (or a stage copy) holding models/zoo/tiny-moe and the tiered
 plan (models/zoo/tiny-moe-tiered.plan.json; the artifact is packed from it here):
@@ -166,22 +166,23 @@ def engine_loop(profile_path: Path, output_tokens: int = 128, repeats: int = 10)
 
 def counter_overhead(profile_path: Path, rounds: int = 10, tokens: int = 1024) -> dict[str, Any]:
     """Tiered decode tok/s with the fused path's pick counters on and off, interleaved ABAB..."""
-    from moebench.engine.placement import TieredExperts
+    from dataclasses import replace
     eng, choices = load_like_runner(profile_path)
+    plain = eng.decode
     ids = haystack_ids(eng, 256)
     # as long as a measured generation, so every KV bucket's graph is captured before the clock runs
-    # (a capture inside round 0 made that round's first mode 25% slower in both H200 runs)
+    # (a capture inside the first measured round makes its first mode ~25% slower)
     eng.generate([ids[:128]], tokens, ignore_eos=True)
     rates: dict[str, list[float]] = {"on": [], "off": []}
     try:
         for r in range(rounds):
             for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
-                TieredExperts.count_picks = mode == "on"
+                eng.reconfigure(replace(plain, count_tier_picks=mode == "on"))
                 eng.generate([ids[:128]], 16, ignore_eos=True)     # settle into the mode
                 t = eng.generate([ids[r: r + 128]], tokens, ignore_eos=True)[0].token_times
                 rates[mode].append((len(t) - 1) / (t[-1] - t[0]))
     finally:
-        TieredExperts.count_picks = True
+        eng.reconfigure(plain)
     return {"choices": choices, "tokens": tokens, "rounds": rounds, "tok_s_on": rates["on"], "tok_s_off": rates["off"],
             **counter_cost(rates["on"], rates["off"])}
 

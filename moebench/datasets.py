@@ -1,7 +1,7 @@
 """Datasets from the local mirror (DESIGN.md section 7).
 
 The mirror is `MOEBENCH_DATA_DIR`, else `../shared/datasets` beside the checkout, else
-`./shared/datasets`. Every file a task reads is hashed (sha256) into the run manifest. There is no
+`./shared/datasets`, else a `data/` folder made by `moebench data fetch` (moebench/data_fetch.py). Every file a task reads is hashed (sha256) into the run manifest. There is no
 silent hub fallback: a missing file is an error naming the path and the variable to set.
 """
 from __future__ import annotations
@@ -30,6 +30,10 @@ def data_dir() -> Path:
                  Path.cwd().parent / "shared" / "datasets"):
         if cand.is_dir():
             return cand
+    # A mirror made by `moebench data fetch --to data` (a complete one carries SHA256SUMS).
+    for cand in (Path.cwd() / "data", repo_root() / "data"):
+        if (cand / "SHA256SUMS").is_file():
+            return cand
     return repo_root().parent / "shared" / "datasets"
 
 
@@ -37,8 +41,8 @@ def data_file(root: Path, rel: str) -> Path:
     p = Path(root) / rel
     if not p.is_file():
         raise DatasetError(
-            f"dataset file {p} not found: set MOEBENCH_DATA_DIR to a mirror holding {rel} "
-            f"(see ../shared/datasets/README.md for the layout)"
+            f"dataset file {p} not found: set MOEBENCH_DATA_DIR to a mirror holding {rel}, "
+            f"or make one with `moebench data fetch --to data` (see moebench/mirror/README.md for the layout)"
         )
     return p
 

@@ -64,7 +64,7 @@ def demo(out: Path | None = None, log=print) -> Path:
     out = out or Path("results") / "demo"
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    build_zoo(str(ZOO))
+    build_zoo(str(ZOO), gguf=False)     # the engine reads the HF checkpoint: no llama.cpp needed
     checkpoint = ZOO / "tiny-moe"
     pack_tiered(checkpoint, ZOO / "tiny-moe-tiered", log=log)
     smoke = str(repo_root() / "suites" / "smoke.toml")

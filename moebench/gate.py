@@ -56,8 +56,8 @@ A rule whose task or section is absent from compare.json FAILS: a gate never pas
 Speed ratio rules judge intervals, not single numbers: per prompt length and client count, the 95%
 bootstrap interval of the candidate/baseline ratio. A group FAILS when its whole interval is on the
 wrong side of the limit, PASSES when its whole interval is on the right side, and is INCONCLUSIVE when
-the interval straddles the limit, is missing, or either side timed fewer than `min_samples` requests
-(the summary says which). The rule fails when any group fails, else is inconclusive when any group is.
+the interval straddles the limit, is missing, either side timed fewer than `min_samples` requests, or
+the sample counts are unknown (a compare.json older than schema 2); the summary says which. The rule fails when any group fails, else is inconclusive when any group is.
 
 `fail_on_significant_loss` on several tasks is one family of tests: the McNemar p-values are
 Holm-adjusted over those tasks before they are compared with each task's alpha.
@@ -718,24 +718,33 @@ def _matrix_pairs(cdir: Path) -> list[Path] | None:
         raise GateInputError(f"{path}: not a moebench matrix ({type(e).__name__}: {e})") from None
 
 
-def run_gate(compare_dir: str | os.PathLike[str], rules_path: str | os.PathLike[str]) -> int:
+def run_gate(compare_dir: str | os.PathLike[str], rules_path: str | os.PathLike[str], as_json: bool = False,
+             quiet: bool = False) -> int:
     """Check `compare_dir/compare.json` against the rules; write summary.md, junit.xml, gate.json; exit code.
 
     A several-candidate compare directory (matrix.json) gates every candidate's directory with the same
     rules; its exit code is the worst (1 over 3 over 0) and its summary.md joins theirs.
+    Prints the Markdown summary, or with `as_json` gate.json's content (for several candidates
+    {"exit_code", "candidates": [...]}; on an input error {"exit_code": 2, "error"}).
     """
     cdir, rpath = Path(compare_dir), Path(rules_path)
     try:
         pairs = _matrix_pairs(cdir) if cdir.is_dir() else None
     except GateInputError as e:
         print(f"moebench gate: error: {e}", file=sys.stderr)
+        if as_json:
+            print(json.dumps({"exit_code": 2, "error": str(e), "rules_file": str(rpath)}))
         return 2
     if pairs is not None:
-        codes = [run_gate(p, rpath) for p in pairs]
+        codes = [run_gate(p, rpath, quiet=as_json or quiet) for p in pairs]
         code = 2 if 2 in codes else 1 if 1 in codes else EXIT_INCONCLUSIVE if EXIT_INCONCLUSIVE in codes else 0
         parts = [(p / SUMMARY_FILE).read_text(encoding="utf-8") for p in pairs if (p / SUMMARY_FILE).is_file()]
         _write(cdir / SUMMARY_FILE, ("\n".join(parts)).encode("utf-8"))
         _rerender(cdir)
+        if as_json:
+            print(json.dumps({"exit_code": code, "candidates": [
+                {"compare_dir": str(p), **(json.loads((p / GATE_FILE).read_text()) if (p / GATE_FILE).is_file()
+                                           else {"exit_code": c})} for p, c in zip(pairs, codes)]}))
         return code
     try:
         compare = _load_compare(cdir)
@@ -745,6 +754,8 @@ def run_gate(compare_dir: str | os.PathLike[str], rules_path: str | os.PathLike[
         print(f"moebench gate: error: {e}", file=sys.stderr)
         if cdir.is_dir():   # let CI show why, next to where the table would be
             _write(cdir / SUMMARY_FILE, f"## moebench gate: ERROR\n\n{_md(str(e))}\n".encode())
+        if as_json:
+            print(json.dumps({"exit_code": 2, "error": str(e), "rules_file": str(rpath)}))
         return 2
     checks = evaluate(compare, rules, options["correction"])
     code = exit_code(checks, options["on_inconclusive"])
@@ -757,9 +768,13 @@ def run_gate(compare_dir: str | os.PathLike[str], rules_path: str | os.PathLike[
     _write(cdir / SUMMARY_FILE, (summary + "\n" + details.replace("## moebench compare", "### moebench compare", 1)
                                  ).encode("utf-8"))
     _write(cdir / JUNIT_FILE, junit_xml(checks))
-    _write(cdir / GATE_FILE, (json.dumps(gate_json(checks, rpath, code), indent=2) + "\n").encode("utf-8"))
+    verdicts = gate_json(checks, rpath, code)
+    _write(cdir / GATE_FILE, (json.dumps(verdicts, indent=2) + "\n").encode("utf-8"))
     _rerender(cdir)
-    print(summary, end="")
+    if as_json:
+        print(json.dumps(verdicts))
+    elif not quiet:
+        print(summary, end="")
     return code
 
 

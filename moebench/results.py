@@ -26,10 +26,7 @@ FIRST_COLUMNS = ("task", "item_id", "status", "correct", "answer", "reference", 
 def load_items(run: str | Path) -> pd.DataFrame:
     """A run's items.jsonl as a DataFrame: one row per (task, item_id), the last record of each winning
     (retries on resume append a new record), a torn last line ignored. Text columns stay strings."""
-    try:
-        _, records = store.load_run(run)
-    except store.StoreError:
-        raise
+    _, records = store.load_run(run)         # StoreError names the file and line when malformed
     if not records:
         return pd.DataFrame(columns=list(FIRST_COLUMNS))
     rows = []

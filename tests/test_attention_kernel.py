@@ -1,4 +1,4 @@
-"""Triton decode attention (moebench/engine/attention_kernel.py) against F.scaled_dot_product_attention.
+"""Triton decode attention (moebench/engine/kernels/attention.py) against F.scaled_dot_product_attention.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors (small heads, short caches keep it
 fast); the CUDA tests run the compiled kernels in bf16 at the Qwen3-30B-A3B shape and in a CUDA graph.
@@ -16,13 +16,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton's first import (see kernels.py)
 pytest.importorskip("triton")
 
-from moebench.engine import attention_kernel  # noqa: E402
-from moebench.engine.attention_kernel import decode_attention, num_splits_for  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
+from moebench.engine.decode_config import DEFAULT  # noqa: E402
 from moebench.engine.kernels import KernelError  # noqa: E402
+from moebench.engine.kernels import attention as attention_kernel  # noqa: E402
+from moebench.engine.kernels.attention import decode_attention, num_splits_for  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-BLOCK = attention_kernel.CONFIG["BLOCK_S"]
+BLOCK = DEFAULT.attention.block_s
 
 
 def make_inputs(B, Bc, NH, NKV, T, D, S, seed, dtype=torch.float32, device=DEV):
@@ -96,24 +99,24 @@ def test_forced_splits_use_the_combine_kernel(splits):
     check(decode_attention(q, k, v, pos, kv_len, num_splits=splits), reference(q, k, v, pos, kv_len))
 
 
-def test_automatic_splits_and_scale(monkeypatch):
-    """The heuristic picks >1 split once kv_len passes SPLIT_MIN_SLOTS (lowered here so a short cache
+def test_automatic_splits_and_scale():
+    """The heuristic picks >1 split once kv_len passes split_min_slots (lowered here so a short cache
     splits), and an explicit scale is used instead of 1/sqrt(D)."""
-    monkeypatch.setattr(attention_kernel, "SPLIT_MIN_SLOTS", 64)
-    assert num_splits_for(200, programs=2) == 3
+    cfg = replace(DEFAULT, attention=replace(DEFAULT.attention, split_min_slots=64))
+    assert num_splits_for(200, programs=2, launch=cfg.attention) == 3
     q, k, v = make_inputs(1, 1, 4, 2, 1, 16, 200, seed=4)
     pos = torch.tensor([[199]], device=DEV)
-    check(decode_attention(q, k, v, pos, 200, scale=0.5), reference(q, k, v, pos, 200, scale=0.5))
+    check(decode_attention(q, k, v, pos, 200, scale=0.5, cfg=cfg), reference(q, k, v, pos, 200, scale=0.5))
 
 
 def test_split_heuristic():
-    """One split (one launch) for short contexts; long ones fill ~PROGRAMS_PER_SM programs per SM."""
+    """One split (one launch) for short contexts; long ones fill ~programs_per_sm programs per SM."""
     qwen_programs = 1 * 1 * 4            # B * T * NKV at batch-1 decode of Qwen3-30B-A3B
     assert num_splits_for(256, qwen_programs) == 1
-    assert num_splits_for(attention_kernel.SPLIT_MIN_SLOTS - 1, qwen_programs) == 1
+    assert num_splits_for(DEFAULT.attention.split_min_slots - 1, qwen_programs) == 1
     for kv_len in (40000, 173000):
         n = num_splits_for(kv_len, qwen_programs, sm_count=132)
-        assert n * qwen_programs >= 132 and kv_len / n >= attention_kernel.SPLIT_MIN_SLOTS
+        assert n * qwen_programs >= 132 and kv_len / n >= DEFAULT.attention.split_min_slots
     # Many programs already: no split.
     assert num_splits_for(40000, programs=4 * 132 * 8) == 1
 

@@ -159,7 +159,7 @@ def test_every_experts_impl_matches_transformers(checkpoints, impl, device):
         # so only a like-for-like reference checks the grouped GEMM.
         ref = Engine.load(path, device=device, dtype=dtype, max_seq_len=64, experts_impl="loop").logits(ids)
     eng = Engine.load(path, device=device, dtype=dtype, max_seq_len=64, experts_impl=impl)
-    assert all(b.experts.impl == impl for b in eng.model.moe_blocks())
+    assert all(b.experts.decode.experts_impl == impl for b in eng.model.moe_blocks())
     diff = (eng.logits(ids) - ref).abs().max().item()
     tol = 1e-4 if dtype == "float32" else 0.01 * ref.abs().max().item()
     assert diff <= tol, f"{impl}/{dtype}: max |engine - reference| = {diff:.3g}"

@@ -65,6 +65,19 @@ def test_identity_names_int8_activations(zoo, runner):
     assert "int8_activations" not in runner.identity()["build"]
 
 
+def test_identity_records_the_engine_decode_config(zoo, runner):
+    """The manifest's build identity carries every decode switch and launch shape of the engine, as
+    the engine that runs has them (device defaults resolved)."""
+    a8 = EngineRunner({"model": str(zoo / "tiny-moe"), "experts_impl": "triton", "int8_activations": True}, None)
+    plain, quant = runner.identity()["build"]["decode"], a8.identity()["build"]["decode"]
+    assert plain["experts_impl"] == "auto" and quant["experts_impl"] == "triton"
+    assert quant["int8_activations"] is True and plain["int8_activations"] is False
+    assert quant["fused_ops"] is True and plain["fused_ops"] is False          # resolved from experts_impl
+    assert quant["launch"]["gate_up/int4/a8"] == {"BN": 8, "BK": 1024, "num_warps": 4, "num_stages": 2}
+    assert plain["decode_mode"] == "WORDS" and plain["pdl"] is True
+    assert plain == runner.engine.identity()["decode"]          # the started engine decodes with it
+
+
 @pytest.mark.parametrize("key", ["prefetch_host", "int8_activations"])
 def test_fused_kernel_options_without_the_fused_kernels_are_a_profile_error(zoo, key):
     from moebench.config import ProfileError

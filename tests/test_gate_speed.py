@@ -39,13 +39,13 @@ def junit_cases(d: Path) -> dict[str, ET.Element]:
 
 
 def test_speed_gate_too_few_samples_then_interval_verdicts(paced, tmp_path, capsys):
-    fast = paced(first_ms=30, every_ms=10)
-    slow = paced(first_ms=30, every_ms=20)           # decode at half the rate
+    fast = paced(first_ms=30, every_ms=25)           # paces far above what a loaded CPU adds
+    slow = paced(first_ms=30, every_ms=50)           # decode at half the rate
 
     # two samples per side: a decode ratio near 0.5, but min_samples = 5 -> inconclusive, saying why
     base2, cand2 = speed_run(tmp_path, "fast", fast.url, 2), speed_run(tmp_path, "slow", slow.url, 2)
     group = json.loads((base2 / "manifest.json").read_text())["summary"]["speed"]["by_prompt_length"]["200"]["1"]
-    assert group["itl_s"]["n"] == 14 and group["tpot_s"]["p50"] == pytest.approx(0.010, rel=0.3)
+    assert group["itl_s"]["n"] == 14 and group["tpot_s"]["p50"] == pytest.approx(0.025, rel=0.3)
     assert group["e2e_s"]["p99"] >= group["e2e_s"]["p90"] >= group["e2e_s"]["p50"] > group["ttft_s"]["p50"]
     cmp2, cmp = api.compare(str(base2), str(cand2), str(tmp_path / "cmp2"))
     row = cmp["speed"]["rows"][0]
@@ -121,7 +121,7 @@ def test_compare_folds_in_speed_ab_rounds(paced, tmp_path):
     """`compare BASE CAND --speed-ab DIR`: the A/B rounds join the runs' compare, summary and gate."""
     from conftest import moebench_cli
     from moebench.tasks.speed import run_ab
-    a, b = paced(first_ms=20, every_ms=12), paced(first_ms=20, every_ms=6)
+    a, b = paced(first_ms=20, every_ms=60), paced(first_ms=20, every_ms=30)
     base, cand = speed_run(tmp_path, "a", a.url, 5), speed_run(tmp_path, "b", b.url, 5)
     pa, pb = _runner_profile(tmp_path, "pa", a.url), _runner_profile(tmp_path, "pb", b.url)
     run_ab(str(pa), str(pb), {"prompt_lengths": [200], "output_tokens": 6, "repeats": 3, "clients": 1,
@@ -134,7 +134,7 @@ def test_compare_folds_in_speed_ab_rounds(paced, tmp_path):
     cmp = json.loads((out / "compare.json").read_text())
     assert cmp["speed_ab"]["source"] == str((tmp_path / "ab").resolve())
     assert cmp["speed"]["rows"][0]["decode_ratio"] > 1.3             # the runs agree with the rounds
-    r = rules(tmp_path, "[speed_ab]\nmin_rounds_won = 2\nmin_rounds = 2\n[speed]\nmin_decode_ratio = 1.1\n")
+    r = rules(tmp_path, "[speed_ab]\nmin_rounds_won = 2\nmin_rounds = 2\n")
     assert run_gate(out, r) == 0
     assert "A/B speed rounds (ABBA)" in (out / "report.html").read_text(encoding="utf-8")
     bad = moebench_cli("compare", str(base), str(cand), "--out", str(out), "--speed-ab", str(tmp_path))

@@ -170,6 +170,30 @@ def test_missing_weights_error_names_the_folder(tmp_path):
         read_weights(tmp_path)
 
 
+def test_committed_tokenizer_is_the_one_rebuilt_from_llamacpps_vocabulary(tmp_path):
+    """The HF checkpoint's tokenizer comes from weights/tokenizer.json.gz (no llama.cpp needed for the
+    engine's zoo); it must be byte for byte what llama.cpp's ggml-vocab-gpt-2.gguf rebuilds."""
+    from moebench.zoo.tokenizer import write_committed_tokenizer, write_hf_tokenizer
+
+    rebuilt = write_hf_tokenizer(tmp_path / "rebuilt", _llamacpp_or_skip())
+    committed = write_committed_tokenizer(tmp_path / "committed")
+    assert [p.name for p in rebuilt] == [p.name for p in committed]
+    for a, b in zip(rebuilt, committed):
+        assert a.read_bytes() == b.read_bytes(), a.name
+
+
+def test_hf_only_build_needs_no_llamacpp(tmp_path, monkeypatch):
+    from moebench.datasets import sha256_file
+    from moebench.zoo.build import WEIGHTS_DIR, build_zoo
+
+    monkeypatch.setenv("MOEBENCH_CACHE", str(tmp_path / "empty-cache"))
+    info = build_zoo(tmp_path / "zoo", gguf=False, log=lambda m: None)
+    assert not (tmp_path / "empty-cache").exists()            # no llama.cpp download or build
+    hf = Path(info["paths"]["hf_dir"])
+    assert sorted(p.name for p in hf.iterdir()) == sorted(info["hf_files"]) and info["gguf"] == {}
+    assert info["hf_files"]["model.safetensors"] == sha256_file(WEIGHTS_DIR / "model.safetensors")
+
+
 def test_hf_tokenizer_passes_llamacpp_gpt2_vocab_tests(zoo, hf_tokenizer):
     """llama.cpp ships expected ids for its vocab tests (models/ggml-vocab-gpt-2.gguf.inp/.out)."""
     src = _llamacpp_or_skip()

@@ -33,6 +33,10 @@ def needle_compare(base_records: list[dict[str, Any]], cand_records: list[dict[s
         "found_candidate": sum(x["found_candidate"] for x in cells),
         "lost": lost, "gained": gained,
         "excluded": sorted(all_ids - (set(base) & set(cand)), key=_cell_sort_key),
+        # cells whose server-reported prompt length differs from the fitted one by more than 0.5%
+        "prompt_tokens_flagged": {side: sorted((i for i, r in recs.items() if r.get("prompt_tokens_flagged")),
+                                               key=_cell_sort_key)
+                                  for side, recs in (("baseline", base), ("candidate", cand))},
     }
 
 

@@ -21,8 +21,9 @@ import torch
 from torch import Tensor
 
 from .config import ModelConfig
+from .decode_config import DecodeConfig, DecodeConfigError
 from .loader import load_model, resolve_device, resolve_dtype
-from .model import Experts, MoETransformer, RouterTracer
+from .model import MoETransformer, RouterTracer
 from .placement import collect_telemetry, counter_states, find_tiered, reset_telemetry, restore_counter_states
 from .tokenizer import Tokenizer
 
@@ -107,11 +108,16 @@ class TorchMemory:
 
 
 class Engine:
+    """One model, one KV cache, one frozen DecodeConfig (`decode`).
+
+    The decode switches come either as `decode` (a DecodeConfig) or, for convenience, as the
+    keyword arguments experts_impl, fused_ops, gemv_max_tokens, prefetch_host, int8_activations and
+    prefetch_early (DecodeConfig's fields of those names); not both."""
+
     def __init__(self, model: MoETransformer, tokenizer: Tokenizer | None = None, *,
                  max_seq_len: int | None = None, max_batch: int = 1, prefill_chunk: int = 512,
                  cache_dtype: torch.dtype | None = None, cuda_graphs: bool = False,
-                 experts_impl: str = "auto", fused_ops: bool | None = None, gemv_max_tokens: int | None = None,
-                 prefetch_host: bool = False, int8_activations: bool = False, prefetch_early: bool = False):
+                 decode: DecodeConfig | None = None, **decode_options):
         self.model = model
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
@@ -123,69 +129,58 @@ class Engine:
             raise EngineError("max_seq_len, max_batch and prefill_chunk must be positive")
         self.max_seq_len, self.max_batch, self.prefill_chunk = max_seq_len, max_batch, prefill_chunk
         model.setup_caches(max_batch, max_seq_len, cache_dtype or self.dtype, self.device)
-        if experts_impl not in ("auto", "gather", "loop", "grouped_mm", "triton"):
-            raise EngineError(f"experts_impl {experts_impl!r}: expected auto, gather, loop, grouped_mm or triton")
-        if experts_impl == "triton":
-            from . import kernels
-            if not kernels.available():
-                raise EngineError("experts_impl 'triton' needs Triton, which does not import here")
-        if experts_impl == "grouped_mm" and not hasattr(torch.nn.functional, "grouped_mm"):
-            raise EngineError(f"experts_impl 'grouped_mm' needs torch.nn.functional.grouped_mm "
-                              f"(torch {torch.__version__} lacks it)")
-        for block in model.moe_blocks():
-            if isinstance(block.experts, Experts):   # replacements (tiered experts) keep their own way
-                block.experts.impl = experts_impl
-            elif experts_impl == "triton" and hasattr(block.experts, "use_fused_kernels"):
-                # int8_activations: the int8/int4 experts' decode multiplies int8-rounded activations
-                # (dp4a; round 8 on the H200: int4 gate_up + down 9.8 + 4.8 us against 10.2 + 7.9)
-                block.experts.use_fused_kernels(int8_activations=int8_activations)
-                if prefetch_host:
-                    # stage each layer's predicted host experts in HBM one layer early (side stream)
-                    block.experts.enable_prefetch(block.top_k)
-        for key, on in (("prefetch_host", prefetch_host), ("int8_activations", int8_activations)):
-            if on and experts_impl != "triton":
-                raise EngineError(f"{key} needs experts_impl 'triton' (the fused kernels), not {experts_impl!r}")
-        if prefetch_early and not prefetch_host:
-            raise EngineError("prefetch_early needs prefetch_host (it moves where the prefetch guesses from)")
-        # guess layer l+1's host experts from layer l's attention input, not its MoE input: the copies
-        # get a longer window (H200 round 10: calibrated host plan 357.5 against 308.0 tok/s)
-        model.prefetch_early = bool(prefetch_early)
-        # The fused non-expert decode ops (norms, RoPE + KV write, routing): on with "triton" unless
-        # fused_ops=False; they cover the steps the fused expert kernels cover (decode).
-        if fused_ops is None:
-            fused_ops = experts_impl == "triton"
-        if fused_ops:
-            from . import kernels
-            if not kernels.available():
-                raise EngineError("fused_ops needs Triton, which does not run here")
-            # gemv_max_tokens: the attention projections of steps up to that many tokens use
-            # kernels.linear instead of cuBLAS' M=1 kernels. None: 1 on CUDA (one-token decode steps;
-            # H200 round 6: 6.1 and 5.2 us against cuBLAS' 6.9 and 7.9 for [q;k;v] and o_proj), 0 else.
-            if gemv_max_tokens is None:
-                gemv_max_tokens = 1 if self.device.type == "cuda" else 0
-            model.set_fused_decode(Experts.triton_max_tokens, gemv_max_tokens)
         self._lock = threading.Lock()
         # Opt-in: replay each decode step as a CUDA graph (one per batch size and KV bucket). Needs
-        # an experts module without host syncs in decode (the dense `Experts` qualifies).
+        # experts modules without host syncs in decode (ExpertsModule.sync_free_tokens).
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._graph_pool = None
         # Decode one step ahead of the host on CUDA: step n+1 is queued before the host waits for
         # token n, so the host's per-token work (the token's copy and sync, bookkeeping, the next
-        # launch) overlaps the GPU's step instead of leaving the GPU idle between steps (H200,
-        # round 10: ~0.75 ms of a 2.9 ms token). A finished generation wastes the one step queued.
-        # Off by default on the CPU, where every op is synchronous anyway.
+        # launch) overlaps the GPU's step instead of leaving the GPU idle between steps. A finished
+        # generation wastes the one step queued. Off by default on the CPU, where every op is
+        # synchronous anyway.
         self.decode_ahead = self.device.type == "cuda"
+        if decode is not None and decode_options:
+            raise EngineError(f"give the decode settings as decode=DecodeConfig(...) or as keywords "
+                              f"({', '.join(sorted(decode_options))}), not both")
+        try:
+            decode = decode if decode is not None else DecodeConfig(**decode_options)
+        except TypeError as err:
+            raise EngineError(f"Engine: {err}") from None
+        except DecodeConfigError as err:
+            raise EngineError(str(err)) from None
         self.torch_memory = TorchMemory(self.device)
         self.decode_steps = 0              # decode steps run (graph replays included)
+        self.decode: DecodeConfig = decode
+        self.reconfigure(decode)
+
+    def reconfigure(self, decode: DecodeConfig) -> None:
+        """Decode with `decode` from now on (its device defaults resolved here); drops the captured
+        graphs, which hold the old config's launches."""
+        decode = decode.resolved(self.device.type)
+        impl = decode.experts_impl
+        if impl == "triton" or decode.fused_decode:
+            from . import kernels
+            if not kernels.available():
+                raise EngineError(f"experts_impl {impl!r} / fused_ops need Triton, which does not run here")
+        if impl == "grouped_mm" and not hasattr(torch.nn.functional, "grouped_mm"):
+            raise EngineError(f"experts_impl 'grouped_mm' needs torch.nn.functional.grouped_mm "
+                              f"(torch {torch.__version__} lacks it)")
+        self.decode = decode
+        self.model.configure(decode)
+        self._graphs.clear()
+
+    def identity(self) -> dict:
+        """What decides how this engine decodes, for a run manifest's build identity."""
+        return {"decode": self.decode.identity(), "cuda_graphs": self.cuda_graphs, "decode_ahead": self.decode_ahead}
 
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu", dtype: str = "float32",
              max_seq_len: int | None = None, max_batch: int = 1, prefill_chunk: int = 512,
-             cuda_graphs: bool = False, experts_impl: str = "auto", fused_ops: bool | None = None,
-             gemv_max_tokens: int | None = None, prefetch_host: bool = False,
-             int8_activations: bool = False, prefetch_early: bool = False) -> "Engine":
-        """Load a Hugging Face checkpoint directory (or a tiered artifact holding plan.json)."""
+             cuda_graphs: bool = False, decode: DecodeConfig | None = None, **decode_options) -> "Engine":
+        """Load a Hugging Face checkpoint directory (or a tiered artifact holding plan.json); decode
+        settings as in Engine()."""
         path = Path(path)
         memory = TorchMemory(torch.device(resolve_device(device)))
         memory.reset()
@@ -195,9 +190,7 @@ class Engine:
         if (path / "tokenizer.json").is_file():
             tok = Tokenizer.from_dir(path, cfg.bos_token_id, cfg.eos_token_ids)
         eng = cls(model, tok, max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                  cuda_graphs=cuda_graphs, experts_impl=experts_impl, fused_ops=fused_ops,
-                  gemv_max_tokens=gemv_max_tokens, prefetch_host=prefetch_host, int8_activations=int8_activations,
-                  prefetch_early=prefetch_early)
+                  cuda_graphs=cuda_graphs, decode=decode, **decode_options)
         eng.torch_memory.record("load")
         return eng
 
@@ -415,8 +408,7 @@ class Engine:
 
     def _graph_batch_limit(self) -> int:
         """Largest decode batch every experts module runs without host syncs (0: none declared)."""
-        limits = [b.experts.sync_free_tokens() if hasattr(b.experts, "sync_free_tokens") else 0
-                  for b in self.model.moe_blocks()]
+        limits = [b.experts.sync_free_tokens() for b in self.model.moe_blocks()]
         return min(limits, default=1 << 30)
 
     def _prefill(self, prompts: list[list[int]]) -> Tensor:

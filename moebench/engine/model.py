@@ -17,6 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
+from .decode_config import DEFAULT, DecodeConfig
+from .experts_protocol import ExpertsModule
+from .quant import GROUP
 
 
 class RMSNorm(nn.Module):
@@ -69,8 +72,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.num_kv_heads * d, cfg.rms_norm_eps)
         self.clip_qkv = cfg.clip_qkv
         self.eps = cfg.rms_norm_eps
-        self.fused_max_tokens = 0            # see MoETransformer.set_fused_decode
-        self.gemv_max_tokens = 0             # projections through kernels.linear up to this many tokens
+        self.decode: DecodeConfig = DEFAULT  # see MoETransformer.configure
         self.qkv_weight: Tensor | None = None   # [q; k; v] rows, set by fuse_qkv (one GEMM in decode)
         self.qkv_bias: Tensor | None = None
         self.k_cache: Tensor | None = None   # [B, kv_heads, max_len, head_dim]
@@ -96,15 +98,16 @@ class Attention(nn.Module):
             self.qkv_bias = bias
 
     def _linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        if x.numel() // x.shape[-1] <= self.gemv_max_tokens:
-            from . import kernels
-            return kernels.linear(x, weight, bias)
+        if x.numel() // x.shape[-1] <= self.decode.gemv_tokens:
+            from . import kernels       # Triton is imported only where the fused paths run
+            return kernels.linear(x, weight, bias, cfg=self.decode)
         return F.linear(x, weight, bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, kv_len: int) -> Tensor:
         """x [B, T, H]; positions [B, T] (cache slot = position); attend to slots [0, kv_len)."""
         B, T, _ = x.shape
-        if B * T <= self.fused_max_tokens and self.qkv_weight is not None:
+        fused = B * T <= self.decode.fused_tokens
+        if fused and self.qkv_weight is not None:
             nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
             q, k, v = self._linear(x, self.qkv_weight, self.qkv_bias).split([nq, nk, nk], dim=-1)
         else:
@@ -116,18 +119,18 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv, self.head_dim)
         v = v.view(B, T, self.n_kv, self.head_dim)
-        if B * T <= self.fused_max_tokens:
+        if fused:
             # One kernel: per-head q/k norm, RoPE, and the cache writes (kernels.qk_rope_cache).
             from . import kernels
             head = self.qk_norm == "head"
             q = kernels.qk_rope_cache(q, k, v, self.q_norm.weight if head else None,
                                       self.k_norm.weight if head else None, self.eps, cos, sin, positions,
-                                      self.k_cache, self.v_cache)
-            # One kernel for mask + attention + the [B, T, heads * D] layout o_proj reads (was ~5).
+                                      self.k_cache, self.v_cache, cfg=self.decode)
+            # One kernel for mask + attention + the [B, T, heads * D] layout o_proj reads (~5 in torch).
             # Triton's CPU interpreter gets bf16 dots wrong, so bf16 on CPU keeps sdpa.
             if self.k_cache.dtype == q.dtype and (q.is_cuda or q.dtype != torch.bfloat16):
-                from .attention_kernel import decode_attention
-                out = decode_attention(q, self.k_cache, self.v_cache, positions.expand(B, T), kv_len)
+                out = kernels.decode_attention(q, self.k_cache, self.v_cache, positions.expand(B, T), kv_len,
+                                               cfg=self.decode)
                 return self._linear(out, self.o_proj.weight, self.o_proj.bias)
         else:
             if self.qk_norm == "head":
@@ -168,17 +171,8 @@ class Experts(nn.Module):
     replacement keeps `forward(x, topk_ids, topk_w)`.
     """
 
-    # How forward computes: "gather" copies the selected experts' weights and uses bmm (static
-    # shapes, no host sync: the decode path); "loop" groups tokens by expert and loops over the
-    # experts that have tokens (one host sync per layer); "grouped_mm" sorts tokens by expert and
-    # runs torch's grouped GEMM (no host sync, each selected expert read once; needs
-    # torch.nn.functional.grouped_mm, bf16 on CUDA sm80+). "auto": gather up to
-    # `gather_max_tokens` tokens, else loop. "triton": the fused kernels of kernels.py (read each
-    # selected expert in place, no copy) up to `triton_max_tokens` tokens, else grouped_mm where it
-    # runs (CUDA), else loop.
-    impl = "auto"
-    gather_max_tokens = 4
-    triton_max_tokens = 16
+    # How forward computes is the engine's DecodeConfig.experts_impl (see its docstring), given by
+    # configure(); a module built alone runs DEFAULT ("auto").
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
@@ -186,23 +180,39 @@ class Experts(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.w_up = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.decode: DecodeConfig = DEFAULT
+
+    # ---- the ExpertsModule protocol (experts_protocol.py) ----
+    def configure(self, cfg: DecodeConfig, top_k: int) -> None:
+        self.decode = cfg
 
     def sync_free_tokens(self) -> int:
         """Up to how many tokens forward runs without host syncs (CUDA-graph capturable)."""
-        if self.impl == "triton":
-            return 1 << 30 if self._grouped_mm_runs() else self.triton_max_tokens
-        return {"grouped_mm": 1 << 30, "loop": 0}.get(self.impl, self.gather_max_tokens)
+        impl = self.decode.experts_impl
+        if impl == "triton":
+            return 1 << 30 if self._grouped_mm_runs() else self.decode.fused_max_tokens
+        return {"grouped_mm": 1 << 30, "loop": 0}.get(impl, self.decode.gather_max_tokens)
 
-    def partials_ok(self, T: int) -> bool:
-        """Whether forward_partials runs for T tokens (the fused Triton path)."""
-        return self.impl == "triton" and T <= self.triton_max_tokens
+    def partials_ok(self, tokens: int) -> bool:
+        """Whether forward_partials runs for this many tokens (the fused Triton path)."""
+        return self.decode.experts_impl == "triton" and tokens <= self.decode.fused_max_tokens
 
-    def forward_partials(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor) -> Tensor:
+    def wants_quantized_x(self) -> bool:
+        return False            # dense weights: float activations only
+
+    @property
+    def prefetching(self) -> bool:
+        return False            # every expert is resident
+
+    def prefetch(self, h: Tensor, gate_weight: Tensor, top_k: int, renormalize: bool, own_stream: bool = False) -> None:
+        pass
+
+    def forward_partials(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor, xq: Tensor | None = None) -> Tensor:
         """The float32 weighted terms [T * k, H] whose per-token sums forward returns (see
-        kernels.fused_moe(reduce=False)); only where partials_ok."""
+        kernels.fused_moe(reduce=False)); only where partials_ok. xq: unused (float activations)."""
         from . import kernels
         return kernels.fused_moe(x, topk_ids, topk_w, [kernels.dense_group(self.w_gate, self.w_up, self.w_down)],
-                                 reduce=False)
+                                 cfg=self.decode, reduce=False)
 
     def _grouped_mm_runs(self) -> bool:
         return self.w_gate.is_cuda and self.w_gate.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
@@ -210,14 +220,14 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor) -> Tensor:
         """x [T, H]; topk_ids [T, k] int64; topk_w [T, k] float -> [T, H] (weighted sum)."""
         T = topk_ids.shape[0]
-        impl = self.impl
+        impl = self.decode.experts_impl
         if impl == "auto":
-            impl = "gather" if T <= self.gather_max_tokens else "loop"
+            impl = "gather" if T <= self.decode.gather_max_tokens else "loop"
         if impl == "triton":
-            if T <= self.triton_max_tokens:
+            if T <= self.decode.fused_max_tokens:
                 from . import kernels   # Triton is imported only when this path runs
                 return kernels.fused_moe(x, topk_ids, topk_w,
-                                         [kernels.dense_group(self.w_gate, self.w_up, self.w_down)])
+                                         [kernels.dense_group(self.w_gate, self.w_up, self.w_down)], cfg=self.decode)
             impl = "grouped_mm" if self._grouped_mm_runs() else "loop"
         if impl == "gather":
             return self._gather(x, topk_ids, topk_w)
@@ -225,7 +235,7 @@ class Experts(nn.Module):
             return self._grouped_mm(x, topk_ids, topk_w)
         if impl == "loop":
             return self._loop(x, topk_ids, topk_w)
-        raise ValueError(f"Experts.impl {impl!r}: expected auto, gather, loop, grouped_mm or triton")
+        raise ValueError(f"experts_impl {impl!r}: expected auto, gather, loop, grouped_mm or triton")
 
     def _gather(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor) -> Tensor:
         T, k = topk_ids.shape
@@ -295,23 +305,19 @@ class MoEBlock(nn.Module):
         self.top_k = cfg.top_k
         self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size)
+        self.experts: ExpertsModule = Experts(cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size)
         self.shared_expert = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.tracer: RouterTracer | None = None
-        self.fused_max_tokens = 0            # see MoETransformer.set_fused_decode
+        self.decode: DecodeConfig = DEFAULT  # see MoETransformer.configure
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [N, H] -> (router logits [N, E], topk_ids [N, k], topk_w [N, k] float32)."""
-        if x.shape[0] <= self.fused_max_tokens:
-            from . import kernels      # softmax + top-k + renormalise in one kernel, no sort
-            if kernels.FUSED_ROUTER:   # and the router GEMV in the same launch
-                return kernels.router_topk(x, self.gate.weight, self.top_k, self.norm_topk_prob)
-            logits = self.gate(x)
-            topk_ids, topk_w = kernels.route_topk(logits, self.top_k, self.norm_topk_prob)
-            return logits, topk_ids, topk_w
+        if x.shape[0] <= self.decode.fused_tokens:
+            from . import kernels      # router GEMV + softmax + top-k + renormalise in one launch, no sort
+            return kernels.router_topk(x, self.gate.weight, self.top_k, self.norm_topk_prob, cfg=self.decode)
         logits = self.gate(x)
         probs = torch.softmax(logits.float(), dim=-1)
         topk_w, topk_ids = torch.topk(probs, self.top_k, dim=-1)
@@ -324,9 +330,9 @@ class MoEBlock(nn.Module):
         post-attention norm (kernels.add_rmsnorm_router, one launch) and pass the routes in: where
         route() itself would use router_topk (the fused kernel gives its bits), in blocks without a
         shared expert (the qwen3/olmoe-style decode path this fusion was made for)."""
-        from . import kernels
-        return (self.shared_expert is None and kernels.FUSED_ROUTER and kernels.FUSED_NORM_ROUTER
-                and tokens <= min(kernels.ROUTER_MAX_TOKENS, self.fused_max_tokens))
+        cfg = self.decode
+        return (self.shared_expert is None and cfg.fused_norm_router
+                and tokens <= min(cfg.router_max_tokens, cfg.fused_tokens))
 
     def _route_traced(self, x: Tensor, routes: tuple[Tensor, Tensor, Tensor] | None = None
                       ) -> tuple[Tensor, Tensor]:
@@ -348,13 +354,10 @@ class MoEBlock(nn.Module):
         tokens (kernels.add_rmsnorm_router), used instead of routing here. xq: x's int8 rows for
         experts that want them (wants_quantized_x), from the same launch."""
         flat = x.reshape(-1, x.shape[-1])
-        ok = getattr(self.experts, "partials_ok", None)
-        if self.shared_expert is not None or ok is None or not ok(flat.shape[0]):
+        if self.shared_expert is not None or not self.experts.partials_ok(flat.shape[0]):
             return None
         topk_ids, topk_w = self._route_traced(flat, routes)
-        if xq is not None:
-            return self.experts.forward_partials(flat, topk_ids, topk_w, xq=xq)
-        return self.experts.forward_partials(flat, topk_ids, topk_w)
+        return self.experts.forward_partials(flat, topk_ids, topk_w, xq=xq)
 
     def forward(self, x: Tensor, routes: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
         """x [..., H] -> [..., H]; routes as in forward_partials (None: route here)."""
@@ -395,11 +398,7 @@ class MoETransformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.max_batch = 0
         self.max_seq_len = 0
-        self.fused_max_tokens = 0
-        # Host-tier prefetch (TieredExperts.enable_prefetch): guess layer l+1's experts from layer l's
-        # MoE input (default) or, when True, from its attention input, one sublayer earlier: the
-        # stage copies then overlap layer l's attention too, on an older guess.
-        self.prefetch_early = False
+        self.decode: DecodeConfig = DEFAULT      # see configure
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
@@ -417,20 +416,19 @@ class MoETransformer(nn.Module):
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.rope_cos, self.rope_sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_seq_len, device)
 
-    def set_fused_decode(self, max_tokens: int, gemv_max_tokens: int = 0) -> None:
-        """Run steps of at most `max_tokens` tokens (B * T; decode) through the fused Triton ops of
-        kernels.py: residual add + RMSNorm, one [q; k; v] GEMM (Attention.fuse_qkv), q/k norm + RoPE +
-        KV-cache write, router softmax + top-k. 0 turns them off. Larger steps (prefill) keep the torch
-        ops. gemv_max_tokens: steps of at most that many tokens run the attention projections through
-        kernels.linear (a Triton GEMV) instead of cuBLAS (0: never)."""
-        self.fused_max_tokens = max_tokens
+    def configure(self, cfg: DecodeConfig) -> None:
+        """Decode with `cfg` (a resolved DecodeConfig): every attention, MoE block and experts module
+        gets it. Steps of at most cfg.fused_tokens tokens (B * T; decode) run the fused Triton ops:
+        residual add + RMSNorm, one [q; k; v] GEMM (Attention.fuse_qkv), q/k norm + RoPE + KV-cache
+        write, attention, routing; larger steps (prefill) keep the torch ops."""
+        self.decode = cfg
         for layer in self.layers:
-            layer.self_attn.fused_max_tokens = max_tokens
-            layer.self_attn.gemv_max_tokens = min(gemv_max_tokens, max_tokens)
-            if max_tokens:
+            layer.self_attn.decode = cfg
+            if cfg.fused_tokens:
                 layer.self_attn.fuse_qkv()
             if isinstance(layer.mlp, MoEBlock):
-                layer.mlp.fused_max_tokens = max_tokens
+                layer.mlp.decode = cfg
+                layer.mlp.experts.configure(cfg, layer.mlp.top_k)
 
     def set_tracer(self, tracer: RouterTracer | None) -> None:
         for block in self.moe_blocks():
@@ -442,7 +440,7 @@ class MoETransformer(nn.Module):
         x = self.embed_tokens(tokens)
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
-        if tokens.numel() <= self.fused_max_tokens:
+        if tokens.numel() <= self.decode.fused_tokens:
             return self._fused_layers(x, cos, sin, positions, kv_len)
         for layer in self.layers:
             x = layer(x, cos, sin, positions, kv_len)
@@ -453,10 +451,9 @@ class MoETransformer(nn.Module):
         """Let the next layer's tiered experts stage their predicted host experts now (its router on
         h, on a side stream; see TieredExperts.prefetch). One-token steps only. early: h is this
         layer's attention input and this layer's experts have not run yet (own copy stream)."""
-        experts = getattr(block, "experts", None)
-        if isinstance(block, MoEBlock) and getattr(experts, "_prefetch", None) and h.numel() == h.shape[-1]:
-            experts.prefetch(h.reshape(1, -1), block.gate.weight, block.top_k, block.norm_topk_prob,
-                             own_stream=early)
+        if isinstance(block, MoEBlock) and block.experts.prefetching and h.numel() == h.shape[-1]:
+            block.experts.prefetch(h.reshape(1, -1), block.gate.weight, block.top_k, block.norm_topk_prob,
+                                   own_stream=early)
 
     def _fused_layers(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, kv_len: int) -> Tensor:
         """DecoderLayer.forward for every layer, with each residual add fused into the next RMSNorm
@@ -464,11 +461,14 @@ class MoETransformer(nn.Module):
         blocks' weighted expert sums are done by that same kernel where the experts allow it, and
         their routers run inside the post-attention norm's kernel (add_rmsnorm_router) where they can."""
         from . import kernels
+        cfg = self.decode
         first = self.layers[0].input_layernorm
-        x, h = kernels.add_rmsnorm(x, None, first.weight, first.eps)
+        x, h = kernels.add_rmsnorm(x, None, first.weight, first.eps, cfg=cfg)
         tokens = x.numel() // x.shape[-1]
         for i, layer in enumerate(self.layers):
-            if self.prefetch_early and i + 1 < len(self.layers):
+            # prefetch_early: guess layer l+1's host experts from layer l's attention input, one
+            # sublayer earlier than its MoE input: the stage copies overlap layer l's attention too
+            if cfg.prefetch_early and i + 1 < len(self.layers):
                 self._prefetch_next(self.layers[i + 1].mlp, h, early=True)   # h: this layer's attention input
             a = layer.self_attn(h, cos, sin, positions, kv_len)
             post = layer.post_attention_layernorm
@@ -476,26 +476,25 @@ class MoETransformer(nn.Module):
             routes = xq = None
             if isinstance(block, MoEBlock) and block.norm_router_ok(tokens):
                 # experts with int8 activations get h's int8 rows from this launch too
-                wants = getattr(block.experts, "wants_quantized_x", None)
-                quant = bool(wants and wants()) and x.shape[-1] % kernels.GROUP == 0
+                quant = block.experts.wants_quantized_x() and x.shape[-1] % GROUP == 0
                 x, h, *routed = kernels.add_rmsnorm_router(x, a, post.weight, post.eps, block.gate.weight,
-                                                           block.top_k, block.norm_topk_prob, quantize_h=quant)
+                                                           block.top_k, block.norm_topk_prob, quantize_h=quant, cfg=cfg)
                 if quant:
                     *routed, xq = routed
                 routes = tuple(routed)
             else:
-                x, h = kernels.add_rmsnorm(x, a, post.weight, post.eps)
+                x, h = kernels.add_rmsnorm(x, a, post.weight, post.eps, cfg=cfg)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             part = out = None
-            if kernels.DEFER_MOE_SUM and isinstance(block, MoEBlock):
+            if cfg.defer_moe_sum and isinstance(block, MoEBlock):
                 part = block.forward_partials(h, routes, xq)     # the MoE sum moves into the next norm
             if part is None:
                 out = block(h) if routes is None else block(h, routes)
-            if not self.prefetch_early and i + 1 < len(self.layers):
+            if not cfg.prefetch_early and i + 1 < len(self.layers):
                 # after this layer's experts: the copies queue behind its host launches on the lane
                 self._prefetch_next(self.layers[i + 1].mlp, h)     # h: this layer's MoE input
             if part is not None:
-                x, h = kernels.add_rmsnorm(x, part, nxt.weight, nxt.eps, delta_rows=block.top_k)
+                x, h = kernels.add_rmsnorm(x, part, nxt.weight, nxt.eps, delta_rows=block.top_k, cfg=cfg)
             else:
-                x, h = kernels.add_rmsnorm(x, out, nxt.weight, nxt.eps)
+                x, h = kernels.add_rmsnorm(x, out, nxt.weight, nxt.eps, cfg=cfg)
         return h

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .decode_config import DEFAULT, DecodeConfig
 from .quant import QuantizedTensor
 
 HOMES = ("gpu", "host")
@@ -162,7 +163,7 @@ class TieredExperts(nn.Module):
         self._prefetch: list = []          # set by enable_prefetch()
         self._pf_pending = False           # an own-stream prefetch the host lane has not waited for
         self._pf_refs = None               # the tensors a prefetch's copies read, kept until joined
-        self.fused_max_tokens = 16
+        self.decode: DecodeConfig = DEFAULT      # see configure
         E = len(self._stores)
         self._nbytes = torch.tensor([s.nbytes for s in self._stores], dtype=torch.float64)
         self._is_host = torch.tensor([h == "host" for h in homes])
@@ -171,15 +172,25 @@ class TieredExperts(nn.Module):
         self._wait_events: list = []       # (before, after) CUDA timing events around cache-fill waits
         self.reset_telemetry()
 
-    def use_fused_kernels(self, int8_activations: bool = False) -> None:
-        """Run decode (T <= fused_max_tokens) through kernels.fused_moe: experts are re-stacked per
+    def configure(self, cfg: DecodeConfig, top_k: int) -> None:
+        """The ExpertsModule protocol: decode with `cfg`. experts_impl "triton" builds the fused
+        groups (use_fused_kernels), cfg.prefetch_host their HBM stage (enable_prefetch); other impls
+        keep the per-expert path."""
+        self.decode = cfg
+        if cfg.experts_impl == "triton" and self._fused_groups is None:
+            self.use_fused_kernels()
+        if cfg.prefetch_host:
+            self.enable_prefetch(top_k)
+
+    def use_fused_kernels(self) -> None:
+        """Run decode (T <= decode.fused_max_tokens) through kernels.fused_moe: experts are re-stacked per
         (format, home) group, host groups in pinned memory the kernels read over PCIe in place, so
         the step has no host sync and no copy (CUDA-graph capturable). The per-expert stores become
         views into the stacks (no duplicate memory); larger T keeps the per-expert path. The
         per-tier token counters are not updated on the fused path (that would need a host sync), and
         route-tail-skip (skip_tail_from) keeps the per-expert path, which decides it on the host.
-        int8_activations: the int8 and int4 groups multiply int8-rounded activations (kernels' decode
-        mode 3, dp4a; kernels.quantize_activations says what they see)."""
+        With decode.int8_activations the int8, int4 and ternary2 groups multiply int8-rounded
+        activations (kernels.quantize_activations says what they see)."""
         from . import kernels
         by_key: dict[tuple[str, str], list[int]] = {}
         for e, (store, home) in enumerate(zip(self._stores, self.homes)):
@@ -195,8 +206,7 @@ class TieredExperts(nn.Module):
             # A device group of every expert in order needs no map: the kernels then skip a dependent
             # load per program (host groups keep theirs: prefetch rewrites it).
             identity = home != "host" and members == list(range(len(self._stores)))
-            groups.append(kernels.ExpertGroup(*mats, None if identity else slot_of.to(self.device), f"{fmt}@{home}",
-                                              int8_activations))
+            groups.append(kernels.ExpertGroup(*mats, None if identity else slot_of.to(self.device), f"{fmt}@{home}"))
             for i, e in enumerate(members):
                 self._stores[e] = QuantizedExpert(*(pm.slot(i) for pm in mats))
         self._cache.clear()
@@ -222,7 +232,7 @@ class TieredExperts(nn.Module):
                 groups.append(g)
                 continue
             static = g.slot_of
-            dynamic = kernels.ExpertGroup(g.gate, g.up, g.down, static.clone(), g.label, g.int8_activations)
+            dynamic = kernels.ExpertGroup(g.gate, g.up, g.down, static.clone(), g.label)
 
             def staged(pm: kernels.PackedMatrix) -> kernels.PackedMatrix:
                 def like(t):
@@ -230,13 +240,13 @@ class TieredExperts(nn.Module):
                 return kernels.PackedMatrix(pm.fmt, like(pm.data), pm.rows, pm.cols, like(pm.scale), like(pm.minimum))
             stage_slot_of = torch.full_like(static, -1)
             stage = kernels.ExpertGroup(staged(g.gate), staged(g.up), staged(g.down), stage_slot_of,
-                                        g.label.replace("@host", "@stage"), g.int8_activations, host_lane=True)
+                                        g.label.replace("@host", "@stage"), host_lane=True)
             groups += [stage, dynamic]
             entries.append((static, dynamic, stage))
         self._fused_groups = groups
         self._prefetch = entries
         self._pf_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # own_stream
-        self._pf_arrivals = torch.zeros(kernels.ROUTER_MAX_TOKENS, dtype=torch.int32, device=self.device)
+        self._pf_arrivals = torch.zeros(self.decode.router_max_tokens, dtype=torch.int32, device=self.device)
         # the guess's router outputs: allocated once, not on the side stream in every step
         self._pf_out = (torch.empty(1, len(self._stores), dtype=torch.float32, device=self.device),
                         torch.empty(1, top_k, dtype=torch.long, device=self.device),
@@ -261,9 +271,9 @@ class TieredExperts(nn.Module):
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else _no_stream():
             _, ids, _ = kernels.router_topk(h, gate_weight, top_k, renormalize, arrivals=self._pf_arrivals,
-                                            out=self._pf_out)
+                                            out=self._pf_out, cfg=self.decode)
             for static, dynamic, stage in self._prefetch:
-                kernels.stage_experts(ids[0], static, dynamic, stage, stage.slot_of, dynamic.slot_of)
+                kernels.stage_experts(ids[0], static, dynamic, stage, stage.slot_of, dynamic.slot_of, cfg=self.decode)
         self._pf_refs = h                   # kept alive until the main stream has joined the lane
         self._pf_pending = own_stream and stream is not None
 
@@ -275,19 +285,16 @@ class TieredExperts(nn.Module):
         if self._pf_pending:
             kernels.host_lane(self.device).wait_stream(self._pf_stream)
             self._pf_pending = False
-        out = kernels.fused_moe(x, topk_ids, topk_w, self._fused_groups, after_lane=self._pf_refs is not None, **kw)
+        out = kernels.fused_moe(x, topk_ids, topk_w, self._fused_groups, cfg=self.decode,
+                                after_lane=self._pf_refs is not None, **kw)
         self._pf_refs = None
         self._count_fused(topk_ids)
         return out
 
-    # The fused path's pick counter (one small launch per layer and step); benchmarks switch it off
-    # to measure what it costs (benchmarks/gpu_rig_h200.py).
-    count_picks = True
-
     def _count_fused(self, topk_ids: torch.Tensor) -> None:
         """Add this call's picks to the device counters (after fused_moe, which joined the host lane,
         so the stage maps read are the ones this call used)."""
-        if not self.count_picks:
+        if not self.decode.count_tier_picks:      # DecodeConfig.count_tier_picks
             return
         if not _COUNT_KERNEL:
             _COUNT_KERNEL.append(_pick_counter())
@@ -305,7 +312,12 @@ class TieredExperts(nn.Module):
     def sync_free_tokens(self) -> int:
         """Up to how many tokens forward runs without host syncs (0 unless the fused path is on)."""
         fused = self._fused_groups is not None and self.skip_tail_from is None
-        return self.fused_max_tokens if fused else 0
+        return self.decode.fused_max_tokens if fused else 0
+
+    @property
+    def prefetching(self) -> bool:
+        """Whether prefetch stages anything (enable_prefetch ran)."""
+        return bool(self._prefetch)
 
     @property
     def num_experts(self) -> int:
@@ -408,15 +420,15 @@ class TieredExperts(nn.Module):
             self._cache.popitem(last=False)
 
     # -- forward ---------------------------------------------------------------------------------
-    def partials_ok(self, T: int) -> bool:
-        """Whether forward_partials runs for T tokens (the fused kernels are on and cover T)."""
-        return self._fused_groups is not None and T <= self.fused_max_tokens and self.skip_tail_from is None
+    def partials_ok(self, tokens: int) -> bool:
+        """Whether forward_partials runs for this many tokens (the fused kernels are on and cover them)."""
+        return self._fused_groups is not None and tokens <= self.decode.fused_max_tokens and self.skip_tail_from is None
 
     def wants_quantized_x(self) -> bool:
-        """Whether a fused group runs in decode mode 3 (int8 activations): then the caller can hand
+        """Whether a fused group multiplies int8 activations: then the caller can hand
         forward_partials x's int8 rows (kernels.add_rmsnorm_router(quantize_h=True))."""
         from . import kernels
-        return any(kernels._fast(g, "gate_up") == 3 for g in self._fused_groups or ())
+        return kernels.wants_quantized_x(self._fused_groups or [], self.decode)
 
     def forward_partials(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
                          xq: torch.Tensor | None = None) -> torch.Tensor:
@@ -429,7 +441,7 @@ class TieredExperts(nn.Module):
         T, k = topk_ids.shape
         c = self._counters
         c["calls"] += 1
-        if self._fused_groups is not None and T <= self.fused_max_tokens and self.skip_tail_from is None:
+        if self.partials_ok(T):
             return self._fused(x, topk_ids, topk_w)
         active = torch.ones_like(topk_ids, dtype=torch.bool)
         cached_at_start = set(self._cache)

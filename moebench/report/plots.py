@@ -423,7 +423,11 @@ def scatter(points: Sequence[dict], xlabel: str, ylabel: str, size_label: str, h
         size_text = f", {size_label} {s:.4g}" if isinstance(s, (int, float)) else f", {size_label} n/a"
         out.append(f'<circle cx="{_num(cx)}" cy="{_num(cy)}" r="{_num(r)}" fill="{colour}" fill-opacity="0.6" '
                    f'stroke="{colour}"><title>{escape(_point_title(p, size_text))}</title></circle>')
-        out.append(f'<text class="tick" x="{_num(cx + r + 3)}" y="{_num(cy + 4)}">{escape(str(p["label"]))}</text>')
+        if cx > WIDTH * 0.7:         # near the right edge: the label goes left of its marker
+            out.append(f'<text class="tick" x="{_num(cx - r - 3)}" y="{_num(cy + 4)}" text-anchor="end">'
+                       f'{escape(str(p["label"]))}</text>')
+        else:
+            out.append(f'<text class="tick" x="{_num(cx + r + 3)}" y="{_num(cy + 4)}">{escape(str(p["label"]))}</text>')
     out.append(f'<text class="tick" x="{MARGIN_L}" y="{height + 12}">marker area: {escape(size_label)}'
                f'{" (largest = " + fmt_tick(s_max) + ")" if s_max else " (no values: equal markers)"}</text>')
     if missing:

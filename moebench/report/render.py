@@ -420,6 +420,15 @@ def _kld_context(kld: Any) -> dict[str, Any] | None:
             ctx["plots"].append((f"Expert usage by layer ({role}, routed tokens)", _svg(plots.heatmap(
                 [[number(v) for v in r] for r in m], [str(i) for i in range(len(m))],
                 [str(j) for j in range(max(len(r) for r in m))], "layer", "expert", "routed tokens"))))
+    ctx["method"] = kld.get("method")
+    est = kld.get("estimate") if isinstance(kld.get("estimate"), dict) else {}
+    ctx["method_note"] = est.get("note")
+    tool = kld.get("llama_perplexity") if isinstance(kld.get("llama_perplexity"), dict) else None
+    if tool:                              # the candidate's own build: which binary, version, flags, commands
+        ctx["tool"] = {"binary": tool.get("binary"), "version": tool.get("version"), "source": tool.get("source"),
+                       "args": " ".join(map(str, tool.get("args") or [])) or "(none)",
+                       "dropped": " ".join(map(str, tool.get("dropped_args") or [])) or "(none)",
+                       "commands": [" ".join(map(str, c)) for c in tool.get("commands") or []]}
     skew = kld.get("load_skew") if isinstance(kld.get("load_skew"), dict) else {}
     series = [(role, list(range(len(skew[role]))), [number(v) for v in skew[role]])
               for role in ("baseline", "candidate") if isinstance(skew.get(role), list) and skew[role]]
@@ -452,7 +461,9 @@ def _needle_context(needle: Any) -> dict[str, Any] | None:
     depths = sorted({k[0] for k in grid}, key=lambda v: (not isinstance(v, (int, float)), v if isinstance(v, (int, float)) else str(v)))
     lengths = sorted({k[1] for k in grid}, key=lambda v: (not isinstance(v, (int, float)), v if isinstance(v, (int, float)) else str(v)))
     svg = plots.category_grid(grid, depths, lengths, palette, "depth", "context length (tokens)", tips)
-    return {"counts": needle_counts(cells), "svg": _svg(svg)}
+    flagged = needle.get("prompt_tokens_flagged") if isinstance(needle.get("prompt_tokens_flagged"), dict) else {}
+    return {"counts": needle_counts(cells), "svg": _svg(svg),
+            "flagged": {side: ids for side, ids in flagged.items() if ids}}
 
 
 PERCENTILE_METRICS = (("ttft_s", "TTFT s"), ("tpot_s", "TPOT s"), ("itl_s", "ITL s"), ("e2e_s", "end-to-end s"),

@@ -23,7 +23,8 @@ def build_id(m: dict[str, Any]) -> str:
     """A short name for the build a run measured: llama.cpp's build number, else moebench's git revision."""
     b = m.get("build") if isinstance(m.get("build"), dict) else {}
     if b.get("build_number") is not None:
-        return f"b{b['build_number']}" + (f" ({b['build_commit']})" if b.get("build_commit") else "")
+        commit = b.get("build_commit")
+        return f"b{b['build_number']}" + (f" ({commit})" if commit and commit != f"b{b['build_number']}" else "")
     mb = m.get("moebench") if isinstance(m.get("moebench"), dict) else {}
     rev = mb.get("git_revision")
     if rev:

@@ -29,7 +29,22 @@ def runner_schemas() -> dict[str, dict[str, Field]]:
     return out
 
 
+# Packages a kind needs beyond the base install, and the extra that brings them.
+KIND_NEEDS: dict[str, tuple[tuple[str, ...], str]] = {
+    "engine": (("torch", "safetensors", "tokenizers"), "engine"),
+}
+
+
 def make_runner(profile: RunnerProfile) -> Any:
+    import importlib.util
+
+    from moebench.config import ProfileError
+
+    needs, extra = KIND_NEEDS.get(profile.kind, ((), ""))
+    missing = [m for m in needs if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ProfileError(f"{profile.path or profile.name}: kind {profile.kind!r} needs {', '.join(missing)}, "
+                           f"not installed here: pip install 'moebench[{extra}]'")
     module, cls = RUNNER_KINDS[profile.kind]
     runner_cls = getattr(importlib.import_module(module), cls)
     return runner_cls({**profile.settings, "name": profile.name}, profile.path)

@@ -20,12 +20,20 @@ class Capability:
     STREAM = "stream"                  # per-token arrival times (speed task)
     TOP_LOGPROBS = "top_logprobs"      # top-k log-probs of each generated token's distribution
     PROMPT_LOGPROBS = "prompt_logprobs"  # top-k log-probs at every prompt position (teacher forcing)
+    PROMPT_LOGPROB_IDS = "prompt_logprob_ids"  # also log-probs of given token ids at every prompt position
     FULL_LOGITS = "full_logits"        # the whole next-token distribution at every position
     TOKENIZE = "tokenize"              # text -> token ids with the runner's own tokenizer
     TOKEN_PROMPTS = "token_prompts"    # prompts given as token ids
     ROUTER_TRACE = "router_trace"      # per-layer top-k expert ids and weights per token
     CHOICE_LOGPROBS = "choice_logprobs"  # next-token log-probs of given choice strings, none missed
     SAMPLING = "sampling"              # top_p and top_k truncation when sampling (temperature > 0)
+    # KLD by llama.cpp's llama-perplexity on the runner's own model, build and flags
+    # (`runner.perplexity_plan()`); needs no server running.
+    LLAMA_PERPLEXITY = "llama_perplexity"
+
+
+# Capabilities a runner serves without its server process: a suite that needs only these starts none.
+SERVERLESS = frozenset({Capability.LLAMA_PERPLEXITY})
 
 
 class RunnerError(Exception):
@@ -118,6 +126,9 @@ class Runner:
         self.concurrency: int = int(profile.get("concurrency", 1))
         # Things that happened to the backend during the run (restarts, ...), copied into the manifest.
         self.events: list[dict[str, Any]] = []
+        # What the suite needs, set by the run before start(): a runner may skip starting what no
+        # task needs (a llama-server runner starts no server for a KLD-only suite). None = everything.
+        self.needed: set[str] | None = None
 
     # -- life cycle -------------------------------------------------------------------------------
     async def start(self, run_dir: str | None = None) -> None:
@@ -155,6 +166,15 @@ class Runner:
 
     async def detokenize(self, token_ids: list[int]) -> str:
         raise CapabilityError(f"runner kind {self.kind!r} cannot detokenize")
+
+    # -- model facts a task may ask for (None where the runner does not know) --------------------
+    def vocab_size(self) -> int | None:
+        """Rows of the model's next-token distribution."""
+        return None
+
+    def bos_policy(self) -> tuple[bool, int | None]:
+        """(whether the model's tokenizer adds BOS to a text, the BOS id)."""
+        return False, None
 
     async def server_metrics(self) -> dict[str, float] | None:
         """The backend's Prometheus counters (name -> value), or None where it exposes none."""

@@ -64,7 +64,7 @@ def decode_choices(profile: dict[str, Any], device: str) -> dict[str, dict[str, 
         ok = kernels.available()
         out["experts_impl"] = {"value": "triton" if ok else "auto",
                                "why": "auto on CUDA: the fused Triton kernels" if ok else
-                               f"auto on CUDA, Triton unavailable ({kernels._IMPORT_ERROR})"}
+                               f"auto on CUDA, Triton unavailable ({kernels.unavailable_reason()})"}
     elif impl == "auto":
         out["experts_impl"] = {"value": "auto", "why": "auto on the CPU: torch's experts path"}
     else:
@@ -144,11 +144,8 @@ class EngineRunner(Runner):
         from moebench.engine import Engine
         kwargs = {k: self.profile[k] for k in ("max_seq_len", "max_batch", "prefill_chunk")
                   if self.profile.get(k)}
-        kwargs["experts_impl"] = self.choices["experts_impl"]["value"]
         kwargs["cuda_graphs"] = self.choices["cuda_graphs"]["value"]
-        for key in ("prefetch_host", "int8_activations", "prefetch_early"):
-            if self.profile.get(key):
-                kwargs[key] = True
+        kwargs["decode"] = self.decode_config()
         t0 = time.perf_counter()
         self.engine = await asyncio.to_thread(Engine.load, self.model_path, device=self.device,
                                               dtype=self.choices["dtype"]["value"], **kwargs)
@@ -208,7 +205,17 @@ class EngineRunner(Runner):
                  "dtype": self.choices["dtype"]["value"], "choices": self.choices}
         if self.profile.get("int8_activations"):        # changes the numbers: part of what was run
             build["int8_activations"] = True
+        # every decode switch and launch table of the engine (moebench.engine.decode_config)
+        build["decode"] = self.decode_config().identity()
         return {"model": model, "build": build}
+
+    def decode_config(self):
+        """The engine's DecodeConfig from the profile and the runner's choices, device defaults
+        resolved: what the engine decodes with and the manifest records."""
+        from moebench.engine.decode_config import DecodeConfig
+        options = {key: True for key in ("prefetch_host", "int8_activations", "prefetch_early") if self.profile.get(key)}
+        cfg = DecodeConfig(experts_impl=self.choices["experts_impl"]["value"], **options)
+        return cfg.resolved("cuda" if self.device.startswith("cuda") else "cpu")
 
     def _eng(self):
         if self.engine is None:
@@ -247,6 +254,16 @@ class EngineRunner(Runner):
     @property
     def bos_token_id(self) -> int | None:
         return getattr(self._eng().config, "bos_token_id", None)
+
+    def vocab_size(self) -> int | None:
+        return self._eng().vocab_size
+
+    def bos_policy(self) -> tuple[bool, int | None]:
+        """From the engine's tokenizer (tokenizer_config's add_bos_token)."""
+        tok = getattr(self._eng(), "tokenizer", None)
+        if tok is None:
+            return False, None
+        return bool(getattr(tok, "add_bos", False)), getattr(tok, "bos_token_id", None)
 
     async def tokenize(self, text: str) -> list[int]:
         return self._eng().tokenize(text)

@@ -26,7 +26,9 @@ from typing import Any, Callable
 import httpx
 
 from moebench.config import Field, ProfileError, positive
+from moebench.runners import prompt_logprobs as prompt_lp
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
+from moebench.scoring.answers import first_stop
 from moebench.runners.metrics import parse_prometheus
 from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, bounded_lines, describe, read_bounded,
                                         response_limit, retry_after_s)
@@ -63,10 +65,22 @@ SCHEMA: dict[str, Field] = {
                               doc="longest wait a 429/503 Retry-After may ask for before the next attempt"),
     "max_response_bytes": Field(int, default=DEFAULT_MAX_RESPONSE_BYTES, check=positive,
                                 doc="hard cap on one response's size (the bound from max_tokens is usually lower)"),
-    "tokenize": Field(str, default="none", choices=("none", "llama-server"),
-                      doc="where token counts come from: llama-server's /tokenize beside /v1"),
+    "tokenize": Field(str, default="none", choices=("none", "llama-server", "vllm"),
+                      doc="the server's own /tokenize beside /v1: llama-server's {content} or vLLM's {prompt} form"),
+    "tokenizer": Field(str, doc="a local tokenizer (HF folder, tokenizer.json or GGUF) where the server has no "
+                                "usable /tokenize; also maps echoed token text to ids"),
+    "prompt_logprobs": Field(str, default="none", choices=prompt_lp.MODES,
+                             doc="how the server returns prompt log-probs (KLD): vLLM's prompt_logprobs field, "
+                                 "legacy echo + logprobs, or SGLang's /generate"),
+    "prompt_logprobs_k": Field(int, default=20, check=positive, doc="top K prompt log-probs asked per position"),
+    "prompt_logprob_ids": Field(bool, default=False,
+                                doc="the server also scores given token ids at each position (SGLang's "
+                                    "token_ids_logprob): a candidate asks for the baseline's top-K ids"),
     "token_prompts": Field(bool, default=False, doc="the server accepts token-id prompts"),
     "extra_body": Field(dict, default=dict, doc="extra JSON fields sent with every request"),
+    "max_stop": Field(int, default=4, check=positive,
+                      doc="stop strings the server accepts per request (OpenAI and vLLM: 4); the rest "
+                          "are applied to the returned text"),
 }
 
 
@@ -95,6 +109,7 @@ class HttpRunner(Runner):
         self.max_retry_wait_s = float(profile.get("max_retry_wait_s", 120.0))
         self.max_response_bytes = int(profile.get("max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES))
         self.extra_body = dict(profile.get("extra_body") or {})
+        self.max_stop = int(profile.get("max_stop", 4))
         self.in_flight = {u: 0 for u in self.base_urls}
         key_env = profile.get("api_key_env")
         self.headers = {}
@@ -104,8 +119,23 @@ class HttpRunner(Runner):
                 raise ProfileError(f"{where}: key 'api_key_env' names {key_env!r}, which is not set in the environment")
             self.headers["Authorization"] = f"Bearer {key}"
         caps = {Capability.GENERATE, Capability.STREAM, Capability.TOP_LOGPROBS, Capability.SAMPLING}
-        if profile.get("tokenize") == "llama-server":
+        self.tokenize_form = profile.get("tokenize", "none")
+        self.local_tokenizer = None
+        if profile.get("tokenizer"):
+            from moebench.runners.local_tokenizer import load_tokenizer
+            self.local_tokenizer = load_tokenizer(profile["tokenizer"], where)
+        if self.tokenize_form != "none" or self.local_tokenizer is not None:
             caps.add(Capability.TOKENIZE)
+        self.prompt_logprobs_mode = profile.get("prompt_logprobs", "none")
+        self.prompt_logprobs_k = int(profile.get("prompt_logprobs_k", 20))
+        if self.prompt_logprobs_mode != "none":
+            caps.add(Capability.PROMPT_LOGPROBS)
+            if profile.get("prompt_logprob_ids"):
+                if self.prompt_logprobs_mode != "sglang":
+                    raise ProfileError(f"{where}: key 'prompt_logprob_ids' needs prompt_logprobs = \"sglang\" "
+                                       "(vLLM's OpenAI server does not take prompt_logprob_token_ids; "
+                                       "docs/kld.md)")
+                caps.add(Capability.PROMPT_LOGPROB_IDS)
         if profile.get("token_prompts"):
             caps.add(Capability.TOKEN_PROMPTS)
         self.capabilities = frozenset(caps)
@@ -177,7 +207,7 @@ class HttpRunner(Runner):
         if req.top_k is not None:
             body["top_k"] = req.top_k           # vLLM, SGLang and llama-server accept it
         if req.stop:
-            body["stop"] = req.stop
+            body["stop"] = req.stop[: self.max_stop]    # the rest: cut client-side (_apply_stops)
         if self.api == "chat":
             if not isinstance(req.prompt, str):
                 raise RunnerError("the chat API takes text prompts only")
@@ -205,12 +235,12 @@ class HttpRunner(Runner):
         async def call(url: str) -> GenerateResult:
             assert self.client is not None
             if request.stream:
-                return await self._stream(url + path, {**body, "stream": True,
-                                                      "stream_options": {"include_usage": True}}, url,
-                                          request.on_text, limit)
+                return _apply_stops(await self._stream(url + path, {**body, "stream": True,
+                                                                   "stream_options": {"include_usage": True}},
+                                                       url, request.on_text, limit), request.stop[self.max_stop:])
             t0 = time.perf_counter()
             raw = await self._post(url + path, body, limit)
-            result = parse_response(_json(raw, url + path), self.api)
+            result = _apply_stops(parse_response(_json(raw, url + path), self.api), request.stop[self.max_stop:])
             result.endpoint = url
             result.timings.setdefault("wall_s", time.perf_counter() - t0)
             return result
@@ -304,14 +334,66 @@ class HttpRunner(Runner):
             reasoning_tokens=_reasoning_tokens(usage) if reasoning else None,
             timings=timings)
 
+    # -- tokens and prompt log-probs (KLD, fitted prompt lengths) ----------------------------------
+    def vocab_size(self) -> int | None:
+        return self.local_tokenizer.vocab_size if self.local_tokenizer is not None else None
+
+    def bos_policy(self) -> tuple[bool, int | None]:
+        tok = self.local_tokenizer
+        return (tok.add_bos, tok.bos_token_id) if tok is not None else (False, None)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        if self.local_tokenizer is None:
+            return await super().detokenize(token_ids)
+        return self.local_tokenizer.decode(token_ids)
+
+    async def prompt_logprobs(self, token_ids: list[int], top_k: int | None = None,
+                              score_ids: list[int] | None = None) -> list[Any]:
+        """Rows as moebench.lmeval.scoring describes (entry 0 None; entry i: log-prob of token i and
+        {id: log-prob} of the top K, plus `score_ids` where the server scores fixed ids)."""
+        mode = self.prompt_logprobs_mode
+        if mode == "none":
+            raise RunnerError("this http runner's profile sets no prompt_logprobs mode")
+        ids = [int(t) for t in token_ids]
+        prompt: list[int] | str = ids
+        if Capability.TOKEN_PROMPTS not in self.capabilities and mode != "sglang":
+            if self.local_tokenizer is None:
+                raise RunnerError("prompt log-probs of fixed tokens need `token_prompts = true` or a local "
+                                  "`tokenizer` to send them as text")
+            prompt = self.local_tokenizer.decode(ids)
+        k = int(top_k or self.prompt_logprobs_k)
+        path, body = prompt_lp.request(mode, self.model, prompt, k,
+                                       score_ids if Capability.PROMPT_LOGPROB_IDS in self.capabilities else None)
+        piece_map = self.local_tokenizer.id_of_piece if self.local_tokenizer is not None else None
+
+        # Bounded like any reply: K alternatives at every prompt position (K = the vocabulary needs
+        # max_response_bytes raised: about 25 bytes per alternative in the echo form).
+        limit = response_limit(len(ids), k + 1, self.max_response_bytes)
+
+        async def call(url: str) -> list[Any]:
+            root = url[:-3] if url.endswith("/v1") else url
+            data = _json(await self._post(root + path, body, limit), root + path)
+            where = f"{root}{path} ({mode})"
+            if mode == "vllm":
+                return prompt_lp.parse_vllm(data, ids, where)
+            if mode == "echo":
+                return prompt_lp.parse_echo(data, ids, where, piece_map)
+            return prompt_lp.parse_sglang(data, ids, where)
+
+        return await self._with_retries(call)
+
     async def tokenize(self, text: str) -> list[int]:
         if Capability.TOKENIZE not in self.capabilities:
             return await super().tokenize(text)
+        if self.tokenize_form == "none":
+            assert self.local_tokenizer is not None
+            return self.local_tokenizer.encode(text)
+        form = ({"model": self.model, "prompt": text, "add_special_tokens": False} if self.tokenize_form == "vllm"
+                else {"content": text, "add_special": False})
 
         async def call(url: str) -> list[int]:
             root = url[:-3] if url.endswith("/v1") else url
-            raw = await self._post(root + "/tokenize", {"content": text, "add_special": False},
-                                   self.max_response_bytes)
+            raw = await self._post(root + "/tokenize", form, self.max_response_bytes)
             data = _json(raw, root + "/tokenize")
             tokens = data.get("tokens") if isinstance(data, dict) else None
             if not isinstance(tokens, list):
@@ -319,7 +401,6 @@ class HttpRunner(Runner):
             return [t if isinstance(t, int) else t["id"] for t in tokens]
 
         return await self._with_retries(call)
-
 
     async def server_metrics(self) -> dict[str, float] | None:
         """Counters of every endpoint's Prometheus /metrics page, summed; None where any has none."""
@@ -339,6 +420,15 @@ class HttpRunner(Runner):
             for name, value in parse_prometheus(raw.decode("utf-8", "replace")).items():
                 total[name] = total.get(name, 0.0) + value
         return total
+
+
+def _apply_stops(result: GenerateResult, stops: list[str]) -> GenerateResult:
+    """Stop strings beyond what the server accepts: cut the text at the first one, as a server would."""
+    cut = first_stop(result.text, stops)
+    if cut is not None:
+        result.text, result.finish_reason = result.text[:cut], "stop"
+        result.token_ids = None             # the server's ids cover the uncut text
+    return result
 
 
 class HttpStatus(Exception):

@@ -33,10 +33,11 @@ from typing import Any, Awaitable, Callable, TypeVar
 import httpx
 
 from moebench.config import Field, ProfileError, non_negative, positive
-from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
+from moebench.runners.base import SERVERLESS, Capability, GenerateRequest, GenerateResult, Runner, RunnerError
 from moebench.runners.responses import DEFAULT_MAX_RESPONSE_BYTES, bounded_lines, describe, read_bounded, response_limit
 from moebench.store import now_iso
-from moebench.tools import llamacpp
+from moebench.tools import llama_args, llamacpp
+from moebench.tools.llama_perplexity import PerplexityPlan
 
 T = TypeVar("T")
 
@@ -330,13 +331,15 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
 class LlamaServerRunner(Runner):
     kind = "llama-server"
     capabilities = frozenset({Capability.GENERATE, Capability.STREAM, Capability.TOP_LOGPROBS,
-                              Capability.CHOICE_LOGPROBS, Capability.SAMPLING,
+                              Capability.CHOICE_LOGPROBS, Capability.SAMPLING, Capability.LLAMA_PERPLEXITY,
                               Capability.TOKENIZE, Capability.TOKEN_PROMPTS})
 
     def __init__(self, profile: dict[str, Any], profile_path: str | None = None):
         defaults = {k: (f.default() if callable(f.default) else f.default)
                     for k, f in SCHEMA.items() if f.default is not None}
         super().__init__({**defaults, **profile}, profile_path)
+        # A profile that names its binary is a candidate build: its KLD uses that build's tools.
+        self.binary_named = "binary" in profile
         where = profile_path or "llama-server runner profile"
         if "model" not in self.profile:
             raise ProfileError(f"{where}: missing required key 'model' (a GGUF file path)")
@@ -368,15 +371,29 @@ class LlamaServerRunner(Runner):
         self._restart_lock: asyncio.Lock | None = None
         self._gave_up: str | None = None
         self._identity: dict[str, Any] | None = None
+        self._plan: PerplexityPlan | None = None
+        self.server_started = False
 
     # -- life cycle -------------------------------------------------------------------------------
+    def _resolve_binary(self) -> Path:
+        if self.binary is None:
+            try:
+                self.binary = llamacpp.tool(self.profile["binary"], True)
+            except llamacpp.ToolError as e:
+                raise RunnerError(str(e)) from None
+        return self.binary
+
     async def start(self, run_dir: str | None = None) -> None:
         if self.proc is not None and self.proc.poll() is None:
             return
         try:
-            self.binary = llamacpp.tool(self.profile["binary"])
+            # Built on first use (minutes); in a thread so the event loop stays responsive.
+            self.binary = await asyncio.to_thread(llamacpp.tool, self.profile["binary"], True)
         except llamacpp.ToolError as e:
             raise RunnerError(str(e)) from None
+        if self.needed is not None and set(self.needed) <= SERVERLESS:
+            return                     # e.g. KLD only: llama-perplexity loads the model, not a server
+        self.server_started = True
         log_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="moebench-llama-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / LOG_NAME
@@ -730,6 +747,42 @@ class LlamaServerRunner(Runner):
             return r.json()["content"]
         return await self._with_restarts(call)
 
+    # -- KLD through llama-perplexity -----------------------------------------------------------
+    def perplexity_plan(self) -> PerplexityPlan:
+        """The llama-perplexity of this candidate's build with its placement and numerics flags.
+
+        The binary sits beside the profile's `binary` (a candidate build folder); only a profile that
+        names no binary falls back to moebench's built tools. Flags llama-perplexity does not know are
+        refused here, before any work (moebench.tools.llama_args)."""
+        if self._plan is not None:
+            return self._plan
+        where = self.profile_path or "llama-server runner profile"
+        try:
+            server = self._resolve_binary()
+        except RunnerError as e:
+            raise ProfileError(f"{where}: key 'binary': {e}") from None
+        if self.binary_named:
+            ppl = server.parent / ("llama-perplexity" + server.suffix)
+            source = f"beside the profile's binary {server}"
+            if not ppl.is_file():
+                raise ProfileError(f"{where}: key 'binary' names {server}, but its folder has no llama-perplexity "
+                                   f"({ppl} not found): KLD must run the candidate's own build; build "
+                                   "llama-perplexity there (cmake --target llama-perplexity)")
+        else:
+            try:
+                ppl = llamacpp.tool("llama-perplexity", True)
+            except llamacpp.ToolError as e:
+                raise ProfileError(f"{where}: no llama-perplexity for KLD: {e}") from None
+            source = "moebench's built llama.cpp tools (the profile names no binary)"
+        try:
+            sorted_args = llama_args.perplexity_args(self.profile["args"], ppl, where)
+        except llama_args.ArgsError as e:
+            raise ProfileError(str(e)) from None
+        self._plan = PerplexityPlan(binary=str(ppl), version=llama_args.version_line(ppl), source=source,
+                                    model=str(self.model_path), args=sorted_args.passed,
+                                    dropped=sorted_args.dropped, server_binary=str(server))
+        return self._plan
+
     # -- identity -------------------------------------------------------------------------------
     def identity(self) -> dict[str, Any]:
         if self._identity is None:
@@ -746,5 +799,6 @@ class LlamaServerRunner(Runner):
                 build = {"kind": "llama.cpp", "error": str(e)}
             self._identity = {"model": model, "build": build}
         ident = json.loads(json.dumps(self._identity))
-        ident["build"]["server_args"] = self.command(self.port or 0)[1:] if self.binary else None
+        ident["build"]["server_args"] = self.command(self.port or 0)[1:] if self.binary and self.server_started else None
+        ident["build"]["server_started"] = self.server_started
         return ident

@@ -180,6 +180,48 @@ def topk_kld(top_ids: np.ndarray, top_logp: np.ndarray, tail_logp: np.ndarray, c
     return TokenStats(kld, np.exp(-nll) - np.exp(-nll_base), same, nll, nll_base)
 
 
+def sparse_kld(top_ids: np.ndarray, top_logp: np.ndarray, tail_logp: np.ndarray, next_logp_base: np.ndarray,
+               cand: list[dict[int, float]], cand_next_logp: np.ndarray, k: int | None = None) -> TokenStats:
+    """Per-token statistics when the candidate, too, gave only some log-probs per position (a server's
+    top-K prompt log-probs, or its log-probs of the baseline's top-K ids where it can score fixed ids).
+
+    The estimate lumps the vocabulary into bins: each baseline top-K token whose candidate log-prob
+    is known, plus one bin for everything else (its candidate mass is one minus the known ones). A
+    KLD between lumped distributions never exceeds the full one (log-sum inequality), so this is a
+    LOWER BOUND; it is exact when the candidate knows every baseline token above llama.cpp's
+    log p > -16 floor and the rest is negligible. Same top p and Δp need only each side's top token
+    and the actual token's log-prob, which both sides return: they are exact.
+    """
+    top_ids = np.asarray(top_ids, dtype=np.int64)
+    top_logp = np.asarray(top_logp, dtype=np.float64)
+    tail_p = np.exp(np.asarray(tail_logp, dtype=np.float64))
+    kept = np.exp(top_logp).sum(axis=1)                       # float16 rescale, as in topk_kld
+    top_logp = top_logp + (np.log(np.clip(1.0 - tail_p, 1e-300, None)) - np.log(kept))[:, None]
+    if k is not None and k < top_ids.shape[1]:
+        top_ids, top_logp = top_ids[:, :k], top_logp[:, :k]
+    n = top_ids.shape[0]
+    if len(cand) != n:
+        raise ValueError(f"candidate log-probs cover {len(cand)} positions, the baseline {n}")
+    kld = np.zeros(n)
+    same = np.zeros(n, dtype=bool)
+    for i in range(n):
+        row = cand[i]
+        q = np.array([row.get(int(t), np.nan) for t in top_ids[i]])
+        known = ~np.isnan(q)
+        p_known = np.exp(top_logp[i][known])
+        lp_known = top_logp[i][known]
+        mask = lp_known > LOG_P_FLOOR
+        term = float((p_known * np.where(mask, lp_known - q[known], 0.0)).sum())
+        p_rest = max(0.0, 1.0 - float(p_known.sum()))
+        q_rest = max(1e-30, 1.0 - float(np.exp(q[known]).sum()))
+        if p_rest > 0 and np.log(p_rest) > LOG_P_FLOOR:
+            term += p_rest * (np.log(p_rest) - np.log(q_rest))
+        kld[i] = max(term, 0.0) if abs(term) < 1e-12 else term
+        same[i] = bool(row) and max(row, key=row.get) == int(top_ids[i, 0])
+    nll, nll_base = -np.asarray(cand_next_logp, np.float64), -np.asarray(next_logp_base, np.float64)
+    return TokenStats(kld, np.exp(-nll) - np.exp(-nll_base), same, nll, nll_base)
+
+
 # ---- statistics -----------------------------------------------------------------------------------
 
 def mean_and_uncertainty(total: float, total2: float, count: int) -> tuple[float, float]:

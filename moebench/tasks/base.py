@@ -4,6 +4,7 @@ A task kind is a `Task` subclass with:
 - `kind`: the name suites use (`task = "gsm8k"`);
 - `options`: its own suite keys (a schema of `config.Field`s);
 - `needs(runner)`: the runner capabilities it requires, checked before any work starts;
+- `check(runner)`: optional further checks of the runner's set-up, also before any work;
 - `items()`: the items in the dataset's own order (already cut to `limit`), ids stable across runs;
 - `evaluate(item, runner)`: ask and score one item, return the record's fields;
 - `summarize(records)`: optional task-level figures for the manifest and compare.
@@ -62,6 +63,9 @@ class Task:
     def needs(self, runner: Runner) -> set[str]:
         return {Capability.GENERATE}
 
+    def check(self, runner: Runner) -> None:
+        """Refuse a runner set-up this task cannot measure (raise ProfileError), before any work."""
+
     def items(self) -> list[Item]:
         raise NotImplementedError
 
@@ -80,6 +84,23 @@ class Task:
 
     def _cut(self, items: list[Item]) -> list[Item]:
         return items[: self.limit] if self.limit else items
+
+
+# A fitted prompt whose length the server counts more than this far off is flagged (issue: tokenizers
+# that differ from the server's make "a 32k prompt" mean something else).
+PROMPT_TOKENS_TOLERANCE = 0.005
+
+
+def prompt_tokens_check(fitted: int | None, reported: int | None) -> dict[str, Any]:
+    """The server-reported prompt length beside the fitted one: relative disagreement and a flag."""
+    if not fitted or reported is None:
+        return {}
+    rel = (reported - fitted) / fitted
+    return {"prompt_tokens_disagreement": rel, "prompt_tokens_flagged": abs(rel) > PROMPT_TOKENS_TOLERANCE}
+
+
+def count_flagged(records: list[dict[str, Any]]) -> int:
+    return sum(1 for r in records if r.get("status") == "ok" and r.get("prompt_tokens_flagged"))
 
 
 def prompt_hash(prompt: str | list[int]) -> str:

@@ -2,11 +2,17 @@
 
 Prompt format as lm-eval's cmmlu task: a subject description, then exemplars
 "{Question}\\nA. ..\\nB. ..\\nC. ..\\nD. ..\\n答案： {Answer}" joined by blank lines, then the question.
-Scoring: from the runner's choice log-probs where it has them (the engine's whole next-token
-distribution, or llama-server under a grammar allowing only the letters: renormalised over them,
-same ranking), else from the next token's top-k log-probs over A/B/C/D (each letter's log-prob is the best of its spellings
-"A" / " A"; a letter outside the top-k gets None and cannot win), else by generation and the first
-A-D letter. All four choice log-probs are recorded.
+Scoring, best available first:
+1. the runner's choice log-probs (the engine's whole next-token distribution, or llama-server under a
+   grammar allowing only the letters: renormalised over them, same ranking);
+2. prompt log-probs (a server with `prompt_logprobs`, e.g. vLLM): the exact log-likelihood of each
+   continuation " A" ... " D" after the prompt, as lm-eval scores CMMLU, one teacher-forced request each;
+3. the next token's top-k log-probs over A/B/C/D (each letter's log-prob is the best of its spellings
+   "A" / " A"); a letter outside the top-k is below every returned token, so a known letter still
+   wins exactly; when no letter is among the top-k the item ABSTAINS (correct null, `abstained`
+   true, counted apart, never a silent wrong answer);
+4. generation and the first A-D letter.
+All four choice log-probs are recorded.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from typing import Any
 
 from moebench.config import Field, non_negative, positive
 from moebench.datasets import data_file, read_csv_rows, register
+from moebench.lmeval.scoring import score_tokens
 from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
 from moebench.scoring.answers import first_choice_letter
 from moebench.tasks.base import Item, Task, prompt_hash
@@ -116,6 +123,12 @@ class CmmluTask(Task):
             answer = max(ranked)[1] if ranked else None
             return {**common, "scoring": f"choice_logprobs:{kind}", "choice_logprobs": choice_lp,
                     "answer": answer, "output": answer or "", "correct": answer == item.data["reference"]}
+        if (self.opts["scoring"] != "generate" and Capability.PROMPT_LOGPROBS in runner.capabilities
+                and Capability.TOKENIZE in runner.capabilities):
+            choice_lp = await continuation_logprobs(runner, prompt)
+            answer = max((lp, letter) for letter, lp in choice_lp.items())[1]
+            return {**common, "scoring": "prompt_logprobs", "choice_logprobs": choice_lp, "answer": answer,
+                    "output": answer, "correct": answer == item.data["reference"]}
         if self._use_logprobs(runner):
             result = await runner.generate(GenerateRequest(
                 prompt=prompt, max_tokens=1, temperature=0.0, top_logprobs=self.opts["top_logprobs"]))
@@ -123,7 +136,12 @@ class CmmluTask(Task):
                 raise RunnerError("the runner returned no top log-probs for the next token")
             choice_lp = choice_logprobs(result.top_logprobs[0])
             ranked = [(lp, letter) for letter, lp in choice_lp.items() if lp is not None]
-            answer = max(ranked)[1] if ranked else None
+            if not ranked:                 # unknown is not wrong: abstain, counted apart
+                return {**result.to_record_fields(), **common, "scoring": "logprobs", "choice_logprobs": choice_lp,
+                        "answer": None, "correct": None, "abstained": True,
+                        "abstain_reason": f"none of A-D among the next token's top {self.opts['top_logprobs']} "
+                                          "log-probs: their ranking is unknown"}
+            answer = max(ranked)[1]
             return {**result.to_record_fields(), **common, "scoring": "logprobs",
                     "choice_logprobs": choice_lp, "answer": answer,
                     "correct": answer == item.data["reference"]}
@@ -132,6 +150,30 @@ class CmmluTask(Task):
         answer = first_choice_letter(result.text)
         return {**result.to_record_fields(), **common, "scoring": "generate",
                 "choice_logprobs": None, "answer": answer, "correct": answer == item.data["reference"]}
+
+
+    def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        out = super().summarize(records)
+        out["n_abstained"] = sum(1 for r in records if r.get("abstained"))
+        methods = sorted({r.get("scoring") for r in records if r.get("status") == "ok" and r.get("scoring")})
+        out["scoring"] = methods
+        return out
+
+
+async def continuation_logprobs(runner: Runner, prompt: str) -> dict[str, float]:
+    """Log-likelihood of each continuation " A" ... " D" after `prompt` (context and continuation
+    tokenized apart, as lm-eval does), from teacher-forced prompt log-probs: exact, whatever the
+    letters' rank in the vocabulary."""
+    ctx = list(await runner.tokenize(prompt))
+    out: dict[str, float] = {}
+    for letter in LETTERS:
+        cont = list(await runner.tokenize(" " + letter))
+        scores = await score_tokens(runner, ctx + cont, top_k=1)
+        lps = [scores[len(ctx) + i] for i in range(len(cont))]
+        if any(s is None for s in lps):
+            raise RunnerError(f"no prompt log-prob for continuation {letter!r}")
+        out[letter] = float(sum(s.logprob for s in lps))
+    return out
 
 
 def choice_logprobs(top: dict[str, float]) -> dict[str, float | None]:

@@ -7,20 +7,25 @@ llama-perplexity tokenizes with add_special); positions c/2 ... c-2 are scored (
 token). Items are chunks, `kld/<corpus stem>/<chunk>`.
 
 Two roles, chosen by `--baseline`:
-- BASELINE run (no --baseline) writes, under <run>/kld/<task name>/: meta.json, tokens.npy [n_chunk, c]
-  (the exact ids every candidate must use), and per chunk base/chunk_NNNNN.npz with, per scored
-  position, the top-K token ids and float16 log-probs, the float32 log of the remaining mass, the
-  float32 log-prob of the actual next token, and for the first `full_chunks` chunks the whole
-  distribution as llama.cpp base-file rows (uint16; exact KLD and conversion to a llama.cpp base file);
-  plus the router's top-k expert ids of every position (uint8/int16 [layers, c, k]) where traced.
+- BASELINE run (no --baseline) writes, under <run>/kld/<task name>/ (layout: moebench.scoring.kld_runs):
+  meta.json, tokens.npy [n_chunk, c] (the exact ids every candidate must use), and per chunk
+  base/chunk_NNNNN.npz with, per scored position, the top-K token ids and float16 log-probs, the
+  float32 log of the remaining mass, the float32 log-prob of the actual next token, and for the first
+  `full_chunks` chunks the whole distribution as llama.cpp base-file rows (where the runner gives whole
+  distributions); plus the router's top-k expert ids of every position where traced.
 - CANDIDATE run (--baseline BASE) uses the baseline's tokens, computes per-token KLD, same-top, dp,
   nll against it and stores them in cand/chunk_NNNNN.npz with its own router ids.
 
-Backends: the engine (full logits, router traces); llama-server profiles drive `llama-perplexity` on
-the profile's GGUF (baseline: `--kl-divergence-base` into kld/<name>/base.kld; candidate:
-`--kl-divergence` against the baseline's base.kld, converted from an engine baseline when needed);
-an engine candidate also measures against a llama.cpp baseline's base.kld. Other runners need
-`prompt_logprobs`, which no runner here offers yet: a CapabilityError before any work.
+How the log-probs are obtained is chosen from the runner's capabilities, never its kind:
+- `llama_perplexity`: the runner's own llama-perplexity (its build, its placement and numerics flags:
+  `runner.perplexity_plan()`) on its GGUF: `--kl-divergence-base` into base.kld for a baseline,
+  `--kl-divergence` against the baseline's base.kld for a candidate (converted from an npz baseline
+  when needed). No server is needed for it.
+- `full_logits`: the whole distribution at every position (the engine): exact KLD.
+- `prompt_logprobs`: a server's top-K prompt log-probs (`runner.prompt_logprobs`), K from the runner
+  (`prompt_logprobs_k`); exact when K covers the vocabulary on both sides, otherwise a lower bound
+  (kld_stats.sparse_kld). Where the runner can score fixed ids (`prompt_logprob_ids`), a candidate
+  asks for the baseline's top-K ids too, which tightens the bound.
 """
 from __future__ import annotations
 
@@ -33,51 +38,25 @@ import numpy as np
 
 from moebench.config import Field, non_negative, positive
 from moebench.datasets import data_file, read_text, register
-from moebench.runners.base import Capability, CapabilityError, Runner, RunnerError
+from moebench.runners.base import Capability, Runner, RunnerError
 from moebench.scoring import kld_stats as ks
+from moebench.scoring.kld_runs import (TOPK_LADDER, KldError, chunk_file, export_base_file, id_dtype, kld_section,
+                                       read_meta, router_agreement, save_npz, task_dir, write_json)
 from moebench.tasks.base import Item, Task, prompt_hash
 
 DEFAULT_CORPUS = "wikitext2/wiki.test.raw"
-TOPK_LADDER = (16, 64, 256)          # K values for which the top-K estimate is checked against exact
+
+# How the task gets log-probs, by capability (first match wins).
+BY_TOOL, BY_LOGITS, BY_PROMPT_LOGPROBS = "llama-perplexity", "full-logits", "prompt-logprobs"
 
 
-class KldError(RuntimeError):
-    """The baseline and candidate cannot be compared (different tokens, vocabulary, context...)."""
-
-
-def task_dir(run_dir: Path, name: str) -> Path:
-    return Path(run_dir) / "kld" / name
-
-
-def chunk_file(folder: Path, chunk: int) -> Path:
-    return folder / f"chunk_{chunk:05d}.npz"
-
-
-def read_meta(run_dir: Path, name: str) -> dict[str, Any]:
-    path = task_dir(run_dir, name) / "meta.json"
-    if not path.is_file():
-        raise KldError(f"{path}: missing; is {run_dir} a KLD baseline run of task {name!r} "
-                       "(made without --baseline)?")
-    return json.loads(path.read_text())
-
-
-def _write_json(path: Path, doc: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    tmp.replace(path)
-
-
-def _save_npz(path: Path, **arrays: Any) -> None:
-    """Uncompressed (so bytes per token are what the arrays say), written atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    tmp.replace(path)
-
-
-def _id_dtype(n: int) -> Any:
-    return np.uint16 if n <= 65536 else np.int32
+def backend(runner: Runner) -> str:
+    caps = runner.capabilities
+    if Capability.LLAMA_PERPLEXITY in caps:
+        return BY_TOOL
+    if Capability.FULL_LOGITS in caps:
+        return BY_LOGITS
+    return BY_PROMPT_LOGPROBS
 
 
 class KldTask(Task):
@@ -111,6 +90,7 @@ class KldTask(Task):
         self.tokens: np.ndarray | None = None
         self._llama_stats: dict[str, Any] | None = None
         self._bf = None                     # llama base file of the baseline, when it is one
+        self.how: str | None = None         # BY_TOOL | BY_LOGITS | BY_PROMPT_LOGPROBS, set in prepare
 
     # ---- folders -------------------------------------------------------------------------------
     @property
@@ -129,11 +109,17 @@ class KldTask(Task):
 
     # ---- contract ------------------------------------------------------------------------------
     def needs(self, runner: Runner) -> set[str]:
-        if runner.kind == "llama-server":
-            return set()            # llama-perplexity does the work on the profile's GGUF
-        if runner.kind == "engine":
+        how = backend(runner)
+        if how == BY_TOOL:
+            return {Capability.LLAMA_PERPLEXITY}   # llama-perplexity does the work on the profile's GGUF
+        if how == BY_LOGITS:
             return {Capability.FULL_LOGITS, Capability.TOKENIZE}
-        return {Capability.PROMPT_LOGPROBS, Capability.TOKENIZE, Capability.TOKEN_PROMPTS}
+        # A baseline tokenizes the corpus; a candidate uses the baseline's ids.
+        return {Capability.PROMPT_LOGPROBS} | (set() if self.is_candidate else {Capability.TOKENIZE})
+
+    def check(self, runner: Runner) -> None:
+        if backend(runner) == BY_TOOL:
+            runner.perplexity_plan()                # refuses unknown flags, a build without the tool
 
     def items(self) -> list[Item]:
         path = data_file(self.ctx.data_dir, self.corpus)
@@ -152,19 +138,20 @@ class KldTask(Task):
 
     async def prepare(self, runner: Runner) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        if runner.kind == "llama-server":
+        self.how = backend(runner)
+        if self.how == BY_TOOL:
             await asyncio.to_thread(self._prepare_llama, runner)
             return
         if self.is_candidate:
             self._load_baseline()
-            vocab = _runner_vocab(runner)
+            vocab = runner.vocab_size()
             if vocab is not None and vocab != self.base_meta["n_vocab"]:
                 raise KldError(f"vocabularies differ: baseline {self.ctx.baseline_run} has {self.base_meta['n_vocab']} "
                                f"tokens, this runner's model {vocab}; KLD needs the same vocabulary")
             return
         text = read_text(data_file(self.ctx.data_dir, self.corpus))
         ids = await runner.tokenize(text)
-        add_bos, bos = _bos(runner)
+        add_bos, bos = runner.bos_policy()
         if add_bos:
             ids = [bos] + list(ids)      # llama-perplexity tokenizes the whole text with add_special
         need = self.n_chunks * self.context
@@ -174,11 +161,12 @@ class KldTask(Task):
         self.tokens = np.asarray(ids[:need], dtype=np.int32).reshape(self.n_chunks, self.context)
         np.save(self.out_dir / "tokens.npy", self.tokens)
         cfg = _engine_config(runner)
-        _write_json(self.out_dir / "meta.json", {
+        write_json(self.out_dir / "meta.json", {
             "format": "npz", "corpus": self.corpus, "context": self.context, "n_chunk": self.n_chunks,
-            "n_vocab": _runner_vocab(runner), "add_bos": add_bos, "bos_token_id": bos, "top_k": self.top_k,
+            "n_vocab": runner.vocab_size(), "add_bos": add_bos, "bos_token_id": bos,
+            "top_k": self.top_k if self.how == BY_LOGITS else _runner_k(runner, self.top_k),
             "full_chunks": min(self.full_chunks, self.n_chunks), "first": self.first, "n_scored": self.n_scored,
-            "num_experts": getattr(cfg, "num_experts", None), "runner_kind": runner.kind})
+            "num_experts": getattr(cfg, "num_experts", None), "runner_kind": runner.kind, "how": self.how})
 
     def _load_baseline(self) -> None:
         self.base_meta = read_meta(self.ctx.baseline_run, self.name)
@@ -193,16 +181,16 @@ class KldTask(Task):
 
     async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
         j = item.data["chunk"]
-        if runner.kind == "llama-server":
+        if self.how == BY_TOOL:
             return self._llama_record(j)
-        if runner.kind != "engine":
-            raise RunnerError(f"kld on runner kind {runner.kind!r}: prompt log-probs are not wired up yet")
         ids = [int(t) for t in self.tokens[j]]
-        add_bos, bos = _bos(runner)
+        add_bos, bos = runner.bos_policy()
         if self.base_meta and self.base_meta.get("add_bos") is not None:   # the baseline's choice rules
             add_bos, bos = self.base_meta["add_bos"], self.base_meta["bos_token_id"]
         if add_bos:
             ids[0] = bos                 # as llama-perplexity: the chunk's first token becomes BOS
+        if self.how == BY_PROMPT_LOGPROBS:
+            return await self._evaluate_prompt_logprobs(j, ids, runner)
         logits, routes = await self._forward(runner, ids)
         scored = logits[self.first:self.context - 1].numpy()
         nxt = self.tokens[j][self.first + 1:self.context].astype(np.int64)
@@ -228,7 +216,7 @@ class KldTask(Task):
         tail = torch.logsumexp(rest, dim=-1)
         rows = np.arange(nxt.size)
         next_lp = lp.numpy()[rows, nxt]
-        arrays = {"top_ids": top_ids.numpy().astype(_id_dtype(lp.shape[1])),
+        arrays = {"top_ids": top_ids.numpy().astype(id_dtype(lp.shape[1])),
                   "top_logp": top_lp.numpy().astype(np.float16), "tail_logp": tail.numpy().astype(np.float32),
                   "next_logp": next_lp.astype(np.float32)}
         topk_bytes = sum(a.nbytes for a in arrays.values()) / nxt.size
@@ -237,7 +225,7 @@ class KldTask(Task):
         if routes is not None:
             arrays["routes"] = routes.astype(np.uint8 if routes.max() < 256 else np.int16)
         path = chunk_file(self.out_dir / "base", j)
-        _save_npz(path, **arrays)
+        save_npz(path, **arrays)
         nll = -next_lp
         return {**rec, "role": "baseline", "file": str(path.relative_to(self.ctx.run_dir)),
                 "nll_sum": float(nll.sum()), "ppl_base": float(np.exp(nll.mean())),
@@ -264,16 +252,19 @@ class KldTask(Task):
                         extra[f"kld_top{kk}"] = ks.topk_kld(b["top_ids"].astype(np.int64), b["top_logp"], b["tail_logp"],
                                                             scored, nxt, b["next_logp"], k=kk).kld.astype(np.float32)
             all_full = meta.get("full_chunks", 0) >= meta["n_chunk"]
-            ts, method = (exact, "exact") if (all_full and exact is not None) else (topk, "topk")
+            ts, method = (exact, "exact") if (all_full and exact is not None) else (topk, "topk-lower-bound")
             b_routes = b["routes"] if "routes" in b.files else None
         arrays = {**ts.arrays(), **extra}
         if routes is not None:
             arrays["routes"] = routes.astype(np.uint8 if routes.max() < 256 else np.int16)
         path = chunk_file(self.out_dir / "cand", j)
-        _save_npz(path, **arrays)
+        save_npz(path, **arrays)
         out = {**rec, "role": "candidate", "method": method, "file": str(path.relative_to(self.ctx.run_dir)),
                "kld_mean": float(ts.kld.mean()), "same_top_p": float(ts.same_top.mean()),
                "ln_ppl_ratio": float(ts.nll.mean() - ts.nll_base.mean()), "sums": ts.sums()}
+        if method != "exact":
+            out["estimate"] = {"k": int(self.base_meta.get("top_k") or 0), "baseline_k": int(self.base_meta.get("top_k") or 0),
+                               "fixed_ids": False, "lower_bound": True, "candidate": "full distribution"}
         if "kld_exact" in extra:
             out["topk_vs_exact"] = {"exact_mean": float(extra["kld_exact"].mean()),
                                     **{f"top{kk}_mean": float(extra[f"kld_top{kk}"].mean())
@@ -282,26 +273,145 @@ class KldTask(Task):
             out["router_agreement"] = router_agreement(b_routes, routes)["router_agreement"]
         return out
 
+    # ---- prompt log-probs from a server --------------------------------------------------------
+    async def _evaluate_prompt_logprobs(self, j: int, ids: list[int], runner: Runner) -> dict[str, Any]:
+        k = _runner_k(runner, self.top_k)
+        rec: dict[str, Any] = {"chunk": j, "prompt_hash": prompt_hash(ids), "n_tokens": self.n_scored}
+        score_ids = None
+        if self.is_candidate and Capability.PROMPT_LOGPROB_IDS in runner.capabilities:
+            b_ids = self._base_topk(j)[0]
+            score_ids = sorted({int(t) for t in np.asarray(b_ids[:, :k]).ravel()})
+        rows = await runner.prompt_logprobs(ids, k, score_ids=score_ids)
+        if len(rows) != len(ids):
+            raise RunnerError(f"prompt log-probs for {len(rows)} positions, the chunk has {len(ids)} tokens")
+        # Row t+1 holds the distribution after tokens[:t+1], i.e. scored position t's prediction.
+        picked = rows[self.first + 1:self.context]
+        nxt = np.asarray(ids[self.first + 1:self.context], dtype=np.int64)
+        dists: list[dict[int, float]] = []
+        next_lp = np.empty(len(picked))
+        for i, row in enumerate(picked):
+            if row is None:
+                raise RunnerError(f"chunk {j}: no prompt log-probs at position {self.first + 1 + i}")
+            lp_tok, top = row
+            d = {int(t): float(v) for t, v in (top or {}).items()}
+            d.setdefault(int(nxt[i]), float(lp_tok))
+            dists.append(d)
+            next_lp[i] = float(lp_tok)
+        n_vocab = (self.base_meta or {}).get("n_vocab") or runner.vocab_size()
+        complete = bool(n_vocab) and all(len(d) >= n_vocab for d in dists)
+        rec.update(k=k, complete=complete, fixed_ids=score_ids is not None)
+        if self.is_candidate:
+            return await asyncio.to_thread(self._candidate_sparse, j, dists, next_lp, nxt, n_vocab, complete, rec)
+        return await asyncio.to_thread(self._baseline_sparse, j, dists, next_lp, nxt, n_vocab, complete, k, rec)
+
+    @staticmethod
+    def _dense(dists: list[dict[int, float]], n_vocab: int) -> np.ndarray:
+        out = np.full((len(dists), n_vocab), -np.inf)
+        for i, d in enumerate(dists):
+            ids = np.fromiter(d.keys(), dtype=np.int64, count=len(d))
+            if ids.size and (ids.min() < 0 or ids.max() >= n_vocab):
+                raise KldError(f"a token id outside the vocabulary of {n_vocab} came back: {int(ids.max())}")
+            out[i, ids] = np.fromiter(d.values(), dtype=np.float64, count=len(d))
+        return out
+
+    def _baseline_sparse(self, j, dists, next_lp, nxt, n_vocab, complete, k, rec) -> dict[str, Any]:
+        n = len(dists)
+        top_ids = np.zeros((n, k), dtype=np.int64)
+        top_lp = np.full((n, k), -np.inf)
+        tail = np.empty(n)
+        for i, d in enumerate(dists):
+            best = sorted(d.items(), key=lambda kv: -kv[1])[:k]
+            if len(best) < k:
+                raise RunnerError(f"chunk {j}: the server gave {len(best)} log-probs at a position, asked for {k}")
+            top_ids[i] = [t for t, _ in best]
+            top_lp[i] = [v for _, v in best]
+            tail[i] = np.log(max(1.0 - float(np.exp(top_lp[i]).sum()), 1e-30))
+        arrays = {"top_ids": top_ids.astype(id_dtype(int(n_vocab or top_ids.max() + 1))),
+                  "top_logp": top_lp.astype(np.float16), "tail_logp": tail.astype(np.float32),
+                  "next_logp": next_lp.astype(np.float32)}
+        topk_bytes = sum(a.nbytes for a in arrays.values()) / n
+        has_full = complete and j < self.full_chunks
+        if has_full:
+            arrays["full_rows"] = ks.encode_logprobs(self._dense(dists, n_vocab))
+        path = chunk_file(self.out_dir / "base", j)
+        save_npz(path, **arrays)
+        nll = -next_lp
+        return {**rec, "role": "baseline", "file": str(path.relative_to(self.ctx.run_dir)),
+                "nll_sum": float(nll.sum()), "ppl_base": float(np.exp(nll.mean())),
+                "topk_bytes_per_token": topk_bytes, "has_full": has_full}
+
+    def _base_topk(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The baseline's (top ids, top log-probs, log rest mass, log-prob of the actual token) of chunk j."""
+        if self.base_meta["format"] == "llama":
+            full = self._bf.logprobs(j).astype(np.float64)
+            kk = min(256, full.shape[1])
+            ids = np.argsort(-full, axis=1)[:, :kk]
+            lp = np.take_along_axis(full, ids, axis=1)
+            tail = np.log(np.clip(1.0 - np.exp(lp).sum(axis=1), 1e-30, None))
+            nxt = self.tokens[j][self.first + 1:self.context].astype(np.int64)
+            return ids, lp, tail, full[np.arange(nxt.size), nxt]
+        b = np.load(chunk_file(self.base_dir / "base", j))
+        return b["top_ids"].astype(np.int64), b["top_logp"], b["tail_logp"], b["next_logp"]
+
+    def _base_full(self, j: int) -> np.ndarray | None:
+        if self.base_meta["format"] == "llama":
+            return self._bf.logprobs(j)
+        b = np.load(chunk_file(self.base_dir / "base", j))
+        return ks.decode_logprobs(b["full_rows"], self.base_meta["n_vocab"]) if "full_rows" in b.files else None
+
+    def _candidate_sparse(self, j, dists, next_lp, nxt, n_vocab, complete, rec) -> dict[str, Any]:
+        base_full = self._base_full(j)
+        all_full = self.base_meta["format"] == "llama" or self.base_meta.get("full_chunks", 0) >= self.base_meta["n_chunk"]
+        extra: dict[str, Any] = {}
+        b_ids, b_lp, b_tail, b_next = self._base_topk(j)
+        bound = ks.sparse_kld(b_ids, b_lp, b_tail, b_next, dists, next_lp)
+        if complete and base_full is not None:
+            exact = ks.full_kld(base_full, self._dense(dists, n_vocab), nxt)
+            extra["kld_exact"] = exact.kld.astype(np.float32)
+            extra["kld_topk"] = bound.kld.astype(np.float32)
+            ts, method = (exact, "exact") if all_full else (bound, "topk-lower-bound")
+        else:
+            ts, method = bound, "topk-lower-bound"
+        path = chunk_file(self.out_dir / "cand", j)
+        save_npz(path, **ts.arrays(), **extra)
+        out = {**rec, "role": "candidate", "method": method, "file": str(path.relative_to(self.ctx.run_dir)),
+               "kld_mean": float(ts.kld.mean()), "same_top_p": float(ts.same_top.mean()),
+               "ln_ppl_ratio": float(ts.nll.mean() - ts.nll_base.mean()), "sums": ts.sums(),
+               "estimate": {"k": rec["k"], "baseline_k": int(b_ids.shape[1]), "fixed_ids": rec["fixed_ids"],
+                            "lower_bound": method != "exact"}}
+        if "kld_exact" in extra:
+            out["topk_vs_exact"] = {"exact_mean": float(extra["kld_exact"].mean()),
+                                    f"top{rec['k']}_mean": float(extra["kld_topk"].mean())}
+        return out
+
     # ---- llama-server: llama-perplexity does the forward passes -----------------------------------
     def _prepare_llama(self, runner: Runner) -> None:
         from moebench.tools import llama_perplexity as lp
-        model = runner.profile.get("model")
-        if not model or not Path(model).is_file():
-            raise KldError(f"kld on llama-server: the runner profile's model {model!r} is not a GGUF file")
+        plan = runner.perplexity_plan()
+        model = plan.model
         threads = self.opts.get("threads")
         log = self.out_dir / "llama-perplexity.log"
+        commands: list[list[str]] = []
+        tool = dict(binary=plan.binary, extra=plan.args, commands=commands)
+        try:
+            self._prepare_llama_runs(lp, model, threads, log, tool)
+        finally:                         # what ran, even when it failed: binary, version, command lines
+            write_json(self.out_dir / "llama_perplexity.json", {**plan.as_record(), "commands": commands})
+
+    def _prepare_llama_runs(self, lp, model: str, threads: int | None, log: Path, tool: dict[str, Any]) -> None:
         if not self.is_candidate:
             text = read_text(data_file(self.ctx.data_dir, self.corpus))
             corpus = self.out_dir / "corpus.txt"
             corpus.write_text(text, encoding="utf-8")       # LF-normalised copy: what llama.cpp reads
-            bf = lp.write_base(model, corpus, self.out_dir / "base.kld", self.context, self.n_chunks, threads, log)
+            bf = lp.write_base(model, corpus, self.out_dir / "base.kld", self.context, self.n_chunks, threads, log,
+                               **tool)
             if bf.n_chunk < self.n_chunks:
                 raise KldError(f"{self.corpus}: llama-perplexity produced only {bf.n_chunk} chunks of {self.context}")
             self._bf, self.tokens = bf, bf.tokens
-            _write_json(self.out_dir / "meta.json", {
+            write_json(self.out_dir / "meta.json", {
                 "format": "llama", "corpus": self.corpus, "context": self.context, "n_chunk": bf.n_chunk,
                 "n_vocab": bf.n_vocab, "top_k": None, "full_chunks": bf.n_chunk, "first": self.first,
-                "n_scored": self.n_scored, "runner_kind": runner.kind, "base_file": "base.kld",
+                "n_scored": self.n_scored, "runner_kind": "llama-server", "how": BY_TOOL, "base_file": "base.kld",
                 "bytes_per_token": bf.bytes_per_token})
             return
         meta = read_meta(self.ctx.baseline_run, self.name)
@@ -309,8 +419,8 @@ class KldTask(Task):
         if meta["format"] != "llama":
             base_file = self.out_dir / "baseline-converted.kld"
             export_base_file(self.ctx.baseline_run, self.name, base_file)
-        self._llama_stats = lp.kl_divergence(model, base_file, self.context, threads, log)
-        _write_json(self.out_dir / "llama_stats.json", self._llama_stats)
+        self._llama_stats = lp.kl_divergence(model, base_file, self.context, threads, log, **tool)
+        write_json(self.out_dir / "llama_stats.json", self._llama_stats)
 
     def _llama_record(self, j: int) -> dict[str, Any]:
         if not self.is_candidate:
@@ -332,6 +442,9 @@ class KldTask(Task):
         out: dict[str, Any] = {"n": len(records), "n_scored": 0, "n_correct": 0, "accuracy": None,
                                "n_errors": sum(1 for r in records if r.get("status") == "error"),
                                "role": "candidate" if self.is_candidate else "baseline", "n_chunks": len(ok)}
+        if self.ctx.run_dir is not None and (self.out_dir / "llama_perplexity.json").is_file():
+            # the build that measured: binary, --version line, flags passed and dropped, command lines
+            out["llama_perplexity"] = json.loads((self.out_dir / "llama_perplexity.json").read_text())
         if not ok or self.ctx.run_dir is None:
             return out
         if not self.is_candidate:
@@ -348,100 +461,10 @@ class KldTask(Task):
         return out
 
 
-# ---- shared by the task's summary and compare -------------------------------------------------------
-
-def load_token_stats(run_dir: Path, records: list[dict[str, Any]]) -> list[ks.TokenStats]:
-    return [ks.TokenStats.from_arrays(np.load(Path(run_dir) / r["file"])) for r in records]
-
-
-def kld_section(cand_dir: Path, cand_records: list[dict[str, Any]]) -> dict[str, Any]:
-    """compare.json["kld"] statistics from a candidate run's records and arrays."""
-    recs = sorted((r for r in cand_records if r.get("status") == "ok" and r.get("role") == "candidate"),
-                  key=lambda r: r["chunk"])
-    if not recs:
-        return {"n_tokens": 0}
-    if recs[0].get("method") == "llama-perplexity":
-        stats_path = Path(cand_dir) / "kld" / recs[0].get("task", "kld") / "llama_stats.json"
-        stats = json.loads(stats_path.read_text())
-        return {"method": "llama-perplexity", "n_tokens": sum(r["n_tokens"] for r in recs),
-                **{k: v for k, v in stats.items() if k != "per_chunk_cumulative"}}
-    parts = load_token_stats(cand_dir, recs)
-    out = ks.summarize(ks.TokenStats.concat(parts), per_chunk=parts)
-    out["method"] = recs[0].get("method")
-    tve = [r["topk_vs_exact"] for r in recs if r.get("topk_vs_exact")]
-    if tve:
-        files = [np.load(Path(cand_dir) / r["file"]) for r in recs if r.get("topk_vs_exact")]
-        exact = np.concatenate([f["kld_exact"] for f in files]).astype(np.float64)
-        table = {"n_tokens": int(exact.size), "exact_mean": float(exact.mean()), "by_k": {}}
-        for kk in TOPK_LADDER:
-            key = f"kld_top{kk}"
-            if all(key in f.files for f in files):
-                est = np.concatenate([f[key] for f in files]).astype(np.float64)
-                table["by_k"][str(kk)] = {"mean": float(est.mean()), "abs_err": float(est.mean() - exact.mean()),
-                                          "rel_err": float((est.mean() - exact.mean()) / exact.mean()) if exact.mean() else None,
-                                          "max_token_abs_err": float(np.abs(est - exact).max())}
-        out["topk_vs_exact"] = table
-    return out
-
-
-def router_agreement(base_routes: np.ndarray, cand_routes: np.ndarray) -> dict[str, list[float]]:
-    """Per layer: mean |A ∩ B| / k of the top-k expert sets, and the share of tokens with identical sets."""
-    b, c = np.asarray(base_routes, np.int64), np.asarray(cand_routes, np.int64)
-    if b.shape != c.shape:
-        raise KldError(f"router traces differ in shape: baseline {b.shape}, candidate {c.shape}")
-    k = b.shape[-1]
-    inter = (b[..., :, None] == c[..., None, :]).any(-1).sum(-1)      # [L, T]
-    return {"router_agreement": [float(x) for x in (inter / k).mean(axis=1)],
-            "identical_set_share": [float(x) for x in (inter == k).mean(axis=1)]}
-
-
-def expert_usage(routes: list[np.ndarray], n_experts: int) -> np.ndarray:
-    """[layers, experts] counts of routed (token, slot) pairs."""
-    r = np.concatenate([np.asarray(x, np.int64) for x in routes], axis=1)       # [L, T, k]
-    return np.stack([np.bincount(r[l].ravel(), minlength=n_experts) for l in range(r.shape[0])])
-
-
-def load_skew(usage: np.ndarray) -> list[float]:
-    """Per layer: share of routed tokens taken by the busiest 25% of experts (0.25 = flat)."""
-    out = []
-    for row in np.asarray(usage, np.float64):
-        top = max(1, int(round(0.25 * row.size)))
-        out.append(float(np.sort(row)[::-1][:top].sum() / row.sum()) if row.sum() else 0.0)
-    return out
-
-
-def export_base_file(base_run: Path, name: str, out: Path) -> Path:
-    """Write a llama-perplexity base file from an engine baseline that kept full distributions."""
-    from moebench.tools.llama_perplexity import BaseFileWriter
-    meta = read_meta(base_run, name)
-    folder = task_dir(base_run, name)
-    if meta.get("full_chunks", 0) < meta["n_chunk"]:
-        raise KldError(f"{base_run}: the baseline kept full distributions for {meta.get('full_chunks', 0)} of "
-                       f"{meta['n_chunk']} chunks; rerun it with full_chunks >= {meta['n_chunk']} to compare a "
-                       "llama.cpp candidate against it")
-    tokens = np.load(folder / "tokens.npy")
-    w = BaseFileWriter(out, meta["context"], meta["n_vocab"], tokens)
-    for j in range(meta["n_chunk"]):
-        w.append_chunk(np.load(chunk_file(folder / "base", j))["full_rows"])
-    return out
-
-
-def _runner_vocab(runner: Runner) -> int | None:
-    eng = getattr(runner, "engine", None)
-    return getattr(eng, "vocab_size", None)
+def _runner_k(runner: Runner, default: int) -> int:
+    """The K a prompt-logprobs runner asks its server for (its profile's prompt_logprobs_k)."""
+    return int(getattr(runner, "prompt_logprobs_k", None) or default)
 
 
 def _engine_config(runner: Runner):
     return getattr(getattr(runner, "engine", None), "config", None)
-
-
-def _bos(runner: Runner) -> tuple[bool, int | None]:
-    """(adds BOS?, BOS id) from the engine's tokenizer (tokenizer_config's add_bos_token)."""
-    tok = getattr(getattr(runner, "engine", None), "tokenizer", None)
-    if tok is None:
-        return False, None
-    return bool(getattr(tok, "add_bos", False)), getattr(tok, "bos_token_id", None)
-
-
-__all__ = ["KldTask", "KldError", "kld_section", "router_agreement", "expert_usage", "load_skew",
-           "export_base_file", "read_meta", "task_dir", "CapabilityError"]

@@ -25,7 +25,7 @@ from moebench.config import Field, positive
 from moebench.datasets import data_file, register
 from moebench.runners.base import Capability, GenerateRequest, Runner
 from moebench.compare.needle import needle_compare  # noqa: F401 (re-exported for callers of the task module)
-from moebench.tasks.base import Item, Task, prompt_hash
+from moebench.tasks.base import Item, Task, prompt_hash, count_flagged, prompt_tokens_check
 
 HAYSTACK_FILE = "haystack/war_and_peace.txt"
 DEFAULT_LENGTHS = [4096, 16384, 65536, 131072, 173000]
@@ -362,6 +362,7 @@ class NeedleTask(Task):
             "prompt_hash": prompt_hash(built.prompt),
             "prompt_tokens": built.prompt_tokens,          # our exact count, runner's tokenizer
             "runner_prompt_tokens": result.prompt_tokens,  # what the backend reported, if anything
+            **prompt_tokens_check(built.prompt_tokens, result.prompt_tokens),
             "length": length, "depth": depth,
             "needle_token_position": built.needle_token_position,
             "needle_position_exact": built.needle_position_exact,
@@ -388,6 +389,7 @@ class NeedleTask(Task):
                             for k, v in sorted(by_length.items())}
         out["max_prompt_tokens"] = max((r.get("prompt_tokens") or 0 for r in records
                                         if r.get("status") == "ok"), default=0)
+        out["n_prompt_tokens_flagged"] = count_flagged(records)
         return out
 
 

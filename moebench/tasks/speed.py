@@ -41,7 +41,7 @@ from moebench.runners.metrics import spec_decode_delta
 from moebench.compare.speed import read_token_times, speed_compare, summarize_speed  # noqa: F401 (speed_compare re-exported)
 from moebench.compare.speed_ab import ab_section, output_identity  # noqa: F401 (output_identity re-exported)
 from moebench.store import write_json_atomic
-from moebench.tasks.base import Item, Task, TaskContext, prompt_hash
+from moebench.tasks.base import Item, Task, TaskContext, count_flagged, prompt_hash, prompt_tokens_check
 from moebench.tasks.needle import HAYSTACK_FILE, HaystackIndex, build_index, fit_haystack, load_haystack
 
 DEFAULT_PROMPT_LENGTHS = [128, 512, 2048, 8192, 16384]
@@ -205,6 +205,7 @@ class SpeedTask(Task):
             "prompt_tokens": real_prompt_tokens,
             "prompt_tokens_source": "tokenizer" if prompt_tokens else ("server" if result.prompt_tokens else None),
             "runner_prompt_tokens": result.prompt_tokens,
+            **prompt_tokens_check(prompt_tokens, result.prompt_tokens),
             "output_tokens": result.output_tokens or len(result.token_times or []),
             "output_tokens_requested": self.output_tokens,
             "stopped_early": (result.output_tokens or 0) < self.output_tokens,
@@ -300,6 +301,7 @@ class SpeedTask(Task):
         times = read_token_times(self.ctx.run_dir) if self.ctx.run_dir is not None else None
         return {"n": len(records), "n_ok": len(ok),
                 "n_errors": sum(1 for r in records if r.get("status") == "error"),
+                "n_prompt_tokens_flagged": count_flagged(records),
                 "sampling": dict(self.sampling),
                 "by_prompt_length": summarize_speed(ok, times)}
 

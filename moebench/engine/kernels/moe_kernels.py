@@ -1,0 +1,173 @@
+"""The expert kernels of a decode step, over the (token, expert) pairs of up to two expert groups:
+
+  gate_up: grid (T*k pairs, I / BN)  h[p] = silu(W_gate[e] x[t]) * (W_up[e] x[t])   (float32 h)
+  down:    grid (T*k pairs, H / BN)  part[p] = w[p] * (W_down[e] h[p])             (float32 part)
+  moe_sum: grid (T, H / 1024)        out[t] = sum_j part[t*k + j], j in order       (x's dtype)
+
+Each selected expert's rows are read in place from the stacked weights, exactly once, never copied.
+The weighted sum is done in a fixed order by its own small kernel (or by the next residual add +
+RMSNorm, norm_router.residual_sum), so it is deterministic and needs no atomics. moe.fused_moe
+launches them.
+"""
+from __future__ import annotations
+
+from .expert_rows import row_dots
+from .int8_activations import quant_pack, store_quant
+from .runtime import FMT_INT8, MODE_INT8_ACT, grid_dependency, tl, triton
+
+if triton is not None:
+    @triton.jit
+    def pair_slot(ids_ptr, slot_ptr, pair, HAS_MAP: tl.constexpr):
+        """The stack slot of pair `pair`'s expert in this launch's group (-1: another group's)."""
+        slot = tl.load(ids_ptr + pair).to(tl.int64)        # the expert id is the slot without a map
+        if HAS_MAP:
+            slot = tl.load(slot_ptr + slot).to(tl.int64)
+        return slot
+
+    @triton.jit
+    def gate_up_rows(x_row, h_out, hq_out, slot, rows, rmask, N, K, KB, g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr,
+                     um_ptr, stride_ge, stride_gr, stride_gse, stride_gsr, stride_ue, stride_ur, stride_use, stride_usr,
+                     FMT: tl.constexpr, MODE: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr):
+        """h rows = silu(W_gate x) * (W_up x) for one expert slot of one group. INT8_ACTIVATIONS: x_row is x's
+        quantized row (blocks of GROUP_SIZE), and h goes out quantized, one block per program (BN rows,
+        a multiple of 8), into hq_out, the pair's row of down's quantized input."""
+        g = tl.zeros((BN,), dtype=tl.float32)
+        u = tl.zeros((BN,), dtype=tl.float32)
+        if FMT <= FMT_INT8:
+            lim = K
+        else:
+            lim = KB
+        for k0 in range(0, lim, BK):
+            g += row_dots(g_ptr, gs_ptr, gm_ptr, slot, rows, rmask, x_row, k0, K, KB,
+                          stride_ge, stride_gr, stride_gse, stride_gsr, FMT, MODE, GROUP_SIZE, BN, BK, GROUP_SIZE)
+            u += row_dots(u_ptr, us_ptr, um_ptr, slot, rows, rmask, x_row, k0, K, KB,
+                          stride_ue, stride_ur, stride_use, stride_usr, FMT, MODE, GROUP_SIZE, BN, BK, GROUP_SIZE)
+        if FMT == FMT_INT8:
+            g = g * tl.load(gs_ptr + slot * stride_gse + rows * stride_gsr, mask=rmask, other=0.0).to(tl.float32)
+            u = u * tl.load(us_ptr + slot * stride_use + rows * stride_usr, mask=rmask, other=0.0).to(tl.float32)
+        h = g / (1.0 + tl.exp(-g)) * u
+        if MODE == MODE_INT8_ACT:
+            nat_lo, nat_hi, even, odd, qsum, scale = quant_pack(tl.reshape(h, (BN // 8, 8)), BN)
+            w8 = tl.program_id(1) * (BN // 8) + tl.arange(0, BN // 8)
+            b = tl.program_id(1) + tl.arange(0, 1)
+            store_quant(hq_out, w8, 8 * w8 < N, b, b * BN < N, N, BN, nat_lo, nat_hi, even, odd, qsum, scale)
+        else:
+            tl.store(h_out + rows, h, mask=rmask)
+
+    @triton.jit
+    def gate_up_kernel(x_ptr, xq_ptr, ids_ptr, h_ptr, hq_ptr, N, K, stride_xt, stride_xqt, stride_ht, stride_hqt,
+                       slot_a, ga_ptr, gsa_ptr, gma_ptr, ua_ptr, usa_ptr, uma_ptr, KB_a,
+                       sge_a, sgr_a, sgse_a, sgsr_a, sue_a, sur_a, suse_a, susr_a,
+                       slot_b, gb_ptr, gsb_ptr, gmb_ptr, ub_ptr, usb_ptr, umb_ptr, KB_b,
+                       sge_b, sgr_b, sgse_b, sgsr_b, sue_b, sur_b, suse_b, susr_b,
+                       TOPK: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
+                       FMT_A: tl.constexpr, MAP_A: tl.constexpr, MODE_A: tl.constexpr, BK_A: tl.constexpr,
+                       HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, MODE_B: tl.constexpr,
+                       BK_B: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (pair, row block) for up to two expert groups (A, and B when HAS_B): each pair's
+        expert is in at most one of them; a pair in neither is left to another launch. Two groups per
+        launch: a hot/cold plan's second format costs no extra launches (~3 us each).
+        xq / hq: x and h quantized (store_quant rows), for groups in INT8_ACTIVATIONS."""
+        grid_dependency(PDL)
+        pair = tl.program_id(0)
+        rows = tl.program_id(1) * BN + tl.arange(0, BN)
+        rmask = rows < N
+        tok = pair // TOPK
+        h_out = h_ptr + pair * stride_ht
+        hq_out = hq_ptr + pair * stride_hqt
+        sa = pair_slot(ids_ptr, slot_a, pair, MAP_A)
+        if sa >= 0:
+            if MODE_A == MODE_INT8_ACT:
+                xa = xq_ptr + tok * stride_xqt
+            else:
+                xa = x_ptr + tok * stride_xt
+            gate_up_rows(xa, h_out, hq_out, sa, rows, rmask, N, K, KB_a, ga_ptr, gsa_ptr, gma_ptr, ua_ptr, usa_ptr,
+                         uma_ptr, sge_a, sgr_a, sgse_a, sgsr_a, sue_a, sur_a, suse_a, susr_a,
+                         FMT_A, MODE_A, GROUP_SIZE, BN, BK_A)
+        elif HAS_B:
+            sb = pair_slot(ids_ptr, slot_b, pair, MAP_B)
+            if sb >= 0:
+                if MODE_B == MODE_INT8_ACT:
+                    xb = xq_ptr + tok * stride_xqt
+                else:
+                    xb = x_ptr + tok * stride_xt
+                gate_up_rows(xb, h_out, hq_out, sb, rows, rmask, N, K, KB_b, gb_ptr, gsb_ptr, gmb_ptr, ub_ptr,
+                             usb_ptr, umb_ptr, sge_b, sgr_b, sgse_b, sgsr_b, sue_b, sur_b, suse_b, susr_b,
+                             FMT_B, MODE_B, GROUP_SIZE, BN, BK_B)
+
+    @triton.jit
+    def down_rows(h_row, part_out, w, slot, rows, rmask, K, KB, d_ptr, ds_ptr, dm_ptr,
+                  stride_de, stride_dr, stride_dse, stride_dsr,
+                  FMT: tl.constexpr, MODE: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, QH: tl.constexpr):
+        """part rows = w * (W_down h) for one expert slot of one group (float32). INT8_ACTIVATIONS: h_row is h's
+        quantized row, blocks of QH columns (gate_up's BN)."""
+        if FMT <= FMT_INT8:
+            lim = K
+        else:
+            lim = KB
+        y = tl.zeros((BN,), dtype=tl.float32)
+        for k0 in range(0, lim, BK):
+            y += row_dots(d_ptr, ds_ptr, dm_ptr, slot, rows, rmask, h_row, k0, K, KB,
+                          stride_de, stride_dr, stride_dse, stride_dsr, FMT, MODE, GROUP_SIZE, BN, BK, QH)
+        if FMT == FMT_INT8:
+            y = y * tl.load(ds_ptr + slot * stride_dse + rows * stride_dsr, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(part_out + rows, y * w, mask=rmask)
+
+    @triton.jit
+    def down_kernel(h_ptr, hq_ptr, ids_ptr, wts_ptr, part_ptr, N, K, stride_ht, stride_hqt, stride_pt,
+                    slot_a, da_ptr, dsa_ptr, dma_ptr, KB_a, sde_a, sdr_a, sdse_a, sdsr_a,
+                    slot_b, db_ptr, dsb_ptr, dmb_ptr, KB_b, sde_b, sdr_b, sdse_b, sdsr_b,
+                    FIRST: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
+                    FMT_A: tl.constexpr, MAP_A: tl.constexpr, MODE_A: tl.constexpr, BK_A: tl.constexpr,
+                    HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, MODE_B: tl.constexpr,
+                    BK_B: tl.constexpr, QH: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (pair, row block): part[pair, rows] = w[pair] * (W_down[e] h[pair])[rows] in
+        float32, for up to two groups like gate_up. One program per pair: looping over a token's k
+        experts in one program makes a chain of dependent loads (~1.8 TB/s against gate_up's ~3.1). The first launch also zeroes the rows of pairs in neither of its groups, so
+        every row is written once whatever the grouping, and moe_sum adds the k rows in a fixed order.
+        INT8_ACTIVATIONS groups read h quantized (hq, blocks of QH columns)."""
+        grid_dependency(PDL)
+        pair = tl.program_id(0)
+        rows = tl.program_id(1) * BN + tl.arange(0, BN)
+        rmask = rows < N
+        part_out = part_ptr + pair * stride_pt
+        sa = pair_slot(ids_ptr, slot_a, pair, MAP_A)
+        if sa >= 0:
+            if MODE_A == MODE_INT8_ACT:
+                ha = hq_ptr + pair * stride_hqt
+            else:
+                ha = h_ptr + pair * stride_ht
+            down_rows(ha, part_out, tl.load(wts_ptr + pair).to(tl.float32), sa, rows, rmask, K, KB_a,
+                      da_ptr, dsa_ptr, dma_ptr, sde_a, sdr_a, sdse_a, sdsr_a, FMT_A, MODE_A, GROUP_SIZE, BN, BK_A, QH)
+        else:
+            sb = -1
+            if HAS_B:
+                sb = pair_slot(ids_ptr, slot_b, pair, MAP_B)
+            if sb >= 0:
+                if MODE_B == MODE_INT8_ACT:
+                    hb = hq_ptr + pair * stride_hqt
+                else:
+                    hb = h_ptr + pair * stride_ht
+                down_rows(hb, part_out, tl.load(wts_ptr + pair).to(tl.float32), sb, rows, rmask, K, KB_b,
+                          db_ptr, dsb_ptr, dmb_ptr, sde_b, sdr_b, sdse_b, sdsr_b, FMT_B, MODE_B, GROUP_SIZE, BN,
+                          BK_B, QH)
+            elif FIRST:
+                tl.store(part_out + rows, tl.zeros((BN,), dtype=tl.float32), mask=rmask)
+
+    @triton.jit
+    def moe_sum_kernel(part_ptr, out_ptr, N, stride_pt, stride_ot, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
+        """out[t] = sum_j part[t * TOPK + j] in the order j = 0..TOPK-1 (deterministic), x's dtype."""
+        grid_dependency(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            acc += tl.load(part_ptr + (t * TOPK + j) * stride_pt + offs, mask=m, other=0.0)
+        tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+else:       # no Triton here: the names exist, require() refuses the launches
+    gate_up_kernel = down_kernel = moe_sum_kernel = None

@@ -1,0 +1,110 @@
+"""Triton's import, the CPU interpreter switch, and what every kernel launch shares.
+
+Triton decides at decoration time whether a kernel is compiled or interpreted, so on a machine
+without CUDA the interpreter is switched on (TRITON_INTERPRET=1) before the first `import triton`;
+that is how the parity tests run the kernels on CPU tensors. `available()` says whether the kernels
+can run here; `require()` raises KernelError where they cannot.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import torch
+
+from ..decode_config import DecodeConfig, DecodeMode, Format
+
+
+class KernelError(ValueError):
+    """Weights or inputs the fused kernels cannot take; the message says what was expected."""
+
+
+IMPORT_ERROR: str | None = None
+if not torch.cuda.is_available():
+    # triton.language's own helpers are decorated when triton is first imported: the switch only
+    # works if nobody imported triton before.
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        IMPORT_ERROR = ("no CUDA here, and triton was imported before TRITON_INTERPRET=1 was set; set it "
+                        "before the first `import triton` to run the kernels in the interpreter")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:
+    import triton
+    import triton.language as tl
+except Exception as _err:  # noqa: BLE001 - any import failure means "no Triton here"
+    triton = None
+    tl = None
+    IMPORT_ERROR = f"triton does not import: {_err}"
+
+def available() -> bool:
+    """True when Triton imports and can run here (a CUDA device, or the CPU interpreter)."""
+    return IMPORT_ERROR is None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot run here (None where they can)."""
+    return IMPORT_ERROR
+
+
+def require() -> None:
+    if IMPORT_ERROR is not None:
+        raise KernelError(f"the fused kernels cannot run here: {IMPORT_ERROR}")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# Programmatic dependent launch (PDL, sm_90+): each decode-step kernel is launched with the
+# programmatic-serialization attribute, so the GPU starts launching it while the kernel before it in
+# the stream is still running; its programs then wait (griddepcontrol.wait) until that kernel has
+# finished and its writes are visible, before touching any memory. It saves the launch gap between
+# two dependent kernels (~1.5 us each, a few hundred kernels per step). Every program waits first,
+# whatever it does after: a kernel whose programs all exited without waiting could finish before its
+# predecessor, and the next kernel's wait would then not cover that predecessor.
+_PDL_OK: dict = {}
+
+
+def pdl_launch(device: torch.device, cfg: DecodeConfig) -> dict:
+    """Keyword arguments for launching a kernel that has the PDL constexpr on `device`: PDL and
+    launch_pdl both on where cfg.pdl asks for it and it can work (CUDA, compute capability 9+, a
+    Triton that has griddepcontrol and the launch option), else PDL off (the wait compiles away)."""
+    if not cfg.pdl or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return {"PDL": False}
+    ok = _PDL_OK.get(device)
+    if ok is None:
+        try:
+            from triton.backends.nvidia.compiler import CUDAOptions
+            from triton.language.extra.cuda import gdc_wait  # noqa: F401 - presence check
+            ok = ("launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
+                  and torch.cuda.get_device_capability(device)[0] >= 9)
+        except Exception:  # noqa: BLE001 - an older Triton: no PDL
+            ok = False
+        _PDL_OK[device] = ok
+    return {"PDL": True, "launch_pdl": True} if ok else {"PDL": False}
+
+
+if triton is not None:
+    @triton.jit
+    def grid_dependency(PDL: tl.constexpr):
+        """With PDL: wait for the previous kernel in the stream to finish (its writes visible), then
+        let the next one start launching. Must run before the program touches memory."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+    # Format and DecodeMode values as the kernels compare them (FMT and MODE constexprs)
+    FMT_DENSE = tl.constexpr(int(Format.DENSE))
+    FMT_INT8 = tl.constexpr(int(Format.INT8))
+    FMT_INT4 = tl.constexpr(int(Format.INT4))
+    FMT_INT4_ASYM = tl.constexpr(int(Format.INT4_ASYM))
+    FMT_TERNARY = tl.constexpr(int(Format.TERNARY))
+    FMT_TERNARY2 = tl.constexpr(int(Format.TERNARY2))
+    MODE_BYTES = tl.constexpr(int(DecodeMode.BYTES))
+    MODE_WORDS = tl.constexpr(int(DecodeMode.WORDS))
+    MODE_INT8_ACT = tl.constexpr(int(DecodeMode.INT8_ACTIVATIONS))
+else:
+    FMT_DENSE = FMT_INT8 = FMT_INT4 = FMT_INT4_ASYM = FMT_TERNARY = FMT_TERNARY2 = None
+    MODE_BYTES = MODE_WORDS = MODE_INT8_ACT = None
+    grid_dependency = None

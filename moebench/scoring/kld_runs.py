@@ -1,0 +1,155 @@
+"""KLD arrays in a run directory: where they live, how to read them, and the statistics
+compare.json["kld"] is made of. The KLD task (moebench.tasks.kld) writes them; compare and the
+task's own summary read them through this module, so neither imports the other.
+
+Layout under <run>/kld/<task name>/: meta.json, tokens.npy [n_chunk, c], base/chunk_NNNNN.npz (a
+baseline's top-K and, for some chunks, full distributions), cand/chunk_NNNNN.npz (a candidate's
+per-token statistics), base.kld (a llama-perplexity baseline), llama_stats.json and
+llama_perplexity.json (a llama-perplexity candidate's printed statistics, binary, version and commands).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moebench.scoring import kld_stats as ks
+
+TOPK_LADDER = (5, 16, 20, 64, 100, 256)   # K values at which the top-K estimate is checked against exact
+
+
+class KldError(RuntimeError):
+    """The baseline and candidate cannot be compared (different tokens, vocabulary, context...)."""
+
+
+def task_dir(run_dir: Path, name: str) -> Path:
+    return Path(run_dir) / "kld" / name
+
+
+def chunk_file(folder: Path, chunk: int) -> Path:
+    return folder / f"chunk_{chunk:05d}.npz"
+
+
+def read_meta(run_dir: Path, name: str) -> dict[str, Any]:
+    path = task_dir(run_dir, name) / "meta.json"
+    if not path.is_file():
+        raise KldError(f"{path}: missing; is {run_dir} a KLD baseline run of task {name!r} "
+                       "(made without --baseline)?")
+    return json.loads(path.read_text())
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(path)
+
+
+def save_npz(path: Path, **arrays: Any) -> None:
+    """Uncompressed (so bytes per token are what the arrays say), written atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    tmp.replace(path)
+
+
+def id_dtype(n: int) -> Any:
+    return np.uint16 if n <= 65536 else np.int32
+
+
+def load_token_stats(run_dir: Path, records: list[dict[str, Any]]) -> list[ks.TokenStats]:
+    return [ks.TokenStats.from_arrays(np.load(Path(run_dir) / r["file"])) for r in records]
+
+
+def kld_section(cand_dir: Path, cand_records: list[dict[str, Any]]) -> dict[str, Any]:
+    """compare.json["kld"] statistics from a candidate run's records and arrays."""
+    recs = sorted((r for r in cand_records if r.get("status") == "ok" and r.get("role") == "candidate"),
+                  key=lambda r: r["chunk"])
+    if not recs:
+        return {"n_tokens": 0}
+    folder = task_dir(cand_dir, recs[0].get("task", "kld"))
+    if recs[0].get("method") == "llama-perplexity":
+        stats = json.loads((folder / "llama_stats.json").read_text())
+        out = {"method": "llama-perplexity", "n_tokens": sum(r["n_tokens"] for r in recs),
+               **{k: v for k, v in stats.items() if k != "per_chunk_cumulative"}}
+        tool = folder / "llama_perplexity.json"
+        if tool.is_file():               # the candidate's own binary, version and command lines
+            out["llama_perplexity"] = json.loads(tool.read_text())
+        return out
+    parts = load_token_stats(cand_dir, recs)
+    out = ks.summarize(ks.TokenStats.concat(parts), per_chunk=parts)
+    methods = sorted({r.get("method") for r in recs})
+    out["method"] = methods[0] if len(methods) == 1 else "mixed: " + ", ".join(map(str, methods))
+    if recs[0].get("estimate"):
+        est = dict(recs[0]["estimate"])
+        est["lower_bound"] = any(r.get("estimate", {}).get("lower_bound") for r in recs)
+        est["note"] = ("exact: both sides gave whole distributions" if not est["lower_bound"] else
+                       f"top-{est['k']} prompt log-probs: a lower bound of the full KLD (the vocabulary beyond "
+                       "the known tokens is lumped into one bin); same top p and delta-p are exact")
+        out["estimate"] = est
+    tve = [r["topk_vs_exact"] for r in recs if r.get("topk_vs_exact")]
+    if tve:
+        files = [np.load(Path(cand_dir) / r["file"]) for r in recs if r.get("topk_vs_exact")]
+        exact = np.concatenate([f["kld_exact"] for f in files]).astype(np.float64)
+        table = {"n_tokens": int(exact.size), "exact_mean": float(exact.mean()), "by_k": {}}
+        ladder = list(TOPK_LADDER)
+        k_req = recs[0].get("estimate", {}).get("k")
+        if k_req and k_req not in ladder:
+            ladder.append(k_req)
+        for kk in ladder:
+            key = f"kld_top{kk}"
+            if not all(key in f.files for f in files) and kk == k_req and all("kld_topk" in f.files for f in files):
+                key = "kld_topk"           # a prompt-logprobs candidate: its own top-K bound
+            if all(key in f.files for f in files):
+                est = np.concatenate([f[key] for f in files]).astype(np.float64)
+                table["by_k"][str(kk)] = {"mean": float(est.mean()), "abs_err": float(est.mean() - exact.mean()),
+                                          "rel_err": float((est.mean() - exact.mean()) / exact.mean()) if exact.mean() else None,
+                                          "max_token_abs_err": float(np.abs(est - exact).max())}
+        out["topk_vs_exact"] = table
+    return out
+
+
+def router_agreement(base_routes: np.ndarray, cand_routes: np.ndarray) -> dict[str, list[float]]:
+    """Per layer: mean |A ∩ B| / k of the top-k expert sets, and the share of tokens with identical sets."""
+    b, c = np.asarray(base_routes, np.int64), np.asarray(cand_routes, np.int64)
+    if b.shape != c.shape:
+        raise KldError(f"router traces differ in shape: baseline {b.shape}, candidate {c.shape}")
+    k = b.shape[-1]
+    inter = (b[..., :, None] == c[..., None, :]).any(-1).sum(-1)      # [L, T]
+    return {"router_agreement": [float(x) for x in (inter / k).mean(axis=1)],
+            "identical_set_share": [float(x) for x in (inter == k).mean(axis=1)]}
+
+
+def expert_usage(routes: list[np.ndarray], n_experts: int) -> np.ndarray:
+    """[layers, experts] counts of routed (token, slot) pairs."""
+    r = np.concatenate([np.asarray(x, np.int64) for x in routes], axis=1)       # [L, T, k]
+    return np.stack([np.bincount(r[l].ravel(), minlength=n_experts) for l in range(r.shape[0])])
+
+
+def load_skew(usage: np.ndarray) -> list[float]:
+    """Per layer: share of routed tokens taken by the busiest 25% of experts (0.25 = flat)."""
+    out = []
+    for row in np.asarray(usage, np.float64):
+        top = max(1, int(round(0.25 * row.size)))
+        out.append(float(np.sort(row)[::-1][:top].sum() / row.sum()) if row.sum() else 0.0)
+    return out
+
+
+def export_base_file(base_run: Path, name: str, out: Path) -> Path:
+    """Write a llama-perplexity base file from an engine baseline that kept full distributions."""
+    from moebench.tools.llama_perplexity import BaseFileWriter
+    meta = read_meta(base_run, name)
+    folder = task_dir(base_run, name)
+    if meta.get("full_chunks", 0) < meta["n_chunk"]:
+        raise KldError(f"{base_run}: the baseline kept full distributions for {meta.get('full_chunks', 0)} of "
+                       f"{meta['n_chunk']} chunks; rerun it with full_chunks >= {meta['n_chunk']} to compare a "
+                       "llama.cpp candidate against it")
+    tokens = np.load(folder / "tokens.npy")
+    w = BaseFileWriter(out, meta["context"], meta["n_vocab"], tokens)
+    for j in range(meta["n_chunk"]):
+        w.append_chunk(np.load(chunk_file(folder / "base", j))["full_rows"])
+    return out
+
+
