@@ -90,11 +90,12 @@ def test_loopback_names():
 
 
 def test_cli_refuses_to_serve_beyond_loopback_without_a_key(tmp_path):
-    missing = tmp_path / "no-such-profile.toml"      # refused before the profile is even read
-    r = moebench_cli("serve", "--runner", str(missing), "--host", "0.0.0.0", timeout=120)
+    # An engine profile: refused before any model would be loaded (the refusal takes no time).
+    profile = "runners/engine-bf16.toml"
+    r = moebench_cli("serve", "--runner", profile, "--host", "0.0.0.0", timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "serve --host 0.0.0.0: reachable from other machines, so a key is required" in r.stderr
     assert "--api-key-env NAME" in r.stderr
-    r = moebench_cli("serve", "--runner", str(missing), "--host", "0.0.0.0", "--api-key-env", "NO_SUCH_VAR_X",
+    r = moebench_cli("serve", "--runner", profile, "--host", "0.0.0.0", "--api-key-env", "NO_SUCH_VAR_X",
                      timeout=120)
     assert r.returncode == 2 and "'NO_SUCH_VAR_X' is not set" in r.stderr

@@ -144,7 +144,7 @@ def why_unpaired(task: str, bt: dict[str, dict[str, dict[str, Any]]], ct: dict[s
         reason = result["excluded_reasons"].get(item_id, "excluded")
         kind = reason.split(":", 1)[0]
         counts[kind] = counts.get(kind, 0) + 1
-    parts = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    parts = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
     return f"all {len(b_ids & c_ids)} items in both runs were excluded: {parts}"
 
 

@@ -679,13 +679,14 @@ class LlamaServerRunner(Runner):
                 text.append(event.get("content", ""))
                 if request.on_text and event.get("content"):
                     request.on_text(event["content"])
-                if event.get("stop"):
-                    final = event
-                    break
+                # The final event may carry the last tokens (text held back until its UTF-8 was whole).
                 for tok in event.get("tokens") or []:
                     ids.append(tok)
                     times.append(now)
                 probs.extend(event.get("completion_probabilities") or [])
+                if event.get("stop"):
+                    final = event
+                    break
         wall = time.perf_counter() - t0
         if not final:
             # The server closed the stream without its final event: it died mid-answer.

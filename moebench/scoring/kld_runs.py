@@ -135,21 +135,3 @@ def load_skew(usage: np.ndarray) -> list[float]:
         top = max(1, int(round(0.25 * row.size)))
         out.append(float(np.sort(row)[::-1][:top].sum() / row.sum()) if row.sum() else 0.0)
     return out
-
-
-def export_base_file(base_run: Path, name: str, out: Path) -> Path:
-    """Write a llama-perplexity base file from an engine baseline that kept full distributions."""
-    from moebench.tools.llama_perplexity import BaseFileWriter
-    meta = read_meta(base_run, name)
-    folder = task_dir(base_run, name)
-    if meta.get("full_chunks", 0) < meta["n_chunk"]:
-        raise KldError(f"{base_run}: the baseline kept full distributions for {meta.get('full_chunks', 0)} of "
-                       f"{meta['n_chunk']} chunks; rerun it with full_chunks >= {meta['n_chunk']} to compare a "
-                       "llama.cpp candidate against it")
-    tokens = np.load(folder / "tokens.npy")
-    w = BaseFileWriter(out, meta["context"], meta["n_vocab"], tokens)
-    for j in range(meta["n_chunk"]):
-        w.append_chunk(np.load(chunk_file(folder / "base", j))["full_rows"])
-    return out
-
-

@@ -40,8 +40,8 @@ from moebench.config import Field, non_negative, positive
 from moebench.datasets import data_file, read_text, register
 from moebench.runners.base import Capability, Runner, RunnerError
 from moebench.scoring import kld_stats as ks
-from moebench.scoring.kld_runs import (TOPK_LADDER, KldError, chunk_file, export_base_file, id_dtype, kld_section,
-                                       read_meta, router_agreement, save_npz, task_dir, write_json)
+from moebench.scoring.kld_runs import (TOPK_LADDER, KldError, chunk_file, id_dtype, kld_section, read_meta,
+                                       router_agreement, save_npz, task_dir, write_json)
 from moebench.tasks.base import Item, Task, prompt_hash
 
 DEFAULT_CORPUS = "wikitext2/wiki.test.raw"
@@ -459,6 +459,22 @@ class KldTask(Task):
             section = {"error": f"{type(e).__name__}: {e}"}
         out["kld"] = {k: v for k, v in section.items() if k not in ("histogram",)}
         return out
+
+
+def export_base_file(base_run: Path, name: str, out: Path) -> Path:
+    """Write a llama-perplexity base file from an engine baseline that kept full distributions."""
+    from moebench.tools.llama_perplexity import BaseFileWriter
+    meta = read_meta(base_run, name)
+    folder = task_dir(base_run, name)
+    if meta.get("full_chunks", 0) < meta["n_chunk"]:
+        raise KldError(f"{base_run}: the baseline kept full distributions for {meta.get('full_chunks', 0)} of "
+                       f"{meta['n_chunk']} chunks; rerun it with full_chunks >= {meta['n_chunk']} to compare a "
+                       "llama.cpp candidate against it")
+    tokens = np.load(folder / "tokens.npy")
+    w = BaseFileWriter(out, meta["context"], meta["n_vocab"], tokens)
+    for j in range(meta["n_chunk"]):
+        w.append_chunk(np.load(chunk_file(folder / "base", j))["full_rows"])
+    return out
 
 
 def _runner_k(runner: Runner, default: int) -> int:
