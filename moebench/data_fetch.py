@@ -99,11 +99,9 @@ def hub_source(repo: str | None, revision: str = "main", endpoint: str | None = 
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    from moebench.datasets import sha256_stream
+
+    return sha256_stream(path)
 
 
 def _download(client, url: str, dest: Path, want: str, rel: str) -> int:

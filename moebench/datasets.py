@@ -47,13 +47,18 @@ def data_file(root: Path, rel: str) -> Path:
     return p
 
 
-@lru_cache(maxsize=512)
-def _sha256(path: str, size: int, mtime_ns: int) -> str:
+def sha256_stream(path: Path | str) -> str:
+    """sha256 of a file, read in 1 MiB blocks (never cached: for checking what was just written)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+@lru_cache(maxsize=512)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    return sha256_stream(path)
 
 
 def sha256_file(path: Path) -> str:

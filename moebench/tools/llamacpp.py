@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import html.parser
 import json
 import os
@@ -136,11 +135,9 @@ def find_sdist_url(index: str | None = None) -> str:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    from moebench.datasets import sha256_stream
+
+    return sha256_stream(path)
 
 
 def download_sdist(dest: Path, index: str | None = None) -> Path:
