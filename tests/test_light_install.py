@@ -68,8 +68,13 @@ def engine_server(tmp_path_factory):
 
 
 def _client(env_dir: Path, *args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    from moebench.datasets import data_dir
+
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{env_dir / 'bin'}{os.pathsep}{env['PATH']}"
+    # The installed copy lives in site-packages, so "../shared/datasets beside the checkout" means nothing
+    # to it: name the mirror explicitly, as a client job does.
+    env.setdefault("MOEBENCH_DATA_DIR", str(data_dir()))
     proc = subprocess.run([str(env_dir / "bin" / "moebench"), *args], cwd=cwd, capture_output=True, text=True,
                           env=env, timeout=900)
     if check and proc.returncode != 0:
