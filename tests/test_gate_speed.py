@@ -13,6 +13,7 @@ from test_speed import HAYSTACK, _runner_profile, paced  # noqa: F401 (fixture)
 
 from moebench import api
 from moebench.gate import EXIT_INCONCLUSIVE, run_gate
+from moebench.gate import fmt as gate_fmt
 from moebench.scoring.stats import holm_adjust
 
 pytestmark = pytest.mark.skipif(not HAYSTACK.is_file(), reason=f"{HAYSTACK} not in the data mirror")
@@ -85,9 +86,11 @@ def test_speed_gate_too_few_samples_then_interval_verdicts(paced, tmp_path, caps
     assert "breaks the limit >= 0.9: the whole interval is beyond it at 200 tokens, 1 client" in msg
     below = round(lo * 0.95, 4)
     assert run_gate(cmp8, rules(tmp_path, f"[speed]\nmin_decode_ratio = {below}\n")) == 0   # interval above
-    straddled = round((lo + hi) / 2, 3)
-    assert run_gate(cmp8, rules(tmp_path, f"[speed]\nmin_decode_ratio = {straddled}\n")) == EXIT_INCONCLUSIVE
-    assert f"straddles {straddled}" in (cmp8 / "summary.md").read_text()
+    # the midpoint at full precision: an interval narrower than 0.001 (an idle CPU) rounds out of itself
+    straddled = (lo + hi) / 2
+    assert lo < straddled < hi
+    assert run_gate(cmp8, rules(tmp_path, f"[speed]\nmin_decode_ratio = {straddled!r}\n")) == EXIT_INCONCLUSIVE
+    assert f"straddles {gate_fmt(straddled)}" in (cmp8 / "summary.md").read_text()
     # the same pace on both sides (an A/A pair): the interval lies around 1, so generous limits pass
     # (this CPU is shared: an A/A interval of [0.8, 1.25] has been seen under load)
     aa, cmp = api.compare(str(base8), str(speed_run(tmp_path, "fast-again", fast.url, 8)), str(tmp_path / "aa"))
