@@ -1,18 +1,22 @@
 """What the engine records about itself in a run: tier counters per layer (CPU per-expert path;
-the fused path's device counters run on the GPU machine), torch memory per phase, the decode path
-chosen; and a whole `moebench run` of the tiered zoo model with a fake three-card NVML, which
+the fused path's device counters on CUDA, and in Triton's CPU interpreter where triton is
+installed), torch memory per phase, the decode path chosen; and a whole `moebench run` of the tiered zoo model with a fake three-card NVML, which
 checks that idle is measured after load and that every task's work is booked under a work phase."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
 import torch
 
-from moebench.engine import Engine
-from moebench.engine.placement import find_tiered
-from moebench.engine.tiering import calibrate, pack, plan_hot_cold
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton's first import (see kernels/runtime.py)
+
+from moebench.engine import Engine  # noqa: E402
+from moebench.engine.placement import find_tiered  # noqa: E402
+from moebench.engine.tiering import calibrate, pack, plan_hot_cold  # noqa: E402
 
 E, TOP_K, H, I, LAYERS = 8, 2, 64, 96, 2
 
@@ -147,15 +151,24 @@ idle_end_s = 0.2
     assert energy["idle_power_w"] == pytest.approx(210.0, rel=0.05)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused path's device counters need CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_fused_path_counts_picks_on_the_device_under_cuda_graphs(tiered, prefetch):
+def test_fused_path_counts_picks_on_the_device(tiered, prefetch, device):
+    """The fused path's counters live inside its kernels: on CUDA under graph replays, and on the CPU
+    in Triton's interpreter (where triton is installed), which runs the same kernel code."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("CUDA not available")
+    if device == "cpu":
+        from moebench.engine.kernels import runtime
+        if not runtime.available():
+            pytest.skip(f"the fused kernels cannot run in the interpreter here: {runtime.unavailable_reason()}")
     art, batches = tiered
-    eng = Engine.load(art, device="cuda", dtype="bfloat16", experts_impl="triton", cuda_graphs=True,
-                      prefetch_host=prefetch)
+    eng = Engine.load(art, device=device, dtype="bfloat16" if device == "cuda" else "float32", experts_impl="triton",
+                      cuda_graphs=device == "cuda", prefetch_host=prefetch)
     prompt, new = batches[0][:40], 24
     out = eng.generate([prompt], new, ignore_eos=True)[0]
-    assert eng._graphs, "decode steps ran as CUDA graphs"
+    if device == "cuda":
+        assert eng._graphs, "decode steps ran as CUDA graphs"
     tel = eng.telemetry()
     steps = tel["decode_steps"]
     assert steps >= new - 1
@@ -175,6 +188,8 @@ def test_fused_path_counts_picks_on_the_device_under_cuda_graphs(tiered, prefetc
             assert layer["stage_copies"] > 0 and layer["bytes_h2d"] > 0 and layer["prefetch_hits"] > 0
     else:
         assert all(layer["prefetch_hits"] == layer["stage_copies"] == 0 for layer in layers)
+    if device != "cuda":
+        return
     memory = eng.telemetry()["torch_memory"]          # after the trace: its "score" phase too
     assert memory["available"] and memory["phases"]["decode"]["peak_allocated_bytes"] > 0
     assert set(memory["phases"]) == {"load", "prefill", "decode", "score"}

@@ -158,7 +158,8 @@ class DecodeConfig:
         norm's launch.
     router_max_tokens: most tokens one fused router call takes (size of its arrival counters).
     count_tier_picks: tiered experts on the fused path count each call's picks per expert on the
-        device (one small launch per layer and step), so their telemetry covers CUDA-graph replays.
+        device, one atomic per (token, expert) pair inside fused_moe's down launch (and stage copies
+        inside prefetch's map launch), so their telemetry covers CUDA-graph replays at no extra launch.
     """
 
     experts_impl: str = "auto"

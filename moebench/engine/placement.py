@@ -47,40 +47,6 @@ COUNTERS = HOST_COUNTERS + ("routed", "picks_gpu", "picks_host", "host_hits", "h
                             "prefetch_hits", "route_tail_skips", "stage_copies", "bytes_host_read", "copy_wait_s")
 
 
-def _pick_counter():
-    """A Triton kernel counting one fused call's picks per expert on the device (one launch, no host
-    sync, captured in CUDA graphs): picks[e] += 1 per pick; with NG prefetch stage maps, staged[e]
-    += 1 per pick found staged, and copies[e] += 1 per expert the last prefetch staged (every
-    predicted host expert is copied, so the staged set is what it copied)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def count_picks_kernel(ids_ptr, n, picks_ptr, staged_ptr, copies_ptr, m0, m1, m2, E,
-                           NG: tl.constexpr, BLOCK: tl.constexpr, BE: tl.constexpr):
-        offs = tl.arange(0, BLOCK)
-        mask = offs < n
-        e = tl.load(ids_ptr + offs, mask=mask, other=0)
-        tl.atomic_add(picks_ptr + e, 1, mask=mask)
-        if NG > 0:
-            ee = tl.arange(0, BE)
-            me = ee < E
-            on = tl.load(m0 + e, mask=mask, other=-1) >= 0
-            st = tl.load(m0 + ee, mask=me, other=-1) >= 0
-            if NG > 1:
-                on = on | (tl.load(m1 + e, mask=mask, other=-1) >= 0)
-                st = st | (tl.load(m1 + ee, mask=me, other=-1) >= 0)
-            if NG > 2:
-                on = on | (tl.load(m2 + e, mask=mask, other=-1) >= 0)
-                st = st | (tl.load(m2 + ee, mask=me, other=-1) >= 0)
-            tl.atomic_add(staged_ptr + e, 1, mask=mask & on)
-            tl.atomic_add(copies_ptr + ee, 1, mask=me & st)
-    return count_picks_kernel
-
-
-_COUNT_KERNEL = []
-
-
 @dataclass
 class QuantizedExpert:
     """The three SwiGLU matrices of one expert: gate [I, H], up [I, H], down [H, I]."""
@@ -168,7 +134,9 @@ class TieredExperts(nn.Module):
         self._nbytes = torch.tensor([s.nbytes for s in self._stores], dtype=torch.float64)
         self._is_host = torch.tensor([h == "host" for h in homes])
         self._host_picks = torch.zeros(E, dtype=torch.int64)     # per-expert path, counted on the host
-        self._dev_counts = None            # fused path: [3, E] int32 picks / staged picks / stage copies
+        # fused path, counted inside its launches: [3, E] int32 picks served from the device and host
+        # groups / picks served from prefetch's stage / stage copies (None until a fused group counts)
+        self._dev_counts = None
         self._wait_events: list = []       # (before, after) CUDA timing events around cache-fill waits
         self.reset_telemetry()
 
@@ -206,13 +174,22 @@ class TieredExperts(nn.Module):
             # A device group of every expert in order needs no map: the kernels then skip a dependent
             # load per program (host groups keep theirs: prefetch rewrites it).
             identity = home != "host" and members == list(range(len(self._stores)))
-            groups.append(kernels.ExpertGroup(*mats, None if identity else slot_of.to(self.device), f"{fmt}@{home}"))
+            groups.append(kernels.ExpertGroup(*mats, None if identity else slot_of.to(self.device), f"{fmt}@{home}",
+                                              picks=self._counter(0)))
             for i, e in enumerate(members):
                 self._stores[e] = QuantizedExpert(*(pm.slot(i) for pm in mats))
         self._cache.clear()
         self._fused_groups = groups
         self._prefetch = []
-        self._dev_counts = torch.zeros(3, len(self._stores), dtype=torch.int32, device=self.device)
+
+    def _counter(self, row: int) -> torch.Tensor | None:
+        """Row `row` of the device counters that fused groups count into (see _dev_counts), or None
+        when decode.count_tier_picks is off."""
+        if not self.decode.count_tier_picks:
+            return None
+        if self._dev_counts is None:
+            self._dev_counts = torch.zeros(3, len(self._stores), dtype=torch.int32, device=self.device)
+        return self._dev_counts[row]
 
     def enable_prefetch(self, top_k: int) -> None:
         """Let `prefetch` stage predicted host experts in HBM (fused path, decode of one token).
@@ -232,7 +209,7 @@ class TieredExperts(nn.Module):
                 groups.append(g)
                 continue
             static = g.slot_of
-            dynamic = kernels.ExpertGroup(g.gate, g.up, g.down, static.clone(), g.label)
+            dynamic = kernels.ExpertGroup(g.gate, g.up, g.down, static.clone(), g.label, picks=g.picks)
 
             def staged(pm: kernels.PackedMatrix) -> kernels.PackedMatrix:
                 def like(t):
@@ -240,7 +217,8 @@ class TieredExperts(nn.Module):
                 return kernels.PackedMatrix(pm.fmt, like(pm.data), pm.rows, pm.cols, like(pm.scale), like(pm.minimum))
             stage_slot_of = torch.full_like(static, -1)
             stage = kernels.ExpertGroup(staged(g.gate), staged(g.up), staged(g.down), stage_slot_of,
-                                        g.label.replace("@host", "@stage"), host_lane=True)
+                                        g.label.replace("@host", "@stage"), host_lane=True,
+                                        picks=self._counter(1))
             groups += [stage, dynamic]
             entries.append((static, dynamic, stage))
         self._fused_groups = groups
@@ -273,7 +251,8 @@ class TieredExperts(nn.Module):
             _, ids, _ = kernels.router_topk(h, gate_weight, top_k, renormalize, arrivals=self._pf_arrivals,
                                             out=self._pf_out, cfg=self.decode)
             for static, dynamic, stage in self._prefetch:
-                kernels.stage_experts(ids[0], static, dynamic, stage, stage.slot_of, dynamic.slot_of, cfg=self.decode)
+                kernels.stage_experts(ids[0], static, dynamic, stage, stage.slot_of, dynamic.slot_of, cfg=self.decode,
+                                      copies=self._counter(2))
         self._pf_refs = h                   # kept alive until the main stream has joined the lane
         self._pf_pending = own_stream and stream is not None
 
@@ -288,26 +267,7 @@ class TieredExperts(nn.Module):
         out = kernels.fused_moe(x, topk_ids, topk_w, self._fused_groups, cfg=self.decode,
                                 after_lane=self._pf_refs is not None, **kw)
         self._pf_refs = None
-        self._count_fused(topk_ids)
         return out
-
-    def _count_fused(self, topk_ids: torch.Tensor) -> None:
-        """Add this call's picks to the device counters (after fused_moe, which joined the host lane,
-        so the stage maps read are the ones this call used)."""
-        if not self.decode.count_tier_picks:      # DecodeConfig.count_tier_picks
-            return
-        if not _COUNT_KERNEL:
-            _COUNT_KERNEL.append(_pick_counter())
-        ids = topk_ids.reshape(-1)
-        maps = [stage.slot_of for _, _, stage in self._prefetch][:3]
-        if len(self._prefetch) > 3:
-            raise ValueError("TieredExperts: the pick counter reads at most 3 prefetch stage maps")
-        c = self._dev_counts
-        E = c.shape[1]
-        m = maps + [c[0]] * (3 - len(maps))
-        _COUNT_KERNEL[0][(1,)](ids, ids.numel(), c[0], c[1], c[2], m[0], m[1], m[2], E, NG=len(maps),
-                               BLOCK=max(16, 1 << (ids.numel() - 1).bit_length()),
-                               BE=max(16, 1 << (E - 1).bit_length()), num_warps=1)
 
     def sync_free_tokens(self) -> int:
         """Up to how many tokens forward runs without host syncs (0 unless the fused path is on)."""
@@ -337,7 +297,7 @@ class TieredExperts(nn.Module):
         staged = copies = torch.zeros_like(picks)
         if self._dev_counts is not None:
             dev = self._dev_counts.to("cpu", torch.int64)
-            picks, staged, copies = picks + dev[0], dev[1], dev[2]
+            picks, staged, copies = picks + dev[0] + dev[1], dev[1], dev[2]
         host = self._is_host
         c["picks_host"] = int(picks[host].sum())
         c["picks_gpu"] = int(picks[~host].sum())

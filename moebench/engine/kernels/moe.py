@@ -71,7 +71,7 @@ class _GroupArgs:
         ds, dm, dse, dsr = g.down.scale_args()
         dd = g.down.data if self.down_mode == DecodeMode.BYTES else g.down.words(self.down_mode)
         return [g.slot_of if g.slot_of is not None else ids, dd, ds, dm, g.down.data.shape[-1],
-                dd.stride(0), dd.stride(1), dse, dsr]
+                dd.stride(0), dd.stride(1), dse, dsr, g.picks if g.picks is not None else ids]
 
     def constexprs(self, tag: str, kernel: str, bk: int) -> dict:
         g = self.group
@@ -149,6 +149,8 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
             for tag, ga in (("A", a), ("B", b)):
                 meta[kernel].update(ga.constexprs(tag, kernel, cfg.launch_for(kernel, ga.group.fmt, host=host,
                                                                                a8=a8).BK))
+                if kernel == "down":
+                    meta[kernel][f"COUNT_{tag}"] = ga.group.picks is not None
         gate_up_kernel[(T * k, -(-inter // meta["gate_up"]["BN"]))](
             x, xq, ids, h, hq, inter, H, x.stride(0), xq.stride(0), h.stride(0), hq.stride(0),
             *a.gate_up(ids), *b.gate_up(ids), TOPK=k, **meta["gate_up"], **pdl)

@@ -25,6 +25,12 @@ if triton is not None:
         return slot
 
     @triton.jit
+    def count_pick(ids_ptr, picks_ptr, pair):
+        """picks[expert of `pair`] += 1, once per pair (its first row block's program)."""
+        if tl.program_id(1) == 0:
+            tl.atomic_add(picks_ptr + tl.load(ids_ptr + pair).to(tl.int64), 1)
+
+    @triton.jit
     def gate_up_rows(x_row, h_out, hq_out, slot, rows, rmask, N, K, KB, g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr,
                      um_ptr, stride_ge, stride_gr, stride_gse, stride_gsr, stride_ue, stride_ur, stride_use, stride_usr,
                      FMT: tl.constexpr, MODE: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
@@ -117,17 +123,21 @@ if triton is not None:
 
     @triton.jit
     def down_kernel(h_ptr, hq_ptr, ids_ptr, wts_ptr, part_ptr, N, K, stride_ht, stride_hqt, stride_pt,
-                    slot_a, da_ptr, dsa_ptr, dma_ptr, KB_a, sde_a, sdr_a, sdse_a, sdsr_a,
-                    slot_b, db_ptr, dsb_ptr, dmb_ptr, KB_b, sde_b, sdr_b, sdse_b, sdsr_b,
+                    slot_a, da_ptr, dsa_ptr, dma_ptr, KB_a, sde_a, sdr_a, sdse_a, sdsr_a, picks_a,
+                    slot_b, db_ptr, dsb_ptr, dmb_ptr, KB_b, sde_b, sdr_b, sdse_b, sdsr_b, picks_b,
                     FIRST: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
                     FMT_A: tl.constexpr, MAP_A: tl.constexpr, MODE_A: tl.constexpr, BK_A: tl.constexpr,
+                    COUNT_A: tl.constexpr,
                     HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, MODE_B: tl.constexpr,
-                    BK_B: tl.constexpr, QH: tl.constexpr, PDL: tl.constexpr = False):
+                    BK_B: tl.constexpr, COUNT_B: tl.constexpr, QH: tl.constexpr, PDL: tl.constexpr = False):
         """Program (pair, row block): part[pair, rows] = w[pair] * (W_down[e] h[pair])[rows] in
         float32, for up to two groups like gate_up. One program per pair: looping over a token's k
         experts in one program makes a chain of dependent loads (~1.8 TB/s against gate_up's ~3.1). The first launch also zeroes the rows of pairs in neither of its groups, so
         every row is written once whatever the grouping, and moe_sum adds the k rows in a fixed order.
-        INT8_ACTIVATIONS groups read h quantized (hq, blocks of QH columns)."""
+        INT8_ACTIVATIONS groups read h quantized (hq, blocks of QH columns).
+        COUNT_A / COUNT_B: the group's pick counter (picks_a / picks_b, int32 [E]) gets 1 at the
+        pair's expert, from the pair's first row block: tier telemetry at the cost of one atomic per
+        pair, inside a launch the step makes anyway (so CUDA-graph replays are counted too)."""
         grid_dependency(PDL)
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -141,6 +151,8 @@ if triton is not None:
                 ha = h_ptr + pair * stride_ht
             down_rows(ha, part_out, tl.load(wts_ptr + pair).to(tl.float32), sa, rows, rmask, K, KB_a,
                       da_ptr, dsa_ptr, dma_ptr, sde_a, sdr_a, sdse_a, sdsr_a, FMT_A, MODE_A, GROUP_SIZE, BN, BK_A, QH)
+            if COUNT_A:
+                count_pick(ids_ptr, picks_a, pair)
         else:
             sb = -1
             if HAS_B:
@@ -153,6 +165,8 @@ if triton is not None:
                 down_rows(hb, part_out, tl.load(wts_ptr + pair).to(tl.float32), sb, rows, rmask, K, KB_b,
                           db_ptr, dsb_ptr, dmb_ptr, sde_b, sdr_b, sdse_b, sdsr_b, FMT_B, MODE_B, GROUP_SIZE, BN,
                           BK_B, QH)
+                if COUNT_B:
+                    count_pick(ids_ptr, picks_b, pair)
             elif FIRST:
                 tl.store(part_out + rows, tl.zeros((BN,), dtype=tl.float32), mask=rmask)
 

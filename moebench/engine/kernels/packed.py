@@ -119,7 +119,9 @@ class PackedMatrix:
 class ExpertGroup:
     """Experts sharing one format and home. slot_of: int32 [E] (slot in this group's stacks, -1 for
     experts of other groups), or None when slot == expert id for every expert. host_lane: an HBM
-    group run with the host groups, on the host lane (prefetch's stage)."""
+    group run with the host groups, on the host lane (prefetch's stage). picks: int32 [E] on the
+    device, or None: each (token, expert) pair this group serves adds 1 at its expert (tier
+    telemetry, counted inside fused_moe's down launch)."""
 
     gate: PackedMatrix
     up: PackedMatrix
@@ -127,6 +129,7 @@ class ExpertGroup:
     slot_of: Tensor | None = None
     label: str = field(default="")
     host_lane: bool = False
+    picks: Tensor | None = None
 
     @property
     def fmt(self) -> str:

@@ -55,10 +55,12 @@ if triton is not None:
             tl.store(dst_ptr + j * dst_stride + offs, v, mask=m)
 
     @triton.jit
-    def stage_maps_kernel(pred_ptr, host_slot_ptr, stage_slot_ptr, host_dyn_ptr, E,
-                          K: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
+    def stage_maps_kernel(pred_ptr, host_slot_ptr, stage_slot_ptr, host_dyn_ptr, copies_ptr, E,
+                          K: tl.constexpr, BLOCK_E: tl.constexpr, COUNT: tl.constexpr = False,
+                          PDL: tl.constexpr = False):
         """stage_slot[e] = j if e == pred[j] and e lives in this host group, else -1; host_dyn[e] =
-        the host slot of e unless it is staged (-1): the two groups then cover e exactly once."""
+        the host slot of e unless it is staged (-1): the two groups then cover e exactly once.
+        COUNT: copies[e] += 1 for every staged e (stage_copy_kernel copied exactly these)."""
         grid_dependency(PDL)
         offs = tl.arange(0, BLOCK_E)
         m = offs < E
@@ -69,6 +71,9 @@ if triton is not None:
             stage = tl.where((offs == pj) & (hs >= 0), j, stage)
         tl.store(stage_slot_ptr + offs, stage, mask=m)
         tl.store(host_dyn_ptr + offs, tl.where(stage >= 0, -1, hs), mask=m)
+        if COUNT:      # one program: a plain read-modify-write
+            c = tl.load(copies_ptr + offs, mask=m, other=0)
+            tl.store(copies_ptr + offs, c + (stage >= 0).to(tl.int32), mask=m)
 
 
 
@@ -79,10 +84,12 @@ def _word_view(t: Tensor) -> Tensor:
 
 
 def stage_experts(pred_ids: Tensor, host_slot_of: Tensor, host: ExpertGroup, stage: ExpertGroup,
-                  stage_slot_of: Tensor, host_dyn: Tensor, cfg: DecodeConfig = DEFAULT) -> None:
+                  stage_slot_of: Tensor, host_dyn: Tensor, cfg: DecodeConfig = DEFAULT,
+                  copies: Tensor | None = None) -> None:
     """Copy the predicted experts (pred_ids [k]) that live in `host` into `stage` (slot j for
     pred_ids[j]) and rewrite the maps (stage.slot_of is stage_slot_of, the host group's dynamic
-    slot_of is host_dyn; host_slot_of is its static one). No host sync; graph-capturable."""
+    slot_of is host_dyn; host_slot_of is its static one). No host sync; graph-capturable.
+    copies: int32 [E] on the device: +1 per expert copied (tier telemetry)."""
     require()
     k = pred_ids.numel()
     pdl = pdl_launch(pred_ids.device, cfg)
@@ -99,5 +106,6 @@ def stage_experts(pred_ids: Tensor, host_slot_of: Tensor, host: ExpertGroup, sta
                                                                 src.stride(0), dst.stride(0), BLOCK=block,
                                                                 num_warps=8, **pdl)
     E = host_slot_of.numel()
-    stage_maps_kernel[(1,)](pred, host_slot_of, stage_slot_of, host_dyn, E, K=k, BLOCK_E=next_pow2(E),
-                            num_warps=1, **pdl)
+    stage_maps_kernel[(1,)](pred, host_slot_of, stage_slot_of, host_dyn,
+                            copies if copies is not None else host_dyn, E, K=k, BLOCK_E=next_pow2(E),
+                            COUNT=copies is not None, num_warps=1, **pdl)
