@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SPEED_LENGTHS = (128, 512, 2048, 8192, 16384)        # suites/speed.toml
+SPEED_REPEATS, SPEED_SEED = 3, 1234                  # suites/speed.toml
 NEEDLE_SUITE = """# issue 18's needle cells: 16k and 173k tokens, the needle half way in
 name = "needle-rig"
 [[tasks]]
@@ -132,7 +133,8 @@ def haystack_ids(eng, n: int) -> list[int]:
 
 
 def load_like_runner(profile_path: Path):
-    """An Engine loaded with the choices the engine runner makes for this profile."""
+    """An Engine loaded with the choices the engine runner makes for this profile and the profile's
+    max_seq_len, so its KV cache has the run's shape."""
     from moebench.config import load_runner
     from moebench.engine import Engine
     from moebench.runners import runner_schemas
@@ -142,23 +144,41 @@ def load_like_runner(profile_path: Path):
     model = ROOT / prof.settings["model"]
     eng = Engine.load(model, device="cuda", dtype=choices["dtype"]["value"],
                       experts_impl=choices["experts_impl"]["value"], cuda_graphs=choices["cuda_graphs"]["value"],
-                      max_seq_len=20000)
+                      max_seq_len=int(prof.settings.get("max_seq_len") or 20000))
     return eng, {k: v["value"] for k, v in choices.items()}
 
 
-def engine_loop(profile_path: Path, output_tokens: int = 128, repeats: int = 10) -> dict[str, Any]:
-    """The engine's own loop: Engine.generate on haystack prompts of each length (a distinct slice per
-    repeat, like the suite's unique prompts), decode tok/s = (n - 1) / (t_last - t_first)."""
+def suite_prompts(eng, length: int, repeats: int = SPEED_REPEATS, seed: int = SPEED_SEED) -> list[list[int]]:
+    """The speed suite's one-client prompts for this length: the same unique opening per repeat
+    (tasks.speed.measurement_prefix), then the haystack's prose, cut to `length` tokens. The tiered
+    model's speed depends on which experts the text routes to the host tier, so the loop must see
+    the suite's text."""
+    from moebench.datasets import data_dir
+    from moebench.tasks.needle import load_haystack
+    from moebench.tasks.speed import measurement_prefix
+    text = load_haystack(data_dir() / "haystack" / "war_and_peace.txt")[: length * 8]
+    out = []
+    for rep in range(repeats):
+        ids = eng.tokenize(measurement_prefix(seed, length, 1, rep, 0) + text)
+        if len(ids) < length:
+            raise RuntimeError(f"haystack gave {len(ids)} tokens, wanted {length}")
+        out.append(ids[:length])
+    return out
+
+
+def engine_loop(profile_path: Path, output_tokens: int = 128, passes: int = 3) -> dict[str, Any]:
+    """The engine's own loop: Engine.generate on the speed suite's prompts of each length, each prompt
+    `passes` times, decode tok/s = (n - 1) / (t_last - t_first), the median over all of them."""
     eng, choices = load_like_runner(profile_path)
-    ids = haystack_ids(eng, max(SPEED_LENGTHS) + repeats + 8)
-    eng.generate([ids[:64]], 16, ignore_eos=True)                 # warm-up, as the run's runner does
+    eng.generate([haystack_ids(eng, 64)], 16, ignore_eos=True)   # warm-up, as the run's runner does
     out: dict[str, Any] = {"choices": choices, "decode_tok_s": {}}
     for L in SPEED_LENGTHS:
+        prompts = suite_prompts(eng, L)
+        eng.generate([prompts[0]], output_tokens, ignore_eos=True)  # the suite's warm-up request
         rates = []
-        for rep in range(repeats + 1):                             # the first one is the warm-up (suite: warmup=1)
-            g = eng.generate([ids[rep: rep + L]], output_tokens, ignore_eos=True)[0]
-            t = g.token_times
-            if rep:
+        for _ in range(passes):
+            for ids in prompts:
+                t = eng.generate([ids], output_tokens, ignore_eos=True)[0].token_times
                 rates.append((len(t) - 1) / (t[-1] - t[0]))
         out["decode_tok_s"][L] = statistics.median(rates)
     return out
