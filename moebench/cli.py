@@ -146,12 +146,21 @@ def _parser() -> argparse.ArgumentParser:
     tc.add_argument("--tokens", type=int, default=16384, help="calibration tokens from the haystack text")
     tp = _command(tsub2, "plan", "give every expert a precision and a home within byte budgets",
                   "moebench tier plan CKPT stats.safetensors --gpu-bytes 4000000 --host-bytes 8000000 --out plan.json\n"
-                  "moebench tier plan CKPT stats.safetensors --hot-fraction 0.25 --out plan.json")
+                  "moebench tier plan CKPT stats.safetensors --hot-fraction 0.25 --out plan.json\n"
+                  "moebench tier plan CKPT stats.safetensors --gpu-bytes 4000000 --host-bytes 2000000 --ssd-gib 1 "
+                  "--ssd-cache-bytes 1000000 --out plan.json")
     tp.add_argument("checkpoint", help="Hugging Face-format checkpoint directory")
     tp.add_argument("stats", help="statistics file from `tier calibrate`")
     tp.add_argument("--out", required=True, help="plan.json")
     tp.add_argument("--gpu-bytes", type=int, help="greedy planner: bytes of experts resident on the device")
     tp.add_argument("--host-bytes", type=int, default=0, help="greedy planner: bytes of experts in host RAM")
+    tp.add_argument("--ssd-bytes", type=int, help="greedy planner: bytes of experts on local disk (the coldest, "
+                    "beyond --host-bytes; packed into experts.ssd); default 0, no disk tier")
+    tp.add_argument("--ssd-gib", type=float, help="the same budget in GiB")
+    tp.add_argument("--ssd-cache-bytes", type=int, help="host-RAM LRU cache in front of the disk tier, bytes (default 0)")
+    tp.add_argument("--ssd-cache-gib", type=float, help="the same cache in GiB")
+    tp.add_argument("--ssd-fraction", type=float, default=0.0,
+                    help="rule-based planner: the least used share per layer goes to disk")
     tp.add_argument("--ladder", default="bf16,int8,int4,ternary", help="greedy planner: precisions to choose from")
     tp.add_argument("--hot-fraction", type=float, help="rule-based planner instead: the most used share per layer")
     tp.add_argument("--hot", default="int8", help="rule-based planner: precision of the hot experts")
@@ -352,14 +361,27 @@ def _tier(args: argparse.Namespace) -> int:
         print(args.out)
         return 0
     if args.tier_command == "plan":
+        from moebench.api import UsageError
+
+        def nbytes(flag: str, exact: int | None, gib: float | None) -> int:
+            if exact is not None and gib is not None:
+                raise UsageError(f"tier plan: give --{flag}-bytes or --{flag}-gib, not both")
+            value = exact if exact is not None else round(gib * (1 << 30)) if gib is not None else 0
+            if value < 0:
+                raise UsageError(f"tier plan: --{flag}-bytes/--{flag}-gib is {value} bytes; expected >= 0")
+            return value
+        ssd_bytes = nbytes("ssd", args.ssd_bytes, args.ssd_gib)
+        cache_bytes = nbytes("ssd-cache", args.ssd_cache_bytes, args.ssd_cache_gib)
         stats = CalibrationStats.load(args.stats)
         if args.hot_fraction is not None:
-            p = plan_hot_cold(stats, hot_fraction=args.hot_fraction, hot=args.hot, cold=args.cold)
+            p = plan_hot_cold(stats, hot_fraction=args.hot_fraction, hot=args.hot, cold=args.cold,
+                              ssd_fraction=args.ssd_fraction, ssd_cache_bytes=cache_bytes)
         else:
             if args.gpu_bytes is None:
-                from moebench.api import UsageError
                 raise UsageError("tier plan: give --gpu-bytes (greedy planner) or --hot-fraction (rule-based)")
-            p = plan(stats, args.checkpoint, Budgets(args.gpu_bytes, args.host_bytes), ladder=args.ladder.split(","))
+            p = plan(stats, args.checkpoint, Budgets(args.gpu_bytes, args.host_bytes, ssd_bytes),
+                     ladder=args.ladder.split(","))
+            p.ssd_cache_bytes = cache_bytes
         p.save(args.out)
         print(f"plan: {p.count()}")
         print(args.out)

@@ -123,9 +123,9 @@ def test_plan_on_real_stats_save_load(stats, ckpt, tmp_path):
     back = Plan.load(tmp_path / "plan.json")
     assert (back.layers, back.precision, back.home) == (p.layers, p.precision, p.home)
     data = json.loads((tmp_path / "plan.json").read_text())
-    data["layers"]["1"]["home"][3] = "ssd"
+    data["layers"]["1"]["home"][3] = "tape"
     (tmp_path / "bad.json").write_text(json.dumps(data))
-    with pytest.raises(TieringError, match=r"layers\.1\.home\[3\] is 'ssd'"):
+    with pytest.raises(TieringError, match=r"layers\.1\.home\[3\] is 'tape'; expected one of \('gpu', 'host', 'ssd'\)"):
         Plan.load(tmp_path / "bad.json")
 
 

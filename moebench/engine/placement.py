@@ -9,6 +9,12 @@ of `cache_slots` device slots, on a separate CUDA stream when there is one. On a
 same code runs with "gpu" meaning the compute device; copies into the cache are then real CPU clones,
 so the telemetry still counts them.
 
+Experts whose home is "ssd" live in the artifact's pack file (ssd.py): a pick of one is served from
+this layer's device cache when it is there, else from the artifact's host-RAM cache (ssd.HostCache,
+shared by all layers), else read from the file by the reader threads. Reads are queued as soon as a
+call knows its routing, before any expert runs, and waited for only when their expert's turn comes.
+A layer with ssd experts runs the per-expert path (its reads need the routing on the host).
+
 Numbers never depend on placement: every expert's output goes into its own (token, rank) cell and
 the weighted sum over ranks happens once at the end in a fixed order, so the order in which the tiers
 are computed cannot change the result.
@@ -27,12 +33,13 @@ from torch import nn
 from .decode_config import DEFAULT, DecodeConfig
 from .quant import QuantizedTensor
 
-HOMES = ("gpu", "host")
+HOMES = ("gpu", "host", "ssd")
 # Counted on the host by the per-expert path (prefill, CPU, route-tail-skip). calls counts Python
 # forward calls (a replayed CUDA graph makes none); cache_hits/misses count experts per call,
 # tokens_host_hit/miss count picks.
 HOST_COUNTERS = ("calls", "tokens_gpu", "tokens_host_hit", "tokens_host_miss", "tokens_skipped",
-                 "cache_hits", "cache_misses", "bytes_h2d")
+                 "cache_hits", "cache_misses", "bytes_h2d", "ssd_hits", "ssd_gpu_hits", "ssd_misses", "ssd_skips",
+                 "ssd_reads", "bytes_ssd_read", "ssd_wait_s")
 # What telemetry() reports per layer: the host counters, plus figures from the per-expert pick
 # histograms (host side for the per-expert path, device side for the fused path, so CUDA-graph
 # replays count too):
@@ -43,8 +50,16 @@ HOST_COUNTERS = ("calls", "tokens_gpu", "tokens_host_hit", "tokens_host_miss", "
 #   bytes_h2d: cache fills plus prefetch copies; bytes_host_read: in-place reads (host_direct x the
 #   expert's bytes: exact for one-token decode steps, an upper bound for several tokens per call).
 #   copy_wait_s: time compute waited for cache fills (CUDA events on the GPU, the copy itself on the CPU).
+# The SSD tier (per-expert path only), in picks unless said:
+#   picks_ssd = ssd_hits + ssd_misses + ssd_skips
+#   ssd_hits: served without a file read, from the device cache (ssd_gpu_hits, a part of ssd_hits)
+#   or the host-RAM cache; ssd_misses: picks of experts read from the file in that call; ssd_skips:
+#   route-tail-skips of ssd experts; ssd_reads: records read (experts, not picks); bytes_ssd_read:
+#   bytes those reads moved (records are padded to 4096); ssd_wait_s: time compute waited for reads.
+#   routed = picks_gpu + picks_host + picks_ssd.
 COUNTERS = HOST_COUNTERS + ("routed", "picks_gpu", "picks_host", "host_hits", "host_misses", "host_direct",
-                            "prefetch_hits", "route_tail_skips", "stage_copies", "bytes_host_read", "copy_wait_s")
+                            "prefetch_hits", "route_tail_skips", "stage_copies", "bytes_host_read", "copy_wait_s",
+                            "picks_ssd")
 
 
 @dataclass
@@ -93,13 +108,15 @@ class TieredExperts(nn.Module):
     homes: "gpu" or "host" per expert.
     cache_slots: how many host experts this layer keeps on the device between calls (0 = stream
         every use, nothing kept).
-    skip_tail_from: route-tail-skip, off when None. A host expert that is not in the cache when a
-        call starts and is ranked at position >= skip_tail_from for a token is skipped for that
-        token; the other experts' weights are left unchanged (no renormalisation).
+    skip_tail_from: route-tail-skip, off when None. A host or ssd expert that is not in the cache
+        when a call starts and is ranked at position >= skip_tail_from for a token is skipped for
+        that token; the other experts' weights are left unchanged (no renormalisation).
+    disk, layer: the artifact's ssd.DiskTier and this layer's index in its pack; needed when a home
+        is "ssd" (the experts list then holds None, or anything, at those positions).
     """
 
-    def __init__(self, experts: list[QuantizedExpert], homes: list[str], device, dtype=torch.bfloat16,
-                 cache_slots: int = 2, skip_tail_from: int | None = None):
+    def __init__(self, experts: list[QuantizedExpert | None], homes: list[str], device, dtype=torch.bfloat16,
+                 cache_slots: int = 2, skip_tail_from: int | None = None, disk=None, layer: int | None = None):
         super().__init__()
         if len(experts) != len(homes):
             raise ValueError(f"TieredExperts: {len(experts)} experts but {len(homes)} homes")
@@ -115,10 +132,20 @@ class TieredExperts(nn.Module):
         self.homes = list(homes)
         self.cache_slots = cache_slots
         self.skip_tail_from = skip_tail_from
+        self.disk, self.layer = disk, layer
+        self.has_ssd = "ssd" in self.homes
+        if self.has_ssd:
+            if disk is None or layer is None:
+                raise ValueError("TieredExperts: experts with home 'ssd' need disk (an ssd.DiskTier) and layer")
+            absent = [e for e, h in enumerate(homes) if h == "ssd" and (layer, e) not in disk.pack.entries]
+            if absent:
+                raise ValueError(f"TieredExperts: {disk.pack.path} has no record for layer {layer} expert {absent[0]}")
         on_cuda = self.device.type == "cuda"
-        self._stores: list[QuantizedExpert] = []
+        self._stores: list[QuantizedExpert | None] = []
         for e, h in zip(experts, homes):
-            if h == "gpu":
+            if h == "ssd":
+                self._stores.append(None)
+            elif h == "gpu":
                 self._stores.append(e.to(self.device))
             else:
                 cpu = e.to("cpu")
@@ -131,8 +158,10 @@ class TieredExperts(nn.Module):
         self._pf_refs = None               # the tensors a prefetch's copies read, kept until joined
         self.decode: DecodeConfig = DEFAULT      # see configure
         E = len(self._stores)
-        self._nbytes = torch.tensor([s.nbytes for s in self._stores], dtype=torch.float64)
+        self._nbytes = torch.tensor([s.nbytes if s is not None else disk.nbytes((layer, e))
+                                     for e, s in enumerate(self._stores)], dtype=torch.float64)
         self._is_host = torch.tensor([h == "host" for h in homes])
+        self._is_gpu = torch.tensor([h == "gpu" for h in homes])
         self._host_picks = torch.zeros(E, dtype=torch.int64)     # per-expert path, counted on the host
         # fused path, counted inside its launches: [3, E] int32 picks served from the device and host
         # groups / picks served from prefetch's stage / stage copies (None until a fused group counts)
@@ -145,6 +174,8 @@ class TieredExperts(nn.Module):
         groups (use_fused_kernels), cfg.prefetch_host their HBM stage (enable_prefetch); other impls
         keep the per-expert path."""
         self.decode = cfg
+        if self.has_ssd:
+            return      # ssd reads need the routing on the host: the per-expert path
         if cfg.experts_impl == "triton" and self._fused_groups is None:
             self.use_fused_kernels()
         if cfg.prefetch_host:
@@ -160,6 +191,9 @@ class TieredExperts(nn.Module):
         With decode.int8_activations the int8, int4 and ternary2 groups multiply int8-rounded
         activations (kernels.quantize_activations says what they see)."""
         from . import kernels
+        if self.has_ssd:
+            raise ValueError(f"TieredExperts.use_fused_kernels: layer {self.layer} has ssd experts, which the "
+                             f"fused kernels cannot read")
         by_key: dict[tuple[str, str], list[int]] = {}
         for e, (store, home) in enumerate(zip(self._stores, self.homes)):
             by_key.setdefault((store.fmt, home), []).append(e)
@@ -284,10 +318,14 @@ class TieredExperts(nn.Module):
         return len(self._stores)
 
     def resident_bytes(self) -> dict[str, int]:
-        """Bytes held per tier now: device tier, host tier, and the cache's current content."""
+        """Bytes held per tier now: device tier, host tier, the cache's current content, and (layers
+        with ssd experts) the ssd experts' stored bytes in the pack file."""
         gpu = sum(s.nbytes for s, h in zip(self._stores, self.homes) if h == "gpu")
         host = sum(s.nbytes for s, h in zip(self._stores, self.homes) if h == "host")
-        return {"gpu": gpu, "host": host, "cache": sum(c.nbytes for c in self._cache.values())}
+        out = {"gpu": gpu, "host": host, "cache": sum(c.nbytes for c in self._cache.values())}
+        if self.has_ssd:
+            out["ssd"] = sum(self.disk.nbytes((self.layer, e)) for e, h in enumerate(self.homes) if h == "ssd")
+        return out
 
     def telemetry(self) -> dict[str, int | float]:
         """This layer's counters (see COUNTERS). Reads the device counters: one host sync."""
@@ -300,8 +338,9 @@ class TieredExperts(nn.Module):
             picks, staged, copies = picks + dev[0] + dev[1], dev[1], dev[2]
         host = self._is_host
         c["picks_host"] = int(picks[host].sum())
-        c["picks_gpu"] = int(picks[~host].sum())
-        c["routed"] = c["picks_host"] + c["picks_gpu"]
+        c["picks_gpu"] = int(picks[self._is_gpu].sum())
+        c["picks_ssd"] = int(picks[~host & ~self._is_gpu].sum())
+        c["routed"] = c["picks_host"] + c["picks_gpu"] + c["picks_ssd"]
         c["host_hits"], c["host_misses"] = c["tokens_host_hit"], c["tokens_host_miss"]
         c["route_tail_skips"] = c["tokens_skipped"]
         c["prefetch_hits"] = int(staged.sum())
@@ -345,9 +384,12 @@ class TieredExperts(nn.Module):
         self._cache.clear()
 
     # -- loading ---------------------------------------------------------------------------------
-    def _start_copy(self, expert_id: int):
-        """Begin copying a host expert to the device; returns (device copy, event or None)."""
-        src = self._stores[expert_id]
+    def _start_copy(self, expert_id: int, src: QuantizedExpert | None = None):
+        """Begin copying a host expert (or `src`, an ssd expert in host RAM) to the device; returns
+        (device copy, event or None). On the CPU an ssd expert is used in place (no copy)."""
+        if src is not None and self._copy_stream is None:
+            return src, None
+        src = self._stores[expert_id] if src is None else src
         self._counters["bytes_h2d"] += src.nbytes
         if self._copy_stream is None:
             t0 = time.perf_counter()          # on the CPU the copy is the wait
@@ -406,12 +448,17 @@ class TieredExperts(nn.Module):
         active = torch.ones_like(topk_ids, dtype=torch.bool)
         cached_at_start = set(self._cache)
         if self.skip_tail_from is not None and self.skip_tail_from < k:
-            cold = torch.tensor([h == "host" and i not in cached_at_start for i, h in enumerate(self.homes)],
+            cold = torch.tensor([h != "gpu" and i not in cached_at_start for i, h in enumerate(self.homes)],
                                 device=topk_ids.device)
             tail = torch.arange(k, device=topk_ids.device)[None, :] >= self.skip_tail_from
             skipped = cold[topk_ids] & tail
             active &= ~skipped
-            c["tokens_skipped"] += int(skipped.sum())
+            if self.has_ssd:
+                on_ssd = torch.tensor([h == "ssd" for h in self.homes], device=topk_ids.device)[topk_ids]
+                c["ssd_skips"] += int((skipped & on_ssd).sum())
+                c["tokens_skipped"] += int((skipped & ~on_ssd).sum())
+            else:
+                c["tokens_skipped"] += int(skipped.sum())
 
         self._host_picks.index_add_(0, topk_ids.reshape(-1).cpu(),
                                     torch.ones(topk_ids.numel(), dtype=torch.int64))
@@ -419,8 +466,19 @@ class TieredExperts(nn.Module):
         needed = [int(e) for e in torch.unique(ids_cpu) if e >= 0]
         counts = {e: int((ids_cpu == e).sum()) for e in needed}
         resident = [e for e in needed if self.homes[e] == "gpu"]
-        hits = [e for e in needed if self.homes[e] == "host" and e in cached_at_start]
+        hits = [e for e in needed if self.homes[e] != "gpu" and e in cached_at_start]
         misses = [e for e in needed if self.homes[e] == "host" and e not in cached_at_start]
+
+        # ssd experts not in the device cache: from the host-RAM cache, or read from the file. The
+        # reads are queued first, so the reader threads work while everything else computes.
+        ssd_ram, ssd_reads = [], []
+        for e in needed:
+            if self.homes[e] == "ssd" and e not in cached_at_start:
+                weights = self.disk.cached((self.layer, e))
+                if weights is not None:
+                    ssd_ram.append((e, weights))
+                else:
+                    ssd_reads.append((e, self.disk.submit((self.layer, e))))
 
         contrib = x.new_zeros(T, k, x.shape[-1])
         flat_ids = torch.where(active, topk_ids, -1)
@@ -440,8 +498,12 @@ class TieredExperts(nn.Module):
             weights = self._cache[e]
             self._cache.move_to_end(e)
             run(e, weights)
-            c["tokens_host_hit"] += counts[e]
-            c["cache_hits"] += 1
+            if self.homes[e] == "ssd":
+                c["ssd_hits"] += counts[e]
+                c["ssd_gpu_hits"] += counts[e]
+            else:
+                c["tokens_host_hit"] += counts[e]
+                c["cache_hits"] += 1
         done = chunk
         while pending:
             for e, dst, event in pending:
@@ -452,6 +514,22 @@ class TieredExperts(nn.Module):
                 c["cache_misses"] += 1
             pending = [(e, *self._start_copy(e)) for e in misses[done:done + chunk]]
             done += chunk
+        for e, weights in ssd_ram:
+            weights = self._finish_copy(*self._start_copy(e, weights))
+            run(e, weights)
+            self._remember(e, weights)
+            c["ssd_hits"] += counts[e]
+        for e, future in ssd_reads:
+            t0 = time.perf_counter()
+            weights, nbytes, _ = future.result()
+            c["ssd_wait_s"] += time.perf_counter() - t0
+            self.disk.keep((self.layer, e), weights, nbytes)
+            c["ssd_reads"] += 1
+            c["bytes_ssd_read"] += nbytes
+            weights = self._finish_copy(*self._start_copy(e, weights))
+            run(e, weights)
+            self._remember(e, weights)
+            c["ssd_misses"] += counts[e]
 
         # Weighted sum in float32, as the dense Experts module does, so an all-bf16 tiered model
         # stays within rounding of the dense one.
@@ -464,10 +542,16 @@ def find_tiered(model: nn.Module) -> list[TieredExperts]:
 
 
 def collect_telemetry(model: nn.Module) -> dict:
-    """{"layers": [per-layer counters], "total": summed counters} over the model's tiered layers."""
-    layers = [m.telemetry() for m in find_tiered(model)]
+    """{"layers": [per-layer counters], "total": summed counters} over the model's tiered layers, and
+    "disk": the SSD tier's state (ssd.DiskTier.stats: file, O_DIRECT, host-RAM cache) where there is one."""
+    mods = find_tiered(model)
+    layers = [m.telemetry() for m in mods]
     total = {k: sum(layer[k] for layer in layers) for k in COUNTERS}
-    return {"layers": layers, "total": total}
+    out = {"layers": layers, "total": total}
+    disk = next((m.disk for m in mods if m.disk is not None), None)
+    if disk is not None:
+        out["disk"] = disk.stats()
+    return out
 
 
 def counter_states(model: nn.Module) -> list:

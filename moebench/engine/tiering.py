@@ -8,7 +8,9 @@
 
 The artifact directory holds config.json and the tokenizer files (copied), `model.safetensors` (the
 non-expert weights under their Hugging Face names), `experts.safetensors` (packed experts, tensors
-named `layers.{l}.experts.{e}.{gate|up|down}.{part}`) and `plan.json`.
+named `layers.{l}.experts.{e}.{gate|up|down}.{part}`) and `plan.json`; when the plan puts experts on
+"ssd", those experts are in `experts.ssd` instead (one aligned record each: ssd.py), not in
+experts.safetensors.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from safetensors.torch import save_file
 from .placement import HOMES, QuantizedExpert, TieredExperts
 from .quant import QuantizedTensor, format_nbytes, parse_format, quantize
 
-__all__ = ["calibrate", "plan", "plan_hot_cold", "pack", "load_tiered", "read_experts", "measure_errors",
+__all__ = ["calibrate", "plan", "plan_hot_cold", "pack", "load_tiered", "open_disk_tier", "read_experts", "measure_errors",
            "weights_from_checkpoint", "expert_nbytes", "CalibrationStats", "Plan", "Budgets", "TieringError"]
 
 PLAN_FORMAT = "moebench-tiered-plan"
@@ -269,18 +271,24 @@ def _weight_source(weights) -> WeightSource:
 
 @dataclass
 class Budgets:
-    """Byte budgets for expert weights: resident on the compute device, and in host RAM."""
+    """Byte budgets for expert weights: resident on the compute device, in host RAM, and on local
+    disk (the SSD tier; 0: no expert goes to disk)."""
 
     gpu_bytes: int
     host_bytes: int
+    ssd_bytes: int = 0
 
 
 @dataclass
 class Plan:
     """A precision and a home for every expert of every MoE layer.
 
-    precision[l][e] is a quant format name (see quant.py); home[l][e] is "gpu" or "host".
+    precision[l][e] is a quant format name (see quant.py); home[l][e] is "gpu", "host" or "ssd".
     cache_slots / skip_tail_from are the runtime settings TieredExperts gets by default.
+    The SSD tier's runtime settings (written to plan.json only when some expert is on ssd):
+    ssd_cache_bytes: the host-RAM LRU cache in front of the pack file, in bytes; ssd_threads: reader
+    threads; ssd_direct: O_DIRECT reads (None: where the filesystem allows, else buffered);
+    ssd_verify: check every record's CRC-32 as it is read.
     info: what the planner knew and decided (budgets, ladder, bytes per tier, expected error).
     """
 
@@ -290,10 +298,22 @@ class Plan:
     cache_slots: int = 2
     skip_tail_from: int | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    ssd_cache_bytes: int = 0
+    ssd_threads: int = 4
+    ssd_direct: bool | None = None
+    ssd_verify: bool = False
+
+    @property
+    def has_ssd(self) -> bool:
+        return any(h == "ssd" for row in self.home for h in row)
 
     def to_json(self) -> dict[str, Any]:
+        runtime: dict[str, Any] = {"cache_slots": self.cache_slots, "skip_tail_from": self.skip_tail_from}
+        if self.has_ssd:
+            runtime.update(ssd_cache_bytes=self.ssd_cache_bytes, ssd_threads=self.ssd_threads,
+                           ssd_direct=self.ssd_direct, ssd_verify=self.ssd_verify)
         return {"format": PLAN_FORMAT, "version": PLAN_VERSION,
-                "runtime": {"cache_slots": self.cache_slots, "skip_tail_from": self.skip_tail_from},
+                "runtime": runtime,
                 "layers": {str(l): {"precision": p, "home": h}
                            for l, p, h in zip(self.layers, self.precision, self.home)},
                 "info": self.info}
@@ -348,7 +368,19 @@ class Plan:
             raise TieringError(f"{source}: runtime.cache_slots is {slots!r}; expected an integer >= 0")
         if skip is not None and (not isinstance(skip, int) or skip < 1):
             raise TieringError(f"{source}: runtime.skip_tail_from is {skip!r}; expected null or an integer >= 1")
-        return cls(layers, precision, home, slots, skip, data.get("info", {}))
+        cache_bytes = runtime.get("ssd_cache_bytes", 0)
+        threads = runtime.get("ssd_threads", 4)
+        direct = runtime.get("ssd_direct")
+        verify = runtime.get("ssd_verify", False)
+        if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 0:
+            raise TieringError(f"{source}: runtime.ssd_cache_bytes is {cache_bytes!r}; expected an integer >= 0")
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise TieringError(f"{source}: runtime.ssd_threads is {threads!r}; expected an integer >= 1")
+        if direct is not None and not isinstance(direct, bool):
+            raise TieringError(f"{source}: runtime.ssd_direct is {direct!r}; expected true, false or null")
+        if not isinstance(verify, bool):
+            raise TieringError(f"{source}: runtime.ssd_verify is {verify!r}; expected true or false")
+        return cls(layers, precision, home, slots, skip, data.get("info", {}), cache_bytes, threads, direct, verify)
 
     def count(self) -> dict[str, int]:
         """How many experts have each precision and each home."""
@@ -418,6 +450,9 @@ def plan(stats: CalibrationStats, weights, budgets: Budgets | dict,
     errors: a precomputed [L, E, len(ladder)] error tensor (skips the measurement).
     gpu_bytes covers the resident experts only: the host tier's cache slots (cache_slots per layer,
     each as large as the biggest host expert) come on top of it.
+    With budgets.ssd_bytes > 0 the coldest experts go to "ssd": by usage, once an expert no longer
+    fits host_bytes, it and every colder one (not placed on the GPU) live on disk within ssd_bytes.
+    The SSD tier's host-RAM cache (Plan.ssd_cache_bytes) comes on top of host_bytes.
     """
     if isinstance(budgets, dict):
         budgets = Budgets(**budgets)
@@ -442,12 +477,14 @@ def plan(stats: CalibrationStats, weights, budgets: Budgets | dict,
         errors = errors[:, :, order]
     share = stats.usage_share()
     expected = share[:, :, None] * errors                             # [L, E, P]
-    total_budget = budgets.gpu_bytes + budgets.host_bytes
+    if budgets.ssd_bytes < 0:
+        raise TieringError(f"plan: ssd budget {budgets.ssd_bytes} bytes; expected >= 0")
+    total_budget = budgets.gpu_bytes + budgets.host_bytes + budgets.ssd_bytes
     floor = L * E * size[0]
     if floor > total_budget:
         raise TieringError(f"plan: infeasible: every expert at the cheapest precision {ladder[0]!r} needs "
                            f"{floor} bytes, budgets give {total_budget} (gpu {budgets.gpu_bytes} + "
-                           f"host {budgets.host_bytes})")
+                           f"host {budgets.host_bytes}" + (f" + ssd {budgets.ssd_bytes})" if budgets.ssd_bytes else ")"))
 
     # Homes can fail to pack even when the total fits (an expert straddles the gpu/host boundary):
     # then plan again with the spill taken off the total.
@@ -455,16 +492,19 @@ def plan(stats: CalibrationStats, weights, budgets: Budgets | dict,
     for _ in range(8):
         level = _greedy_levels(expected, size, budget)
         home, used = _assign_homes(share, level, size, budgets)
-        spill = used["host"] - budgets.host_bytes
+        spill = max(used["host"] - budgets.host_bytes, used.get("ssd", 0) - budgets.ssd_bytes)
         if spill <= 0:
             break
         budget -= spill
     else:
-        raise TieringError(f"plan: infeasible: could not place experts within gpu {budgets.gpu_bytes} and "
-                           f"host {budgets.host_bytes} bytes")
+        raise TieringError(f"plan: infeasible: could not place experts within gpu {budgets.gpu_bytes}, "
+                           f"host {budgets.host_bytes} and ssd {budgets.ssd_bytes} bytes")
     exp_err = float(sum(expected[l, e, level[l][e]] for l in range(L) for e in range(E)))
+    shown = {"gpu_bytes": budgets.gpu_bytes, "host_bytes": budgets.host_bytes}
+    if budgets.ssd_bytes:
+        shown["ssd_bytes"] = budgets.ssd_bytes
     info = {"planner": "greedy", "metric": metric, "ladder": ladder,
-            "budgets": {"gpu_bytes": budgets.gpu_bytes, "host_bytes": budgets.host_bytes},
+            "budgets": shown,
             "bytes": used, "expected_error": exp_err, "calibration_tokens": stats.tokens,
             "expert_bytes": dict(zip(ladder, size))}
     return Plan(list(stats.layers), [[ladder[level[l][e]] for e in range(E)] for l in range(L)],
@@ -515,26 +555,39 @@ def _greedy_levels(expected: torch.Tensor, size: list[int], budget: int) -> list
 
 
 def _assign_homes(share: torch.Tensor, level, size, budgets: Budgets):
+    """Hottest first: "gpu" while it fits; then "host"; with an ssd budget, from the first expert
+    that does not fit host_bytes on, "ssd" (so disk holds the coldest of the non-GPU experts)."""
     L, E = share.shape
     home = [["host"] * E for _ in range(L)]
     used = {"gpu": 0, "host": 0}
+    if budgets.ssd_bytes > 0:
+        used["ssd"] = 0
+    on_disk = False
     by_heat = sorted(((float(share[l, e]), l, e) for l in range(L) for e in range(E)), key=lambda t: -t[0])
     for _, l, e in by_heat:
         b = size[level[l][e]]
         if used["gpu"] + b <= budgets.gpu_bytes:
             home[l][e] = "gpu"
             used["gpu"] += b
+        elif "ssd" in used and (on_disk or used["host"] + b > budgets.host_bytes):
+            on_disk = True
+            home[l][e] = "ssd"
+            used["ssd"] += b
         else:
             used["host"] += b
     return home, used
 
 
 def plan_hot_cold(stats: CalibrationStats, hot_fraction: float, hot: str = "int8", cold: str = "ternary",
-                  cold_home: str = "host", cache_slots: int = 2) -> Plan:
+                  cold_home: str = "host", cache_slots: int = 2, ssd_fraction: float = 0.0,
+                  ssd_cache_bytes: int = 0) -> Plan:
     """Rule-based plan: per layer, the ceil(hot_fraction * E) most used experts get `hot` precision on
-    the GPU; the rest get `cold` precision with home `cold_home`."""
+    the GPU; the rest get `cold` precision with home `cold_home`, except the floor(ssd_fraction * E)
+    least used, which go to "ssd" (behind a host-RAM cache of ssd_cache_bytes)."""
     if not 0.0 <= hot_fraction <= 1.0:
         raise TieringError(f"plan_hot_cold: hot_fraction {hot_fraction} must be within [0, 1]")
+    if not 0.0 <= ssd_fraction <= 1.0 - hot_fraction + 1e-12:
+        raise TieringError(f"plan_hot_cold: ssd_fraction {ssd_fraction} must be within [0, 1 - hot_fraction]")
     for fmt in (hot, cold):
         try:
             parse_format(fmt)
@@ -544,29 +597,35 @@ def plan_hot_cold(stats: CalibrationStats, hot_fraction: float, hot: str = "int8
         raise TieringError(f"plan_hot_cold: cold_home {cold_home!r}; expected one of {HOMES}")
     L, E = stats.counts.shape
     n_hot = math.ceil(hot_fraction * E)
+    n_ssd = min(int(math.floor(ssd_fraction * E + 1e-9)), E - n_hot)
     precision, home = [], []
     for l in range(L):
         # Ties broken by expert id so the plan is deterministic.
         ranked = sorted(range(E), key=lambda e: (-int(stats.counts[l, e]), e))
         hot_set = set(ranked[:n_hot])
+        ssd_set = set(ranked[E - n_ssd:]) if n_ssd else set()
         precision.append([hot if e in hot_set else cold for e in range(E)])
-        home.append(["gpu" if e in hot_set else cold_home for e in range(E)])
+        home.append(["gpu" if e in hot_set else "ssd" if e in ssd_set else cold_home for e in range(E)])
     info = {"planner": "hot_cold", "hot_fraction": hot_fraction, "hot": hot, "cold": cold,
             "calibration_tokens": stats.tokens}
-    return Plan(list(stats.layers), precision, home, cache_slots, None, info)
+    if n_ssd:
+        info["ssd_fraction"] = ssd_fraction
+    return Plan(list(stats.layers), precision, home, cache_slots, None, info, ssd_cache_bytes=ssd_cache_bytes)
 
 
 # ================================================================================================
 # Step 3: packing and loading
 
-_SKIP_COPY = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.gguf|model\.safetensors\.index\.json|plan\.json)$")
+_SKIP_COPY = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.gguf|model\.safetensors\.index\.json|plan\.json|"
+                        r"\.ssd|\.ssd\.tmp)$")
 
 
 def pack(checkpoint_dir: str | Path, plan: Plan, out_dir: str | Path, device="cpu") -> Path:
     """Write the tiered artifact for `plan` from a Hugging Face checkpoint directory; returns out_dir.
 
     Tensors are read one at a time (safe_open); experts are quantized one at a time, on `device`.
-    The packed experts are held in host memory until experts.safetensors is written.
+    The packed experts are held in host memory until experts.safetensors (and, for experts the plan
+    puts on "ssd", the pack file experts.ssd) is written.
     """
     src, out = Path(checkpoint_dir), Path(out_dir)
     if not (src / "config.json").is_file():
@@ -593,33 +652,48 @@ def pack(checkpoint_dir: str | Path, plan: Plan, out_dir: str | Path, device="cp
     del non_expert
 
     packed: dict[str, torch.Tensor] = {}
+    on_disk: list[tuple[int, int, QuantizedExpert]] = []
     shapes: dict[str, list[int]] = {}
-    by_home = {h: 0 for h in HOMES}
+    by_home = {h: 0 for h in HOMES if h != "ssd" or plan.has_ssd}
     for layer, precs in zip(plan.layers, plan.precision):
         n_exp = len({e for l, e, _ in where if l == layer})
         if len(precs) != n_exp:
             raise TieringError(f"pack: plan gives {len(precs)} experts for layer {layer}, checkpoint has {n_exp}")
         for e, fmt in enumerate(precs):
+            home = plan.home[plan.layers.index(layer)][e]
+            mats = []
             for mat in MATRICES:
                 if (layer, e, mat) not in where:
                     raise TieringError(f"{src}: no {mat} weight for layer {layer} expert {e}")
                 w = _read_matrix(where[(layer, e, mat)], mat)
                 q = quantize(w.to(device), fmt).to("cpu")
-                packed.update(q.state(f"layers.{layer}.experts.{e}.{mat}"))
-                by_home[plan.home[plan.layers.index(layer)][e]] += q.nbytes
+                mats.append(q)
+                if home != "ssd":
+                    packed.update(q.state(f"layers.{layer}.experts.{e}.{mat}"))
+                by_home[home] += q.nbytes
                 shapes.setdefault(mat, list(w.shape))
+            if home == "ssd":
+                on_disk.append((layer, e, QuantizedExpert(*mats)))
     save_file(packed, str(out / "experts.safetensors"),
               metadata={"format": "moebench-tiered-experts", "version": str(PLAN_VERSION)})
     data = plan.to_json()
     data["artifact"] = {"source": str(src), "expert_shapes": shapes,
-                        "expert_bytes": sum(t.numel() * t.element_size() for t in packed.values()),
+                        "expert_bytes": sum(by_home.values()),
                         "expert_bytes_by_home": by_home}
+    from .ssd import PACK_NAME, write_pack
+    if on_disk:
+        index = write_pack(out / PACK_NAME, on_disk)
+        data["artifact"]["ssd_file"] = PACK_NAME
+        data["artifact"]["ssd_file_bytes"] = index["file_bytes"]
+    elif (out / PACK_NAME).is_file():
+        (out / PACK_NAME).unlink()        # an earlier pack's file; this plan keeps nothing on disk
     (out / "plan.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     return out
 
 
 def read_experts(path: str | Path, plan: Plan | None = None) -> dict[int, list[QuantizedExpert]]:
-    """{layer: [QuantizedExpert per expert]} from an artifact directory (CPU tensors)."""
+    """{layer: [QuantizedExpert per expert]} from an artifact directory (CPU tensors); experts the
+    plan puts on "ssd" are None (they stay in the pack file)."""
     path = Path(path)
     data = json.loads((path / "plan.json").read_text(encoding="utf-8"))
     plan = plan or Plan.from_json(data, source=str(path / "plan.json"))
@@ -635,7 +709,11 @@ def read_experts(path: str | Path, plan: Plan | None = None) -> dict[int, list[Q
         names = set(f.keys())
         for layer, precs in zip(plan.layers, plan.precision):
             experts = []
+            homes = plan.home[plan.layers.index(layer)]
             for e, fmt in enumerate(precs):
+                if homes[e] == "ssd":
+                    experts.append(None)
+                    continue
                 mats = []
                 for mat in MATRICES:
                     prefix = f"layers.{layer}.experts.{e}.{mat}"
@@ -654,11 +732,45 @@ def _part_names_present(names: set[str], prefix: str) -> list[str]:
     return [n[len(prefix) + 1:] for n in names if n.startswith(prefix + ".")]
 
 
+def open_disk_tier(path: str | Path, plan: Plan, shapes: dict | None, device, ssd_cache_bytes: int | None = None):
+    """The artifact's ssd.DiskTier for `plan`, after checking that its pack file holds exactly the
+    experts the plan puts on "ssd", each in the plan's format and the artifact's shapes."""
+    from .ssd import PACK_NAME, DiskTier, PackError
+    file = Path(path) / PACK_NAME
+    try:
+        disk = DiskTier.open(file, cache_bytes=plan.ssd_cache_bytes if ssd_cache_bytes is None else ssd_cache_bytes,
+                             threads=plan.ssd_threads, pin=torch.device(device).type == "cuda",
+                             direct=plan.ssd_direct, verify=plan.ssd_verify)
+    except PackError as err:
+        raise TieringError(str(err)) from None
+    want = {(l, e): plan.precision[i][e] for i, l in enumerate(plan.layers)
+            for e, h in enumerate(plan.home[i]) if h == "ssd"}
+    entries = disk.pack.entries
+    for key, fmt in want.items():
+        entry = entries.get(key)
+        if entry is None:
+            disk.close()
+            raise TieringError(f"{file}: no record for layer {key[0]} expert {key[1]}; plan.json puts it on ssd "
+                               f"as {fmt!r}")
+        if entry["format"] != fmt or (shapes and any(list(entry["shapes"].get(m, [])) != list(shapes[m])
+                                                      for m in MATRICES)):
+            disk.close()
+            raise TieringError(f"{file}: layer {key[0]} expert {key[1]} is {entry['format']!r} with shapes "
+                               f"{entry['shapes']}; plan.json expects {fmt!r} with shapes {shapes}")
+    extra = sorted(set(entries) - set(want))
+    if extra:
+        disk.close()
+        raise TieringError(f"{file}: holds layer {extra[0][0]} expert {extra[0][1]}, which plan.json does not put "
+                           f"on ssd ({len(extra)} such records); expected the pack written with this plan")
+    return disk
+
+
 def load_tiered(path: str | Path, model, device, dtype, cache_slots: int | None = None,
-                skip_tail_from: int | None = None) -> list[TieredExperts]:
+                skip_tail_from: int | None = None, ssd_cache_bytes: int | None = None) -> list[TieredExperts]:
     """Replace every MoE layer's experts in `model` with TieredExperts built from the artifact at
-    `path` (plan.json + experts.safetensors). cache_slots / skip_tail_from override plan.json's
-    runtime section. Returns the new modules in layer order."""
+    `path` (plan.json + experts.safetensors, and experts.ssd when the plan puts experts on "ssd").
+    cache_slots / skip_tail_from / ssd_cache_bytes override plan.json's runtime section. Returns the
+    new modules in layer order."""
     path = Path(path)
     plan = Plan.load(path / "plan.json")
     blocks = {b.layer_idx: b for b in _moe_blocks(model)}
@@ -668,13 +780,18 @@ def load_tiered(path: str | Path, model, device, dtype, cache_slots: int | None 
     experts = read_experts(path, plan)
     slots = plan.cache_slots if cache_slots is None else cache_slots
     skip = plan.skip_tail_from if skip_tail_from is None else skip_tail_from
+    disk = None
+    if plan.has_ssd:
+        shapes = json.loads((path / "plan.json").read_text(encoding="utf-8")).get("artifact", {}).get("expert_shapes")
+        disk = open_disk_tier(path, plan, shapes, device, ssd_cache_bytes)
     modules = []
     for layer, homes in zip(plan.layers, plan.home):
         block = blocks[layer]
         n_model = getattr(block.experts, "num_experts", len(homes))
         if n_model != len(homes):
             raise TieringError(f"{path / 'plan.json'}: layer {layer} has {len(homes)} experts, the model {n_model}")
-        module = TieredExperts(experts[layer], homes, device, dtype, cache_slots=slots, skip_tail_from=skip)
+        module = TieredExperts(experts[layer], homes, device, dtype, cache_slots=slots, skip_tail_from=skip,
+                               disk=disk, layer=layer)
         block.experts = module
         modules.append(module)
     return modules

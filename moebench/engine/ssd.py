@@ -1,0 +1,406 @@
+"""The SSD tier: experts kept in one packed file on local disk, a host-RAM LRU cache in front of
+it, and reader threads that fetch records while the engine computes.
+
+Pack file (`experts.ssd` in a tiered artifact; written by `write_pack`, read by `ExpertPack`):
+
+    bytes 0..31    header: magic b"MOEBPACK", u32 version, u32 alignment (4096), u64 index length,
+                   u64 data start (all little-endian)
+    bytes 32..     the index, UTF-8 JSON: {"format", "version", "alignment", "file_bytes", "experts": [
+                       {"layer", "expert", "format", "offset", "length", "read_bytes", "crc32",
+                        "shapes": {"gate": [I, H], "up": [I, H], "down": [H, I]},
+                        "parts": {"gate.q": [offset in record, dtype, shape], ...}}, ...]}
+    data start..   one record per expert, each starting on a 4096-byte boundary and padded to a
+                   multiple of 4096 (`read_bytes`), so a record is one aligned read with O_DIRECT;
+                   inside a record each tensor part starts on a 64-byte boundary. `length` is the
+                   record's meaningful bytes, `crc32` their zlib CRC-32.
+
+Reads: `os.preadv` into a caller-owned aligned buffer (pinned when the compute device is CUDA, so
+the later host-to-device copy runs at full speed; plain memory on the CPU). The file is opened with
+O_DIRECT where the filesystem allows it, so reads go to the device and not the page cache (the page
+cache would otherwise hold a second copy of every expert and make the measured tier a RAM tier);
+where O_DIRECT is refused (tmpfs, some network filesystems, a non-Linux OS) the open or the first
+read fails with EINVAL and the pack falls back to buffered reads, recorded in `ExpertPack.direct`
+and `direct_reason`. preadv rather than os.pread: pread returns a new, unaligned bytes object,
+which O_DIRECT rejects and which would need one more copy. Both release the GIL while they read, so
+the reader threads overlap the engine's compute; several threads keep several requests in flight
+(NVMe drives need a queue depth above one for their bandwidth).
+
+`HostCache` is an LRU over whole expert records, sized in bytes (the records' read sizes). It is
+touched only by the thread that runs the model; reader threads only fill buffers.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from .placement import QuantizedExpert
+from .quant import QuantizedTensor
+
+PACK_NAME = "experts.ssd"
+PACK_FORMAT = "moebench-expert-pack"
+PACK_VERSION = 1
+MAGIC = b"MOEBPACK"
+ALIGN = 4096            # record alignment: the logical block size O_DIRECT needs on common devices
+PART_ALIGN = 64         # a tensor part's alignment inside its record
+_HEADER = struct.Struct("<8sIIQQ")
+MATRICES = ("gate", "up", "down")
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.uint8, torch.int8, torch.float16, torch.bfloat16,
+                                                       torch.float32, torch.int32, torch.int16)}
+
+
+class PackError(ValueError):
+    """A pack file that cannot be read as written; the message names the file and what was expected."""
+
+
+def _up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+# ================================================================================================
+# Writing
+
+def _record(expert: QuantizedExpert) -> tuple[bytes, dict, dict]:
+    """(payload bytes, parts {name: [offset, dtype, shape]}, shapes {matrix: shape})."""
+    chunks, parts, pos = [], {}, 0
+    for mat in MATRICES:
+        q: QuantizedTensor = getattr(expert, mat)
+        for name, t in q.parts.items():
+            t = t.detach().to("cpu").contiguous()
+            dtype = str(t.dtype).removeprefix("torch.")
+            if dtype not in _DTYPES:
+                raise PackError(f"write_pack: part {mat}.{name} has dtype {t.dtype}; expected one of {sorted(_DTYPES)}")
+            start = _up(pos, PART_ALIGN)
+            if start > pos:
+                chunks.append(b"\0" * (start - pos))
+            raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            chunks.append(raw)
+            parts[f"{mat}.{name}"] = [start, dtype, list(t.shape)]
+            pos = start + len(raw)
+    shapes = {mat: list(getattr(expert, mat).shape) for mat in MATRICES}
+    return b"".join(chunks), parts, shapes
+
+
+def write_pack(path: str | Path, experts: Iterable[tuple[int, int, QuantizedExpert]]) -> dict:
+    """Write (layer, expert, QuantizedExpert) records into one pack file at `path` (see the module
+    docstring); returns the index. Records are written in the order given."""
+    path = Path(path)
+    records = []
+    for layer, e, qe in experts:
+        payload, parts, shapes = _record(qe)
+        records.append(({"layer": int(layer), "expert": int(e), "format": qe.fmt, "length": len(payload),
+                         "read_bytes": _up(max(len(payload), 1), ALIGN), "crc32": zlib.crc32(payload),
+                         "shapes": shapes, "parts": parts}, payload))
+    seen = set()
+    for entry, _ in records:
+        key = (entry["layer"], entry["expert"])
+        if key in seen:
+            raise PackError(f"write_pack {path}: layer {key[0]} expert {key[1]} given twice")
+        seen.add(key)
+    # The index holds absolute offsets, which depend on where the data starts: grow the reserved
+    # header until the index fits in front of the data.
+    data_start = ALIGN
+    while True:
+        pos = data_start
+        for entry, _ in records:
+            entry["offset"] = pos
+            pos += entry["read_bytes"]
+        index = {"format": PACK_FORMAT, "version": PACK_VERSION, "alignment": ALIGN, "file_bytes": pos,
+                 "experts": [entry for entry, _ in records]}
+        blob = json.dumps(index, separators=(",", ":")).encode("utf-8")
+        if _HEADER.size + len(blob) <= data_start:
+            break
+        data_start = _up(_HEADER.size + len(blob), ALIGN)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(_HEADER.pack(MAGIC, PACK_VERSION, ALIGN, len(blob), data_start))
+        f.write(blob)
+        f.write(b"\0" * (data_start - _HEADER.size - len(blob)))
+        for entry, payload in records:
+            f.write(payload)
+            f.write(b"\0" * (entry["read_bytes"] - len(payload)))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return index
+
+
+# ================================================================================================
+# Reading
+
+def aligned_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """A uint8 tensor of nbytes whose first byte sits on an ALIGN boundary (pinned when `pin`)."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip:skip + nbytes]
+
+
+class ExpertPack:
+    """An open pack file: its index, validated on open, and aligned reads of whole records.
+
+    direct: True forces O_DIRECT (an error where refused), False forces buffered reads, None tries
+    O_DIRECT and falls back (see the module docstring). verify: check each record's CRC-32 on read.
+    """
+
+    def __init__(self, path: str | Path, direct: bool | None = None, verify: bool = False):
+        self.path = Path(path)
+        self.verify = verify
+        if not self.path.is_file():
+            raise PackError(f"{self.path}: no pack file (the plan puts experts on ssd; expected the file "
+                            f"`moebench tier pack` writes)")
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            head = f.read(_HEADER.size)
+            if len(head) < _HEADER.size:
+                raise PackError(f"{self.path}: {size} bytes, shorter than the {_HEADER.size}-byte pack header")
+            magic, version, align, n_index, data_start = _HEADER.unpack(head)
+            if magic != MAGIC:
+                raise PackError(f"{self.path}: starts with {magic!r}; expected the pack magic {MAGIC!r}")
+            if version != PACK_VERSION:
+                raise PackError(f"{self.path}: pack version {version}; expected {PACK_VERSION}")
+            if align != ALIGN or data_start % ALIGN or _HEADER.size + n_index > data_start:
+                raise PackError(f"{self.path}: header says alignment {align}, index {n_index} bytes, data at "
+                                f"{data_start}; expected alignment {ALIGN} and the index before the data")
+            blob = f.read(n_index)
+        try:
+            index = json.loads(blob.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise PackError(f"{self.path}: index is not valid JSON ({err})") from None
+        if not isinstance(index, dict) or index.get("format") != PACK_FORMAT or not isinstance(index.get("experts"), list):
+            raise PackError(f"{self.path}: index has format {index.get('format') if isinstance(index, dict) else None!r};"
+                            f" expected {PACK_FORMAT!r} with an 'experts' list")
+        if size < index.get("file_bytes", 0):
+            raise PackError(f"{self.path}: {size} bytes, the index expects {index['file_bytes']} (truncated?)")
+        self.entries: dict[tuple[int, int], dict] = {}
+        for i, entry in enumerate(index["experts"]):
+            try:
+                key = (int(entry["layer"]), int(entry["expert"]))
+                off, n, rb = int(entry["offset"]), int(entry["length"]), int(entry["read_bytes"])
+                entry["format"], entry["parts"], entry["shapes"]   # noqa: B018 - presence check
+            except (KeyError, TypeError, ValueError) as err:
+                raise PackError(f"{self.path}: index entry {i} lacks {err}; expected layer, expert, format, "
+                                f"offset, length, read_bytes, parts, shapes") from None
+            if off % ALIGN or rb % ALIGN or n > rb or off < data_start or off + rb > size:
+                raise PackError(f"{self.path}: layer {key[0]} expert {key[1]}: record at {off} (+{rb} bytes, {n} "
+                                f"used) is not an aligned record inside the {size}-byte file")
+            self.entries[key] = entry
+        self.direct, self.direct_reason = False, "buffered reads asked for"
+        self._fd_lock = threading.Lock()
+        self._fd = self._open(direct)
+
+    def _open(self, direct: bool | None) -> int:
+        flag = getattr(os, "O_DIRECT", 0)
+        if direct is False:
+            return os.open(self.path, os.O_RDONLY)
+        if not flag:
+            if direct:
+                raise PackError(f"{self.path}: O_DIRECT asked for, but this OS has no O_DIRECT")
+            self.direct_reason = "this OS has no O_DIRECT"
+            return os.open(self.path, os.O_RDONLY)
+        try:
+            fd = os.open(self.path, os.O_RDONLY | flag)
+        except OSError as err:
+            if direct or err.errno != errno.EINVAL:
+                raise PackError(f"{self.path}: open with O_DIRECT failed ({err})") from None
+            self.direct_reason = f"the filesystem refused O_DIRECT ({err.strerror})"
+            return os.open(self.path, os.O_RDONLY)
+        self.direct, self.direct_reason = True, "O_DIRECT"
+        return fd
+
+    def close(self) -> None:
+        with self._fd_lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    def __del__(self):  # noqa: D105
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def keys(self) -> list[tuple[int, int]]:
+        return list(self.entries)
+
+    def read_bytes(self, key: tuple[int, int]) -> int:
+        """Bytes one read of this record moves (its aligned, padded size)."""
+        return int(self.entries[key]["read_bytes"])
+
+    def _pread_into(self, view: memoryview, offset: int) -> None:
+        got = 0
+        while got < len(view):
+            n = os.preadv(self._fd, [view[got:]], offset + got)
+            if n <= 0:
+                raise PackError(f"{self.path}: read at {offset + got} returned {n} bytes; expected "
+                                f"{len(view) - got} more (file shrunk?)")
+            got += n
+
+    def read(self, key: tuple[int, int], pin: bool = False) -> tuple[QuantizedExpert, int]:
+        """Read one record (from a reader thread or the caller's); returns the expert, whose tensors
+        are views into one aligned buffer, and the bytes read."""
+        entry = self.entries.get(key)
+        if entry is None:
+            raise PackError(f"{self.path}: no record for layer {key[0]} expert {key[1]}")
+        rb, off = int(entry["read_bytes"]), int(entry["offset"])
+        buf = aligned_buffer(rb, pin)
+        view = memoryview(buf.numpy()).cast("B")
+        try:
+            self._pread_into(view, off)
+        except OSError as err:
+            if not (self.direct and err.errno == errno.EINVAL):
+                raise PackError(f"{self.path}: reading layer {key[0]} expert {key[1]} at {off} failed ({err})") from None
+            # the open accepted O_DIRECT but the read did not: reopen buffered, once, for everyone
+            with self._fd_lock:
+                if self.direct:
+                    os.close(self._fd)
+                    self._fd = os.open(self.path, os.O_RDONLY)
+                    self.direct, self.direct_reason = False, f"the filesystem refused O_DIRECT reads ({err.strerror})"
+            self._pread_into(view, off)
+        n = int(entry["length"])
+        if self.verify:
+            crc = zlib.crc32(view[:n])
+            if crc != int(entry["crc32"]):
+                raise PackError(f"{self.path}: layer {key[0]} expert {key[1]}: CRC-32 {crc:#010x} of its {n} bytes "
+                                f"at {off}; the index expects {int(entry['crc32']):#010x} (corrupt file)")
+        return self._expert(key, entry, buf), rb
+
+    def _expert(self, key, entry: dict, buf: torch.Tensor) -> QuantizedExpert:
+        mats = {}
+        for mat in MATRICES:
+            prefix = mat + "."
+            parts = {}
+            for name, (start, dtype, shape) in entry["parts"].items():
+                if not name.startswith(prefix):
+                    continue
+                dt = _DTYPES.get(dtype)
+                if dt is None:
+                    raise PackError(f"{self.path}: layer {key[0]} expert {key[1]} part {name}: dtype {dtype!r}; "
+                                    f"expected one of {sorted(_DTYPES)}")
+                count = 1
+                for s in shape:
+                    count *= int(s)
+                nbytes = count * torch.empty(0, dtype=dt).element_size()
+                if start % PART_ALIGN or start + nbytes > int(entry["length"]):
+                    raise PackError(f"{self.path}: layer {key[0]} expert {key[1]} part {name} at {start} (+{nbytes}) "
+                                    f"lies outside its {entry['length']}-byte record")
+                parts[name[len(prefix):]] = buf[start:start + nbytes].view(dt).view(*shape)
+            mats[mat] = QuantizedTensor(entry["format"], tuple(entry["shapes"][mat]), parts)
+        return QuantizedExpert(mats["gate"], mats["up"], mats["down"])
+
+
+# ================================================================================================
+# The host-RAM cache and the tier
+
+class HostCache:
+    """LRU of expert records in host RAM, at most `capacity` bytes (a record's read size counts).
+    A record larger than the whole capacity is not kept."""
+
+    def __init__(self, capacity: int):
+        if capacity < 0:
+            raise ValueError(f"HostCache: capacity must be >= 0 bytes, got {capacity}")
+        self.capacity = int(capacity)
+        self._items: OrderedDict[tuple[int, int], tuple[QuantizedExpert, int]] = OrderedDict()
+        self.resident = 0
+        self.peak = 0
+        self.evictions = 0
+        self.inserts = 0
+
+    def __contains__(self, key) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def keys(self) -> list:
+        """Keys from least to most recently used."""
+        return list(self._items)
+
+    def get(self, key) -> QuantizedExpert | None:
+        item = self._items.get(key)
+        if item is None:
+            return None
+        self._items.move_to_end(key)
+        return item[0]
+
+    def put(self, key, expert: QuantizedExpert, nbytes: int) -> bool:
+        """Insert as most recently used, evicting the least recently used until it fits; False when
+        it is larger than the capacity (then nothing is evicted)."""
+        if key in self._items:
+            self._items.move_to_end(key)
+            return True
+        if nbytes > self.capacity:
+            return False
+        while self.resident + nbytes > self.capacity:
+            _, (_, n) = self._items.popitem(last=False)
+            self.resident -= n
+            self.evictions += 1
+        self._items[key] = (expert, nbytes)
+        self.resident += nbytes
+        self.inserts += 1
+        self.peak = max(self.peak, self.resident)
+        return True
+
+    def clear(self) -> None:
+        self._items.clear()
+        self.resident = 0
+
+
+class DiskTier:
+    """One artifact's SSD tier: the pack, the host-RAM cache in front of it and the reader threads.
+    Shared by every layer's TieredExperts (keys are (layer, expert))."""
+
+    def __init__(self, pack: ExpertPack, cache_bytes: int = 0, threads: int = 4, pin: bool = False):
+        if threads < 1:
+            raise ValueError(f"DiskTier: threads must be >= 1, got {threads}")
+        self.pack = pack
+        self.cache = HostCache(cache_bytes)
+        self.pin = pin
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moebench-ssd")
+
+    @classmethod
+    def open(cls, path: str | Path, cache_bytes: int = 0, threads: int = 4, pin: bool = False,
+             direct: bool | None = None, verify: bool = False) -> "DiskTier":
+        return cls(ExpertPack(path, direct=direct, verify=verify), cache_bytes, threads, pin)
+
+    def nbytes(self, key: tuple[int, int]) -> int:
+        """The expert's stored bytes (its parts; the record read is padded to ALIGN)."""
+        return int(self.pack.entries[key]["length"])
+
+    def cached(self, key: tuple[int, int]) -> QuantizedExpert | None:
+        """The expert from the host-RAM cache (marked most recently used), or None."""
+        return self.cache.get(key)
+
+    def submit(self, key: tuple[int, int]) -> Future:
+        """Queue a read of `key` on the reader threads; the future gives (expert, bytes read, seconds)."""
+        def job():
+            t0 = time.perf_counter()
+            expert, n = self.pack.read(key, pin=self.pin)
+            return expert, n, time.perf_counter() - t0
+        return self._pool.submit(job)
+
+    def keep(self, key: tuple[int, int], expert: QuantizedExpert, nbytes: int) -> None:
+        """Put a record just read into the host-RAM cache (the model's thread only)."""
+        self.cache.put(key, expert, nbytes)
+
+    def stats(self) -> dict:
+        """What the tier holds now (beside the per-layer counters)."""
+        c = self.cache
+        return {"file": str(self.pack.path), "records": len(self.pack.entries), "o_direct": self.pack.direct,
+                "o_direct_reason": self.pack.direct_reason, "verify": self.pack.verify, "read_threads": self.threads,
+                "cache_capacity_bytes": c.capacity, "cache_resident_bytes": c.resident, "cache_peak_bytes": c.peak,
+                "cache_records": len(c), "cache_inserts": c.inserts, "cache_evictions": c.evictions}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.pack.close()

@@ -1,0 +1,327 @@
+"""The SSD tier on the CPU: a tiny random Qwen3-MoE checkpoint (transformers save_pretrained),
+calibrated on real WikiText bytes, packed with its coldest experts in experts.ssd behind a small
+host-RAM cache, decodes exactly what the all-resident artifact decodes; the telemetry adds up; the
+LRU keeps to its byte budget; a damaged pack file is refused with a message naming it."""
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import pytest
+import torch
+
+from moebench.engine import Engine
+from moebench.engine.placement import collect_telemetry, find_tiered
+from moebench.engine.ssd import ALIGN, MAGIC, DiskTier, ExpertPack, HostCache, PackError, write_pack
+from moebench.engine.tiering import (Budgets, Plan, TieringError, calibrate, expert_nbytes, pack, plan,
+                                     plan_hot_cold, read_experts)
+
+E, TOP_K, H, I, LAYERS, SEQ = 8, 2, 64, 96, 2, 96
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=H, intermediate_size=128, moe_intermediate_size=I, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=E, num_experts_per_tok=TOP_K,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], initializer_range=0.1,
+        max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("ssd_ckpt")
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def batches(data_dir):
+    text = (data_dir / "wikitext2" / "wiki.test.raw").read_bytes()[:20000].replace(b"\r\n", b"\n")
+    return [list(text[i:i + SEQ]) for i in range(0, 4 * SEQ, SEQ)]
+
+
+@pytest.fixture(scope="module")
+def stats(ckpt, batches):
+    return calibrate(Engine.load(ckpt, device="cpu", dtype="float32"), batches, samples_per_expert=8)
+
+
+def _three_tier_plan(stats, cache_bytes: int) -> Plan:
+    """Hot quarter int8 on the gpu; the coldest half on ssd, the rest on host; three cold formats."""
+    p = plan_hot_cold(stats, 0.25, hot="int8", cold="ternary", cache_slots=1, ssd_fraction=0.5,
+                      ssd_cache_bytes=cache_bytes)
+    for l in range(LAYERS):
+        ranked = sorted(range(E), key=lambda e: (-int(stats.counts[l, e]), e))
+        p.precision[l][ranked[-1]] = "int4"
+        p.precision[l][ranked[-2]] = "int4_asym+r4"
+    return p
+
+
+@pytest.fixture(scope="module")
+def artifacts(ckpt, stats, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ssd_art")
+    record = ALIGN * -(-expert_nbytes("int4_asym+r4", H, I) // ALIGN)
+    split_plan = _three_tier_plan(stats, cache_bytes=2 * record)   # room for two of the eight ssd experts
+    res_plan = _three_tier_plan(stats, cache_bytes=0)
+    res_plan.home = [["gpu"] * E for _ in range(LAYERS)]
+    return pack(ckpt, split_plan, root / "split"), pack(ckpt, res_plan, root / "resident"), split_plan
+
+
+def _logits_of_generate(eng: Engine, prompt: list[int], new: int) -> list[torch.Tensor]:
+    """Every lm_head output of a greedy generate: the prefill's, then one per decode step."""
+    seen: list[torch.Tensor] = []
+    hook = eng.model.lm_head.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    try:
+        eng.generate([prompt], new, ignore_eos=True)
+    finally:
+        hook.remove()
+    return seen
+
+
+def test_pack_layout_and_plan_file(artifacts, stats):
+    split, resident, split_plan = artifacts
+    data = json.loads((split / "plan.json").read_text())
+    art = data["artifact"]
+    assert art["ssd_file"] == "experts.ssd" and (split / "experts.ssd").stat().st_size == art["ssd_file_bytes"]
+    assert data["runtime"]["ssd_cache_bytes"] == split_plan.ssd_cache_bytes and data["runtime"]["ssd_direct"] is None
+    assert sum(art["expert_bytes_by_home"].values()) == art["expert_bytes"] and art["expert_bytes_by_home"]["ssd"] > 0
+    # the resident artifact keeps the old layout: no ssd keys, no pack file
+    res = json.loads((resident / "plan.json").read_text())
+    assert "ssd_cache_bytes" not in res["runtime"] and "ssd" not in res["artifact"]["expert_bytes_by_home"]
+    assert not (resident / "experts.ssd").exists()
+    p = ExpertPack(split / "experts.ssd")
+    on_ssd = {(l, e) for l in range(LAYERS) for e in range(E) if split_plan.home[l][e] == "ssd"}
+    assert set(p.entries) == on_ssd and len(on_ssd) == LAYERS * E // 2
+    for (l, e), entry in p.entries.items():
+        assert entry["offset"] % ALIGN == 0 and entry["read_bytes"] % ALIGN == 0
+        assert entry["format"] == split_plan.precision[l][e]
+        # the parts' bytes, each part starting on a 64-byte boundary (at most 9 parts per expert)
+        assert expert_nbytes(entry["format"], H, I) <= entry["length"] < expert_nbytes(entry["format"], H, I) + 9 * 64
+    # ssd experts are only in the pack; the bytes read back equal what pack quantized
+    experts = read_experts(split)
+    assert all((experts[l][e] is None) == ((l, e) in on_ssd) for l in range(LAYERS) for e in range(E))
+    full = read_experts(resident)
+    verify = ExpertPack(split / "experts.ssd", verify=True)
+    for key in sorted(on_ssd):
+        got, nbytes = verify.read(key)
+        assert nbytes == verify.entries[key]["read_bytes"]
+        want = full[key[0]][key[1]]
+        for mat in ("gate", "up", "down"):
+            a, b = getattr(got, mat), getattr(want, mat)
+            assert a.fmt == b.fmt and a.shape == b.shape and a.parts.keys() == b.parts.keys()
+            assert all(torch.equal(a.parts[k], b.parts[k]) for k in a.parts)
+
+
+@pytest.mark.parametrize("direct", [None, False])
+def test_ssd_tier_gives_the_same_logits_and_counts_every_pick(artifacts, batches, direct, tmp_path):
+    split, resident, split_plan = artifacts
+    if direct is False:              # buffered reads: the same artifact with ssd_direct = false
+        copy = tmp_path / "buffered"
+        shutil.copytree(split, copy)
+        data = json.loads((copy / "plan.json").read_text())
+        data["runtime"]["ssd_direct"] = False
+        (copy / "plan.json").write_text(json.dumps(data))
+        split = copy
+    e_ssd = Engine.load(split, device="cpu", dtype="float32")
+    e_res = Engine.load(resident, device="cpu", dtype="float32")
+    mods = find_tiered(e_ssd.model)
+    disk = mods[0].disk
+    assert disk is not None and all(m.disk is disk for m in mods)
+    if direct is False:
+        assert disk.pack.direct is False
+    prompt, new = batches[0][:48], 10
+    a = _logits_of_generate(e_ssd, prompt, new)
+    b = _logits_of_generate(e_res, prompt, new)
+    assert len(a) == len(b) == new            # the prefill, then new - 1 decode steps
+    for step, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), f"logits differ at step {step}"
+    # a second prompt starts with warm caches and still matches
+    assert torch.equal(e_ssd.logits(batches[1][:40]), e_res.logits(batches[1][:40]))
+
+    tel = e_ssd.telemetry()["tiers"]
+    routed = (len(prompt) + new - 1 + 40) * TOP_K
+    for m, layer in zip(mods, tel["layers"]):
+        assert layer["routed"] == routed == layer["picks_gpu"] + layer["picks_host"] + layer["picks_ssd"]
+        assert layer["picks_ssd"] > 0
+        assert layer["ssd_hits"] + layer["ssd_misses"] == layer["picks_ssd"] and layer["ssd_skips"] == 0
+        assert layer["ssd_gpu_hits"] <= layer["ssd_hits"]
+        assert layer["ssd_reads"] > 0 and layer["ssd_misses"] >= layer["ssd_reads"]
+        record = {e: disk.pack.read_bytes((m.layer, e)) for e, h in enumerate(m.homes) if h == "ssd"}
+        assert min(record.values()) * layer["ssd_reads"] <= layer["bytes_ssd_read"] \
+            <= max(record.values()) * layer["ssd_reads"]
+        assert layer["ssd_wait_s"] >= 0.0
+        assert layer["host_hits"] + layer["host_misses"] == layer["picks_host"]
+    total = tel["total"]
+    assert total["ssd_gpu_hits"] > 0                                   # served by the device cache
+    assert total["ssd_hits"] > total["ssd_gpu_hits"]                    # and by the host-RAM cache
+    assert total["ssd_hits"] + total["ssd_misses"] == total["picks_ssd"]
+    # the ssd picks are exactly the routed picks of the ssd experts (routing from the resident engine)
+    e_res.reset_telemetry()
+    e_res.logits(batches[2][:64])
+    e_ssd.reset_telemetry()
+    e_ssd.logits(batches[2][:64])
+    trace = e_res.trace(batches[2][:64], router_logits=False)
+    for m, layer, ids in zip(mods, e_ssd.telemetry()["tiers"]["layers"], trace.topk_ids):
+        on_ssd = torch.tensor([e for e, h in enumerate(m.homes) if h == "ssd"])
+        assert layer["picks_ssd"] == int(torch.isin(ids, on_ssd).sum())
+        assert layer["ssd_hits"] + layer["ssd_misses"] == layer["picks_ssd"]
+    st = collect_telemetry(e_ssd.model)["disk"]
+    assert st["cache_peak_bytes"] <= st["cache_capacity_bytes"] == split_plan.ssd_cache_bytes
+    assert st["cache_evictions"] > 0 and 0 < st["cache_resident_bytes"] <= st["cache_capacity_bytes"]
+    assert st["o_direct"] == (direct is None and disk.pack.direct)
+
+
+def test_route_tail_skip_counts_ssd_picks(artifacts, batches):
+    split, _, _ = artifacts
+    eng = Engine.load(split, device="cpu", dtype="float32")
+    for m in find_tiered(eng.model):
+        m.skip_tail_from = 1
+    eng.logits(batches[3][:64])
+    for layer in eng.telemetry()["tiers"]["layers"]:
+        assert layer["ssd_skips"] > 0
+        assert layer["ssd_hits"] + layer["ssd_misses"] + layer["ssd_skips"] == layer["picks_ssd"]
+        assert layer["host_hits"] + layer["host_misses"] + layer["route_tail_skips"] == layer["picks_host"]
+
+
+def test_o_direct_refused_falls_back_to_buffered_reads(artifacts, monkeypatch):
+    import errno
+    import os
+
+    from moebench.engine import ssd
+    split, _, _ = artifacts
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+    monkeypatch.setattr(ssd.os, "open", no_direct)
+    p = ExpertPack(split / "experts.ssd")
+    assert p.direct is False and "refused O_DIRECT" in p.direct_reason
+    key = next(iter(p.entries))
+    got, n = p.read(key)
+    assert n == p.read_bytes(key) and got.fmt == p.entries[key]["format"]
+    with pytest.raises(PackError, match="open with O_DIRECT failed"):
+        ExpertPack(split / "experts.ssd", direct=True)
+
+
+def test_host_cache_lru_respects_its_byte_budget(artifacts):
+    split, _, _ = artifacts
+    p = ExpertPack(split / "experts.ssd")
+    keys = sorted(p.entries)
+    sizes = {k: p.read_bytes(k) for k in keys}
+    cap = sizes[keys[0]] + sizes[keys[1]] + sizes[keys[2]] - 1       # never three of these at once
+    cache = HostCache(cap)
+    order = keys[:3] + [keys[0]] + keys[3:6] + [keys[4]]
+    ref: list = []                                                  # the LRU order a byte-sized cache must keep
+    for k in order:
+        expert, n = p.read(k)
+        hit = cache.get(k) is not None
+        assert hit == (k in ref)
+        if not hit:
+            cache.put(k, expert, n)
+            ref.append(k)
+            while sum(sizes[x] for x in ref) > cap:
+                ref.pop(0)
+        else:
+            ref.remove(k)
+            ref.append(k)
+        assert cache.keys() == ref and cache.resident == sum(sizes[x] for x in ref) <= cap
+    assert cache.evictions > 0 and cache.peak <= cap
+    big = HostCache(sizes[keys[0]] - 1)                             # smaller than any record: keeps nothing
+    assert not big.put(keys[0], p.read(keys[0])[0], sizes[keys[0]]) and big.resident == 0
+    tier = DiskTier(p, cache_bytes=cap, threads=2)
+    futures = [tier.submit(k) for k in keys[:4]]
+    for k, f in zip(keys[:4], futures):
+        expert, n, seconds = f.result()
+        assert n == sizes[k] and seconds >= 0
+        tier.keep(k, expert, n)
+        assert tier.cache.resident <= cap
+    tier.close()
+
+
+def test_damaged_pack_files_are_refused_with_the_file_named(artifacts, tmp_path):
+    split, _, _ = artifacts
+    good = (split / "experts.ssd").read_bytes()
+    bad = tmp_path / "experts.ssd"
+
+    def refused(data: bytes, match: str, **kw):
+        bad.write_bytes(data)
+        with pytest.raises(PackError, match=match) as info:
+            p = ExpertPack(bad, **kw)
+            for k in p.entries:
+                p.read(k)
+        assert str(bad) in str(info.value)
+    refused(b"NOTAPACK" + good[8:], "expected the pack magic")
+    refused(good[:len(good) - ALIGN], "truncated")
+    refused(good[:20], "shorter than the 32-byte pack header")
+    head = struct.unpack("<8sIIQQ", good[:32])
+    refused(struct.pack("<8sIIQQ", MAGIC, 7, *head[2:]) + good[32:], "pack version 7; expected 1")
+    refused(good[:32] + b"{" * 8 + good[40:], "index is not valid JSON")
+    # a flipped byte inside a record: found when reads are verified
+    first = min(json.loads(good[32:32 + head[3]])["experts"], key=lambda x: x["offset"])
+    flipped = bytearray(good)
+    flipped[first["offset"] + 5] ^= 0xFF
+    refused(bytes(flipped), "CRC-32 .* the index expects", verify=True)
+    # an artifact whose pack does not match its plan
+    art = tmp_path / "art"
+    shutil.copytree(split, art)
+    data = json.loads((art / "plan.json").read_text())
+    l, e = first["layer"], first["expert"]
+    data["layers"][str(l)]["precision"][e] = "int8"
+    (art / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(TieringError, match=rf"experts\.ssd: layer {l} expert {e} is .*plan\.json expects 'int8'"):
+        Engine.load(art, device="cpu", dtype="float32")
+    (art / "experts.ssd").unlink()
+    with pytest.raises(TieringError, match=r"experts\.ssd: no pack file"):
+        Engine.load(art, device="cpu", dtype="float32")
+    with pytest.raises(PackError, match="given twice"):
+        x = ExpertPack(split / "experts.ssd")
+        k = next(iter(x.entries))
+        write_pack(tmp_path / "twice.ssd", [(*k, x.read(k)[0]), (*k, x.read(k)[0])])
+
+
+def test_greedy_planner_puts_the_coldest_on_disk(stats, ckpt, tmp_path):
+    sizes = {f: expert_nbytes(f, H, I) for f in ("int8", "int4", "ternary")}
+    n = LAYERS * E
+    budgets = Budgets(gpu_bytes=3 * sizes["int8"], host_bytes=4 * sizes["int4"], ssd_bytes=n * sizes["int8"])
+    p = plan(stats, ckpt, budgets, ["int8", "int4", "ternary"])
+    used = {"gpu": 0, "host": 0, "ssd": 0}
+    for precs, homes in zip(p.precision, p.home):
+        for fmt, h in zip(precs, homes):
+            used[h] += expert_nbytes(fmt, H, I)
+    assert used == p.info["bytes"] and used["ssd"] > 0
+    assert used["gpu"] <= budgets.gpu_bytes and used["host"] <= budgets.host_bytes and used["ssd"] <= budgets.ssd_bytes
+    share = stats.usage_share()
+    heat = {h: [float(share[l, e]) for l in range(LAYERS) for e in range(E) if p.home[l][e] == h]
+            for h in ("gpu", "host", "ssd")}
+    assert min(heat["gpu"]) >= max(heat["host"] + heat["ssd"])
+    assert min(heat["host"]) >= max(heat["ssd"])                      # disk holds the coldest
+    # without an ssd budget the planner is unchanged: no ssd home, no ssd keys in the file
+    old = plan(stats, ckpt, Budgets(budgets.gpu_bytes, n * sizes["int8"]), ["int8", "int4", "ternary"])
+    assert not old.has_ssd and "ssd" not in old.info["bytes"] and "ssd_bytes" not in old.info["budgets"]
+    old.save(tmp_path / "old.json")
+    saved = json.loads((tmp_path / "old.json").read_text())
+    assert saved["runtime"] == {"cache_slots": 2, "skip_tail_from": None}
+    p.ssd_cache_bytes = 12345
+    p.save(tmp_path / "p.json")
+    back = Plan.load(tmp_path / "p.json")
+    assert back.home == p.home and back.ssd_cache_bytes == 12345 and back.ssd_threads == 4
+    data = json.loads((tmp_path / "p.json").read_text())
+    data["runtime"]["ssd_cache_bytes"] = -1
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(TieringError, match=r"runtime\.ssd_cache_bytes is -1; expected an integer >= 0"):
+        Plan.load(tmp_path / "bad.json")
+
+
+def test_cli_plan_takes_an_ssd_budget(stats, ckpt, tmp_path):
+    from conftest import moebench_cli
+    stats.save(tmp_path / "stats.safetensors")
+    size = expert_nbytes("int8", H, I)
+    proc = moebench_cli("tier", "plan", str(ckpt), str(tmp_path / "stats.safetensors"), "--gpu-bytes", str(4 * size),
+                        "--host-bytes", str(4 * size), "--ssd-gib", "0.001", "--ssd-cache-bytes", "65536",
+                        "--ladder", "int8,ternary", "--out", str(tmp_path / "plan.json"), check=True)
+    assert proc.stdout.strip().splitlines()[-1] == str(tmp_path / "plan.json")
+    p = Plan.load(tmp_path / "plan.json")
+    assert p.has_ssd and p.ssd_cache_bytes == 65536 and p.info["budgets"]["ssd_bytes"] == round(0.001 * (1 << 30))
+    art = moebench_cli("tier", "pack", str(ckpt), str(tmp_path / "plan.json"), "--out", str(tmp_path / "art"), check=True)
+    assert (tmp_path / "art" / "experts.ssd").is_file(), art.stdout
