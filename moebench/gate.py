@@ -76,7 +76,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moebench.config import Field, ProfileError, load_toml, non_negative, positive, validate
-from moebench.report.sections import memory_value, needle_cells, needle_counts, number, side_value, speed_rows
+from moebench.store.sections import memory_value, needle_cells, needle_counts, number, side_value, speed_rows
 from moebench.scoring.stats import holm_adjust
 
 SUMMARY_FILE = "summary.md"

@@ -18,7 +18,7 @@ from markupsafe import Markup
 from moebench import store
 from moebench.report import plots
 from moebench.report.rig import rig_context, run_rig_context
-from moebench.report.sections import (SPEED_METRICS, needle_cells, needle_counts, number, per_side,
+from moebench.store.sections import (SPEED_METRICS, needle_cells, needle_counts, number, per_side,
                                       speed_rows)
 
 REPORT_FILE = "report.html"
