@@ -18,6 +18,7 @@ from markupsafe import Markup
 from moebench import store
 from moebench.report import plots
 from moebench.report.rig import rig_context, run_rig_context
+from moebench.store.records import CompareDoc, CompareSide, Manifest, RecordError
 from moebench.store.sections import (SPEED_METRICS, needle_cells, needle_counts, number, per_side,
                                       speed_rows)
 
@@ -205,6 +206,7 @@ def _record_task(rec: dict[str, Any]) -> str:
 def run_context(run_dir: Path) -> dict[str, Any]:
     try:
         manifest, records = store.load_run(run_dir)
+        typed = Manifest.from_dict(manifest, str(run_dir / store.MANIFEST))
     except store.StoreError as e:
         raise ReportError(str(e)) from None
     tasks: dict[str, list[dict[str, Any]]] = {}
@@ -239,7 +241,7 @@ def run_context(run_dir: Path) -> dict[str, Any]:
                      "question_excerpt": excerpt(q), "reference": rec.get("reference"),
                      "answer": rec.get("answer"), "output": cut_output(rec.get("output")),
                      "error": rec.get("error"), "status": rec.get("status")})
-    label = manifest.get("label") or run_dir.name
+    label = typed.label or run_dir.name
     return {
         "mode": "run",
         "title": f"moebench run: {label}",
@@ -267,24 +269,25 @@ def resolve_run(ref: Any, compare_dir: Path) -> Path | None:
     return None
 
 
-def _side(compare: dict[str, Any], role: str, compare_dir: Path, warnings: list[str]) -> dict[str, Any]:
-    info = compare.get(role) if isinstance(compare.get(role), dict) else {}
-    run_dir = resolve_run(info.get("run"), compare_dir)
-    side = {"role": role, "label": info.get("label") or role, "run": info.get("run"), "found": False,
+def _side(info: CompareSide, role: str, compare_dir: Path, warnings: list[str]) -> dict[str, Any]:
+    run_dir = resolve_run(info.run, compare_dir)
+    side = {"role": role, "label": info.label or role, "run": info.run, "found": False,
             "identity": [], "records": {}}
-    if run_dir is None and info.get("profile") and not info.get("run"):
-        side["identity"] = [("runner profile", str(info["profile"]))]    # a speed-ab side: no run directory
+    profile = info.extra.get("profile")
+    if run_dir is None and profile and not info.run:
+        side["identity"] = [("runner profile", str(profile))]    # a speed-ab side: no run directory
         return side
     if run_dir is None:
-        warnings.append(f"{role} run {info.get('run')!r} not found (looked relative to {compare_dir} "
+        warnings.append(f"{role} run {info.run!r} not found (looked relative to {compare_dir} "
                         f"and {Path.cwd()}): answers and outputs are not shown")
         return side
     try:
         manifest, records = store.load_run(run_dir)
+        label = Manifest.from_dict(manifest, str(run_dir / store.MANIFEST)).label
     except store.StoreError as e:
         warnings.append(f"{role} run unreadable: {e}")
         return side
-    side.update(found=True, identity=identity(manifest), label=info.get("label") or manifest.get("label") or role,
+    side.update(found=True, identity=identity(manifest), label=info.label or label or role,
                 records={(_record_task(r), str(r.get("item_id"))): r for r in records})
     return side
 
@@ -683,13 +686,15 @@ def _energy_context(energy: Any) -> dict[str, Any] | None:
 
 
 def compare_context(compare_dir: Path) -> dict[str, Any]:
-    compare = _load_json(compare_dir / "compare.json")
-    if not isinstance(compare, dict):
-        raise ReportError(f"{compare_dir / 'compare.json'}: expected a JSON object")
-    warnings: list[str] = _id_list(compare.get("warnings"))      # the builder's own (e.g. a run not complete)
-    base = _side(compare, "baseline", compare_dir, warnings)
-    cand = _side(compare, "candidate", compare_dir, warnings)
-    tasks_raw = compare.get("tasks") if isinstance(compare.get("tasks"), dict) else {}
+    try:
+        doc = CompareDoc.from_dict(_load_json(compare_dir / "compare.json"), str(compare_dir / "compare.json"))
+    except RecordError as e:
+        raise ReportError(str(e)) from None
+    compare = doc.to_dict()
+    warnings: list[str] = _id_list(doc.warnings)      # the builder's own (e.g. a run not complete)
+    base = _side(doc.baseline, "baseline", compare_dir, warnings)
+    cand = _side(doc.candidate, "candidate", compare_dir, warnings)
+    tasks_raw = doc.tasks
     tasks, dots, flips = [], [], []
     for name, t in tasks_raw.items():
         if not isinstance(t, dict):
@@ -719,14 +724,14 @@ def compare_context(compare_dir: Path) -> dict[str, Any]:
         "warnings": warnings,
         "tasks": tasks,
         "accuracy_svg": _svg(plots.interval_plot(dots)) if dots else None,
-        "overall": _overall(compare.get("overall")),
+        "overall": _overall(doc.section("overall")),
         "flips": flips,
-        "kld": _kld_context(compare.get("kld")),
-        "needle": _needle_context(compare.get("needle")),
-        "speed": _speed_context(compare.get("speed")),
-        "speed_ab": _speed_ab_context(compare.get("speed_ab")),
-        "memory": _memory_context(compare.get("memory"), compare_dir, [base, cand], warnings),
-        "energy": _energy_context(compare.get("energy")),
+        "kld": _kld_context(doc.section("kld")),
+        "needle": _needle_context(doc.section("needle")),
+        "speed": _speed_context(doc.section("speed")),
+        "speed_ab": _speed_ab_context(doc.section("speed_ab")),
+        "memory": _memory_context(doc.section("memory"), compare_dir, [base, cand], warnings),
+        "energy": _energy_context(doc.section("energy")),
         "rig": rig_context(compare),
         "gate": _gate_context(compare_dir, warnings),
         "verdict": _verdict_context(tasks, compare),
