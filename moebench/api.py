@@ -12,7 +12,6 @@ import shutil
 import signal
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,13 +19,13 @@ from typing import Any
 from moebench.config import RunnerProfile, SuiteProfile, load_runner, load_suite, resolve_profile_path
 from moebench.errors import UsageError
 from moebench.datasets import data_dir
-from moebench.identity import host_identity, moebench_identity
 from moebench.progress import Progress
 from moebench.runners import make_runner, runner_schemas
 from moebench.runners.base import CapabilityError, Runner, check_capabilities
 from moebench.runners.responses import describe
-from moebench.secrets import env_secret_values, redact
+from moebench.secrets import redact
 from moebench.store import RunLock, RunStore, StoreError, now_iso, write_json_atomic
+from moebench.store.session import ask_item, finish_run, new_manifest, open_store, record_runner_identity
 from moebench.tasks import task_class, task_schemas
 from moebench.tasks.base import Task, TaskContext
 
@@ -141,11 +140,6 @@ def _start_probe(suite: SuiteProfile) -> tuple[Any, dict[str, Any]]:
     return probe, {"nvml": {"available": True}}
 
 
-# OS errors that mean the run cannot go on (a full disk, a read-only or failing filesystem): they end
-# the run instead of becoming one error record per remaining item.
-FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
-
-
 async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runner, store: RunStore,
                         quiet: bool, counts: dict[str, int], probe: Any = None) -> dict[str, int]:
     """Ask every unfinished item; `counts` is updated in place so an interrupted run still has them."""
@@ -169,22 +163,8 @@ async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runne
 
         async def one(item, task=task, progress=progress):
             async with sem:
-                t0 = time.perf_counter()
-                base = {"task": task.name, "item_id": item.item_id, "correct": None, "answer": None,
-                        "reference": None, "output": None}
-                try:
-                    fields = await task.evaluate(item, runner)
-                    rec = {**base, "status": "ok", **fields}
-                except CapabilityError:
-                    raise
-                except OSError as e:
-                    if e.errno in FATAL_ERRNOS:
-                        raise
-                    rec = {**base, "status": "error", "correct": None, "error": describe(e)}
-                except Exception as e:   # recorded, retried on resume, never counted as wrong
-                    rec = {**base, "status": "error", "correct": None, "error": describe(e)}
-                rec["task"], rec["item_id"] = task.name, item.item_id
-                rec["wall_s"] = round(time.perf_counter() - t0, 4)
+                rec = await ask_item(task.name, item.item_id, lambda: task.evaluate(item, runner), describe,
+                                     passthrough=(CapabilityError,))
                 store.append(rec)
                 counts["asked"] += 1
                 counts["errors"] += rec["status"] == "error"
@@ -265,20 +245,10 @@ def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, lab
     # Items are listed before the run starts so bad data fails fast (and data files get hashed).
     items = {t.name: t.items() for t in tasks}
 
-    manifest = {
-        "run_id": uuid.uuid4().hex[:12],
-        "label": label,
-        "suite": redact(suite.to_dict()),
-        "runner": runner_p.redacted(),
-        "moebench": moebench_identity(),
-        "host": host_identity(),
-        "data_dir": str(ctx.data_dir),
-        "data_files": ctx.data_files,
-        "baseline_run": str(baseline) if baseline else None,
-        "limit": opts.limit,
-    }
-    secrets = frozenset(env_secret_values(runner_p.settings))
-    return RunStore.create_or_resume(run_dir, manifest, lock=lock, secrets=secrets), tasks, runner, items, ctx
+    manifest = new_manifest(label, redact(suite.to_dict()), runner_p.redacted(), ctx.data_dir,
+                            data_files=ctx.data_files, baseline_run=str(baseline) if baseline else None,
+                            limit=opts.limit)
+    return open_store(run_dir, manifest, runner_p.settings, lock=lock), tasks, runner, items, ctx
 
 
 def _execute(opts: RunOptions, suite: SuiteProfile, store: RunStore, tasks: list[Task], runner: Runner,
@@ -311,8 +281,7 @@ def _execute(opts: RunOptions, suite: SuiteProfile, store: RunStore, tasks: list
                 probe.mark("load")
             try:
                 await runner.start(str(run_dir))
-                ident = runner.identity()
-                store.update_manifest(model=ident.get("model"), build=ident.get("build"))
+                record_runner_identity(store, runner)
                 # Idle is measured loaded and warm, before the first task: the draw the tasks' energy
                 # is net of (before the load, the card idles at another level).
                 if probe is not None:
@@ -371,12 +340,10 @@ def _execute(opts: RunOptions, suite: SuiteProfile, store: RunStore, tasks: list
         try:
             records = list(store.records().values())
             summary = {t.name: t.summarize([r for r in records if r.get("task") == t.name]) for t in tasks}
-            events = store.manifest.get("events", []) + list(getattr(runner, "events", []))
             probes = dict(store.manifest.get("probes") or {})
             if probe_summary is not None:
                 probes["nvml"] = {**probes.get("nvml", {}), **probe_summary}
-            store.finish(status, summary=summary, counts=counts, events=events, probes=probes,
-                         data_files=ctx.data_files)
+            finish_run(store, status, runner, summary, counts=counts, probes=probes, data_files=ctx.data_files)
         except OSError as e:         # the manifest keeps its last whole version; say why once
             if not reported:
                 print(os_error_line(e), file=sys.stderr)
