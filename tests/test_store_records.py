@@ -118,3 +118,20 @@ def test_run_store_writes_what_the_manifest_class_reads(tmp_path):
     assert (m.status, m.run_id, m.runner_name, m.counts) == ("failed", "abc", "http", {"asked": 1, "errors": 1})
     rec = ItemRecord.from_dict(json.loads((tmp_path / "r" / "items.jsonl").read_text().splitlines()[0]))
     assert rec.status == "error" and rec.correct is None and rec.extra == {"error": "RunnerError: boom"}
+
+
+def test_single_run_report_reads_items_typed_and_names_a_bad_record(compared, tmp_path):
+    import shutil
+
+    from moebench.report.render import ReportError, render
+    run = tmp_path / "base"
+    shutil.copytree(compared.parent / "base", run)
+    html = render(run).read_text(encoding="utf-8")
+    assert "gsm8k/test/0" in html and "moebench run: base" in html
+    items = run / "items.jsonl"
+    lines = items.read_text(encoding="utf-8").splitlines()
+    bad = {**json.loads(lines[1]), "status": "skipped"}
+    items.write_text("\n".join([lines[0], json.dumps(bad), *lines[2:]]) + "\n", encoding="utf-8")
+    with pytest.raises(ReportError, match=rf"items\.jsonl \(item '{bad['item_id']}'\): key 'status' is 'skipped', "
+                                          r"expected one of 'ok', 'error'"):
+        render(run)

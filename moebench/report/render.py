@@ -18,7 +18,7 @@ from markupsafe import Markup
 from moebench import store
 from moebench.report import plots
 from moebench.report.rig import rig_context, run_rig_context
-from moebench.store.records import CompareDoc, CompareSide, Manifest, RecordError
+from moebench.store.records import CompareDoc, CompareSide, ItemRecord, Manifest, RecordError
 from moebench.store.sections import (SPEED_METRICS, needle_cells, needle_counts, number, per_side,
                                       speed_rows)
 
@@ -205,42 +205,38 @@ def _record_task(rec: dict[str, Any]) -> str:
 
 def run_context(run_dir: Path) -> dict[str, Any]:
     try:
-        manifest, records = store.load_run(run_dir)
+        manifest, raw_records = store.load_run(run_dir)
         typed = Manifest.from_dict(manifest, str(run_dir / store.MANIFEST))
+        items = run_dir / store.ITEMS
+        records = [ItemRecord.from_dict(r, f"{items} (item {r.get('item_id')!r})" if isinstance(r, dict) else str(items))
+                   for r in raw_records]
     except store.StoreError as e:
         raise ReportError(str(e)) from None
-    tasks: dict[str, list[dict[str, Any]]] = {}
+    tasks: dict[str, list[ItemRecord]] = {}
     for rec in records:
-        tasks.setdefault(_record_task(rec), []).append(rec)
+        tasks.setdefault(rec.task, []).append(rec)
     summaries = []
     dots = []
     for name, recs in tasks.items():
-        ok = [r for r in recs if r.get("status") == "ok"]
-        scored = [r for r in ok if r.get("correct") is not None]
-        correct = sum(1 for r in scored if r.get("correct") is True)
+        ok = [r for r in recs if r.status == "ok"]
+        scored = [r for r in ok if r.correct is not None]
+        correct = sum(1 for r in scored if r.correct is True)
         acc = correct / len(scored) if scored else None
         ci = wilson(correct, len(scored))
         summaries.append({"task": name, "n": len(recs), "ok": len(ok),
-                          "errors": sum(1 for r in recs if r.get("status") == "error"),
+                          "errors": sum(1 for r in recs if r.status == "error"),
                           "scored": len(scored), "correct": correct, "accuracy": acc, "ci": ci})
         if acc is not None and ci is not None:
             dots.append({"label": name, "value": acc, "lo": ci[0], "hi": ci[1], "colour": plots.CANDIDATE})
     rows = []
     for rec in records:
-        item_id = str(rec.get("item_id"))
-        q = question_text(rec, item_id)
-        if rec.get("status") == "error":
-            kind = "error"
-        elif rec.get("correct") is True:
-            kind = "correct"
-        elif rec.get("correct") is False:
-            kind = "wrong"
-        else:
-            kind = "unscored"
-        rows.append({"kind": kind, "task": _record_task(rec), "item_id": item_id, "question": q,
-                     "question_excerpt": excerpt(q), "reference": rec.get("reference"),
-                     "answer": rec.get("answer"), "output": cut_output(rec.get("output")),
-                     "error": rec.get("error"), "status": rec.get("status")})
+        q = question_text(rec.extra, rec.item_id)
+        kind = ("error" if rec.status == "error" else "correct" if rec.correct is True
+                else "wrong" if rec.correct is False else "unscored")
+        rows.append({"kind": kind, "task": rec.task, "item_id": rec.item_id, "question": q,
+                     "question_excerpt": excerpt(q), "reference": rec.reference,
+                     "answer": rec.answer, "output": cut_output(rec.output),
+                     "error": rec.extra.get("error"), "status": rec.status})
     label = typed.label or run_dir.name
     return {
         "mode": "run",
@@ -251,7 +247,7 @@ def run_context(run_dir: Path) -> dict[str, Any]:
         "accuracy_svg": _svg(plots.interval_plot(dots)) if dots else None,
         "rows": rows,
         "counts": {k: sum(1 for r in rows if r["kind"] == k) for k in ("correct", "wrong", "error", "unscored")},
-        "rig": run_rig_context(manifest, records),
+        "rig": run_rig_context(manifest, raw_records),
     }
 
 
