@@ -1,4 +1,6 @@
-"""The Python API behind the CLI: run, compare, report, gate (the CLI is a thin shell over these)."""
+"""The Python API behind the CLI: one function per command (run, compare, trend, report, gate, demo,
+tools, zoo, data, tier, import-lm-eval, lm-eval, speed-ab, serve). The CLI parses arguments, calls
+one of these and prints what it returns."""
 from __future__ import annotations
 
 import asyncio
@@ -10,29 +12,26 @@ import shutil
 import signal
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from moebench.config import RunnerProfile, SuiteProfile, load_runner, load_suite, resolve_profile_path
+from moebench.errors import UsageError
 from moebench.datasets import data_dir
-from moebench.identity import host_identity, moebench_identity
 from moebench.progress import Progress
 from moebench.runners import make_runner, runner_schemas
 from moebench.runners.base import CapabilityError, Runner, check_capabilities
 from moebench.runners.responses import describe
-from moebench.secrets import env_secret_values, redact
+from moebench.secrets import redact
 from moebench.store import RunLock, RunStore, StoreError, now_iso, write_json_atomic
+from moebench.store.session import ask_item, finish_run, new_manifest, open_store, record_runner_identity
 from moebench.tasks import task_class, task_schemas
 from moebench.tasks.base import Task, TaskContext
 
 
 BASELINE_IDLE_END = "baseline_idle_end"   # the optional idle window after the last task
 
-
-class UsageError(Exception):
-    """Bad usage or bad input: exit code 2."""
 
 
 @dataclass
@@ -141,11 +140,6 @@ def _start_probe(suite: SuiteProfile) -> tuple[Any, dict[str, Any]]:
     return probe, {"nvml": {"available": True}}
 
 
-# OS errors that mean the run cannot go on (a full disk, a read-only or failing filesystem): they end
-# the run instead of becoming one error record per remaining item.
-FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
-
-
 async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runner, store: RunStore,
                         quiet: bool, counts: dict[str, int], probe: Any = None) -> dict[str, int]:
     """Ask every unfinished item; `counts` is updated in place so an interrupted run still has them."""
@@ -169,22 +163,8 @@ async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runne
 
         async def one(item, task=task, progress=progress):
             async with sem:
-                t0 = time.perf_counter()
-                base = {"task": task.name, "item_id": item.item_id, "correct": None, "answer": None,
-                        "reference": None, "output": None}
-                try:
-                    fields = await task.evaluate(item, runner)
-                    rec = {**base, "status": "ok", **fields}
-                except CapabilityError:
-                    raise
-                except OSError as e:
-                    if e.errno in FATAL_ERRNOS:
-                        raise
-                    rec = {**base, "status": "error", "correct": None, "error": describe(e)}
-                except Exception as e:   # recorded, retried on resume, never counted as wrong
-                    rec = {**base, "status": "error", "correct": None, "error": describe(e)}
-                rec["task"], rec["item_id"] = task.name, item.item_id
-                rec["wall_s"] = round(time.perf_counter() - t0, 4)
+                rec = await ask_item(task.name, item.item_id, lambda: task.evaluate(item, runner), describe,
+                                     passthrough=(CapabilityError,))
                 store.append(rec)
                 counts["asked"] += 1
                 counts["errors"] += rec["status"] == "error"
@@ -265,20 +245,10 @@ def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, lab
     # Items are listed before the run starts so bad data fails fast (and data files get hashed).
     items = {t.name: t.items() for t in tasks}
 
-    manifest = {
-        "run_id": uuid.uuid4().hex[:12],
-        "label": label,
-        "suite": redact(suite.to_dict()),
-        "runner": runner_p.redacted(),
-        "moebench": moebench_identity(),
-        "host": host_identity(),
-        "data_dir": str(ctx.data_dir),
-        "data_files": ctx.data_files,
-        "baseline_run": str(baseline) if baseline else None,
-        "limit": opts.limit,
-    }
-    secrets = frozenset(env_secret_values(runner_p.settings))
-    return RunStore.create_or_resume(run_dir, manifest, lock=lock, secrets=secrets), tasks, runner, items, ctx
+    manifest = new_manifest(label, redact(suite.to_dict()), runner_p.redacted(), ctx.data_dir,
+                            data_files=ctx.data_files, baseline_run=str(baseline) if baseline else None,
+                            limit=opts.limit)
+    return open_store(run_dir, manifest, runner_p.settings, lock=lock), tasks, runner, items, ctx
 
 
 def _execute(opts: RunOptions, suite: SuiteProfile, store: RunStore, tasks: list[Task], runner: Runner,
@@ -311,8 +281,7 @@ def _execute(opts: RunOptions, suite: SuiteProfile, store: RunStore, tasks: list
                 probe.mark("load")
             try:
                 await runner.start(str(run_dir))
-                ident = runner.identity()
-                store.update_manifest(model=ident.get("model"), build=ident.get("build"))
+                record_runner_identity(store, runner)
                 # Idle is measured loaded and warm, before the first task: the draw the tasks' energy
                 # is net of (before the load, the card idles at another level).
                 if probe is not None:
@@ -371,12 +340,10 @@ def _execute(opts: RunOptions, suite: SuiteProfile, store: RunStore, tasks: list
         try:
             records = list(store.records().values())
             summary = {t.name: t.summarize([r for r in records if r.get("task") == t.name]) for t in tasks}
-            events = store.manifest.get("events", []) + list(getattr(runner, "events", []))
             probes = dict(store.manifest.get("probes") or {})
             if probe_summary is not None:
                 probes["nvml"] = {**probes.get("nvml", {}), **probe_summary}
-            store.finish(status, summary=summary, counts=counts, events=events, probes=probes,
-                         data_files=ctx.data_files)
+            finish_run(store, status, runner, summary, counts=counts, probes=probes, data_files=ctx.data_files)
         except OSError as e:         # the manifest keeps its last whole version; say why once
             if not reported:
                 print(os_error_line(e), file=sys.stderr)
@@ -505,3 +472,150 @@ def report(path: str, out: str | None = None) -> Path:
 def gate(compare_dir: str, rules: str, as_json: bool = False) -> int:
     from moebench.gate import run_gate
     return run_gate(compare_dir, rules, as_json=as_json)
+
+
+# --- the other commands ----------------------------------------------------------------------------
+
+def _fresh(run_dir: Path) -> Path:
+    """The demo always measures anew: remove an earlier demo run (only if it is a moebench run)."""
+    if (run_dir / "manifest.json").is_file():
+        shutil.rmtree(run_dir)
+    return run_dir
+
+
+def demo(out: str | Path | None = None, log=print) -> Path:
+    """`moebench demo`: the embedded default end to end, with no server and no GPU. Builds (or reuses)
+    the zoo's tiny MoE, packs a tiered candidate, runs the smoke suite on the BF16 baseline and on the
+    candidate with the engine runner, compares them; returns the report's path."""
+    from moebench.compare.build import format_table
+    from moebench.config import repo_root
+    from moebench.demo import ZOO, pack_tiered
+    from moebench.zoo.build import build_zoo
+    out = Path(out) if out else Path("results") / "demo"
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    build_zoo(str(ZOO), gguf=False)     # the engine reads the HF checkpoint: no llama.cpp needed
+    checkpoint = ZOO / "tiny-moe"
+    pack_tiered(checkpoint, ZOO / "tiny-moe-tiered", log=log)
+    smoke = str(repo_root() / "suites" / "smoke.toml")
+    runners = repo_root() / "runners"
+    base_dir, code = run(RunOptions(suite=smoke, runner=str(runners / "engine-bf16.toml"),
+                                    out=str(_fresh(out / "engine-bf16")), label="engine-bf16"))
+    if code != 0:
+        raise RuntimeError(f"demo: the baseline run failed (exit {code}); see {base_dir}/manifest.json")
+    cand_dir, code = run(RunOptions(suite=smoke, runner=str(runners / "engine-tiered.toml"),
+                                    out=str(_fresh(out / "engine-tiered")), label="engine-tiered",
+                                    baseline=str(base_dir)))
+    if code != 0:
+        raise RuntimeError(f"demo: the candidate run failed (exit {code}); see {cand_dir}/manifest.json")
+    cmp_dir, cmp = compare(str(base_dir), str(cand_dir), out=str(out / "compare"))
+    log(format_table(cmp))
+    log(f"demo finished in {time.perf_counter() - t0:.0f}s")
+    return cmp_dir / "report.html"
+
+
+def build_llamacpp(cuda: bool = False, jobs: int = 2) -> Path:
+    """`moebench tools build-llamacpp`: the folder holding the (cached) llama.cpp binaries."""
+    from moebench.tools.llamacpp import ensure_built
+    return ensure_built(cuda=cuda, jobs=jobs)
+
+
+def zoo_build(out: str = "models/zoo", retrain: bool = False, gguf: bool = True) -> dict[str, Any]:
+    """`moebench zoo build`: the tiny MoE in Hugging Face (and GGUF) form; returns what was written."""
+    from moebench.zoo.build import build_zoo
+    return build_zoo(out, retrain=retrain, gguf=gguf)
+
+
+def data_fetch(to: str, source: str = "github", base_url: str | None = None, hub_repo: str | None = None,
+               hub_revision: str = "main", hub_endpoint: str | None = None,
+               only: list[str] | None = None) -> Any:
+    """`moebench data fetch`: download the dataset mirror, checking every file's sha256."""
+    from moebench.data_fetch import fetch_mirror, github_source, hub_source
+    src = hub_source(hub_repo, hub_revision, hub_endpoint) if source == "hub" else github_source(base_url)
+    return fetch_mirror(Path(to), src, only=only)
+
+
+def tier_calibrate(checkpoint: str, out: str, tokens: int = 16384) -> int:
+    """`moebench tier calibrate`: expert statistics on real text, saved to `out`; returns the token count."""
+    from moebench.demo import calibrate_zoo
+    stats = calibrate_zoo(Path(checkpoint), n_tokens=tokens)
+    stats.save(out)
+    return int(stats.tokens)
+
+
+def gib_or_bytes(flag: str, exact: int | None, gib: float | None) -> int:
+    """A byte count given as --FLAG-bytes or --FLAG-gib (0 when neither)."""
+    if exact is not None and gib is not None:
+        raise UsageError(f"tier plan: give --{flag}-bytes or --{flag}-gib, not both")
+    value = exact if exact is not None else round(gib * (1 << 30)) if gib is not None else 0
+    if value < 0:
+        raise UsageError(f"tier plan: --{flag}-bytes/--{flag}-gib is {value} bytes; expected >= 0")
+    return value
+
+
+def tier_plan(checkpoint: str, stats: str, out: str, gpu_bytes: int | None = None, host_bytes: int = 0,
+              ladder: str = "bf16,int8,int4,ternary", hot_fraction: float | None = None, hot: str = "int8",
+              cold: str = "ternary", ssd_bytes: int = 0, ssd_cache_bytes: int = 0, ssd_fraction: float = 0.0) -> Any:
+    """`moebench tier plan`: a precision and a home for every expert (greedy within byte budgets, or
+    rule-based with `hot_fraction`), saved to `out`; returns the plan. ssd_bytes (greedy) or
+    ssd_fraction (rule-based) put the coldest experts on disk, behind a host-RAM cache of
+    ssd_cache_bytes."""
+    from moebench.engine.tiering import Budgets, CalibrationStats, plan, plan_hot_cold
+    calib = CalibrationStats.load(stats)
+    if hot_fraction is not None:
+        p = plan_hot_cold(calib, hot_fraction=hot_fraction, hot=hot, cold=cold, ssd_fraction=ssd_fraction,
+                          ssd_cache_bytes=ssd_cache_bytes)
+    else:
+        if gpu_bytes is None:
+            raise UsageError("tier plan: give --gpu-bytes (greedy planner) or --hot-fraction (rule-based)")
+        p = plan(calib, checkpoint, Budgets(gpu_bytes, host_bytes, ssd_bytes), ladder=ladder.split(","))
+        p.ssd_cache_bytes = ssd_cache_bytes
+    p.save(out)
+    return p
+
+
+def tier_pack(checkpoint: str, plan_path: str, out: str) -> Any:
+    """`moebench tier pack`: the tiered artifact the engine runner loads; returns its directory."""
+    from moebench.engine.tiering import Plan, pack
+    return pack(checkpoint, Plan.load(plan_path), out)
+
+
+def import_lm_eval(paths: list[str], out: str) -> Path:
+    """`moebench import-lm-eval`: lm-eval --log_samples files as a moebench run directory."""
+    from moebench.lmeval.importer import import_lm_eval as do_import
+    return do_import([Path(p) for p in paths], Path(out))
+
+
+def lm_eval(runner: str, tasks: str | list[str], limit: int | None = None, out: str | None = None) -> Path:
+    """`moebench lm-eval`: lm-eval tasks through a moebench runner, stored as a run; returns its directory."""
+    from moebench.lmeval.adapter import run_lm_eval
+    profile = resolve_profile_path(runner, "runners")
+    names = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else list(tasks)
+    names = [t for t in names if t]
+    if not names:
+        raise UsageError(f"--tasks {tasks!r}: no task names")
+    out_dir = Path(out) if out else default_run_dir("lm-eval", profile.stem)
+    return run_lm_eval(profile, names, limit, out_dir)
+
+
+def speed_ab(profile_a: str, profile_b: str, out: str, suite: str = "speed", order: str = "ABBA") -> dict[str, Any]:
+    """`moebench speed-ab`: two runner profiles' speed passes interleaved in fresh processes, written
+    to `out` (ab.json, compare.json, report.html); returns the A/B result."""
+    from moebench.tasks.speed import run_ab
+    suite_p = load_suite(resolve_profile_path(suite, "suites"), task_schemas())
+    speed = [t for t in suite_p.tasks if t["task"] == "speed"]
+    if not speed:
+        raise UsageError(f"{suite_p.path}: has no speed task")
+    opts = {k: v for k, v in speed[0].items() if k not in ("task", "name", "limit")}
+    result = run_ab(str(resolve_profile_path(profile_a, "runners")), str(resolve_profile_path(profile_b, "runners")),
+                    opts, out, order=order)
+    report(out)
+    return result
+
+
+def serve(runner: str, host: str = "127.0.0.1", port: int = 8000, api_key_env: str | None = None,
+          max_logprobs: int = 100) -> None:
+    """`moebench serve`: an OpenAI-compatible server over a runner profile, until interrupted."""
+    from moebench.serve import serve as run_server
+    run_server(str(resolve_profile_path(runner, "runners")), host=host, port=port, api_key_env=api_key_env,
+               max_logprobs=max_logprobs)

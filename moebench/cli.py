@@ -259,31 +259,28 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "gate":
         return api.gate(args.compare_dir, args.rules, as_json=args.json)
     if args.command == "demo":
-        from moebench.demo import demo
-        print(demo(Path(args.out) if args.out else None))
+        print(api.demo(args.out))
         return 0
     if args.command == "tools":
-        from moebench.tools.llamacpp import ToolError, ensure_built
+        from moebench.tools.llamacpp import ToolError
         try:
-            print(ensure_built(cuda=args.cuda, jobs=args.jobs))
+            print(api.build_llamacpp(cuda=args.cuda, jobs=args.jobs))
         except ToolError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
         return 0
     if args.command == "zoo":
-        from moebench.zoo.build import build_zoo
-        info = build_zoo(args.out, retrain=args.retrain, gguf=not args.hf_only)
+        info = api.zoo_build(args.out, retrain=args.retrain, gguf=not args.hf_only)
         for k, v in (info.get("paths") or {}).items():
             if k != "out_dir":
                 print(f"{k}: {v}")
         print(info.get("paths", {}).get("out_dir", args.out))
         return 0
     if args.command == "data":
-        from moebench.data_fetch import FetchError, fetch_mirror, github_source, hub_source
+        from moebench.data_fetch import FetchError
         try:
-            source = (hub_source(args.hub_repo, args.hub_revision, args.hub_endpoint) if args.source == "hub"
-                      else github_source(args.base_url))
-            print(fetch_mirror(Path(args.to), source, only=args.only))
+            print(api.data_fetch(args.to, args.source, base_url=args.base_url, hub_repo=args.hub_repo,
+                                 hub_revision=args.hub_revision, hub_endpoint=args.hub_endpoint, only=args.only))
         except FetchError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -291,43 +288,23 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "tier":
         return _tier(args)
     if args.command == "import-lm-eval":
-        from moebench.lmeval.importer import import_lm_eval
-        print(import_lm_eval([Path(p) for p in args.paths], Path(args.out)))
+        print(api.import_lm_eval(args.paths, args.out))
         return 0
     if args.command == "lm-eval":
-        from moebench.config import resolve_profile_path
-        from moebench.lmeval.adapter import run_lm_eval
-        profile = resolve_profile_path(args.runner, "runners")
-        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-        if not tasks:
-            raise api.UsageError(f"--tasks {args.tasks!r}: no task names")
-        out = Path(args.out) if args.out else api.default_run_dir("lm-eval", profile.stem)
-        print(run_lm_eval(profile, tasks, args.limit, out))
+        print(api.lm_eval(args.runner, args.tasks, args.limit, args.out))
         return 0
     if args.command == "speed-ab":
-        from moebench.config import load_suite, resolve_profile_path
-        from moebench.tasks import task_schemas
-        from moebench.tasks.speed import run_ab
-        suite = load_suite(resolve_profile_path(args.suite, "suites"), task_schemas())
-        speed = [t for t in suite.tasks if t["task"] == "speed"]
-        if not speed:
-            raise api.UsageError(f"{suite.path}: has no speed task")
-        opts = {k: v for k, v in speed[0].items() if k not in ("task", "name", "limit")}
-        result = run_ab(str(resolve_profile_path(args.profile_a, "runners")),
-                        str(resolve_profile_path(args.profile_b, "runners")), opts, args.out, order=args.order)
         from moebench.compare.speed_ab import format_rounds
+        result = api.speed_ab(args.profile_a, args.profile_b, args.out, suite=args.suite, order=args.order)
         print(format_rounds(result["speed_ab"]))
         outs = result.get("outputs", {})
         print(f"outputs compared: {outs.get('n_compared')} prompts over {len(outs.get('pairs', []))} A/B pass "
               f"pairs, differing in any pair: {outs.get('n_differ')}")
-        api.report(args.out)
         print(args.out)
         return 0
     if args.command == "serve":
-        from moebench.config import resolve_profile_path
-        from moebench.serve import serve
-        serve(str(resolve_profile_path(args.runner, "runners")), host=args.host, port=args.port,
-              api_key_env=args.api_key_env, max_logprobs=args.max_logprobs)
+        api.serve(args.runner, host=args.host, port=args.port, api_key_env=args.api_key_env,
+                  max_logprobs=args.max_logprobs)
         return 0
     raise AssertionError(args.command)
 
@@ -352,42 +329,22 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _tier(args: argparse.Namespace) -> int:
-    from moebench.engine.tiering import Budgets, CalibrationStats, Plan, pack, plan, plan_hot_cold
+    from moebench import api
     if args.tier_command == "calibrate":
-        from moebench.demo import calibrate_zoo
-        stats = calibrate_zoo(Path(args.checkpoint), n_tokens=args.tokens)
-        stats.save(args.out)
-        print(f"calibrated on {int(stats.tokens)} tokens; per-layer expert counts in {args.out}")
+        tokens = api.tier_calibrate(args.checkpoint, args.out, tokens=args.tokens)
+        print(f"calibrated on {tokens} tokens; per-layer expert counts in {args.out}")
         print(args.out)
         return 0
     if args.tier_command == "plan":
-        from moebench.api import UsageError
-
-        def nbytes(flag: str, exact: int | None, gib: float | None) -> int:
-            if exact is not None and gib is not None:
-                raise UsageError(f"tier plan: give --{flag}-bytes or --{flag}-gib, not both")
-            value = exact if exact is not None else round(gib * (1 << 30)) if gib is not None else 0
-            if value < 0:
-                raise UsageError(f"tier plan: --{flag}-bytes/--{flag}-gib is {value} bytes; expected >= 0")
-            return value
-        ssd_bytes = nbytes("ssd", args.ssd_bytes, args.ssd_gib)
-        cache_bytes = nbytes("ssd-cache", args.ssd_cache_bytes, args.ssd_cache_gib)
-        stats = CalibrationStats.load(args.stats)
-        if args.hot_fraction is not None:
-            p = plan_hot_cold(stats, hot_fraction=args.hot_fraction, hot=args.hot, cold=args.cold,
-                              ssd_fraction=args.ssd_fraction, ssd_cache_bytes=cache_bytes)
-        else:
-            if args.gpu_bytes is None:
-                raise UsageError("tier plan: give --gpu-bytes (greedy planner) or --hot-fraction (rule-based)")
-            p = plan(stats, args.checkpoint, Budgets(args.gpu_bytes, args.host_bytes, ssd_bytes),
-                     ladder=args.ladder.split(","))
-            p.ssd_cache_bytes = cache_bytes
-        p.save(args.out)
+        p = api.tier_plan(args.checkpoint, args.stats, args.out, gpu_bytes=args.gpu_bytes, host_bytes=args.host_bytes,
+                          ladder=args.ladder, hot_fraction=args.hot_fraction, hot=args.hot, cold=args.cold,
+                          ssd_bytes=api.gib_or_bytes("ssd", args.ssd_bytes, args.ssd_gib),
+                          ssd_cache_bytes=api.gib_or_bytes("ssd-cache", args.ssd_cache_bytes, args.ssd_cache_gib),
+                          ssd_fraction=args.ssd_fraction)
         print(f"plan: {p.count()}")
         print(args.out)
         return 0
-    out = pack(args.checkpoint, Plan.load(args.plan), args.out)
-    print(out)
+    print(api.tier_pack(args.checkpoint, args.plan, args.out))
     return 0
 
 

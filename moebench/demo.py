@@ -1,8 +1,6 @@
-"""`moebench demo`: the embedded default end to end, with no server and no GPU.
-
-Builds (or reuses) the zoo's tiny MoE, calibrates it on real text, plans and packs a tiered
-candidate (hot experts int8 on the compute device, cold experts ternary in host RAM), runs the smoke
-suite on the BF16 baseline and on the candidate with the engine runner, compares and writes the report.
+"""The demo's model work: calibrate the zoo's tiny MoE on real text, plan and pack a tiered candidate
+(hot experts int8 on the compute device, cold experts ternary in host RAM). `api.demo` runs the
+smoke suite on both with the engine runner, compares them and writes the report.
 """
 from __future__ import annotations
 
@@ -10,8 +8,6 @@ import shutil
 import time
 from pathlib import Path
 
-from moebench import api
-from moebench.config import repo_root
 from moebench.datasets import data_dir, data_file, read_text
 
 ZOO = Path("models/zoo")
@@ -57,29 +53,3 @@ def _fresh(run_dir: Path) -> Path:
     if (run_dir / "manifest.json").is_file():
         shutil.rmtree(run_dir)
     return run_dir
-
-
-def demo(out: Path | None = None, log=print) -> Path:
-    from moebench.zoo.build import build_zoo
-    out = out or Path("results") / "demo"
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    build_zoo(str(ZOO), gguf=False)     # the engine reads the HF checkpoint: no llama.cpp needed
-    checkpoint = ZOO / "tiny-moe"
-    pack_tiered(checkpoint, ZOO / "tiny-moe-tiered", log=log)
-    smoke = str(repo_root() / "suites" / "smoke.toml")
-    runners = repo_root() / "runners"
-    base_dir, code = api.run(api.RunOptions(suite=smoke, runner=str(runners / "engine-bf16.toml"),
-                                            out=str(_fresh(out / "engine-bf16")), label="engine-bf16"))
-    if code != 0:
-        raise RuntimeError(f"demo: the baseline run failed (exit {code}); see {base_dir}/manifest.json")
-    cand_dir, code = api.run(api.RunOptions(suite=smoke, runner=str(runners / "engine-tiered.toml"),
-                                            out=str(_fresh(out / "engine-tiered")), label="engine-tiered",
-                                            baseline=str(base_dir)))
-    if code != 0:
-        raise RuntimeError(f"demo: the candidate run failed (exit {code}); see {cand_dir}/manifest.json")
-    from moebench.compare.build import format_table
-    cmp_dir, cmp = api.compare(str(base_dir), str(cand_dir), out=str(out / "compare"))
-    log(format_table(cmp))
-    log(f"demo finished in {time.perf_counter() - t0:.0f}s")
-    return cmp_dir / "report.html"

@@ -76,7 +76,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moebench.config import Field, ProfileError, load_toml, non_negative, positive, validate
-from moebench.report.sections import memory_value, needle_cells, needle_counts, number, side_value, speed_rows
+from moebench.store.records import CompareDoc, RecordError
+from moebench.store.sections import memory_value, needle_cells, needle_counts, number, side_value, speed_rows
 from moebench.scoring.stats import holm_adjust
 
 SUMMARY_FILE = "summary.md"
@@ -364,12 +365,12 @@ SECTION_RULES: dict[str, dict[str, Rule]] = {
 }
 
 
-def _section_data(compare: dict[str, Any], section: str) -> Any:
+def _section_data(compare: CompareDoc, section: str) -> Any:
     """compare.json's part a rules section reads: "memory", "energy", or one card of them
     ("memory.gpu1", "energy.sum": compare[...]["gpus"][card]). Plain [energy] reads the sum's
     per-card figures beside the section's own."""
     name, _, card = section.partition(".")
-    data = compare.get(name)
+    data = compare.section(name)
     if not isinstance(data, dict):
         return None
     if card:
@@ -480,12 +481,12 @@ def fmt(v: Any) -> str:
     return str(v)
 
 
-def _holm(compare: dict[str, Any], rules: list[tuple[str, bool, dict[str, Any]]],
+def _holm(compare: CompareDoc, rules: list[tuple[str, bool, dict[str, Any]]],
           correction: str) -> dict[str, tuple[float, int]]:
     """task -> (Holm-adjusted McNemar p, family size) over the tasks whose significant-loss rule is on."""
     if correction != "holm":
         return {}
-    tasks = compare.get("tasks") if isinstance(compare.get("tasks"), dict) else {}
+    tasks = compare.tasks
     family: dict[str, float] = {}
     for section, is_task, settings in rules:
         t = tasks.get(section)
@@ -499,10 +500,10 @@ def _holm(compare: dict[str, Any], rules: list[tuple[str, bool, dict[str, Any]]]
     return {name: (adj, len(family)) for name, adj in zip(family, adjusted)}
 
 
-def evaluate(compare: dict[str, Any], rules: list[tuple[str, bool, dict[str, Any]]],
+def evaluate(compare: CompareDoc, rules: list[tuple[str, bool, dict[str, Any]]],
              correction: str = "holm") -> list[Check]:
     checks: list[Check] = []
-    tasks = compare.get("tasks") if isinstance(compare.get("tasks"), dict) else {}
+    tasks = compare.tasks
     holm = _holm(compare, rules, correction)
     for section, is_task, settings in rules:
         table = TASK_RULES if is_task else SECTION_RULES[section.partition(".")[0]]
@@ -632,15 +633,14 @@ def exit_code(checks: list[Check], on_inconclusive: str = "exit3") -> int:
     return 0
 
 
-def summary_markdown(checks: list[Check], compare: dict[str, Any], rules_path: Path,
+def summary_markdown(checks: list[Check], compare: CompareDoc, rules_path: Path,
                      on_inconclusive: str = "exit3") -> str:
     failed = [c for c in checks if c.verdict == "fail"]
     unsure = [c for c in checks if c.verdict == "inconclusive"]
     held = len(checks) - len(failed) - len(unsure)
     verdict = overall_verdict(checks).upper()
     counts = f"{held}/{len(checks)} rules hold" + (f", {len(unsure)} inconclusive" if unsure else "")
-    base = (compare.get("baseline") or {}).get("label") if isinstance(compare.get("baseline"), dict) else None
-    cand = (compare.get("candidate") or {}).get("label") if isinstance(compare.get("candidate"), dict) else None
+    base, cand = compare.baseline.label, compare.candidate.label
     lines = [f"## moebench gate: {verdict} ({counts})", ""]
     if base or cand:
         lines += [f"Candidate `{_md(str(cand or '?'))}` against baseline `{_md(str(base or '?'))}`; "
@@ -691,7 +691,7 @@ def _write(path: Path, data: bytes) -> None:
 
 # --- entry points -----------------------------------------------------------------------------
 
-def _load_compare(compare_dir: Path) -> dict[str, Any]:
+def _load_compare(compare_dir: Path) -> CompareDoc:
     path = compare_dir / "compare.json"
     if not compare_dir.is_dir():
         raise GateInputError(f"{compare_dir}: not a directory")
@@ -701,9 +701,10 @@ def _load_compare(compare_dir: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise GateInputError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise GateInputError(f"{path}: expected a JSON object")
-    return data
+    try:
+        return CompareDoc.from_dict(data, str(path))
+    except RecordError as e:
+        raise GateInputError(str(e)) from None
 
 
 def _matrix_pairs(cdir: Path) -> list[Path] | None:
@@ -762,7 +763,8 @@ def run_gate(compare_dir: str | os.PathLike[str], rules_path: str | os.PathLike[
     summary = summary_markdown(checks, compare, rpath, options["on_inconclusive"])
     try:                 # the figures behind the verdict, as `moebench compare` summarised them
         from moebench.compare.tables import matrix_row, summary_markdown as results_markdown
-        details = results_markdown([compare], [matrix_row(compare)])
+        raw = compare.to_dict()
+        details = results_markdown([raw], [matrix_row(raw)])
     except Exception as e:      # a hand-edited compare.json: the verdict still stands
         details = f"(results summary unavailable: {type(e).__name__}: {e})\n"
     _write(cdir / SUMMARY_FILE, (summary + "\n" + details.replace("## moebench compare", "### moebench compare", 1)

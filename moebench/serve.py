@@ -671,7 +671,7 @@ class BackgroundServer:
 def api_key_from_env(host: str, api_key_env: str | None) -> str | None:
     """The bearer key to require, from the environment variable `api_key_env` names. Serving beyond
     loopback without one is refused (UsageError), as is naming a variable that is unset or empty."""
-    from moebench.api import UsageError
+    from moebench.errors import UsageError
     if api_key_env is None:
         if not is_loopback(host):
             raise UsageError(f"serve --host {host}: reachable from other machines, so a key is required: "

@@ -11,7 +11,7 @@ import pytest
 
 from moebench.report import ReportError, render
 from moebench.report import plots
-from moebench.report.sections import per_side, speed_rows
+from moebench.store.sections import per_side, speed_rows
 
 DATA = Path(os.environ.get("MOEBENCH_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "datasets"))
 GSM8K = DATA / "gsm8k" / "test.jsonl"

@@ -7,8 +7,7 @@ from typing import Any, Callable
 
 from moebench.compare.pairs import pair_runs
 from moebench.store import load_run
-
-COMPARE_SCHEMA_VERSION = 2
+from moebench.store.records import COMPARE_SCHEMA_VERSION  # noqa: F401  (re-exported: one definition, in the store)
 
 
 def _optional(module: str, name: str) -> Callable[..., Any] | None:

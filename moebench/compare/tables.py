@@ -7,7 +7,7 @@ import io
 import math
 from typing import Any
 
-from moebench.report.sections import memory_value, number
+from moebench.store.sections import memory_value, number
 
 # Headline columns after the identity ones; task columns follow as <task>.<field>.
 HEADLINE = ("kld.mean", "kld.p99", "kld.same_top_p", "speed.decode_ratio", "speed.prefill_ratio",

@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig
+from .expert_names import parse_expert_name
 from .model import Experts, MoETransformer
 
 
@@ -33,11 +34,6 @@ class CheckpointError(ValueError):
     """A checkpoint directory the engine cannot load (names the file and tensor)."""
 
 
-_PER_EXPERT = re.compile(
-    r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-_FUSED = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)$")
-_EXPERT_PARAM = {"gate_proj": "w_gate", "w1": "w_gate", "up_proj": "w_up", "w3": "w_up",
-                 "down_proj": "w_down", "w2": "w_down"}
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.original_inv_freq)$")
 
 
@@ -113,31 +109,29 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
                     continue
                 if cfg.tie_word_embeddings and name == "lm_head.weight":
                     continue   # tied: the embedding is the head
-                m = _PER_EXPERT.match(name)
-                fused = _FUSED.match(name) if m is None else None
-                if (m or fused) and tiered:
+                expert = parse_expert_name(name)
+                if expert is not None and tiered:
                     continue
-                if m:
-                    layer, e, kind = int(m.group(1)), int(m.group(2)), _EXPERT_PARAM[m.group(3)]
+                if expert is not None and not expert.fused:
+                    layer, e, kind = expert.layer, expert.expert, f"w_{expert.matrices[0]}"
                     target = f"layers.{layer}.mlp.experts.{kind}"
                     if target not in params or e >= n_exp:
                         raise CheckpointError(f"{file}: tensor {hf_name} does not fit the config "
                                               f"({cfg.num_layers} layers, {n_exp} experts)")
                     _copy(params[target][e], f.get_slice(hf_name), file, hf_name)
                     expert_filled.setdefault(target, set()).add(e)
-                elif fused:
-                    layer, kind = int(fused.group(1)), fused.group(2)
+                elif expert is not None:
+                    layer = expert.layer
                     prefix = f"layers.{layer}.mlp.experts."
                     if prefix + "w_gate" not in params:
                         raise CheckpointError(f"{file}: tensor {hf_name} but layer {layer} has no experts")
                     sl = f.get_slice(hf_name)
-                    if kind == "gate_up_proj":   # [E, 2I, H]: gate rows first, then up (chunk(2))
+                    targets = [prefix + f"w_{m}" for m in expert.matrices]
+                    if len(targets) == 2:        # gate_up_proj [E, 2I, H]: gate rows first, then up (chunk(2))
                         inter = cfg.expert_intermediate_size
-                        _copy(params[prefix + "w_gate"], sl[:, :inter, :], file, hf_name)
-                        _copy(params[prefix + "w_up"], sl[:, inter:, :], file, hf_name)
-                        targets = [prefix + "w_gate", prefix + "w_up"]
+                        _copy(params[targets[0]], sl[:, :inter, :], file, hf_name)
+                        _copy(params[targets[1]], sl[:, inter:, :], file, hf_name)
                     else:
-                        targets = [prefix + _EXPERT_PARAM[kind]]
                         _copy(params[targets[0]], sl, file, hf_name)
                     for t in targets:
                         expert_filled[t] = set(range(n_exp))

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .expert_names import parse_expert_name
 from .placement import HOMES, QuantizedExpert, TieredExperts
 from .quant import QuantizedTensor, format_nbytes, parse_format, quantize
 
@@ -188,10 +189,6 @@ def _reservoir(buf: torch.Tensor, seen: torch.Tensor, l: int, e: int, rows: torc
 # ================================================================================================
 # Expert weights, from a checkpoint directory, a model or a dict
 
-_PER_EXPERT = re.compile(r"^(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-                         r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-_FUSED = re.compile(r"^(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
-_MATRIX_OF = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 WeightSource = Callable[[int, int], "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
 
@@ -213,16 +210,16 @@ def _index_experts(ckpt: Path) -> dict[tuple[int, int, str], tuple[Path, str, sl
     for file in _checkpoint_files(ckpt):
         with safe_open(str(file), "pt") as f:
             for name in f.keys():
-                m = _PER_EXPERT.match(name)
-                if m:
-                    where[(int(m[1]), int(m[2]), _MATRIX_OF[m[3]])] = (file, name, None)
+                t = parse_expert_name(name)
+                if t is None:
                     continue
-                m = _FUSED.match(name)
-                if m:
-                    n_exp = f.get_slice(name).get_shape()[0]
-                    for e in range(n_exp):
-                        for mat in (("gate", "up") if m[2] == "gate_up_proj" else ("down",)):
-                            where[(int(m[1]), e, mat)] = (file, name, e)
+                if not t.fused:
+                    where[(t.layer, t.expert, t.matrices[0])] = (file, name, None)
+                    continue
+                n_exp = f.get_slice(name).get_shape()[0]
+                for e in range(n_exp):
+                    for mat in t.matrices:
+                        where[(t.layer, e, mat)] = (file, name, e)
     return where
 
 
@@ -646,7 +643,7 @@ def pack(checkpoint_dir: str | Path, plan: Plan, out_dir: str | Path, device="cp
     for file in _checkpoint_files(src):
         with safe_open(str(file), "pt") as f:
             for name in f.keys():
-                if not (_PER_EXPERT.match(name) or _FUSED.match(name)):
+                if parse_expert_name(name) is None:
                     non_expert[name] = f.get_tensor(name)
     save_file(non_expert, str(out / "model.safetensors"), metadata={"format": "pt"})
     del non_expert

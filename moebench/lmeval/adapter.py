@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import threading
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Iterable, TypeVar
@@ -33,6 +32,7 @@ from moebench.lmeval.importer import records_from_samples, summarize
 from moebench.lmeval.local_tasks import materialize, shipped_task_names
 from moebench.lmeval.scoring import prompt_scoring_kind, score_tokens
 from moebench.runners.base import Capability, CapabilityError, GenerateRequest, Runner, RunnerError
+from moebench.store.session import finish_run, new_manifest, open_store, record_runner_identity
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -291,35 +291,21 @@ def evaluate_runner(runner: Runner, tasks: list[str], limit: int | None, out_dir
     include_defaults = not set(tasks) <= shipped_task_names(root)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")    # local files only: never reach for the hub
 
-    manifest: dict[str, Any] = {
-        "run_id": uuid.uuid4().hex[:12],
-        "label": label or (runner_profile.name if runner_profile is not None else runner.kind),
-        "source": "moebench lm-eval",
-        "suite": {"name": "lm-eval", "tasks": [{"task": t} for t in tasks]},
-        "runner": runner_profile.redacted() if runner_profile is not None else {"kind": runner.kind},
-        "limit": limit,
-        "data_dir": str(root),
-        "lm_eval": {"version": getattr(lm_eval, "__version__", None), "tasks": tasks,
-                    "include_path": str(include), "include_defaults": include_defaults},
-        "adapter": asdict(options or AdapterOptions()),
-    }
-    try:
-        from moebench.identity import host_identity, moebench_identity
-        manifest.update(moebench=moebench_identity(), host=host_identity())
-    except ImportError:      # identity helpers are optional for this entry point
-        pass
-    from moebench.secrets import env_secret_values
-    from moebench.store import RunStore
-
-    secrets = frozenset(env_secret_values(runner_profile.settings)) if runner_profile is not None else frozenset()
-    store = RunStore.create_or_resume(out_dir, manifest, secrets=secrets)
+    manifest = new_manifest(
+        label or (runner_profile.name if runner_profile is not None else runner.kind),
+        {"name": "lm-eval", "tasks": [{"task": t} for t in tasks]},
+        runner_profile.redacted() if runner_profile is not None else {"kind": runner.kind}, root,
+        source="moebench lm-eval", limit=limit,
+        lm_eval={"version": getattr(lm_eval, "__version__", None), "tasks": tasks,
+                 "include_path": str(include), "include_defaults": include_defaults},
+        adapter=asdict(options or AdapterOptions()))
+    store = open_store(out_dir, manifest, runner_profile.settings if runner_profile is not None else None)
     loop = LoopThread()
     lm = None
     status = "failed"
     try:
         loop.run(runner.start(str(out_dir)))
-        ident = runner.identity()
-        store.update_manifest(model=ident.get("model"), build=ident.get("build"))
+        record_runner_identity(store, runner)
         lm = RunnerLM(runner, loop, options)
         tm = TaskManager(include_path=str(include), include_defaults=include_defaults)
         results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit, log_samples=True,
@@ -349,8 +335,7 @@ def evaluate_runner(runner: Runner, tasks: list[str], limit: int | None, out_dir
         finally:
             loop.stop()
             records = list(store.records().values())
-            store.finish(status, summary=summarize(records), adapter_stats=lm.stats if lm else None,
-                         events=store.manifest.get("events", []) + list(getattr(runner, "events", [])))
+            finish_run(store, status, runner, summarize(records), adapter_stats=lm.stats if lm else None)
             store.close()
     return out_dir
 

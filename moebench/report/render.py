@@ -18,7 +18,8 @@ from markupsafe import Markup
 from moebench import store
 from moebench.report import plots
 from moebench.report.rig import rig_context, run_rig_context
-from moebench.report.sections import (SPEED_METRICS, needle_cells, needle_counts, number, per_side,
+from moebench.store.records import CompareDoc, CompareSide, ItemRecord, Manifest, RecordError
+from moebench.store.sections import (SPEED_METRICS, needle_cells, needle_counts, number, per_side,
                                       speed_rows)
 
 REPORT_FILE = "report.html"
@@ -204,42 +205,39 @@ def _record_task(rec: dict[str, Any]) -> str:
 
 def run_context(run_dir: Path) -> dict[str, Any]:
     try:
-        manifest, records = store.load_run(run_dir)
+        manifest, raw_records = store.load_run(run_dir)
+        typed = Manifest.from_dict(manifest, str(run_dir / store.MANIFEST))
+        items = run_dir / store.ITEMS
+        records = [ItemRecord.from_dict(r, f"{items} (item {r.get('item_id')!r})" if isinstance(r, dict) else str(items))
+                   for r in raw_records]
     except store.StoreError as e:
         raise ReportError(str(e)) from None
-    tasks: dict[str, list[dict[str, Any]]] = {}
+    tasks: dict[str, list[ItemRecord]] = {}
     for rec in records:
-        tasks.setdefault(_record_task(rec), []).append(rec)
+        tasks.setdefault(rec.task, []).append(rec)
     summaries = []
     dots = []
     for name, recs in tasks.items():
-        ok = [r for r in recs if r.get("status") == "ok"]
-        scored = [r for r in ok if r.get("correct") is not None]
-        correct = sum(1 for r in scored if r.get("correct") is True)
+        ok = [r for r in recs if r.status == "ok"]
+        scored = [r for r in ok if r.correct is not None]
+        correct = sum(1 for r in scored if r.correct is True)
         acc = correct / len(scored) if scored else None
         ci = wilson(correct, len(scored))
         summaries.append({"task": name, "n": len(recs), "ok": len(ok),
-                          "errors": sum(1 for r in recs if r.get("status") == "error"),
+                          "errors": sum(1 for r in recs if r.status == "error"),
                           "scored": len(scored), "correct": correct, "accuracy": acc, "ci": ci})
         if acc is not None and ci is not None:
             dots.append({"label": name, "value": acc, "lo": ci[0], "hi": ci[1], "colour": plots.CANDIDATE})
     rows = []
     for rec in records:
-        item_id = str(rec.get("item_id"))
-        q = question_text(rec, item_id)
-        if rec.get("status") == "error":
-            kind = "error"
-        elif rec.get("correct") is True:
-            kind = "correct"
-        elif rec.get("correct") is False:
-            kind = "wrong"
-        else:
-            kind = "unscored"
-        rows.append({"kind": kind, "task": _record_task(rec), "item_id": item_id, "question": q,
-                     "question_excerpt": excerpt(q), "reference": rec.get("reference"),
-                     "answer": rec.get("answer"), "output": cut_output(rec.get("output")),
-                     "error": rec.get("error"), "status": rec.get("status")})
-    label = manifest.get("label") or run_dir.name
+        q = question_text(rec.extra, rec.item_id)
+        kind = ("error" if rec.status == "error" else "correct" if rec.correct is True
+                else "wrong" if rec.correct is False else "unscored")
+        rows.append({"kind": kind, "task": rec.task, "item_id": rec.item_id, "question": q,
+                     "question_excerpt": excerpt(q), "reference": rec.reference,
+                     "answer": rec.answer, "output": cut_output(rec.output),
+                     "error": rec.extra.get("error"), "status": rec.status})
+    label = typed.label or run_dir.name
     return {
         "mode": "run",
         "title": f"moebench run: {label}",
@@ -249,7 +247,7 @@ def run_context(run_dir: Path) -> dict[str, Any]:
         "accuracy_svg": _svg(plots.interval_plot(dots)) if dots else None,
         "rows": rows,
         "counts": {k: sum(1 for r in rows if r["kind"] == k) for k in ("correct", "wrong", "error", "unscored")},
-        "rig": run_rig_context(manifest, records),
+        "rig": run_rig_context(manifest, raw_records),
     }
 
 
@@ -267,24 +265,25 @@ def resolve_run(ref: Any, compare_dir: Path) -> Path | None:
     return None
 
 
-def _side(compare: dict[str, Any], role: str, compare_dir: Path, warnings: list[str]) -> dict[str, Any]:
-    info = compare.get(role) if isinstance(compare.get(role), dict) else {}
-    run_dir = resolve_run(info.get("run"), compare_dir)
-    side = {"role": role, "label": info.get("label") or role, "run": info.get("run"), "found": False,
+def _side(info: CompareSide, role: str, compare_dir: Path, warnings: list[str]) -> dict[str, Any]:
+    run_dir = resolve_run(info.run, compare_dir)
+    side = {"role": role, "label": info.label or role, "run": info.run, "found": False,
             "identity": [], "records": {}}
-    if run_dir is None and info.get("profile") and not info.get("run"):
-        side["identity"] = [("runner profile", str(info["profile"]))]    # a speed-ab side: no run directory
+    profile = info.extra.get("profile")
+    if run_dir is None and profile and not info.run:
+        side["identity"] = [("runner profile", str(profile))]    # a speed-ab side: no run directory
         return side
     if run_dir is None:
-        warnings.append(f"{role} run {info.get('run')!r} not found (looked relative to {compare_dir} "
+        warnings.append(f"{role} run {info.run!r} not found (looked relative to {compare_dir} "
                         f"and {Path.cwd()}): answers and outputs are not shown")
         return side
     try:
         manifest, records = store.load_run(run_dir)
+        label = Manifest.from_dict(manifest, str(run_dir / store.MANIFEST)).label
     except store.StoreError as e:
         warnings.append(f"{role} run unreadable: {e}")
         return side
-    side.update(found=True, identity=identity(manifest), label=info.get("label") or manifest.get("label") or role,
+    side.update(found=True, identity=identity(manifest), label=info.label or label or role,
                 records={(_record_task(r), str(r.get("item_id"))): r for r in records})
     return side
 
@@ -683,13 +682,15 @@ def _energy_context(energy: Any) -> dict[str, Any] | None:
 
 
 def compare_context(compare_dir: Path) -> dict[str, Any]:
-    compare = _load_json(compare_dir / "compare.json")
-    if not isinstance(compare, dict):
-        raise ReportError(f"{compare_dir / 'compare.json'}: expected a JSON object")
-    warnings: list[str] = _id_list(compare.get("warnings"))      # the builder's own (e.g. a run not complete)
-    base = _side(compare, "baseline", compare_dir, warnings)
-    cand = _side(compare, "candidate", compare_dir, warnings)
-    tasks_raw = compare.get("tasks") if isinstance(compare.get("tasks"), dict) else {}
+    try:
+        doc = CompareDoc.from_dict(_load_json(compare_dir / "compare.json"), str(compare_dir / "compare.json"))
+    except RecordError as e:
+        raise ReportError(str(e)) from None
+    compare = doc.to_dict()
+    warnings: list[str] = _id_list(doc.warnings)      # the builder's own (e.g. a run not complete)
+    base = _side(doc.baseline, "baseline", compare_dir, warnings)
+    cand = _side(doc.candidate, "candidate", compare_dir, warnings)
+    tasks_raw = doc.tasks
     tasks, dots, flips = [], [], []
     for name, t in tasks_raw.items():
         if not isinstance(t, dict):
@@ -719,14 +720,14 @@ def compare_context(compare_dir: Path) -> dict[str, Any]:
         "warnings": warnings,
         "tasks": tasks,
         "accuracy_svg": _svg(plots.interval_plot(dots)) if dots else None,
-        "overall": _overall(compare.get("overall")),
+        "overall": _overall(doc.section("overall")),
         "flips": flips,
-        "kld": _kld_context(compare.get("kld")),
-        "needle": _needle_context(compare.get("needle")),
-        "speed": _speed_context(compare.get("speed")),
-        "speed_ab": _speed_ab_context(compare.get("speed_ab")),
-        "memory": _memory_context(compare.get("memory"), compare_dir, [base, cand], warnings),
-        "energy": _energy_context(compare.get("energy")),
+        "kld": _kld_context(doc.section("kld")),
+        "needle": _needle_context(doc.section("needle")),
+        "speed": _speed_context(doc.section("speed")),
+        "speed_ab": _speed_ab_context(doc.section("speed_ab")),
+        "memory": _memory_context(doc.section("memory"), compare_dir, [base, cand], warnings),
+        "energy": _energy_context(doc.section("energy")),
         "rig": rig_context(compare),
         "gate": _gate_context(compare_dir, warnings),
         "verdict": _verdict_context(tasks, compare),

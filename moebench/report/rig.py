@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from moebench.report import plots
-from moebench.report.sections import number
+from moebench.store.sections import number
 
 SIDES = ("baseline", "candidate")
 

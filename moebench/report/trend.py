@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from moebench import store
-from moebench.report.sections import number
+from moebench.store.sections import number
 
 ORDERS = ("time", "build", "given")
 

@@ -176,6 +176,15 @@ class Runner:
         """(whether the model's tokenizer adds BOS to a text, the BOS id)."""
         return False, None
 
+    def num_experts(self) -> int | None:
+        """Routed experts per MoE layer (router statistics size their histograms by it)."""
+        return None
+
+    def prompt_logprobs_top_k(self) -> int | None:
+        """How many log-probs per prompt position the backend returns with `prompt_logprobs`
+        (None: as many as asked)."""
+        return None
+
     async def server_metrics(self) -> dict[str, float] | None:
         """The backend's Prometheus counters (name -> value), or None where it exposes none."""
         return None

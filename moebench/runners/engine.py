@@ -258,6 +258,9 @@ class EngineRunner(Runner):
     def vocab_size(self) -> int | None:
         return self._eng().vocab_size
 
+    def num_experts(self) -> int | None:
+        return getattr(self._eng().config, "num_experts", None)
+
     def bos_policy(self) -> tuple[bool, int | None]:
         """From the engine's tokenizer (tokenizer_config's add_bos_token)."""
         tok = getattr(self._eng(), "tokenizer", None)

@@ -335,6 +335,9 @@ class HttpRunner(Runner):
             timings=timings)
 
     # -- tokens and prompt log-probs (KLD, fitted prompt lengths) ----------------------------------
+    def prompt_logprobs_top_k(self) -> int | None:
+        return self.prompt_logprobs_k
+
     def vocab_size(self) -> int | None:
         return self.local_tokenizer.vocab_size if self.local_tokenizer is not None else None
 

@@ -160,13 +160,12 @@ class KldTask(Task):
                            f"{self.n_chunks} chunks of {self.context}")
         self.tokens = np.asarray(ids[:need], dtype=np.int32).reshape(self.n_chunks, self.context)
         np.save(self.out_dir / "tokens.npy", self.tokens)
-        cfg = _engine_config(runner)
         write_json(self.out_dir / "meta.json", {
             "format": "npz", "corpus": self.corpus, "context": self.context, "n_chunk": self.n_chunks,
             "n_vocab": runner.vocab_size(), "add_bos": add_bos, "bos_token_id": bos,
             "top_k": self.top_k if self.how == BY_LOGITS else _runner_k(runner, self.top_k),
             "full_chunks": min(self.full_chunks, self.n_chunks), "first": self.first, "n_scored": self.n_scored,
-            "num_experts": getattr(cfg, "num_experts", None), "runner_kind": runner.kind, "how": self.how})
+            "num_experts": runner.num_experts(), "runner_kind": runner.kind, "how": self.how})
 
     def _load_baseline(self) -> None:
         self.base_meta = read_meta(self.ctx.baseline_run, self.name)
@@ -479,8 +478,4 @@ def export_base_file(base_run: Path, name: str, out: Path) -> Path:
 
 def _runner_k(runner: Runner, default: int) -> int:
     """The K a prompt-logprobs runner asks its server for (its profile's prompt_logprobs_k)."""
-    return int(getattr(runner, "prompt_logprobs_k", None) or default)
-
-
-def _engine_config(runner: Runner):
-    return getattr(getattr(runner, "engine", None), "config", None)
+    return int(runner.prompt_logprobs_top_k() or default)

@@ -38,9 +38,11 @@ from moebench.config import Field, positive
 from moebench.datasets import data_file, register
 from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
 from moebench.runners.metrics import spec_decode_delta
+from moebench.runners.responses import describe
 from moebench.compare.speed import read_token_times, speed_compare, summarize_speed  # noqa: F401 (speed_compare re-exported)
 from moebench.compare.speed_ab import ab_section, output_identity  # noqa: F401 (output_identity re-exported)
 from moebench.store import write_json_atomic
+from moebench.store.session import ask_item
 from moebench.tasks.base import Item, Task, TaskContext, count_flagged, prompt_hash, prompt_tokens_check
 from moebench.tasks.needle import HAYSTACK_FILE, HaystackIndex, build_index, fit_haystack, load_haystack
 
@@ -341,14 +343,8 @@ async def _measure_in_process(runner_path: str, options: dict[str, Any], data_di
     load_s = time.perf_counter() - t0
     try:
         await task.prepare(runner)
-        records = []
-        for it in task.items():
-            try:
-                fields = await task.evaluate(it, runner)
-                records.append({"task": "speed", "item_id": it.item_id, "status": "ok", **fields})
-            except Exception as e:
-                records.append({"task": "speed", "item_id": it.item_id, "status": "error", "correct": None,
-                                "error": f"{type(e).__name__}: {e}"})
+        records = [await ask_item(task.name, it.item_id, lambda it=it: task.evaluate(it, runner), describe)
+                   for it in task.items()]
     finally:
         await runner.close()
     return {"runner": profile.redacted(), "pid": os.getpid(), "load_s": load_s,

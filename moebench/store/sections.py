@@ -5,6 +5,8 @@ helpers that may nest per-side figures either as `{"baseline": {...}, "candidate
 `{"metric": {"baseline": x, "candidate": y}}` or as `baseline_<metric>` keys. The report and the gate
 read them through these functions so both agree on one interpretation and neither crashes on a
 missing key.
+They live in the store beside the typed compare document (`store.records.CompareDoc`), so that
+compare, report and gate all read through one place and none of them imports another for it.
 """
 from __future__ import annotations
 

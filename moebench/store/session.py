@@ -1,0 +1,80 @@
+"""The run loop's bookkeeping, shared by every entry point that writes or measures runs (`api.run`,
+`moebench lm-eval`, the speed A/B passes): the manifest's common identity, the item record built
+from a task's answer or its failure, the runner's identity once it is up, and the closing status with
+the runner's events. Each entry point keeps only what is its own (which items, how they are asked).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from moebench.identity import host_identity, moebench_identity
+from moebench.secrets import env_secret_values
+from moebench.store import RunLock, RunStore
+
+# OS errors that mean the run cannot go on (a full disk, a read-only or failing filesystem): they end
+# the run instead of becoming one error record per remaining item.
+FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
+
+
+def new_manifest(label: str, suite: dict[str, Any], runner: dict[str, Any], data_dir: str | os.PathLike[str],
+                 **fields: Any) -> dict[str, Any]:
+    """The identity every run's manifest starts with (DESIGN.md section 4), plus the entry point's
+    own `fields`; `suite` and `runner` come already redacted."""
+    return {"run_id": uuid.uuid4().hex[:12], "label": label, "suite": suite, "runner": runner,
+            "moebench": moebench_identity(), "host": host_identity(), "data_dir": str(data_dir), **fields}
+
+
+def open_store(run_dir: str | os.PathLike[str], manifest: dict[str, Any], runner_settings: dict[str, Any] | None,
+               lock: RunLock | None = None) -> RunStore:
+    """Create (or resume) the run directory; secrets named by the runner's settings never reach it."""
+    secrets = frozenset(env_secret_values(runner_settings)) if runner_settings is not None else frozenset()
+    return RunStore.create_or_resume(Path(run_dir), manifest, lock=lock, secrets=secrets)
+
+
+def item_base(task: str, item_id: str) -> dict[str, Any]:
+    """The contract's keys of an item record before the task fills them."""
+    return {"task": task, "item_id": item_id, "correct": None, "answer": None, "reference": None, "output": None}
+
+
+def error_fields(message: str) -> dict[str, Any]:
+    """An errored item: retried on resume, never counted as a wrong answer."""
+    return {"status": "error", "correct": None, "error": message}
+
+
+async def ask_item(task: str, item_id: str, evaluate: Callable[[], Awaitable[dict[str, Any]]],
+                   describe: Callable[[BaseException], str],
+                   passthrough: tuple[type[BaseException], ...] = ()) -> dict[str, Any]:
+    """One item's record: the task's fields on success, an error record on any failure but
+    `passthrough` exceptions and fatal OS errors (both re-raised). `wall_s` is the time it took."""
+    t0 = time.perf_counter()
+    base = item_base(task, item_id)
+    try:
+        rec = {**base, "status": "ok", **(await evaluate())}
+    except passthrough:
+        raise
+    except OSError as e:
+        if e.errno in FATAL_ERRNOS:
+            raise
+        rec = {**base, **error_fields(describe(e))}
+    except Exception as e:
+        rec = {**base, **error_fields(describe(e))}
+    rec["task"], rec["item_id"] = task, item_id
+    rec["wall_s"] = round(time.perf_counter() - t0, 4)
+    return rec
+
+
+def record_runner_identity(store: RunStore, runner: Any) -> None:
+    """After the runner started: its model and build identity into the manifest."""
+    ident = runner.identity()
+    store.update_manifest(model=ident.get("model"), build=ident.get("build"))
+
+
+def finish_run(store: RunStore, status: str, runner: Any, summary: dict[str, Any], **fields: Any) -> None:
+    """The closing manifest: status, end time, summary, the run's events followed by the runner's."""
+    events = store.manifest.get("events", []) + list(getattr(runner, "events", []))
+    store.finish(status, summary=summary, events=events, **fields)

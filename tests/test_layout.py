@@ -1,0 +1,206 @@
+"""The package layout of docs/architecture.md, checked on the source with `ast`.
+
+A package is the first component under moebench/ (`moebench/compare/tables.py` is in `compare`,
+`moebench/api.py` is `api`). Every import counts, including the lazy ones inside functions, since a
+lazy import is still a dependency. The checks:
+
+- the package import graph has no cycle (no package imports one that imports it back, directly or
+  through others);
+- the engine imports nothing else of moebench;
+- no module assigns to an attribute of another module it imported (`othermod.X = ...`,
+  `setattr(othermod, ...)`): settings travel as arguments, never as another module's globals.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "moebench"
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_module(dotted: str, root: Path) -> bool:
+    """Whether `dotted` (moebench.x.y) names a module or package file under root."""
+    rel = Path(*dotted.split(".")[1:]) if "." in dotted else Path()
+    base = root / rel
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, absolute dotted name) of every import in the tree; `from a import b` yields a.b."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                if not is_package:
+                    base = base[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out += [(node.lineno, f"{mod}.{a.name}") for a in node.names]
+    return out
+
+
+def package_graph(root: Path = ROOT) -> tuple[dict[str, set[str]], dict[tuple[str, str], list[str]]]:
+    """Edges between packages of `root` (a moebench source tree) and, per edge, where it comes from."""
+    top = root.name
+    edges: dict[str, set[str]] = {}
+    where: dict[tuple[str, str], list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        module = _module_name(path, root)
+        src = module.split(".")[1] if "." in module else "__init__"
+        edges.setdefault(src, set())
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for line, name in _imports(tree, module, path.name == "__init__.py"):
+            parts = name.split(".")
+            if parts[0] != top or len(parts) < 2 or parts[1] in (src, "__version__"):
+                continue
+            edges[src].add(parts[1])
+            at = where.setdefault((src, parts[1]), [])
+            if f"{path.relative_to(root.parent)}:{line}" not in at:
+                at.append(f"{path.relative_to(root.parent)}:{line}")
+    return edges, where
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one package (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def foreign_module_writes(root: Path = ROOT) -> list[str]:
+    """`file:line name.attr` for every assignment (or setattr) onto a module the file imported."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        module = _module_name(path, root)
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        modules: set[str] = set()              # local names bound to imported modules
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    modules.add(a.asname or a.name.split(".")[0])
+            elif isinstance(node, ast.ImportFrom):
+                for line, name in _imports(ast.Module(body=[node], type_ignores=[]), module,
+                                           path.name == "__init__.py"):
+                    if name.split(".")[0] == root.name and _is_module(name, root):
+                        modules.add(next(a.asname or a.name for a in node.names
+                                         if name.endswith("." + a.name)))
+        if not modules:
+            continue
+
+        def root_name(expr: ast.expr) -> str | None:
+            while isinstance(expr, ast.Attribute):
+                expr = expr.value
+            return expr.id if isinstance(expr, ast.Name) else None
+
+        for node in ast.walk(tree):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif isinstance(node, ast.Delete):
+                targets = node.targets
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("setattr", "delattr") and node.args):
+                if root_name(node.args[0]) in modules:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.func.id}({ast.unparse(node.args[0])}, ...)")
+                continue
+            flat: list[ast.expr] = []
+            for t in targets:
+                flat += list(t.elts) if isinstance(t, (ast.Tuple, ast.List)) else [t]
+            for t in flat:
+                if isinstance(t, ast.Attribute) and root_name(t) in modules:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {ast.unparse(t)}")
+    return found
+
+
+def test_no_package_import_cycle() -> None:
+    edges, where = package_graph()
+    assert {"api", "cli", "compare", "report", "store", "engine", "tasks"} <= set(edges), sorted(edges)
+    bad = cycles(edges)
+    detail = [f"{a} -> {b}: {where[(a, b)][:3]}" for comp in bad for a in comp for b in comp
+              if b in edges.get(a, ())]
+    assert not bad, f"package import cycles {bad}; the edges inside them: {detail}"
+
+
+def test_engine_imports_nothing_else_of_moebench() -> None:
+    edges, where = package_graph()
+    assert not edges["engine"], {b: where[("engine", b)] for b in edges["engine"]}
+
+
+def test_no_module_writes_another_modules_attributes() -> None:
+    assert foreign_module_writes() == []
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "moebench"
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text, encoding="utf-8")
+    return root
+
+
+def test_checks_catch_a_cycle_and_a_foreign_write(tmp_path: Path) -> None:
+    """The checks themselves: a three-package cycle through a lazy relative import and a module
+    attribute write are found; the same tree without them is clean."""
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "a/__init__.py": "from moebench.b import thing\n",
+        "b/__init__.py": "thing = 1\nimport moebench.c.mod as m\n",
+        "c/__init__.py": "",
+        "c/mod.py": "def f():\n    from ..a import x\n",
+        "d.py": "from moebench.c import mod\nimport moebench.b\nmod.SWITCH = 3\nmoebench.b.thing += 1\n"
+                "setattr(mod, 'X', 1)\nlocal = object()\nlocal.y = 2\n",
+    })
+    edges, where = package_graph(root)
+    assert edges["a"] == {"b"} and edges["b"] == {"c"} and edges["c"] == {"a"}
+    assert where[("c", "a")] == ["moebench/c/mod.py:2"]
+    assert cycles(edges) == [["a", "b", "c"]]
+    assert foreign_module_writes(root) == ["moebench/d.py:3 mod.SWITCH", "moebench/d.py:4 moebench.b.thing",
+                                           "moebench/d.py:5 setattr(mod, ...)"]
+    (root / "c/mod.py").write_text("def f():\n    pass\n", encoding="utf-8")
+    (root / "d.py").write_text("from moebench.c import mod\nlocal = object()\nlocal.y = mod\n", encoding="utf-8")
+    edges, _ = package_graph(root)
+    assert cycles(edges) == [] and foreign_module_writes(root) == []
+
