@@ -448,9 +448,10 @@ def test_server_that_cannot_load_fails_with_log_tail(tmp_path: Path):
 
 
 def test_gguf_header_reader_agrees_with_gguf_py(tmp_path: Path):
-    """The runner's fast header parse against the sdist's GGUFReader on a small real GGUF."""
+    """moebench's one GGUF header reader against the sdist's GGUFReader on a small real GGUF, with the
+    arrays skipped (the runner's identity) and read."""
     import numpy as np
-    from moebench.runners.llama_server import read_gguf_header
+    from moebench.gguf_header import GgufFormatError, read_gguf
 
     reader_cls = llamacpp.gguf_reader_class()
     if reader_cls is None:
@@ -469,16 +470,32 @@ def test_gguf_header_reader_agrees_with_gguf_py(tmp_path: Path):
     w.add_tensor("blk.0.ffn_up_exps.weight", np.zeros((8, 16, 32), np.float16))
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
 
-    meta, tensors = read_gguf_header(path)
+    header = read_gguf(path, arrays="lengths")
+    meta = header.metadata
     ref = reader_cls(str(path))
     assert meta["general.architecture"] == "qwen3moe" and meta["general.name"] == "header-check"
     assert meta["qwen3moe.expert_count"] == 8 and meta["general.flag"] is True
     assert abs(meta["qwen3moe.attention.layer_norm_rms_epsilon"] - 1e-6) < 1e-12
     assert meta["tokenizer.ggml.tokens"] == "<array of 4>"
-    assert tensors == [(t.name, int(t.n_elements)) for t in ref.tensors] == [
+    assert meta["tokenizer.ggml.token_type"] == "<array of 4>"
+    assert [(t.name, t.n_elements) for t in header.tensors] == [(t.name, int(t.n_elements)) for t in ref.tensors] == [
         ("token_embd.weight", 128), ("blk.0.ffn_up_exps.weight", 4096)]
+    assert [t.type_name for t in header.tensors] == ["F32", "F16"]
     for key in ("general.architecture", "general.name", "qwen3moe.expert_count"):
         assert ref.fields[key].contents() == meta[key]
+    full = read_gguf(path).metadata                   # arrays read as values
+    assert full["tokenizer.ggml.tokens"] == ref.fields["tokenizer.ggml.tokens"].contents() == ["a", "bb", "ccc", "\u00e9t\u00e9"]
+    assert full["tokenizer.ggml.token_type"] == [1, 1, 3, 1]
+    assert {k: v for k, v in full.items() if not k.startswith("tokenizer.")} == {
+        k: v for k, v in meta.items() if not k.startswith("tokenizer.")}
+    # A truncated header is an error that names the file, never a partial read.
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:60])
+    with pytest.raises(GgufFormatError, match="cut.gguf"):
+        read_gguf(cut)
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(GgufFormatError, match="empty.gguf"):
+        read_gguf(tmp_path / "empty.gguf", arrays="lengths")
 
 
 def test_shipped_profiles_load(tmp_path: Path):

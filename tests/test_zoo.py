@@ -139,7 +139,7 @@ def test_hf_checkpoint_loads_as_qwen3_moe(zoo, hf_model):
 
 
 def test_gguf_files_are_qwen3moe_with_block_aligned_matrices(zoo):
-    from moebench.zoo.gguf_file import read_gguf
+    from moebench.gguf_header import read_gguf
 
     for kind, want in (("bf16", "BF16"), ("q8_0", "Q8_0"), ("q4_0", "Q4_0")):
         g = read_gguf(Path(zoo["paths"][kind]))

@@ -15,13 +15,11 @@ import atexit
 import hashlib
 import json
 import math
-import mmap
 import os
 import re
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -33,6 +31,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 import httpx
 
 from moebench.config import Field, ProfileError, non_negative, positive
+from moebench.gguf_header import FILE_TYPE_NAMES, GgufFormatError, read_gguf
 from moebench.runners.base import SERVERLESS, Capability, GenerateRequest, GenerateResult, Runner, RunnerError
 from moebench.runners.responses import DEFAULT_MAX_RESPONSE_BYTES, bounded_lines, describe, read_bounded, response_limit
 from moebench.store import now_iso
@@ -221,103 +220,23 @@ def file_sha256(path: Path) -> str:
     return digest
 
 
-# GGUF value types (gguf spec): id -> struct format of a scalar; 8 = string, 9 = array.
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-
-def read_gguf_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, int]]]:
-    """Scalar metadata (arrays are skipped, only their length kept) and (tensor name, n_elements).
-
-    A direct parse of the header through mmap: gguf-py's GGUFReader builds an object per vocabulary
-    entry and took about 10 s on a 50k-token vocabulary here, too slow for every run's identity.
-    """
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        pos = 0
-
-        def take(fmt: str) -> Any:
-            nonlocal pos
-            value = struct.unpack_from("<" + fmt, m, pos)[0]
-            pos += struct.calcsize(fmt)
-            return value
-
-        def string() -> str:
-            nonlocal pos
-            n = take("Q")
-            pos += n
-            return m[pos - n:pos].decode("utf-8", "replace")
-
-        def skip(vtype: int) -> None:
-            nonlocal pos
-            if vtype in _GGUF_SCALARS:
-                pos += struct.calcsize(_GGUF_SCALARS[vtype])
-            elif vtype == 8:
-                n = take("Q")
-                pos += n
-            elif vtype == 9:                            # an array of arrays
-                etype, count = take("I"), take("Q")
-                for _ in range(count):
-                    skip(etype)
-            else:
-                raise ValueError(f"unknown GGUF value type {vtype} at byte {pos}")
-
-        if m[:4] != b"GGUF":
-            raise ValueError("no GGUF magic")
-        pos = 4
-        version = take("I")
-        if version < 2:
-            raise ValueError(f"GGUF version {version} is too old")
-        n_tensors, n_kv = take("Q"), take("Q")
-        meta: dict[str, Any] = {"GGUF.version": version}
-        for _ in range(n_kv):
-            key = string()
-            vtype = take("I")
-            if vtype in _GGUF_SCALARS:
-                meta[key] = take(_GGUF_SCALARS[vtype])
-            elif vtype == 8:
-                meta[key] = string()
-            elif vtype == 9:
-                etype, count = take("I"), take("Q")
-                meta[key] = f"<array of {count}>"
-                if etype in _GGUF_SCALARS:
-                    pos += count * struct.calcsize(_GGUF_SCALARS[etype])
-                else:
-                    for _ in range(count):
-                        skip(etype)
-            else:
-                raise ValueError(f"key {key!r}: unknown GGUF value type {vtype}")
-        tensors = []
-        for _ in range(n_tensors):
-            name = string()
-            n_dims = take("I")
-            n_el = 1
-            for _ in range(n_dims):
-                n_el *= take("Q")
-            take("I")                                   # ggml type
-            take("Q")                                   # data offset
-            tensors.append((name, n_el))
-    return meta, tensors
-
-
-_FILE_TYPES = {0: "ALL_F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
-               15: "Q4_K_M", 17: "Q5_K_M", 18: "Q6_K", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4_MOE"}
-
-
 def gguf_metadata(path: Path) -> dict[str, Any]:
     """Architecture, name, file type and parameter count of a GGUF (an "error" key if unreadable)."""
     try:
-        meta, tensors = read_gguf_header(path)
-    except (ValueError, struct.error, OSError) as e:      # a corrupt file: say so, do not fail the run
+        gguf = read_gguf(path, arrays="lengths")
+    except GgufFormatError as e:                           # a corrupt file: say so, do not fail the run
         return {"error": f"cannot read the GGUF header of {path}: {e}"}
+    meta = gguf.metadata
     arch = meta.get("general.architecture")
     file_type = meta.get("general.file_type")
     out: dict[str, Any] = {
         "architecture": arch,
         "name": meta.get("general.name"),
         "file_type": file_type,
-        "file_type_name": _FILE_TYPES.get(file_type) if isinstance(file_type, int) else None,
-        "parameter_count": int(sum(n for _, n in tensors)),
-        "tensor_count": len(tensors),
-        "gguf_version": meta.get("GGUF.version"),
+        "file_type_name": FILE_TYPE_NAMES.get(file_type) if isinstance(file_type, int) else None,
+        "parameter_count": sum(t.n_elements for t in gguf.tensors),
+        "tensor_count": len(gguf.tensors),
+        "gguf_version": gguf.version,
     }
     if arch:
         for key in ("expert_count", "expert_used_count", "block_count", "context_length", "embedding_length"):

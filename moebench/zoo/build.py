@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from moebench.zoo.gguf_file import read_gguf
+from moebench.gguf_header import read_gguf
 from moebench.zoo.train import TRAINING_FILE, WEIGHTS_FILE
 
 SCHEMA_VERSION = 1

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from moebench.zoo.gguf_file import GgufFormatError, read_gguf
+from moebench.gguf_header import GgufFormatError, read_gguf
 
 VOCAB_NAME = "gpt-2"
 COMMITTED_TOKENIZER = Path(__file__).parent / "weights" / "tokenizer.json.gz"
