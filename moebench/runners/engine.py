@@ -214,7 +214,7 @@ class EngineRunner(Runner):
         eng = self.engine
         self.choices["decode_ahead"] = {"value": eng.decode_ahead, "why": "on with CUDA (the host's per-token work "
                                         "overlaps the next step)" if eng.decode_ahead else "off on the CPU"}
-        # cuda_graphs asked for, but an experts module needs host syncs (route-tail-skip): no graphs
+        # cuda_graphs asked for, but an experts module needs host syncs (ssd experts): no graphs
         self.choices["cuda_graphs"]["runs"] = bool(eng.cuda_graphs and eng._graph_batch_limit() > 0)
         # prefetch asked for, but no layer stages anything (e.g. every offloaded layer has ssd experts,
         # which run the per-expert path)
