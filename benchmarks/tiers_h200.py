@@ -35,14 +35,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
-import json
+import functools
 import os
 import random
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -70,10 +68,6 @@ def variant(name: str):
         VARIANTS[name] = fn
         return fn
     return add
-
-
-class Skipped(Exception):
-    """A variant left out on purpose."""
 
 
 def drop_page_cache(path: Path) -> bool:
@@ -359,12 +353,8 @@ def table(R: dict) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--small", action="store_true", help="tiny shape on the CPU (torch path), pack files in a tmp dir")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for tiers_h200.json / .txt")
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=48, help="decode tokens per timed generate")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--router-skew", type=float, default=0.5, help="see decode_h200.py")
+    decode_h200.common_args(ap, "tiny shape on the CPU (torch path), pack files in a tmp dir",
+                            "directory for tiers_h200.json / .txt", 48)
     ap.add_argument("--threads", default="1,2,4,8,16", help="disk_read's reader thread counts (queue depths)")
     ap.add_argument("--disk-gib", type=float, default=4.0, help="disk_read's pack file size")
     ap.add_argument("--disk-read-gib", type=float, default=1.0, help="bytes read per disk_read run")
@@ -374,9 +364,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-tail-from", type=int, default=None,
                     help="plan_gpu_host_skip: the first rank skipped (default: half of top-k)")
     ap.add_argument("--pack-dir", default=None, help="where pack files go (default: ./.tiers_pack; --small: a tmp dir)")
-    ap.add_argument("--only", default="")
-    ap.add_argument("--skip", default="")
-    ap.add_argument("--list", action="store_true")
     args = ap.parse_args(argv)
     if args.list:
         print("\n".join(VARIANTS))
@@ -384,41 +371,22 @@ def main(argv=None) -> dict:
     if args.small:
         args.tokens, args.prompt_len, args.reps = 8, 12, 1
         args.threads, args.disk_gib, args.disk_read_gib = "1,2,4", 0.016, 0.008
-    unknown = {n for n in (args.only + "," + args.skip).split(",") if n} - set(VARIANTS)
-    if unknown:
-        raise SystemExit(f"unknown variants {sorted(unknown)}; --list shows them")
-    skip = {n for n in args.skip.split(",") if n}
-    names = [n for n in ([n for n in args.only.split(",") if n] or VARIANTS) if n not in skip]
+    names = decode_h200.pick_variants(args, VARIANTS)
     tmp = tempfile.TemporaryDirectory(prefix="tiers_pack_") if args.small and not args.pack_dir else None
     pack_dir = Path(tmp.name if tmp else args.pack_dir or ".tiers_pack")
     pack_dir.mkdir(parents=True, exist_ok=True)
     # decode_h200's setup: the model, copy and pinned H2D bandwidths, the prompt, bf16 routing and
-    # the calibrated hot halves (it reads small, out, router_skew, prompt_len, tokens, reps; writes nothing)
+    # the calibrated hot halves (it writes nothing)
     b = decode_h200.setup(args)
     R = b.R
     R.update(variants={}, errors={}, skipped=[n for n in VARIANTS if n not in names], pack_dir=str(pack_dir),
              run="cpu smoke (--small): tiny shape, torch path; not GPU figures" if args.small else "gpu",
              args=vars(args))
     ctx = {"pack_dir": pack_dir}
-    out_dir = Path(args.out)
-    for name in names:
-        t = time.perf_counter()
-        try:
-            res = VARIANTS[name](b, ctx)
-            res["wall_s"] = round(time.perf_counter() - t, 1)
-            R["variants"][name] = res
-        except Skipped:
-            R["skipped"].append(name)
-        except Exception as e:  # noqa: BLE001 - keep the other variants
-            R["errors"][name] = f"{type(e).__name__}: {e}"
-            log(f"[{name}] FAILED: {type(e).__name__}: {e}")
-            traceback.print_exc(limit=6)
-        (out_dir / "tiers_h200.json").write_text(json.dumps(R, indent=2, default=str))
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    decode_h200.run_variants(b, names, {n: functools.partial(fn, ctx=ctx) for n, fn in VARIANTS.items()},
+                             "tiers_h200.json")
     text = table(R)
-    (out_dir / "tiers_h200.txt").write_text(text + "\n")
+    (b.out_dir / "tiers_h200.txt").write_text(text + "\n")
     log("")
     log(text)
     if tmp:
