@@ -635,14 +635,16 @@ def setup(args) -> Bench:
     return b
 
 
-def run_variants(b: Bench, names: list[str]) -> None:
-    """Each variant in order; its dict goes under R['variants'][name], a failure under R['errors']
-    (the others still run); the JSON is rewritten after every variant."""
-    out_file = b.out_dir / "decode_h200.json"
+def run_variants(b: Bench, names: list[str], variants: dict | None = None, out_name: str = "decode_h200.json") -> None:
+    """Each variant in order (of `variants`, default this file's); its dict goes under
+    R['variants'][name], a failure under R['errors'] (the others still run); the JSON (out_name
+    under the run's directory) is rewritten after every variant."""
+    variants = VARIANTS if variants is None else variants
+    out_file = b.out_dir / out_name
     for name in names:
         t = time.perf_counter()
         try:
-            out = VARIANTS[name](b)
+            out = variants[name](b)
             out["wall_s"] = round(time.perf_counter() - t, 1)
             b.R["variants"][name] = out
         except Skipped:
@@ -692,36 +694,47 @@ def print_table(R: dict) -> None:
         log(f"FAILED {name}: {err}")
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--small", action="store_true", help="small shape on the CPU: exercises every code path")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for decode_h200.json")
+def common_args(ap: argparse.ArgumentParser, small_help: str, out_help: str, tokens: int) -> None:
+    """The options every decode benchmark built on setup() takes (setup reads small, out, prompt_len,
+    tokens, reps and router_skew; main picks variants with only / skip / list)."""
+    ap.add_argument("--small", action="store_true", help=small_help)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help=out_help)
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=64, help="decode tokens in the long run")
+    ap.add_argument("--tokens", type=int, default=tokens, help="decode tokens in the long run")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--prefill-len", type=int, default=4096)
-    ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--only", default="", help="comma-separated variant names to run (default: all)")
     ap.add_argument("--skip", default="", help="comma-separated variant names to skip")
-    ap.add_argument("--no-sweep", action="store_true", help="keep the shipped launch shapes")
     ap.add_argument("--list", action="store_true", help="print the variants in run order and exit")
-    ap.add_argument("--timeline", action="store_true",
-                    help="expert plans: write one graph-replayed decode step's kernels per plan and prefetch mode "
-                         "(timeline_*.json) and log its period and GPU idle time")
     ap.add_argument("--router-skew", type=float, default=0.5,
                     help="Zipf exponent of expert usage (router row norms; see realistic_routing); 0 = the plain "
                          "random model, whose tokens all route alike")
+
+
+def pick_variants(args, variants: dict) -> list[str]:
+    """The variant names --only / --skip select, in registry order; an unknown name exits."""
+    unknown = {n for n in (args.only + "," + args.skip).split(",") if n} - set(variants)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; --list shows them")
+    skip = {n for n in args.skip.split(",") if n}
+    return [n for n in ([n for n in args.only.split(",") if n] or variants) if n not in skip]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common_args(ap, "small shape on the CPU: exercises every code path", "directory for decode_h200.json", 64)
+    ap.add_argument("--prefill-len", type=int, default=4096)
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--no-sweep", action="store_true", help="keep the shipped launch shapes")
+    ap.add_argument("--timeline", action="store_true",
+                    help="expert plans: write one graph-replayed decode step's kernels per plan and prefetch mode "
+                         "(timeline_*.json) and log its period and GPU idle time")
     args = ap.parse_args(argv)
     if args.list:
         print("\n".join(VARIANTS))
         return {}
     if args.small:
         args.tokens, args.prompt_len, args.prefill_len, args.reps, args.batches = 4, 12, 64, 1, "1,4"
-    unknown = {n for n in (args.only + "," + args.skip).split(",") if n} - set(VARIANTS)
-    if unknown:
-        raise SystemExit(f"unknown variants {sorted(unknown)}; --list shows them")
-    skip = {n for n in args.skip.split(",") if n}
-    names = [n for n in ([n for n in args.only.split(",") if n] or VARIANTS) if n not in skip]
+    names = pick_variants(args, VARIANTS)
     b = setup(args)
     b.R["skipped"] += [n for n in VARIANTS if n not in names]
     run_variants(b, names)

@@ -91,21 +91,48 @@ def quantize_stacked(w: torch.Tensor, fmt: str, pin: bool = False) -> list[Quant
     return [QuantizedTensor(q.fmt, (rows, cols), {k: v[e] for k, v in parts.items()}) for e in range(E)]
 
 
-def tiered_experts(hf, precision: list[list[str]], home: list[list[str]], device, dtype) -> dict:
-    """{layer: TieredExperts} with the fused kernels on, from per-layer per-expert precision/home."""
+def tiered_experts(hf, precision: list[list[str]], home: list[list[str]], device, dtype, fused: bool = True,
+                   disk=None) -> dict:
+    """{layer: TieredExperts} from per-layer per-expert precision/home, the fused kernels on unless
+    `fused` is False (then the engine's experts_impl decides). disk: the ssd.DiskTier holding the
+    "ssd" experts (write_ssd_pack); layers with ssd experts keep the per-expert path."""
     out = {}
     for layer in range(hf.config.num_hidden_layers):
         ws = dense_expert_weights(hf, layer)
         by_fmt = {}
         for fmt, h in sorted(set(zip(precision[layer], home[layer]))):
-            by_fmt[fmt, h] = [quantize_stacked(w, fmt, pin=h == "host") for w in ws]
-        experts = [QuantizedExpert(*(by_fmt[f, h][m][e] for m in range(3)))
+            if h != "ssd":
+                by_fmt[fmt, h] = [quantize_stacked(w, fmt, pin=h == "host") for w in ws]
+        experts = [None if h == "ssd" else QuantizedExpert(*(by_fmt[f, h][m][e] for m in range(3)))
                    for e, (f, h) in enumerate(zip(precision[layer], home[layer]))]
-        module = TieredExperts(experts, home[layer], device, dtype, cache_slots=2)
-        module.use_fused_kernels()
+        if "ssd" in home[layer]:
+            module = TieredExperts(experts, home[layer], device, dtype, cache_slots=2, disk=disk, layer=layer)
+        else:
+            module = TieredExperts(experts, home[layer], device, dtype, cache_slots=2)
+            if fused:
+                module.use_fused_kernels()
         out[layer] = module
         del by_fmt, experts
     return out
+
+
+def write_ssd_pack(hf, precision: list[list[str]], home: list[list[str]], path) -> dict:
+    """Quantize the experts whose home is "ssd" and write them into one pack file (ssd.write_pack);
+    returns its index."""
+    from moebench.engine.ssd import write_pack
+
+    def records():
+        for layer in range(hf.config.num_hidden_layers):
+            on_ssd = [e for e, h in enumerate(home[layer]) if h == "ssd"]
+            if not on_ssd:
+                continue
+            ws = dense_expert_weights(hf, layer)
+            for fmt in sorted({precision[layer][e] for e in on_ssd}):
+                mats = [quantize_stacked(w, fmt) for w in ws]
+                for e in on_ssd:
+                    if precision[layer][e] == fmt:
+                        yield layer, e, QuantizedExpert(*(m[e] for m in mats))
+    return write_pack(path, records())
 
 
 def expert_plans(L: int, E: int, hot: list[set[int]], seed: int = 3) -> dict[str, tuple[list, list]]:

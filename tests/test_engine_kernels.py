@@ -715,6 +715,69 @@ def test_prefetch_stages_predicted_host_experts_and_keeps_results_exact():
         assert torch.allclose(got, reference(x.cpu(), r.cpu(), w.cpu(), dequant), atol=1e-5, rtol=1e-4), route
 
 
+def test_route_tail_skip_on_the_fused_path_matches_the_per_expert_path():
+    """skip_tail_from on the fused path: a host pick ranked >= skip_tail_from whose expert is not in
+    GPU memory contributes nothing, the other weights unchanged. Without prefetch nothing is in GPU
+    memory on the fused path, which is the per-expert path with an empty LRU cache (cache_slots=0):
+    the same outputs, the same skip counts; with prefetch, a staged expert is kept (torch reference).
+    Two host formats (two cold maps), one sharing its format with the GPU group."""
+    g = torch.Generator().manual_seed(21)
+    k = 3
+    fmts = ["int8", "int8", "ternary", "int8", "ternary", "int8"]
+    homes = ["gpu", "gpu", "host", "host", "host", "host"]
+    experts = [QuantizedExpert(*(quantize(torch.randn(*s, generator=g) * 0.1, f) for s in ((I, H), (I, H), (H, I))))
+               for f in fmts]
+    dequant = tuple(torch.stack([getattr(e, mat).dequantize() for e in experts]) for mat in ("gate", "up", "down"))
+    x = torch.randn(3, H, generator=g)
+    ids = torch.tensor([[0, 2, 3], [4, 1, 5], [3, 0, 2]])     # host experts at every rank
+    w = torch.rand(3, k, generator=g)
+    is_host = torch.tensor([h == "host" for h in homes])
+    rank = torch.arange(k)[None, :]
+
+    def want(skip_from: int, staged: frozenset = frozenset()) -> torch.Tensor:
+        cold = is_host & ~torch.tensor([e in staged for e in range(E)])
+        drop = cold[ids] & (rank >= skip_from)
+        return reference(x, ids, w * ~drop, dequant), int(drop.sum())
+
+    for skip_from in (1, 2):
+        fused = TieredExperts(experts, homes, DEV, torch.float32, skip_tail_from=skip_from)
+        fused.configure(small(experts_impl="triton"), k)
+        per_expert = TieredExperts(experts, homes, DEV, torch.float32, cache_slots=0, skip_tail_from=skip_from)
+        assert fused.partials_ok(3) and fused.sync_free_tokens() == small().fused_max_tokens
+        assert len(fused._cold_maps) == 2
+        ref, dropped = want(skip_from)
+        a = fused(x.to(DEV), ids.to(DEV), w.to(DEV)).cpu()
+        b = per_expert(x.to(DEV), ids.to(DEV), w.to(DEV)).cpu()
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a, ref, atol=1e-5, rtol=1e-4)
+        assert not torch.allclose(a, reference(x, ids, w, dequant), atol=1e-3)        # something was dropped
+        # forward_partials (the deferred MoE sum): dropped rows are zero
+        part = fused.forward_partials(x.to(DEV), ids.to(DEV), w.to(DEV)).cpu()
+        drop = (is_host[ids] & (rank >= skip_from)).reshape(-1)
+        assert part.shape == (3 * k, H) and torch.equal(part[drop], torch.zeros(int(drop.sum()), H))
+        torch.testing.assert_close(part.view(3, k, H).sum(1), ref, atol=1e-5, rtol=1e-4)
+        tf, tp = fused.telemetry(), per_expert.telemetry()
+        assert tp["route_tail_skips"] == dropped and tf["route_tail_skips"] == 2 * dropped   # two fused calls
+        assert tf["routed"] == 2 * ids.numel() and tf["picks_host"] == 2 * int(is_host[ids].sum())
+        assert tf["host_direct"] + tf["route_tail_skips"] == tf["picks_host"] and tf["prefetch_hits"] == 0
+
+    # with prefetch: expert 3 staged (the guess's top-3 is 3, 0, 1), so it stays; 2 and 5 still drop
+    fused = TieredExperts(experts, homes, DEV, torch.float32, skip_tail_from=1)
+    fused.configure(small(experts_impl="triton", prefetch_host=True), k)
+    gate = torch.zeros(E, H)
+    gate[3, 0], gate[0, 0], gate[1, 0] = 5.0, 4.0, 3.0
+    h = torch.zeros(1, H)
+    h[0, 0] = 1.0
+    fused.prefetch(h.to(DEV), gate.to(DEV), k, True)
+    assert fused._cold_maps[:, 3].tolist() == [-1, -1]          # staged: in neither group's host map
+    ref, dropped = want(1, frozenset({3}))
+    torch.testing.assert_close(fused(x.to(DEV), ids.to(DEV), w.to(DEV)).cpu(), ref, atol=1e-5, rtol=1e-4)
+    tel = fused.telemetry()
+    # dropped: 2 (token 0), 5 (token 1), 2 (token 2); expert 3, staged, served at rank 2 and rank 0
+    assert tel["route_tail_skips"] == dropped == 3 and tel["prefetch_hits"] == 2
+    assert tel["host_direct"] + tel["prefetch_hits"] + tel["route_tail_skips"] == tel["picks_host"]
+
+
 def test_engine_decode_with_prefetch_gives_the_same_tokens_and_logits(ckpt, wiki_bytes, tmp_path):
     """A tiered artifact with a quarter of each layer's experts on the GPU and the rest on the host
     tier, every layer prefetching its predicted host experts: the same greedy tokens and top

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from moebench.runners.base import Capability, GenerateRequest, RunnerError
-from moebench.runners.engine import EngineRunner
+from moebench.runners.engine import EngineRunner, prefetch_choices
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +104,40 @@ def test_on_text_streams_pieces_that_join_to_the_text(runner):
     cut = asyncio.run(runner.generate(GenerateRequest(prompt="Prince Andrew looked at", max_tokens=24,
                                                       ignore_eos=True, stop=[word], on_text=pieces.append)))
     assert cut.finish_reason == "stop" and "".join(pieces).startswith(cut.text + word)
+
+
+def test_prefetch_auto_turns_on_only_where_it_measured_faster():
+    """prefetch_host / prefetch_early "auto": both on with CUDA, the fused Triton experts and experts off
+    the GPU; off elsewhere, each with its why; a value set in the profile is kept."""
+    on = prefetch_choices({}, "cuda:0", "triton", ["host"])
+    assert on["prefetch_host"]["value"] is True and on["prefetch_early"]["value"] is True
+    assert on["prefetch_host"]["why"].startswith("auto on CUDA") and "host experts" in on["prefetch_host"]["why"]
+    assert prefetch_choices({"prefetch_host": "auto"}, "cuda", "triton", ["host", "ssd"])["prefetch_host"]["value"]
+    off = {
+        "cpu": prefetch_choices({}, "cpu", "triton", ["host"]),
+        "impl": prefetch_choices({}, "cuda", "auto", ["host"]),
+        "resident": prefetch_choices({}, "cuda", "triton", []),
+    }
+    for case, got in off.items():
+        assert got["prefetch_host"]["value"] is False and got["prefetch_early"]["value"] is False, case
+        assert got["prefetch_host"]["why"].startswith("auto"), case
+    assert "CPU" in off["cpu"]["prefetch_host"]["why"] and "'auto'" in off["impl"]["prefetch_host"]["why"]
+    assert "in GPU memory" in off["resident"]["prefetch_host"]["why"]
+    assert off["cpu"]["prefetch_early"]["why"] == "auto: off, prefetch_host is off"
+    # explicit values are kept, on any device
+    kept = prefetch_choices({"prefetch_host": False}, "cuda", "triton", ["host"])
+    assert kept["prefetch_host"] == {"value": False, "why": "profile"} and kept["prefetch_early"]["value"] is False
+    kept = prefetch_choices({"prefetch_host": True, "prefetch_early": False}, "cuda", "triton", ["host"])
+    assert kept["prefetch_host"] == {"value": True, "why": "profile"}
+    assert kept["prefetch_early"] == {"value": False, "why": "profile"}
+    cpu = prefetch_choices({"prefetch_host": True}, "cpu", "triton", ["host"])
+    assert cpu["prefetch_host"]["value"] is True and cpu["prefetch_early"]["value"] is False
+
+
+def test_prefetch_keys_take_true_false_or_auto():
+    from moebench.config import ProfileError, validate
+    from moebench.runners.engine import SCHEMA
+    done = validate({"model": "m"}, SCHEMA, "runners/x.toml")
+    assert done["prefetch_host"] == done["prefetch_early"] == "auto"
+    with pytest.raises(ProfileError, match="prefetch_host"):
+        validate({"model": "m", "prefetch_host": "yes"}, SCHEMA, "runners/x.toml")

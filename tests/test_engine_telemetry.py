@@ -78,7 +78,13 @@ def test_route_tail_skips_are_host_picks_too(tiered):
         assert layer["host_hits"] + layer["host_misses"] + layer["route_tail_skips"] == layer["picks_host"]
 
 
+def runtime_available() -> bool:
+    from moebench.engine.kernels import runtime
+    return runtime.available()
+
+
 def test_runner_states_its_decode_choices(tmp_path, tiered):
+    import asyncio
     from moebench.runners.engine import EngineRunner, decode_choices
     cpu = decode_choices({"dtype": "auto"}, "cpu")
     assert cpu["dtype"] == {"value": "float32", "why": "auto on the CPU"}
@@ -88,7 +94,23 @@ def test_runner_states_its_decode_choices(tmp_path, tiered):
     cuda = decode_choices({"dtype": "auto"}, "cuda")
     assert cuda["dtype"]["value"] == "bfloat16" and cuda["cuda_graphs"]["value"] is True
     runner = EngineRunner({"model": str(tiered[0]), "dtype": "auto", "device": "cpu"})
-    assert runner.identity()["build"]["choices"]["dtype"]["value"] == "float32"
+    build = runner.identity()["build"]
+    assert build["choices"]["dtype"]["value"] == "float32"
+    # prefetch auto on the CPU: off, and the manifest says why (the CUDA branch: test_engine_runner.py)
+    assert runner.offloaded == ["host"]
+    assert build["choices"]["prefetch_host"] == {"value": False, "why": "auto on the CPU: off (prefetch stages "
+                                                 "experts in GPU memory)"}
+    assert build["choices"]["prefetch_early"]["value"] is False
+    assert build["decode"]["prefetch_host"] is False and build["decode"]["prefetch_early"] is False
+    # an explicit prefetch_host is kept; the started engine stages experts
+    asked = EngineRunner({"model": str(tiered[0]), "device": "cpu", "dtype": "float32", "experts_impl": "triton",
+                          "prefetch_host": True})
+    if runtime_available():
+        asyncio.run(asked.start())
+        assert asked.choices["prefetch_host"] == {"value": True, "why": "profile", "runs": True}
+        assert asked.engine.decode.prefetch_host and not asked.engine.decode.prefetch_early
+    assert asked.identity()["build"]["decode"]["prefetch_host"] is True
+    assert asked.choices["prefetch_early"] == {"value": False, "why": "auto on the CPU: off"}
 
 
 @pytest.fixture()

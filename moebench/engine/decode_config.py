@@ -149,7 +149,9 @@ class DecodeConfig:
     int8_activations: the int8/int4/ternary2 groups of tiered experts run INT8_ACTIVATIONS.
     prefetch_host: tiered experts stage each layer's predicted host experts in HBM one layer early.
     prefetch_early: guess layer l+1's host experts from layer l's attention input (a longer copy
-        window, an older guess) instead of its MoE input.
+        window, an older guess) instead of its MoE input. Both off here: whether they pay depends on
+        the device and the artifact, which the config does not know; the engine runner's "auto"
+        turns both on with CUDA, experts_impl "triton" and host or ssd experts.
     pdl: programmatic dependent launch (sm_90+): a kernel starts launching while its predecessor runs.
     overlap_host: the host-memory groups and the HBM groups of other formats than the largest
         group's run on side streams, concurrently with it.

@@ -34,7 +34,7 @@ from .decode_config import DEFAULT, DecodeConfig
 from .quant import QuantizedTensor
 
 HOMES = ("gpu", "host", "ssd")
-# Counted on the host by the per-expert path (prefill, CPU, route-tail-skip). calls counts Python
+# Counted on the host by the per-expert path (prefill, no fused kernels, ssd layers). calls counts Python
 # forward calls (a replayed CUDA graph makes none); cache_hits/misses count experts per call,
 # tokens_host_hit/miss count picks.
 HOST_COUNTERS = ("calls", "tokens_gpu", "tokens_host_hit", "tokens_host_miss", "tokens_skipped",
@@ -46,7 +46,8 @@ HOST_COUNTERS = ("calls", "tokens_gpu", "tokens_host_hit", "tokens_host_miss", "
 #   routed = picks_gpu + picks_host                      every (token, rank) pick
 #   picks_host = host_hits + host_misses + route_tail_skips + host_direct + prefetch_hits
 #   host_direct: fused-path host picks read over PCIe in place; prefetch_hits: fused-path host picks
-#   that found their expert staged in HBM by prefetch; stage_copies: experts prefetch copied.
+#   that found their expert staged in HBM by prefetch; stage_copies: experts prefetch copied;
+#   route_tail_skips: both paths (the fused path's counted by its skip launch).
 #   bytes_h2d: cache fills plus prefetch copies; bytes_host_read: in-place reads (host_direct x the
 #   expert's bytes: exact for one-token decode steps, an upper bound for several tokens per call).
 #   copy_wait_s: time compute waited for cache fills (CUDA events on the GPU, the copy itself on the CPU).
@@ -108,9 +109,13 @@ class TieredExperts(nn.Module):
     homes: "gpu" or "host" per expert.
     cache_slots: how many host experts this layer keeps on the device between calls (0 = stream
         every use, nothing kept).
-    skip_tail_from: route-tail-skip, off when None. A host or ssd expert that is not in the cache
-        when a call starts and is ranked at position >= skip_tail_from for a token is skipped for
-        that token; the other experts' weights are left unchanged (no renormalisation).
+    skip_tail_from: route-tail-skip, off when None. A host or ssd expert that is not in GPU memory
+        when a call starts and is ranked at position >= skip_tail_from (0-based column of topk_ids)
+        for a token is skipped for that token: its term is 0 and the other experts' weights are left
+        unchanged (no renormalisation). In GPU memory means: on the per-expert path, in this layer's
+        LRU cache; on the fused path (which never uses the LRU cache), staged by prefetch for this
+        call. The fused path decides it on the device (no host sync, CUDA-graph capturable); a graph
+        holds the value it was captured with, so set it before decoding (or reconfigure the engine).
     disk, layer: the artifact's ssd.DiskTier and this layer's index in its pack; needed when a home
         is "ssd" (the experts list then holds None, or anything, at those positions).
     """
@@ -163,8 +168,9 @@ class TieredExperts(nn.Module):
         self._is_host = torch.tensor([h == "host" for h in homes])
         self._is_gpu = torch.tensor([h == "gpu" for h in homes])
         self._host_picks = torch.zeros(E, dtype=torch.int64)     # per-expert path, counted on the host
-        # fused path, counted inside its launches: [3, E] int32 picks served from the device and host
-        # groups / picks served from prefetch's stage / stage copies (None until a fused group counts)
+        # fused path, counted inside its launches: [4, E] int32 picks served from the device and host
+        # groups / picks served from prefetch's stage / stage copies / route-tail-skips (None until a
+        # fused group counts)
         self._dev_counts = None
         self._wait_events: list = []       # (before, after) CUDA timing events around cache-fill waits
         self.reset_telemetry()
@@ -186,8 +192,9 @@ class TieredExperts(nn.Module):
         (format, home) group, host groups in pinned memory the kernels read over PCIe in place, so
         the step has no host sync and no copy (CUDA-graph capturable). The per-expert stores become
         views into the stacks (no duplicate memory); larger T keeps the per-expert path. The
-        per-tier token counters are not updated on the fused path (that would need a host sync), and
-        route-tail-skip (skip_tail_from) keeps the per-expert path, which decides it on the host.
+        per-tier token counters are not updated on the fused path (that would need a host sync); the
+        pick histograms are (see telemetry). Route-tail-skip (skip_tail_from) is decided on the
+        device by one more launch per call, only where skip_tail_from is set (kernels.TailSkip).
         With decode.int8_activations the int8, int4 and ternary2 groups multiply int8-rounded
         activations (kernels.quantize_activations says what they see)."""
         from . import kernels
@@ -197,23 +204,35 @@ class TieredExperts(nn.Module):
         by_key: dict[tuple[str, str], list[int]] = {}
         for e, (store, home) in enumerate(zip(self._stores, self.homes)):
             by_key.setdefault((store.fmt, home), []).append(e)
-        groups = []
+        E = len(self._stores)
+        # the host groups' slot maps are the rows of one tensor: route-tail-skip reads them in one launch
+        host_keys = [key for key in by_key if key[1] == "host"]
+        host_maps = torch.full((len(host_keys), E), -1, dtype=torch.int32)
+        for row, key in enumerate(host_keys):
+            host_maps[row, by_key[key]] = torch.arange(len(by_key[key]), dtype=torch.int32)
+        self._host_maps = host_maps.to(self.device)
+        fused = []
         for (fmt, home), members in by_key.items():
             pin = home == "host" and self.device.type == "cuda"
             device = "cpu" if home == "host" else self.device
             mats = [kernels.PackedMatrix.stack([getattr(self._stores[e], m) for e in members], device, pin=pin)
                     for m in ("gate", "up", "down")]
-            slot_of = torch.full((len(self._stores),), -1, dtype=torch.int32)
-            slot_of[members] = torch.arange(len(members), dtype=torch.int32)
-            # A device group of every expert in order needs no map: the kernels then skip a dependent
-            # load per program (host groups keep theirs: prefetch rewrites it).
-            identity = home != "host" and members == list(range(len(self._stores)))
-            groups.append(kernels.ExpertGroup(*mats, None if identity else slot_of.to(self.device), f"{fmt}@{home}",
-                                              picks=self._counter(0)))
+            if home == "host":
+                slot_of = self._host_maps[host_keys.index((fmt, home))]
+            elif members == list(range(E)):
+                # A device group of every expert in order needs no map: the kernels then skip a
+                # dependent load per program (host groups keep theirs: prefetch rewrites it).
+                slot_of = None
+            else:
+                slot_of = torch.full((E,), -1, dtype=torch.int32)
+                slot_of[members] = torch.arange(len(members), dtype=torch.int32)
+                slot_of = slot_of.to(self.device)
+            fused.append(kernels.ExpertGroup(*mats, slot_of, f"{fmt}@{home}", picks=self._counter(0)))
             for i, e in enumerate(members):
                 self._stores[e] = QuantizedExpert(*(pm.slot(i) for pm in mats))
         self._cache.clear()
-        self._fused_groups = groups
+        self._fused_groups = fused
+        self._cold_maps = self._host_maps          # the maps of the groups that read over PCIe now
         self._prefetch = []
 
     def _counter(self, row: int) -> torch.Tensor | None:
@@ -222,7 +241,7 @@ class TieredExperts(nn.Module):
         if not self.decode.count_tier_picks:
             return None
         if self._dev_counts is None:
-            self._dev_counts = torch.zeros(3, len(self._stores), dtype=torch.int32, device=self.device)
+            self._dev_counts = torch.zeros(4, len(self._stores), dtype=torch.int32, device=self.device)
         return self._dev_counts[row]
 
     def enable_prefetch(self, top_k: int) -> None:
@@ -238,12 +257,16 @@ class TieredExperts(nn.Module):
         if self._prefetch:
             return
         groups, entries = [], []
+        # the dynamic maps are rows of one tensor too, in the static maps' order (route-tail-skip's
+        # cold maps once prefetching)
+        dynamic_maps = self._host_maps.clone()
+        rows = iter(range(len(dynamic_maps)))
         for g in self._fused_groups:
             if not g.label.endswith("@host"):
                 groups.append(g)
                 continue
             static = g.slot_of
-            dynamic = kernels.ExpertGroup(g.gate, g.up, g.down, static.clone(), g.label, picks=g.picks)
+            dynamic = kernels.ExpertGroup(g.gate, g.up, g.down, dynamic_maps[next(rows)], g.label, picks=g.picks)
 
             def staged(pm: kernels.PackedMatrix) -> kernels.PackedMatrix:
                 def like(t):
@@ -257,6 +280,7 @@ class TieredExperts(nn.Module):
             entries.append((static, dynamic, stage))
         self._fused_groups = groups
         self._prefetch = entries
+        self._cold_maps = dynamic_maps
         self._pf_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # own_stream
         self._pf_arrivals = torch.zeros(self.decode.router_max_tokens, dtype=torch.int32, device=self.device)
         # the guess's router outputs: allocated once, not on the side stream in every step
@@ -298,15 +322,17 @@ class TieredExperts(nn.Module):
         if self._pf_pending:
             kernels.host_lane(self.device).wait_stream(self._pf_stream)
             self._pf_pending = False
+        skip = None
+        if self.skip_tail_from is not None and len(self._cold_maps):
+            skip = kernels.TailSkip(self.skip_tail_from, self._cold_maps, self._counter(3))
         out = kernels.fused_moe(x, topk_ids, topk_w, self._fused_groups, cfg=self.decode,
-                                after_lane=self._pf_refs is not None, **kw)
+                                after_lane=self._pf_refs is not None, tail_skip=skip, **kw)
         self._pf_refs = None
         return out
 
     def sync_free_tokens(self) -> int:
         """Up to how many tokens forward runs without host syncs (0 unless the fused path is on)."""
-        fused = self._fused_groups is not None and self.skip_tail_from is None
-        return self.decode.fused_max_tokens if fused else 0
+        return self.decode.fused_max_tokens if self._fused_groups is not None else 0
 
     @property
     def prefetching(self) -> bool:
@@ -332,21 +358,21 @@ class TieredExperts(nn.Module):
         c: dict[str, int | float] = dict(self._counters)
         self._resolve_waits()
         picks = self._host_picks.clone()
-        staged = copies = torch.zeros_like(picks)
+        staged = copies = skipped = torch.zeros_like(picks)
         if self._dev_counts is not None:
             dev = self._dev_counts.to("cpu", torch.int64)
-            picks, staged, copies = picks + dev[0] + dev[1], dev[1], dev[2]
+            picks, staged, copies, skipped = picks + dev[0] + dev[1] + dev[3], dev[1], dev[2], dev[3]
         host = self._is_host
         c["picks_host"] = int(picks[host].sum())
         c["picks_gpu"] = int(picks[self._is_gpu].sum())
         c["picks_ssd"] = int(picks[~host & ~self._is_gpu].sum())
         c["routed"] = c["picks_host"] + c["picks_gpu"] + c["picks_ssd"]
         c["host_hits"], c["host_misses"] = c["tokens_host_hit"], c["tokens_host_miss"]
-        c["route_tail_skips"] = c["tokens_skipped"]
+        c["route_tail_skips"] = c["tokens_skipped"] + int(skipped.sum())
         c["prefetch_hits"] = int(staged.sum())
         fused_host = picks - self._host_picks
         fused_host[~host] = 0
-        direct = fused_host - staged
+        direct = fused_host - staged - skipped
         c["host_direct"] = int(direct.sum())
         c["stage_copies"] = int(copies.sum())
         c["bytes_h2d"] = int(c["bytes_h2d"] + float((copies.double() * self._nbytes).sum()))
@@ -424,7 +450,7 @@ class TieredExperts(nn.Module):
     # -- forward ---------------------------------------------------------------------------------
     def partials_ok(self, tokens: int) -> bool:
         """Whether forward_partials runs for this many tokens (the fused kernels are on and cover them)."""
-        return self._fused_groups is not None and tokens <= self.decode.fused_max_tokens and self.skip_tail_from is None
+        return self._fused_groups is not None and tokens <= self.decode.fused_max_tokens
 
     def wants_quantized_x(self) -> bool:
         """Whether a fused group multiplies int8 activations: then the caller can hand

@@ -17,6 +17,10 @@ from moebench.config import Field, ProfileError, positive
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
 from moebench.scoring.answers import first_stop
 
+def _true_false_auto(value: Any) -> str | None:
+    return None if value in (True, False, "auto") else 'must be true, false or "auto"'
+
+
 SCHEMA: dict[str, Field] = {
     "model": Field(str, required=True, doc="a Hugging Face checkpoint directory or a packed tiered artifact"),
     "dtype": Field(str, default="bfloat16", choices=("auto", "float32", "bfloat16", "float16"),
@@ -27,15 +31,16 @@ SCHEMA: dict[str, Field] = {
     "prefill_chunk": Field(int, default=512, check=positive),
     "experts_impl": Field(str, default="auto", doc="auto | gather | loop | grouped_mm | triton (see engine docs); "
                           "auto on CUDA: triton (the fused kernels) where Triton runs"),
-    "cuda_graphs": Field((bool, str), default="auto", check=lambda v: None if v in (True, False, "auto") else
-                         'must be true, false or "auto"',
+    "cuda_graphs": Field((bool, str), default="auto", check=_true_false_auto,
                          doc="replay decode steps as CUDA graphs; auto: on with CUDA"),
-    "prefetch_host": Field(bool, default=False, doc="tiered artifacts with experts_impl = triton: stage each "
-                           "layer's predicted host experts in GPU memory one layer early (pays off when many "
-                           "picks land on the host tier)"),
-    "prefetch_early": Field(bool, default=False, doc="with prefetch_host: guess each layer's host experts from the "
-                            "previous layer's attention input instead of its MoE input (a longer copy window, "
-                            "an older guess)"),
+    "prefetch_host": Field((bool, str), default="auto", check=_true_false_auto,
+                           doc="tiered artifacts with experts_impl = triton: stage each layer's predicted host "
+                           "experts in GPU memory one layer early; auto: on with CUDA, the fused kernels and an "
+                           "artifact with host or ssd experts (measured faster there), else off"),
+    "prefetch_early": Field((bool, str), default="auto", check=_true_false_auto,
+                            doc="with prefetch_host: guess each layer's host experts from the previous layer's "
+                            "attention input instead of its MoE input (a longer copy window, an older guess); "
+                            "auto: on wherever prefetch_host is on with CUDA"),
     "int8_activations": Field(bool, default=False, doc="tiered artifacts with experts_impl = triton: the int8 and "
                               "int4 experts' decode rounds its activations to int8 per 64 columns and multiplies "
                               "with dp4a (W8A8 / W4A8: faster on the GPU, slightly different numbers)"),
@@ -52,7 +57,7 @@ def _resolve_device(name: str) -> str:
 def decode_choices(profile: dict[str, Any], device: str) -> dict[str, dict[str, Any]]:
     """The decode path for this profile on this device: each choice's value and why. The fast path
     is the default where the device has it (CUDA: bf16, fused Triton kernels, CUDA graphs,
-    decode-ahead); a key set in the profile wins."""
+    decode-ahead; prefetch for tiered artifacts, prefetch_choices); a key set in the profile wins."""
     cuda = device.startswith("cuda")
     out: dict[str, dict[str, Any]] = {}
     dtype = profile.get("dtype", "bfloat16")
@@ -72,6 +77,53 @@ def decode_choices(profile: dict[str, Any], device: str) -> dict[str, dict[str, 
     graphs = profile.get("cuda_graphs", "auto")
     out["cuda_graphs"] = ({"value": cuda, "why": f"auto on {'CUDA' if cuda else 'the CPU (no graphs)'}"}
                           if graphs == "auto" else {"value": bool(graphs) and cuda, "why": "profile"})
+    return out
+
+
+def offloaded_homes(model_path: str | Path) -> list[str]:
+    """The homes other than "gpu" that a tiered artifact's plan.json gives experts ("host", "ssd"),
+    sorted; [] for a plain checkpoint or an all-GPU plan."""
+    plan = Path(model_path) / "plan.json"
+    if not plan.is_file():
+        return []
+    from moebench.engine.tiering import Plan
+    return sorted({h for row in Plan.load(plan).home for h in row} - {"gpu"})
+
+
+def prefetch_choices(profile: dict[str, Any], device: str, experts_impl: str,
+                     offloaded: list[str]) -> dict[str, dict[str, Any]]:
+    """prefetch_host and prefetch_early, each value and why. "auto" (the default) turns both on where
+    prefetch from the attention input measured faster than no prefetch: CUDA, the fused Triton
+    experts (`experts_impl`, as chosen) and an artifact with experts off the GPU (`offloaded`, from
+    offloaded_homes). On the H200 (docs/engine-speed.md) that took the random hot-half host plan from
+    63.9% to 79.5% of its tier-aware bound and the calibrated one from 62.3% to 70.1%; the guess from
+    the MoE input alone lost in the calibrated plan, so auto never picks it. Elsewhere auto is off.
+    A value set in the profile is kept (the runner checks it against experts_impl)."""
+    cuda = device.startswith("cuda")
+    out: dict[str, dict[str, Any]] = {}
+    host = profile.get("prefetch_host", "auto")
+    if host != "auto":
+        out["prefetch_host"] = {"value": bool(host), "why": "profile"}
+    elif not cuda:
+        out["prefetch_host"] = {"value": False, "why": "auto on the CPU: off (prefetch stages experts in GPU memory)"}
+    elif experts_impl != "triton":
+        out["prefetch_host"] = {"value": False, "why": f"auto: off, experts_impl is {experts_impl!r}, not the fused "
+                                f"Triton kernels prefetch works in"}
+    elif not offloaded:
+        out["prefetch_host"] = {"value": False, "why": "auto: off, every expert of this model is in GPU memory"}
+    else:
+        out["prefetch_host"] = {"value": True, "why": f"auto on CUDA with the fused kernels and {' and '.join(offloaded)} "
+                                f"experts: on (measured faster, with prefetch_early)"}
+    early = profile.get("prefetch_early", "auto")
+    if early != "auto":
+        out["prefetch_early"] = {"value": bool(early), "why": "profile"}
+    elif not out["prefetch_host"]["value"]:
+        out["prefetch_early"] = {"value": False, "why": "auto: off, prefetch_host is off"}
+    elif not cuda:
+        out["prefetch_early"] = {"value": False, "why": "auto on the CPU: off"}
+    else:
+        out["prefetch_early"] = {"value": True, "why": "auto with prefetch_host on CUDA: the guess from the attention "
+                                 "input (measured faster than from the MoE input)"}
     return out
 
 
@@ -125,15 +177,24 @@ class EngineRunner(Runner):
                                "checkpoint directory with config.json (build the zoo with `moebench zoo build`)")
         self.device = _resolve_device(profile.get("device", "auto"))
         self.choices = decode_choices(profile, self.device)
-        impl = self.choices["experts_impl"]["value"]
-        for key in ("prefetch_host", "int8_activations"):
-            if profile.get(key) and impl != "triton":
-                raise ProfileError(f"{profile_path or 'runner profile'}: key '{key}' needs experts_impl = "
-                                   f"\"triton\" (the fused kernels; auto picks them on CUDA), got {impl!r}")
-        if profile.get("prefetch_early") and not profile.get("prefetch_host"):
-            raise ProfileError(f"{profile_path or 'runner profile'}: key 'prefetch_early' needs prefetch_host = true")
+        self.offloaded = offloaded_homes(self.model_path)
+        self._choose_prefetch()
         self.concurrency = 1          # one engine, one request at a time (it holds a lock anyway)
         self.engine = None
+
+    def _choose_prefetch(self) -> None:
+        """The prefetch choices for the current experts_impl choice; a key set in the profile that the
+        chosen path cannot honour is a ProfileError."""
+        where = self.profile_path or "runner profile"
+        impl = self.choices["experts_impl"]["value"]
+        for key in ("prefetch_host", "int8_activations"):
+            if self.profile.get(key) is True and impl != "triton":
+                raise ProfileError(f"{where}: key '{key}' needs experts_impl = \"triton\" (the fused kernels; "
+                                   f"auto picks them on CUDA), got {impl!r}")
+        self.choices.update(prefetch_choices(self.profile, self.device, impl, self.offloaded))
+        if self.choices["prefetch_early"]["value"] and not self.choices["prefetch_host"]["value"]:
+            raise ProfileError(f"{where}: key 'prefetch_early' needs prefetch_host = true "
+                               f"(prefetch_host: {self.choices['prefetch_host']['why']})")
 
     async def start(self, run_dir: str | None = None) -> None:
         if self.engine is not None:
@@ -153,8 +214,11 @@ class EngineRunner(Runner):
         eng = self.engine
         self.choices["decode_ahead"] = {"value": eng.decode_ahead, "why": "on with CUDA (the host's per-token work "
                                         "overlaps the next step)" if eng.decode_ahead else "off on the CPU"}
-        # cuda_graphs asked for, but an experts module needs host syncs (route-tail-skip): no graphs
+        # cuda_graphs asked for, but an experts module needs host syncs (ssd experts): no graphs
         self.choices["cuda_graphs"]["runs"] = bool(eng.cuda_graphs and eng._graph_batch_limit() > 0)
+        # prefetch asked for, but no layer stages anything (e.g. every offloaded layer has ssd experts,
+        # which run the per-expert path)
+        self.choices["prefetch_host"]["runs"] = any(b.experts.prefetching for b in eng.model.moe_blocks())
 
     async def warmup(self) -> None:
         """A short generation (compiles kernels, captures the first decode graph), then the tier
@@ -168,9 +232,12 @@ class EngineRunner(Runner):
             chosen = self.choices["experts_impl"]
             if not (chosen["value"] == "triton" and chosen["why"].startswith("auto")):
                 raise
+            if any(self.profile.get(k) is True for k in ("prefetch_host", "int8_activations")):
+                raise       # the profile asked for options of the fused kernels: no silent fallback
             # the fused kernels were our choice, not the user's: fall back to the plain path, and say so
             self.choices["experts_impl"] = {"value": "auto", "why": f"the fused kernels failed in the warm-up "
                                             f"({type(e).__name__}: {e}); torch's experts path instead"}
+            self._choose_prefetch()
             self.events.append({"event": "fallback", "what": "experts_impl", "error": f"{type(e).__name__}: {e}"})
             self.engine = None
             await self._load()
@@ -203,7 +270,7 @@ class EngineRunner(Runner):
             pass
         build = {"engine": "moebench", "torch": torch.__version__, "device": self.device,
                  "dtype": self.choices["dtype"]["value"], "choices": self.choices}
-        if self.profile.get("int8_activations"):        # changes the numbers: part of what was run
+        if self.profile.get("int8_activations") is True:        # changes the numbers: part of what was run
             build["int8_activations"] = True
         # every decode switch and launch table of the engine (moebench.engine.decode_config)
         build["decode"] = self.decode_config().identity()
@@ -213,8 +280,10 @@ class EngineRunner(Runner):
         """The engine's DecodeConfig from the profile and the runner's choices, device defaults
         resolved: what the engine decodes with and the manifest records."""
         from moebench.engine.decode_config import DecodeConfig
-        options = {key: True for key in ("prefetch_host", "int8_activations", "prefetch_early") if self.profile.get(key)}
-        cfg = DecodeConfig(experts_impl=self.choices["experts_impl"]["value"], **options)
+        cfg = DecodeConfig(experts_impl=self.choices["experts_impl"]["value"],
+                           int8_activations=self.profile.get("int8_activations") is True,
+                           prefetch_host=self.choices["prefetch_host"]["value"],
+                           prefetch_early=self.choices["prefetch_early"]["value"])
         return cfg.resolved("cuda" if self.device.startswith("cuda") else "cpu")
 
     def _eng(self):

@@ -17,7 +17,7 @@ from torch import Tensor
 from ..decode_config import DEFAULT, INT8_ACTIVATION_FORMATS, DecodeConfig, DecodeMode, Format
 from ..quant import GROUP
 from .int8_activations import quant_row_len, quantize_rows_kernel
-from .moe_kernels import down_kernel, gate_up_kernel, moe_sum_kernel
+from .moe_kernels import down_kernel, gate_up_kernel, moe_sum_kernel, tail_skip_kernel
 from .packed import ExpertGroup
 from .runtime import KernelError, next_pow2, pdl_launch, require
 from .staging import host_lane, side_stream
@@ -82,13 +82,40 @@ class _GroupArgs:
                 f"MODE_{tag}": int(mode), f"BK_{tag}": bk}
 
 
+@dataclass
+class TailSkip:
+    """Route-tail-skip for fused_moe: a pair of rank >= from_rank (its column in topk_ids) whose
+    expert is cold is dropped: no group reads its weights and its term is 0 (the other weights are
+    not renormalised). cold_maps: int32 [G, E] on the device, one row per host group, the slot map of
+    the group that reads the expert over PCIe (a staged expert's entry is -1 there): cold means a
+    slot in some row. skips: int32 [E] on the device, +1 at the expert of every dropped pair, or None."""
+
+    from_rank: int
+    cold_maps: Tensor
+    skips: Tensor | None = None
+
+
+def _tail_skip(ids: Tensor, out: Tensor, part: Tensor, skip: TailSkip, cfg: DecodeConfig) -> Tensor:
+    """out = ids [T, k] with the dropped pairs -1 (one launch; their part rows zeroed; skips counted)."""
+    T, k = ids.shape
+    H = part.shape[1]
+    block = min(1024, next_pow2(H))
+    maps = skip.cold_maps
+    tail_skip_kernel[(T * k, -(-H // block))](ids, out, maps, maps.stride(0), skip.skips if skip.skips is not None
+                                              else maps, part, part.stride(0), H, skip.from_rank, TOPK=k,
+                                              G=maps.shape[0], BLOCK=block, COUNT=skip.skips is not None,
+                                              num_warps=4, **pdl_launch(ids.device, cfg))
+    return out
+
+
 def _group_args(g: ExpertGroup, cfg: DecodeConfig) -> _GroupArgs:
     gate_up, down = group_mode(g, "gate_up", cfg), group_mode(g, "down", cfg)
     return _GroupArgs(g, gate_up, down)
 
 
 def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGroup], cfg: DecodeConfig = DEFAULT,
-              reduce: bool = True, xq: Tensor | None = None, after_lane: bool = False) -> Tensor:
+              reduce: bool = True, xq: Tensor | None = None, after_lane: bool = False,
+              tail_skip: TailSkip | None = None) -> Tensor:
     """x [T, H]; topk_ids [T, k] (int64/int32); topk_w [T, k] -> [T, H] in x's dtype:
     sum_j topk_w[t, j] * down(silu(gate x) * up x) of expert topk_ids[t, j], every expert in
     exactly one of `groups`. Reads each (token, expert) pair's weights once; no host sync.
@@ -97,7 +124,11 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
     xq: x's int8 rows as add_rmsnorm_router(quantize_h=True) made them, for groups in
     INT8_ACTIVATIONS (else they are made here, one more launch).
     after_lane: the host lane holds work the groups read (prefetch's stage copies): where the host
-    groups do not run on the lane, the main stream waits for it first."""
+    groups do not run on the lane, the main stream waits for it first.
+    tail_skip: route-tail-skip (TailSkip), decided on the device by one more launch, on the stream
+    of the groups that read cold experts, after anything queued there (prefetch's maps): the host
+    lane's groups read the ids with dropped pairs, the HBM groups the ids as given (they serve no
+    cold expert). None, or from_rank >= k: no launch."""
     if not groups:
         raise KernelError("fused_moe: no expert groups")
     require()
@@ -130,7 +161,11 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
     else:
         xq = h
 
-    def launch(pair_groups: list[ExpertGroup], first: bool) -> None:
+    if tail_skip is not None and tail_skip.from_rank >= k:
+        tail_skip = None
+    skip_ids = None if tail_skip is None else torch.empty_like(ids)    # the ids with dropped pairs (made on main)
+
+    def launch(pair_groups: list[ExpertGroup], first: bool, ids: Tensor, dropped: bool) -> None:
         """gate_up then down for the pairs of one or two groups (first: also zero the part rows of
         pairs in neither). Block rows (BN), warps and stages follow the first group's launch shape;
         each group keeps its own BK."""
@@ -146,6 +181,8 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
                 bn = min(max(bn, 16 if a.group.fmt == "ternary2" else 8), GROUP)
             meta[kernel] = dict(BN=bn, num_warps=shape.num_warps, num_stages=shape.num_stages,
                                 HAS_B=len(pair_groups) > 1, GROUP_SIZE=GROUP)
+            if dropped:         # only then: the launches without skip compile as they always did
+                meta[kernel]["DROPPED"] = True
             for tag, ga in (("A", a), ("B", b)):
                 meta[kernel].update(ga.constexprs(tag, kernel, cfg.launch_for(kernel, ga.group.fmt, host=host,
                                                                                a8=a8).BK))
@@ -158,7 +195,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
             h, hq, ids, wts, part, H, inter, h.stride(0), hq.stride(0), part.stride(0),
             *a.down(ids), *b.down(ids), FIRST=first, QH=meta["gate_up"]["BN"], **meta["down"], **pdl)
 
-    def launches(gs: list[ExpertGroup], first: bool) -> None:
+    def launches(gs: list[ExpertGroup], first: bool, ids: Tensor = ids, dropped: bool = False) -> None:
         # The group with the most experts leads; groups of one format share a launch pair. Two
         # formats never do: a kernel gets the registers of its heaviest branch, so an int8 + ternary
         # launch runs its int8 pairs slower than int8 alone.
@@ -167,7 +204,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
             by_fmt.setdefault(g.fmt, []).append(g)
         for same in by_fmt.values():
             for i in range(0, len(same), 2):
-                launch(same[i:i + 2], first)
+                launch(same[i:i + 2], first, ids, dropped)
                 first = False
 
     # The host lane: host groups (zero-copy reads over PCIe, latency-bound) and prefetch's stage,
@@ -191,7 +228,11 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
             side = side_stream(x.device, key)      # "host": host_lane
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                launches(branch, first=False)
+                if key == "host" and tail_skip is not None:
+                    # after the lane's stage maps; the rows it zeroes are no HBM group's
+                    launches(branch, first=False, ids=_tail_skip(ids, skip_ids, part, tail_skip, cfg), dropped=True)
+                else:
+                    launches(branch, first=False)
             sides.append(side)
         launches(lead, first=False)
         for side in sides:
@@ -200,9 +241,13 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
         # host groups (pinned, read over PCIe) never share a launch with HBM groups: other block shapes
         if after_lane and x.is_cuda:
             torch.cuda.current_stream(x.device).wait_stream(host_lane(x.device))   # prefetch's copies
-        launches(in_hbm, first=True)
+        # one stream (and on the CPU host groups are in in_hbm): every launch reads the dropped ids
+        if tail_skip is not None:
+            _tail_skip(ids, skip_ids, part, tail_skip, cfg)
+        read, dropped = (ids, False) if tail_skip is None else (skip_ids, True)
+        launches(in_hbm, first=True, ids=read, dropped=dropped)
         if lane:
-            launches(lane, first=not in_hbm)
+            launches(lane, first=not in_hbm, ids=read, dropped=dropped)
     if not reduce:
         return part
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)

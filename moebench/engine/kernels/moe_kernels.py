@@ -3,6 +3,7 @@
   gate_up: grid (T*k pairs, I / BN)  h[p] = silu(W_gate[e] x[t]) * (W_up[e] x[t])   (float32 h)
   down:    grid (T*k pairs, H / BN)  part[p] = w[p] * (W_down[e] h[p])             (float32 part)
   moe_sum: grid (T, H / 1024)        out[t] = sum_j part[t*k + j], j in order       (x's dtype)
+  tail_skip: grid (T*k, H / BLOCK)   route-tail-skip: drop cold pairs of rank >= FROM (ids -1, part 0)
 
 Each selected expert's rows are read in place from the stacked weights, exactly once, never copied.
 The weighted sum is done in a fixed order by its own small kernel (or by the next residual add +
@@ -17,11 +18,16 @@ from .runtime import FMT_INT8, MODE_INT8_ACT, grid_dependency, tl, triton
 
 if triton is not None:
     @triton.jit
-    def pair_slot(ids_ptr, slot_ptr, pair, HAS_MAP: tl.constexpr):
-        """The stack slot of pair `pair`'s expert in this launch's group (-1: another group's)."""
+    def pair_slot(ids_ptr, slot_ptr, pair, HAS_MAP: tl.constexpr, DROPPED: tl.constexpr = False):
+        """The stack slot of pair `pair`'s expert in this launch's group (-1: another group's).
+        DROPPED: ids may hold -1, a pair route-tail-skip dropped, which is in no group."""
         slot = tl.load(ids_ptr + pair).to(tl.int64)        # the expert id is the slot without a map
         if HAS_MAP:
-            slot = tl.load(slot_ptr + slot).to(tl.int64)
+            if DROPPED:
+                mapped = tl.load(slot_ptr + tl.maximum(slot, 0)).to(tl.int64)
+                slot = tl.where(slot >= 0, mapped, -1)
+            else:
+                slot = tl.load(slot_ptr + slot).to(tl.int64)
         return slot
 
     @triton.jit
@@ -70,11 +76,12 @@ if triton is not None:
                        TOPK: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
                        FMT_A: tl.constexpr, MAP_A: tl.constexpr, MODE_A: tl.constexpr, BK_A: tl.constexpr,
                        HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, MODE_B: tl.constexpr,
-                       BK_B: tl.constexpr, PDL: tl.constexpr = False):
+                       BK_B: tl.constexpr, DROPPED: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (pair, row block) for up to two expert groups (A, and B when HAS_B): each pair's
         expert is in at most one of them; a pair in neither is left to another launch. Two groups per
         launch: a hot/cold plan's second format costs no extra launches (~3 us each).
-        xq / hq: x and h quantized (store_quant rows), for groups in INT8_ACTIVATIONS."""
+        xq / hq: x and h quantized (store_quant rows), for groups in INT8_ACTIVATIONS.
+        DROPPED: ids may hold -1 (pairs route-tail-skip dropped: in no group)."""
         grid_dependency(PDL)
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -82,7 +89,7 @@ if triton is not None:
         tok = pair // TOPK
         h_out = h_ptr + pair * stride_ht
         hq_out = hq_ptr + pair * stride_hqt
-        sa = pair_slot(ids_ptr, slot_a, pair, MAP_A)
+        sa = pair_slot(ids_ptr, slot_a, pair, MAP_A, DROPPED)
         if sa >= 0:
             if MODE_A == MODE_INT8_ACT:
                 xa = xq_ptr + tok * stride_xqt
@@ -92,7 +99,7 @@ if triton is not None:
                          uma_ptr, sge_a, sgr_a, sgse_a, sgsr_a, sue_a, sur_a, suse_a, susr_a,
                          FMT_A, MODE_A, GROUP_SIZE, BN, BK_A)
         elif HAS_B:
-            sb = pair_slot(ids_ptr, slot_b, pair, MAP_B)
+            sb = pair_slot(ids_ptr, slot_b, pair, MAP_B, DROPPED)
             if sb >= 0:
                 if MODE_B == MODE_INT8_ACT:
                     xb = xq_ptr + tok * stride_xqt
@@ -129,7 +136,8 @@ if triton is not None:
                     FMT_A: tl.constexpr, MAP_A: tl.constexpr, MODE_A: tl.constexpr, BK_A: tl.constexpr,
                     COUNT_A: tl.constexpr,
                     HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, MODE_B: tl.constexpr,
-                    BK_B: tl.constexpr, COUNT_B: tl.constexpr, QH: tl.constexpr, PDL: tl.constexpr = False):
+                    BK_B: tl.constexpr, COUNT_B: tl.constexpr, QH: tl.constexpr, DROPPED: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
         """Program (pair, row block): part[pair, rows] = w[pair] * (W_down[e] h[pair])[rows] in
         float32, for up to two groups like gate_up. One program per pair: looping over a token's k
         experts in one program makes a chain of dependent loads (~1.8 TB/s against gate_up's ~3.1). The first launch also zeroes the rows of pairs in neither of its groups, so
@@ -137,13 +145,14 @@ if triton is not None:
         INT8_ACTIVATIONS groups read h quantized (hq, blocks of QH columns).
         COUNT_A / COUNT_B: the group's pick counter (picks_a / picks_b, int32 [E]) gets 1 at the
         pair's expert, from the pair's first row block: tier telemetry at the cost of one atomic per
-        pair, inside a launch the step makes anyway (so CUDA-graph replays are counted too)."""
+        pair, inside a launch the step makes anyway (so CUDA-graph replays are counted too).
+        DROPPED: as gate_up's (a dropped pair is in neither group: zeroed by a FIRST launch)."""
         grid_dependency(PDL)
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
         rmask = rows < N
         part_out = part_ptr + pair * stride_pt
-        sa = pair_slot(ids_ptr, slot_a, pair, MAP_A)
+        sa = pair_slot(ids_ptr, slot_a, pair, MAP_A, DROPPED)
         if sa >= 0:
             if MODE_A == MODE_INT8_ACT:
                 ha = hq_ptr + pair * stride_hqt
@@ -156,7 +165,7 @@ if triton is not None:
         else:
             sb = -1
             if HAS_B:
-                sb = pair_slot(ids_ptr, slot_b, pair, MAP_B)
+                sb = pair_slot(ids_ptr, slot_b, pair, MAP_B, DROPPED)
             if sb >= 0:
                 if MODE_B == MODE_INT8_ACT:
                     hb = hq_ptr + pair * stride_hqt
@@ -169,6 +178,30 @@ if triton is not None:
                     count_pick(ids_ptr, picks_b, pair)
             elif FIRST:
                 tl.store(part_out + rows, tl.zeros((BN,), dtype=tl.float32), mask=rmask)
+
+    @triton.jit
+    def tail_skip_kernel(ids_ptr, out_ptr, maps_ptr, stride_map, skips_ptr, part_ptr, stride_pt, N, FROM,
+                         TOPK: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr,
+                         PDL: tl.constexpr = False):
+        """Route-tail-skip, program (pair, column block): the pair's expert is cold when some row g of
+        maps [G, E] has a slot for it (the host groups that would read it over PCIe); a cold pair of
+        rank >= FROM is dropped: out[pair] = -1 (else its expert id), its part row zeroed (no group
+        writes it), and skips[expert] += 1 when COUNT (one atomic per dropped pair)."""
+        grid_dependency(PDL)
+        pair = tl.program_id(0)
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        cold = 0
+        for g in tl.static_range(G):
+            cold += (tl.load(maps_ptr + g * stride_map + e) >= 0).to(tl.int32)
+        drop = (cold > 0) & (pair % TOPK >= FROM)
+        if tl.program_id(1) == 0:
+            tl.store(out_ptr + pair, tl.where(drop, -1, e))
+            if COUNT:
+                if drop:
+                    tl.atomic_add(skips_ptr + e, 1)
+        if drop:
+            offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            tl.store(part_ptr + pair * stride_pt + offs, tl.zeros((BLOCK,), dtype=tl.float32), mask=offs < N)
 
     @triton.jit
     def moe_sum_kernel(part_ptr, out_ptr, N, stride_pt, stride_ot, TOPK: tl.constexpr, BLOCK: tl.constexpr,
@@ -184,4 +217,4 @@ if triton is not None:
         tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 else:       # no Triton here: the names exist, require() refuses the launches
-    gate_up_kernel = down_kernel = moe_sum_kernel = None
+    gate_up_kernel = down_kernel = moe_sum_kernel = tail_skip_kernel = None
