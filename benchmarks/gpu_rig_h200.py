@@ -133,19 +133,14 @@ def haystack_ids(eng, n: int) -> list[int]:
 
 
 def load_like_runner(profile_path: Path):
-    """An Engine loaded with the choices the engine runner makes for this profile and the profile's
-    max_seq_len, so its KV cache has the run's shape."""
+    """An Engine loaded as the engine runner loads it for this profile: its choices (prefetch
+    included), its DecodeConfig and the profile's max_seq_len, so the KV cache has the run's shape."""
+    import asyncio
     from moebench.config import load_runner
-    from moebench.engine import Engine
-    from moebench.runners import runner_schemas
-    from moebench.runners.engine import decode_choices
-    prof = load_runner(profile_path, runner_schemas())
-    choices = decode_choices(prof.settings, "cuda")
-    model = ROOT / prof.settings["model"]
-    eng = Engine.load(model, device="cuda", dtype=choices["dtype"]["value"],
-                      experts_impl=choices["experts_impl"]["value"], cuda_graphs=choices["cuda_graphs"]["value"],
-                      max_seq_len=int(prof.settings.get("max_seq_len") or 20000))
-    return eng, {k: v["value"] for k, v in choices.items()}
+    from moebench.runners import make_runner, runner_schemas
+    runner = make_runner(load_runner(profile_path, runner_schemas()))
+    asyncio.run(runner.start())
+    return runner.engine, {k: v["value"] for k, v in runner.choices.items()}
 
 
 def suite_prompts(eng, length: int, repeats: int = SPEED_REPEATS, seed: int = SPEED_SEED) -> list[list[int]]:
