@@ -42,5 +42,6 @@ class ExpertsModule(Protocol):
     def prefetching(self) -> bool:
         """Whether prefetch stages anything (host experts guessed one layer early)."""
 
-    def prefetch(self, h: Tensor, gate_weight: Tensor, top_k: int, renormalize: bool, own_stream: bool = False) -> None:
+    def prefetch(self, h: Tensor, gate_weight: Tensor, top_k: int, renormalize: bool, own_stream: bool = False,
+                 ahead: int = 1) -> None:
         """Guess this layer's experts from an earlier hidden state h [1, H] and stage them."""
