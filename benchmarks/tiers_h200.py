@@ -260,7 +260,8 @@ def run_plan(b, ctx: dict, name: str, precision, home, disk=None, skip_tail_from
         module.skip_tail_from = skip_tail_from       # before the engine captures any graph
     eng = b.engine(cfg, experts=experts, cuda_graphs=choices["cuda_graphs"]["value"])
     build_s = time.perf_counter() - t
-    choices["cuda_graphs"]["runs"] = bool(eng.cuda_graphs and eng._graph_batch_limit() > 0)
+    choices["cuda_graphs"]["runs"] = eng.graph_mode(1) is not None
+    choices["cuda_graphs"]["mode"] = eng.graph_mode(1)
     choices["prefetch_host"]["runs"] = any(blk.experts.prefetching for blk in eng.model.moe_blocks())
     r = b.rate(eng)
     toks = r.pop("tokens")
@@ -287,7 +288,7 @@ def run_plan(b, ctx: dict, name: str, precision, home, disk=None, skip_tail_from
                 f"of those read early for a guess {100 * (hr['ssd']['read_early_for_a_guess'] or 0):.1f}%); disk read "
                 f"{bound['disk_bytes_read_per_token'] / 1e6:.1f} MB per token, "
                 f"waited {counters['ssd_wait_s'] / max(1, counters['decode_steps']) * 1e3:.2f} ms per token")
-    log(msg + f"; graphs {'on' if choices['cuda_graphs']['runs'] else 'off'}, prefetch "
+    log(msg + f"; graphs {choices['cuda_graphs']['mode'] or 'off'}, prefetch "
         f"{'on' if choices['prefetch_host']['runs'] else 'off'}")
     del eng, experts
     return r

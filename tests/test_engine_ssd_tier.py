@@ -348,13 +348,16 @@ def fused_artifacts(ckpt, stats, tmp_path_factory):
     return pack(ckpt, split_plan, root / "split"), pack(ckpt, res_plan, root / "resident")
 
 
-@pytest.mark.parametrize("device", ["cuda", "cpu"])
+@pytest.mark.parametrize("device", ["cuda", "cuda_graphs", "cpu"])
 @pytest.mark.parametrize("lookahead", [None, 1, 2])
 def test_fused_ssd_path_gives_the_same_logits_with_and_without_guesses(fused_artifacts, batches, lookahead, device):
     """The fused SSD path (device slots filled after a host sync on the routing) decodes exactly
     what the all-resident artifact decodes on the fused kernels, without guesses (None) and with
-    guessed reads started one or two layers early; the counters add up. On CUDA (bf16) and in
-    Triton's CPU interpreter (float32), where triton is installed."""
+    guessed reads started one or two layers early; the counters add up. On CUDA (bf16) eagerly and
+    as segmented CUDA graphs (cut at each layer's sync), and in Triton's CPU interpreter (float32),
+    where triton is installed."""
+    graphs = device == "cuda_graphs"
+    device = "cuda" if graphs else device
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("CUDA not available")
     if device == "cpu":
@@ -370,14 +373,17 @@ def test_fused_ssd_path_gives_the_same_logits_with_and_without_guesses(fused_art
         from moebench.engine.decode_config import DecodeConfig
         opts = dict(decode=DecodeConfig(experts_impl="triton", prefetch_host=True, prefetch_early=True,
                                         ssd_lookahead=lookahead))
-    e_ssd = Engine.load(split, device=device, dtype=dtype, **opts)
+    e_ssd = Engine.load(split, device=device, dtype=dtype, cuda_graphs=graphs, **opts)
     e_res = Engine.load(resident, device=device, dtype=dtype, experts_impl="triton")
     mods = find_tiered(e_ssd.model)
     assert all(m._ssd is not None and m.sync_free_tokens() == 0 for m in mods), "every layer on the fused SSD path"
     assert all(m.prefetching == (lookahead is not None) for m in mods)
+    assert e_ssd.graph_mode(1) == ("segmented" if graphs else None)
     prompt, new = batches[0][:24], 12
     a = _logits_of_generate(e_ssd, prompt, new)
     b = _logits_of_generate(e_res, prompt, new)
+    if graphs:
+        assert e_ssd._graphs, "decode steps ran as segmented CUDA graphs"
     assert len(a) == len(b) == new
     for step, (x, y) in enumerate(zip(a, b)):
         assert torch.equal(x, y), f"logits differ at step {step}"

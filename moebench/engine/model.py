@@ -193,6 +193,14 @@ class Experts(nn.Module):
             return 1 << 30 if self._grouped_mm_runs() else self.decode.fused_max_tokens
         return {"grouped_mm": 1 << 30, "loop": 0}.get(impl, self.decode.gather_max_tokens)
 
+    def segment_tokens(self) -> int:
+        """Up to how many tokens a segmented capture holds this module (no host syncs: as many as
+        sync_free_tokens)."""
+        return self.sync_free_tokens()
+
+    def segment_with(self, segments) -> None:
+        pass                     # no host syncs to cut at
+
     def partials_ok(self, tokens: int) -> bool:
         """Whether forward_partials runs for this many tokens (the fused Triton path)."""
         return self.decode.experts_impl == "triton" and tokens <= self.decode.fused_max_tokens

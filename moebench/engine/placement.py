@@ -184,6 +184,7 @@ class TieredExperts(nn.Module):
         self._top_k = None                 # set by configure
         self._ssd = None                   # the fused SSD path's state (_SsdSlots), set by use_fused_kernels
         self._ssd_guess = False            # prefetch guesses ssd reads (configure: prefetch_host)
+        self._segments = None              # the segmented capture under way (segment_with)
         self.reset_telemetry()
 
     def configure(self, cfg: DecodeConfig, top_k: int) -> None:
@@ -385,6 +386,22 @@ class TieredExperts(nn.Module):
         if self._ssd is not None:
             return 0         # the fused SSD path reads the routing on the host
         return self.decode.fused_max_tokens if self._fused_groups is not None else 0
+
+    def segment_tokens(self) -> int:
+        """Up to how many tokens a decode step can be captured as CUDA graphs cut at this layer's
+        host syncs (the fused SSD path: one cut per call, where its routing reaches the host);
+        sync_free_tokens where there are none."""
+        if self._ssd is None:
+            return self.sync_free_tokens()
+        if self.skip_tail_from is not None:
+            return 0
+        return min(self.decode.fused_max_tokens, self._ssd.slots_n // self._top_k)
+
+    def segment_with(self, segments) -> None:
+        """Capture into `segments` (None: stop): the engine's segmented decode graph, whose cut(fn)
+        ends the graph being captured (fn runs on the host after that graph's replay, after a
+        stream sync) and add_guess(slots) schedules a guess's reads after the current one's."""
+        self._segments = segments
 
     @property
     def prefetching(self) -> bool:
@@ -695,15 +712,19 @@ class _SsdSlots:
         owner = self.owner
         _, ids, _ = kernels.router_topk(h, gate_weight, top_k, renormalize, arrivals=self.guess_arrivals,
                                         out=self.guess_out, cfg=owner.decode)
+        if owner.device.type != "cuda":
+            self.guess_host.copy_(ids[0])
+        else:
+            self.guess_host.copy_(ids[0], non_blocking=True)
+            if owner._segments is not None:     # captured: the segment's replay acts on it after its sync
+                owner._segments.add_guess(self)
+                return
         pending = owner.disk.pending_guesses
         pending[:] = [p for p in pending if p[0] is not self]     # a newer guess replaces an unread one
+        event = None
         if owner.device.type == "cuda":
-            self.guess_host.copy_(ids[0], non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        else:
-            self.guess_host.copy_(ids[0])
-            event = None
         pending.append((self, event))
 
     def start_guessed_reads(self) -> None:
@@ -715,28 +736,36 @@ class _SsdSlots:
 
     def fill(self, topk_ids: torch.Tensor) -> None:
         """Put every ssd expert topk_ids picks into a slot and the map on the device (before the
-        call's launches, in stream order)."""
+        call's launches, in stream order). Under a segmented capture (see segment_with) only the
+        routing's copy to the host is captured: the segment ends here and its replay runs the rest."""
         owner, disk = self.owner, self.owner.disk
-        c = owner._counters
         n = topk_ids.numel()
-        if owner.device.type == "cuda":
-            host = self.ids_host[:n]
-            host.copy_(topk_ids.reshape(-1), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            event.synchronize()      # the host sync; earlier guesses' ids are in too
-        else:
-            host = topk_ids.reshape(-1).cpu()
-        ids = host.tolist()
-        # guesses first: their reads then run while this call copies and computes
-        disk.harvest()
+        if owner.device.type != "cuda":
+            self.fill_host(topk_ids.reshape(-1).tolist())
+            return
+        host = self.ids_host[:n]
+        host.copy_(topk_ids.reshape(-1), non_blocking=True)
+        if owner._segments is not None:
+            owner._segments.cut(lambda: self.fill_host(host.tolist()))
+            return
+        event = torch.cuda.Event()
+        event.record()
+        event.synchronize()      # the host sync; earlier guesses' ids are in too
         pending, keep = disk.pending_guesses, []
-        for slots, event in pending:
-            if event is None or event.query():
+        for slots, ev in pending:
+            if ev is None or ev.query():
                 slots.start_guessed_reads()
             else:
-                keep.append((slots, event))
+                keep.append((slots, ev))
         pending[:] = keep
+        self.fill_host(host.tolist())
+
+    def fill_host(self, ids: list[int]) -> None:
+        """fill's host part, once the routing `ids` (flattened topk_ids) is on the host and the
+        guesses made before it have started their reads."""
+        owner, disk = self.owner, self.owner.disk
+        c = owner._counters
+        disk.harvest()
         counts: dict[int, int] = {}
         for e in ids:
             if owner.homes[e] == "ssd":

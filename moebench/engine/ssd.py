@@ -43,7 +43,7 @@ import zlib
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, NamedTuple
+from typing import Iterable
 
 import torch
 
@@ -251,12 +251,16 @@ class ExpertPack:
     def read(self, key: tuple[int, int], pin: bool = False) -> tuple[QuantizedExpert, int]:
         """Read one record (from a reader thread or the caller's); returns the expert, whose tensors
         are views into one aligned buffer, and the bytes read."""
-        expert, _, rb = self.read_record(key, pin)
-        return expert, rb
+        buf, rb = self.read_raw(key, pin)
+        return self.expert(key, buf), rb
 
-    def read_record(self, key: tuple[int, int], pin: bool = False) -> tuple[QuantizedExpert, torch.Tensor, int]:
-        """read, also returning the record's aligned buffer (uint8 [read_bytes]) that the expert's
-        tensors view: the fused SSD path copies it to the device in one piece."""
+    def expert(self, key: tuple[int, int], buf: torch.Tensor) -> QuantizedExpert:
+        """The expert whose tensors view a record's buffer (as read_raw gave it)."""
+        return self._expert(key, self.entries[key], buf)
+
+    def read_raw(self, key: tuple[int, int], pin: bool = False) -> tuple[torch.Tensor, int]:
+        """Read one record into a new aligned buffer (uint8 [read_bytes]); returns it and the bytes
+        read. The least Python a reader thread can run: it holds the GIL the model's thread needs."""
         entry = self.entries.get(key)
         if entry is None:
             raise PackError(f"{self.path}: no record for layer {key[0]} expert {key[1]}")
@@ -281,7 +285,7 @@ class ExpertPack:
             if crc != int(entry["crc32"]):
                 raise PackError(f"{self.path}: layer {key[0]} expert {key[1]}: CRC-32 {crc:#010x} of its {n} bytes "
                                 f"at {off}; the index expects {int(entry['crc32']):#010x} (corrupt file)")
-        return self._expert(key, entry, buf), buf, rb
+        return buf, rb
 
     def layout(self, key: tuple[int, int]) -> tuple:
         """What fixes where a record's parts sit: (format, read_bytes, parts). Records of equal
@@ -373,11 +377,21 @@ class HostCache:
         self.resident = 0
 
 
-class Record(NamedTuple):
-    """One expert record in host RAM: the expert (tensors viewing buf) and its aligned buffer."""
+class Record:
+    """One expert record in host RAM: its aligned buffer (None for an expert the per-expert path
+    kept) and the expert viewing it, made on first use (on the model's thread, not a reader's)."""
 
-    expert: QuantizedExpert
-    buf: torch.Tensor
+    __slots__ = ("buf", "_pack", "_key", "_expert")
+
+    def __init__(self, buf: torch.Tensor | None, pack: ExpertPack | None = None, key=None,
+                 expert: QuantizedExpert | None = None):
+        self.buf, self._pack, self._key, self._expert = buf, pack, key, expert
+
+    @property
+    def expert(self) -> QuantizedExpert:
+        if self._expert is None:
+            self._expert = self._pack.expert(self._key, self.buf)
+        return self._expert
 
 
 class DiskTier:
@@ -435,7 +449,7 @@ class DiskTier:
         """Put a record just read into the host-RAM cache (the model's thread only): an expert
         (the per-expert path's) or a Record."""
         if not isinstance(expert, Record):
-            expert = Record(expert, None)
+            expert = Record(None, expert=expert)
         self._put(key, expert, nbytes)
 
     def _put(self, key, rec: Record, nbytes: int) -> None:
@@ -463,8 +477,8 @@ class DiskTier:
 
         def job():
             t0 = time.perf_counter()
-            expert, buf, n = self.pack.read_record(key, pin=self.pin)
-            return Record(expert, buf), n, time.perf_counter() - t0
+            buf, n = self.pack.read_raw(key, pin=self.pin)
+            return buf, n, time.perf_counter() - t0
         self._inflight[key] = (self._pool.submit(job), guess)
         return self.pack.read_bytes(key)
 
@@ -473,9 +487,10 @@ class DiskTier:
         record and the seconds waited."""
         fut, _ = self._inflight[key]
         t0 = time.perf_counter()
-        rec, n, _ = fut.result()
+        buf, n, _ = fut.result()
         waited = time.perf_counter() - t0
         del self._inflight[key]
+        rec = Record(buf, self.pack, key)
         self._put(key, rec, n)
         return rec, waited
 
