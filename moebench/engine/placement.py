@@ -39,7 +39,7 @@ from .decode_config import DEFAULT, DecodeConfig
 from .quant import QuantizedTensor
 
 HOMES = ("gpu", "host", "ssd")
-# Counted on the host by the per-expert path (prefill, no fused kernels, ssd layers). calls counts Python
+# Counted on the host by the per-expert path (prefill, no fused kernels) and the fused SSD path. calls counts Python
 # forward calls (a replayed CUDA graph makes none); cache_hits/misses count experts per call,
 # tokens_host_hit/miss count picks.
 HOST_COUNTERS = ("calls", "tokens_gpu", "tokens_host_hit", "tokens_host_miss", "tokens_skipped",
@@ -741,16 +741,17 @@ class _SsdSlots:
         owner, disk = self.owner, self.owner.disk
         n = topk_ids.numel()
         if owner.device.type != "cuda":
-            self.fill_host(topk_ids.reshape(-1).tolist())
-            return
-        host = self.ids_host[:n]
-        host.copy_(topk_ids.reshape(-1), non_blocking=True)
-        if owner._segments is not None:
-            owner._segments.cut(lambda: self.fill_host(host.tolist()))
-            return
-        event = torch.cuda.Event()
-        event.record()
-        event.synchronize()      # the host sync; earlier guesses' ids are in too
+            ids = topk_ids.reshape(-1).tolist()
+        else:
+            host = self.ids_host[:n]
+            host.copy_(topk_ids.reshape(-1), non_blocking=True)
+            if owner._segments is not None:
+                owner._segments.cut(lambda: self.fill_host(host.tolist()))
+                return
+            event = torch.cuda.Event()
+            event.record()
+            event.synchronize()      # the host sync; earlier guesses' ids are in too
+            ids = host.tolist()
         pending, keep = disk.pending_guesses, []
         for slots, ev in pending:
             if ev is None or ev.query():
@@ -758,7 +759,7 @@ class _SsdSlots:
             else:
                 keep.append((slots, ev))
         pending[:] = keep
-        self.fill_host(host.tolist())
+        self.fill_host(ids)
 
     def fill_host(self, ids: list[int]) -> None:
         """fill's host part, once the routing `ids` (flattened topk_ids) is on the host and the
