@@ -11,7 +11,11 @@ call:
    - plan_gpu_host: the hot half in HBM, the cold half in pinned host RAM;
    - plan_gpu_host_skip: the same with route-tail-skip from rank --skip-tail-from (changes the numbers);
    - plan_gpu_host_ssd: the hot half in HBM, the cold half on the SSD tier: a pack file behind a
-     host-RAM cache that holds --ssd-cache-fraction of the cold records (the rest are read from disk).
+     host-RAM cache that holds --ssd-cache-fraction of the cold records (the rest are read from disk);
+     the fused SSD path with the runner's defaults (disk reads started from the guess one layer ahead);
+   - plan_gpu_host_ssd_noguess: the same without guesses (prefetch off: reads start at the routing);
+   - plan_gpu_host_ssd_ahead: the same with guesses from --ssd-lookahead layers ahead
+     (DecodeConfig.ssd_lookahead).
 3. Each plan decodes with the default settings, the engine runner's choices for the device
    (runners/engine.py decode_choices + prefetch_choices: on CUDA the fused kernels, CUDA graphs where
    every layer is sync-free, decode-ahead, prefetch from the attention input for host or ssd experts),
@@ -20,9 +24,12 @@ call:
        HBM bytes / copy bandwidth + PCIe bytes / pinned H2D bandwidth + disk bytes / disk bandwidth
    HBM bytes: the non-expert weights plus every pick computed from device memory (GPU-tier experts,
    LRU-cache and prefetch-stage hits, host and ssd experts copied in); PCIe bytes: bytes_host_read +
-   bytes_h2d; disk bytes: bytes_ssd_read; disk bandwidth: disk_read's random reads at the SSD tier's
-   thread count. Counters cover the decode steps of one generate of --tokens tokens (its prefill's
-   counters subtracted).
+   bytes_h2d; disk bytes: bytes_ssd_needed, the records a pick used (read on demand, or read for a
+   guess and then used; a guessed read no pick used is not a byte that had to come from disk, so it
+   lowers the measured speed but not the bound); disk bandwidth: disk_read's best random-read figure
+   over its thread counts. The three terms are added (no overlap between tiers); `tok_s_overlapped`
+   is the bound if they overlapped fully (the slowest tier alone). Counters cover the decode steps of
+   one generate of --tokens tokens (its prefill's counters subtracted).
 
     python benchmarks/tiers_h200.py --out $OUT                 # H200 (estimated ~5 min)
     python benchmarks/tiers_h200.py --small --out /tmp/tiers   # CPU smoke run: tiny shape, torch path, tmp pack
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import functools
 import os
 import random
@@ -144,13 +152,14 @@ def disk_read(b, ctx: dict) -> dict:
     return out
 
 
-def disk_bandwidth(ctx: dict, threads: int) -> tuple[float | None, str]:
-    """The random-read bandwidth at the thread count nearest `threads`, and where it came from."""
+def disk_bandwidth(ctx: dict) -> tuple[float | None, str]:
+    """The best random-read bandwidth disk_read measured (over its thread counts), and where it
+    came from: what the disk can do, whatever thread count the tier runs."""
     rand = (ctx.get("disk") or {}).get("random") or {}
     if not rand:
         return None, "no disk_read figure"
-    q = min(rand, key=lambda k: (abs(int(k) - threads), int(k)))
-    return rand[q]["Bps"], f"disk_read random, {q} threads"
+    q = max(rand, key=lambda k: rand[k]["Bps"])
+    return rand[q]["Bps"], f"disk_read random, best: {q} threads"
 
 
 # ---- 2-3. the tier plans ----------------------------------------------------------------------------
@@ -203,11 +212,12 @@ def hit_rates(c: dict) -> dict:
                    "gpu_cache_hits": share(c["ssd_gpu_hits"], c["picks_ssd"]),
                    "host_ram_cache_hits": share(c["ssd_hits"] - c["ssd_gpu_hits"], c["picks_ssd"]),
                    "read_from_disk": share(c["ssd_misses"], c["picks_ssd"]),
+                   "read_early_for_a_guess": share(c["ssd_guess_hits"], c["picks_ssd"]),
                    "route_tail_skips": share(c["ssd_skips"], c["picks_ssd"])}}
     return out
 
 
-def tier_bound(b, ctx: dict, c: dict, threads: int) -> dict:
+def tier_bound(b, ctx: dict, c: dict) -> dict:
     """Bytes per decode token by tier (from the counters) and the tok/s bound they give."""
     steps = max(1, c["decode_steps"])
     H, I = b.cfg.hidden_size, b.cfg.expert_intermediate_size
@@ -216,39 +226,47 @@ def tier_bound(b, ctx: dict, c: dict, threads: int) -> dict:
                    + (c["picks_ssd"] - c["ssd_skips"]) * cold)
     hbm = b.non_expert_bytes + from_device / steps
     pcie = (c["bytes_host_read"] + c["bytes_h2d"]) / steps
-    disk = c["bytes_ssd_read"] / steps
+    disk = c["bytes_ssd_needed"] / steps
     h2d = b.R["pinned_h2d_Bps"]
-    disk_bw, disk_src = disk_bandwidth(ctx, threads)
-    seconds = hbm / b.bw + pcie / (h2d or b.bw)
+    disk_bw, disk_src = disk_bandwidth(ctx)
+    terms = [hbm / b.bw, pcie / (h2d or b.bw)]
     out = {"hbm_bytes_per_token": hbm, "pcie_bytes_per_token": pcie, "disk_bytes_per_token": disk,
+           "disk_bytes_read_per_token": c["bytes_ssd_read"] / steps,
            "copy_Bps": b.bw, "pinned_h2d_Bps": h2d, "disk_Bps": disk_bw, "disk_Bps_from": disk_src}
     if h2d is None:
         out["note"] = "no CUDA: host bytes at the copy bandwidth (one memory)"
     if disk:
         if disk_bw is None:
-            out["tok_s"] = None
+            out["tok_s"] = out["tok_s_overlapped"] = None
             return out
-        seconds += disk / disk_bw
-    out["tok_s"] = 1.0 / seconds
+        terms.append(disk / disk_bw)
+    out["seconds_per_token_by_tier"] = terms
+    out["tok_s"] = 1.0 / sum(terms)
+    out["tok_s_overlapped"] = 1.0 / max(terms)
     return out
 
 
-def run_plan(b, ctx: dict, name: str, precision, home, disk=None, threads: int = 4,
-             skip_tail_from: int | None = None) -> dict:
+def run_plan(b, ctx: dict, name: str, precision, home, disk=None, skip_tail_from: int | None = None,
+             **decode_changes) -> dict:
     offloaded = sorted({h for row in home for h in row} - {"gpu"})
     cfg, choices = default_decode(b, offloaded)
+    if decode_changes:                         # a variant's own settings over the runner's defaults
+        cfg = dataclasses.replace(cfg, **decode_changes)
+        for key, value in decode_changes.items():
+            choices[key] = {"value": value, "why": f"variant {name}"}
     t = time.perf_counter()
     experts = tiered_experts(b.hf, precision, home, b.device, b.dtype, fused=False, disk=disk)
     for module in experts.values():
         module.skip_tail_from = skip_tail_from       # before the engine captures any graph
     eng = b.engine(cfg, experts=experts, cuda_graphs=choices["cuda_graphs"]["value"])
     build_s = time.perf_counter() - t
-    choices["cuda_graphs"]["runs"] = bool(eng.cuda_graphs and eng._graph_batch_limit() > 0)
+    choices["cuda_graphs"]["runs"] = eng.graph_mode(1) is not None
+    choices["cuda_graphs"]["mode"] = eng.graph_mode(1)
     choices["prefetch_host"]["runs"] = any(blk.experts.prefetching for blk in eng.model.moe_blocks())
     r = b.rate(eng)
     toks = r.pop("tokens")
     counters = decode_counters(eng, b.prompt, b.n_long)
-    bound = tier_bound(b, ctx, counters, threads)
+    bound = tier_bound(b, ctx, counters)
     r.update(build_s=build_s, choices=choices, skip_tail_from=skip_tail_from, decode=cfg.identity(), counters=counters,
              hit_rates=hit_rates(counters), bound=bound,
              pct_of_bound=100 * r["tok_s"] / bound["tok_s"] if bound.get("tok_s") else None,
@@ -266,8 +284,11 @@ def run_plan(b, ctx: dict, name: str, precision, home, disk=None, threads: int =
                 f"{100 * hr['host']['served_from_gpu_memory']:.1f}%)")
     if counters["picks_ssd"]:
         msg += (f", ssd {100 * hr['ssd']['share_of_picks']:.1f}% (GPU cache {100 * hr['ssd']['gpu_cache_hits']:.1f}%, "
-                f"host RAM {100 * hr['ssd']['host_ram_cache_hits']:.1f}%, disk {100 * hr['ssd']['read_from_disk']:.1f}%)")
-    log(msg + f"; graphs {'on' if choices['cuda_graphs']['runs'] else 'off'}, prefetch "
+                f"host RAM {100 * hr['ssd']['host_ram_cache_hits']:.1f}%, disk {100 * hr['ssd']['read_from_disk']:.1f}%, "
+                f"of those read early for a guess {100 * (hr['ssd']['read_early_for_a_guess'] or 0):.1f}%); disk read "
+                f"{bound['disk_bytes_read_per_token'] / 1e6:.1f} MB per token, "
+                f"waited {counters['ssd_wait_s'] / max(1, counters['decode_steps']) * 1e3:.2f} ms per token")
+    log(msg + f"; graphs {choices['cuda_graphs']['mode'] or 'off'}, prefetch "
         f"{'on' if choices['prefetch_host']['runs'] else 'off'}")
     del eng, experts
     return r
@@ -293,29 +314,53 @@ def plan_gpu_host_skip(b, ctx: dict) -> dict:
                     skip_tail_from=b.args.skip_tail_from or max(1, b.cfg.top_k // 2))
 
 
-@variant("plan_gpu_host_ssd")
-def plan_gpu_host_ssd(b, ctx: dict) -> dict:
+def ssd_pack(b, ctx: dict, home) -> tuple[Path, dict]:
+    """The cold half's pack file, written once for every ssd variant (page cache dropped after)."""
+    if "ssd_pack" not in ctx:
+        precision, _ = b.plans["int8hot_ternary2cold_host"]
+        path = ctx["pack_dir"] / "experts.ssd"
+        t0 = time.perf_counter()
+        index = write_ssd_pack(b.hf, precision, home, path)
+        info = {"pack_bytes": path.stat().st_size, "cold_record_bytes": sum(e["read_bytes"] for e in index["experts"]),
+                "write_s": time.perf_counter() - t0}
+        ctx["ssd_pack"] = (path, info)
+    path, info = ctx["ssd_pack"]
+    return path, {**info, "page_cache_dropped": drop_page_cache(path)}
+
+
+def run_ssd_plan(b, ctx: dict, name: str, **decode_changes) -> dict:
     """The hot half in HBM; the cold half in a pack file on disk behind a host-RAM cache of
-    --ssd-cache-fraction of the cold records."""
+    --ssd-cache-fraction of the cold records (a fresh, empty cache per variant)."""
     precision, _ = b.plans["int8hot_ternary2cold_host"]
     home = [["gpu" if e in b.hot[l] else "ssd" for e in range(b.cfg.num_experts)] for l in range(b.cfg.num_layers)]
-    path = ctx["pack_dir"] / "experts.ssd"
-    t0 = time.perf_counter()
-    index = write_ssd_pack(b.hf, precision, home, path)
-    write_s = time.perf_counter() - t0
-    dropped = drop_page_cache(path)
-    cold_bytes = sum(e["read_bytes"] for e in index["experts"])
-    cache = int(b.args.ssd_cache_fraction * cold_bytes)
+    path, info = ssd_pack(b, ctx, home)
+    cache = int(b.args.ssd_cache_fraction * info["cold_record_bytes"])
     disk = DiskTier.open(path, cache_bytes=cache, threads=b.args.ssd_threads, pin=b.device.type == "cuda")
     try:
-        r = run_plan(b, ctx, "plan_gpu_host_ssd", precision, home, disk=disk, threads=b.args.ssd_threads)
-        r["ssd"] = {"pack_bytes": path.stat().st_size, "cold_record_bytes": cold_bytes, "write_s": write_s,
-                    "page_cache_dropped": dropped, "host_cache_fraction": b.args.ssd_cache_fraction,
-                    **disk.stats()}
+        r = run_plan(b, ctx, name, precision, home, disk=disk, **decode_changes)
+        r["ssd"] = {**info, "host_cache_fraction": b.args.ssd_cache_fraction, **disk.stats()}
     finally:
         disk.close()
-        path.unlink(missing_ok=True)
     return r
+
+
+@variant("plan_gpu_host_ssd")
+def plan_gpu_host_ssd(b, ctx: dict) -> dict:
+    """The SSD plan with the runner's default choices (on CUDA: the fused SSD path, reads started
+    from the guess one layer ahead)."""
+    return run_ssd_plan(b, ctx, "plan_gpu_host_ssd")
+
+
+@variant("plan_gpu_host_ssd_noguess")
+def plan_gpu_host_ssd_noguess(b, ctx: dict) -> dict:
+    """The SSD plan without guesses: every read starts when its layer's routing is on the host."""
+    return run_ssd_plan(b, ctx, "plan_gpu_host_ssd_noguess", prefetch_host=False, prefetch_early=False)
+
+
+@variant("plan_gpu_host_ssd_ahead")
+def plan_gpu_host_ssd_ahead(b, ctx: dict) -> dict:
+    """The SSD plan with guesses from each of the --ssd-lookahead layers before a layer."""
+    return run_ssd_plan(b, ctx, "plan_gpu_host_ssd_ahead", ssd_lookahead=b.args.ssd_lookahead)
 
 
 # ---- the run ----------------------------------------------------------------------------------------
@@ -330,9 +375,10 @@ def table(R: dict) -> str:
         lines.append(f"{'threads':>8s} {'seq GB/s':>9s} {'rand GB/s':>10s}")
         for q in qs:
             lines.append(f"{q:>8s} {d['sequential'][q]['Bps'] / 1e9:9.2f} {d['random'][q]['Bps'] / 1e9:10.2f}")
-    lines.append(f"{'plan':20s} {'tok/s':>8s} {'bound':>8s} {'% bound':>8s} {'gpu %':>6s} {'host %':>7s} "
+    lines.append("bound: HBM + PCIe + disk times added; overlap: the slowest tier's time alone (tok/s)")
+    lines.append(f"{'plan':26s} {'tok/s':>8s} {'bound':>8s} {'% bound':>8s} {'overlap':>8s} {'gpu %':>6s} {'host %':>7s} "
                  f"{'host@gpu %':>10s} {'skipped %':>9s} {'ssd %':>6s} {'ssd@gpu %':>9s} {'ssd@ram %':>9s} "
-                 f"{'ssd@disk %':>10s}")
+                 f"{'ssd@disk %':>10s} {'(guessed) %':>11s}")
 
     def pct(x):
         return f"{100 * x:.1f}" if x is not None else "-"
@@ -340,12 +386,14 @@ def table(R: dict) -> str:
         if not name.startswith("plan_"):
             continue
         hr = r["hit_rates"]
-        lines.append(f"{name:20s} {r['tok_s']:8.2f} {r['bound']['tok_s'] or float('nan'):8.1f} "
-                     f"{(r['pct_of_bound'] or float('nan')):8.1f} {pct(hr['gpu']['share_of_picks']):>6s} "
+        lines.append(f"{name:26s} {r['tok_s']:8.2f} {r['bound']['tok_s'] or float('nan'):8.1f} "
+                     f"{(r['pct_of_bound'] or float('nan')):8.1f} {r['bound'].get('tok_s_overlapped') or float('nan'):8.1f} "
+                     f"{pct(hr['gpu']['share_of_picks']):>6s} "
                      f"{pct(hr['host']['share_of_picks']):>7s} {pct(hr['host']['served_from_gpu_memory']):>10s} "
                      f"{pct(hr['host']['route_tail_skips']):>9s} "
                      f"{pct(hr['ssd']['share_of_picks']):>6s} {pct(hr['ssd']['gpu_cache_hits']):>9s} "
-                     f"{pct(hr['ssd']['host_ram_cache_hits']):>9s} {pct(hr['ssd']['read_from_disk']):>10s}")
+                     f"{pct(hr['ssd']['host_ram_cache_hits']):>9s} {pct(hr['ssd']['read_from_disk']):>10s} "
+                     f"{pct(hr['ssd']['read_early_for_a_guess']):>11s}")
     for name, err in R["errors"].items():
         lines.append(f"FAILED {name}: {err}")
     return "\n".join(lines)
@@ -360,7 +408,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--disk-read-gib", type=float, default=1.0, help="bytes read per disk_read run")
     ap.add_argument("--ssd-cache-fraction", type=float, default=0.5,
                     help="plan_gpu_host_ssd: host-RAM cache size as a share of the cold records' bytes")
-    ap.add_argument("--ssd-threads", type=int, default=4, help="plan_gpu_host_ssd: the SSD tier's reader threads")
+    ap.add_argument("--ssd-threads", type=int, default=4, help="plan_gpu_host_ssd*: the SSD tier's reader threads")
+    ap.add_argument("--ssd-lookahead", type=int, default=3,
+                    help="plan_gpu_host_ssd_ahead: DecodeConfig.ssd_lookahead (layers ahead a guess starts reads)")
     ap.add_argument("--skip-tail-from", type=int, default=None,
                     help="plan_gpu_host_skip: the first rank skipped (default: half of top-k)")
     ap.add_argument("--pack-dir", default=None, help="where pack files go (default: ./.tiers_pack; --small: a tmp dir)")
@@ -389,6 +439,8 @@ def main(argv=None) -> dict:
     (b.out_dir / "tiers_h200.txt").write_text(text + "\n")
     log("")
     log(text)
+    if "ssd_pack" in ctx:
+        ctx["ssd_pack"][0].unlink(missing_ok=True)
     if tmp:
         tmp.cleanup()
     return R

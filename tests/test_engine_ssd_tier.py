@@ -1,20 +1,26 @@
 """The SSD tier on the CPU: a tiny random Qwen3-MoE checkpoint (transformers save_pretrained),
 calibrated on real WikiText bytes, packed with its coldest experts in experts.ssd behind a small
-host-RAM cache, decodes exactly what the all-resident artifact decodes; the telemetry adds up; the
+host-RAM cache, decodes exactly what the all-resident artifact decodes, on the per-expert path and
+on the fused one (Triton's interpreter, where triton is installed; with and without guessed
+reads); the telemetry adds up; the
 LRU keeps to its byte budget; a damaged pack file is refused with a message naming it."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 
 import pytest
 import torch
 
-from moebench.engine import Engine
-from moebench.engine.placement import collect_telemetry, find_tiered
-from moebench.engine.ssd import ALIGN, MAGIC, DiskTier, ExpertPack, HostCache, PackError, write_pack
-from moebench.engine.tiering import (Budgets, Plan, TieringError, calibrate, expert_nbytes, pack, plan,
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton's first import (see kernels/runtime.py)
+
+from moebench.engine import Engine  # noqa: E402
+from moebench.engine.placement import collect_telemetry, find_tiered  # noqa: E402
+from moebench.engine.ssd import ALIGN, MAGIC, DiskTier, ExpertPack, HostCache, PackError, write_pack  # noqa: E402
+from moebench.engine.tiering import (Budgets, Plan, TieringError, calibrate, expert_nbytes, pack, plan,  # noqa: E402
                                      plan_hot_cold, read_experts)
 
 E, TOP_K, H, I, LAYERS, SEQ = 8, 2, 64, 96, 2, 96
@@ -325,3 +331,84 @@ def test_cli_plan_takes_an_ssd_budget(stats, ckpt, tmp_path):
     assert p.has_ssd and p.ssd_cache_bytes == 65536 and p.info["budgets"]["ssd_bytes"] == round(0.001 * (1 << 30))
     art = moebench_cli("tier", "pack", str(ckpt), str(tmp_path / "plan.json"), "--out", str(tmp_path / "art"), check=True)
     assert (tmp_path / "art" / "experts.ssd").is_file(), art.stdout
+
+
+@pytest.fixture(scope="module")
+def fused_artifacts(ckpt, stats, tmp_path_factory):
+    """Hot quarter int8 on the gpu, the rest ternary2 on ssd (no host tier: on CUDA its launch shapes
+    differ from HBM's, which would change the rounding): one record layout per layer, so the ssd
+    layers run the fused kernels."""
+    root = tmp_path_factory.mktemp("ssd_fused")
+    record = ALIGN * -(-expert_nbytes("ternary2", H, I) // ALIGN)
+    split_plan = plan_hot_cold(stats, 0.25, hot="int8", cold="ternary2", cache_slots=1, ssd_fraction=0.75,
+                               ssd_cache_bytes=3 * record)          # three of the ssd records in host RAM
+    assert all(h != "host" for row in split_plan.home for h in row)
+    res_plan = plan_hot_cold(stats, 0.25, hot="int8", cold="ternary2", cache_slots=1)
+    res_plan.home = [["gpu"] * E for _ in range(LAYERS)]
+    return pack(ckpt, split_plan, root / "split"), pack(ckpt, res_plan, root / "resident")
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda_graphs", "cpu"])
+@pytest.mark.parametrize("lookahead", [None, 1, 2])
+def test_fused_ssd_path_gives_the_same_logits_with_and_without_guesses(fused_artifacts, batches, lookahead, device):
+    """The fused SSD path (device slots filled after a host sync on the routing) decodes exactly
+    what the all-resident artifact decodes on the fused kernels, without guesses (None) and with
+    guessed reads started one or two layers early; the counters add up. On CUDA (bf16) eagerly and
+    as segmented CUDA graphs (cut at each layer's sync), and in Triton's CPU interpreter (float32),
+    where triton is installed."""
+    graphs = device == "cuda_graphs"
+    device = "cuda" if graphs else device
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("CUDA not available")
+    if device == "cpu":
+        from moebench.engine.kernels import runtime
+        if torch.cuda.is_available():     # the interpreter is process-wide: set only where CUDA is absent
+            pytest.skip("Triton's CPU interpreter is not enabled in a process that has CUDA")
+        if not runtime.available():
+            pytest.skip(f"the fused kernels cannot run in the interpreter here: {runtime.unavailable_reason()}")
+    split, resident = fused_artifacts
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    opts = dict(experts_impl="triton")
+    if lookahead is not None:
+        from moebench.engine.decode_config import DecodeConfig
+        opts = dict(decode=DecodeConfig(experts_impl="triton", prefetch_host=True, prefetch_early=True,
+                                        ssd_lookahead=lookahead))
+    e_ssd = Engine.load(split, device=device, dtype=dtype, cuda_graphs=graphs, **opts)
+    e_res = Engine.load(resident, device=device, dtype=dtype, experts_impl="triton")
+    mods = find_tiered(e_ssd.model)
+    assert all(m._ssd is not None and m.sync_free_tokens() == 0 for m in mods), "every layer on the fused SSD path"
+    assert all(m.prefetching == (lookahead is not None) for m in mods)
+    assert e_ssd.graph_mode(1) == ("segmented" if graphs else None)
+    prompt, new = batches[0][:24], 12
+    if graphs:      # a replayed graph calls no lm_head hook: compare every step's top log-probs instead
+        a, b = (e.generate([prompt], new, ignore_eos=True, top_logprobs=8)[0] for e in (e_ssd, e_res))
+        assert e_ssd._graphs, "decode steps ran as segmented CUDA graphs"
+        assert a.token_ids == b.token_ids and len(a.top_logprobs) == new
+        assert a.top_logprobs == b.top_logprobs
+    else:
+        a = _logits_of_generate(e_ssd, prompt, new)
+        b = _logits_of_generate(e_res, prompt, new)
+        assert len(a) == len(b) == new
+        for step, (x, y) in enumerate(zip(a, b)):
+            assert torch.equal(x, y), f"logits differ at step {step}"
+    tel = e_ssd.telemetry()
+    routed = (len(prompt) + tel["decode_steps"]) * TOP_K
+    for m, layer in zip(mods, tel["tiers"]["layers"]):
+        assert layer["routed"] == routed == layer["picks_gpu"] + layer["picks_host"] + layer["picks_ssd"]
+        assert layer["ssd_hits"] + layer["ssd_misses"] == layer["picks_ssd"] > 0
+        assert layer["ssd_gpu_hits"] <= layer["ssd_hits"] and layer["ssd_guess_hits"] <= layer["ssd_misses"]
+        assert layer["bytes_ssd_needed"] <= layer["bytes_ssd_read"]
+        assert layer["ssd_guess_reads"] <= layer["ssd_reads"]
+        if lookahead is None:
+            assert layer["ssd_guess_reads"] == layer["ssd_guess_hits"] == 0
+            assert layer["bytes_ssd_needed"] == layer["bytes_ssd_read"]
+    layers = tel["tiers"]["layers"]
+    if lookahead is not None:       # layer 0 is guessed by no earlier layer; layer 1 from layer 0's attention input
+        assert layers[0]["ssd_guess_reads"] == 0
+        assert layers[1]["ssd_guess_reads"] > 0
+    st = tel["tiers"]["disk"]
+    assert st["guess_used"] + st["guess_unused_now"] + st["guess_wasted"] == st["guess_reads"]
+    assert st["cache_peak_bytes"] <= st["cache_capacity_bytes"]
+    # the per-expert path (prefill) and the fused path share one host-RAM cache: a second prompt
+    # starts warm and still matches
+    assert torch.equal(e_ssd.logits(batches[1][:20]), e_res.logits(batches[1][:20]))

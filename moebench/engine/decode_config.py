@@ -152,6 +152,10 @@ class DecodeConfig:
         window, an older guess) instead of its MoE input. Both off here: whether they pay depends on
         the device and the artifact, which the config does not know; the engine runner's "auto"
         turns both on with CUDA, experts_impl "triton" and host or ssd experts.
+    ssd_lookahead: with prefetch_early, layers on the fused SSD path guess their experts from the
+        attention input of each of the up to this many layers before them, and each guess starts
+        the disk reads of the guessed records (a disk read takes longer than a layer); 1: only the
+        layer before, like the host tier's prefetch.
     pdl: programmatic dependent launch (sm_90+): a kernel starts launching while its predecessor runs.
     overlap_host: the host-memory groups and the HBM groups of other formats than the largest
         group's run on side streams, concurrently with it.
@@ -174,6 +178,7 @@ class DecodeConfig:
     int8_activations: bool = False
     prefetch_host: bool = False
     prefetch_early: bool = False
+    ssd_lookahead: int = 1
     pdl: bool = True
     overlap_host: bool = True
     defer_moe_sum: bool = True
@@ -192,6 +197,8 @@ class DecodeConfig:
                                         f"not {self.experts_impl!r}")
         if self.prefetch_early and not self.prefetch_host:
             raise DecodeConfigError("prefetch_early needs prefetch_host (it moves where the prefetch guesses from)")
+        if self.ssd_lookahead < 1:
+            raise DecodeConfigError(f"ssd_lookahead must be >= 1, got {self.ssd_lookahead}")
         for name in ("gather_max_tokens", "fused_max_tokens", "router_max_tokens"):
             if getattr(self, name) < 0:
                 raise DecodeConfigError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -393,18 +393,31 @@ class Engine:
     def _decode(self, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
         """One decode step for [B, 1] tokens -> [B, vocab] float32 logits."""
         B = tokens.shape[0]
-        if self.cuda_graphs and B <= self._graph_batch_limit():
+        mode = self.graph_mode(B)
+        if mode is not None:
             graph = self._graphs.get((B, kv_len))
             if graph is None:
                 if self._graph_pool is None:
                     self._graph_pool = torch.cuda.graph_pool_handle()
                 # the warm-up and capture runs are no user's work: keep them out of the tier counters
                 counters = counter_states(self.model)
-                graph = self._graphs[(B, kv_len)] = _DecodeGraph(self.model, B, kv_len, self._graph_pool)
+                kind = _DecodeGraph if mode == "whole" else _SegmentedGraph
+                graph = self._graphs[(B, kv_len)] = kind(self.model, B, kv_len, self._graph_pool)
                 restore_counter_states(self.model, counters)
             return graph.run(tokens, positions)
         h = self.model(tokens, positions, kv_len)
         return self.model.lm_head(h[:, -1]).float()
+
+    def graph_mode(self, batch: int = 1) -> str | None:
+        """How a decode step of `batch` rows runs as CUDA graphs: "whole" (one graph: every experts
+        module is sync-free for it), "segmented" (one graph per stretch between the host syncs of
+        layers on the fused SSD path: ExpertsModule.segment_tokens), or None (eager)."""
+        if not self.cuda_graphs:
+            return None
+        if batch <= self._graph_batch_limit():
+            return "whole"
+        limits = [b.experts.segment_tokens() for b in self.model.moe_blocks()]
+        return "segmented" if batch <= min(limits, default=0) else None
 
     def _graph_batch_limit(self) -> int:
         """Largest decode batch every experts module runs without host syncs (0: none declared)."""
@@ -474,4 +487,74 @@ class _DecodeGraph:
         self.tokens.copy_(tokens)
         self.positions.copy_(positions)
         self.graph.replay()
+        return self.logits
+
+
+class _SegmentedGraph:
+    """A decode step captured as a chain of CUDA graphs, cut where a layer on the fused SSD path
+    needs its routing on the host (placement.TieredExperts.segment_with): replaying a graph, then
+    syncing and running that layer's host part (start the guessed reads captured in the graph,
+    fill the slots, copy the slot map), then the next graph. The graphs share one memory pool and
+    replay in capture order, so tensors made in one and read by a later one stay valid."""
+
+    def __init__(self, model: MoETransformer, batch: int, kv_len: int, pool):
+        device = next(model.parameters()).device
+        self.pool = pool
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.positions = torch.full((batch, 1), model.max_seq_len - 1, dtype=torch.long, device=device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                model.lm_head(model(self.tokens, self.positions, kv_len)[:, -1]).float()
+        stream.synchronize()
+        self.graphs: list = []
+        self.after: list = []          # per graph: (guessing slot stacks, host part or None)
+        mods = find_tiered(model)
+        for m in mods:
+            m.segment_with(self)
+        try:
+            with torch.cuda.stream(stream):
+                self._begin()
+                self.logits = model.lm_head(model(self.tokens, self.positions, kv_len)[:, -1]).float()
+                self._close(None)
+        finally:
+            for m in mods:
+                m.segment_with(None)
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+    def _begin(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        self._guesses: list = []
+        # thread_local: the SSD tier's reader threads allocate pinned buffers while this captures
+        self._graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+
+    def _close(self, host) -> None:
+        self._graph.capture_end()
+        self.graphs.append(self._graph)
+        self.after.append((self._guesses, host))
+
+    def cut(self, host) -> None:
+        """End the graph being captured (`host` runs after its replay) and begin the next."""
+        self._close(host)
+        self._begin()
+
+    def add_guess(self, slots) -> None:
+        """A guess captured in the current graph: its reads start after the graph's replay."""
+        self._guesses.append(slots)
+
+    def run(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        for graph, (guesses, host) in zip(self.graphs, self.after):
+            graph.replay()
+            if host is None and not guesses:
+                continue
+            event = torch.cuda.Event()
+            event.record()
+            event.synchronize()
+            for slots in guesses:
+                slots.start_guessed_reads()
+            if host is not None:
+                host()
         return self.logits

@@ -38,9 +38,17 @@ class ExpertsModule(Protocol):
     def sync_free_tokens(self) -> int:
         """Up to how many tokens a call runs without host syncs (CUDA-graph capturable)."""
 
+    def segment_tokens(self) -> int:
+        """Up to how many tokens a decode step holding this module can be captured as CUDA graphs
+        cut at its host syncs (Engine's segmented graphs); sync_free_tokens for a module without."""
+
+    def segment_with(self, segments) -> None:
+        """Capture into the engine's segmented graph `segments` (None: stop)."""
+
     @property
     def prefetching(self) -> bool:
         """Whether prefetch stages anything (host experts guessed one layer early)."""
 
-    def prefetch(self, h: Tensor, gate_weight: Tensor, top_k: int, renormalize: bool, own_stream: bool = False) -> None:
+    def prefetch(self, h: Tensor, gate_weight: Tensor, top_k: int, renormalize: bool, own_stream: bool = False,
+                 ahead: int = 1) -> None:
         """Guess this layer's experts from an earlier hidden state h [1, H] and stage them."""

@@ -193,6 +193,14 @@ class Experts(nn.Module):
             return 1 << 30 if self._grouped_mm_runs() else self.decode.fused_max_tokens
         return {"grouped_mm": 1 << 30, "loop": 0}.get(impl, self.decode.gather_max_tokens)
 
+    def segment_tokens(self) -> int:
+        """Up to how many tokens a segmented capture holds this module (no host syncs: as many as
+        sync_free_tokens)."""
+        return self.sync_free_tokens()
+
+    def segment_with(self, segments) -> None:
+        pass                     # no host syncs to cut at
+
     def partials_ok(self, tokens: int) -> bool:
         """Whether forward_partials runs for this many tokens (the fused Triton path)."""
         return self.decode.experts_impl == "triton" and tokens <= self.decode.fused_max_tokens
@@ -204,7 +212,8 @@ class Experts(nn.Module):
     def prefetching(self) -> bool:
         return False            # every expert is resident
 
-    def prefetch(self, h: Tensor, gate_weight: Tensor, top_k: int, renormalize: bool, own_stream: bool = False) -> None:
+    def prefetch(self, h: Tensor, gate_weight: Tensor, top_k: int, renormalize: bool, own_stream: bool = False,
+                 ahead: int = 1) -> None:
         pass
 
     def forward_partials(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor, xq: Tensor | None = None) -> Tensor:
@@ -447,13 +456,14 @@ class MoETransformer(nn.Module):
         return self.norm(x)
 
     @staticmethod
-    def _prefetch_next(block: nn.Module, h: Tensor, early: bool = False) -> None:
-        """Let the next layer's tiered experts stage their predicted host experts now (its router on
+    def _prefetch_next(block: nn.Module, h: Tensor, early: bool = False, ahead: int = 1) -> None:
+        """Let a later layer's tiered experts stage their predicted host experts now (its router on
         h, on a side stream; see TieredExperts.prefetch). One-token steps only. early: h is this
-        layer's attention input and this layer's experts have not run yet (own copy stream)."""
+        layer's attention input and this layer's experts have not run yet (own copy stream).
+        ahead: how many layers later the block is (beyond 1 only ssd guesses act on it)."""
         if isinstance(block, MoEBlock) and block.experts.prefetching and h.numel() == h.shape[-1]:
             block.experts.prefetch(h.reshape(1, -1), block.gate.weight, block.top_k, block.norm_topk_prob,
-                                   own_stream=early)
+                                   own_stream=early, ahead=ahead)
 
     def _fused_layers(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, kv_len: int) -> Tensor:
         """DecoderLayer.forward for every layer, with each residual add fused into the next RMSNorm
@@ -470,6 +480,9 @@ class MoETransformer(nn.Module):
             # sublayer earlier than its MoE input: the stage copies overlap layer l's attention too
             if cfg.prefetch_early and i + 1 < len(self.layers):
                 self._prefetch_next(self.layers[i + 1].mlp, h, early=True)   # h: this layer's attention input
+                # the SSD tier's reads take longer than a layer: guesses for layers further on too
+                for d in range(2, min(cfg.ssd_lookahead, len(self.layers) - 1 - i) + 1):
+                    self._prefetch_next(self.layers[i + d].mlp, h, early=True, ahead=d)
             a = layer.self_attn(h, cos, sin, positions, kv_len)
             post = layer.post_attention_layernorm
             block = layer.mlp

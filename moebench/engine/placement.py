@@ -13,7 +13,12 @@ Experts whose home is "ssd" live in the artifact's pack file (ssd.py): a pick of
 this layer's device cache when it is there, else from the artifact's host-RAM cache (ssd.HostCache,
 shared by all layers), else read from the file by the reader threads. Reads are queued as soon as a
 call knows its routing, before any expert runs, and waited for only when their expert's turn comes.
-A layer with ssd experts runs the per-expert path (its reads need the routing on the host).
+With experts_impl "triton" a layer whose ssd records share one layout runs the fused kernels too:
+its ssd experts are served from a device stack of slots (`top_k + cache_slots`, an LRU) that the
+call fills before its launches, which needs the routing on the host: one host sync per layer, so
+no CUDA graphs. With prefetch_host that path also guesses each layer's experts from an earlier
+hidden state (the attention input of up to DecodeConfig.ssd_lookahead layers before it) and starts
+the guessed records' disk reads then; a wrong guess costs disk time, never correctness.
 
 Numbers never depend on placement: every expert's output goes into its own (token, rank) cell and
 the weighted sum over ranks happens once at the end in a fixed order, so the order in which the tiers
@@ -34,12 +39,12 @@ from .decode_config import DEFAULT, DecodeConfig
 from .quant import QuantizedTensor
 
 HOMES = ("gpu", "host", "ssd")
-# Counted on the host by the per-expert path (prefill, no fused kernels, ssd layers). calls counts Python
+# Counted on the host by the per-expert path (prefill, no fused kernels) and the fused SSD path. calls counts Python
 # forward calls (a replayed CUDA graph makes none); cache_hits/misses count experts per call,
 # tokens_host_hit/miss count picks.
 HOST_COUNTERS = ("calls", "tokens_gpu", "tokens_host_hit", "tokens_host_miss", "tokens_skipped",
                  "cache_hits", "cache_misses", "bytes_h2d", "ssd_hits", "ssd_gpu_hits", "ssd_misses", "ssd_skips",
-                 "ssd_reads", "bytes_ssd_read", "ssd_wait_s")
+                 "ssd_reads", "bytes_ssd_read", "ssd_wait_s", "ssd_guess_reads", "ssd_guess_hits", "bytes_ssd_needed")
 # What telemetry() reports per layer: the host counters, plus figures from the per-expert pick
 # histograms (host side for the per-expert path, device side for the fused path, so CUDA-graph
 # replays count too):
@@ -51,13 +56,16 @@ HOST_COUNTERS = ("calls", "tokens_gpu", "tokens_host_hit", "tokens_host_miss", "
 #   bytes_h2d: cache fills plus prefetch copies; bytes_host_read: in-place reads (host_direct x the
 #   expert's bytes: exact for one-token decode steps, an upper bound for several tokens per call).
 #   copy_wait_s: time compute waited for cache fills (CUDA events on the GPU, the copy itself on the CPU).
-# The SSD tier (per-expert path only), in picks unless said:
+# The SSD tier (counted on the host, by the per-expert and the fused SSD path), in picks unless said:
 #   picks_ssd = ssd_hits + ssd_misses + ssd_skips
 #   ssd_hits: served without a file read, from the device cache (ssd_gpu_hits, a part of ssd_hits)
-#   or the host-RAM cache; ssd_misses: picks of experts read from the file in that call; ssd_skips:
-#   route-tail-skips of ssd experts; ssd_reads: records read (experts, not picks); bytes_ssd_read:
-#   bytes those reads moved (records are padded to 4096); ssd_wait_s: time compute waited for reads.
-#   routed = picks_gpu + picks_host + picks_ssd.
+#   or the host-RAM cache; ssd_misses: picks of experts whose record came from the file for that
+#   call: read on demand, or read by a guess and used for the first time (ssd_guess_hits, a part of
+#   ssd_misses); ssd_skips: route-tail-skips of ssd experts; ssd_reads: records this layer started
+#   reading (experts, not picks; ssd_guess_reads of them for guesses, used or not); bytes_ssd_read:
+#   bytes those reads moved (records are padded to 4096); bytes_ssd_needed: the bytes of the reads a
+#   pick used (demand reads, and guessed reads at their first use); ssd_wait_s: time compute waited
+#   for reads.  routed = picks_gpu + picks_host + picks_ssd.
 COUNTERS = HOST_COUNTERS + ("routed", "picks_gpu", "picks_host", "host_hits", "host_misses", "host_direct",
                             "prefetch_hits", "route_tail_skips", "stage_copies", "bytes_host_read", "copy_wait_s",
                             "picks_ssd")
@@ -173,6 +181,10 @@ class TieredExperts(nn.Module):
         # fused group counts)
         self._dev_counts = None
         self._wait_events: list = []       # (before, after) CUDA timing events around cache-fill waits
+        self._top_k = None                 # set by configure
+        self._ssd = None                   # the fused SSD path's state (_SsdSlots), set by use_fused_kernels
+        self._ssd_guess = False            # prefetch guesses ssd reads (configure: prefetch_host)
+        self._segments = None              # the segmented capture under way (segment_with)
         self.reset_telemetry()
 
     def configure(self, cfg: DecodeConfig, top_k: int) -> None:
@@ -180,14 +192,35 @@ class TieredExperts(nn.Module):
         groups (use_fused_kernels), cfg.prefetch_host their HBM stage (enable_prefetch); other impls
         keep the per-expert path."""
         self.decode = cfg
+        self._top_k = top_k
         if self.has_ssd:
-            return      # ssd reads need the routing on the host: the per-expert path
+            # the fused SSD path where the layer's ssd records allow it, else the per-expert path
+            if cfg.experts_impl == "triton" and self._fused_groups is None and self.ssd_unfusable() is None:
+                self.use_fused_kernels(top_k)
+            self._ssd_guess = bool(cfg.prefetch_host and self._ssd is not None)
+            if self._ssd_guess and self._ssd.guess_out is None:
+                self._ssd.alloc_guess(len(self._stores), top_k, self.device, cfg.router_max_tokens)
+            return
         if cfg.experts_impl == "triton" and self._fused_groups is None:
             self.use_fused_kernels()
         if cfg.prefetch_host:
             self.enable_prefetch(top_k)
 
-    def use_fused_kernels(self) -> None:
+    def ssd_unfusable(self) -> str | None:
+        """Why this layer's ssd experts cannot run the fused kernels (None: they can): their records
+        must share one layout (format, size, parts) of a format the kernels decode."""
+        from .quant import parse_format
+        keys = [(self.layer, e) for e, h in enumerate(self.homes) if h == "ssd"]
+        layouts = {self.disk.pack.layout(k) for k in keys}
+        if len(layouts) != 1:
+            return f"{len(layouts)} record layouts (formats) among its ssd experts; the fused path takes one"
+        fmt = next(iter(layouts))[0]
+        base, rank = parse_format(fmt)
+        if rank or base not in {"bf16", "int8", "int4", "int4_asym", "ternary", "ternary2"}:
+            return f"ssd format {fmt!r}: the fused kernels do not decode it"
+        return None
+
+    def use_fused_kernels(self, top_k: int | None = None) -> None:
         """Run decode (T <= decode.fused_max_tokens) through kernels.fused_moe: experts are re-stacked per
         (format, home) group, host groups in pinned memory the kernels read over PCIe in place, so
         the step has no host sync and no copy (CUDA-graph capturable). The per-expert stores become
@@ -196,14 +229,22 @@ class TieredExperts(nn.Module):
         pick histograms are (see telemetry). Route-tail-skip (skip_tail_from) is decided on the
         device by one more launch per call, only where skip_tail_from is set (kernels.TailSkip).
         With decode.int8_activations the int8, int4 and ternary2 groups multiply int8-rounded
-        activations (kernels.quantize_activations says what they see)."""
+        activations (kernels.quantize_activations says what they see). A layer with ssd experts
+        (their records of one layout: ssd_unfusable) gets a device stack of top_k + cache_slots slots
+        for them (see the module docstring); it needs top_k."""
         from . import kernels
         if self.has_ssd:
-            raise ValueError(f"TieredExperts.use_fused_kernels: layer {self.layer} has ssd experts, which the "
-                             f"fused kernels cannot read")
+            why = self.ssd_unfusable()
+            if why is not None:
+                raise ValueError(f"TieredExperts.use_fused_kernels: layer {self.layer}: {why}")
+            if top_k is None:
+                raise ValueError(f"TieredExperts.use_fused_kernels: layer {self.layer} has ssd experts: give top_k "
+                                 f"(its device slots hold a call's ssd experts)")
+            self._top_k = top_k
         by_key: dict[tuple[str, str], list[int]] = {}
         for e, (store, home) in enumerate(zip(self._stores, self.homes)):
-            by_key.setdefault((store.fmt, home), []).append(e)
+            if home != "ssd":
+                by_key.setdefault((store.fmt, home), []).append(e)
         E = len(self._stores)
         # the host groups' slot maps are the rows of one tensor: route-tail-skip reads them in one launch
         host_keys = [key for key in by_key if key[1] == "host"]
@@ -230,6 +271,9 @@ class TieredExperts(nn.Module):
             fused.append(kernels.ExpertGroup(*mats, slot_of, f"{fmt}@{home}", picks=self._counter(0)))
             for i, e in enumerate(members):
                 self._stores[e] = QuantizedExpert(*(pm.slot(i) for pm in mats))
+        if self.has_ssd:
+            self._ssd = _SsdSlots(self, min(sum(h == "ssd" for h in self.homes), top_k + self.cache_slots))
+            fused.append(self._ssd.group)
         self._cache.clear()
         self._fused_groups = fused
         self._cold_maps = self._host_maps          # the maps of the groups that read over PCIe now
@@ -289,7 +333,7 @@ class TieredExperts(nn.Module):
                         torch.empty(1, top_k, dtype=torch.float32, device=self.device))
 
     def prefetch(self, h: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool,
-                 own_stream: bool = False) -> None:
+                 own_stream: bool = False, ahead: int = 1) -> None:
         """Predict this layer's experts from an earlier hidden state h [1, H] (the previous layer's
         MoE input) with this layer's router, and stage the predicted host experts in HBM, on the
         host lane (kernels.host_lane): the PCIe reads overlap the previous layer's work, and this
@@ -297,8 +341,13 @@ class TieredExperts(nn.Module):
         experts ran, or their host launches queue behind these copies. own_stream: copy on a stream
         of this layer's instead, which the lane waits for when this layer runs (for guesses made
         before the previous layer's experts ran). A wrong guess costs PCIe time, never correctness
-        (unstaged experts are read from host)."""
-        if not self._prefetch or h.shape[0] != 1:
+        (unstaged experts are read from host). A layer on the fused SSD path instead starts the disk
+        reads of its guessed ssd experts (ahead: how many layers before this one h comes from)."""
+        if self._ssd_guess:
+            if h.shape[0] == 1:
+                self._ssd.guess(h, gate_weight, top_k, renormalize)
+            return
+        if not self._prefetch or h.shape[0] != 1 or ahead > 1:
             return
         from . import kernels
         stream = None
@@ -319,6 +368,8 @@ class TieredExperts(nn.Module):
         (which runs the stage and host groups) waits for an own-stream prefetch; fused_moe's end
         joins the lane into the main stream, which covers the prefetch's reads of h."""
         from . import kernels
+        if self._ssd is not None:
+            self._ssd.fill(topk_ids)         # every picked ssd expert into a device slot (a host sync)
         if self._pf_pending:
             kernels.host_lane(self.device).wait_stream(self._pf_stream)
             self._pf_pending = False
@@ -332,12 +383,30 @@ class TieredExperts(nn.Module):
 
     def sync_free_tokens(self) -> int:
         """Up to how many tokens forward runs without host syncs (0 unless the fused path is on)."""
+        if self._ssd is not None:
+            return 0         # the fused SSD path reads the routing on the host
         return self.decode.fused_max_tokens if self._fused_groups is not None else 0
+
+    def segment_tokens(self) -> int:
+        """Up to how many tokens a decode step can be captured as CUDA graphs cut at this layer's
+        host syncs (the fused SSD path: one cut per call, where its routing reaches the host);
+        sync_free_tokens where there are none."""
+        if self._ssd is None:
+            return self.sync_free_tokens()
+        if self.skip_tail_from is not None:
+            return 0
+        return min(self.decode.fused_max_tokens, self._ssd.slots_n // self._top_k)
+
+    def segment_with(self, segments) -> None:
+        """Capture into `segments` (None: stop): the engine's segmented decode graph, whose cut(fn)
+        ends the graph being captured (fn runs on the host after that graph's replay, after a
+        stream sync) and add_guess(slots) schedules a guess's reads after the current one's."""
+        self._segments = segments
 
     @property
     def prefetching(self) -> bool:
-        """Whether prefetch stages anything (enable_prefetch ran)."""
-        return bool(self._prefetch)
+        """Whether prefetch stages anything (enable_prefetch ran) or guesses ssd reads."""
+        return bool(self._prefetch) or self._ssd_guess
 
     @property
     def num_experts(self) -> int:
@@ -447,9 +516,33 @@ class TieredExperts(nn.Module):
         while len(self._cache) > self.cache_slots:
             self._cache.popitem(last=False)
 
+    def _count_read(self, nbytes: int, guess: bool = False) -> None:
+        """A read this layer started (nbytes > 0; 0: none was needed)."""
+        if nbytes:
+            c = self._counters
+            c["ssd_reads"] += 1
+            c["bytes_ssd_read"] += nbytes
+            c["ssd_guess_reads"] += int(guess)
+
+    def _count_ssd_pick(self, e: int, n: int, from_file: bool) -> None:
+        """n picks of ssd expert e served from a record in host RAM: just read on demand
+        (from_file), or found in the host-RAM cache, where a record a guess read counts as from
+        the file at its first use."""
+        c = self._counters
+        key = (self.layer, e)
+        guessed = self.disk.first_use(key)
+        if from_file or guessed:
+            c["ssd_misses"] += n
+            c["ssd_guess_hits"] += n if guessed else 0
+            c["bytes_ssd_needed"] += self.disk.pack.read_bytes(key)
+        else:
+            c["ssd_hits"] += n
+
     # -- forward ---------------------------------------------------------------------------------
     def partials_ok(self, tokens: int) -> bool:
         """Whether forward_partials runs for this many tokens (the fused kernels are on and cover them)."""
+        if self._ssd is not None and (tokens * self._top_k > self._ssd.slots_n or self.skip_tail_from is not None):
+            return False     # more ssd experts than slots could be picked; route-tail-skip: per-expert path
         return self._fused_groups is not None and tokens <= self.decode.fused_max_tokens
 
     def wants_quantized_x(self) -> bool:
@@ -500,11 +593,12 @@ class TieredExperts(nn.Module):
         ssd_ram, ssd_reads = [], []
         for e in needed:
             if self.homes[e] == "ssd" and e not in cached_at_start:
-                weights = self.disk.cached((self.layer, e))
-                if weights is not None:
-                    ssd_ram.append((e, weights))
+                rec = self.disk.cached_record((self.layer, e))
+                if rec is not None:
+                    ssd_ram.append((e, rec.expert))
                 else:
-                    ssd_reads.append((e, self.disk.submit((self.layer, e))))
+                    self._count_read(self.disk.request((self.layer, e)))
+                    ssd_reads.append(e)
 
         contrib = x.new_zeros(T, k, x.shape[-1])
         flat_ids = torch.where(active, topk_ids, -1)
@@ -544,22 +638,173 @@ class TieredExperts(nn.Module):
             weights = self._finish_copy(*self._start_copy(e, weights))
             run(e, weights)
             self._remember(e, weights)
-            c["ssd_hits"] += counts[e]
-        for e, future in ssd_reads:
-            t0 = time.perf_counter()
-            weights, nbytes, _ = future.result()
-            c["ssd_wait_s"] += time.perf_counter() - t0
-            self.disk.keep((self.layer, e), weights, nbytes)
-            c["ssd_reads"] += 1
-            c["bytes_ssd_read"] += nbytes
-            weights = self._finish_copy(*self._start_copy(e, weights))
+            self._count_ssd_pick(e, counts[e], from_file=False)
+        for e in ssd_reads:
+            rec, waited = self.disk.take((self.layer, e))
+            c["ssd_wait_s"] += waited
+            weights = self._finish_copy(*self._start_copy(e, rec.expert))
             run(e, weights)
             self._remember(e, weights)
-            c["ssd_misses"] += counts[e]
+            self._count_ssd_pick(e, counts[e], from_file=True)
 
         # Weighted sum in float32, as the dense Experts module does, so an all-bf16 tiered model
         # stays within rounding of the dense one.
         return (contrib.float() * topk_w.float()[..., None]).sum(dim=1).to(x.dtype)
+
+
+class _SsdSlots:
+    """The fused SSD path's state for one layer: a device stack of `n` record-sized slots (an LRU
+    over the layer's ssd experts) that one ExpertGroup views part by part, its expert -> slot map,
+    and the routing guesses (see TieredExperts.prefetch) whose reads DiskTier runs."""
+
+    def __init__(self, owner: TieredExperts, n: int):
+        from . import kernels
+        from .ssd import _DTYPES
+        self.owner = owner
+        self.slots_n = n
+        disk, layer = owner.disk, owner.layer
+        key = next((layer, e) for e, h in enumerate(owner.homes) if h == "ssd")
+        fmt, rb, _ = disk.pack.layout(key)
+        entry = disk.pack.entries[key]
+        device = owner.device
+        self.buf = torch.zeros(n, rb, dtype=torch.uint8, device=device)
+        pin = device.type == "cuda"
+        E = len(owner.homes)
+        self.map_host = torch.full((E,), -1, dtype=torch.int32, pin_memory=pin)
+        self.slot_of = torch.full((E,), -1, dtype=torch.int32, device=device)
+        self.lru: OrderedDict[int, int] = OrderedDict()      # expert -> slot, least recently used first
+        self.ids_host = torch.empty(owner.decode.router_max_tokens * 64, dtype=torch.int64, pin_memory=pin)
+
+        def view(name: str):
+            start, dtype, shape = entry["parts"][name]
+            dt = _DTYPES[dtype]
+            count = 1
+            for d in shape:
+                count *= int(d)
+            nbytes = count * torch.empty(0, dtype=dt).element_size()
+            return self.buf[:, start:start + nbytes].view(dt).view(n, *shape)
+
+        from .quant import parse_format
+        base, _ = parse_format(fmt)
+        mats = []
+        for mat in ("gate", "up", "down"):
+            rows, cols = entry["shapes"][mat]
+            names = {k.split(".", 1)[1] for k in entry["parts"] if k.startswith(mat + ".")}
+            if base == "bf16":
+                mats.append(kernels.PackedMatrix("dense", view(f"{mat}.w"), rows, cols))
+            else:
+                mats.append(kernels.PackedMatrix(base, view(f"{mat}.q"), rows, cols, view(f"{mat}.scale"),
+                                                 view(f"{mat}.min") if "min" in names else None))
+        self.group = kernels.ExpertGroup(*mats, self.slot_of, f"{fmt}@ssd", picks=owner._counter(0))
+        self.guess_out = None
+
+    def alloc_guess(self, E: int, top_k: int, device, router_max_tokens: int) -> None:
+        self.guess_out = (torch.empty(1, E, dtype=torch.float32, device=device),
+                          torch.empty(1, top_k, dtype=torch.long, device=device),
+                          torch.empty(1, top_k, dtype=torch.float32, device=device))
+        self.guess_arrivals = torch.zeros(router_max_tokens, dtype=torch.int32, device=device)
+        self.guess_host = torch.empty(top_k, dtype=torch.int64, pin_memory=device.type == "cuda")
+
+    def guess(self, h: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool) -> None:
+        """Route h [1, H] with this layer's router and queue the guess: its ids reach the host when
+        the next fill syncs (DiskTier.pending_guesses), which starts their reads."""
+        from . import kernels
+        owner = self.owner
+        _, ids, _ = kernels.router_topk(h, gate_weight, top_k, renormalize, arrivals=self.guess_arrivals,
+                                        out=self.guess_out, cfg=owner.decode)
+        if owner.device.type != "cuda":
+            self.guess_host.copy_(ids[0])
+        else:
+            self.guess_host.copy_(ids[0], non_blocking=True)
+            if owner._segments is not None:     # captured: the segment's replay acts on it after its sync
+                owner._segments.add_guess(self)
+                return
+        pending = owner.disk.pending_guesses
+        pending[:] = [p for p in pending if p[0] is not self]     # a newer guess replaces an unread one
+        event = None
+        if owner.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        pending.append((self, event))
+
+    def start_guessed_reads(self) -> None:
+        owner = self.owner
+        E = len(owner.homes)
+        for e in self.guess_host.tolist():
+            if 0 <= e < E and owner.homes[e] == "ssd" and e not in self.lru:
+                owner._count_read(owner.disk.request((owner.layer, e), guess=True), guess=True)
+
+    def fill(self, topk_ids: torch.Tensor) -> None:
+        """Put every ssd expert topk_ids picks into a slot and the map on the device (before the
+        call's launches, in stream order). Under a segmented capture (see segment_with) only the
+        routing's copy to the host is captured: the segment ends here and its replay runs the rest."""
+        owner, disk = self.owner, self.owner.disk
+        n = topk_ids.numel()
+        if owner.device.type != "cuda":
+            ids = topk_ids.reshape(-1).tolist()
+        else:
+            host = self.ids_host[:n]
+            host.copy_(topk_ids.reshape(-1), non_blocking=True)
+            if owner._segments is not None:
+                owner._segments.cut(lambda: self.fill_host(host.tolist()))
+                return
+            event = torch.cuda.Event()
+            event.record()
+            event.synchronize()      # the host sync; earlier guesses' ids are in too
+            ids = host.tolist()
+        pending, keep = disk.pending_guesses, []
+        for slots, ev in pending:
+            if ev is None or ev.query():
+                slots.start_guessed_reads()
+            else:
+                keep.append((slots, ev))
+        pending[:] = keep
+        self.fill_host(ids)
+
+    def fill_host(self, ids: list[int]) -> None:
+        """fill's host part, once the routing `ids` (flattened topk_ids) is on the host and the
+        guesses made before it have started their reads."""
+        owner, disk = self.owner, self.owner.disk
+        c = owner._counters
+        disk.harvest()
+        counts: dict[int, int] = {}
+        for e in ids:
+            if owner.homes[e] == "ssd":
+                counts[e] = counts.get(e, 0) + 1
+        load = []
+        for e, k in counts.items():
+            if e in self.lru:
+                self.lru.move_to_end(e)
+                c["ssd_hits"] += k
+                c["ssd_gpu_hits"] += k
+            else:
+                load.append(e)
+        if not load:
+            return
+        for e in load:      # reads first, so they run while the host-RAM hits are copied
+            if disk.cached_record((owner.layer, e)) is None:
+                owner._count_read(disk.request((owner.layer, e)))
+        load.sort(key=lambda e: disk.in_flight((owner.layer, e)))
+        for e in load:
+            key = (owner.layer, e)
+            rec = disk.cached_record(key) if not disk.in_flight(key) else None
+            from_file = rec is None
+            if from_file:
+                rec, waited = disk.take(key)
+                c["ssd_wait_s"] += waited
+            owner._count_ssd_pick(e, counts[e], from_file)
+            if len(self.lru) < self.slots_n:
+                slot = len(self.lru)
+            else:
+                victim = next(v for v in self.lru if v not in counts)
+                slot = self.lru.pop(victim)
+                self.map_host[victim] = -1
+            length = int(disk.pack.entries[key]["length"])
+            self.buf[slot, :length].copy_(rec.buf[:length], non_blocking=True)
+            c["bytes_h2d"] += length
+            self.lru[e] = slot
+            self.map_host[e] = slot
+        self.slot_of.copy_(self.map_host, non_blocking=True)
 
 
 def find_tiered(model: nn.Module) -> list[TieredExperts]:

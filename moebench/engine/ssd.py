@@ -26,7 +26,10 @@ the reader threads overlap the engine's compute; several threads keep several re
 (NVMe drives need a queue depth above one for their bandwidth).
 
 `HostCache` is an LRU over whole expert records, sized in bytes (the records' read sizes). It is
-touched only by the thread that runs the model; reader threads only fill buffers.
+touched only by the thread that runs the model; reader threads only fill buffers. `DiskTier` keeps
+one read in flight per record, whoever asked for it: a layer's routing (on demand) or a guess of it
+from an earlier hidden state (placement's fused SSD path), and says which reads guesses made and
+whether a pick used them.
 """
 from __future__ import annotations
 
@@ -248,6 +251,16 @@ class ExpertPack:
     def read(self, key: tuple[int, int], pin: bool = False) -> tuple[QuantizedExpert, int]:
         """Read one record (from a reader thread or the caller's); returns the expert, whose tensors
         are views into one aligned buffer, and the bytes read."""
+        buf, rb = self.read_raw(key, pin)
+        return self.expert(key, buf), rb
+
+    def expert(self, key: tuple[int, int], buf: torch.Tensor) -> QuantizedExpert:
+        """The expert whose tensors view a record's buffer (as read_raw gave it)."""
+        return self._expert(key, self.entries[key], buf)
+
+    def read_raw(self, key: tuple[int, int], pin: bool = False) -> tuple[torch.Tensor, int]:
+        """Read one record into a new aligned buffer (uint8 [read_bytes]); returns it and the bytes
+        read. The least Python a reader thread can run: it holds the GIL the model's thread needs."""
         entry = self.entries.get(key)
         if entry is None:
             raise PackError(f"{self.path}: no record for layer {key[0]} expert {key[1]}")
@@ -272,7 +285,14 @@ class ExpertPack:
             if crc != int(entry["crc32"]):
                 raise PackError(f"{self.path}: layer {key[0]} expert {key[1]}: CRC-32 {crc:#010x} of its {n} bytes "
                                 f"at {off}; the index expects {int(entry['crc32']):#010x} (corrupt file)")
-        return self._expert(key, entry, buf), rb
+        return buf, rb
+
+    def layout(self, key: tuple[int, int]) -> tuple:
+        """What fixes where a record's parts sit: (format, read_bytes, parts). Records of equal
+        layout can share one device slot stack (placement's fused SSD path)."""
+        entry = self.entries[key]
+        return (entry["format"], int(entry["read_bytes"]),
+                tuple(sorted((name, int(v[0]), v[1], tuple(v[2])) for name, v in entry["parts"].items())))
 
     def _expert(self, key, entry: dict, buf: torch.Tensor) -> QuantizedExpert:
         mats = {}
@@ -314,6 +334,7 @@ class HostCache:
         self.peak = 0
         self.evictions = 0
         self.inserts = 0
+        self.evicted: list = []     # keys evicted since the owner last cleared this list
 
     def __contains__(self, key) -> bool:
         return key in self._items
@@ -341,9 +362,10 @@ class HostCache:
         if nbytes > self.capacity:
             return False
         while self.resident + nbytes > self.capacity:
-            _, (_, n) = self._items.popitem(last=False)
+            gone, (_, n) = self._items.popitem(last=False)
             self.resident -= n
             self.evictions += 1
+            self.evicted.append(gone)
         self._items[key] = (expert, nbytes)
         self.resident += nbytes
         self.inserts += 1
@@ -355,9 +377,34 @@ class HostCache:
         self.resident = 0
 
 
+class Record:
+    """One expert record in host RAM: its aligned buffer (None for an expert the per-expert path
+    kept) and the expert viewing it, made on first use (on the model's thread, not a reader's)."""
+
+    __slots__ = ("buf", "_pack", "_key", "_expert")
+
+    def __init__(self, buf: torch.Tensor | None, pack: ExpertPack | None = None, key=None,
+                 expert: QuantizedExpert | None = None):
+        self.buf, self._pack, self._key, self._expert = buf, pack, key, expert
+
+    @property
+    def expert(self) -> QuantizedExpert:
+        if self._expert is None:
+            self._expert = self._pack.expert(self._key, self.buf)
+        return self._expert
+
+
 class DiskTier:
     """One artifact's SSD tier: the pack, the host-RAM cache in front of it and the reader threads.
-    Shared by every layer's TieredExperts (keys are (layer, expert))."""
+    Shared by every layer's TieredExperts (keys are (layer, expert)).
+
+    Reads go through `request` (on demand, or from a routing guess: `guess=True`), which keeps one
+    read in flight per record; `take` waits for one and puts it in the host-RAM cache; `harvest`
+    moves finished reads there without waiting. Guessed reads are kept to `threads - 1` in flight,
+    so a read asked for on demand always finds a reader thread free. A record a guess read and no
+    pick has used yet is in `guessed`: its first use counts as a guessed read used
+    (`guess_used`); one evicted unused is wasted. Every method is for the model's thread; the
+    reader threads only fill buffers."""
 
     def __init__(self, pack: ExpertPack, cache_bytes: int = 0, threads: int = 4, pin: bool = False):
         if threads < 1:
@@ -367,6 +414,10 @@ class DiskTier:
         self.pin = pin
         self.threads = threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moebench-ssd")
+        self._inflight: dict[tuple[int, int], tuple[Future, bool]] = {}
+        self.guessed: set[tuple[int, int]] = set()
+        self.guess_reads = self.guess_used = self.guess_dropped = 0
+        self.pending_guesses: list = []    # (TieredExperts, host ids, event): placement's guesses to act on
 
     @classmethod
     def open(cls, path: str | Path, cache_bytes: int = 0, threads: int = 4, pin: bool = False,
@@ -379,6 +430,11 @@ class DiskTier:
 
     def cached(self, key: tuple[int, int]) -> QuantizedExpert | None:
         """The expert from the host-RAM cache (marked most recently used), or None."""
+        rec = self.cache.get(key)
+        return None if rec is None else rec.expert
+
+    def cached_record(self, key: tuple[int, int]) -> Record | None:
+        """The record from the host-RAM cache (marked most recently used), or None."""
         return self.cache.get(key)
 
     def submit(self, key: tuple[int, int]) -> Future:
@@ -389,9 +445,67 @@ class DiskTier:
             return expert, n, time.perf_counter() - t0
         return self._pool.submit(job)
 
-    def keep(self, key: tuple[int, int], expert: QuantizedExpert, nbytes: int) -> None:
-        """Put a record just read into the host-RAM cache (the model's thread only)."""
-        self.cache.put(key, expert, nbytes)
+    def keep(self, key: tuple[int, int], expert, nbytes: int) -> None:
+        """Put a record just read into the host-RAM cache (the model's thread only): an expert
+        (the per-expert path's) or a Record."""
+        if not isinstance(expert, Record):
+            expert = Record(None, expert=expert)
+        self._put(key, expert, nbytes)
+
+    def _put(self, key, rec: Record, nbytes: int) -> None:
+        self.cache.put(key, rec, nbytes)
+        if self.cache.evicted:
+            self.guessed.difference_update(self.cache.evicted)      # evicted unused: wasted
+            self.cache.evicted.clear()
+
+    # -- reads by request (the fused path) ------------------------------------------------------
+    def in_flight(self, key: tuple[int, int]) -> bool:
+        return key in self._inflight
+
+    def request(self, key: tuple[int, int], guess: bool = False) -> int:
+        """Make sure a read of `key` is under way unless it is in the host-RAM cache or already in
+        flight; returns the bytes of the read started (0: none). A guess finding `threads - 1`
+        guessed reads in flight is dropped (counted in guess_dropped)."""
+        if key in self._inflight or key in self.cache:
+            return 0
+        if guess:
+            if sum(g for _, g in self._inflight.values()) >= self.threads - 1:
+                self.guess_dropped += 1
+                return 0
+            self.guess_reads += 1
+            self.guessed.add(key)
+
+        def job():
+            t0 = time.perf_counter()
+            buf, n = self.pack.read_raw(key, pin=self.pin)
+            return buf, n, time.perf_counter() - t0
+        self._inflight[key] = (self._pool.submit(job), guess)
+        return self.pack.read_bytes(key)
+
+    def take(self, key: tuple[int, int]) -> tuple[Record, float]:
+        """Wait for the read of `key` (request it first), keep it in the host-RAM cache; returns the
+        record and the seconds waited."""
+        fut, _ = self._inflight[key]
+        t0 = time.perf_counter()
+        buf, n, _ = fut.result()
+        waited = time.perf_counter() - t0
+        del self._inflight[key]
+        rec = Record(buf, self.pack, key)
+        self._put(key, rec, n)
+        return rec, waited
+
+    def harvest(self) -> None:
+        """Move every finished read into the host-RAM cache (no waiting)."""
+        for key in [k for k, (f, _) in self._inflight.items() if f.done()]:
+            self.take(key)
+
+    def first_use(self, key: tuple[int, int]) -> bool:
+        """Mark a record as used by a pick; True when a guess read it and this is its first use."""
+        if key in self.guessed:
+            self.guessed.discard(key)
+            self.guess_used += 1
+            return True
+        return False
 
     def stats(self) -> dict:
         """What the tier holds now (beside the per-layer counters)."""
@@ -399,8 +513,14 @@ class DiskTier:
         return {"file": str(self.pack.path), "records": len(self.pack.entries), "o_direct": self.pack.direct,
                 "o_direct_reason": self.pack.direct_reason, "verify": self.pack.verify, "read_threads": self.threads,
                 "cache_capacity_bytes": c.capacity, "cache_resident_bytes": c.resident, "cache_peak_bytes": c.peak,
-                "cache_records": len(c), "cache_inserts": c.inserts, "cache_evictions": c.evictions}
+                "cache_records": len(c), "cache_inserts": c.inserts, "cache_evictions": c.evictions,
+                "guess_reads": self.guess_reads, "guess_used": self.guess_used,
+                "guess_unused_now": len(self.guessed), "guess_dropped": self.guess_dropped,
+                "guess_wasted": self.guess_reads - self.guess_used - len(self.guessed)}
 
     def close(self) -> None:
+        for fut, _ in self._inflight.values():
+            fut.cancel()
         self._pool.shutdown(wait=True)
+        self._inflight.clear()
         self.pack.close()

@@ -214,10 +214,13 @@ class EngineRunner(Runner):
         eng = self.engine
         self.choices["decode_ahead"] = {"value": eng.decode_ahead, "why": "on with CUDA (the host's per-token work "
                                         "overlaps the next step)" if eng.decode_ahead else "off on the CPU"}
-        # cuda_graphs asked for, but an experts module needs host syncs (ssd experts): no graphs
-        self.choices["cuda_graphs"]["runs"] = bool(eng.cuda_graphs and eng._graph_batch_limit() > 0)
-        # prefetch asked for, but no layer stages anything (e.g. every offloaded layer has ssd experts,
-        # which run the per-expert path)
+        # cuda_graphs asked for: one graph per step, or segmented graphs cut at the fused SSD path's
+        # host syncs, or none (an experts module with host syncs on the per-expert path)
+        mode = eng.graph_mode(1)
+        self.choices["cuda_graphs"]["runs"] = mode is not None
+        self.choices["cuda_graphs"]["mode"] = mode
+        # prefetch asked for, but no layer stages or guesses anything (e.g. every offloaded layer has
+        # ssd experts on the per-expert path)
         self.choices["prefetch_host"]["runs"] = any(b.experts.prefetching for b in eng.model.moe_blocks())
 
     async def warmup(self) -> None:
