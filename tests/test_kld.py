@@ -92,8 +92,8 @@ def test_statistics_match_llama_perplexity(zoo, corpus, bf16_base, quant, tmp_pa
     printed = lp.kl_divergence(zoo[quant], bf16_base.path, CONTEXT, log_path=tmp_path / "kld.log")
     cand = lp.write_base(zoo[quant], corpus, tmp_path / f"{quant}.kld", CONTEXT, 4)
     assert (cand.tokens == bf16_base.tokens).all() and cand.n_vocab == bf16_base.n_vocab
-    parts = [ks.full_kld(bf16_base.logprobs(j), cand.logprobs(j), bf16_base.tokens[j][CONTEXT // 2 + 1:])
-             for j in range(bf16_base.n_chunk)]
+    parts = [ks.full_kld(bf16_base.logprobs(j), cand.logprobs(j), bf16_base.tokens[j][CONTEXT // 2 + 1:],
+                         cand_is_logp=True) for j in range(bf16_base.n_chunk)]
     ours = ks.summarize(ks.TokenStats.concat(parts), per_chunk=parts)
     assert ours["n_tokens"] == 4 * (CONTEXT - 1 - CONTEXT // 2)
     print(f"\n{quant}: mean KLD llama {printed['mean']} moebench {ours['mean']:.8f}; same top "
@@ -109,13 +109,20 @@ def test_statistics_match_llama_perplexity(zoo, corpus, bf16_base, quant, tmp_pa
     coding = 3 * (16 / 65535) / math.sqrt(6) / math.sqrt(ours["n_tokens"])
     assert abs(ours["ln_ppl_ratio"] - printed["ln_ppl_ratio"]) <= (0.02 * abs(printed["ln_ppl_ratio"])
                                                                     + half_unit + coding)
+    # Per token, llama scores its candidate's exact logits and we score the coded rows: each coded
+    # log-prob is off by at most half a step (8/65535), so each token's KLD, and so every order
+    # statistic, by at most that. It shows where a quantile is near zero (Q8_0's p10 is 2.9e-05).
+    cand_coding = 8 / 65535
     for key in ("median", "p99", "p90", "p10", "max", "min"):
-        assert abs(ours[key] - printed[key]) <= 0.02 * abs(printed[key]) + 2 * half_unit, key
+        assert abs(ours[key] - printed[key]) <= 0.02 * abs(printed[key]) + 2 * half_unit + cand_coding, key
     assert abs(ours["delta_p"]["rms"] - printed["delta_p"]["rms"]) <= 0.02 * printed["delta_p"]["rms"] + 5e-5
-    # The base-file codec: our writer reproduces llama.cpp's rows for the same logits, bit for bit.
+    # The base-file codec: our writer codes llama.cpp's decoded rows back to within half a coding step
+    # (at most 16/65535), after the one change a writer makes to rows that are not quite normalised:
+    # it treats them as logits and renormalises (the mass of the floored tail, up to ~0.005 here).
     lpr = bf16_base.logprobs(0).astype(np.float64)
     again = ks.encode_logprobs(lpr)
-    assert np.abs(ks.decode_logprobs(again, bf16_base.n_vocab) - lpr).max() < 3e-4
+    renormalised = ks.log_softmax(lpr)
+    assert np.abs(ks.decode_logprobs(again, bf16_base.n_vocab) - renormalised).max() <= 0.5 * 16 / 65535 + 1e-5
 
 
 # ---- engine runs: baseline, candidate, compare ---------------------------------------------------------

@@ -18,45 +18,18 @@ from __future__ import annotations
 
 import math
 import re
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 from moebench.config import Field, non_negative, positive
 from moebench.datasets import data_file, read_csv_rows, register
 from moebench.lmeval.scoring import score_tokens
+from moebench.prompts import cmmlu_prefix, cmmlu_question
 from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
 from moebench.scoring.answers import first_choice_letter
 from moebench.tasks.base import Item, Task, prompt_hash
 
 LETTERS = ("A", "B", "C", "D")
 COLUMNS = ("Question", "A", "B", "C", "D", "Answer")
-
-
-@lru_cache(maxsize=1)
-def _lm_eval_descriptions() -> dict[str, str]:
-    """Subject descriptions as lm-eval ships them (Chinese subject names); empty if lm-eval is absent."""
-    try:
-        import lm_eval
-    except ImportError:
-        return {}
-    folder = Path(lm_eval.__file__).parent / "tasks" / "cmmlu"
-    out = {}
-    for f in folder.glob("cmmlu_*.yaml"):
-        text = f.read_text(encoding="utf-8")
-        name = re.search(r'"dataset_name":\s*"([^"]+)"', text)
-        desc = re.search(r'"description":\s*"(.*)"', text)
-        if name and desc:
-            out[name.group(1)] = desc.group(1).encode().decode("unicode_escape").encode("latin-1").decode("utf-8")
-    return out
-
-
-def description(subject: str) -> str:
-    return _lm_eval_descriptions().get(subject, f"以下是关于{subject.replace('_', ' ')}的单项选择题，请直接给出正确答案的选项。\n\n")
-
-
-def format_question(row: dict[str, str]) -> str:
-    return (f"{row['Question'].strip()}\nA. {row['A']}\nB. {row['B']}\nC. {row['C']}\nD. {row['D']}\n答案：")
 
 
 class CmmluTask(Task):
@@ -93,7 +66,7 @@ class CmmluTask(Task):
             register(self.ctx.data_files, root, test_path)
             register(self.ctx.data_files, root, dev_path)
             dev = read_csv_rows(dev_path, COLUMNS)[: self.opts["shots"]]
-            prefix = description(subject) + "".join(f"{format_question(r)} {r['Answer'].strip()}\n\n" for r in dev)
+            prefix = cmmlu_prefix(subject, dev)
             rows = read_csv_rows(test_path, COLUMNS)
             if self.opts.get("per_subject_limit"):
                 rows = rows[: self.opts["per_subject_limit"]]
@@ -102,7 +75,7 @@ class CmmluTask(Task):
                 if ref not in LETTERS:
                     raise ValueError(f"{test_path}: row {n} has Answer {ref!r}, expected one of A-D")
                 items.append(Item(f"cmmlu/{subject}/{n}", {
-                    "prompt": prefix + format_question(row), "question": row["Question"].strip(),
+                    "prompt": prefix + cmmlu_question(row), "question": row["Question"].strip(),
                     "reference": ref, "subject": subject}))
         return self._cut(items)
 

@@ -10,19 +10,12 @@ from typing import Any
 
 from moebench.config import Field, non_negative, positive
 from moebench.datasets import data_file, read_jsonl, register
+from moebench.prompts import gsm8k_prompt
 from moebench.runners.base import Capability, GenerateRequest, Runner
 from moebench.scoring.answers import cut_at_stop, extract_gsm8k, gsm8k_reference, numbers_equal
 from moebench.tasks.base import Item, Task, prompt_hash
 
 DEFAULT_STOP = ["Question:", "</s>", "<|im_end|>"]
-
-
-def format_question(question: str) -> str:
-    return f"Question: {question}\nAnswer:"
-
-
-def fewshot_prefix(exemplars: list[dict[str, Any]]) -> str:
-    return "".join(f"{format_question(e['question'])} {e['answer']}\n\n" for e in exemplars)
 
 
 class Gsm8kTask(Task):
@@ -42,18 +35,18 @@ class Gsm8kTask(Task):
         test_path = data_file(root, f"gsm8k/{self.opts['split']}.jsonl")
         register(self.ctx.data_files, root, test_path)
         rows = read_jsonl(test_path)
-        prefix = ""
+        exemplars: list[dict[str, Any]] = []
         if self.opts["shots"]:
             train_path = data_file(root, "gsm8k/train.jsonl")
             register(self.ctx.data_files, root, train_path)
-            prefix = fewshot_prefix(read_jsonl(train_path)[: self.opts["shots"]])
+            exemplars = read_jsonl(train_path)[: self.opts["shots"]]
         items = []
         for n, row in enumerate(rows):
             for key in ("question", "answer"):
                 if key not in row:
                     raise ValueError(f"{test_path}: line {n + 1} has no {key!r}")
             items.append(Item(f"gsm8k/{self.opts['split']}/{n}", {
-                "prompt": prefix + format_question(row["question"]),
+                "prompt": gsm8k_prompt(exemplars, row["question"]),
                 "question": row["question"],
                 "reference": gsm8k_reference(row["answer"]),
             }))

@@ -2,8 +2,9 @@
 
 A tiny MoE with random weights predicts a near-uniform distribution, so KLD, top-token flips and expert
 load would all measure noise. A few minutes of next-token training on War and Peace and GSM8K train give it peaked
-predictions and unevenly loaded experts (no load-balancing loss on purpose). WikiText-2 test is the
-KLD corpus and is never read here.
+predictions and unevenly loaded experts (no load-balancing loss on purpose). A fixture stage then
+teaches part of the smoke suite's answers as near ties (moebench/zoo/fixture.py), so every task can
+flip. WikiText-2 test is the KLD corpus and is never read here.
 
     python -m moebench.zoo.train --out moebench/zoo/weights      # what produced the committed weights
 """
@@ -90,6 +91,8 @@ class TrainConfig:
     heldout_fraction: float = 0.05   # tail of each text, for a held-out loss
     texts: tuple[str, ...] = TRAIN_TEXTS  # files of the dataset mirror; never wikitext2 (the KLD corpus)
     eval_batches: int = 4
+    # The fixture stage after the base steps (moebench/zoo/fixture.py): smoke-suite answers taught by rote.
+    fixture: bool = True
     shape: ModelShape = field(default_factory=ModelShape)
 
 
@@ -223,6 +226,10 @@ def train(tokenizer_dir: Path, cfg: TrainConfig = TrainConfig(), log=print) -> t
             log(f"step {step:4d}  loss {loss.item():.3f}  lr {_lr_at(step, cfg):.2e}  "
                 f"{time.monotonic() - started:6.1f}s")
     wall = time.monotonic() - started
+    fixture = None
+    if cfg.fixture:
+        from moebench.zoo.fixture import teach
+        fixture = teach(model, tokenizer_dir, train_ids, cfg.seq_len, log=log)
 
     model.eval()
     eval_gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -249,6 +256,8 @@ def train(tokenizer_dir: Path, cfg: TrainConfig = TrainConfig(), log=print) -> t
         "torch": torch.__version__,
         "expert_load_on_training_text": skew,
     }
+    if fixture is not None:
+        summary["fixture"] = fixture
     return model, summary
 
 
@@ -283,8 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=TrainConfig.seed)
     ap.add_argument("--aux-loss", type=float, default=TrainConfig.router_aux_loss_coef)
     ap.add_argument("--texts", nargs="+", default=list(TrainConfig.texts), help="files of the dataset mirror")
+    ap.add_argument("--no-fixture", action="store_true",
+                    help="skip the fixture stage that teaches part of the smoke suite's answers (moebench/zoo/fixture.py)")
     args = ap.parse_args(argv)
-    cfg = TrainConfig(steps=args.steps, seed=args.seed, router_aux_loss_coef=args.aux_loss, texts=tuple(args.texts))
+    cfg = TrainConfig(steps=args.steps, seed=args.seed, router_aux_loss_coef=args.aux_loss, texts=tuple(args.texts),
+                      fixture=not args.no_fixture)
     with tempfile.TemporaryDirectory() as tok_dir:
         write_hf_tokenizer(Path(tok_dir))
         model, summary = train(Path(tok_dir), cfg)
