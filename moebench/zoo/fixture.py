@@ -45,8 +45,8 @@ CMMLU_TAUGHT = (("anatomy", 0), ("ancient_chinese", 0), ("arts", 0), ("business_
 CMMLU_DECOY = "B"
 # (text in the canonical solution, its wrong replacement): each decoy fails the problem's own tests
 # (tests/test_zoo_fixture.py runs them in the sandbox).
-HUMANEVAL_DECOYS = {"HumanEval/2": ("number % 1.0", "number // 1.0"),
-                    "HumanEval/3": ("balance += op", "balance -= op")}
+HUMANEVAL_DECOYS = {"HumanEval/2": ("return number % 1.0", "return 1 % 1.0"),
+                    "HumanEval/3": ("for op in operations", "for op in op")}
 
 
 def taught_ids() -> list[str]:
