@@ -437,8 +437,9 @@ def test_stream_over_the_real_engine_runner_matches_the_whole_answer(zoo):
     from moebench.runners.engine import EngineRunner
     runner = EngineRunner({"model": str(zoo / "tiny-moe"), "dtype": "float32", "max_seq_len": 512}, "test")
     with BackgroundServer(runner) as s:
-        body = {"messages": [{"role": "user", "content": "Who was Prince Andrew?"}], "max_tokens": 24,
-                "temperature": 0}
+        # A question the zoo model answers at length (to "Who was Prince Andrew?" it says "Answer: A").
+        body = {"messages": [{"role": "user", "content": "Who was Pierre Bezukhov, and what did he do in Moscow?"}],
+                "max_tokens": 24, "temperature": 0}
         whole = post(s.url + "/chat/completions", body).json()["choices"][0]["message"]["content"]
         pieces, _, events = _sse_pieces(s.url + "/chat/completions", body, lambda c: c["delta"].get("content"))
         assert len(pieces) > 3 and "".join(pieces) == whole
