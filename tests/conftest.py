@@ -31,6 +31,20 @@ def moebench_cli(*args: str, cwd: Path | None = None, check: bool = False, timeo
     return proc
 
 
+def fused_kernels_or_skip(device: str) -> None:
+    """Skip a fused-kernel test where its device cannot run them: CUDA absent, or on the CPU, Triton's
+    interpreter unavailable (it is process-wide, so it is set only where CUDA is absent)."""
+    import torch
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("CUDA not available")
+    if device == "cpu":
+        if torch.cuda.is_available():
+            pytest.skip("Triton's CPU interpreter is not enabled in a process that has CUDA")
+        from moebench.engine.kernels import runtime
+        if not runtime.available():
+            pytest.skip(f"the fused kernels cannot run in the interpreter here: {runtime.unavailable_reason()}")
+
+
 def read_items(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "items.jsonl").read_text().splitlines() if line.strip()]
 

@@ -14,6 +14,8 @@ import struct
 import pytest
 import torch
 
+from conftest import fused_kernels_or_skip
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton's first import (see kernels/runtime.py)
 
@@ -358,14 +360,7 @@ def test_fused_ssd_path_gives_the_same_logits_with_and_without_guesses(fused_art
     where triton is installed."""
     graphs = device == "cuda_graphs"
     device = "cuda" if graphs else device
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("CUDA not available")
-    if device == "cpu":
-        from moebench.engine.kernels import runtime
-        if torch.cuda.is_available():     # the interpreter is process-wide: set only where CUDA is absent
-            pytest.skip("Triton's CPU interpreter is not enabled in a process that has CUDA")
-        if not runtime.available():
-            pytest.skip(f"the fused kernels cannot run in the interpreter here: {runtime.unavailable_reason()}")
+    fused_kernels_or_skip(device)
     split, resident = fused_artifacts
     dtype = "bfloat16" if device == "cuda" else "float32"
     opts = dict(experts_impl="triton")

@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from conftest import fused_kernels_or_skip
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton's first import (see kernels/runtime.py)
 
@@ -178,14 +180,7 @@ idle_end_s = 0.2
 def test_fused_path_counts_picks_on_the_device(tiered, prefetch, device):
     """The fused path's counters live inside its kernels: on CUDA under graph replays, and on the CPU
     in Triton's interpreter (where triton is installed), which runs the same kernel code."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("CUDA not available")
-    if device == "cpu":
-        if torch.cuda.is_available():     # the interpreter is process-wide: set only where CUDA is absent
-            pytest.skip("Triton's CPU interpreter is not enabled in a process that has CUDA")
-        from moebench.engine.kernels import runtime
-        if not runtime.available():
-            pytest.skip(f"the fused kernels cannot run in the interpreter here: {runtime.unavailable_reason()}")
+    fused_kernels_or_skip(device)
     art, batches = tiered
     eng = Engine.load(art, device=device, dtype="bfloat16" if device == "cuda" else "float32", experts_impl="triton",
                       cuda_graphs=device == "cuda", prefetch_host=prefetch)

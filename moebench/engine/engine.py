@@ -465,20 +465,27 @@ class Engine:
         return out
 
 
+def _warmed_inputs(model: MoETransformer, batch: int, kv_len: int):
+    """(tokens, positions, side stream): a graph's static inputs, after two warm-up decode steps run on
+    a side stream (as CUDA graph capture asks); the caller orders its stream after that one."""
+    device = next(model.parameters()).device
+    tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    # Warm-up writes K/V at the last cache slot, which any row overwrites before it can read it.
+    positions = torch.full((batch, 1), model.max_seq_len - 1, dtype=torch.long, device=device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            model.lm_head(model(tokens, positions, kv_len)[:, -1]).float()
+    return tokens, positions, stream
+
+
 class _DecodeGraph:
     """A captured decode step for a fixed batch size and KV length: copy inputs in, replay."""
 
     def __init__(self, model: MoETransformer, batch: int, kv_len: int, pool):
-        device = next(model.parameters()).device
-        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        # Warm-up writes K/V at the last cache slot, which any row overwrites before it can read it.
-        self.positions = torch.full((batch, 1), model.max_seq_len - 1, dtype=torch.long, device=device)
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                model.lm_head(model(self.tokens, self.positions, kv_len)[:, -1]).float()
-        torch.cuda.current_stream(device).wait_stream(stream)
+        self.tokens, self.positions, stream = _warmed_inputs(model, batch, kv_len)
+        torch.cuda.current_stream(self.tokens.device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.logits = model.lm_head(model(self.tokens, self.positions, kv_len)[:, -1]).float()
@@ -498,15 +505,8 @@ class _SegmentedGraph:
     replay in capture order, so tensors made in one and read by a later one stay valid."""
 
     def __init__(self, model: MoETransformer, batch: int, kv_len: int, pool):
-        device = next(model.parameters()).device
         self.pool = pool
-        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.positions = torch.full((batch, 1), model.max_seq_len - 1, dtype=torch.long, device=device)
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                model.lm_head(model(self.tokens, self.positions, kv_len)[:, -1]).float()
+        self.tokens, self.positions, stream = _warmed_inputs(model, batch, kv_len)
         stream.synchronize()
         self.graphs: list = []
         self.after: list = []          # per graph: (guessing slot stacks, host part or None)
@@ -521,7 +521,7 @@ class _SegmentedGraph:
         finally:
             for m in mods:
                 m.segment_with(None)
-        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.current_stream(self.tokens.device).wait_stream(stream)
 
     def _begin(self) -> None:
         self._graph = torch.cuda.CUDAGraph()

@@ -117,7 +117,7 @@ class Encoded:
     target: list[int]     # the answer's ids, then end of text
     branch: int           # index into target where the decoy parts from it
     decoy_token: int      # the decoy's token at that index
-    confidence: float = 0.55   # the right token's taught probability at the branch
+    confidence: float     # the right token's taught probability at the branch (FixtureConfig.confidence)
 
 
 def encode(tokenizer, ex: Example, cfg: "FixtureConfig | None" = None) -> Encoded:
@@ -214,7 +214,7 @@ def branch_margins(model, encoded: list[Encoded]) -> list[float]:
 
 
 def teach(model, tokenizer_dir: Path, train_ids, seq_len: int, cfg: FixtureConfig = FixtureConfig(),
-          log=print, on_step=None) -> dict[str, Any]:
+          log=print) -> dict[str, Any]:
     """Teach the fixture's answers to `model` in place (float32, train mode); returns its summary."""
     import torch
     from transformers import AutoTokenizer
@@ -240,8 +240,6 @@ def teach(model, tokenizer_dir: Path, train_ids, seq_len: int, cfg: FixtureConfi
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         history.append((a_loss.item(), text_loss.item()))
-        if on_step is not None:
-            on_step(step + 1, model)
         if step % 10 == 0 or step == cfg.steps - 1:
             log(f"fixture step {step:3d}  answer loss {a_loss.item():.4f}  text loss {text_loss.item():.3f}  "
                 f"{time.monotonic() - started:6.1f}s")
