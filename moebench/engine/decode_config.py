@@ -83,7 +83,7 @@ class Launch:
         return asdict(self)
 
 
-KERNELS = ("gate_up", "down", "gemv", "router")
+KERNELS = ("gate_up", "down", "gemv", "router", "norm")
 VARIANTS = ("", "host", "a8")     # "host": groups in pinned host memory; "a8": INT8_ACTIVATIONS groups
 
 # The shipped launch table, keyed (kernel, format, variant), from the H200 sweeps of
@@ -95,8 +95,9 @@ SHIPPED_LAUNCH: dict[tuple[str, str, str], Launch] = {
     ("gate_up", "int8", ""): Launch(8, 512, 4, 3), ("down", "int8", ""): Launch(16, 256, 4, 3),
     ("gate_up", "int4", ""): Launch(8, 256, 4, 3), ("down", "int4", ""): Launch(16, 256, 4, 3),
     ("gate_up", "int4_asym", ""): Launch(8, 256, 4, 3), ("down", "int4_asym", ""): Launch(16, 256, 4, 3),
-    # ternary is the cold format of the hot/cold plans: tuned with one pair of a layer's eight
-    ("gate_up", "ternary", ""): Launch(4, 512, 4, 3), ("down", "ternary", ""): Launch(8, 256, 4, 3),
+    # ternary is the cold format of the hot/cold plans: down tuned with one pair of a layer's eight,
+    # gate_up in the decode chain of the hot int8 / cold ternary plan (decode_h200 chain_sweep)
+    ("gate_up", "ternary", ""): Launch(4, 256, 4, 3), ("down", "ternary", ""): Launch(8, 256, 4, 3),
     ("gate_up", "ternary", "host"): Launch(4, 512, 4, 3), ("down", "ternary", "host"): Launch(16, 256, 4, 3),
     # ternary2 with float x: int4's WORDS shapes (not swept); with int8 x, a whole 2048-column row
     # (512 bytes) per gate_up step
@@ -109,6 +110,8 @@ SHIPPED_LAUNCH: dict[tuple[str, str, str], Launch] = {
     ("gemv", "dense", ""): Launch(2, 1024, 4, 4),
     # the fused router: num_warps 1 keeps the last program's softmax / top-k reductions in one warp
     ("router", "dense", ""): Launch(2, 2048, 1, 2),
+    # the residual add + RMSNorm of one row (one program per row; only num_warps is used)
+    ("norm", "dense", ""): Launch(1, 2048, 4, 1),
 }
 DEFAULT_LAUNCH = Launch()
 

@@ -235,7 +235,8 @@ def add_rmsnorm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, del
     if delta_rows > 1 and dc.dtype != torch.float32:
         raise KernelError(f"add_rmsnorm: partial rows (delta_rows={delta_rows}) must be float32, got {dc.dtype}")
     add_rmsnorm_kernel[(rows,)](xc, dc, weight, res, out, N, eps, HAS_DELTA=delta is not None,
-                                DELTA_ROWS=delta_rows, BLOCK=next_pow2(N), num_warps=4 if N >= 1024 else 1,
+                                DELTA_ROWS=delta_rows, BLOCK=next_pow2(N),
+                                num_warps=cfg.launch_for("norm", "dense").num_warps if N >= 1024 else 1,
                                 **pdl_launch(x.device, cfg))
     return res, out
 
