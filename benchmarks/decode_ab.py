@@ -36,6 +36,7 @@ class Context:
     plans: dict
     options: dict = field(default_factory=dict)      # extra Engine options (--engine-option)
     results: dict = field(default_factory=dict)
+    bandwidth: dict = field(default_factory=dict)    # the tier bound's inputs (CUDA only; see run)
 
     @property
     def max_seq(self) -> int:
@@ -75,14 +76,28 @@ def plan_rate(ctx: Context, name: str, prefetch_early: bool = False) -> dict:
     experts = tiered_experts(ctx.hf, precision, home, ctx.device, ctx.dtype)
     opts = dict(max_seq_len=ctx.max_seq, cuda_graphs=ctx.device.type == "cuda", experts_impl="triton",
                 int8_activations=name.endswith("_a8"), **ctx.options)
-    out = _rate(ctx, build_engine(ctx.hf, experts=experts, **opts))
+    eng = build_engine(ctx.hf, experts=experts, **opts)
+    out = _rate(ctx, eng)
     if prefetch_early:
         pre = _rate(ctx, build_engine(ctx.hf, experts=experts, prefetch_host=True, prefetch_early=True, **opts))
         out.update(tok_s_prefetch_early=pre["tok_s"], tokens_prefetch_early=pre["tokens"])
+    if ctx.bandwidth and any(h == "host" for row in home for h in row):
+        # the plan's tier-aware bound, as decode_h200 computes it: bytes per token from this engine's
+        # routing of its own greedy continuation
+        from decode_probes import expert_bytes_per_token, tier_bound
+        own = eng.trace(ctx.prompt + out["tokens"], router_logits=False)
+        split = expert_bytes_per_token([ids[len(ctx.prompt):] for ids in own.topk_ids], precision, home,
+                                       ctx.bandwidth["hidden"], ctx.bandwidth["inter"])
+        bound = tier_bound(ctx.bandwidth["non_expert_bytes"], split, ctx.bandwidth["copy_Bps"],
+                           ctx.bandwidth["h2d_Bps"])
+        out.update(tier_bound_tok_s=bound, pct_of_tier_bound=100 * out["tok_s"] / bound, pcie_bytes_per_token=split["pcie"])
+        if prefetch_early:
+            out["pct_of_tier_bound_prefetch_early"] = 100 * out["tok_s_prefetch_early"] / bound
     return out
 
 
-for _name, _early in (("int4", False), ("int8hot_ternary2cold_gpu", False), ("int8hot_ternary2cold_gpu_a8", False),
+for _name, _early in (("int4", False), ("int8hot_ternarycold_gpu", False), ("int8hot_ternary2cold_gpu", False),
+                      ("int8hot_ternary2cold_gpu_a8", False),
                       ("int8hot_ternarycold_host_randomhot", True), ("int8hot_ternary2cold_host_a8", True)):
     variant(_name)(lambda ctx, _name=_name, _early=_early: plan_rate(ctx, _name, _early))
 
@@ -116,8 +131,19 @@ def run(args) -> dict:
         options[key] = json.loads(value)
     ctx = Context(hf, device, dtype, prompt, args.tokens, args.reps,
                   expert_plans(cfg.num_hidden_layers, cfg.num_experts, hot_halves(counts)), options)
+    if device.type == "cuda":
+        from decode_engine import active_bytes_per_token, copy_bandwidth
+        from decode_probes import pinned_h2d_bandwidth
+        from moebench.engine import ModelConfig
+        mc = ModelConfig.from_dict(cfg.to_dict(), source="transformers config")
+        elem = torch.finfo(dtype).bits // 8
+        experts = mc.num_layers * mc.top_k * 3 * mc.hidden_size * mc.expert_intermediate_size * elem
+        ctx.bandwidth = {"copy_Bps": copy_bandwidth(device, 1 << 30), "h2d_Bps": pinned_h2d_bandwidth(1 << 30),
+                         "non_expert_bytes": active_bytes_per_token(mc, elem)["active_bytes"] - experts,
+                         "hidden": mc.hidden_size, "inter": mc.expert_intermediate_size}
     out = {"tree": str(args.tree), "engine_options": options, "moebench": moebench.__file__, "device": str(device), "torch": torch.__version__,
-           "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "variants": {}, "errors": {}}
+           "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "bandwidth": ctx.bandwidth,
+           "variants": {}, "errors": {}}
     names = [n for n in args.variants.split(",") if n] if args.variants else list(VARIANTS)
     for name in names:
         t = time.perf_counter()
@@ -130,6 +156,10 @@ def run(args) -> dict:
         r["wall_s"] = round(time.perf_counter() - t, 1)
         out["variants"][name] = r
         extra = f", prefetch early {r['tok_s_prefetch_early']:.2f}" if "tok_s_prefetch_early" in r else ""
+        if "tier_bound_tok_s" in r:
+            extra += f"; tier-aware bound {r['tier_bound_tok_s']:.1f}: {r['pct_of_tier_bound']:.1f}%" + (
+                f", prefetch early {r['pct_of_tier_bound_prefetch_early']:.1f}%"
+                if "pct_of_tier_bound_prefetch_early" in r else "")
         print(f"[{args.tree}] {name}: {r['tok_s']:.2f} tok/s{extra} ({r['wall_s']} s)", flush=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
         torch.cuda.empty_cache() if device.type == "cuda" else None

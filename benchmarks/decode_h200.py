@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_engine import (QWEN3_30B_A3B, SMALL, active_bytes_per_token, build_transformers,  # noqa: E402
                            copy_bandwidth, decode_rate, timed)
-from decode_probes import (decode_host_share, expert_bytes_per_token, log, pinned_h2d_bandwidth,  # noqa: E402
+from decode_probes import (decode_host_share, expert_bytes_per_token, log, pinned_h2d_bandwidth, tier_bound,  # noqa: E402
                            profile_step, step_timeline, sweep_gemv, sweep_kernel_configs, time_graph)
 from decode_setup import (build_engine, dense_expert_weights, engine_rate, expert_plans, hot_halves,  # noqa: E402
                           quantize_stacked, realistic_routing, tiered_experts)
@@ -294,6 +294,76 @@ def norm_router_ab(b: Bench) -> dict:
     return out
 
 
+# In-chain launch candidates per (kernel, format): (BN, BK, num_warps, num_stages); the first of each
+# list is what the config has. Attention: (block_s, num_warps, num_stages).
+CHAIN_CANDIDATES = {
+    ("norm", "dense"): [(1, 2048, 8, 1), (1, 2048, 16, 1), (1, 2048, 2, 1)],
+    ("gemv", "dense"): [(4, 1024, 4, 3), (2, 2048, 4, 2), (4, 512, 4, 4), (8, 512, 8, 3), (1, 2048, 4, 2)],
+    ("router", "dense"): [(4, 2048, 1, 2), (2, 2048, 2, 2), (4, 2048, 2, 2), (8, 2048, 4, 2), (1, 2048, 1, 2)],
+    ("gate_up", "dense"): [(4, 1024, 4, 3), (1, 2048, 4, 2), (2, 1024, 4, 3), (4, 2048, 8, 2)],
+    ("down", "dense"): [(8, 256, 4, 3), (16, 128, 4, 3), (32, 256, 8, 3), (8, 512, 4, 2)],
+    ("gate_up", "ternary"): [(1, 512, 1, 2), (2, 512, 2, 2), (1, 512, 2, 2), (2, 512, 4, 3), (8, 512, 4, 3),
+                             (4, 256, 4, 3), (2, 256, 2, 2)],
+    ("down", "ternary"): [(4, 256, 2, 2), (16, 256, 4, 3), (2, 256, 1, 2), (4, 256, 4, 3), (8, 128, 4, 3)],
+}
+ATTENTION_CANDIDATES = [(64, 4, 2), (64, 8, 2), (128, 8, 2), (16, 4, 2)]
+
+
+def chain_sweep_engine(b: Bench, eng: Engine, keys: list, label: str, attention: bool = False) -> dict:
+    """Coordinate descent over launch shapes measured in the decode chain itself (CUDA graphs, PDL:
+    the isolated-kernel sweeps above time one kernel alone, which misses how it overlaps its
+    neighbours). For each (kernel, format) in `keys`, each candidate is tried with the others at
+    the best so far; a candidate replaces the current shape only when it is more than 1% faster
+    (the run-to-run spread is ~0.5%). Returns the trials; the engine keeps the best config."""
+    cfg = eng.decode
+    best = b.rate(eng)["tok_s"]
+    trials = [{"config": "current", "tok_s": best}]
+    log(f"  chain sweep {label}: current {best:.2f} tok/s")
+    steps = [(key, c) for key in keys for c in CHAIN_CANDIDATES[key]]
+    if attention:
+        steps += [(("attention", ""), c) for c in ATTENTION_CANDIDATES]
+    for (kernel, fmt), c in steps:
+        if kernel == "attention":
+            trial = replace(cfg, attention=replace(cfg.attention, block_s=c[0], num_warps=c[1], num_stages=c[2]))
+        else:
+            trial = cfg.with_launch(kernel, fmt, BN=c[0], BK=c[1], num_warps=c[2], num_stages=c[3])
+        try:
+            eng.reconfigure(trial)
+            rate = b.rate(eng)["tok_s"]
+        except Exception as e:  # noqa: BLE001 - a shape that does not compile is a result too
+            trials.append({"config": f"{kernel}/{fmt} {c}", "error": f"{type(e).__name__}: {e}"[:300]})
+            log(f"    {kernel}/{fmt} {c}: {trials[-1]['error']}")
+            continue
+        trials.append({"config": f"{kernel}/{fmt} {c}", "tok_s": rate})
+        kept = rate > 1.01 * best
+        log(f"    {kernel}/{fmt} {c}: {rate:.2f} tok/s{' (kept)' if kept else ''}")
+        if kept:
+            best, cfg = rate, trial
+    eng.reconfigure(cfg)
+    return {"trials": trials, "best_tok_s": best, "launch": cfg.identity()["launch"],
+            "attention": cfg.identity()["attention"]}
+
+
+@variant("chain_sweep")
+def chain_sweep(b: Bench) -> dict:
+    """chain_sweep_engine on bf16 (norm, GEMV, router, dense experts, attention), then on the hot
+    int8 / cold base-3 ternary plan (the ternary launches, whose few cold pairs per layer run on a
+    side stream). The run keeps the winners (`Bench.decode`) for the variants after it."""
+    if b.args.no_sweep or b.small:
+        raise Skipped
+    eng = b.engine()
+    out = {"bf16": chain_sweep_engine(b, eng, [("norm", "dense"), ("gemv", "dense"), ("router", "dense"),
+                                               ("gate_up", "dense"), ("down", "dense")], "bf16", attention=True)}
+    b.decode = eng.decode
+    del eng
+    precision, home = b.plans["int8hot_ternarycold_gpu"]
+    eng = b.engine(experts=tiered_experts(b.hf, precision, home, b.device, b.dtype))
+    out["int8hot_ternarycold_gpu"] = chain_sweep_engine(b, eng, [("gate_up", "ternary"), ("down", "ternary")],
+                                                        "int8hot_ternarycold_gpu")
+    b.decode = replace(b.decode, launch=eng.decode.launch)
+    return out
+
+
 # ---- bf16 through the fused kernels ----------------------------------------------------------------
 
 def fused_bf16(b: Bench) -> Engine:
@@ -322,7 +392,14 @@ def parity_fused_vs_reference(b: Bench) -> dict:
 
 @variant("engine_bf16_triton_graphs")
 def engine_bf16_triton_graphs(b: Bench) -> dict:
-    return b.bf16_rate(fused_bf16(b), "triton")
+    eng = fused_bf16(b)
+    r = b.bf16_rate(eng, "triton")
+    if b.args.timeline and b.device.type == "cuda":
+        tl = step_timeline(eng, b.prompt, b.out_dir / "timeline_bf16_plain.json")
+        r["timeline"] = {"plain": tl}
+        log(f"  timeline: a step every {tl['period_us']:.0f} us, {tl['kernels']} kernels; some kernel ran for "
+            f"{tl['busy_us']:.0f} us of it, none for {tl['idle_us']:.0f} us")
+    return r
 
 
 @variant("engine_bf16_triton_graphs_no_pdl")
@@ -519,7 +596,7 @@ def plan_variant(b: Bench, name: str) -> dict:
         r["tok_s_prefetch_early"] = rq["tok_s"]
         msg += f"; prefetch from the attention input {r['tok_s_prefetch_early']:.2f} tok/s"
     if has_host and b.R["pinned_h2d_Bps"]:
-        bound = 1.0 / ((b.non_expert_bytes + split["hbm"]) / b.bw + split["pcie"] / b.R["pinned_h2d_Bps"])
+        bound = tier_bound(b.non_expert_bytes, split, b.bw, b.R["pinned_h2d_Bps"])
         r.update(tier_bound_tok_s=bound, pct_of_tier_bound=100 * r["tok_s"] / bound,
                  pcie_achieved_Bps=split["pcie"] * r["tok_s"],
                  pct_of_tier_bound_prefetch=100 * r["tok_s_prefetch"] / bound,

@@ -44,6 +44,13 @@ def expert_bytes_per_token(routes: list[torch.Tensor], precision, home, hidden: 
     return {"hbm": hbm / n, "pcie": pcie / n}
 
 
+def tier_bound(non_expert_bytes: float, split: dict, copy_Bps: float, h2d_Bps: float) -> float:
+    """The tier-aware bound of a plan with host experts (tok/s): HBM bytes (non-expert weights and
+    the HBM experts) at the device copy bandwidth plus the host experts' bytes (expert_bytes_per_token's
+    split) at the pinned host-to-device bandwidth, one after the other."""
+    return 1.0 / ((non_expert_bytes + split["hbm"]) / copy_Bps + split["pcie"] / h2d_Bps)
+
+
 def pinned_h2d_bandwidth(nbytes: int, iters: int = 10) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
