@@ -202,3 +202,37 @@ def test_cuda_graph_capture_and_replay(kv_len):
     assert torch.equal(out, eager)
     exact = reference(q.float(), k.float(), v.float(), pos, kv_len)
     assert ((out.float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-5).all()
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_rope_in_attention_equals_qk_rope_cache_then_attention(qk_norm, splits):
+    """decode_attention(rope=...) on the raw one-token projection gives exactly what qk_rope_cache
+    followed by decode_attention gives: the same output and the same caches, every split count (the
+    program of the split holding the new slot writes it before reading it)."""
+    from moebench.engine.kernels import RopeInputs, qk_rope_cache
+    from moebench.engine.model import rope_tables
+    g = torch.Generator().manual_seed(21 + int(qk_norm))
+    B, NH, NKV, D, S = 2, 8, 2, 16, 128
+    qkv = torch.randn(B, 1, (NH + 2 * NKV) * D, generator=g).to(DEV)      # views, as in Attention
+    q = qkv[..., :NH * D].view(B, 1, NH, D)
+    k = qkv[..., NH * D:(NH + NKV) * D].view(B, 1, NKV, D)
+    v = qkv[..., (NH + NKV) * D:].view(B, 1, NKV, D)
+    qw, kw = ((torch.rand(D, generator=g) + 0.5).to(DEV) for _ in range(2)) if qk_norm else (None, None)
+    positions = torch.tensor([[100], [41]], device=DEV)
+    cos_t, sin_t = rope_tables(D, 10000.0, S, DEV)
+    cos, sin = cos_t[positions], sin_t[positions]
+    kc0 = torch.randn(B, NKV, S, D, generator=g).to(DEV)
+    vc0 = torch.randn(B, NKV, S, D, generator=g).to(DEV)
+    kv_len = 101
+    kc, vc = kc0.clone(), vc0.clone()
+    qo = qk_rope_cache(q, k, v, qw, kw, 1e-6, cos, sin, positions, kc, vc)
+    want = decode_attention(qo, kc, vc, positions, kv_len, num_splits=splits)
+    kc2, vc2 = kc0.clone(), vc0.clone()
+    got = decode_attention(q, kc2, vc2, positions, kv_len, num_splits=splits,
+                           rope=RopeInputs(k, v, qw, kw, 1e-6, cos, sin))
+    assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
+    assert not torch.equal(kc, kc0)                  # the new slots were written
+    assert torch.equal(got, want)
+    with pytest.raises(KernelError, match="one-token"):
+        decode_attention(qo, kc2, vc2, positions, kv_len, rope=RopeInputs(k, v, qw, kw, 1e-6, cos, sin))

@@ -642,6 +642,29 @@ def test_engine_fused_qkv_and_gemv_decode_match_default_path(ckpt):
     torch.testing.assert_close(lb, la, atol=2e-3, rtol=2e-3)
 
 
+def test_engine_rope_in_attention_decodes_exactly_like_qk_rope_cache(ckpt):
+    """DecodeConfig.rope_in_attention (q/k norm, RoPE and the KV write inside the attention launch
+    for one-token steps) decodes the same tokens and the same step logits as the two launches."""
+    prompt = list(range(3, 12))
+    engines = {on: Engine.load(ckpt, device=DEV, dtype="float32", max_seq_len=32,
+                               decode=small(experts_impl="triton", rope_in_attention=on)) for on in (False, True)}
+    toks = {on: e.generate([prompt], 5, ignore_eos=True)[0].token_ids for on, e in engines.items()}
+    assert toks[True] == toks[False]
+    tokens, pos = torch.tensor([[toks[True][-1]]], device=DEV), torch.tensor([[len(prompt) + 4]], device=DEV)
+    calls = []
+    real = kernels.qk_rope_cache
+    kernels.qk_rope_cache = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        la = engines[False]._decode(tokens, pos, len(prompt) + 5).float().cpu()
+        n_off = len(calls)
+        lb = engines[True]._decode(tokens, pos, len(prompt) + 5).float().cpu()
+    finally:
+        kernels.qk_rope_cache = real
+    # the option's step runs no qk_rope_cache launch; the default's one per layer
+    assert n_off == len(engines[False].model.layers) and len(calls) == n_off
+    assert torch.equal(la, lb)
+
+
 # ---- the MoE sum deferred into the next add_rmsnorm -----------------------------------------------
 
 def test_add_rmsnorm_sums_moe_partials_exactly_like_moe_sum():

@@ -165,6 +165,9 @@ class DecodeConfig:
     defer_moe_sum: the weighted expert sum is done by the next residual add + RMSNorm (no moe_sum launch).
     fused_norm_router: a MoE block without a shared expert is routed inside its post-attention
         norm's launch.
+    rope_in_attention: one-token steps do q/k norm, RoPE and the KV write inside the decode
+        attention launch (kernels.RopeInputs), one launch per layer fewer. Off until an H200 run
+        shows it faster: it is exact (tests/test_attention_kernel.py) but unmeasured.
     router_max_tokens: most tokens one fused router call takes (size of its arrival counters).
     count_tier_picks: tiered experts on the fused path count each call's picks per expert on the
         device, one atomic per (token, expert) pair inside fused_moe's down launch (and stage copies
@@ -186,6 +189,7 @@ class DecodeConfig:
     overlap_host: bool = True
     defer_moe_sum: bool = True
     fused_norm_router: bool = True
+    rope_in_attention: bool = False
     router_max_tokens: int = 64
     count_tier_picks: bool = True
     launch: Mapping[tuple[str, str, str], Launch] = field(default_factory=lambda: dict(SHIPPED_LAUNCH))

@@ -16,7 +16,7 @@ Every launcher takes the engine's DecodeConfig (`cfg`) for its launch shapes and
 these modules holds a setting. Static shapes, no host sync: a decode step made of them can be
 captured in a CUDA graph.
 """
-from .attention import decode_attention, num_splits_for
+from .attention import RopeInputs, decode_attention, num_splits_for
 from .dense_gemv import linear
 from .int8_activations import quant_row_len, quantize_activations
 from .moe import TailSkip, fused_moe, group_mode, wants_quantized_x
@@ -26,7 +26,7 @@ from .rope_kv import qk_rope_cache
 from .runtime import KernelError, available, pdl_launch, unavailable_reason
 from .staging import host_lane, stage_experts
 
-__all__ = ["decode_attention", "num_splits_for", "linear", "quant_row_len", "quantize_activations", "TailSkip", "fused_moe",
+__all__ = ["RopeInputs", "decode_attention", "num_splits_for", "linear", "quant_row_len", "quantize_activations", "TailSkip", "fused_moe",
            "group_mode", "wants_quantized_x", "add_rmsnorm", "add_rmsnorm_router", "route_topk", "router_topk",
            "ExpertGroup", "PackedMatrix", "dense_group", "qk_rope_cache", "KernelError", "available", "pdl_launch", "unavailable_reason",
            "host_lane", "stage_experts"]

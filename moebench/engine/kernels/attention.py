@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -31,13 +32,18 @@ from .runtime import KernelError, grid_dependency, next_pow2, pdl_launch, requir
 LOG2E = 1.4426950408889634
 
 if triton is not None:
+    from .rope_kv import norm_rope_head     # the ROPE path's per-head norm + RoPE, qk_rope_cache's own
+
     # kv_len changes every decode step: not specialised (Triton would compile kv_len % 16 == 0 apart).
     @triton.jit(do_not_specialize=["kv_len"])
     def decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                                 T, NH, kv_len, chunk, qk_scale,
                                 s_qb, s_qh, s_qt, s_cb, s_ch, s_cs, s_pb, s_pt,
+                                kn_ptr, vn_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps,
+                                s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_rb, s_rt,
                                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                                SPLIT: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr = False):
+                                SPLIT: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr = False,
+                                ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False):
         """Program (b*T + t, kv head, split): the G query heads of one KV head group over the cache
         slots [split * chunk, split * chunk + chunk) that are < kv_len and <= positions[b, t].
 
@@ -46,7 +52,12 @@ if triton is not None:
         are padded to GP >= 16 with zero queries (never stored). The broadcast-multiply alternative
         ([G, BLOCK_S, D] products + tl.sum) runs on the CUDA cores at ~16 FMAs per loaded K/V element,
         close to the H200's float32 rate at full memory bandwidth, and needs large register tiles;
-        the padded dot costs no extra memory traffic and keeps the long-context kernel memory-bound."""
+        the padded dot costs no extra memory traffic and keeps the long-context kernel memory-bound.
+
+        ROPE (one-token steps): q is the projection's raw output; each program does qk_rope_cache's
+        work for its heads in registers (q/k norm when HAS_NORM, RoPE from cos/sin [b, t]), and the
+        program whose split holds slot positions[b, t] writes this step's key and value there (raw
+        kn / vn) before its loop reads the slot: one launch where there were two."""
         grid_dependency(PDL)
         bt = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -57,13 +68,29 @@ if triton is not None:
         d = tl.arange(0, D)
         gmask = g < G
         heads = kvh * G + g
-        q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + t * s_qt + d[None, :], mask=gmask[:, None],
-                    other=0.0)
         pos = tl.load(pos_ptr + b * s_pb + t * s_pt).to(tl.int32)     # slots < 2^31; int32 loop bounds
         start = split * chunk
         # Slots past the row's position (or past kv_len) are never loaded: they may hold garbage.
         end = tl.minimum(tl.minimum(start + chunk, kv_len), pos + 1)
         cache = b * s_cb + kvh.to(tl.int64) * s_ch
+        if ROPE:
+            dt = q_ptr.dtype.element_ty
+            partner = (d + D // 2) % D
+            c = tl.load(cos_ptr + b * s_rb + t * s_rt + d).to(tl.float32)
+            sn = tl.load(sin_ptr + b * s_rb + t * s_rt + d).to(tl.float32)
+            q = norm_rope_head((q_ptr + b * s_qb + heads * s_qh + t * s_qt)[:, None], qw_ptr, c[None, :],
+                               sn[None, :], d[None, :], partner[None, :], eps, HAS_NORM, D, dt, mask=gmask[:, None])
+            if (start <= pos) & (pos < start + chunk):
+                kr = norm_rope_head(kn_ptr + b * s_kb + t * s_kt + kvh * s_kh, kw_ptr, c, sn, d, partner, eps,
+                                    HAS_NORM, D, dt)
+                slot = cache + pos.to(tl.int64) * s_cs + d
+                tl.store(k_ptr + slot, kr.to(k_ptr.dtype.element_ty))
+                vr = tl.load(vn_ptr + b * s_vb + t * s_vt + kvh * s_vh + d)
+                tl.store(v_ptr + slot, vr.to(v_ptr.dtype.element_ty))
+            tl.debug_barrier()          # the slot's writes, by this program's threads, before its loads
+        else:
+            q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + t * s_qt + d[None, :], mask=gmask[:, None],
+                        other=0.0)
         m_i = tl.full((GP,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((GP,), dtype=tl.float32)
         acc = tl.zeros((GP, D), dtype=tl.float32)
@@ -141,9 +168,48 @@ def num_splits_for(kv_len: int, programs: int, sm_count: int = 132,
     return min(by_length, by_occupancy)
 
 
+@dataclass(frozen=True)
+class RopeInputs:
+    """What rope_kv.qk_rope_cache takes besides q and the caches, for decode_attention to do its
+    work in the same launch (one-token steps): this step's raw keys and values [B, 1, NKV, D] (unit
+    last stride), the q/k norm weights (both or neither), eps, and cos / sin [B or 1, 1, D]."""
+
+    k: Tensor
+    v: Tensor
+    q_norm_w: Tensor | None
+    k_norm_w: Tensor | None
+    eps: float
+    cos: Tensor
+    sin: Tensor
+
+
+def _rope_query_layout(q: Tensor, rope: RopeInputs, k_cache: Tensor, v_cache: Tensor, positions: Tensor) -> Tensor:
+    """decode_attention's checks of a rope call; returns q [B, 1, NH, D] as the [B, NH, T, D] view the
+    kernel indexes (strides only, nothing copied)."""
+    if q.dim() != 4 or q.shape[1] != 1:
+        raise KernelError(f"decode_attention(rope=...): q {tuple(q.shape)}; expected the raw one-token "
+                          f"projection [B, 1, NH, D]")
+    B, _, NH, D = q.shape
+    NKV = k_cache.shape[1]
+    for name, t in (("k", rope.k), ("v", rope.v)):
+        if tuple(t.shape) != (B, 1, NKV, D) or t.stride(-1) != 1:
+            raise KernelError(f"decode_attention(rope=...): {name} {tuple(t.shape)}; expected [{B}, 1, {NKV}, {D}] "
+                              f"with a unit last stride")
+    if (rope.q_norm_w is None) != (rope.k_norm_w is None):
+        raise KernelError("decode_attention(rope=...): give both q and k norm weights or neither")
+    for name, t in (("cos", rope.cos), ("sin", rope.sin)):
+        if t.dim() != 3 or t.shape[0] not in (1, B) or tuple(t.shape[1:]) != (1, D):
+            raise KernelError(f"decode_attention(rope=...): {name} {tuple(t.shape)}; expected [{B} or 1, 1, {D}]")
+    if D & (D - 1):
+        raise KernelError(f"decode_attention(rope=...): head_dim {D} must be a power of two")
+    if q.stride(-1) != 1:
+        raise KernelError("decode_attention(rope=...): q needs a unit last stride")
+    return q.transpose(1, 2)
+
+
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, kv_len: int,
                      scale: float | None = None, num_splits: int | None = None,
-                     cfg: DecodeConfig = DEFAULT) -> Tensor:
+                     cfg: DecodeConfig = DEFAULT, rope: RopeInputs | None = None) -> Tensor:
     """softmax(q k^T * scale) v over cache slots [0, kv_len) with slot <= positions[b, t], GQA.
 
     q [B, NH, T, D] (unit last stride; rope_kv.qk_rope_cache's output), k_cache / v_cache
@@ -151,8 +217,13 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Ten
     (cache slot of each query), kv_len a python int <= S, scale default 1/sqrt(D). Query head h uses KV
     head h // (NH // NKV), as F.scaled_dot_product_attention(..., enable_gqa=True). Returns
     [B, T, NH * D] contiguous in q's dtype. num_splits forces the KV split count (tests, tuning);
-    None picks it from kv_len (`num_splits_for`). q and the caches must share a dtype."""
+    None picks it from kv_len (`num_splits_for`). q and the caches must share a dtype.
+    rope: q is the projection's raw output [B, 1, NH, D] (a view with a unit last stride) and this
+    launch also does qk_rope_cache(q, rope.k, rope.v, ...)'s norm, RoPE and cache writes, with the
+    same results; one-token steps only (T > 1 would read slots other programs write)."""
     require()
+    if rope is not None:
+        q = _rope_query_layout(q, rope, k_cache, v_cache, positions)
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise KernelError(f"decode_attention: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache "
                           f"{tuple(v_cache.shape)}; expected q [B, NH, T, D] and caches [B', NKV, S, D]")
@@ -195,12 +266,25 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Ten
     else:
         part_acc = part_ml = out       # unused
     qk_scale = (1.0 / math.sqrt(D) if scale is None else float(scale)) * LOG2E
+    if rope is None:
+        extra = [q, q, q, q, q, q, 0.0] + [0] * 8
+        rope_kw = {}
+    else:
+        cos = rope.cos.expand(B, 1, D) if rope.cos.shape[0] != B else rope.cos
+        sin = rope.sin.expand(B, 1, D) if rope.sin.shape[0] != B else rope.sin
+        if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+            cos, sin = cos.contiguous(), sin.contiguous()
+        has_norm = rope.q_norm_w is not None
+        extra = [rope.k, rope.v, rope.q_norm_w if has_norm else q, rope.k_norm_w if has_norm else q, cos, sin,
+                 rope.eps, rope.k.stride(0), rope.k.stride(1), rope.k.stride(2), rope.v.stride(0), rope.v.stride(1),
+                 rope.v.stride(2), cos.stride(0), cos.stride(1)]
+        rope_kw = {"ROPE": True, "HAS_NORM": has_norm}
     decode_attention_kernel[(B * T, NKV, splits)](
         q, k_cache, v_cache, positions, out, part_acc, part_ml, T, NH, kv_len, chunk, qk_scale,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        positions.stride(0), positions.stride(1),
+        positions.stride(0), positions.stride(1), *extra,
         G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_S=block, SPLIT=splits > 1, FP32=q.dtype == torch.float32,
-        num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch(q.device, cfg))
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch(q.device, cfg), **rope_kw)
     if splits > 1:
         combine_kernel[(B * T * NH,)](part_acc, part_ml, out, splits, D=D, SP=next_pow2(splits), num_warps=4,
                                       **pdl_launch(q.device, cfg))

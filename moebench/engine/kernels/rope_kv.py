@@ -10,13 +10,19 @@ from .runtime import KernelError, grid_dependency, pdl_launch, require, tl, trit
 if triton is not None:
     @triton.jit
     def norm_rope_head(src, w_ptr, c, s, d, partner, eps, HAS_NORM: tl.constexpr, D: tl.constexpr,
-                       dt: tl.constexpr):
-        """One head vector (float32, rounded as the torch code rounds): optional RMSNorm, then RoPE
-        with rotate_half: out[d] = x[d] cos[d] + sign(d) x[partner(d)] sin[d]."""
-        x = tl.load(src + d).to(tl.float32)
-        xp = tl.load(src + partner).to(tl.float32)
+                       dt: tl.constexpr, mask=None):
+        """Head vectors along the last axis (src + d: [D], or [rows, D] with src a column of row
+        pointers; float32 math, rounded as the torch code rounds): optional RMSNorm, then RoPE with
+        rotate_half: out[d] = x[d] cos[d] + sign(d) x[partner(d)] sin[d]. mask: rows to load (others
+        read as 0)."""
+        if mask is None:
+            x = tl.load(src + d).to(tl.float32)
+            xp = tl.load(src + partner).to(tl.float32)
+        else:
+            x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+            xp = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
         if HAS_NORM:
-            inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+            inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=-1, keep_dims=True) / D + eps)
             x = (tl.load(w_ptr + d).to(tl.float32) * (x * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
             xp = (tl.load(w_ptr + partner).to(tl.float32) * (xp * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         sign = tl.where(d < D // 2, -1.0, 1.0)
