@@ -294,8 +294,8 @@ def norm_router_ab(b: Bench) -> dict:
     return out
 
 
-# In-chain launch candidates per (kernel, format): (BN, BK, num_warps, num_stages); the first of each
-# list is what the config has. Attention: (block_s, num_warps, num_stages).
+# In-chain launch candidates per (kernel, format): (BN, BK, num_warps, num_stages), each tried
+# against the config's own shape (timed first, as "current"). Attention: (block_s, num_warps, num_stages).
 CHAIN_CANDIDATES = {
     ("norm", "dense"): [(1, 2048, 8, 1), (1, 2048, 16, 1), (1, 2048, 2, 1)],
     ("gemv", "dense"): [(4, 1024, 4, 3), (2, 2048, 4, 2), (4, 512, 4, 4), (8, 512, 8, 3), (1, 2048, 4, 2)],

@@ -183,7 +183,7 @@ class RopeInputs:
     sin: Tensor
 
 
-def _rope_query_layout(q: Tensor, rope: RopeInputs, k_cache: Tensor, v_cache: Tensor, positions: Tensor) -> Tensor:
+def _rope_query_layout(q: Tensor, rope: RopeInputs, k_cache: Tensor) -> Tensor:
     """decode_attention's checks of a rope call; returns q [B, 1, NH, D] as the [B, NH, T, D] view the
     kernel indexes (strides only, nothing copied)."""
     if q.dim() != 4 or q.shape[1] != 1:
@@ -223,7 +223,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Ten
     same results; one-token steps only (T > 1 would read slots other programs write)."""
     require()
     if rope is not None:
-        q = _rope_query_layout(q, rope, k_cache, v_cache, positions)
+        q = _rope_query_layout(q, rope, k_cache)
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise KernelError(f"decode_attention: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache "
                           f"{tuple(v_cache.shape)}; expected q [B, NH, T, D] and caches [B', NKV, S, D]")
