@@ -132,14 +132,12 @@ def run(args) -> dict:
     ctx = Context(hf, device, dtype, prompt, args.tokens, args.reps,
                   expert_plans(cfg.num_hidden_layers, cfg.num_experts, hot_halves(counts)), options)
     if device.type == "cuda":
-        from decode_engine import active_bytes_per_token, copy_bandwidth
+        from decode_engine import copy_bandwidth, non_expert_bytes_per_token
         from decode_probes import pinned_h2d_bandwidth
         from moebench.engine import ModelConfig
         mc = ModelConfig.from_dict(cfg.to_dict(), source="transformers config")
-        elem = torch.finfo(dtype).bits // 8
-        experts = mc.num_layers * mc.top_k * 3 * mc.hidden_size * mc.expert_intermediate_size * elem
         ctx.bandwidth = {"copy_Bps": copy_bandwidth(device, 1 << 30), "h2d_Bps": pinned_h2d_bandwidth(1 << 30),
-                         "non_expert_bytes": active_bytes_per_token(mc, elem)["active_bytes"] - experts,
+                         "non_expert_bytes": non_expert_bytes_per_token(mc, torch.finfo(dtype).bits // 8),
                          "hidden": mc.hidden_size, "inter": mc.expert_intermediate_size}
     out = {"tree": str(args.tree), "engine_options": options, "moebench": moebench.__file__, "device": str(device), "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "bandwidth": ctx.bandwidth,

@@ -73,6 +73,12 @@ def active_bytes_per_token(cfg: ModelConfig, elem: int) -> dict[str, float]:
             "kv_bytes_per_context_token": cfg.num_layers * 2 * cfg.num_kv_heads * D * elem}
 
 
+def non_expert_bytes_per_token(cfg: ModelConfig, elem: int) -> float:
+    """active_bytes_per_token's bytes less the top-k experts': what every expert plan reads alike."""
+    experts = cfg.num_layers * cfg.top_k * 3 * cfg.hidden_size * cfg.expert_intermediate_size * elem
+    return active_bytes_per_token(cfg, elem)["active_bytes"] - experts
+
+
 def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 20) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).uniform_()

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_engine import (QWEN3_30B_A3B, SMALL, active_bytes_per_token, build_transformers,  # noqa: E402
-                           copy_bandwidth, decode_rate, timed)
+                           copy_bandwidth, decode_rate, non_expert_bytes_per_token, timed)
 from decode_probes import (decode_host_share, expert_bytes_per_token, log, pinned_h2d_bandwidth, tier_bound,  # noqa: E402
                            profile_step, step_timeline, sweep_gemv, sweep_kernel_configs, time_graph)
 from decode_setup import (build_engine, dense_expert_weights, engine_rate, expert_plans, hot_halves,  # noqa: E402
@@ -102,9 +102,7 @@ class Bench:
 
     @property
     def non_expert_bytes(self) -> float:
-        c = self.cfg
-        elem = torch.finfo(self.dtype).bits // 8
-        return self.R["active_bytes"] - c.num_layers * c.top_k * 3 * c.hidden_size * c.expert_intermediate_size * elem
+        return non_expert_bytes_per_token(self.cfg, torch.finfo(self.dtype).bits // 8)
 
     def mbu(self, rate: float, nbytes: float) -> float:
         return 100 * rate * nbytes / self.bw

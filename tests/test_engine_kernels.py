@@ -642,7 +642,7 @@ def test_engine_fused_qkv_and_gemv_decode_match_default_path(ckpt):
     torch.testing.assert_close(lb, la, atol=2e-3, rtol=2e-3)
 
 
-def test_engine_rope_in_attention_decodes_exactly_like_qk_rope_cache(ckpt):
+def test_engine_rope_in_attention_decodes_exactly_like_qk_rope_cache(ckpt, monkeypatch):
     """DecodeConfig.rope_in_attention (q/k norm, RoPE and the KV write inside the attention launch
     for one-token steps) decodes the same tokens and the same step logits as the two launches."""
     prompt = list(range(3, 12))
@@ -653,13 +653,10 @@ def test_engine_rope_in_attention_decodes_exactly_like_qk_rope_cache(ckpt):
     tokens, pos = torch.tensor([[toks[True][-1]]], device=DEV), torch.tensor([[len(prompt) + 4]], device=DEV)
     calls = []
     real = kernels.qk_rope_cache
-    kernels.qk_rope_cache = lambda *a, **k: calls.append(1) or real(*a, **k)
-    try:
-        la = engines[False]._decode(tokens, pos, len(prompt) + 5).float().cpu()
-        n_off = len(calls)
-        lb = engines[True]._decode(tokens, pos, len(prompt) + 5).float().cpu()
-    finally:
-        kernels.qk_rope_cache = real
+    monkeypatch.setattr(kernels, "qk_rope_cache", lambda *a, **k: calls.append(1) or real(*a, **k))
+    la = engines[False]._decode(tokens, pos, len(prompt) + 5).float().cpu()
+    n_off = len(calls)
+    lb = engines[True]._decode(tokens, pos, len(prompt) + 5).float().cpu()
     # the option's step runs no qk_rope_cache launch; the default's one per layer
     assert n_off == len(engines[False].model.layers) and len(calls) == n_off
     assert torch.equal(la, lb)

@@ -124,21 +124,19 @@ class Attention(nn.Module):
             head = self.qk_norm == "head"
             # Triton's CPU interpreter gets bf16 dots wrong, so bf16 on CPU keeps sdpa.
             attention_kernel = self.k_cache.dtype == q.dtype and (q.is_cuda or q.dtype != torch.bfloat16)
+            qw, kw = (self.q_norm.weight, self.k_norm.weight) if head else (None, None)
+            rope = None
             if attention_kernel and T == 1 and self.decode.rope_in_attention:
                 # q/k norm, RoPE and the cache writes inside the attention launch
-                rope = kernels.RopeInputs(k, v, self.q_norm.weight if head else None,
-                                          self.k_norm.weight if head else None, self.eps, cos, sin)
-                out = kernels.decode_attention(q, self.k_cache, self.v_cache, positions.expand(B, T), kv_len,
-                                               cfg=self.decode, rope=rope)
-                return self._linear(out, self.o_proj.weight, self.o_proj.bias)
-            # One kernel: per-head q/k norm, RoPE, and the cache writes (kernels.qk_rope_cache).
-            q = kernels.qk_rope_cache(q, k, v, self.q_norm.weight if head else None,
-                                      self.k_norm.weight if head else None, self.eps, cos, sin, positions,
-                                      self.k_cache, self.v_cache, cfg=self.decode)
+                rope = kernels.RopeInputs(k, v, qw, kw, self.eps, cos, sin)
+            else:
+                # One kernel: per-head q/k norm, RoPE, and the cache writes (kernels.qk_rope_cache).
+                q = kernels.qk_rope_cache(q, k, v, qw, kw, self.eps, cos, sin, positions, self.k_cache,
+                                          self.v_cache, cfg=self.decode)
             # One kernel for mask + attention + the [B, T, heads * D] layout o_proj reads (~5 in torch).
             if attention_kernel:
                 out = kernels.decode_attention(q, self.k_cache, self.v_cache, positions.expand(B, T), kv_len,
-                                               cfg=self.decode)
+                                               cfg=self.decode, rope=rope)
                 return self._linear(out, self.o_proj.weight, self.o_proj.bias)
         else:
             if self.qk_norm == "head":
