@@ -143,15 +143,22 @@ def run(args) -> dict:
            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "bandwidth": ctx.bandwidth,
            "variants": {}, "errors": {}}
     names = [n for n in args.variants.split(",") if n] if args.variants else list(VARIANTS)
-    for name in names:
+    # --option-sets: each variant again under each named set of extra options, as "variant+set"
+    sets = {"": {}, **json.loads(args.option_sets)} if args.option_sets else {"": {}}
+    runs = [(name, tag) for tag in sets for name in names]
+    for base_name, tag in runs:
+        name = f"{base_name}+{tag}" if tag else base_name
+        ctx.options = {**options, **sets[tag]}
         t = time.perf_counter()
         try:
-            r = VARIANTS[name](ctx)
+            r = VARIANTS[base_name](ctx)
         except Exception as e:  # noqa: BLE001 - keep the other variants
             out["errors"][name] = f"{type(e).__name__}: {e}"
             print(f"[{name}] FAILED: {out['errors'][name]}", flush=True)
             continue
         r["wall_s"] = round(time.perf_counter() - t, 1)
+        if tag:
+            r["engine_options"] = ctx.options
         out["variants"][name] = r
         extra = f", prefetch early {r['tok_s_prefetch_early']:.2f}" if "tok_s_prefetch_early" in r else ""
         if "tier_bound_tok_s" in r:
@@ -161,6 +168,11 @@ def run(args) -> dict:
         print(f"[{args.tree}] {name}: {r['tok_s']:.2f} tok/s{extra} ({r['wall_s']} s)", flush=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
         torch.cuda.empty_cache() if device.type == "cuda" else None
+    for name, tag in runs:
+        got, plain = out["variants"].get(f"{name}+{tag}"), out["variants"].get(name)
+        if tag and got and plain:
+            print(f"{name}+{tag}: {got['tok_s']:.2f} against {plain['tok_s']:.2f} tok/s "
+                  f"({100 * (got['tok_s'] / plain['tok_s'] - 1):+.1f}%), same tokens: {got['tokens'] == plain['tokens']}")
     return out
 
 
@@ -191,6 +203,9 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--engine-option", action="append", default=[], metavar="KEY=JSON",
                     help="an extra Engine option for every engine, e.g. count_tier_picks=false (the tree must know it)")
+    ap.add_argument("--option-sets", default="", metavar="JSON",
+                    help='named sets of extra Engine options, each variant timed again under each: '
+                         '\'{"rope": {"rope_in_attention": true}}\' gives "bf16+rope" beside "bf16"')
     ap.add_argument("--small", action="store_true", help="a small shape on the CPU (a smoke test of the script)")
     ap.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"), help="print the A/B table of two runs")
     args = ap.parse_args(argv)

@@ -499,6 +499,18 @@ def test_route_topk_matches_softmax_topk(renorm):
         kernels.route_topk(logits, 61, renorm)
 
 
+def test_route_topk_ties_go_to_the_lowest_index():
+    """Equal probabilities are picked lowest expert first, in descending order of probability,
+    whatever their order in the row (the kernel's int64 key: p's bits, then the inverted index)."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, 2.0, 3.0, -1.0],
+                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                           [-5.0, 2.0, -5.0, 2.0, 7.0, -5.0, 2.0, -5.0]]).to(DEV)
+    ids, w = kernels.route_topk(logits, 5, False)
+    assert ids.tolist() == [[1, 2, 4, 6, 5], [0, 1, 2, 3, 4], [4, 1, 3, 6, 0]]
+    assert w[0, 0] == w[0, 1] == w[0, 2] == w[0, 3] > w[0, 4] and torch.all(w[1] == w[1, 0])
+    assert torch.allclose(w, torch.gather(torch.softmax(logits.float(), -1), 1, ids), atol=1e-7, rtol=1e-6)
+
+
 @pytest.mark.parametrize("renorm", [True, False])
 def test_router_topk_matches_linear_softmax_topk(renorm):
     """The fused router (GEMV slices + last-arriving program does the top-k): same ids and weights
@@ -660,6 +672,49 @@ def test_engine_rope_in_attention_decodes_exactly_like_qk_rope_cache(ckpt, monke
     # the option's step runs no qk_rope_cache launch; the default's one per layer
     assert n_off == len(engines[False].model.layers) and len(calls) == n_off
     assert torch.equal(la, lb)
+
+
+def test_engine_early_weights_decode_exactly_like_loads_after_the_wait(ckpt):
+    """DecodeConfig.early_weights (the router's, the GEMVs' and bf16 down's first weight tile loaded
+    before the PDL wait) gives the same tokens and bitwise-equal step logits: the loads move, the
+    sums do not. gemv_max_tokens=1 and BK 32: the attention projections run the Triton GEMV here too, in
+    several K steps."""
+    from moebench.engine.decode_config import EARLY_WEIGHT_KERNELS
+    prompt = list(range(3, 12))
+    engines = {on: Engine.load(ckpt, device=DEV, dtype="float32", max_seq_len=32,
+                               decode=small(experts_impl="triton", gemv_max_tokens=1,
+                                            early_weights=EARLY_WEIGHT_KERNELS if on else ()
+                                            ).with_launch("gemv", "dense", BK=32))
+               for on in (False, True)}
+    assert engines[True].decode.early_weights == ("router", "gemv", "down")
+    toks = {on: e.generate([prompt], 5, ignore_eos=True)[0].token_ids for on, e in engines.items()}
+    assert toks[True] == toks[False]
+    tokens, pos = torch.tensor([[toks[True][-1]]], device=DEV), torch.tensor([[len(prompt) + 4]], device=DEV)
+    la, lb = (engines[on]._decode(tokens, pos, len(prompt) + 5).float().cpu() for on in (False, True))
+    assert torch.equal(la, lb)
+
+
+def test_fused_moe_early_down_weights_are_exact_with_two_groups():
+    """down's early first tile (group A dense) with a second group in the launch, and with pairs in
+    no group (zeroed): the same part rows, bit for bit."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(3, H, generator=g).to(DEV)
+    ids, w = routing(3, g)
+    mats = [torch.randn(E, *s, generator=g).to(DEV) * 0.1 for s in ((I, H), (I, H), (H, I))]
+    groups = []
+    for members in (list(range(0, E, 2)), list(range(1, E, 2))):
+        slot_of = torch.full((E,), -1, dtype=torch.int32)
+        slot_of[members] = torch.arange(len(members), dtype=torch.int32)
+        groups.append(kernels.ExpertGroup(*(kernels.PackedMatrix.dense(m[members]) for m in mats),
+                                          slot_of.to(DEV), f"dense {members[0]}"))
+    early = small(early_weights=("down",))
+    for gs in (groups, groups[:1]):
+        want = fused_moe(x, ids.to(DEV), w.to(DEV), gs, reduce=False)
+        got = fused_moe(x, ids.to(DEV), w.to(DEV), gs, cfg=early, reduce=False)
+        assert torch.equal(got, want)
+    # the one-group call served the even experts and zeroed the other pairs' rows
+    odd = (ids.flatten() % 2 == 1).to(DEV)
+    assert odd.any() and torch.all(got[odd] == 0) and torch.all(got[~odd].abs().sum(1) > 0)
 
 
 # ---- the MoE sum deferred into the next add_rmsnorm -----------------------------------------------

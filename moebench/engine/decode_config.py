@@ -130,6 +130,7 @@ class AttentionLaunch:
     programs_per_sm: int = 2
 
 
+EARLY_WEIGHT_KERNELS = ("router", "gemv", "down")     # DecodeConfig.early_weights
 EXPERTS_IMPLS = ("auto", "gather", "loop", "grouped_mm", "triton")
 
 
@@ -168,6 +169,12 @@ class DecodeConfig:
     rope_in_attention: one-token steps do q/k norm, RoPE and the KV write inside the decode
         attention launch (kernels.RopeInputs), one launch per layer fewer. Off until an H200 run
         shows it faster: it is exact (tests/test_attention_kernel.py) but unmeasured.
+    early_weights: kernels, of EARLY_WEIGHT_KERNELS, whose programs load their first weight tile
+        before the PDL wait, so its DRAM latency overlaps the kernel before them: "router" (the
+        fused norm + router's weight rows), "gemv" (the attention projections' first K step), "down"
+        (bf16 experts' first K step: the pair's expert comes from the router, two launches back).
+        Weights never change during a step, so this reads nothing the wait protects; the sums are
+        the same, bit for bit.
     router_max_tokens: most tokens one fused router call takes (size of its arrival counters).
     count_tier_picks: tiered experts on the fused path count each call's picks per expert on the
         device, one atomic per (token, expert) pair inside fused_moe's down launch (and stage copies
@@ -190,6 +197,7 @@ class DecodeConfig:
     defer_moe_sum: bool = True
     fused_norm_router: bool = True
     rope_in_attention: bool = False
+    early_weights: tuple[str, ...] = ()
     router_max_tokens: int = 64
     count_tier_picks: bool = True
     launch: Mapping[tuple[str, str, str], Launch] = field(default_factory=lambda: dict(SHIPPED_LAUNCH))
@@ -204,6 +212,10 @@ class DecodeConfig:
                                         f"not {self.experts_impl!r}")
         if self.prefetch_early and not self.prefetch_host:
             raise DecodeConfigError("prefetch_early needs prefetch_host (it moves where the prefetch guesses from)")
+        early = tuple(self.early_weights)
+        if set(early) - set(EARLY_WEIGHT_KERNELS):
+            raise DecodeConfigError(f"early_weights {list(early)}: expected kernels of {list(EARLY_WEIGHT_KERNELS)}")
+        object.__setattr__(self, "early_weights", tuple(k for k in EARLY_WEIGHT_KERNELS if k in early))
         if self.ssd_lookahead < 1:
             raise DecodeConfigError(f"ssd_lookahead must be >= 1, got {self.ssd_lookahead}")
         for name in ("gather_max_tokens", "fused_max_tokens", "router_max_tokens"):

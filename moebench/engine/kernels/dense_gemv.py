@@ -15,15 +15,24 @@ from .runtime import KernelError, grid_dependency, pdl_launch, require, tl, trit
 if triton is not None:
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xt, stride_wn, stride_yt,
-                    HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
-        """Program (row block, token): y[t, rows] = W[rows] . x[t] (+ bias), float32 accumulation."""
-        grid_dependency(PDL)
+                    HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EARLY: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
+        """Program (row block, token): y[t, rows] = W[rows] . x[t] (+ bias), float32 accumulation.
+        EARLY: the first K step's weights are loaded before the PDL wait (same sums)."""
         nb = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)
         rows = nb * BN + tl.arange(0, BN)
         rmask = rows < N
+        if EARLY:
+            i0 = tl.arange(0, BK)
+            w0 = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + i0[None, :],
+                         mask=rmask[:, None] & (i0 < K)[None, :], other=0.0)
+        grid_dependency(PDL)
         acc = tl.zeros((BN, BK), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        if EARLY:
+            xk = tl.load(x_ptr + t * stride_xt + i0, mask=i0 < K, other=0.0).to(tl.float32)
+            acc += w0.to(tl.float32) * xk[None, :]
+        for k0 in range(EARLY * BK, K, BK):
             i = k0 + tl.arange(0, BK)
             xk = tl.load(x_ptr + t * stride_xt + i, mask=i < K, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + i[None, :],
@@ -56,7 +65,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, cfg: DecodeCon
     shape = cfg.launch_for("gemv", "dense")
     gemv_kernel[(-(-N // shape.BN), T)](x2, weight, bias if bias is not None else weight, y, N, K,
                                          x2.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-                                         BN=shape.BN, BK=shape.BK, num_warps=shape.num_warps,
+                                         BN=shape.BN, BK=shape.BK, EARLY="gemv" in cfg.early_weights, num_warps=shape.num_warps,
                                          num_stages=shape.num_stages, **pdl_launch(x.device, cfg))
     return y.view(*x.shape[:-1], N)
 

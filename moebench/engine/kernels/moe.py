@@ -183,6 +183,9 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
                                 HAS_B=len(pair_groups) > 1, GROUP_SIZE=GROUP)
             if dropped:         # only then: the launches without skip compile as they always did
                 meta[kernel]["DROPPED"] = True
+            if (kernel == "down" and "down" in cfg.early_weights and a.group.fmt == "dense"
+                    and a.down_mode == DecodeMode.BYTES):
+                meta[kernel]["EARLY"] = True
             for tag, ga in (("A", a), ("B", b)):
                 meta[kernel].update(ga.constexprs(tag, kernel, cfg.launch_for(kernel, ga.group.fmt, host=host,
                                                                                a8=a8).BK))

@@ -88,19 +88,25 @@ if triton is not None:
     def softmax_topk_store(z, m, offs, ids_ptr, w_ptr, r, TOPK: tl.constexpr, KP: tl.constexpr,
                            NORM: tl.constexpr, BLOCK_E: tl.constexpr):
         """Softmax over one token's router logits z [BLOCK_E] (float32, -inf where ~m), top-k by k
-        rounds of argmax (lowest index wins ties), optional renormalisation; no sort."""
+        rounds of argmax (lowest index wins ties), optional renormalisation; no sort.
+
+        Each round is one max reduction, of an int64 key per expert: p's bits above (p >= 0, and
+        the bits of non-negative floats order as integers) and BLOCK_E - 1 - index below, so the
+        largest key is the largest p and, among equal p, the lowest index. A float max followed by
+        an index min made two dependent cross-lane reductions per round; the top-k is the serial
+        tail of the router launch."""
         p = tl.exp(z - tl.max(z, axis=0))
         p = p / tl.sum(p, axis=0)
-        p = tl.where(m, p, -1.0)
+        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
+        key = tl.where(m, key, -1)
         ks = tl.arange(0, KP)
         vals = tl.zeros((KP,), dtype=tl.float32)
         idx = tl.zeros((KP,), dtype=tl.int64)
         for j in tl.static_range(TOPK):
-            best = tl.max(p, axis=0)
-            at = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)
-            vals = tl.where(ks == j, best, vals)
-            idx = tl.where(ks == j, at.to(tl.int64), idx)
-            p = tl.where(offs == at, -2.0, p)
+            best = tl.max(key, axis=0)
+            vals = tl.where(ks == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), vals)
+            idx = tl.where(ks == j, BLOCK_E - 1 - (best & 4294967295), idx)
+            key = tl.where(key == best, -1, key)
         if NORM:
             vals = vals / tl.sum(tl.where(ks < TOPK, vals, 0.0), axis=0)
         tl.store(ids_ptr + r * TOPK + ks, idx, mask=ks < TOPK)
@@ -154,17 +160,23 @@ if triton is not None:
                                   w_ptr, q_ptr, N, E, eps, stride_g, stride_q, HAS_DELTA: tl.constexpr,
                                   TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
                                   BLOCK_E: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, QUANT: tl.constexpr,
-                                  QB: tl.constexpr, PDL: tl.constexpr = False):
+                                  QB: tl.constexpr, EARLY: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (token t, block of BE experts): add_rmsnorm_kernel's row t (program 0 stores res
         and h), then router_topk_kernel's program on that h. Every program normalises the row itself
         (no grid-wide wait for program 0), so the norm's loads are repeated per expert block; they are
-        one row each, L2-resident. The GEMV steps, sums and roundings are router_topk_kernel's."""
-        grid_dependency(PDL)
+        one row each, L2-resident. The GEMV steps, sums and roundings are router_topk_kernel's.
+        EARLY (one GEMV step only): the weight rows are loaded before the PDL wait."""
         t = tl.program_id(0).to(tl.int64)
         pb = tl.program_id(1)
         dt = x_ptr.dtype.element_ty
         offs = tl.arange(0, BLOCK)
         m = offs < N
+        rows = pb * BE + tl.arange(0, BE)
+        rm = rows < E
+        if EARLY:
+            w_early = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + offs[None, :],
+                              mask=rm[:, None] & m[None, :], other=0.0)
+        grid_dependency(PDL)
         s = residual_sum(x_ptr, d_ptr, t, N, offs, m, HAS_DELTA, 1)
         inv = rms_inv(s, N, eps)
         h = rms_scale(s, inv, nw_ptr, offs, m).to(dt)
@@ -172,12 +184,13 @@ if triton is not None:
             if HAS_DELTA:
                 tl.store(res_ptr + t * N + offs, s, mask=m)
             tl.store(h_ptr + t * N + offs, h, mask=m)
-        rows = pb * BE + tl.arange(0, BE)
-        rm = rows < E
         acc = tl.zeros((BE, BH), dtype=tl.float32)
         if BH == BLOCK:      # one GEMV step (the usual case): the row is already in registers
-            wv = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + offs[None, :],
-                         mask=rm[:, None] & m[None, :], other=0.0).to(tl.float32)
+            if EARLY:
+                wv = w_early.to(tl.float32)
+            else:
+                wv = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + offs[None, :],
+                             mask=rm[:, None] & m[None, :], other=0.0).to(tl.float32)
             acc += wv * h.to(tl.float32)[None, :]
         else:                # BH-column steps: each step's slice of h is recomputed from x, delta, inv
             for h0 in range(0, N, BH):
@@ -345,6 +358,6 @@ def add_rmsnorm_router(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps
         xc, dc, norm_weight, res, h, router_weight, logits, counts, ids, w, xq, H, E, eps, router_weight.stride(0),
         xq.stride(0), HAS_DELTA=delta is not None, TOPK=top_k, KP=next_pow2(top_k), NORM=renormalize, BLOCK=block,
         BLOCK_E=next_pow2(E), BE=be, BH=min(shape.BK, block), QUANT=quantize_h, QB=GROUP,
-        num_warps=shape.num_warps, num_stages=shape.num_stages, **pdl_launch(x.device, cfg))
+        EARLY="router" in cfg.early_weights and shape.BK >= block, num_warps=shape.num_warps, num_stages=shape.num_stages, **pdl_launch(x.device, cfg))
     return (res, h, logits, ids, w, xq) if quantize_h else (res, h, logits, ids, w)
 
