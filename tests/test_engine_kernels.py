@@ -501,7 +501,7 @@ def test_route_topk_matches_softmax_topk(renorm):
 
 def test_route_topk_ties_go_to_the_lowest_index():
     """Equal probabilities are picked lowest expert first, in descending order of probability,
-    whatever their order in the row (the kernel's int64 key: p's bits, then the inverted index)."""
+    whatever their order in the row (rounds of argmax, the lowest index kept on ties)."""
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, 2.0, 3.0, -1.0],
                            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
                            [-5.0, 2.0, -5.0, 2.0, 7.0, -5.0, 2.0, -5.0]]).to(DEV)
@@ -656,7 +656,9 @@ def test_engine_fused_qkv_and_gemv_decode_match_default_path(ckpt):
 
 def test_engine_rope_in_attention_decodes_exactly_like_qk_rope_cache(ckpt, monkeypatch):
     """DecodeConfig.rope_in_attention (q/k norm, RoPE and the KV write inside the attention launch
-    for one-token steps) decodes the same tokens and the same step logits as the two launches."""
+    for one-token steps) decodes the same tokens and the same step logits as the two launches:
+    bit for bit in Triton's interpreter; compiled for CUDA, the two kernels contract the RoPE's
+    multiply-adds differently, so there the logits agree to rounding."""
     prompt = list(range(3, 12))
     engines = {on: Engine.load(ckpt, device=DEV, dtype="float32", max_seq_len=32,
                                decode=small(experts_impl="triton", rope_in_attention=on)) for on in (False, True)}
@@ -671,7 +673,10 @@ def test_engine_rope_in_attention_decodes_exactly_like_qk_rope_cache(ckpt, monke
     lb = engines[True]._decode(tokens, pos, len(prompt) + 5).float().cpu()
     # the option's step runs no qk_rope_cache launch; the default's one per layer
     assert n_off == len(engines[False].model.layers) and len(calls) == n_off
-    assert torch.equal(la, lb)
+    if DEV == "cuda":
+        torch.testing.assert_close(lb, la, atol=1e-4, rtol=1e-4)
+    else:
+        assert torch.equal(la, lb)
 
 
 def test_engine_early_weights_decode_exactly_like_loads_after_the_wait(ckpt):

@@ -167,8 +167,8 @@ class DecodeConfig:
     fused_norm_router: a MoE block without a shared expert is routed inside its post-attention
         norm's launch.
     rope_in_attention: one-token steps do q/k norm, RoPE and the KV write inside the decode
-        attention launch (kernels.RopeInputs), one launch per layer fewer. Off until an H200 run
-        shows it faster: it is exact (tests/test_attention_kernel.py) but unmeasured.
+        attention launch (kernels.RopeInputs), one launch per layer fewer. Off: on the H200 bf16
+        decoded 6.0% slower with it (benchmarks/results/decode_ab_table.txt).
     early_weights: kernels, of EARLY_WEIGHT_KERNELS, whose programs load their first weight tile
         before the PDL wait, so its DRAM latency overlaps the kernel before them: "router" (the
         fused norm + router's weight rows), "gemv" (the attention projections' first K step), "down"

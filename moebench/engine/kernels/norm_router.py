@@ -88,25 +88,19 @@ if triton is not None:
     def softmax_topk_store(z, m, offs, ids_ptr, w_ptr, r, TOPK: tl.constexpr, KP: tl.constexpr,
                            NORM: tl.constexpr, BLOCK_E: tl.constexpr):
         """Softmax over one token's router logits z [BLOCK_E] (float32, -inf where ~m), top-k by k
-        rounds of argmax (lowest index wins ties), optional renormalisation; no sort.
-
-        Each round is one max reduction, of an int64 key per expert: p's bits above (p >= 0, and
-        the bits of non-negative floats order as integers) and BLOCK_E - 1 - index below, so the
-        largest key is the largest p and, among equal p, the lowest index. A float max followed by
-        an index min made two dependent cross-lane reductions per round; the top-k is the serial
-        tail of the router launch."""
+        rounds of argmax (lowest index wins ties), optional renormalisation; no sort."""
         p = tl.exp(z - tl.max(z, axis=0))
         p = p / tl.sum(p, axis=0)
-        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
-        key = tl.where(m, key, -1)
+        p = tl.where(m, p, -1.0)
         ks = tl.arange(0, KP)
         vals = tl.zeros((KP,), dtype=tl.float32)
         idx = tl.zeros((KP,), dtype=tl.int64)
         for j in tl.static_range(TOPK):
-            best = tl.max(key, axis=0)
-            vals = tl.where(ks == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), vals)
-            idx = tl.where(ks == j, BLOCK_E - 1 - (best & 4294967295), idx)
-            key = tl.where(key == best, -1, key)
+            best = tl.max(p, axis=0)
+            at = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)
+            vals = tl.where(ks == j, best, vals)
+            idx = tl.where(ks == j, at.to(tl.int64), idx)
+            p = tl.where(offs == at, -2.0, p)
         if NORM:
             vals = vals / tl.sum(tl.where(ks < TOPK, vals, 0.0), axis=0)
         tl.store(ids_ptr + r * TOPK + ks, idx, mask=ks < TOPK)
