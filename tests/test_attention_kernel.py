@@ -209,7 +209,9 @@ def test_cuda_graph_capture_and_replay(kv_len):
 def test_rope_in_attention_equals_qk_rope_cache_then_attention(qk_norm, splits):
     """decode_attention(rope=...) on the raw one-token projection gives exactly what qk_rope_cache
     followed by decode_attention gives: the same output and the same caches, every split count (the
-    program of the split holding the new slot writes it before reading it)."""
+    program of the split holding the new slot writes it before reading it). Compiled for CUDA with
+    q/k norms, the normalised q rounds differently inside the attention launch (measured on the
+    H200), so there the output agrees to rounding; the caches stay bitwise equal."""
     from moebench.engine.kernels import RopeInputs, qk_rope_cache
     from moebench.engine.model import rope_tables
     g = torch.Generator().manual_seed(21 + int(qk_norm))
@@ -233,6 +235,9 @@ def test_rope_in_attention_equals_qk_rope_cache_then_attention(qk_norm, splits):
                            rope=RopeInputs(k, v, qw, kw, 1e-6, cos, sin))
     assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
     assert not torch.equal(kc, kc0)                  # the new slots were written
-    assert torch.equal(got, want)
+    if DEV == "cuda" and qk_norm:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    else:
+        assert torch.equal(got, want)
     with pytest.raises(KernelError, match="one-token"):
         decode_attention(qo, kc2, vc2, positions, kv_len, rope=RopeInputs(k, v, qw, kw, 1e-6, cos, sin))
