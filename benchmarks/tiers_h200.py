@@ -12,8 +12,10 @@ call:
    - plan_gpu_host_skip: the same with route-tail-skip from rank --skip-tail-from (changes the numbers);
    - plan_gpu_host_ssd: the hot half in HBM, the cold half on the SSD tier: a pack file behind a
      host-RAM cache that holds --ssd-cache-fraction of the cold records (the rest are read from disk);
-     the fused SSD path with the runner's defaults (disk reads started from the guess one layer ahead);
-   - plan_gpu_host_ssd_noguess: the same without guesses (prefetch off: reads start at the routing);
+     the fused SSD path with the runner's defaults (no guesses for SSD-only offload: each layer's
+     reads start at its routing);
+   - plan_gpu_host_ssd_guess: the same with the prefetch's guesses (prefetch_host and
+     prefetch_early: disk reads also started from the guess one layer ahead);
    - plan_gpu_host_ssd_ahead: the same with guesses from --ssd-lookahead layers ahead
      (DecodeConfig.ssd_lookahead).
 3. Each plan decodes with the default settings, the engine runner's choices for the device
@@ -346,21 +348,27 @@ def run_ssd_plan(b, ctx: dict, name: str, **decode_changes) -> dict:
 
 @variant("plan_gpu_host_ssd")
 def plan_gpu_host_ssd(b, ctx: dict) -> dict:
-    """The SSD plan with the runner's default choices (on CUDA: the fused SSD path, reads started
-    from the guess one layer ahead)."""
+    """The SSD plan with the runner's default choices (on CUDA: the fused SSD path; no guesses, so
+    every read starts when its layer's routing is on the host)."""
     return run_ssd_plan(b, ctx, "plan_gpu_host_ssd")
 
 
-@variant("plan_gpu_host_ssd_noguess")
-def plan_gpu_host_ssd_noguess(b, ctx: dict) -> dict:
-    """The SSD plan without guesses: every read starts when its layer's routing is on the host."""
-    return run_ssd_plan(b, ctx, "plan_gpu_host_ssd_noguess", prefetch_host=False, prefetch_early=False)
+def guesses(b) -> dict:
+    """The prefetch settings that make the SSD path guess (CUDA only: prefetch needs the fused
+    kernels, so the CPU smoke run's guess variants run without)."""
+    return dict(prefetch_host=True, prefetch_early=True) if b.device.type == "cuda" else {}
+
+
+@variant("plan_gpu_host_ssd_guess")
+def plan_gpu_host_ssd_guess(b, ctx: dict) -> dict:
+    """The SSD plan with guesses: reads also started from the guess one layer ahead."""
+    return run_ssd_plan(b, ctx, "plan_gpu_host_ssd_guess", **guesses(b))
 
 
 @variant("plan_gpu_host_ssd_ahead")
 def plan_gpu_host_ssd_ahead(b, ctx: dict) -> dict:
     """The SSD plan with guesses from each of the --ssd-lookahead layers before a layer."""
-    return run_ssd_plan(b, ctx, "plan_gpu_host_ssd_ahead", ssd_lookahead=b.args.ssd_lookahead)
+    return run_ssd_plan(b, ctx, "plan_gpu_host_ssd_ahead", **guesses(b), ssd_lookahead=b.args.ssd_lookahead)
 
 
 # ---- the run ----------------------------------------------------------------------------------------

@@ -108,7 +108,8 @@ def test_on_text_streams_pieces_that_join_to_the_text(runner):
 
 def test_prefetch_auto_turns_on_only_where_it_measured_faster():
     """prefetch_host / prefetch_early "auto": both on with CUDA, the fused Triton experts and experts off
-    the GPU; off elsewhere, each with its why; a value set in the profile is kept."""
+    the GPU (host RAM, or host RAM and SSD); off elsewhere and for SSD-only offload, each with its
+    why; a value set in the profile is kept."""
     on = prefetch_choices({}, "cuda:0", "triton", ["host"])
     assert on["prefetch_host"]["value"] is True and on["prefetch_early"]["value"] is True
     assert on["prefetch_host"]["why"].startswith("auto on CUDA") and "host experts" in on["prefetch_host"]["why"]
@@ -117,12 +118,14 @@ def test_prefetch_auto_turns_on_only_where_it_measured_faster():
         "cpu": prefetch_choices({}, "cpu", "triton", ["host"]),
         "impl": prefetch_choices({}, "cuda", "auto", ["host"]),
         "resident": prefetch_choices({}, "cuda", "triton", []),
+        "ssd only": prefetch_choices({}, "cuda", "triton", ["ssd"]),
     }
     for case, got in off.items():
         assert got["prefetch_host"]["value"] is False and got["prefetch_early"]["value"] is False, case
         assert got["prefetch_host"]["why"].startswith("auto"), case
     assert "CPU" in off["cpu"]["prefetch_host"]["why"] and "'auto'" in off["impl"]["prefetch_host"]["why"]
     assert "in GPU memory" in off["resident"]["prefetch_host"]["why"]
+    assert "all on the SSD" in off["ssd only"]["prefetch_host"]["why"]
     assert off["cpu"]["prefetch_early"]["why"] == "auto: off, prefetch_host is off"
     # explicit values are kept, on any device
     kept = prefetch_choices({"prefetch_host": False}, "cuda", "triton", ["host"])

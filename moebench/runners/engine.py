@@ -97,8 +97,12 @@ def prefetch_choices(profile: dict[str, Any], device: str, experts_impl: str,
     experts (`experts_impl`, as chosen) and an artifact with experts off the GPU (`offloaded`, from
     offloaded_homes). On the H200 (docs/engine-speed.md) that took the random hot-half host plan from
     63.9% to 79.5% of its tier-aware bound and the calibrated one from 62.3% to 70.1%; the guess from
-    the MoE input alone lost in the calibrated plan, so auto never picks it. Elsewhere auto is off.
-    A value set in the profile is kept (the runner checks it against experts_impl)."""
+    the MoE input alone lost in the calibrated plan, so auto never picks it. An artifact whose only
+    experts off the GPU are on the SSD gets no prefetch: there a guess starts disk reads, and the
+    SSD plan of benchmarks/tiers_h200.py ran faster without guesses in two of three H200 calls
+    (56.98 against 48.37 tok/s in the last), the wasted reads costing the disk time it is bound by.
+    Elsewhere auto is off. A value set in the profile is kept (the runner checks it against
+    experts_impl)."""
     cuda = device.startswith("cuda")
     out: dict[str, dict[str, Any]] = {}
     host = profile.get("prefetch_host", "auto")
@@ -111,6 +115,9 @@ def prefetch_choices(profile: dict[str, Any], device: str, experts_impl: str,
                                 f"Triton kernels prefetch works in"}
     elif not offloaded:
         out["prefetch_host"] = {"value": False, "why": "auto: off, every expert of this model is in GPU memory"}
+    elif offloaded == ["ssd"]:
+        out["prefetch_host"] = {"value": False, "why": "auto: off, the experts off the GPU are all on the SSD (guessed "
+                                "disk reads measured slower than reads at the routing)"}
     else:
         out["prefetch_host"] = {"value": True, "why": f"auto on CUDA with the fused kernels and {' and '.join(offloaded)} "
                                 f"experts: on (measured faster, with prefetch_early)"}
