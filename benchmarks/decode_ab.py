@@ -3,6 +3,8 @@
     python benchmarks/decode_ab.py --tree .wt/base --out $OUT/base.json    # the code before
     python benchmarks/decode_ab.py --tree .      --out $OUT/new.json       # the code after
     python benchmarks/decode_ab.py --compare $OUT/base.json $OUT/new.json  # the table: rates, % change, tokens
+    python benchmarks/decode_ab.py --tree . --variants bf16 --option-sets '{"er": {"early_weights": ["router"]}}'
+                                                                           # one tree, plain and under option sets
 
 The `moebench` package is imported from --tree; this script's helpers (decode_setup.py,
 decode_engine.py) are the same for both, and use only engine API both sides have. The model is

@@ -99,8 +99,8 @@ def prefetch_choices(profile: dict[str, Any], device: str, experts_impl: str,
     63.9% to 79.5% of its tier-aware bound and the calibrated one from 62.3% to 70.1%; the guess from
     the MoE input alone lost in the calibrated plan, so auto never picks it. An artifact whose only
     experts off the GPU are on the SSD gets no prefetch: there a guess starts disk reads, and the
-    SSD plan of benchmarks/tiers_h200.py ran faster without guesses in two of three H200 calls
-    (56.98 against 48.37 tok/s in the last), the wasted reads costing the disk time it is bound by.
+    SSD plan of benchmarks/tiers_h200.py ran faster without guesses in three of four H200 calls
+    (51.52 against 46.49 tok/s in the last), the wasted reads costing the disk time it is bound by.
     Elsewhere auto is off. A value set in the profile is kept (the runner checks it against
     experts_impl)."""
     cuda = device.startswith("cuda")

@@ -65,7 +65,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, cfg: DecodeCon
     shape = cfg.launch_for("gemv", "dense")
     gemv_kernel[(-(-N // shape.BN), T)](x2, weight, bias if bias is not None else weight, y, N, K,
                                          x2.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-                                         BN=shape.BN, BK=shape.BK, EARLY="gemv" in cfg.early_weights, num_warps=shape.num_warps,
-                                         num_stages=shape.num_stages, **pdl_launch(x.device, cfg))
+                                         BN=shape.BN, BK=shape.BK, EARLY="gemv" in cfg.early_weights,
+                                         num_warps=shape.num_warps, num_stages=shape.num_stages,
+                                         **pdl_launch(x.device, cfg))
     return y.view(*x.shape[:-1], N)
 

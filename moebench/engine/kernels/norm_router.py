@@ -352,6 +352,7 @@ def add_rmsnorm_router(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps
         xc, dc, norm_weight, res, h, router_weight, logits, counts, ids, w, xq, H, E, eps, router_weight.stride(0),
         xq.stride(0), HAS_DELTA=delta is not None, TOPK=top_k, KP=next_pow2(top_k), NORM=renormalize, BLOCK=block,
         BLOCK_E=next_pow2(E), BE=be, BH=min(shape.BK, block), QUANT=quantize_h, QB=GROUP,
-        EARLY="router" in cfg.early_weights and shape.BK >= block, num_warps=shape.num_warps, num_stages=shape.num_stages, **pdl_launch(x.device, cfg))
+        EARLY="router" in cfg.early_weights and shape.BK >= block, num_warps=shape.num_warps,
+        num_stages=shape.num_stages, **pdl_launch(x.device, cfg))
     return (res, h, logits, ids, w, xq) if quantize_h else (res, h, logits, ids, w)
 
