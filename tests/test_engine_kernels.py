@@ -679,17 +679,22 @@ def test_engine_rope_in_attention_decodes_exactly_like_qk_rope_cache(ckpt, monke
         assert torch.equal(la, lb)
 
 
-def test_engine_early_weights_decode_exactly_like_loads_after_the_wait(ckpt):
-    """DecodeConfig.early_weights (the router's, the GEMVs' and bf16 down's first weight tile loaded
-    before the PDL wait) gives the same tokens and bitwise-equal step logits: the loads move, the
-    sums do not. gemv_max_tokens=1 and BK 32: the attention projections run the Triton GEMV here too, in
-    several K steps."""
-    from moebench.engine.decode_config import EARLY_WEIGHT_KERNELS
+@pytest.mark.parametrize("steps", [1, 4])
+def test_engine_early_weights_decode_exactly_like_loads_after_the_wait(ckpt, steps):
+    """DecodeConfig.early_weights (the router's weight rows, the GEMVs' and bf16 down's first
+    `early_steps` K steps loaded before the PDL wait) gives the same tokens and bitwise-equal step
+    logits: the loads move, the sums do not. gemv_max_tokens=1 and BK 32 (down: 16): the attention
+    projections run the Triton GEMV here too, and both kernels have more K steps than load early.
+    On CUDA the early engine also lets every kernel of EARLY_LAUNCH_KERNELS launch its successor
+    before its wait (early_launch): the launches overlap more, the numbers stay the same."""
+    from moebench.engine.decode_config import EARLY_LAUNCH_KERNELS, EARLY_WEIGHT_KERNELS
     prompt = list(range(3, 12))
+    first = EARLY_LAUNCH_KERNELS if DEV == "cuda" else ()
     engines = {on: Engine.load(ckpt, device=DEV, dtype="float32", max_seq_len=32,
                                decode=small(experts_impl="triton", gemv_max_tokens=1,
-                                            early_weights=EARLY_WEIGHT_KERNELS if on else ()
-                                            ).with_launch("gemv", "dense", BK=32))
+                                            early_weights=EARLY_WEIGHT_KERNELS if on else (),
+                                            early_steps=steps if on else 1, early_launch=first if on else ()
+                                            ).with_launch("gemv", "dense", BK=32).with_launch("down", "dense", BK=16))
                for on in (False, True)}
     assert engines[True].decode.early_weights == ("router", "gemv", "down")
     toks = {on: e.generate([prompt], 5, ignore_eos=True)[0].token_ids for on, e in engines.items()}
@@ -697,6 +702,22 @@ def test_engine_early_weights_decode_exactly_like_loads_after_the_wait(ckpt):
     tokens, pos = torch.tensor([[toks[True][-1]]], device=DEV), torch.tensor([[len(prompt) + 4]], device=DEV)
     la, lb = (engines[on]._decode(tokens, pos, len(prompt) + 5).float().cpu() for on in (False, True))
     assert torch.equal(la, lb)
+
+
+def test_early_steps_and_early_launch_are_checked_and_capped():
+    """early_steps outside 1..4 and early_launch names outside EARLY_LAUNCH_KERNELS are refused with
+    the setting named; the steps a kernel loads early never exceed its K steps, and are 0 for a
+    kernel early_weights does not list."""
+    from moebench.engine.decode_config import DecodeConfigError
+    from moebench.engine.kernels.runtime import early_steps
+    with pytest.raises(DecodeConfigError, match="early_steps"):
+        DecodeConfig(early_steps=5)
+    with pytest.raises(DecodeConfigError, match="early_launch"):
+        DecodeConfig(early_launch=("gate_up",))
+    cfg = DecodeConfig(early_weights=("gemv",), early_steps=4, early_launch=("router", "norm"))
+    assert cfg.early_launch == ("norm", "router")          # EARLY_LAUNCH_KERNELS' order
+    assert early_steps("gemv", 2048, 1024, cfg) == 2 and early_steps("gemv", 4096, 1024, cfg) == 4
+    assert early_steps("down", 768, 256, cfg) == 0
 
 
 def test_fused_moe_early_down_weights_are_exact_with_two_groups():

@@ -131,6 +131,10 @@ class AttentionLaunch:
 
 
 EARLY_WEIGHT_KERNELS = ("router", "gemv", "down")     # DecodeConfig.early_weights
+# DecodeConfig.early_launch. Not gate_up: down's early loads read the pair's expert before its own
+# wait, which is safe only while gate_up's programs let down launch after the router has finished.
+EARLY_LAUNCH_KERNELS = ("norm", "gemv", "rope", "attention", "router", "down")
+MAX_EARLY_STEPS = 4
 EXPERTS_IMPLS = ("auto", "gather", "loop", "grouped_mm", "triton")
 
 
@@ -176,6 +180,12 @@ class DecodeConfig:
         Weights never change during a step, so this reads nothing the wait protects; the sums are
         the same, bit for bit. Default router and down: on the H200 they made bf16 2.3% faster, int4
         1.7%, the int8 / ternary2 a8 plan 2.7%; gemv added nothing measurable (decode_ab_table.txt).
+    early_steps: how many K steps of weights the "gemv" and "down" early loads cover (1 to
+        MAX_EARLY_STEPS, never more than the kernel has): more bytes in flight before the wait.
+    early_launch: kernels, of EARLY_LAUNCH_KERNELS, that let the next kernel start launching before
+        their own PDL wait instead of after it (runtime.grid_dependency's LAUNCH_FIRST): a kernel
+        whose programs all fit on the GPU at once then has its successor resident, loading its
+        early weights, while it waits and runs, a whole launch earlier than otherwise.
     router_max_tokens: most tokens one fused router call takes (size of its arrival counters).
     count_tier_picks: tiered experts on the fused path count each call's picks per expert on the
         device, one atomic per (token, expert) pair inside fused_moe's down launch (and stage copies
@@ -199,6 +209,8 @@ class DecodeConfig:
     fused_norm_router: bool = True
     rope_in_attention: bool = False
     early_weights: tuple[str, ...] = ("router", "down")
+    early_steps: int = 1
+    early_launch: tuple[str, ...] = ()
     router_max_tokens: int = 64
     count_tier_picks: bool = True
     launch: Mapping[tuple[str, str, str], Launch] = field(default_factory=lambda: dict(SHIPPED_LAUNCH))
@@ -217,6 +229,12 @@ class DecodeConfig:
         if set(early) - set(EARLY_WEIGHT_KERNELS):
             raise DecodeConfigError(f"early_weights {list(early)}: expected kernels of {list(EARLY_WEIGHT_KERNELS)}")
         object.__setattr__(self, "early_weights", tuple(k for k in EARLY_WEIGHT_KERNELS if k in early))
+        if not 1 <= self.early_steps <= MAX_EARLY_STEPS:
+            raise DecodeConfigError(f"early_steps must be 1 to {MAX_EARLY_STEPS}, got {self.early_steps}")
+        first = tuple(self.early_launch)
+        if set(first) - set(EARLY_LAUNCH_KERNELS):
+            raise DecodeConfigError(f"early_launch {list(first)}: expected kernels of {list(EARLY_LAUNCH_KERNELS)}")
+        object.__setattr__(self, "early_launch", tuple(k for k in EARLY_LAUNCH_KERNELS if k in first))
         if self.ssd_lookahead < 1:
             raise DecodeConfigError(f"ssd_lookahead must be >= 1, got {self.ssd_lookahead}")
         for name in ("gather_max_tokens", "fused_max_tokens", "router_max_tokens"):

@@ -43,7 +43,8 @@ if triton is not None:
                                 s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_rb, s_rt,
                                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
                                 SPLIT: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr = False,
-                                ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False):
+                                ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
+                                LAUNCH_FIRST: tl.constexpr = False):
         """Program (b*T + t, kv head, split): the G query heads of one KV head group over the cache
         slots [split * chunk, split * chunk + chunk) that are < kv_len and <= positions[b, t].
 
@@ -58,7 +59,7 @@ if triton is not None:
         work for its heads in registers (q/k norm when HAS_NORM, RoPE from cos/sin [b, t]), and the
         program whose split holds slot positions[b, t] writes this step's key and value there (raw
         kn / vn) before its loop reads the slot: one launch where there were two."""
-        grid_dependency(PDL)
+        grid_dependency(PDL, LAUNCH_FIRST)
         bt = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -284,7 +285,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Ten
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         positions.stride(0), positions.stride(1), *extra,
         G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_S=block, SPLIT=splits > 1, FP32=q.dtype == torch.float32,
-        num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch(q.device, cfg), **rope_kw)
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch(q.device, cfg, "attention"),
+        **rope_kw)
     if splits > 1:
         combine_kernel[(B * T * NH,)](part_acc, part_ml, out, splits, D=D, SP=next_pow2(splits), num_warps=4,
                                       **pdl_launch(q.device, cfg))

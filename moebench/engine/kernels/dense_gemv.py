@@ -10,31 +10,55 @@ import torch
 from torch import Tensor
 
 from ..decode_config import DEFAULT, DecodeConfig
-from .runtime import KernelError, grid_dependency, pdl_launch, require, tl, triton  # noqa: F401
+from .runtime import KernelError, early_steps, grid_dependency, pdl_launch, require, tl, triton  # noqa: F401
 
 if triton is not None:
     @triton.jit
+    def early_tile(w_ptr, rows, rmask, stride_wn, K, step, BK: tl.constexpr):
+        """W[rows, step * BK : step * BK + BK], loaded as stored (0 past K)."""
+        i = step * BK + tl.arange(0, BK)
+        return tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + i[None, :],
+                       mask=rmask[:, None] & (i < K)[None, :], other=0.0)
+
+    @triton.jit
+    def early_step(acc, w, x_ptr, K, step, BK: tl.constexpr):
+        """acc + w * x[step * BK : step * BK + BK] (an early-loaded K step, as the loop adds it)."""
+        i = step * BK + tl.arange(0, BK)
+        xk = tl.load(x_ptr + i, mask=i < K, other=0.0).to(tl.float32)
+        return acc + w.to(tl.float32) * xk[None, :]
+
+    @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xt, stride_wn, stride_yt,
-                    HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EARLY: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
+                    HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EARLY: tl.constexpr = 0,
+                    PDL: tl.constexpr = False, LAUNCH_FIRST: tl.constexpr = False):
         """Program (row block, token): y[t, rows] = W[rows] . x[t] (+ bias), float32 accumulation.
-        EARLY: the first K step's weights are loaded before the PDL wait (same sums)."""
+        EARLY (0 to 4): that many first K steps' weights are loaded before the PDL wait (same sums)."""
         nb = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)
         rows = nb * BN + tl.arange(0, BN)
         rmask = rows < N
-        if EARLY:
-            i0 = tl.arange(0, BK)
-            w0 = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + i0[None, :],
-                         mask=rmask[:, None] & (i0 < K)[None, :], other=0.0)
-        grid_dependency(PDL)
+        if EARLY >= 1:
+            w0 = early_tile(w_ptr, rows, rmask, stride_wn, K, 0, BK)
+        if EARLY >= 2:
+            w1 = early_tile(w_ptr, rows, rmask, stride_wn, K, 1, BK)
+        if EARLY >= 3:
+            w2 = early_tile(w_ptr, rows, rmask, stride_wn, K, 2, BK)
+        if EARLY >= 4:
+            w3 = early_tile(w_ptr, rows, rmask, stride_wn, K, 3, BK)
+        grid_dependency(PDL, LAUNCH_FIRST)
         acc = tl.zeros((BN, BK), dtype=tl.float32)
-        if EARLY:
-            xk = tl.load(x_ptr + t * stride_xt + i0, mask=i0 < K, other=0.0).to(tl.float32)
-            acc += w0.to(tl.float32) * xk[None, :]
+        xt = x_ptr + t * stride_xt
+        if EARLY >= 1:
+            acc = early_step(acc, w0, xt, K, 0, BK)
+        if EARLY >= 2:
+            acc = early_step(acc, w1, xt, K, 1, BK)
+        if EARLY >= 3:
+            acc = early_step(acc, w2, xt, K, 2, BK)
+        if EARLY >= 4:
+            acc = early_step(acc, w3, xt, K, 3, BK)
         for k0 in range(EARLY * BK, K, BK):
             i = k0 + tl.arange(0, BK)
-            xk = tl.load(x_ptr + t * stride_xt + i, mask=i < K, other=0.0).to(tl.float32)
+            xk = tl.load(xt + i, mask=i < K, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + i[None, :],
                         mask=rmask[:, None] & (i < K)[None, :], other=0.0).to(tl.float32)
             acc += w * xk[None, :]
@@ -65,8 +89,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, cfg: DecodeCon
     shape = cfg.launch_for("gemv", "dense")
     gemv_kernel[(-(-N // shape.BN), T)](x2, weight, bias if bias is not None else weight, y, N, K,
                                          x2.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-                                         BN=shape.BN, BK=shape.BK, EARLY="gemv" in cfg.early_weights,
+                                         BN=shape.BN, BK=shape.BK, EARLY=early_steps("gemv", K, shape.BK, cfg),
                                          num_warps=shape.num_warps, num_stages=shape.num_stages,
-                                         **pdl_launch(x.device, cfg))
+                                         **pdl_launch(x.device, cfg, "gemv"))
     return y.view(*x.shape[:-1], N)
 

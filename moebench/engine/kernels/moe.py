@@ -19,7 +19,7 @@ from ..quant import GROUP
 from .int8_activations import quant_row_len, quantize_rows_kernel
 from .moe_kernels import down_kernel, gate_up_kernel, moe_sum_kernel, tail_skip_kernel
 from .packed import ExpertGroup
-from .runtime import KernelError, next_pow2, pdl_launch, require
+from .runtime import KernelError, early_steps, next_pow2, pdl_launch, require
 from .staging import host_lane, side_stream
 
 
@@ -183,9 +183,10 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
                                 HAS_B=len(pair_groups) > 1, GROUP_SIZE=GROUP)
             if dropped:         # only then: the launches without skip compile as they always did
                 meta[kernel]["DROPPED"] = True
-            if (kernel == "down" and "down" in cfg.early_weights and a.group.fmt == "dense"
-                    and a.down_mode == DecodeMode.BYTES):
-                meta[kernel]["EARLY"] = True
+            if kernel == "down" and a.group.fmt == "dense" and a.down_mode == DecodeMode.BYTES:
+                early = early_steps("down", inter, cfg.launch_for("down", "dense", host=host, a8=a8).BK, cfg)
+                if early:
+                    meta[kernel]["EARLY"] = early
             for tag, ga in (("A", a), ("B", b)):
                 meta[kernel].update(ga.constexprs(tag, kernel, cfg.launch_for(kernel, ga.group.fmt, host=host,
                                                                                a8=a8).BK))
@@ -196,7 +197,8 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
             *a.gate_up(ids), *b.gate_up(ids), TOPK=k, **meta["gate_up"], **pdl)
         down_kernel[(T * k, -(-H // meta["down"]["BN"]))](
             h, hq, ids, wts, part, H, inter, h.stride(0), hq.stride(0), part.stride(0),
-            *a.down(ids), *b.down(ids), FIRST=first, QH=meta["gate_up"]["BN"], **meta["down"], **pdl)
+            *a.down(ids), *b.down(ids), FIRST=first, QH=meta["gate_up"]["BN"], **meta["down"],
+            **pdl_launch(x.device, cfg, "down"))
 
     def launches(gs: list[ExpertGroup], first: bool, ids: Tensor = ids, dropped: bool = False) -> None:
         # The group with the most experts leads; groups of one format share a launch pair. Two

@@ -110,23 +110,42 @@ if triton is not None:
                              FMT_B, MODE_B, GROUP_SIZE, BN, BK_B)
 
     @triton.jit
+    def early_down_tile(d_ptr, slot, rows, rmask, stride_de, stride_dr, K, step, BK: tl.constexpr):
+        """Dense rows `rows` of slot `slot`'s W_down, K step `step` (0 past K, or for slot -1)."""
+        i = step * BK + tl.arange(0, BK)
+        return tl.load(d_ptr + tl.maximum(slot, 0) * stride_de + rows[:, None] * stride_dr + i[None, :],
+                       mask=(slot >= 0) & rmask[:, None] & (i < K)[None, :], other=0.0)
+
+    @triton.jit
+    def early_down_step(w, h_row, K, step, BK: tl.constexpr):
+        """row_dots' dense BYTES step on weights loaded already: (w . h[step * BK :]) per row."""
+        i = step * BK + tl.arange(0, BK)
+        xk = tl.load(h_row + i, mask=i < K, other=0.0).to(tl.float32)
+        return tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+
+    @triton.jit
     def down_rows(h_row, part_out, w, slot, rows, rmask, K, KB, d_ptr, ds_ptr, dm_ptr,
                   stride_de, stride_dr, stride_dse, stride_dsr,
                   FMT: tl.constexpr, MODE: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, QH: tl.constexpr, w_first=None, FIRST_TILE: tl.constexpr = False):
+                  BK: tl.constexpr, QH: tl.constexpr, w0=None, w1=None, w2=None, w3=None,
+                  EARLY: tl.constexpr = 0):
         """part rows = w * (W_down h) for one expert slot of one group (float32). INT8_ACTIVATIONS: h_row is h's
-        quantized row, blocks of QH columns (gate_up's BN). FIRST_TILE (dense rows, BYTES): w_first
-        holds the first K step's weights, loaded already (row_dots' dense step on them)."""
+        quantized row, blocks of QH columns (gate_up's BN). EARLY (dense rows, BYTES): w0.. hold the
+        first EARLY K steps' weights, loaded already (row_dots' dense steps on them)."""
         if FMT <= FMT_INT8:
             lim = K
         else:
             lim = KB
         y = tl.zeros((BN,), dtype=tl.float32)
-        if FIRST_TILE:
-            i0 = tl.arange(0, BK)
-            xk = tl.load(h_row + i0, mask=i0 < K, other=0.0).to(tl.float32)
-            y += tl.sum(w_first.to(tl.float32) * xk[None, :], axis=1)
-        for k0 in range(FIRST_TILE * BK, lim, BK):
+        if EARLY >= 1:
+            y += early_down_step(w0, h_row, K, 0, BK)
+        if EARLY >= 2:
+            y += early_down_step(w1, h_row, K, 1, BK)
+        if EARLY >= 3:
+            y += early_down_step(w2, h_row, K, 2, BK)
+        if EARLY >= 4:
+            y += early_down_step(w3, h_row, K, 3, BK)
+        for k0 in range(EARLY * BK, lim, BK):
             y += row_dots(d_ptr, ds_ptr, dm_ptr, slot, rows, rmask, h_row, k0, K, KB,
                           stride_de, stride_dr, stride_dse, stride_dsr, FMT, MODE, GROUP_SIZE, BN, BK, QH)
         if FMT == FMT_INT8:
@@ -142,7 +161,7 @@ if triton is not None:
                     COUNT_A: tl.constexpr,
                     HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, MODE_B: tl.constexpr,
                     BK_B: tl.constexpr, COUNT_B: tl.constexpr, QH: tl.constexpr, DROPPED: tl.constexpr = False,
-                    EARLY: tl.constexpr = False, PDL: tl.constexpr = False):
+                    EARLY: tl.constexpr = 0, PDL: tl.constexpr = False, LAUNCH_FIRST: tl.constexpr = False):
         """Program (pair, row block): part[pair, rows] = w[pair] * (W_down[e] h[pair])[rows] in
         float32, for up to two groups like gate_up. One program per pair: looping over a token's k
         experts in one program makes a chain of dependent loads (~1.8 TB/s against gate_up's ~3.1). The first launch also zeroes the rows of pairs in neither of its groups, so
@@ -152,22 +171,29 @@ if triton is not None:
         pair's expert, from the pair's first row block: tier telemetry at the cost of one atomic per
         pair, inside a launch the step makes anyway (so CUDA-graph replays are counted too).
         DROPPED: as gate_up's (a dropped pair is in neither group: zeroed by a FIRST launch).
-        EARLY (group A dense, BYTES): the pair's slot and its first K step of group A's weights are
-        loaded before the PDL wait. The ids and slot maps come from launches before gate_up (the
+        EARLY (group A dense, BYTES; 0 to 4): the pair's slot and its first EARLY K steps of group A's
+        weights are loaded before the PDL wait. The ids and slot maps come from launches before gate_up (the
         router, route-tail-skip, prefetch's maps), which had finished before gate_up's programs
         passed their own wait, so before this launch started; only h is gate_up's."""
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
         rmask = rows < N
         part_out = part_ptr + pair * stride_pt
-        w_first = None
-        if EARLY:
+        w0 = None
+        w1 = None
+        w2 = None
+        w3 = None
+        if EARLY >= 1:
             sa = pair_slot(ids_ptr, slot_a, pair, MAP_A, DROPPED)
-            i0 = tl.arange(0, BK_A)
-            w_first = tl.load(da_ptr + tl.maximum(sa, 0) * sde_a + rows[:, None] * sdr_a + i0[None, :],
-                              mask=(sa >= 0) & rmask[:, None] & (i0 < K)[None, :], other=0.0)
-        grid_dependency(PDL)
-        if not EARLY:
+            w0 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 0, BK_A)
+        if EARLY >= 2:
+            w1 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 1, BK_A)
+        if EARLY >= 3:
+            w2 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 2, BK_A)
+        if EARLY >= 4:
+            w3 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 3, BK_A)
+        grid_dependency(PDL, LAUNCH_FIRST)
+        if EARLY == 0:
             sa = pair_slot(ids_ptr, slot_a, pair, MAP_A, DROPPED)
         if sa >= 0:
             if MODE_A == MODE_INT8_ACT:
@@ -176,7 +202,7 @@ if triton is not None:
                 ha = h_ptr + pair * stride_ht
             down_rows(ha, part_out, tl.load(wts_ptr + pair).to(tl.float32), sa, rows, rmask, K, KB_a,
                       da_ptr, dsa_ptr, dma_ptr, sde_a, sdr_a, sdse_a, sdsr_a, FMT_A, MODE_A, GROUP_SIZE, BN, BK_A, QH,
-                      w_first, EARLY)
+                      w0, w1, w2, w3, EARLY)
             if COUNT_A:
                 count_pick(ids_ptr, picks_a, pair)
         else:

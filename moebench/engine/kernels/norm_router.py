@@ -71,10 +71,10 @@ if triton is not None:
     @triton.jit
     def add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, eps,
                            HAS_DELTA: tl.constexpr, DELTA_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           PDL: tl.constexpr = False, LAUNCH_FIRST: tl.constexpr = False):
         """Row r: s = x + delta (rounded to x's dtype, written to res), out = w * norm(s) (see
         residual_sum for DELTA_ROWS > 1)."""
-        grid_dependency(PDL)
+        grid_dependency(PDL, LAUNCH_FIRST)
         r = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < N
@@ -154,7 +154,8 @@ if triton is not None:
                                   w_ptr, q_ptr, N, E, eps, stride_g, stride_q, HAS_DELTA: tl.constexpr,
                                   TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
                                   BLOCK_E: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, QUANT: tl.constexpr,
-                                  QB: tl.constexpr, EARLY: tl.constexpr = False, PDL: tl.constexpr = False):
+                                  QB: tl.constexpr, EARLY: tl.constexpr = False, PDL: tl.constexpr = False,
+                                  LAUNCH_FIRST: tl.constexpr = False):
         """Program (token t, block of BE experts): add_rmsnorm_kernel's row t (program 0 stores res
         and h), then router_topk_kernel's program on that h. Every program normalises the row itself
         (no grid-wide wait for program 0), so the norm's loads are repeated per expert block; they are
@@ -170,7 +171,7 @@ if triton is not None:
         if EARLY:
             w_early = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + offs[None, :],
                               mask=rm[:, None] & m[None, :], other=0.0)
-        grid_dependency(PDL)
+        grid_dependency(PDL, LAUNCH_FIRST)
         s = residual_sum(x_ptr, d_ptr, t, N, offs, m, HAS_DELTA, 1)
         inv = rms_inv(s, N, eps)
         h = rms_scale(s, inv, nw_ptr, offs, m).to(dt)
@@ -244,7 +245,7 @@ def add_rmsnorm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, del
     add_rmsnorm_kernel[(rows,)](xc, dc, weight, res, out, N, eps, HAS_DELTA=delta is not None,
                                 DELTA_ROWS=delta_rows, BLOCK=next_pow2(N),
                                 num_warps=cfg.launch_for("norm", "dense").num_warps if N >= 1024 else 1,
-                                **pdl_launch(x.device, cfg))
+                                **pdl_launch(x.device, cfg, "norm"))
     return res, out
 
 
@@ -353,6 +354,6 @@ def add_rmsnorm_router(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps
         xq.stride(0), HAS_DELTA=delta is not None, TOPK=top_k, KP=next_pow2(top_k), NORM=renormalize, BLOCK=block,
         BLOCK_E=next_pow2(E), BE=be, BH=min(shape.BK, block), QUANT=quantize_h, QB=GROUP,
         EARLY="router" in cfg.early_weights and shape.BK >= block, num_warps=shape.num_warps,
-        num_stages=shape.num_stages, **pdl_launch(x.device, cfg))
+        num_stages=shape.num_stages, **pdl_launch(x.device, cfg, "router"))
     return (res, h, logits, ids, w, xq) if quantize_h else (res, h, logits, ids, w)
 

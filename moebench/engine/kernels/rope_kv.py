@@ -33,10 +33,11 @@ if triton is not None:
                              qo_ptr, kc_ptr, vc_ptr, T, NH, eps,
                              s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_cb, s_ct,
                              s_ob, s_oh, s_ot, s_cab, s_cah, s_cas,
-                             HAS_NORM: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False):
+                             HAS_NORM: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False,
+                             LAUNCH_FIRST: tl.constexpr = False):
         """Program (b*T + t, head): query heads -> normed, rotated, written to qo [B, NH, T, D];
         key/value heads -> normed+rotated key and the value written to their cache slot pos[b, t]."""
-        grid_dependency(PDL)
+        grid_dependency(PDL, LAUNCH_FIRST)
         bt = tl.program_id(0)
         h = tl.program_id(1)
         b = bt // T
@@ -94,6 +95,6 @@ def qk_rope_cache(q: Tensor, k: Tensor, v: Tensor, q_norm_w: Tensor | None, k_no
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), cos.stride(0), cos.stride(1),
         qo.stride(0), qo.stride(1), qo.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HAS_NORM=has_norm, D=D, num_warps=1, **pdl_launch(q.device, cfg))
+        HAS_NORM=has_norm, D=D, num_warps=1, **pdl_launch(q.device, cfg, "rope"))
     return qo
 

@@ -66,10 +66,12 @@ def next_pow2(n: int) -> int:
 _PDL_OK: dict = {}
 
 
-def pdl_launch(device: torch.device, cfg: DecodeConfig) -> dict:
+def pdl_launch(device: torch.device, cfg: DecodeConfig, kernel: str | None = None) -> dict:
     """Keyword arguments for launching a kernel that has the PDL constexpr on `device`: PDL and
     launch_pdl both on where cfg.pdl asks for it and it can work (CUDA, compute capability 9+, a
-    Triton that has griddepcontrol and the launch option), else PDL off (the wait compiles away)."""
+    Triton that has griddepcontrol and the launch option), else PDL off (the wait compiles away).
+    kernel: the launch's name in DecodeConfig.early_launch (its kernel then has the LAUNCH_FIRST
+    constexpr), set when the config lists it."""
     if not cfg.pdl or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return {"PDL": False}
     ok = _PDL_OK.get(device)
@@ -82,17 +84,36 @@ def pdl_launch(device: torch.device, cfg: DecodeConfig) -> dict:
         except Exception:  # noqa: BLE001 - an older Triton: no PDL
             ok = False
         _PDL_OK[device] = ok
-    return {"PDL": True, "launch_pdl": True} if ok else {"PDL": False}
+    if not ok:
+        return {"PDL": False}
+    if kernel is not None and kernel in cfg.early_launch:
+        return {"PDL": True, "launch_pdl": True, "LAUNCH_FIRST": True}
+    return {"PDL": True, "launch_pdl": True}
+
+
+def early_steps(kernel: str, K: int, BK: int, cfg: DecodeConfig) -> int:
+    """How many K steps of weights `kernel`'s programs load before their PDL wait: 0 unless
+    cfg.early_weights lists it, else cfg.early_steps, at most the K / BK steps there are."""
+    if kernel not in cfg.early_weights:
+        return 0
+    return min(cfg.early_steps, -(-K // BK))
 
 
 if triton is not None:
     @triton.jit
-    def grid_dependency(PDL: tl.constexpr):
+    def grid_dependency(PDL: tl.constexpr, LAUNCH_FIRST: tl.constexpr = False):
         """With PDL: wait for the previous kernel in the stream to finish (its writes visible), then
-        let the next one start launching. Must run before the program touches memory."""
+        let the next one start launching. Must run before the program touches memory written by
+        an earlier launch. LAUNCH_FIRST (DecodeConfig.early_launch): let the next kernel start
+        launching before the wait, so its programs are resident (and can load their weights) while
+        this one waits and runs; the trigger only schedules, the next kernel's own wait still
+        covers this one's writes."""
         if PDL:
+            if LAUNCH_FIRST:
+                tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if not LAUNCH_FIRST:
+                tl.extra.cuda.gdc_launch_dependents()
 
     # Format and DecodeMode values as the kernels compare them (FMT and MODE constexprs)
     FMT_DENSE = tl.constexpr(int(Format.DENSE))
