@@ -236,7 +236,7 @@ if triton is not None:
             arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
             if arrived == TOPK * tl.num_programs(1) - 1:
                 add_rmsnorm_row(nx_ptr, part_ptr, nw_ptr, nres_ptr, nout_ptr, t, N, eps, True, TOPK, NORM_BLOCK,
-                                ".cg")
+                                True)
                 tl.atomic_xchg(count_ptr + t, 0)
 
     @triton.jit

@@ -55,24 +55,32 @@ if triton is not None:
     # out = w * (s * inv rounded to x's dtype), in float32 (the caller rounds it).
     @triton.jit
     def residual_sum(x_ptr, d_ptr, r, N, offs, m, HAS_DELTA: tl.constexpr, DELTA_ROWS: tl.constexpr,
-                     DELTA_CACHE: tl.constexpr = ""):
+                     DELTA_L2: tl.constexpr = False):
         """Columns offs of row r of x + delta, rounded to x's dtype (x itself when not HAS_DELTA).
         DELTA_ROWS > 1: delta is the sum of rows r * DELTA_ROWS .. + DELTA_ROWS - 1 of d (float32
-        partials, added in order and rounded to x's dtype, exactly as moe_sum does). DELTA_CACHE:
-        delta's load cache modifier (".cg" where other programs of the same launch wrote it)."""
+        partials, added in order and rounded to x's dtype, exactly as moe_sum does). DELTA_L2: delta
+        is read from L2 (".cg": other programs of the same launch wrote it)."""
         dt = x_ptr.dtype.element_ty
         x = tl.load(x_ptr + r * N + offs, mask=m, other=0.0)
         if HAS_DELTA:
             if DELTA_ROWS == 1:
-                d = tl.load(d_ptr + r * N + offs, mask=m, other=0.0, cache_modifier=DELTA_CACHE).to(tl.float32)
+                d = delta_row(d_ptr + r * N, offs, m, DELTA_L2)
             else:
                 d = tl.zeros(offs.shape, dtype=tl.float32)
                 for j in tl.static_range(DELTA_ROWS):
-                    d += tl.load(d_ptr + (r * DELTA_ROWS + j) * N + offs, mask=m, other=0.0,
-                                 cache_modifier=DELTA_CACHE)
+                    d += delta_row(d_ptr + (r * DELTA_ROWS + j) * N, offs, m, DELTA_L2)
                 d = d.to(dt).to(tl.float32)
             x = (x.to(tl.float32) + d).to(dt)
         return x
+
+    @triton.jit
+    def delta_row(row_ptr, offs, m, L2: tl.constexpr):
+        """Columns offs of one delta row in float32; L2: read past L1 (".cg")."""
+        if L2:
+            d = tl.load(row_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+        else:
+            d = tl.load(row_ptr + offs, mask=m, other=0.0)
+        return d.to(tl.float32)
 
     @triton.jit
     def rms_inv(s, N, eps):
@@ -89,12 +97,12 @@ if triton is not None:
 
     @triton.jit
     def add_rmsnorm_row(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, r, N, eps, HAS_DELTA: tl.constexpr,
-                        DELTA_ROWS: tl.constexpr, BLOCK: tl.constexpr, DELTA_CACHE: tl.constexpr = ""):
+                        DELTA_ROWS: tl.constexpr, BLOCK: tl.constexpr, DELTA_L2: tl.constexpr = False):
         """add_rmsnorm_kernel's row r, also run by the down launch's last program of a token
         (DecodeConfig.norm_in_down): the same loads, sums and roundings."""
         offs = tl.arange(0, BLOCK)
         m = offs < N
-        x = residual_sum(x_ptr, d_ptr, r, N, offs, m, HAS_DELTA, DELTA_ROWS, DELTA_CACHE)
+        x = residual_sum(x_ptr, d_ptr, r, N, offs, m, HAS_DELTA, DELTA_ROWS, DELTA_L2)
         if HAS_DELTA:
             tl.store(res_ptr + r * N + offs, x, mask=m)
         out = rms_scale(x, rms_inv(x, N, eps), w_ptr, offs, m)
