@@ -764,68 +764,6 @@ def test_add_rmsnorm_sums_moe_partials_exactly_like_moe_sum():
         kernels.add_rmsnorm(resid, part[:-1], weight, 1e-6, delta_rows=K)
 
 
-def test_fused_moe_norm_in_down_is_add_rmsnorm_of_its_partials():
-    """fused_moe(norm=ResidualNorm) with norm_in_down: the down launch's last program per token does
-    add_rmsnorm of its partials, bit for bit, for one group and for two groups sharing the launch;
-    the arrival counters are zero again after each call. Two formats (two launch pairs) fall back
-    to add_rmsnorm's own launch with the same result."""
-    g = torch.Generator().manual_seed(22)
-    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
-    x = torch.randn(3, H, generator=g).to(DEV)
-    ids, w = routing(3, g)
-    mats = [torch.randn(E, *s, generator=g).to(DEV) * 0.1 for s in ((I, H), (I, H), (H, I))]
-    resid = torch.randn(3, H, generator=g).to(DEV, dt)
-    weight = (torch.rand(H, generator=g) + 0.5).to(DEV, dt)
-    norm = kernels.ResidualNorm(resid, weight, 1e-6)
-    halves = []
-    for members in (list(range(0, E, 2)), list(range(1, E, 2))):
-        slot_of = torch.full((E,), -1, dtype=torch.int32)
-        slot_of[members] = torch.arange(len(members), dtype=torch.int32)
-        halves.append(kernels.ExpertGroup(*(kernels.PackedMatrix.dense(m[members]) for m in mats),
-                                          slot_of.to(DEV), f"dense {members[0]}"))
-    int8_half = kernels.ExpertGroup(*(kernels.PackedMatrix.stack([quantize(e.cpu(), "int8") for e in m[1::2]], DEV)
-                                      for m in mats), halves[1].slot_of, "int8 odd")
-    counts = kernels.norm_router.shared_arrivals(x.device, SMALL, "norm")
-    launches = []
-    real = kernels.moe.add_rmsnorm
-    kernels.moe.add_rmsnorm = lambda *a, **k: launches.append(1) or real(*a, **k)
-    try:
-        for gs, own_launch in (([kernels.dense_group(*mats)], 0), (halves, 0), ([halves[0], int8_half], 1)):
-            part = fused_moe(x, ids.to(DEV), w.to(DEV), gs, reduce=False)
-            want = real(resid, part, weight, 1e-6, delta_rows=K)
-            n = len(launches)
-            got = fused_moe(x, ids.to(DEV), w.to(DEV), gs, cfg=small(norm_in_down=True), norm=norm)
-            assert len(launches) - n == own_launch
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-            assert int(counts.abs().sum()) == 0
-    finally:
-        kernels.moe.add_rmsnorm = real
-    with pytest.raises(kernels.KernelError, match="norm x"):
-        fused_moe(x, ids.to(DEV), w.to(DEV), halves, cfg=small(norm_in_down=True),
-                  norm=kernels.ResidualNorm(resid[:2], weight, 1e-6))
-
-
-def test_engine_norm_in_down_decodes_exactly_like_add_rmsnorm(ckpt, monkeypatch):
-    """DecodeConfig.norm_in_down: each MoE block's sum, residual add and next RMSNorm run inside its
-    down launch, so a decode step calls add_rmsnorm once (the first layer's input norm) instead of
-    once more per layer, with the same tokens and bitwise-equal step logits."""
-    prompt = list(range(3, 12))
-    engines = {on: Engine.load(ckpt, device=DEV, dtype="float32", max_seq_len=32,
-                               decode=small(experts_impl="triton", norm_in_down=on)) for on in (False, True)}
-    toks = {on: e.generate([prompt], 5, ignore_eos=True)[0].token_ids for on, e in engines.items()}
-    assert toks[True] == toks[False]
-    tokens, pos = torch.tensor([[toks[True][-1]]], device=DEV), torch.tensor([[len(prompt) + 4]], device=DEV)
-    calls = []
-    for mod in (kernels, kernels.moe):
-        real = mod.add_rmsnorm
-        monkeypatch.setattr(mod, "add_rmsnorm", lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
-    la = engines[False]._decode(tokens, pos, len(prompt) + 5).float().cpu()
-    n_off = len(calls)
-    lb = engines[True]._decode(tokens, pos, len(prompt) + 5).float().cpu()
-    assert n_off == 1 + len(engines[False].model.layers) and len(calls) - n_off == 1
-    assert torch.equal(la, lb)
-
-
 def test_engine_decode_with_deferred_moe_sum_is_bitwise_the_same(ckpt):
     """defer_moe_sum moves moe_sum into the next add_rmsnorm: a decode step gives the same bits."""
     eng = Engine.load(ckpt, device=DEV, dtype="float32", max_seq_len=32, decode=small(experts_impl="triton"))

@@ -186,10 +186,6 @@ class DecodeConfig:
         their own PDL wait instead of after it (runtime.grid_dependency's LAUNCH_FIRST): a kernel
         whose programs all fit on the GPU at once then has its successor resident, loading its
         early weights, while it waits and runs, a whole launch earlier than otherwise.
-    norm_in_down: a MoE block's weighted expert sum, residual add and the next RMSNorm run in its
-        down launch, by each token's last program to finish (kernels.ResidualNorm), where one launch
-        pair writes the block's partials (one expert format, no host lane, no route-tail-skip):
-        add_rmsnorm's launch saved per layer, the same loads, sums and roundings.
     router_max_tokens: most tokens one fused router call takes (size of its arrival counters).
     count_tier_picks: tiered experts on the fused path count each call's picks per expert on the
         device, one atomic per (token, expert) pair inside fused_moe's down launch (and stage copies
@@ -215,7 +211,6 @@ class DecodeConfig:
     early_weights: tuple[str, ...] = ("router", "down")
     early_steps: int = 1
     early_launch: tuple[str, ...] = ()
-    norm_in_down: bool = False
     router_max_tokens: int = 64
     count_tier_picks: bool = True
     launch: Mapping[tuple[str, str, str], Launch] = field(default_factory=lambda: dict(SHIPPED_LAUNCH))

@@ -6,14 +6,11 @@ engine call only these members, never a private attribute or a probe for an opti
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
 from .decode_config import DecodeConfig
-
-if TYPE_CHECKING:
-    from .kernels.norm_router import ResidualNorm
 
 
 @runtime_checkable
@@ -30,11 +27,9 @@ class ExpertsModule(Protocol):
     def partials_ok(self, tokens: int) -> bool:
         """Whether forward_partials runs for this many tokens."""
 
-    def forward_partials(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor, xq: Tensor | None = None,
-                         norm: ResidualNorm | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    def forward_partials(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor, xq: Tensor | None = None) -> Tensor:
         """The float32 weighted terms [T * k, H] (pair t*k + j) whose per-token sums __call__
-        returns, for the next residual add + RMSNorm to sum. xq: x's int8 rows (wants_quantized_x).
-        norm (kernels.ResidualNorm): that add + norm done here, its (x + sum, normed) returned."""
+        returns, for the next residual add + RMSNorm to sum. xq: x's int8 rows (wants_quantized_x)."""
 
     def wants_quantized_x(self) -> bool:
         """Whether forward_partials multiplies int8 activations (the caller can then hand it x's int8

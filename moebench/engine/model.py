@@ -222,14 +222,12 @@ class Experts(nn.Module):
                  ahead: int = 1) -> None:
         pass
 
-    def forward_partials(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor, xq: Tensor | None = None,
-                         norm=None) -> Tensor | tuple[Tensor, Tensor]:
+    def forward_partials(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor, xq: Tensor | None = None) -> Tensor:
         """The float32 weighted terms [T * k, H] whose per-token sums forward returns (see
-        kernels.fused_moe(reduce=False)); only where partials_ok. xq: unused (float activations).
-        norm (kernels.ResidualNorm): the next residual add + RMSNorm's pair instead (fused_moe's norm)."""
+        kernels.fused_moe(reduce=False)); only where partials_ok. xq: unused (float activations)."""
         from . import kernels
         return kernels.fused_moe(x, topk_ids, topk_w, [kernels.dense_group(self.w_gate, self.w_up, self.w_down)],
-                                 cfg=self.decode, reduce=False, norm=norm)
+                                 cfg=self.decode, reduce=False)
 
     def _grouped_mm_runs(self) -> bool:
         return self.w_gate.is_cuda and self.w_gate.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
@@ -363,19 +361,18 @@ class MoEBlock(nn.Module):
         return topk_ids, topk_w
 
     def forward_partials(self, x: Tensor, routes: tuple[Tensor, Tensor, Tensor] | None = None,
-                         xq: Tensor | None = None, norm=None) -> Tensor | tuple[Tensor, Tensor] | None:
+                         xq: Tensor | None = None) -> Tensor | None:
         """The experts' float32 terms [N * top_k, H] (N = tokens of x) for the caller to sum (the
         fused decode layers do it inside the next add_rmsnorm), or None where this block cannot
         (a shared expert, or experts without a fused partials path for this many tokens).
         routes: (logits [N, E], topk_ids [N, k], topk_w [N, k]) already computed for x's flattened
         tokens (kernels.add_rmsnorm_router), used instead of routing here. xq: x's int8 rows for
-        experts that want them (wants_quantized_x), from the same launch. norm (kernels.ResidualNorm):
-        the next residual add + RMSNorm's (x + sum, normed) instead of the terms."""
+        experts that want them (wants_quantized_x), from the same launch."""
         flat = x.reshape(-1, x.shape[-1])
         if self.shared_expert is not None or not self.experts.partials_ok(flat.shape[0]):
             return None
         topk_ids, topk_w = self._route_traced(flat, routes)
-        return self.experts.forward_partials(flat, topk_ids, topk_w, xq=xq, norm=norm)
+        return self.experts.forward_partials(flat, topk_ids, topk_w, xq=xq)
 
     def forward(self, x: Tensor, routes: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
         """x [..., H] -> [..., H]; routes as in forward_partials (None: route here)."""
@@ -507,18 +504,16 @@ class MoETransformer(nn.Module):
             else:
                 x, h = kernels.add_rmsnorm(x, a, post.weight, post.eps, cfg=cfg)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            normed = out = None
+            part = out = None
             if cfg.defer_moe_sum and isinstance(block, MoEBlock):
-                # the MoE sum moves into the next norm, which runs in the down launch where it can
-                normed = block.forward_partials(h, routes, xq, norm=kernels.ResidualNorm(
-                    x.reshape(-1, x.shape[-1]), nxt.weight, nxt.eps))
-            if normed is None:
+                part = block.forward_partials(h, routes, xq)     # the MoE sum moves into the next norm
+            if part is None:
                 out = block(h) if routes is None else block(h, routes)
             if not cfg.prefetch_early and i + 1 < len(self.layers):
                 # after this layer's experts: the copies queue behind its host launches on the lane
                 self._prefetch_next(self.layers[i + 1].mlp, h)     # h: this layer's MoE input
-            if normed is not None:
-                x, h = (t.view(x.shape) for t in normed)
+            if part is not None:
+                x, h = kernels.add_rmsnorm(x, part, nxt.weight, nxt.eps, delta_rows=block.top_k, cfg=cfg)
             else:
                 x, h = kernels.add_rmsnorm(x, out, nxt.weight, nxt.eps, cfg=cfg)
         return h

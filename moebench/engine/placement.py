@@ -552,12 +552,11 @@ class TieredExperts(nn.Module):
         return kernels.wants_quantized_x(self._fused_groups or [], self.decode)
 
     def forward_partials(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
-                         xq: torch.Tensor | None = None, norm=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                         xq: torch.Tensor | None = None) -> torch.Tensor:
         """kernels.fused_moe(reduce=False): the float32 terms [T * k, H]; only where partials_ok.
-        xq: x's int8 rows (see wants_quantized_x), or None. norm (kernels.ResidualNorm): the next
-        residual add + RMSNorm's pair instead (fused_moe's norm)."""
+        xq: x's int8 rows (see wants_quantized_x), or None."""
         self._counters["calls"] += 1
-        return self._fused(x, topk_ids, topk_w, reduce=False, xq=xq, norm=norm)
+        return self._fused(x, topk_ids, topk_w, reduce=False, xq=xq)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         T, k = topk_ids.shape

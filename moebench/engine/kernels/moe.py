@@ -18,7 +18,6 @@ from ..decode_config import DEFAULT, INT8_ACTIVATION_FORMATS, DecodeConfig, Deco
 from ..quant import GROUP
 from .int8_activations import quant_row_len, quantize_rows_kernel
 from .moe_kernels import down_kernel, gate_up_kernel, moe_sum_kernel, tail_skip_kernel
-from .norm_router import ResidualNorm, add_rmsnorm, shared_arrivals
 from .packed import ExpertGroup
 from .runtime import KernelError, early_steps, next_pow2, pdl_launch, require
 from .staging import host_lane, side_stream
@@ -116,7 +115,7 @@ def _group_args(g: ExpertGroup, cfg: DecodeConfig) -> _GroupArgs:
 
 def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGroup], cfg: DecodeConfig = DEFAULT,
               reduce: bool = True, xq: Tensor | None = None, after_lane: bool = False,
-              tail_skip: TailSkip | None = None, norm: ResidualNorm | None = None) -> Tensor | tuple[Tensor, Tensor]:
+              tail_skip: TailSkip | None = None) -> Tensor:
     """x [T, H]; topk_ids [T, k] (int64/int32); topk_w [T, k] -> [T, H] in x's dtype:
     sum_j topk_w[t, j] * down(silu(gate x) * up x) of expert topk_ids[t, j], every expert in
     exactly one of `groups`. Reads each (token, expert) pair's weights once; no host sync.
@@ -129,11 +128,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
     tail_skip: route-tail-skip (TailSkip), decided on the device by one more launch, on the stream
     of the groups that read cold experts, after anything queued there (prefetch's maps): the host
     lane's groups read the ids with dropped pairs, the HBM groups the ids as given (they serve no
-    cold expert). None, or from_rank >= k: no launch.
-    norm: the residual add + RMSNorm after the block; the call then returns add_rmsnorm(norm.x,
-    partials, norm.weight, norm.eps, delta_rows=k)'s pair, from inside the down launch where
-    cfg.norm_in_down is on and one launch pair on one stream writes every partial (no host lane,
-    no route-tail-skip, one format), else by add_rmsnorm's own launch."""
+    cold expert). None, or from_rank >= k: no launch."""
     if not groups:
         raise KernelError("fused_moe: no expert groups")
     require()
@@ -200,12 +195,9 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
         gate_up_kernel[(T * k, -(-inter // meta["gate_up"]["BN"]))](
             x, xq, ids, h, hq, inter, H, x.stride(0), xq.stride(0), h.stride(0), hq.stride(0),
             *a.gate_up(ids), *b.gate_up(ids), TOPK=k, **meta["gate_up"], **pdl)
-        nx, nw, nres, nout, counts, eps = fused_norm or (part, part, part, part, part, 0.0)
         down_kernel[(T * k, -(-H // meta["down"]["BN"]))](
             h, hq, ids, wts, part, H, inter, h.stride(0), hq.stride(0), part.stride(0),
-            *a.down(ids), *b.down(ids), FIRST=first, QH=meta["gate_up"]["BN"],
-            nx_ptr=nx, nw_ptr=nw, nres_ptr=nres, nout_ptr=nout, count_ptr=counts, eps=eps,
-            NORM=fused_norm is not None, TOPK=k, NORM_BLOCK=next_pow2(H), **meta["down"],
+            *a.down(ids), *b.down(ids), FIRST=first, QH=meta["gate_up"]["BN"], **meta["down"],
             **pdl_launch(x.device, cfg, "down"))
 
     def launches(gs: list[ExpertGroup], first: bool, ids: Tensor = ids, dropped: bool = False) -> None:
@@ -232,16 +224,6 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
     for g in in_hbm:                     # the largest group's format first
         fmts.setdefault(g.fmt, []).append(g)
     lead, *branches = list(fmts.values()) or [[]]
-    fused_norm = None       # (x, weight, res, out, arrival counters, eps) for the down launch's NORM
-    if norm is not None:
-        if tuple(norm.x.shape) != (T, H) or tuple(norm.weight.shape) != (H,):
-            raise KernelError(f"fused_moe: norm x {tuple(norm.x.shape)} / weight {tuple(norm.weight.shape)}; "
-                              f"expected [{T}, {H}] / [{H}]")
-        if cfg.norm_in_down and not lane and tail_skip is None and not branches and len(lead) <= 2 \
-                and T <= cfg.fused_max_tokens:
-            nx = norm.x.contiguous()
-            fused_norm = (nx, norm.weight, torch.empty_like(nx), torch.empty_like(nx),
-                          shared_arrivals(x.device, cfg, "norm"), norm.eps)
     if x.is_cuda and cfg.overlap_host and lead and (branches or lane):
         # No zeroing of other pairs' rows here (it would race): the groups cover every expert
         # (TieredExperts builds them so).
@@ -271,10 +253,6 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
         launches(in_hbm, first=True, ids=read, dropped=dropped)
         if lane:
             launches(lane, first=not in_hbm, ids=read, dropped=dropped)
-    if fused_norm is not None:
-        return fused_norm[2], fused_norm[3]
-    if norm is not None:
-        return add_rmsnorm(norm.x, part, norm.weight, norm.eps, delta_rows=k, cfg=cfg)
     if not reduce:
         return part
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)

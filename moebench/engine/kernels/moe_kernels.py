@@ -7,15 +7,13 @@
 
 Each selected expert's rows are read in place from the stacked weights, exactly once, never copied.
 The weighted sum is done in a fixed order by its own small kernel (or by the next residual add +
-RMSNorm, norm_router.residual_sum, which the down launch's last program of a token can run), so it
-is deterministic. moe.fused_moe
+RMSNorm, norm_router.residual_sum), so it is deterministic and needs no atomics. moe.fused_moe
 launches them.
 """
 from __future__ import annotations
 
 from .expert_rows import row_dots
 from .int8_activations import quant_pack, store_quant
-from .norm_router import add_rmsnorm_row
 from .runtime import FMT_INT8, MODE_INT8_ACT, grid_dependency, tl, triton
 
 if triton is not None:
@@ -162,9 +160,7 @@ if triton is not None:
                     FMT_A: tl.constexpr, MAP_A: tl.constexpr, MODE_A: tl.constexpr, BK_A: tl.constexpr,
                     COUNT_A: tl.constexpr,
                     HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, MODE_B: tl.constexpr,
-                    BK_B: tl.constexpr, COUNT_B: tl.constexpr, QH: tl.constexpr,
-                    nx_ptr, nw_ptr, nres_ptr, nout_ptr, count_ptr, eps, NORM: tl.constexpr = False,
-                    TOPK: tl.constexpr = 1, NORM_BLOCK: tl.constexpr = 1, DROPPED: tl.constexpr = False,
+                    BK_B: tl.constexpr, COUNT_B: tl.constexpr, QH: tl.constexpr, DROPPED: tl.constexpr = False,
                     EARLY: tl.constexpr = 0, PDL: tl.constexpr = False, LAUNCH_FIRST: tl.constexpr = False):
         """Program (pair, row block): part[pair, rows] = w[pair] * (W_down[e] h[pair])[rows] in
         float32, for up to two groups like gate_up. One program per pair: looping over a token's k
@@ -178,12 +174,7 @@ if triton is not None:
         EARLY (group A dense, BYTES; 0 to 4): the pair's slot and its first EARLY K steps of group A's
         weights are loaded before the PDL wait. The ids and slot maps come from launches before gate_up (the
         router, route-tail-skip, prefetch's maps), which had finished before gate_up's programs
-        passed their own wait, so before this launch started; only h is gate_up's.
-        NORM (DecodeConfig.norm_in_down; part contiguous, this the only launch writing it): the
-        residual add + RMSNorm after the block, add_rmsnorm_kernel's row of token t = pair // TOPK
-        (nx + the sum of its TOPK part rows -> nres, RMSNorm * nw -> nout), run by the last of the
-        token's TOPK * row-block programs to finish (count_ptr: per-token arrival counters, zero
-        between calls): one launch fewer per layer."""
+        passed their own wait, so before this launch started; only h is gate_up's."""
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
         rmask = rows < N
@@ -230,14 +221,6 @@ if triton is not None:
                     count_pick(ids_ptr, picks_b, pair)
             elif FIRST:
                 tl.store(part_out + rows, tl.zeros((BN,), dtype=tl.float32), mask=rmask)
-        if NORM:
-            tl.debug_barrier()          # every thread's part stores before the arrival (release)
-            t = pair // TOPK
-            arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
-            if arrived == TOPK * tl.num_programs(1) - 1:
-                add_rmsnorm_row(nx_ptr, part_ptr, nw_ptr, nres_ptr, nout_ptr, t, N, eps, True, TOPK, NORM_BLOCK,
-                                True)
-                tl.atomic_xchg(count_ptr + t, 0)
 
     @triton.jit
     def tail_skip_kernel(ids_ptr, out_ptr, maps_ptr, stride_map, skips_ptr, part_ptr, stride_pt, N, FROM,

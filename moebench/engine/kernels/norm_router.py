@@ -12,8 +12,6 @@ where the torch code does, so they agree with it to within reduction order:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
@@ -22,31 +20,17 @@ from ..quant import GROUP
 from .int8_activations import quant_pack, quant_row_len, store_quant  # noqa: F401 - used by the kernels
 from .runtime import KernelError, grid_dependency, next_pow2, pdl_launch, require, tl, triton  # noqa: F401
 
-# Per-token arrival counters, per (device, use, size): zero between calls (each call's last
-# program resets its token's counter). "router": router_topk's; "norm": fused_moe's down launch
-# with the residual norm inside (ResidualNorm). Buffers, not settings.
-_ARRIVALS: dict[tuple[torch.device, str, int], Tensor] = {}
+# router_topk's per-token arrival counters, per (device, size): zero between calls (each call's last
+# program resets its token's counter). Buffers, not settings.
+_ARRIVALS: dict[tuple[torch.device, int], Tensor] = {}
 
 
-def shared_arrivals(device: torch.device, cfg: DecodeConfig, use: str = "router") -> Tensor:
-    size = cfg.router_max_tokens if use == "router" else cfg.fused_max_tokens
-    key = (device, use, size)
+def shared_arrivals(device: torch.device, cfg: DecodeConfig) -> Tensor:
+    key = (device, cfg.router_max_tokens)
     counts = _ARRIVALS.get(key)
     if counts is None:
-        counts = _ARRIVALS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+        counts = _ARRIVALS[key] = torch.zeros(cfg.router_max_tokens, dtype=torch.int32, device=device)
     return counts
-
-
-@dataclass(frozen=True)
-class ResidualNorm:
-    """The residual add + RMSNorm after a MoE block, handed to fused_moe (norm=) so that the sum of
-    its partials and the norm run inside its down launch where DecodeConfig.norm_in_down allows:
-    x [T, H] the residual stream, weight [H] and eps the next RMSNorm's. fused_moe then returns
-    add_rmsnorm(x, partials, weight, eps, delta_rows=k)'s (x + sum, RMSNorm(x + sum) * weight)."""
-
-    x: Tensor
-    weight: Tensor
-    eps: float
 
 
 if triton is not None:
@@ -54,33 +38,22 @@ if triton is not None:
     # the two round identically: s = x + delta in x's dtype, inv = 1 / rms(s) over the whole row,
     # out = w * (s * inv rounded to x's dtype), in float32 (the caller rounds it).
     @triton.jit
-    def residual_sum(x_ptr, d_ptr, r, N, offs, m, HAS_DELTA: tl.constexpr, DELTA_ROWS: tl.constexpr,
-                     DELTA_L2: tl.constexpr = False):
+    def residual_sum(x_ptr, d_ptr, r, N, offs, m, HAS_DELTA: tl.constexpr, DELTA_ROWS: tl.constexpr):
         """Columns offs of row r of x + delta, rounded to x's dtype (x itself when not HAS_DELTA).
         DELTA_ROWS > 1: delta is the sum of rows r * DELTA_ROWS .. + DELTA_ROWS - 1 of d (float32
-        partials, added in order and rounded to x's dtype, exactly as moe_sum does). DELTA_L2: delta
-        is read from L2 (".cg": other programs of the same launch wrote it)."""
+        partials, added in order and rounded to x's dtype, exactly as moe_sum does)."""
         dt = x_ptr.dtype.element_ty
         x = tl.load(x_ptr + r * N + offs, mask=m, other=0.0)
         if HAS_DELTA:
             if DELTA_ROWS == 1:
-                d = delta_row(d_ptr + r * N, offs, m, DELTA_L2)
+                d = tl.load(d_ptr + r * N + offs, mask=m, other=0.0).to(tl.float32)
             else:
                 d = tl.zeros(offs.shape, dtype=tl.float32)
                 for j in tl.static_range(DELTA_ROWS):
-                    d += delta_row(d_ptr + (r * DELTA_ROWS + j) * N, offs, m, DELTA_L2)
+                    d += tl.load(d_ptr + (r * DELTA_ROWS + j) * N + offs, mask=m, other=0.0)
                 d = d.to(dt).to(tl.float32)
             x = (x.to(tl.float32) + d).to(dt)
         return x
-
-    @triton.jit
-    def delta_row(row_ptr, offs, m, L2: tl.constexpr):
-        """Columns offs of one delta row in float32; L2: read past L1 (".cg")."""
-        if L2:
-            d = tl.load(row_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
-        else:
-            d = tl.load(row_ptr + offs, mask=m, other=0.0)
-        return d.to(tl.float32)
 
     @triton.jit
     def rms_inv(s, N, eps):
@@ -96,27 +69,20 @@ if triton is not None:
         return w * xn
 
     @triton.jit
-    def add_rmsnorm_row(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, r, N, eps, HAS_DELTA: tl.constexpr,
-                        DELTA_ROWS: tl.constexpr, BLOCK: tl.constexpr, DELTA_L2: tl.constexpr = False):
-        """add_rmsnorm_kernel's row r, also run by the down launch's last program of a token
-        (DecodeConfig.norm_in_down): the same loads, sums and roundings."""
-        offs = tl.arange(0, BLOCK)
-        m = offs < N
-        x = residual_sum(x_ptr, d_ptr, r, N, offs, m, HAS_DELTA, DELTA_ROWS, DELTA_L2)
-        if HAS_DELTA:
-            tl.store(res_ptr + r * N + offs, x, mask=m)
-        out = rms_scale(x, rms_inv(x, N, eps), w_ptr, offs, m)
-        tl.store(out_ptr + r * N + offs, out.to(out_ptr.dtype.element_ty), mask=m)
-
-    @triton.jit
     def add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, eps,
                            HAS_DELTA: tl.constexpr, DELTA_ROWS: tl.constexpr, BLOCK: tl.constexpr,
                            PDL: tl.constexpr = False, LAUNCH_FIRST: tl.constexpr = False):
         """Row r: s = x + delta (rounded to x's dtype, written to res), out = w * norm(s) (see
         residual_sum for DELTA_ROWS > 1)."""
         grid_dependency(PDL, LAUNCH_FIRST)
-        add_rmsnorm_row(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, tl.program_id(0).to(tl.int64), N, eps,
-                        HAS_DELTA, DELTA_ROWS, BLOCK)
+        r = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        m = offs < N
+        x = residual_sum(x_ptr, d_ptr, r, N, offs, m, HAS_DELTA, DELTA_ROWS)
+        if HAS_DELTA:
+            tl.store(res_ptr + r * N + offs, x, mask=m)
+        out = rms_scale(x, rms_inv(x, N, eps), w_ptr, offs, m)
+        tl.store(out_ptr + r * N + offs, out.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def softmax_topk_store(z, m, offs, ids_ptr, w_ptr, r, TOPK: tl.constexpr, KP: tl.constexpr,
@@ -253,8 +219,7 @@ if triton is not None:
                 b = qb + tl.arange(0, 1)
                 store_quant(q_ptr + t * stride_q, w8, 8 * w8 < N, b, b * QB < N, N, QB, nat_lo, nat_hi, even, odd,
                             qsum, scale)
-else:       # no Triton here: the names exist, require() refuses the launches
-    add_rmsnorm_row = None
+
 
 
 def add_rmsnorm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, delta_rows: int = 1,
