@@ -686,9 +686,8 @@ def test_engine_early_weights_decode_exactly_like_loads_after_the_wait(ckpt, ste
     logits: the loads move, the sums do not. gemv_max_tokens=1 and BK 32 (down: 16): the attention
     projections run the Triton GEMV here too, and both kernels have more K steps than load early.
     On CUDA the early engine also lets every kernel of EARLY_LAUNCH_KERNELS launch its successor
-    before its wait (early_launch) and asks L2 for the GEMV and down weight blocks there
-    (l2_prefetch, two blocks per program): the launches overlap more, the numbers stay the same."""
-    from moebench.engine.decode_config import EARLY_LAUNCH_KERNELS, EARLY_WEIGHT_KERNELS, L2_PREFETCH_KERNELS
+    before its wait (early_launch): the launches overlap more, the numbers stay the same."""
+    from moebench.engine.decode_config import EARLY_LAUNCH_KERNELS, EARLY_WEIGHT_KERNELS
     prompt = list(range(3, 12))
     cuda = DEV == "cuda"
     engines = {on: Engine.load(ckpt, device=DEV, dtype="float32", max_seq_len=32,
@@ -696,7 +695,6 @@ def test_engine_early_weights_decode_exactly_like_loads_after_the_wait(ckpt, ste
                                             early_weights=EARLY_WEIGHT_KERNELS if on else (),
                                             early_steps=steps if on else 1,
                                             early_launch=EARLY_LAUNCH_KERNELS if on and cuda else (),
-                                            l2_prefetch=L2_PREFETCH_KERNELS if on and cuda else (), l2_prefetch_span=2,
                                             ).with_launch("gemv", "dense", BK=32).with_launch("down", "dense", BK=16))
                for on in (False, True)}
     assert engines[True].decode.early_weights == ("router", "gemv", "down")
@@ -708,28 +706,15 @@ def test_engine_early_weights_decode_exactly_like_loads_after_the_wait(ckpt, ste
 
 
 def test_early_steps_and_early_launch_are_checked_and_capped():
-    """early_steps outside 1..4, early_launch names outside EARLY_LAUNCH_KERNELS and l2_prefetch
-    names outside L2_PREFETCH_KERNELS (or a span not 1, 2, 4) are refused with the setting named;
-    the steps a kernel loads early never exceed its K steps, and are 0 for a kernel early_weights
-    does not list; the L2 prefetch has lines only for listed kernels with PDL (never on the CPU)."""
+    """early_steps outside 1..4 and early_launch names outside EARLY_LAUNCH_KERNELS are refused with
+    the setting named; the steps a kernel loads early never exceed its K steps, and are 0 for a
+    kernel early_weights does not list."""
     from moebench.engine.decode_config import DecodeConfigError
-    from moebench.engine.kernels.runtime import early_steps, l2_lines
+    from moebench.engine.kernels.runtime import early_steps
     with pytest.raises(DecodeConfigError, match="early_steps"):
         DecodeConfig(early_steps=5)
     with pytest.raises(DecodeConfigError, match="early_launch"):
         DecodeConfig(early_launch=("gate_up",))
-    with pytest.raises(DecodeConfigError, match="l2_prefetch"):
-        DecodeConfig(l2_prefetch=("router",))
-    with pytest.raises(DecodeConfigError, match="l2_prefetch_span"):
-        DecodeConfig(l2_prefetch_span=3)
-    pf = DecodeConfig(l2_prefetch=("down", "gemv"))
-    assert pf.l2_prefetch == ("gemv", "down")
-    assert l2_lines("gemv", 2 * 2048, 2, torch.device("cpu"), pf) == 0
-    assert l2_lines("gemv", 2 * 2048, 2, torch.device("cpu"), DecodeConfig()) == 0
-    if torch.cuda.is_available():
-        dev = torch.device("cuda")
-        assert l2_lines("gemv", 2 * 2048, 2, dev, pf) == 64 and l2_lines("down", 16 * 768, 2, dev, pf) == 256
-        assert l2_lines("gemv", 2 * 2048, 2, dev, DecodeConfig()) == 0
     cfg = DecodeConfig(early_weights=("gemv",), early_steps=4, early_launch=("router", "norm"))
     assert cfg.early_launch == ("norm", "router")          # EARLY_LAUNCH_KERNELS' order
     assert early_steps("gemv", 2048, 1024, cfg) == 2 and early_steps("gemv", 4096, 1024, cfg) == 4

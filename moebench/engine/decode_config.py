@@ -135,7 +135,6 @@ EARLY_WEIGHT_KERNELS = ("router", "gemv", "down")     # DecodeConfig.early_weigh
 # wait, which is safe only while gate_up's programs let down launch after the router has finished.
 EARLY_LAUNCH_KERNELS = ("norm", "gemv", "rope", "attention", "router", "down")
 MAX_EARLY_STEPS = 4
-L2_PREFETCH_KERNELS = ("gemv", "down")                # DecodeConfig.l2_prefetch
 EXPERTS_IMPLS = ("auto", "gather", "loop", "grouped_mm", "triton")
 
 
@@ -189,12 +188,6 @@ class DecodeConfig:
         (all of them, early_weights all three, early_steps 2) measured on the H200 against
         early_weights router + down alone: bf16 +1.2%, int4 +2.4%, the int8 / ternary2 a8 plan
         +0.7% (two calls alike; decode_ab_table.txt). early_steps 4 made bf16 1.5% slower.
-    l2_prefetch: kernels, of L2_PREFETCH_KERNELS, whose programs ask L2 for their weight rows
-        (prefetch.global.L2, CUDA only) before the PDL wait: "gemv" (the attention projections),
-        "down" (bf16 experts). With early_launch the programs are resident while the small kernels
-        before them run, when HBM would idle; unlike early_weights this holds no registers.
-    l2_prefetch_span: weight blocks each program prefetches, its own block first (program p: blocks
-        p * span .. p * span + span - 1), so a first wave of 1 / span of the grid covers it all.
     router_max_tokens: most tokens one fused router call takes (size of its arrival counters).
     count_tier_picks: tiered experts on the fused path count each call's picks per expert on the
         device, one atomic per (token, expert) pair inside fused_moe's down launch (and stage copies
@@ -220,8 +213,6 @@ class DecodeConfig:
     early_weights: tuple[str, ...] = EARLY_WEIGHT_KERNELS
     early_steps: int = 2
     early_launch: tuple[str, ...] = EARLY_LAUNCH_KERNELS
-    l2_prefetch: tuple[str, ...] = ()
-    l2_prefetch_span: int = 1
     router_max_tokens: int = 64
     count_tier_picks: bool = True
     launch: Mapping[tuple[str, str, str], Launch] = field(default_factory=lambda: dict(SHIPPED_LAUNCH))
@@ -246,12 +237,6 @@ class DecodeConfig:
         if set(first) - set(EARLY_LAUNCH_KERNELS):
             raise DecodeConfigError(f"early_launch {list(first)}: expected kernels of {list(EARLY_LAUNCH_KERNELS)}")
         object.__setattr__(self, "early_launch", tuple(k for k in EARLY_LAUNCH_KERNELS if k in first))
-        pf = tuple(self.l2_prefetch)
-        if set(pf) - set(L2_PREFETCH_KERNELS):
-            raise DecodeConfigError(f"l2_prefetch {list(pf)}: expected kernels of {list(L2_PREFETCH_KERNELS)}")
-        object.__setattr__(self, "l2_prefetch", tuple(k for k in L2_PREFETCH_KERNELS if k in pf))
-        if self.l2_prefetch_span not in (1, 2, 4):
-            raise DecodeConfigError(f"l2_prefetch_span must be 1, 2 or 4, got {self.l2_prefetch_span}")
         if self.ssd_lookahead < 1:
             raise DecodeConfigError(f"ssd_lookahead must be >= 1, got {self.ssd_lookahead}")
         for name in ("gather_max_tokens", "fused_max_tokens", "router_max_tokens"):

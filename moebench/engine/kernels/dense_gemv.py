@@ -10,8 +10,7 @@ import torch
 from torch import Tensor
 
 from ..decode_config import DEFAULT, DecodeConfig
-from .runtime import (KernelError, early_steps, grid_dependency, l2_lines, pdl_launch, prefetch_l2, require, tl,  # noqa: F401
-                      triton)
+from .runtime import KernelError, early_steps, grid_dependency, pdl_launch, require, tl, triton  # noqa: F401
 
 if triton is not None:
     @triton.jit
@@ -31,23 +30,13 @@ if triton is not None:
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xt, stride_wn, stride_yt,
                     HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EARLY: tl.constexpr = 0,
-                    L2_LINES: tl.constexpr = 0, L2_SPAN: tl.constexpr = 1, EPL: tl.constexpr = 64,
                     PDL: tl.constexpr = False, LAUNCH_FIRST: tl.constexpr = False):
         """Program (row block, token): y[t, rows] = W[rows] . x[t] (+ bias), float32 accumulation.
-        EARLY (0 to 4): that many first K steps' weights are loaded before the PDL wait (same sums).
-        L2_LINES (W's rows contiguous): token 0's programs ask L2 for the rows of blocks
-        nb * L2_SPAN .. + L2_SPAN - 1 before the wait (EPL elements per 128-byte line)."""
+        EARLY (0 to 4): that many first K steps' weights are loaded before the PDL wait (same sums)."""
         nb = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)
         rows = nb * BN + tl.arange(0, BN)
         rmask = rows < N
-        if L2_LINES > 0:
-            if t == 0:
-                for j in tl.static_range(L2_SPAN):
-                    first = (nb * L2_SPAN + j) * BN
-                    if first < N:
-                        prefetch_l2(w_ptr + first.to(tl.int64) * K, (tl.minimum(N - first, BN) * K).to(tl.int64),
-                                    L2_LINES, EPL)
         if EARLY >= 1:
             w0 = early_tile(w_ptr, rows, rmask, stride_wn, K, 0, BK)
         if EARLY >= 2:
@@ -98,12 +87,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, cfg: DecodeCon
     T = x2.shape[0]
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     shape = cfg.launch_for("gemv", "dense")
-    esize = weight.element_size()
-    lines = l2_lines("gemv", shape.BN * K, esize, x.device, cfg) if weight.stride(0) == K else 0
     gemv_kernel[(-(-N // shape.BN), T)](x2, weight, bias if bias is not None else weight, y, N, K,
                                          x2.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
                                          BN=shape.BN, BK=shape.BK, EARLY=early_steps("gemv", K, shape.BK, cfg),
-                                         L2_LINES=lines, L2_SPAN=cfg.l2_prefetch_span, EPL=128 // esize,
                                          num_warps=shape.num_warps, num_stages=shape.num_stages,
                                          **pdl_launch(x.device, cfg, "gemv"))
     return y.view(*x.shape[:-1], N)

@@ -19,7 +19,7 @@ from ..quant import GROUP
 from .int8_activations import quant_row_len, quantize_rows_kernel
 from .moe_kernels import down_kernel, gate_up_kernel, moe_sum_kernel, tail_skip_kernel
 from .packed import ExpertGroup
-from .runtime import KernelError, early_steps, l2_lines, next_pow2, pdl_launch, require
+from .runtime import KernelError, early_steps, next_pow2, pdl_launch, require
 from .staging import host_lane, side_stream
 
 
@@ -187,10 +187,6 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
                 early = early_steps("down", inter, cfg.launch_for("down", "dense", host=host, a8=a8).BK, cfg)
                 if early:
                     meta[kernel]["EARLY"] = early
-                d = a.group.down.data
-                lines = l2_lines("down", bn * inter, d.element_size(), x.device, cfg) if d.stride(1) == inter else 0
-                if lines:
-                    meta[kernel].update(L2_LINES=lines, L2_SPAN=cfg.l2_prefetch_span, EPL=128 // d.element_size())
             for tag, ga in (("A", a), ("B", b)):
                 meta[kernel].update(ga.constexprs(tag, kernel, cfg.launch_for(kernel, ga.group.fmt, host=host,
                                                                                a8=a8).BK))

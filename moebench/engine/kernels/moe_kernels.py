@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .expert_rows import row_dots
 from .int8_activations import quant_pack, store_quant
-from .runtime import FMT_INT8, MODE_INT8_ACT, grid_dependency, prefetch_l2, tl, triton
+from .runtime import FMT_INT8, MODE_INT8_ACT, grid_dependency, tl, triton
 
 if triton is not None:
     @triton.jit
@@ -161,8 +161,7 @@ if triton is not None:
                     COUNT_A: tl.constexpr,
                     HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, MODE_B: tl.constexpr,
                     BK_B: tl.constexpr, COUNT_B: tl.constexpr, QH: tl.constexpr, DROPPED: tl.constexpr = False,
-                    EARLY: tl.constexpr = 0, L2_LINES: tl.constexpr = 0, L2_SPAN: tl.constexpr = 1,
-                    EPL: tl.constexpr = 64, PDL: tl.constexpr = False, LAUNCH_FIRST: tl.constexpr = False):
+                    EARLY: tl.constexpr = 0, PDL: tl.constexpr = False, LAUNCH_FIRST: tl.constexpr = False):
         """Program (pair, row block): part[pair, rows] = w[pair] * (W_down[e] h[pair])[rows] in
         float32, for up to two groups like gate_up. One program per pair: looping over a token's k
         experts in one program makes a chain of dependent loads (~1.8 TB/s against gate_up's ~3.1). The first launch also zeroes the rows of pairs in neither of its groups, so
@@ -175,10 +174,7 @@ if triton is not None:
         EARLY (group A dense, BYTES; 0 to 4): the pair's slot and its first EARLY K steps of group A's
         weights are loaded before the PDL wait. The ids and slot maps come from launches before gate_up (the
         router, route-tail-skip, prefetch's maps), which had finished before gate_up's programs
-        passed their own wait, so before this launch started; only h is gate_up's.
-        L2_LINES (group A dense, BYTES, rows contiguous): likewise before the wait, L2 is asked for
-        the pair's row blocks pid * L2_SPAN .. + L2_SPAN - 1 of group A's expert (EPL elements per
-        128-byte line)."""
+        passed their own wait, so before this launch started; only h is gate_up's."""
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
         rmask = rows < N
@@ -187,16 +183,8 @@ if triton is not None:
         w1 = None
         w2 = None
         w3 = None
-        if EARLY >= 1 or L2_LINES > 0:
-            sa = pair_slot(ids_ptr, slot_a, pair, MAP_A, DROPPED)
-        if L2_LINES > 0:
-            if sa >= 0:
-                for j in tl.static_range(L2_SPAN):
-                    first = (tl.program_id(1) * L2_SPAN + j) * BN
-                    if first < N:
-                        prefetch_l2(da_ptr + sa * sde_a + first.to(tl.int64) * K,
-                                    (tl.minimum(N - first, BN) * K).to(tl.int64), L2_LINES, EPL)
         if EARLY >= 1:
+            sa = pair_slot(ids_ptr, slot_a, pair, MAP_A, DROPPED)
             w0 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 0, BK_A)
         if EARLY >= 2:
             w1 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 1, BK_A)
@@ -205,7 +193,7 @@ if triton is not None:
         if EARLY >= 4:
             w3 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 3, BK_A)
         grid_dependency(PDL, LAUNCH_FIRST)
-        if EARLY == 0 and L2_LINES == 0:
+        if EARLY == 0:
             sa = pair_slot(ids_ptr, slot_a, pair, MAP_A, DROPPED)
         if sa >= 0:
             if MODE_A == MODE_INT8_ACT:

@@ -99,24 +99,7 @@ def early_steps(kernel: str, K: int, BK: int, cfg: DecodeConfig) -> int:
     return min(cfg.early_steps, -(-K // BK))
 
 
-def l2_lines(kernel: str, block_elems: int, elem_bytes: int, device: torch.device, cfg: DecodeConfig) -> int:
-    """The L2_LINES constexpr of a launch: the 128-byte lines of one weight block (a power of two,
-    the last ones clamped to the block) where cfg.l2_prefetch lists `kernel` and the launch has PDL
-    (CUDA; the prefetch's point is to run before the wait), else 0."""
-    if kernel not in cfg.l2_prefetch or not pdl_launch(device, cfg)["PDL"]:
-        return 0
-    return next_pow2(-(-block_elems * elem_bytes // 128))
-
-
 if triton is not None:
-    @triton.jit
-    def prefetch_l2(base_ptr, n_elems, LINES: tl.constexpr, EPL: tl.constexpr):
-        """Ask L2 for the LINES 128-byte lines from base_ptr on (EPL elements per line), none past
-        its first n_elems elements; nothing comes back and nothing waits (DecodeConfig.l2_prefetch)."""
-        offs = tl.minimum(tl.arange(0, LINES) * EPL, n_elems - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [base_ptr + offs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
     @triton.jit
     def grid_dependency(PDL: tl.constexpr, LAUNCH_FIRST: tl.constexpr = False):
         """With PDL: wait for the previous kernel in the stream to finish (its writes visible), then
@@ -145,4 +128,4 @@ if triton is not None:
 else:
     FMT_DENSE = FMT_INT8 = FMT_INT4 = FMT_INT4_ASYM = FMT_TERNARY = FMT_TERNARY2 = None
     MODE_BYTES = MODE_WORDS = MODE_INT8_ACT = None
-    grid_dependency = prefetch_l2 = None
+    grid_dependency = None
