@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from dataclasses import replace  # noqa: E402
 
-from moebench.engine.decode_config import DEFAULT, DecodeConfig  # noqa: E402
+from moebench.engine.decode_config import DEFAULT  # noqa: E402
 from moebench.engine.kernels import KernelError  # noqa: E402
 from moebench.engine.kernels import attention as attention_kernel  # noqa: E402
 from moebench.engine.kernels.attention import decode_attention, num_splits_for  # noqa: E402
@@ -97,29 +97,6 @@ def test_forced_splits_use_the_combine_kernel(splits):
     kv_len = 200
     pos = torch.tensor([[198, 199]], device=DEV)
     check(decode_attention(q, k, v, pos, kv_len, num_splits=splits), reference(q, k, v, pos, kv_len))
-
-
-@pytest.mark.parametrize("splits", [1, 3])
-def test_early_kv_is_bitwise_the_loads_after_the_wait(splits):
-    """DecodeConfig.early_kv (the first block's older slots loaded before the PDL wait, the step's own
-    slot after it): the same output bits, with one split and with three, for two rows of different
-    positions (row 1's slot in its first block, row 0's in a later one, garbage past both), and the
-    loop past the first block. T > 1 keeps the plain loads (the step's other slots are new too)."""
-    q, k, v = make_inputs(2, 2, 8, 2, 1, 32, 160, seed=7)
-    kv_len = 130
-    pos = torch.tensor([[129], [20]], device=DEV)
-    ref = reference(q, k, v, pos, kv_len)           # from the clean cache
-    k[1, :, 21:] = float("nan")
-    v[1, :, 21:] = float("nan")
-    early = DecodeConfig(early_kv=True)
-    plain = DecodeConfig(early_kv=False)
-    got = decode_attention(q, k, v, pos, kv_len, num_splits=splits, cfg=early)
-    want = decode_attention(q, k, v, pos, kv_len, num_splits=splits, cfg=plain)
-    assert torch.equal(got, want)
-    check(got, ref)
-    q3, k3, v3 = make_inputs(1, 1, 4, 2, 3, 16, 80, seed=8)
-    pos3 = torch.tensor([[60, 61, 62]], device=DEV)
-    check(decode_attention(q3, k3, v3, pos3, 63, cfg=early), reference(q3, k3, v3, pos3, 63))
 
 
 def test_automatic_splits_and_scale():

@@ -682,10 +682,9 @@ def test_engine_rope_in_attention_decodes_exactly_like_qk_rope_cache(ckpt, monke
 @pytest.mark.parametrize("steps", [1, 4])
 def test_engine_early_weights_decode_exactly_like_loads_after_the_wait(ckpt, steps):
     """DecodeConfig.early_weights (the router's weight rows, the GEMVs' and bf16 down's first
-    `early_steps` K steps loaded before the PDL wait; early_kv: attention's first block of older
-    cache slots too) gives the same tokens and bitwise-equal step logits: the loads move, the sums
-    do not. gemv_max_tokens=1 and BK 32 (down: 16): the attention projections run the Triton GEMV
-    here too, and both kernels have more K steps than load early.
+    `early_steps` K steps loaded before the PDL wait) gives the same tokens and bitwise-equal step
+    logits: the loads move, the sums do not. gemv_max_tokens=1 and BK 32 (down: 16): the attention
+    projections run the Triton GEMV here too, and both kernels have more K steps than load early.
     On CUDA the early engine also lets every kernel of EARLY_LAUNCH_KERNELS launch its successor
     before its wait (early_launch): the launches overlap more, the numbers stay the same."""
     from moebench.engine.decode_config import EARLY_LAUNCH_KERNELS, EARLY_WEIGHT_KERNELS
@@ -694,7 +693,7 @@ def test_engine_early_weights_decode_exactly_like_loads_after_the_wait(ckpt, ste
     engines = {on: Engine.load(ckpt, device=DEV, dtype="float32", max_seq_len=32,
                                decode=small(experts_impl="triton", gemv_max_tokens=1,
                                             early_weights=EARLY_WEIGHT_KERNELS if on else (),
-                                            early_steps=steps if on else 1, early_kv=on,
+                                            early_steps=steps if on else 1,
                                             early_launch=EARLY_LAUNCH_KERNELS if on and cuda else (),
                                             ).with_launch("gemv", "dense", BK=32).with_launch("down", "dense", BK=16))
                for on in (False, True)}

@@ -188,8 +188,6 @@ class DecodeConfig:
         (all of them, early_weights all three, early_steps 2) measured on the H200 against
         early_weights router + down alone: bf16 +1.2%, int4 +2.4%, the int8 / ternary2 a8 plan
         +0.7% (two calls alike; decode_ab_table.txt). early_steps 4 made bf16 1.5% slower.
-    early_kv: one-token decode attention loads its first K/V block's older slots (earlier steps'
-        keys and values) before the PDL wait, and only this step's slot after it (same sums).
     router_max_tokens: most tokens one fused router call takes (size of its arrival counters).
     count_tier_picks: tiered experts on the fused path count each call's picks per expert on the
         device, one atomic per (token, expert) pair inside fused_moe's down launch (and stage copies
@@ -215,7 +213,6 @@ class DecodeConfig:
     early_weights: tuple[str, ...] = EARLY_WEIGHT_KERNELS
     early_steps: int = 2
     early_launch: tuple[str, ...] = EARLY_LAUNCH_KERNELS
-    early_kv: bool = False
     router_max_tokens: int = 64
     count_tier_picks: bool = True
     launch: Mapping[tuple[str, str, str], Launch] = field(default_factory=lambda: dict(SHIPPED_LAUNCH))
