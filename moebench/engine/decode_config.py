@@ -173,10 +173,11 @@ class DecodeConfig:
     rope_in_attention: one-token steps do q/k norm, RoPE and the KV write inside the decode
         attention launch (kernels.RopeInputs), one launch per layer fewer. Off: on the H200 bf16
         decoded 6.0% slower with it (benchmarks/results/decode_ab_table.txt).
-    early_weights: kernels, of EARLY_WEIGHT_KERNELS, whose programs load their first weight tile
-        before the PDL wait, so its DRAM latency overlaps the kernel before them: "router" (the
-        fused norm + router's weight rows), "gemv" (the attention projections' first K step), "down"
-        (bf16 experts' first K step: the pair's expert comes from the router, two launches back).
+    early_weights: kernels, of EARLY_WEIGHT_KERNELS, whose programs load their first weight tiles
+        before the PDL wait, so their DRAM latency overlaps the kernel before them: "router" (the
+        fused norm + router's weight rows), "gemv" (the attention projections' first early_steps K
+        steps), "down" (bf16 experts' first early_steps K steps: the pair's expert comes from the
+        router, two launches back).
         Weights never change during a step, so this reads nothing the wait protects; the sums are
         the same, bit for bit. Default all three, with early_steps 2 and early_launch all (see there).
     early_steps: how many K steps of weights the "gemv" and "down" early loads cover (1 to
