@@ -18,7 +18,16 @@ def build_engine(hf, *, max_seq_len: int, max_batch: int = 1, cuda_graphs: bool 
                  prefill_chunk: int = 512, **decode) -> Engine:
     """An Engine whose non-expert parameters are the transformers model's tensors (views). experts:
     None (the dense experts, also views) or {layer: nn.Module} replacing each MoE layer's experts.
-    decode: the Engine's decode options (experts_impl=..., or decode=DecodeConfig(...))."""
+    decode: the Engine's decode options (experts_impl=..., or decode=DecodeConfig(...)); among them
+    launch=[[kernel, format, variant, {param: value}], ...] changes launch table entries
+    (DecodeConfig.with_launch; variant "", "host" or "a8"), so decode_ab's JSON option sets can."""
+    launches = decode.pop("launch", None)
+    if launches:
+        from moebench.engine.decode_config import DecodeConfig
+        cfg = decode.pop("decode", None) or DecodeConfig(**decode)
+        for kernel, fmt, variant, params in launches:
+            cfg = cfg.with_launch(kernel, fmt, host=variant == "host", a8=variant == "a8", **params)
+        decode = {"decode": cfg}
     cfg = ModelConfig.from_dict(hf.config.to_dict(), source="transformers config")
     with torch.device("meta"):
         model = MoETransformer(cfg)

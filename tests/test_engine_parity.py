@@ -166,6 +166,31 @@ def test_every_experts_impl_matches_transformers(checkpoints, impl, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", ["gather", "loop", "grouped_mm"])
+def test_every_experts_impl_is_deterministic(impl, device):
+    """The same tokens give the same sums, bit for bit, call after call: each path adds a token's k
+    expert outputs in a fixed order. (index_add_ adds with atomics on CUDA, whose order changes from
+    run to run: a prefill's logits, and at a near-tie its greedy token, changed between runs.) Many
+    tokens per expert, so that atomics would collide."""
+    require(device)
+    from moebench.engine.decode_config import DecodeConfig
+    from moebench.engine.model import Experts
+    E, H, inter, T, k = 32, 512, 128, 512, 8
+    dtype = torch.bfloat16 if impl == "grouped_mm" and device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(9)
+    experts = Experts(E, H, inter)
+    for p in experts.parameters():
+        p.data = (torch.randn(p.shape, generator=g) * 0.05).to(device, dtype)
+    experts.configure(DecodeConfig(experts_impl=impl), k)
+    x = torch.randn(T, H, generator=g).to(device, dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(device)
+    w = torch.rand(T, k, generator=g).to(device)
+    first = experts(x, ids, w)
+    for _ in range(5):
+        assert torch.equal(experts(x, ids, w), first), f"{impl}/{dtype}: the sums changed between calls"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_chunked_prefill_equals_one_pass(checkpoints, device):
     require(device)
     path, hf = checkpoints["qwen3_moe-norm"]

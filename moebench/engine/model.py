@@ -257,28 +257,33 @@ class Experts(nn.Module):
         ids = topk_ids.reshape(-1)
         xs = x.unsqueeze(1).expand(T, k, x.shape[-1]).reshape(T * k, -1, 1)   # [T*k, H, 1]
         h = F.silu(torch.bmm(self.w_gate[ids], xs)) * torch.bmm(self.w_up[ids], xs)
-        y = torch.bmm(self.w_down[ids], h).squeeze(-1).view(T, k, -1)        # [T, k, H]
-        return (y.float() * topk_w.float().unsqueeze(-1)).sum(1).to(x.dtype)
+        return self._weighted_sum(torch.bmm(self.w_down[ids], h).squeeze(-1), topk_w)   # y: [T*k, H]
 
     def _loop(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor) -> Tensor:
         T, k = topk_ids.shape
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()   # one sync per layer
-        token_of = order // k
-        weight_of = topk_w.reshape(-1)[order].float()
-        xs = x[token_of]
-        out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
+        xs = x[order // k]
+        y = torch.empty(T * k, x.shape[-1], dtype=x.dtype, device=x.device)
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             xe = xs[start:start + n]
             h = F.silu(xe @ self.w_gate[e].t()) * (xe @ self.w_up[e].t())
-            y = h @ self.w_down[e].t()
-            out.index_add_(0, token_of[start:start + n], y.float() * weight_of[start:start + n, None])
+            y[order[start:start + n]] = h @ self.w_down[e].t()
             start += n
-        return out.to(x.dtype)
+        return self._weighted_sum(y, topk_w)
+
+    @staticmethod
+    def _weighted_sum(y: Tensor, topk_w: Tensor) -> Tensor:
+        """sum_j topk_w[t, j] * y[t * k + j] in the order j = 0..k-1, in float32: y holds each (token,
+        expert) pair's output in pair order. A fixed order, as _gather and the fused kernels sum:
+        index_add_ on CUDA adds with atomics, so its sums (and a near-tie's greedy token) changed from
+        run to run."""
+        T, k = topk_w.shape
+        return (y.view(T, k, -1).float() * topk_w.float().unsqueeze(-1)).sum(1).to(y.dtype)
 
     def _grouped_mm(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor) -> Tensor:
         T, k = topk_ids.shape
@@ -288,14 +293,12 @@ class Experts(nn.Module):
         counts = torch.histc(flat.float() if x.device.type == "cpu" else flat.int(),
                              bins=self.num_experts, min=0, max=self.num_experts - 1)
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        token_of = order // k
-        xs = x[token_of].to(self.w_gate.dtype)
+        xs = x[order // k].to(self.w_gate.dtype)
         gate = F.grouped_mm(xs, self.w_gate.transpose(1, 2), offs=offs)
         up = F.grouped_mm(xs, self.w_up.transpose(1, 2), offs=offs)
-        y = F.grouped_mm(F.silu(gate) * up, self.w_down.transpose(1, 2), offs=offs)   # [T*k, H]
-        out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
-        out.index_add_(0, token_of, y.float() * topk_w.reshape(-1)[order].float()[:, None])
-        return out.to(x.dtype)
+        y = torch.empty(T * k, x.shape[-1], dtype=x.dtype, device=x.device)
+        y[order] = F.grouped_mm(F.silu(gate) * up, self.w_down.transpose(1, 2), offs=offs).to(x.dtype)
+        return self._weighted_sum(y, topk_w)
 
 
 class RouterTracer:
