@@ -17,9 +17,7 @@ call:
    - plan_gpu_host_ssd_guess: the same with the prefetch's guesses (prefetch_host and
      prefetch_early: disk reads also started from the guess one layer ahead);
    - plan_gpu_host_ssd_ahead: the same with guesses from --ssd-lookahead layers ahead
-     (DecodeConfig.ssd_lookahead);
-   - plan_gpu_host_ssd_whole: plan_gpu_host_ssd with each record read whole by one thread
-     (ssd spans 1; the other SSD rows read --ssd-spans concurrent spans per record).
+     (DecodeConfig.ssd_lookahead).
 3. Each plan decodes with the default settings, the engine runner's choices for the device
    (runners/engine.py decode_choices + prefetch_choices: on CUDA the fused kernels, CUDA graphs where
    every layer is sync-free, decode-ahead, prefetch from the attention input for host or ssd experts),
@@ -69,7 +67,6 @@ from moebench.engine.decode_config import DecodeConfig  # noqa: E402
 from moebench.engine.placement import QuantizedExpert, counter_states, restore_counter_states  # noqa: E402
 from moebench.engine.quant import format_nbytes, quantize  # noqa: E402
 from moebench.engine.ssd import DiskTier, write_pack  # noqa: E402
-from moebench.engine.tiering import SSD_SPANS  # noqa: E402
 from moebench.runners.engine import decode_choices, prefetch_choices  # noqa: E402
 
 HOT, COLD = "int8", "ternary2"
@@ -333,16 +330,14 @@ def ssd_pack(b, ctx: dict, home) -> tuple[Path, dict]:
     return path, {**info, "page_cache_dropped": drop_page_cache(path)}
 
 
-def run_ssd_plan(b, ctx: dict, name: str, spans: int | None = None, **decode_changes) -> dict:
+def run_ssd_plan(b, ctx: dict, name: str, **decode_changes) -> dict:
     """The hot half in HBM; the cold half in a pack file on disk behind a host-RAM cache of
-    --ssd-cache-fraction of the cold records (a fresh, empty cache per variant); each record read
-    as `spans` concurrent spans (None: --ssd-spans)."""
+    --ssd-cache-fraction of the cold records (a fresh, empty cache per variant)."""
     precision, _ = b.plans["int8hot_ternary2cold_host"]
     home = [["gpu" if e in b.hot[l] else "ssd" for e in range(b.cfg.num_experts)] for l in range(b.cfg.num_layers)]
     path, info = ssd_pack(b, ctx, home)
     cache = int(b.args.ssd_cache_fraction * info["cold_record_bytes"])
-    disk = DiskTier.open(path, cache_bytes=cache, threads=b.args.ssd_threads, pin=b.device.type == "cuda",
-                         spans=spans if spans is not None else b.args.ssd_spans)
+    disk = DiskTier.open(path, cache_bytes=cache, threads=b.args.ssd_threads, pin=b.device.type == "cuda")
     try:
         r = run_plan(b, ctx, name, precision, home, disk=disk, **decode_changes)
         r["ssd"] = {**info, "host_cache_fraction": b.args.ssd_cache_fraction, **disk.stats()}
@@ -374,13 +369,6 @@ def plan_gpu_host_ssd_guess(b, ctx: dict) -> dict:
 def plan_gpu_host_ssd_ahead(b, ctx: dict) -> dict:
     """The SSD plan with guesses from each of the --ssd-lookahead layers before a layer."""
     return run_ssd_plan(b, ctx, "plan_gpu_host_ssd_ahead", **guesses(b), ssd_lookahead=b.args.ssd_lookahead)
-
-
-@variant("plan_gpu_host_ssd_whole")
-def plan_gpu_host_ssd_whole(b, ctx: dict) -> dict:
-    """plan_gpu_host_ssd with each record read whole, by one thread (spans 1): what split reads
-    are measured against."""
-    return run_ssd_plan(b, ctx, "plan_gpu_host_ssd_whole", spans=1)
 
 
 # ---- the run ----------------------------------------------------------------------------------------
@@ -429,8 +417,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--ssd-cache-fraction", type=float, default=0.5,
                     help="plan_gpu_host_ssd: host-RAM cache size as a share of the cold records' bytes")
     ap.add_argument("--ssd-threads", type=int, default=4, help="plan_gpu_host_ssd*: the SSD tier's reader threads")
-    ap.add_argument("--ssd-spans", type=int, default=SSD_SPANS,
-                    help="plan_gpu_host_ssd*: concurrent spans per record read (Plan.ssd_spans; default its default)")
     ap.add_argument("--ssd-lookahead", type=int, default=3,
                     help="plan_gpu_host_ssd_ahead: DecodeConfig.ssd_lookahead (layers ahead a guess starts reads)")
     ap.add_argument("--skip-tail-from", type=int, default=None,

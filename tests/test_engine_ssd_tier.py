@@ -247,28 +247,6 @@ def test_host_cache_lru_respects_its_byte_budget(artifacts):
     tier.close()
 
 
-def test_records_read_as_concurrent_spans_are_the_whole_reads(artifacts):
-    """DiskTier(spans=n) splits each record's read into up to n ALIGN-multiple spans on its span
-    threads: every byte lands, verified by the CRC-32 check, for span counts that divide a record
-    evenly, unevenly, and beyond its number of blocks."""
-    split, _, _ = artifacts
-    p = ExpertPack(split / "experts.ssd", verify=True)
-    keys = sorted(p.entries)[:5]
-    whole = {k: p.read_raw(k)[0].clone() for k in keys}
-    assert all(p.read_bytes(k) // ALIGN >= 2 for k in keys)     # records of several blocks: real splits
-    for spans in (2, 3, 1000):
-        tier = DiskTier(ExpertPack(split / "experts.ssd", verify=True), threads=2, spans=spans)   # close() closes it
-        for k in keys:
-            assert tier.request(k) == p.read_bytes(k)
-        for k in keys:
-            rec, _ = tier.take(k)
-            assert torch.equal(rec.buf, whole[k]), f"spans={spans}: layer {k[0]} expert {k[1]} differs"
-        assert tier.stats()["read_spans"] == spans
-        tier.close()
-    with pytest.raises(ValueError, match="spans must be >= 1"):
-        DiskTier(p, spans=0)
-
-
 def test_damaged_pack_files_are_refused_with_the_file_named(artifacts, tmp_path):
     split, _, _ = artifacts
     good = (split / "experts.ssd").read_bytes()

@@ -41,7 +41,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
 
@@ -248,22 +248,6 @@ class ExpertPack:
                                 f"{len(view) - got} more (file shrunk?)")
             got += n
 
-    def _read_span(self, key: tuple[int, int], view: memoryview, offset: int) -> None:
-        """Read view's bytes from `offset`, reopening the file buffered where O_DIRECT reads fail."""
-        try:
-            self._pread_into(view, offset)
-        except OSError as err:
-            if not (self.direct and err.errno == errno.EINVAL):
-                raise PackError(f"{self.path}: reading layer {key[0]} expert {key[1]} at {offset} failed ({err})") from None
-            # the open accepted O_DIRECT but the read did not: reopen buffered, once, for everyone
-            with self._fd_lock:
-                if self.direct:
-                    fd = self._fd
-                    self._fd = os.open(self.path, os.O_RDONLY)
-                    os.close(fd)
-                    self.direct, self.direct_reason = False, f"the filesystem refused O_DIRECT reads ({err.strerror})"
-            self._pread_into(view, offset)
-
     def read(self, key: tuple[int, int], pin: bool = False) -> tuple[QuantizedExpert, int]:
         """Read one record (from a reader thread or the caller's); returns the expert, whose tensors
         are views into one aligned buffer, and the bytes read."""
@@ -274,31 +258,27 @@ class ExpertPack:
         """The expert whose tensors view a record's buffer (as read_raw gave it)."""
         return self._expert(key, self.entries[key], buf)
 
-    def read_raw(self, key: tuple[int, int], pin: bool = False, pieces: int = 1,
-                 pool: ThreadPoolExecutor | None = None) -> tuple[torch.Tensor, int]:
+    def read_raw(self, key: tuple[int, int], pin: bool = False) -> tuple[torch.Tensor, int]:
         """Read one record into a new aligned buffer (uint8 [read_bytes]); returns it and the bytes
-        read. The least Python a reader thread can run: it holds the GIL the model's thread needs.
-        pieces > 1 (with `pool`): the record is split into up to that many ALIGN-multiple spans, all
-        but the first read by `pool`'s threads at once, the first here: one record then has several
-        reads in flight, which a device whose bandwidth needs a queue depth above one serves faster
-        (a layer's routing usually asks for one record at a time). `pool` must not run jobs that
-        wait on others (no deadlock: its jobs only read)."""
+        read. The least Python a reader thread can run: it holds the GIL the model's thread needs."""
         entry = self.entries.get(key)
         if entry is None:
             raise PackError(f"{self.path}: no record for layer {key[0]} expert {key[1]}")
         rb, off = int(entry["read_bytes"]), int(entry["offset"])
         buf = aligned_buffer(rb, pin)
         view = memoryview(buf.numpy()).cast("B")
-        blocks = rb // ALIGN
-        n_spans = max(1, min(pieces if pool is not None else 1, blocks))
-        cuts = [ALIGN * (blocks * i // n_spans) for i in range(n_spans + 1)]
-        others = [pool.submit(self._read_span, key, view[a:b], off + a) for a, b in zip(cuts[1:-1], cuts[2:])]
         try:
-            self._read_span(key, view[:cuts[1]], off)
-        finally:
-            wait(others)             # every span has landed (or failed) before buf is used or dropped
-        for fut in others:
-            fut.result()             # a span's error
+            self._pread_into(view, off)
+        except OSError as err:
+            if not (self.direct and err.errno == errno.EINVAL):
+                raise PackError(f"{self.path}: reading layer {key[0]} expert {key[1]} at {off} failed ({err})") from None
+            # the open accepted O_DIRECT but the read did not: reopen buffered, once, for everyone
+            with self._fd_lock:
+                if self.direct:
+                    os.close(self._fd)
+                    self._fd = os.open(self.path, os.O_RDONLY)
+                    self.direct, self.direct_reason = False, f"the filesystem refused O_DIRECT reads ({err.strerror})"
+            self._pread_into(view, off)
         n = int(entry["length"])
         if self.verify:
             crc = zlib.crc32(view[:n])
@@ -424,26 +404,16 @@ class DiskTier:
     so a read asked for on demand always finds a reader thread free. A record a guess read and no
     pick has used yet is in `guessed`: its first use counts as a guessed read used
     (`guess_used`); one evicted unused is wasted. Every method is for the model's thread; the
-    reader threads only fill buffers.
+    reader threads only fill buffers."""
 
-    spans: a requested record is read as up to this many spans at once (ExpertPack.read_raw's
-    pieces), the first by its reader thread, the others by `threads` more span threads, so a lone
-    on-demand read has several device reads in flight; 1: one read per record."""
-
-    def __init__(self, pack: ExpertPack, cache_bytes: int = 0, threads: int = 4, pin: bool = False,
-                 spans: int = 1):
+    def __init__(self, pack: ExpertPack, cache_bytes: int = 0, threads: int = 4, pin: bool = False):
         if threads < 1:
             raise ValueError(f"DiskTier: threads must be >= 1, got {threads}")
-        if spans < 1:
-            raise ValueError(f"DiskTier: spans must be >= 1, got {spans}")
         self.pack = pack
         self.cache = HostCache(cache_bytes)
         self.pin = pin
         self.threads = threads
-        self.spans = spans
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moebench-ssd")
-        self._span_pool = (ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moebench-ssd-span")
-                           if spans > 1 else None)
         self._inflight: dict[tuple[int, int], tuple[Future, bool]] = {}
         self.guessed: set[tuple[int, int]] = set()
         self.guess_reads = self.guess_used = self.guess_dropped = 0
@@ -451,8 +421,8 @@ class DiskTier:
 
     @classmethod
     def open(cls, path: str | Path, cache_bytes: int = 0, threads: int = 4, pin: bool = False,
-             direct: bool | None = None, verify: bool = False, spans: int = 1) -> "DiskTier":
-        return cls(ExpertPack(path, direct=direct, verify=verify), cache_bytes, threads, pin, spans)
+             direct: bool | None = None, verify: bool = False) -> "DiskTier":
+        return cls(ExpertPack(path, direct=direct, verify=verify), cache_bytes, threads, pin)
 
     def nbytes(self, key: tuple[int, int]) -> int:
         """The expert's stored bytes (its parts; the record read is padded to ALIGN)."""
@@ -507,7 +477,7 @@ class DiskTier:
 
         def job():
             t0 = time.perf_counter()
-            buf, n = self.pack.read_raw(key, pin=self.pin, pieces=self.spans, pool=self._span_pool)
+            buf, n = self.pack.read_raw(key, pin=self.pin)
             return buf, n, time.perf_counter() - t0
         self._inflight[key] = (self._pool.submit(job), guess)
         return self.pack.read_bytes(key)
@@ -542,7 +512,6 @@ class DiskTier:
         c = self.cache
         return {"file": str(self.pack.path), "records": len(self.pack.entries), "o_direct": self.pack.direct,
                 "o_direct_reason": self.pack.direct_reason, "verify": self.pack.verify, "read_threads": self.threads,
-                "read_spans": self.spans,
                 "cache_capacity_bytes": c.capacity, "cache_resident_bytes": c.resident, "cache_peak_bytes": c.peak,
                 "cache_records": len(c), "cache_inserts": c.inserts, "cache_evictions": c.evictions,
                 "guess_reads": self.guess_reads, "guess_used": self.guess_used,
@@ -553,7 +522,5 @@ class DiskTier:
         for fut, _ in self._inflight.values():
             fut.cancel()
         self._pool.shutdown(wait=True)
-        if self._span_pool is not None:
-            self._span_pool.shutdown(wait=True)
         self._inflight.clear()
         self.pack.close()

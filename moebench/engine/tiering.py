@@ -38,8 +38,6 @@ __all__ = ["calibrate", "plan", "plan_hot_cold", "pack", "load_tiered", "open_di
 PLAN_FORMAT = "moebench-tiered-plan"
 PLAN_VERSION = 1
 MATRICES = ("gate", "up", "down")
-# Plan.ssd_spans' default: how many concurrent spans one record's read is split into
-SSD_SPANS = 1
 
 
 class TieringError(ValueError):
@@ -286,8 +284,7 @@ class Plan:
     cache_slots / skip_tail_from are the runtime settings TieredExperts gets by default.
     The SSD tier's runtime settings (written to plan.json only when some expert is on ssd):
     ssd_cache_bytes: the host-RAM LRU cache in front of the pack file, in bytes; ssd_threads: reader
-    threads; ssd_spans: each record read as up to this many concurrent spans (ssd.DiskTier's spans;
-    1: one read per record); ssd_direct: O_DIRECT reads (None: where the filesystem allows, else buffered);
+    threads; ssd_direct: O_DIRECT reads (None: where the filesystem allows, else buffered);
     ssd_verify: check every record's CRC-32 as it is read.
     info: what the planner knew and decided (budgets, ladder, bytes per tier, expected error).
     """
@@ -302,7 +299,6 @@ class Plan:
     ssd_threads: int = 4
     ssd_direct: bool | None = None
     ssd_verify: bool = False
-    ssd_spans: int = SSD_SPANS
 
     @property
     def has_ssd(self) -> bool:
@@ -312,7 +308,7 @@ class Plan:
         runtime: dict[str, Any] = {"cache_slots": self.cache_slots, "skip_tail_from": self.skip_tail_from}
         if self.has_ssd:
             runtime.update(ssd_cache_bytes=self.ssd_cache_bytes, ssd_threads=self.ssd_threads,
-                           ssd_spans=self.ssd_spans, ssd_direct=self.ssd_direct, ssd_verify=self.ssd_verify)
+                           ssd_direct=self.ssd_direct, ssd_verify=self.ssd_verify)
         return {"format": PLAN_FORMAT, "version": PLAN_VERSION,
                 "runtime": runtime,
                 "layers": {str(l): {"precision": p, "home": h}
@@ -371,21 +367,17 @@ class Plan:
             raise TieringError(f"{source}: runtime.skip_tail_from is {skip!r}; expected null or an integer >= 1")
         cache_bytes = runtime.get("ssd_cache_bytes", 0)
         threads = runtime.get("ssd_threads", 4)
-        spans = runtime.get("ssd_spans", SSD_SPANS)
         direct = runtime.get("ssd_direct")
         verify = runtime.get("ssd_verify", False)
         if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 0:
             raise TieringError(f"{source}: runtime.ssd_cache_bytes is {cache_bytes!r}; expected an integer >= 0")
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
             raise TieringError(f"{source}: runtime.ssd_threads is {threads!r}; expected an integer >= 1")
-        if not isinstance(spans, int) or isinstance(spans, bool) or spans < 1:
-            raise TieringError(f"{source}: runtime.ssd_spans is {spans!r}; expected an integer >= 1")
         if direct is not None and not isinstance(direct, bool):
             raise TieringError(f"{source}: runtime.ssd_direct is {direct!r}; expected true, false or null")
         if not isinstance(verify, bool):
             raise TieringError(f"{source}: runtime.ssd_verify is {verify!r}; expected true or false")
-        return cls(layers, precision, home, slots, skip, data.get("info", {}), cache_bytes, threads, direct, verify,
-                   spans)
+        return cls(layers, precision, home, slots, skip, data.get("info", {}), cache_bytes, threads, direct, verify)
 
     def count(self) -> dict[str, int]:
         """How many experts have each precision and each home."""
@@ -745,7 +737,7 @@ def open_disk_tier(path: str | Path, plan: Plan, shapes: dict | None, device, ss
     try:
         disk = DiskTier.open(file, cache_bytes=plan.ssd_cache_bytes if ssd_cache_bytes is None else ssd_cache_bytes,
                              threads=plan.ssd_threads, pin=torch.device(device).type == "cuda",
-                             direct=plan.ssd_direct, verify=plan.ssd_verify, spans=plan.ssd_spans)
+                             direct=plan.ssd_direct, verify=plan.ssd_verify)
     except PackError as err:
         raise TieringError(str(err)) from None
     want = {(l, e): plan.precision[i][e] for i, l in enumerate(plan.layers)
