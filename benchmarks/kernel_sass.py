@@ -1,0 +1,178 @@
+"""The fused MoE kernels compiled for sm_90 on a machine without a GPU: registers, spills and the
+SASS instruction mix of one gate_up or down launch shape per expert format.
+
+Timing needs the H200 (quant_kernels_h200.py; kernel_counters_h200.py under ncu for stalls); this
+says, offline and in seconds, what a kernel change does to the code: how many global loads a K
+step issues, how many integer, conversion and float instructions, how many registers. Counts are
+static (a loop body once), so compare variants of one kernel, not kernels of other loop shapes.
+
+    TRITON_INTERPRET=0 python benchmarks/kernel_sass.py                      # the shipped shapes
+    TRITON_INTERPRET=0 python benchmarks/kernel_sass.py --kernels gate_up --formats ternary,ternary2 \\
+        --launch 4,256,4,3                                                      # one shape for all
+
+TRITON_INTERPRET=0: moebench switches Triton's CPU interpreter on where there is no CUDA, and an
+interpreted kernel cannot be compiled. Triton's own ptxas, cuobjdump and nvdisasm do the work.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    raise SystemExit("kernel_sass.py compiles kernels: run it with TRITON_INTERPRET=0")
+os.environ["TRITON_INTERPRET"] = "0"
+import triton  # noqa: E402  (before moebench, so its kernels are compiled, not interpreted)
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from moebench.engine.decode_config import DEFAULT, DecodeMode  # noqa: E402
+from moebench.engine.kernels import moe_kernels  # noqa: E402
+
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+E, H, INTER, TOP_K = 128, 2048, 768, 8      # one MoE layer of Qwen3-30B-A3B's shape
+
+
+def captured_launches(fmt: str, cfg) -> dict:
+    """The (args, kwargs) fused_moe gives each kernel for one decode token on one `fmt` group (CPU
+    tensors of the real shapes; nothing runs: the launches are caught)."""
+    import torch
+    from moebench.engine import kernels
+    from moebench.engine.kernels import moe as moe_mod
+    from moebench.engine.kernels import runtime
+    from moebench.engine.quant import QuantizedTensor, quantize
+    g = torch.Generator().manual_seed(0)
+    mats = []
+    for rows, cols in ((INTER, H), (INTER, H), (H, INTER)):
+        w = torch.randn(2 * rows, cols, generator=g) * 0.02           # two experts are enough to stack
+        if fmt == "dense":
+            mats.append(kernels.PackedMatrix.dense(w.view(2, rows, cols).to(torch.bfloat16)))
+            continue
+        q = quantize(w, fmt)
+        parts = {k: v.reshape(2, rows, *v.shape[1:]) for k, v in q.parts.items()}
+        mats.append(kernels.PackedMatrix.stack(
+            [QuantizedTensor(q.fmt, (rows, cols), {k: v[e] for k, v in parts.items()}) for e in range(2)], "cpu"))
+    slot_of = torch.full((E,), -1, dtype=torch.int32)
+    slot_of[:2] = torch.arange(2, dtype=torch.int32)
+    group = kernels.ExpertGroup(*mats, slot_of, fmt)
+    caught = {}
+
+    def catcher(name):
+        def run(*args, grid, warmup, **kwargs):
+            caught[name] = (args, kwargs)
+        return run
+    saved = (runtime.IMPORT_ERROR, moe_kernels.gate_up_kernel.run, moe_kernels.down_kernel.run,
+             moe_mod.moe_sum_kernel.run, kernels.PackedMatrix.on_host)
+    runtime.IMPORT_ERROR = None          # the launches are caught before anything would run
+    kernels.PackedMatrix.on_host = property(lambda self: False)      # CPU tensors stand in for HBM ones
+    moe_kernels.gate_up_kernel.run = catcher("gate_up")
+    moe_kernels.down_kernel.run = catcher("down")
+    moe_mod.moe_sum_kernel.run = catcher("moe_sum")
+    try:
+        x = torch.randn(1, H, generator=g).to(torch.bfloat16)
+        ids = torch.zeros(1, TOP_K, dtype=torch.long)
+        kernels.fused_moe(x, ids, torch.ones(1, TOP_K), [group], cfg=cfg, reduce=False)
+    finally:
+        (runtime.IMPORT_ERROR, moe_kernels.gate_up_kernel.run, moe_kernels.down_kernel.run,
+         moe_mod.moe_sum_kernel.run, kernels.PackedMatrix.on_host) = saved
+    return caught
+
+
+def compile_captured(fn, args: tuple, kwargs: dict):
+    """Compile fn for sm_90 with the signature, constants and alignment attributes its JIT would
+    derive from these arguments (triton.runtime.jit's specialization)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+    params = fn.params
+    bound = dict(zip([p.name for p in params], args))
+    bound.update({k: v for k, v in kwargs.items() if k in {p.name for p in params}})
+    sig, consts, attrs = {}, {}, {}
+    for i, p in enumerate(params):
+        value = bound[p.name] if p.name in bound else p.default
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+            consts[(i,)] = value
+            continue
+        ty, key = native_specialize_impl(CUDABackend, value, p.is_const, not p.do_not_specialize,
+                                         not p.do_not_specialize_on_alignment)
+        sig[p.name] = ty
+        if ty == "constexpr":
+            consts[(i,)] = value
+        elif key:
+            attrs[(i,)] = CUDABackend.parse_attr(key)
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def sass_report(compiled) -> dict:
+    """Registers, spill bytes and the opcode counts of a compiled kernel's cubin."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([str(TOOLS / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+        usage = subprocess.run([str(TOOLS / "cuobjdump"), "--dump-resource-usage", str(cubin)],
+                               capture_output=True, text=True, check=True).stdout
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            ops[m.group(1)] += 1
+    regs = re.search(r"REG:(\d+)", usage)
+    spill = re.search(r"STACK:(\d+)", usage)
+    return {"registers": int(regs.group(1)) if regs else None, "stack_bytes": int(spill.group(1)) if spill else None,
+            "instructions": sum(ops.values()), "ops": dict(ops.most_common())}
+
+
+# opcode families worth a column: memory, integer, conversion, float
+COLUMNS = {"LDG": ("LDG",), "LDS/STS": ("LDS", "STS"), "int": ("IMAD", "IADD3", "SHF", "LOP3", "LEA", "SGXT",
+           "PRMT", "VIADD", "ISETP", "IMNMX"), "cvt": ("I2F", "I2FP", "F2I", "F2F", "I2I"),
+           "float": ("FFMA", "FADD", "FMUL", "FMNMX", "HADD2", "HFMA2", "HMUL2"), "dp4a": ("IDP",)}
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kernels", default="gate_up,down")
+    ap.add_argument("--formats", default="dense,int8,int4,ternary,ternary2")
+    ap.add_argument("--mode", type=int, default=None, help="DecodeConfig.decode_mode value (default: the shipped one)")
+    ap.add_argument("--launch", default=None, metavar="BN,BK,WARPS,STAGES", help="one shape for every format")
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args(argv)
+    rows = []
+    print(f"{'kernel':8s} {'format':9s} mode  {'launch':18s} regs stack  instr " +
+          " ".join(f"{c:>7s}" for c in COLUMNS))
+    for fmt in args.formats.split(","):
+        cfg = DEFAULT
+        if args.mode is not None:
+            cfg = replace(cfg, decode_mode=DecodeMode(args.mode))
+        if args.launch:
+            bn, bk, warps, stages = map(int, args.launch.split(","))
+            cfg = cfg.with_launches(dict(BN=bn, BK=bk, num_warps=warps, num_stages=stages), formats=[fmt])
+        caught = captured_launches(fmt, cfg)
+        for kernel in args.kernels.split(","):
+            fn = moe_kernels.gate_up_kernel if kernel == "gate_up" else moe_kernels.down_kernel
+            kargs, kkw = caught[kernel]
+            rep = sass_report(compile_captured(fn, kargs, kkw))
+            cols = {c: sum(rep["ops"].get(o, 0) for o in opcodes) for c, opcodes in COLUMNS.items()}
+            shape = (kkw["BN"], kkw["BK_A"], kkw.get("num_warps"), kkw.get("num_stages"))
+            mode = kkw["MODE_A"]
+            rows.append({"kernel": kernel, "format": fmt, "mode": mode, "launch": shape, **rep, "columns": cols})
+            launch = "(" + ",".join(map(str, shape)) + ")"
+            print(f"{kernel:8s} {fmt:9s} {mode:4d}  {launch:18s} {rep['registers']!s:>4s} {rep['stack_bytes']!s:>5s} "
+                  f"{rep['instructions']:6d} " + " ".join(f"{cols[c]:7d}" for c in COLUMNS), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
