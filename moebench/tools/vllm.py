@@ -84,10 +84,12 @@ def ensure_installed(echo: Callable[[str], None] = _log) -> Path:
 
 def server_command(model: str | os.PathLike[str], port: int, *, max_model_len: int = 2048,
                    max_logprobs: int = 100, host: str = "127.0.0.1",
-                   served_name: str | None = None) -> list[str]:
-    """The command line that starts vLLM's OpenAI-compatible server on `model` (a HF folder)."""
+                   served_name: str | None = None, dtype: str = "bfloat16") -> list[str]:
+    """The command line that starts vLLM's OpenAI-compatible server on `model` (a HF folder).
+    dtype: vLLM's --dtype ("bfloat16", as models are served; "float32" where its numbers are
+    compared with a float32 reference: bf16 rounding moves log-probs by a CPU-dependent ~0.1)."""
     cmd = [str(venv_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
+           "--dtype", dtype, "--max-model-len", str(max_model_len),
            "--max-logprobs", str(max_logprobs), "--host", host, "--port", str(port)]
     if served_name:
         cmd += ["--served-model-name", served_name]
