@@ -6,7 +6,8 @@ says, offline and in seconds, what a kernel change does to the code: how many gl
 step issues, how many integer, conversion and float instructions, how many registers. Counts are
 static (a loop body once), so compare variants of one kernel, not kernels of other loop shapes.
 
-    TRITON_INTERPRET=0 python benchmarks/kernel_sass.py                      # the shipped shapes
+    TRITON_INTERPRET=0 python benchmarks/kernel_sass.py                      # the shipped shapes and modes
+                                                                             # (and base-3's word decode)
     TRITON_INTERPRET=0 python benchmarks/kernel_sass.py --kernels gate_up --formats ternary,ternary2 \\
         --launch 4,256,4,3                                                      # one shape for all
 
@@ -142,7 +143,8 @@ COLUMNS = {"LDG": ("LDG",), "LDS/STS": ("LDS", "STS"), "int": ("IMAD", "IADD3", 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels", default="gate_up,down")
-    ap.add_argument("--formats", default="dense,int8,int4,ternary,ternary2")
+    ap.add_argument("--formats", default="dense,int8,int4,ternary,ternary:words,ternary2",
+                    help="formats, each optionally with a decode mode by name (ternary:words)")
     ap.add_argument("--mode", type=int, default=None, help="DecodeConfig.decode_mode value (default: the shipped one)")
     ap.add_argument("--launch", default=None, metavar="BN,BK,WARPS,STAGES", help="one shape for every format")
     ap.add_argument("--json", default=None, help="also write the rows here")
@@ -150,10 +152,13 @@ def main(argv=None) -> list[dict]:
     rows = []
     print(f"{'kernel':8s} {'format':9s} mode  {'launch':18s} regs stack  instr " +
           " ".join(f"{c:>7s}" for c in COLUMNS))
-    for fmt in args.formats.split(","):
+    for spec in args.formats.split(","):
+        fmt, _, mode_name = spec.partition(":")
         cfg = DEFAULT
-        if args.mode is not None:
-            cfg = replace(cfg, decode_mode=DecodeMode(args.mode))
+        if args.mode is not None:      # asked by format too: base-3 ternary runs words only when asked so
+            cfg = replace(cfg, decode_mode=DecodeMode(args.mode), mode_by_format={fmt: DecodeMode(args.mode)})
+        elif mode_name:
+            cfg = replace(cfg, mode_by_format={fmt: DecodeMode[mode_name.upper()]})
         if args.launch:
             bn, bk, warps, stages = map(int, args.launch.split(","))
             cfg = cfg.with_launches(dict(BN=bn, BK=bk, num_warps=warps, num_stages=stages), formats=[fmt])

@@ -313,12 +313,15 @@ def test_groups_of_several_formats_each_write_their_pairs(layout):
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("mode", [DecodeMode.BYTES, DecodeMode.WORDS])
 @pytest.mark.parametrize("bk", [None, 8])
-def test_ternary_kernel_decodes_every_byte_value(bk):
-    """Uniform random trits (every byte value 0..242 occurs) through the kernel vs dequantize().
+def test_ternary_kernel_decodes_every_byte_value(bk, mode):
+    """Uniform random trits (every byte value 0..242 occurs) through the kernel vs dequantize(), in
+    the byte decode and in the word decode of the stacks' padded rows (asked for by format).
     bk=8: K steps of 8 bytes (40 columns) start inside groups and bytes 12 and 25 straddle two
-    groups, so the per-byte lo/hi group scales are checked across step boundaries too."""
+    groups, so the per-byte (per-word) lo/hi group scales are checked across step boundaries too."""
     cfg = SMALL if bk is None else SMALL.with_launches(dict(BK=bk), formats=["ternary"])
+    cfg = replace(cfg, mode_by_format={"ternary": mode})
     g = torch.Generator().manual_seed(2)
     width = 2 * GROUP + 7          # a partial last group, padded like quantize() pads it
     padded = 3 * GROUP
@@ -333,6 +336,10 @@ def test_ternary_kernel_decodes_every_byte_value(bk):
     assert len(torch.unique(torch.cat([m.parts["q"].flatten() for m in mats[0]]))) == 243
     group = kernels.ExpertGroup(kernels.PackedMatrix.stack(mats[0], DEV), kernels.PackedMatrix.stack(mats[1], DEV),
                                 kernels.PackedMatrix.stack(downs, DEV), None, "ternary")
+    assert kernels.group_mode(group, "gate_up", cfg) == kernels.group_mode(group, "down", cfg) == mode
+    # rows of 39 and 13 bytes, stored padded to whole words; data is the stored rows
+    assert group.gate.storage.shape[-1] == 40 and group.down.storage.shape[-1] == 16
+    assert torch.equal(group.gate.data[2].cpu(), mats[0][2].parts["q"])
     x = torch.randn(3, width, generator=g)
     ids, w = routing(3, g)
     got = fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), [group], cfg=cfg).cpu()
@@ -340,6 +347,30 @@ def test_ternary_kernel_decodes_every_byte_value(bk):
                torch.stack([m.dequantize() for m in downs]))
     want = reference(x, ids, w, dequant)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+def test_base3_words_run_only_when_asked_by_format():
+    """The default decode_mode (WORDS) leaves base-3 ternary on its byte decode (its word decode is
+    not yet timed on a GPU); asked by format, it runs words where the rows are padded stacks, and
+    bytes for rows viewed in place without padding (the SSD tier's record buffers)."""
+    g = torch.Generator().manual_seed(5)
+    mats = [[quantize(torch.randn(*s, generator=g) * 0.1, "ternary") for _ in range(E)]
+            for s in ((I, H), (I, H), (H, I))]
+    stacks = [kernels.PackedMatrix.stack(m, DEV) for m in mats]
+    group = kernels.ExpertGroup(*stacks, None, "ternary")
+    asked = replace(SMALL, mode_by_format={"ternary": DecodeMode.WORDS})
+    assert SMALL.mode_of("ternary") == DecodeMode.BYTES and kernels.group_mode(group, "gate_up", SMALL) == 0
+    assert kernels.group_mode(group, "gate_up", asked) == kernels.group_mode(group, "down", asked) == DecodeMode.WORDS
+    unpadded = [kernels.PackedMatrix("ternary", pm.data.contiguous(), pm.rows, pm.cols, pm.scale) for pm in stacks]
+    in_place = kernels.ExpertGroup(*unpadded, None, "ternary")
+    assert kernels.group_mode(in_place, "gate_up", asked) == DecodeMode.BYTES
+    x = torch.randn(2, H, generator=g)
+    ids, w = routing(2, g)
+    got = [fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), [gr], cfg=cfg).cpu()
+           for gr, cfg in ((group, asked), (in_place, asked), (group, SMALL))]
+    assert torch.allclose(got[0], got[1], atol=1e-5, rtol=1e-5) and torch.equal(got[1], got[2])
+    with pytest.raises(DecodeConfigError, match="multiple of 4"):
+        SMALL.with_launch("gate_up", "ternary", BK=2)
 
 
 def test_bad_groups_are_rejected_with_a_clear_error():

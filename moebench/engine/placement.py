@@ -311,14 +311,9 @@ class TieredExperts(nn.Module):
                 continue
             static = g.slot_of
             dynamic = kernels.ExpertGroup(g.gate, g.up, g.down, dynamic_maps[next(rows)], g.label, picks=g.picks)
-
-            def staged(pm: kernels.PackedMatrix) -> kernels.PackedMatrix:
-                def like(t):
-                    return None if t is None else torch.empty((top_k, *t.shape[1:]), dtype=t.dtype, device=self.device)
-                return kernels.PackedMatrix(pm.fmt, like(pm.data), pm.rows, pm.cols, like(pm.scale), like(pm.minimum))
             stage_slot_of = torch.full_like(static, -1)
-            stage = kernels.ExpertGroup(staged(g.gate), staged(g.up), staged(g.down), stage_slot_of,
-                                        g.label.replace("@host", "@stage"), host_lane=True,
+            stage = kernels.ExpertGroup(*(pm.empty_like(top_k, self.device) for pm in (g.gate, g.up, g.down)),
+                                        stage_slot_of, g.label.replace("@host", "@stage"), host_lane=True,
                                         picks=self._counter(1))
             groups += [stage, dynamic]
             entries.append((static, dynamic, stage))

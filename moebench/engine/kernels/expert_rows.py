@@ -4,8 +4,9 @@
 the expert kernels (moe_kernels.py) sum the steps. Dense and int8 steps cover BK columns; packed
 formats cover BK *bytes* (int4: 2 columns per byte, ternary: 5, ternary2: 4), so each loaded byte is
 decoded once, whole, in registers. Three decodes:
-  BYTES  byte loads converted to float (dense, int8, int4, int4_asym; the only one of base-3 ternary)
-  WORDS  int32 word loads, conversion-free (word_dots): int8, int4, int4_asym, ternary2
+  BYTES  byte loads converted to float (dense, int8, int4, int4_asym, base-3 ternary)
+  WORDS  int32 word loads, conversion-free (word_dots): int8, int4, int4_asym, ternary2; base-3
+         ternary's padded rows (trit_word_dots)
   INT8_ACTIVATIONS  words times int8 x with dp4a (int8_activations.a8_word_dots)
 """
 from __future__ import annotations
@@ -70,6 +71,43 @@ if triton is not None:
         has_hi = (hi_start < c0 + 5) & (hi_start < K)
         s_hi = tl.load(s_row + (g_lo + 1)[None, :], mask=bmask & has_hi[None, :], other=0.0).to(tl.float32)
         return s_lo * lo + s_hi * hi
+
+    @triton.jit
+    def trit_word_dots(base, s_row, rmask, x_ptr, k0, K, KB, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr):
+        """row_dots for base-3 ternary rows padded to whole words (PackedMatrix.storage) and read as
+        int32 words, BK bytes (BK/4 words) a step; KB is the padded row length. Word w holds
+        bytes 4w..4w+3, so columns 20w..20w+19: at most two 64-column groups, so two scale gathers per
+        word (the byte path makes two per byte) and the lo / hi split of x is done on 1-D vectors.
+        Each code c (trit + 1) becomes the trit as (c | 0x4B000000) read as a float minus 2^23 + 1,
+        no conversion. Padding bytes decode to trits of columns >= K, whose x is 0."""
+        wi = k0 // 4 + tl.arange(0, BK // 4)
+        wv = tl.load(base + wi[None, :], mask=rmask[:, None] & (wi < KB // 4)[None, :], other=0)
+        c0 = 20 * wi
+        g_lo = c0 // GROUP_SIZE
+        hi_start = (g_lo + 1) * GROUP_SIZE                  # first column of the next group
+        lo = tl.zeros((BN, BK // 4), dtype=tl.float32)
+        hi = tl.zeros((BN, BK // 4), dtype=tl.float32)
+        for lane in tl.static_range(4):
+            v = (wv >> (8 * lane)) & 255
+            for d in tl.static_range(5):
+                c = c0 + (5 * lane + d)
+                xd = tl.load(x_ptr + c, mask=c < K, other=0.0).to(tl.float32)
+                xh = tl.where(c >= hi_start, xd, 0.0)
+                if d < 4:
+                    q = (v * 21846) >> 16                   # v // 3 for v <= 255
+                    r = v - q * 3
+                    v = q
+                else:
+                    r = v                                   # the top digit: v // 81 <= 2
+                t = (r | 0x4B000000).to(tl.float32, bitcast=True) - 8388609.0
+                lo += t * (xd - xh)[None, :]
+                hi += t * xh[None, :]
+        s_lo = tl.load(s_row + g_lo[None, :], mask=rmask[:, None] & (c0 < K)[None, :], other=0.0).to(tl.float32)
+        # the hi scale exists only where the next group starts inside the word and before K
+        has_hi = (hi_start < c0 + 20) & (hi_start < K)
+        s_hi = tl.load(s_row + (g_lo + 1)[None, :], mask=rmask[:, None] & has_hi[None, :], other=0.0).to(tl.float32)
+        return tl.sum(s_lo * lo + s_hi * hi, axis=1)
 
     @triton.jit
     def word_x(x_ptr, wi, K, PER: tl.constexpr, BK: tl.constexpr):
@@ -183,10 +221,13 @@ if triton is not None:
         MODE WORDS / INT8_ACTIVATIONS: the rows come as an int32 view (strides in words); see word_dots
         and int8_activations.a8_word_dots (x_ptr is then x's quantized row, blocks of QB columns)."""
         base = w_ptr + slot * stride_we + rows[:, None] * stride_wr
-        if MODE == MODE_INT8_ACT and FMT != FMT_TERNARY:
+        if MODE != MODE_BYTES and FMT == FMT_TERNARY:
+            s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr
+            return trit_word_dots(base, s_row, rmask, x_ptr, k0, K, KB, GROUP_SIZE, BN, BK)
+        elif MODE == MODE_INT8_ACT:
             s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr
             return a8_word_dots(base, s_row, rmask, x_ptr, k0, K, KB, FMT, GROUP_SIZE, BN, BK, QB)
-        elif MODE != MODE_BYTES and FMT != FMT_TERNARY:
+        elif MODE != MODE_BYTES:
             s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr
             return word_dots(base, s_row, m_ptr + slot * stride_se + rows[:, None] * stride_sr, rmask, x_ptr,
                              k0, K, KB, FMT, GROUP_SIZE, BN, BK)

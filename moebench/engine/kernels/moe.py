@@ -23,6 +23,12 @@ from .runtime import KernelError, early_steps, next_pow2, pdl_launch, require
 from .staging import host_lane, side_stream
 
 
+def _row_bytes(rows: Tensor) -> int:
+    """The kernels' KB, the length of the rows a launch reads: in bytes for a word view (int32; for
+    base-3 ternary the padded rows), else the stored row's last dimension."""
+    return rows.shape[-1] * (4 if rows.dtype == torch.int32 else 1)
+
+
 def _gate_up_words(g: ExpertGroup, mode: DecodeMode) -> bool:
     return g.gate.words(mode) is not None and g.up.words(mode) is not None
 
@@ -63,14 +69,14 @@ class _GroupArgs:
         us, um, use, usr = g.up.scale_args()
         words = asked != DecodeMode.BYTES
         gd, ud = (g.gate.words(asked), g.up.words(asked)) if words else (g.gate.data, g.up.data)
-        return [g.slot_of if g.slot_of is not None else ids, gd, gs, gm, ud, us, um, g.gate.data.shape[-1],
+        return [g.slot_of if g.slot_of is not None else ids, gd, gs, gm, ud, us, um, _row_bytes(gd),
                 gd.stride(0), gd.stride(1), gse, gsr, ud.stride(0), ud.stride(1), use, usr]
 
     def down(self, ids: Tensor) -> list:
         g = self.group
         ds, dm, dse, dsr = g.down.scale_args()
         dd = g.down.data if self.down_mode == DecodeMode.BYTES else g.down.words(self.down_mode)
-        return [g.slot_of if g.slot_of is not None else ids, dd, ds, dm, g.down.data.shape[-1],
+        return [g.slot_of if g.slot_of is not None else ids, dd, ds, dm, _row_bytes(dd),
                 dd.stride(0), dd.stride(1), dse, dsr, g.picks if g.picks is not None else ids]
 
     def constexprs(self, tag: str, kernel: str, bk: int) -> dict:

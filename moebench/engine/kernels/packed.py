@@ -16,6 +16,11 @@ from ..decode_config import WORD_FORMATS, DecodeMode, Format
 from ..quant import QuantizedTensor, parse_format
 from .runtime import KernelError
 
+# Base-3 ternary stacks pad each row to whole int32 words, which the word decode reads. (Rows on
+# 16 bytes with an alignment hint load 4 words per thread as one 128-bit access, but each thread
+# then needs x for 80 columns: more instructions and registers, benchmarks/kernel_sass.py.)
+ROW_ALIGN = 4
+
 
 @dataclass
 class PackedMatrix:
@@ -25,6 +30,9 @@ class PackedMatrix:
     (dense: [S, rows, cols], may be a strided view with a unit last stride). scale / minimum: the
     format's fp16 scales ([S, rows] for int8, [S, rows, groups] otherwise), None for dense.
     rows / cols: the logical [out, in] shape of one expert's matrix.
+    storage: base-3 ternary stacks from `stack`: [S, rows, row bytes rounded up to 4], the padded
+    tensor `data` is a view of (zero bytes past each row), so that the rows can be read as aligned
+    int32 words (`words`); None otherwise (the SSD tier's slots, whose rows are records' bytes).
     """
 
     fmt: str
@@ -33,6 +41,7 @@ class PackedMatrix:
     cols: int
     scale: Tensor | None = None
     minimum: Tensor | None = None
+    storage: Tensor | None = None
 
     @classmethod
     def dense(cls, w: Tensor) -> "PackedMatrix":
@@ -60,17 +69,36 @@ class PackedMatrix:
                                   f"matrix 0 is {fmt} {tuple(shape)}")
         names = {"bf16": ("w",), "int8": ("q", "scale"), "int4": ("q", "scale"),
                  "int4_asym": ("q", "scale", "min"), "ternary": ("q", "scale"), "ternary2": ("q", "scale")}[base]
-        stacked = {}
+        stacked, storage = {}, None
         for name in names:
             first = mats[0].parts[name]
-            out = torch.empty((len(mats), *first.shape), dtype=first.dtype,
-                              device="cpu" if pin else device, pin_memory=pin)
+            row = first.shape[-1]
+            pad_rows = base == "ternary" and name == "q"
+            out = torch.zeros((len(mats), *first.shape[:-1], -(-row // ROW_ALIGN) * ROW_ALIGN if pad_rows else row),
+                              dtype=first.dtype, device="cpu" if pin else device, pin_memory=pin)
+            if pad_rows:
+                storage, out = out, out[..., :row]
             for i, m in enumerate(mats):
                 out[i].copy_(m.parts[name])
             stacked[name] = out
         if base == "bf16":
             return cls("dense", stacked["w"], shape[0], shape[1])
-        return cls(base, stacked["q"], shape[0], shape[1], stacked["scale"], stacked.get("min"))
+        return cls(base, stacked["q"], shape[0], shape[1], stacked["scale"], stacked.get("min"), storage)
+
+    def empty_like(self, slots: int, device) -> "PackedMatrix":
+        """A stack of `slots` uninitialised slots of this one's layout (padding included) on `device`."""
+        def like(t):
+            return None if t is None else torch.empty((slots, *t.shape[1:]), dtype=t.dtype, device=device)
+        if self.storage is None:
+            return PackedMatrix(self.fmt, like(self.data), self.rows, self.cols, like(self.scale), like(self.minimum))
+        storage = like(self.storage)
+        return PackedMatrix(self.fmt, storage[..., :self.data.shape[-1]], self.rows, self.cols, like(self.scale),
+                            like(self.minimum), storage)
+
+    @property
+    def copied(self) -> Tensor:
+        """The tensor a whole-slot copy moves: `storage` where the rows are padded, else `data`."""
+        return self.storage if self.storage is not None else self.data
 
     def slot(self, i: int) -> QuantizedTensor:
         """Slot i as a QuantizedTensor whose parts are views into the stack (no copy)."""
@@ -94,14 +122,18 @@ class PackedMatrix:
         return self.data.device.type == "cpu"
 
     def words(self, mode: DecodeMode) -> Tensor | None:
-        """The data as an int32 view for the word decode (mode WORDS or above), or None (byte
-        path): dense and base-3 ternary rows, rows not a whole number of words, or mode BYTES."""
+        """The rows as an int32 view for the word decode (mode WORDS or above), or None (byte
+        path): dense rows, rows not a whole number of words, base-3 ternary rows without their
+        padded `storage`, or mode BYTES. Base-3 ternary words cover the padded rows: the kernels'
+        KB is then the padded row length (the word view's), the byte path's the stored one."""
         if Format.of(self.fmt) not in WORD_FORMATS or mode == DecodeMode.BYTES:
+            return None
+        if Format.of(self.fmt) == Format.TERNARY and self.storage is None:
             return None
         cached = self.__dict__.get("_words")
         if cached is not None and cached[0] is self.data:
             return cached[1]
-        d = self.data
+        d = self.storage if self.storage is not None else self.data
         ok = d.shape[-1] % 4 == 0 and d.stride(0) % 4 == 0 and d.stride(1) % 4 == 0 and d.data_ptr() % 4 == 0
         view = d.view(torch.int32) if ok and d.stride(-1) == 1 else None
         self.__dict__["_words"] = (d, view)

@@ -96,7 +96,7 @@ def stage_experts(pred_ids: Tensor, host_slot_of: Tensor, host: ExpertGroup, sta
     pred = pred_ids.reshape(-1)
     for mat in ("gate", "up", "down"):
         src_pm, dst_pm = getattr(host, mat), getattr(stage, mat)
-        for src_t, dst_t in ((src_pm.data, dst_pm.data), (src_pm.scale, dst_pm.scale),
+        for src_t, dst_t in ((src_pm.copied, dst_pm.copied), (src_pm.scale, dst_pm.scale),
                              (src_pm.minimum, dst_pm.minimum)):
             if src_t is None:
                 continue
