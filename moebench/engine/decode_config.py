@@ -60,8 +60,8 @@ class DecodeMode(enum.IntEnum):
     WORDS: int32 word loads decoded without conversions (a code c OR-ed into 0x4B000000 is the float
         2^23 + c), x loaded once per step and split in registers. ternary2 has no byte path: it runs
         WORDS whatever is asked below it. Base-3 ternary runs BYTES unless WORDS is asked for it by
-        name (mode_by_format={"ternary": WORDS}): its word decode (rows padded to 16 bytes in the
-        stacks) is exact but not yet timed on a GPU.
+        name (mode_by_format={"ternary": WORDS}): its word decode (rows padded to whole words in
+        the stacks) is exact but not yet timed on a GPU.
     INT8_ACTIVATIONS: x and h rounded to int8 per 64-column block, multiplied with dp4a (int8, int4
         and ternary2 rows; others run WORDS). Changes the numbers (kernels.quantize_activations is
         the reference), so it is opt-in."""

@@ -74,8 +74,10 @@ class PackedMatrix:
             first = mats[0].parts[name]
             row = first.shape[-1]
             pad_rows = base == "ternary" and name == "q"
-            out = torch.zeros((len(mats), *first.shape[:-1], -(-row // ROW_ALIGN) * ROW_ALIGN if pad_rows else row),
-                              dtype=first.dtype, device="cpu" if pin else device, pin_memory=pin)
+            # zeros only where there is padding to fill: the other stacks are copied over whole
+            alloc = torch.zeros if pad_rows else torch.empty
+            out = alloc((len(mats), *first.shape[:-1], -(-row // ROW_ALIGN) * ROW_ALIGN if pad_rows else row),
+                        dtype=first.dtype, device="cpu" if pin else device, pin_memory=pin)
             if pad_rows:
                 storage, out = out, out[..., :row]
             for i, m in enumerate(mats):
