@@ -101,7 +101,7 @@ def vllm_server(tmp_path_factory):
     the zoo's tiny-moe folder in float32, started once per test session (minutes on a small CPU
     machine). float32, not the bf16 that models are served in: the tests compare vLLM's log-probs with
     the engine's float32 ones, and bf16 rounding moved them by up to 0.08 on one CPU and 0.2 on
-    another (AMX, AVX-512 and AVX2 kernels round differently), which says nothing about moebench.
+    another (vLLM's CPU kernels follow the CPU), which says nothing about moebench.
     Yields (base_url, served model name, HF folder). MOEBENCH_VLLM_URL reuses a server already running
     on the same folder (served as "vllm-zoo"). Without vLLM installed the tests skip, unless
     MOEBENCH_REQUIRE_VLLM=1 (setup.sh test sets it: CI must run them)."""

@@ -352,7 +352,7 @@ def test_ternary_kernel_decodes_every_byte_value(bk, mode):
 def test_base3_words_run_only_when_asked_by_format():
     """The default decode_mode (WORDS) leaves base-3 ternary on its byte decode (its word decode is
     not yet timed on a GPU); asked by format, it runs words where the rows are padded stacks, and
-    bytes for rows viewed in place without padding (the SSD tier's record buffers)."""
+    bytes for rows of no whole words viewed in place (26 bytes here; the SSD tier's record buffers)."""
     g = torch.Generator().manual_seed(5)
     mats = [[quantize(torch.randn(*s, generator=g) * 0.1, "ternary") for _ in range(E)]
             for s in ((I, H), (I, H), (H, I))]

@@ -221,14 +221,12 @@ if triton is not None:
         MODE WORDS / INT8_ACTIVATIONS: the rows come as an int32 view (strides in words); see word_dots
         and int8_activations.a8_word_dots (x_ptr is then x's quantized row, blocks of QB columns)."""
         base = w_ptr + slot * stride_we + rows[:, None] * stride_wr
+        s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr     # unused (and not built) for dense rows
         if MODE != MODE_BYTES and FMT == FMT_TERNARY:
-            s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr
             return trit_word_dots(base, s_row, rmask, x_ptr, k0, K, KB, GROUP_SIZE, BN, BK)
         elif MODE == MODE_INT8_ACT:
-            s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr
             return a8_word_dots(base, s_row, rmask, x_ptr, k0, K, KB, FMT, GROUP_SIZE, BN, BK, QB)
         elif MODE != MODE_BYTES:
-            s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr
             return word_dots(base, s_row, m_ptr + slot * stride_se + rows[:, None] * stride_sr, rmask, x_ptr,
                              k0, K, KB, FMT, GROUP_SIZE, BN, BK)
         else:   # an explicit else: the compiler builds code after a constexpr-if's return too
@@ -241,7 +239,6 @@ if triton is not None:
             else:
                 bmask = rmask[:, None] & (i < KB)[None, :]
                 v = tl.load(base + i[None, :], mask=bmask, other=0).to(tl.int32)
-                s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr
                 if FMT == FMT_TERNARY:
                     return tl.sum(trit_term(v, s_row, x_ptr, i, bmask, K, GROUP_SIZE), axis=1)
                 else:

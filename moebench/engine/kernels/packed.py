@@ -32,7 +32,8 @@ class PackedMatrix:
     rows / cols: the logical [out, in] shape of one expert's matrix.
     storage: base-3 ternary stacks from `stack`: [S, rows, row bytes rounded up to 4], the padded
     tensor `data` is a view of (zero bytes past each row), so that the rows can be read as aligned
-    int32 words (`words`); None otherwise (the SSD tier's slots, whose rows are records' bytes).
+    int32 words (`words`); None otherwise (the SSD tier's slots are records' bytes in place, whose
+    base-3 rows of 410 or 154 bytes are no whole words: they run the byte decode).
     """
 
     fmt: str
@@ -125,12 +126,10 @@ class PackedMatrix:
 
     def words(self, mode: DecodeMode) -> Tensor | None:
         """The rows as an int32 view for the word decode (mode WORDS or above), or None (byte
-        path): dense rows, rows not a whole number of words, base-3 ternary rows without their
-        padded `storage`, or mode BYTES. Base-3 ternary words cover the padded rows: the kernels'
-        KB is then the padded row length (the word view's), the byte path's the stored one."""
+        path): dense rows, rows not a whole number of aligned words, or mode BYTES. Where `storage`
+        pads the rows (base-3 ternary stacks), the words cover the padded rows: the kernels' KB is
+        then the padded row length (the word view's), the byte path's the stored one."""
         if Format.of(self.fmt) not in WORD_FORMATS or mode == DecodeMode.BYTES:
-            return None
-        if Format.of(self.fmt) == Format.TERNARY and self.storage is None:
             return None
         cached = self.__dict__.get("_words")
         if cached is not None and cached[0] is self.data:
