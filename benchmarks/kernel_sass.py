@@ -155,8 +155,8 @@ def main(argv=None) -> list[dict]:
     for spec in args.formats.split(","):
         fmt, _, mode_name = spec.partition(":")
         cfg = DEFAULT
-        if args.mode is not None:      # asked by format too: base-3 ternary runs words only when asked so
-            cfg = replace(cfg, decode_mode=DecodeMode(args.mode), mode_by_format={fmt: DecodeMode(args.mode)})
+        if args.mode is not None:
+            cfg = replace(cfg, decode_mode=DecodeMode(args.mode))
         elif mode_name:
             cfg = replace(cfg, mode_by_format={fmt: DecodeMode[mode_name.upper()]})
         if args.launch:

@@ -285,7 +285,7 @@ def test_int8_activation_group_beside_a_ternary_group(cold):
     got = fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), groups, cfg=cfg).cpu()
     want = reference_a8(x, ids, w, dq, qh=16, quantized={e for e, f in enumerate(fmts) if f != "ternary"})
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
-    assert [kernels.group_mode(gr, "gate_up", cfg) for gr in groups] == [3, 3 if cold == "ternary2" else 0]
+    assert [kernels.group_mode(gr, "gate_up", cfg) for gr in groups] == [3, 3 if cold == "ternary2" else DecodeMode.WORDS]
 
 
 # expert e's (format, group): three formats, or two groups of one format plus a third group
@@ -349,25 +349,26 @@ def test_ternary_kernel_decodes_every_byte_value(bk, mode):
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
 
 
-def test_base3_words_run_only_when_asked_by_format():
-    """The default decode_mode (WORDS) leaves base-3 ternary on its byte decode (its word decode is
-    not yet timed on a GPU); asked by format, it runs words where the rows are padded stacks, and
-    bytes for rows of no whole words viewed in place (26 bytes here; the SSD tier's record buffers)."""
+def test_base3_runs_words_by_default_where_rows_are_whole_words():
+    """The default decode_mode (WORDS) runs base-3 ternary's word decode where the rows are padded
+    stacks, and bytes for rows of no whole words viewed in place (26 bytes here; the SSD tier's
+    record buffers) or when BYTES is asked by format; all three give the same sums."""
     g = torch.Generator().manual_seed(5)
     mats = [[quantize(torch.randn(*s, generator=g) * 0.1, "ternary") for _ in range(E)]
             for s in ((I, H), (I, H), (H, I))]
     stacks = [kernels.PackedMatrix.stack(m, DEV) for m in mats]
     group = kernels.ExpertGroup(*stacks, None, "ternary")
-    asked = replace(SMALL, mode_by_format={"ternary": DecodeMode.WORDS})
-    assert SMALL.mode_of("ternary") == DecodeMode.BYTES and kernels.group_mode(group, "gate_up", SMALL) == 0
-    assert kernels.group_mode(group, "gate_up", asked) == kernels.group_mode(group, "down", asked) == DecodeMode.WORDS
+    bytes_asked = replace(SMALL, mode_by_format={"ternary": DecodeMode.BYTES})
+    assert SMALL.mode_of("ternary") == DecodeMode.WORDS
+    assert kernels.group_mode(group, "gate_up", SMALL) == kernels.group_mode(group, "down", SMALL) == DecodeMode.WORDS
+    assert kernels.group_mode(group, "gate_up", bytes_asked) == DecodeMode.BYTES
     unpadded = [kernels.PackedMatrix("ternary", pm.data.contiguous(), pm.rows, pm.cols, pm.scale) for pm in stacks]
     in_place = kernels.ExpertGroup(*unpadded, None, "ternary")
-    assert kernels.group_mode(in_place, "gate_up", asked) == DecodeMode.BYTES
+    assert kernels.group_mode(in_place, "gate_up", SMALL) == DecodeMode.BYTES
     x = torch.randn(2, H, generator=g)
     ids, w = routing(2, g)
     got = [fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), [gr], cfg=cfg).cpu()
-           for gr, cfg in ((group, asked), (in_place, asked), (group, SMALL))]
+           for gr, cfg in ((group, SMALL), (in_place, SMALL), (group, bytes_asked))]
     assert torch.allclose(got[0], got[1], atol=1e-5, rtol=1e-5) and torch.equal(got[1], got[2])
     with pytest.raises(DecodeConfigError, match="multiple of 4"):
         SMALL.with_launch("gate_up", "ternary", BK=2)

@@ -59,9 +59,9 @@ class DecodeMode(enum.IntEnum):
     BYTES: byte loads and int-to-float conversions (the only path of dense rows).
     WORDS: int32 word loads decoded without conversions (a code c OR-ed into 0x4B000000 is the float
         2^23 + c), x loaded once per step and split in registers. ternary2 has no byte path: it runs
-        WORDS whatever is asked below it. Base-3 ternary runs BYTES unless WORDS is asked for it by
-        name (mode_by_format={"ternary": WORDS}): its word decode (rows padded to whole words in
-        the stacks) is exact but not yet timed on a GPU.
+        WORDS whatever is asked below it. Base-3 ternary's word decode reads rows padded to whole
+        words in the stacks (rows of no whole aligned words, e.g. the SSD tier's record buffers,
+        run BYTES).
     INT8_ACTIVATIONS: x and h rounded to int8 per 64-column block, multiplied with dp4a (int8, int4
         and ternary2 rows; others run WORDS). Changes the numbers (kernels.quantize_activations is
         the reference), so it is opt-in."""
@@ -130,6 +130,12 @@ class AttentionLaunch:
     num_stages: int = 3
     split_min_slots: int = 512
     programs_per_sm: int = 2
+    combine: str = "launch"     # "last": the split programs' last arriver merges (an arrival counter)
+
+    def __post_init__(self) -> None:
+        if self.split_min_slots < 1 or self.block_s < 16 or self.block_s & (self.block_s - 1):
+            raise DecodeConfigError(f"attention: split_min_slots {self.split_min_slots} (>= 1), block_s "
+                                    f"{self.block_s} (a power of two >= 16)")
 
 
 EARLY_WEIGHT_KERNELS = ("router", "gemv", "down")     # DecodeConfig.early_weights
@@ -245,6 +251,12 @@ class DecodeConfig:
         for name in ("gather_max_tokens", "fused_max_tokens", "router_max_tokens"):
             if getattr(self, name) < 0:
                 raise DecodeConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if isinstance(self.attention, Mapping):      # JSON options: {"attention": {"block_s": 64}}
+            try:
+                object.__setattr__(self, "attention", AttentionLaunch(**self.attention))
+            except TypeError as e:
+                raise DecodeConfigError(f"attention {dict(self.attention)}: expected fields of "
+                                        f"{list(AttentionLaunch.__dataclass_fields__)} ({e})") from None
         modes = {}
         for fmt, mode in dict(self.mode_by_format).items():
             modes[Format.of(fmt).key] = DecodeMode(mode)
@@ -279,8 +291,6 @@ class DecodeConfig:
     def mode_of(self, fmt: str) -> DecodeMode:
         """The decode mode asked for `fmt` (before a group's own constraints)."""
         mode = self.mode_by_format.get(fmt, self.decode_mode)
-        if fmt == "ternary" and fmt not in self.mode_by_format:
-            return DecodeMode.BYTES     # base-3 words run only when asked by format: not yet timed on a GPU
         # ternary2 has no byte path: float x runs its word decode whatever is asked below it
         return max(mode, DecodeMode.WORDS) if fmt == "ternary2" else mode
 
