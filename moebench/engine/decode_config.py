@@ -130,7 +130,6 @@ class AttentionLaunch:
     num_stages: int = 3
     split_min_slots: int = 512
     programs_per_sm: int = 2
-    combine: str = "launch"     # "last": the split programs' last arriver merges (an arrival counter)
 
     def __post_init__(self) -> None:
         if self.split_min_slots < 1 or self.block_s < 16 or self.block_s & (self.block_s - 1):

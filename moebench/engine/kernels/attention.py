@@ -36,14 +36,13 @@ if triton is not None:
 
     # kv_len changes every decode step: not specialised (Triton would compile kv_len % 16 == 0 apart).
     @triton.jit(do_not_specialize=["kv_len"])
-    def decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
+    def decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                                 T, NH, kv_len, chunk, qk_scale,
                                 s_qb, s_qh, s_qt, s_cb, s_ch, s_cs, s_pb, s_pt,
                                 kn_ptr, vn_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps,
                                 s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_rb, s_rt,
                                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                                SPLIT: tl.constexpr, FP32: tl.constexpr, LAST_COMBINE: tl.constexpr = False,
-                                SP: tl.constexpr = 1, PDL: tl.constexpr = False,
+                                SPLIT: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr = False,
                                 ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
                                 LAUNCH_FIRST: tl.constexpr = False):
         """Program (b*T + t, kv head, split): the G query heads of one KV head group over the cache
@@ -129,38 +128,10 @@ if triton is not None:
             tl.store(part_acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
             tl.store(part_ml_ptr + row * 2, m_i, mask=gmask)
             tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=gmask)
-            if LAST_COMBINE:
-                counter = count_ptr + bt * tl.num_programs(1) + kvh
-                tl.debug_barrier()      # every thread's partial stores before the release below
-                arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-                if arrived == tl.num_programs(2) - 1:
-                    merge_splits(part_acc_ptr, part_ml_ptr, out_ptr, (bt * NH + heads).to(tl.int64),
-                                 tl.num_programs(2), gmask, d, D, SP)
-                    tl.atomic_xchg(counter, 0)
         else:
             out = acc / l_i[:, None]
             tl.store(out_ptr + (bt * NH + heads[:, None]).to(tl.int64) * D + d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
-
-    @triton.jit
-    def merge_splits(part_acc_ptr, part_ml_ptr, out_ptr, r, n_splits, rmask, d, D: tl.constexpr,
-                     SP: tl.constexpr):
-        j = tl.arange(0, SP)
-        ml = part_ml_ptr + (r[:, None] * n_splits + j[None, :]) * 2
-        m_all = tl.max(tl.load(ml, mask=rmask[:, None] & (j[None, :] < n_splits), other=float("-inf"),
-                               cache_modifier=".cg"), axis=1)
-        m_all = tl.where(rmask, m_all, 0.0)
-        acc = tl.zeros((r.shape[0], D), dtype=tl.float32)
-        total = tl.zeros((r.shape[0],), dtype=tl.float32)
-        for s in range(n_splits):
-            row = r * n_splits + s
-            w = tl.exp2(tl.load(part_ml_ptr + row * 2, mask=rmask, other=float("-inf"), cache_modifier=".cg")
-                        - m_all)
-            total += tl.load(part_ml_ptr + row * 2 + 1, mask=rmask, other=0.0, cache_modifier=".cg") * w
-            acc += tl.load(part_acc_ptr + row[:, None] * D + d[None, :], mask=rmask[:, None], other=0.0,
-                           cache_modifier=".cg") * w[:, None]
-        out = acc / tl.where(rmask, total, 1.0)[:, None]
-        tl.store(out_ptr + r[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
     @triton.jit
     def combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, n_splits, D: tl.constexpr, SP: tl.constexpr,
@@ -180,16 +151,6 @@ if triton is not None:
         total = tl.sum(l * w, axis=0)
         out = tl.sum(acc * w[:, None], axis=0) / total
         tl.store(out_ptr + r * D + d, out.to(out_ptr.dtype.element_ty))
-
-
-_ARRIVALS: dict[torch.device, Tensor] = {}
-
-
-def _arrivals(device: torch.device, n: int) -> Tensor:
-    counts = _ARRIVALS.get(device)
-    if counts is None or counts.numel() < n:
-        counts = _ARRIVALS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return counts
 
 
 def _sm_count(device: torch.device) -> int:
@@ -305,8 +266,6 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Ten
         part_ml = torch.empty(B * T, NH, splits, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out       # unused
-    last = splits > 1 and launch.combine == "last"
-    counts = _arrivals(q.device, B * T * NKV)
     qk_scale = (1.0 / math.sqrt(D) if scale is None else float(scale)) * LOG2E
     if rope is None:
         extra = [q, q, q, q, q, q, 0.0] + [0] * 8
@@ -322,14 +281,13 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Ten
                  rope.v.stride(2), cos.stride(0), cos.stride(1)]
         rope_kw = {"ROPE": True, "HAS_NORM": has_norm}
     decode_attention_kernel[(B * T, NKV, splits)](
-        q, k_cache, v_cache, positions, out, part_acc, part_ml, counts, T, NH, kv_len, chunk, qk_scale,
+        q, k_cache, v_cache, positions, out, part_acc, part_ml, T, NH, kv_len, chunk, qk_scale,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         positions.stride(0), positions.stride(1), *extra,
         G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_S=block, SPLIT=splits > 1, FP32=q.dtype == torch.float32,
-        LAST_COMBINE=last, SP=next_pow2(splits),
         num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch(q.device, cfg, "attention"),
         **rope_kw)
-    if splits > 1 and not last:
+    if splits > 1:
         combine_kernel[(B * T * NH,)](part_acc, part_ml, out, splits, D=D, SP=next_pow2(splits), num_warps=4,
                                       **pdl_launch(q.device, cfg))
     return out
