@@ -7,7 +7,7 @@ step issues, how many integer, conversion and float instructions, how many regis
 static (a loop body once), so compare variants of one kernel, not kernels of other loop shapes.
 
     TRITON_INTERPRET=0 python benchmarks/kernel_sass.py                      # the shipped shapes and modes
-                                                                             # (and base-3's word decode)
+                                                                             # (and base-3's byte decode)
     TRITON_INTERPRET=0 python benchmarks/kernel_sass.py --kernels gate_up --formats ternary,ternary2 \\
         --launch 4,256,4,3                                                      # one shape for all
 
@@ -143,8 +143,8 @@ COLUMNS = {"LDG": ("LDG",), "LDS/STS": ("LDS", "STS"), "int": ("IMAD", "IADD3", 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels", default="gate_up,down")
-    ap.add_argument("--formats", default="dense,int8,int4,ternary,ternary:words,ternary2",
-                    help="formats, each optionally with a decode mode by name (ternary:words)")
+    ap.add_argument("--formats", default="dense,int8,int4,ternary,ternary:bytes,ternary2",
+                    help="formats, each optionally with a decode mode by name (ternary:bytes)")
     ap.add_argument("--mode", type=int, default=None, help="DecodeConfig.decode_mode value (default: the shipped one)")
     ap.add_argument("--launch", default=None, metavar="BN,BK,WARPS,STAGES", help="one shape for every format")
     ap.add_argument("--json", default=None, help="also write the rows here")
