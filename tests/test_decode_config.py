@@ -35,6 +35,10 @@ def test_config_is_frozen_and_variants_are_new_objects():
     assert cfg.launch_for("down", "int8", a8=True) == SHIPPED_LAUNCH[("down", "int8", "")]
     assert cfg.launch_for("down", "ternary", host=True) == SHIPPED_LAUNCH[("down", "ternary", "host")]
     assert cfg.mode_of("int4") == DecodeMode.WORDS and cfg.mode_of("ternary2") == DecodeMode.WORDS
+    assert cfg.mode_of("ternary") == DecodeMode.WORDS
+    # JSON option sets give the attention launch as a dict (benchmarks/decode_ab.py --option-sets)
+    from_json = DecodeConfig(**json.loads('{"attention": {"block_s": 64, "split_min_slots": 128}}'))
+    assert from_json.attention == dataclasses.replace(DEFAULT.attention, block_s=64, split_min_slots=128)
     bytes_cfg = dataclasses.replace(cfg, decode_mode=DecodeMode.BYTES)
     assert bytes_cfg.mode_of("int4") == DecodeMode.BYTES and bytes_cfg.mode_of("ternary2") == DecodeMode.WORDS
     assert Format.of("int4_asym") == Format.INT4_ASYM and Format.INT4_ASYM.key == "int4_asym"
@@ -46,6 +50,9 @@ def test_config_is_frozen_and_variants_are_new_objects():
     ({"experts_impl": "triton", "prefetch_early": True}, "prefetch_early needs prefetch_host"),
     ({"mode_by_format": {"int5": DecodeMode.BYTES}}, "format 'int5'"),
     ({"fused_max_tokens": -1}, "fused_max_tokens must be >= 0"),
+    ({"attention": {"block": 64}}, r"attention \{'block': 64\}: expected fields of \['block_s'"),
+    ({"attention": {"block_s": 24}}, "block_s 24 \\(a power of two >= 16\\)"),
+    ({"attention": {"split_min_slots": 0}}, "split_min_slots 0 \\(>= 1\\)"),
 ])
 def test_bad_settings_are_refused_by_name(kwargs, match):
     with pytest.raises(DecodeConfigError, match=match):
