@@ -32,6 +32,9 @@ call:
    over its thread counts. The three terms are added (no overlap between tiers); `tok_s_overlapped`
    is the bound if they overlapped fully (the slowest tier alone). Counters cover the decode steps of
    one generate of --tokens tokens (its prefill's counters subtracted).
+4. The SSD plans also decode one prompt no earlier pass decoded, once, with the page cache dropped
+   and decode-ahead off, against that pass's own bound ("unseen_prompt"; the table's last columns):
+   the best-of-reps rate repeats one prompt, so their host-RAM cache has seen it before.
 
     python benchmarks/tiers_h200.py --out $OUT                 # H200 (estimated ~5 min)
     python benchmarks/tiers_h200.py --small --out /tmp/tiers   # CPU smoke run: tiny shape, torch path, tmp pack
@@ -176,10 +179,11 @@ def default_decode(b, offloaded: list[str]) -> tuple[DecodeConfig, dict]:
     return cfg, choices
 
 
-def decode_counters(eng, prompt: list[int], n: int) -> dict:
+def decode_counters(eng, prompt: list[int], n: int, rate: bool = False) -> dict:
     """Tier counters (totals over layers) of the decode steps of one generate of n tokens: the
     counters are copied when the first token arrives (decode_ahead off for this generate, so no step
-    is queued yet: the copy holds the prefill alone) and subtracted from the final ones."""
+    is queued yet: the copy holds the prefill alone) and subtracted from the final ones. rate: also
+    this generate's decode tok/s (engine_rate's measure, from the engine's per-token clock)."""
     snap: list = []
 
     def first(_index: int, _token: int) -> None:
@@ -188,13 +192,17 @@ def decode_counters(eng, prompt: list[int], n: int) -> dict:
     eng.reset_telemetry()
     ahead, eng.decode_ahead = eng.decode_ahead, False
     try:
-        eng.generate([prompt], n, ignore_eos=True, on_token=first)
+        out = eng.generate([prompt], n, ignore_eos=True, on_token=first)
     finally:
         eng.decode_ahead = ahead
     full = eng.telemetry()
     restore_counter_states(eng.model, snap[0])
     prefill = eng.telemetry()["tiers"]["total"]
-    return {**{k: full["tiers"]["total"][k] - prefill[k] for k in prefill}, "decode_steps": full["decode_steps"]}
+    c = {**{k: full["tiers"]["total"][k] - prefill[k] for k in prefill}, "decode_steps": full["decode_steps"]}
+    if rate:
+        tt = out[0].token_times
+        c["tok_s"] = (len(tt) - 1) / max(tt[-1] - tt[0], 1e-9)
+    return c
 
 
 def hit_rates(c: dict) -> dict:
@@ -249,7 +257,9 @@ def tier_bound(b, ctx: dict, c: dict) -> dict:
 
 
 def run_plan(b, ctx: dict, name: str, precision, home, disk=None, skip_tail_from: int | None = None,
-             **decode_changes) -> dict:
+             after: Callable | None = None, **decode_changes) -> dict:
+    """One plan's engine with the runner's default choices (and `decode_changes`): its best-of-reps
+    rate, its decode counters, bound and hit rates; after(eng): more results, under "after"."""
     offloaded = sorted({h for row in home for h in row} - {"gpu"})
     cfg, choices = default_decode(b, offloaded)
     if decode_changes:                         # a variant's own settings over the runner's defaults
@@ -292,6 +302,8 @@ def run_plan(b, ctx: dict, name: str, precision, home, disk=None, skip_tail_from
                 f"waited {counters['ssd_wait_s'] / max(1, counters['decode_steps']) * 1e3:.2f} ms per token")
     log(msg + f"; graphs {choices['cuda_graphs']['mode'] or 'off'}, prefetch "
         f"{'on' if choices['prefetch_host']['runs'] else 'off'}")
+    if after is not None:
+        r["after"] = after(eng)
     del eng, experts
     return r
 
@@ -330,16 +342,40 @@ def ssd_pack(b, ctx: dict, home) -> tuple[Path, dict]:
     return path, {**info, "page_cache_dropped": drop_page_cache(path)}
 
 
+def unseen_prompt_pass(b, ctx: dict, eng, path: Path) -> dict:
+    """One pass of a prompt no earlier pass of this engine decoded (its own seed; the best-of-reps
+    rate repeats one prompt, so its host-RAM cache has seen that sequence before), with the page
+    cache dropped first and decode-ahead off (decode_counters): its tok/s, counters, bound and hit
+    rates. The caches hold what the earlier passes left, as a server's would after other requests."""
+    g = torch.Generator().manual_seed(2026)
+    prompt = torch.randint(0, b.cfg.vocab_size, (len(b.prompt),), generator=g).tolist()
+    dropped = drop_page_cache(path)
+    c = decode_counters(eng, prompt, b.n_long, rate=True)
+    bound = tier_bound(b, ctx, c)
+    out = {"tok_s": c.pop("tok_s"), "counters": c, "hit_rates": hit_rates(c), "bound": bound,
+           "page_cache_dropped": dropped}
+    out["pct_of_bound"] = 100 * out["tok_s"] / bound["tok_s"] if bound.get("tok_s") else None
+    disk = out["hit_rates"]["ssd"]["read_from_disk"]
+    log(f"  unseen prompt, one pass (decode-ahead off, page cache {'dropped' if dropped else 'kept'}): "
+        f"{out['tok_s']:.2f} tok/s; bound {bound['tok_s'] or float('nan'):.1f}"
+        + (f" -> {out['pct_of_bound']:.1f}% of it" if out["pct_of_bound"] is not None else "")
+        + (f"; ssd picks from disk {100 * disk:.1f}%" if disk is not None else ""))
+    return out
+
+
 def run_ssd_plan(b, ctx: dict, name: str, **decode_changes) -> dict:
     """The hot half in HBM; the cold half in a pack file on disk behind a host-RAM cache of
-    --ssd-cache-fraction of the cold records (a fresh, empty cache per variant)."""
+    --ssd-cache-fraction of the cold records (a fresh, empty cache per variant); then
+    unseen_prompt_pass (under "unseen_prompt")."""
     precision, _ = b.plans["int8hot_ternary2cold_host"]
     home = [["gpu" if e in b.hot[l] else "ssd" for e in range(b.cfg.num_experts)] for l in range(b.cfg.num_layers)]
     path, info = ssd_pack(b, ctx, home)
     cache = int(b.args.ssd_cache_fraction * info["cold_record_bytes"])
     disk = DiskTier.open(path, cache_bytes=cache, threads=b.args.ssd_threads, pin=b.device.type == "cuda")
     try:
-        r = run_plan(b, ctx, name, precision, home, disk=disk, **decode_changes)
+        r = run_plan(b, ctx, name, precision, home, disk=disk,
+                     after=lambda eng: unseen_prompt_pass(b, ctx, eng, path), **decode_changes)
+        r["unseen_prompt"] = r.pop("after")
         r["ssd"] = {**info, "host_cache_fraction": b.args.ssd_cache_fraction, **disk.stats()}
     finally:
         disk.close()
@@ -386,10 +422,16 @@ def table(R: dict) -> str:
     lines.append("bound: HBM + PCIe + disk times added; overlap: the slowest tier's time alone (tok/s)")
     lines.append(f"{'plan':26s} {'tok/s':>8s} {'bound':>8s} {'% bound':>8s} {'overlap':>8s} {'gpu %':>6s} {'host %':>7s} "
                  f"{'host@gpu %':>10s} {'skipped %':>9s} {'ssd %':>6s} {'ssd@gpu %':>9s} {'ssd@ram %':>9s} "
-                 f"{'ssd@disk %':>10s} {'(guessed) %':>11s}")
+                 f"{'ssd@disk %':>10s} {'(guessed) %':>11s} {'unseen tok/s':>12s} {'% its bound':>11s}")
 
     def pct(x):
         return f"{100 * x:.1f}" if x is not None else "-"
+
+    def unseen(r):
+        u = r.get("unseen_prompt")
+        if not u:
+            return f" {'-':>12s} {'-':>11s}"
+        return f" {u['tok_s']:12.2f} {(u['pct_of_bound'] or float('nan')):11.1f}"
     for name, r in R["variants"].items():
         if not name.startswith("plan_"):
             continue
@@ -401,7 +443,7 @@ def table(R: dict) -> str:
                      f"{pct(hr['host']['route_tail_skips']):>9s} "
                      f"{pct(hr['ssd']['share_of_picks']):>6s} {pct(hr['ssd']['gpu_cache_hits']):>9s} "
                      f"{pct(hr['ssd']['host_ram_cache_hits']):>9s} {pct(hr['ssd']['read_from_disk']):>10s} "
-                     f"{pct(hr['ssd']['read_early_for_a_guess']):>11s}")
+                     f"{pct(hr['ssd']['read_early_for_a_guess']):>11s}" + unseen(r))
     for name, err in R["errors"].items():
         lines.append(f"FAILED {name}: {err}")
     return "\n".join(lines)
