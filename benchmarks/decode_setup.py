@@ -172,6 +172,11 @@ def hot_halves(counts: torch.Tensor) -> list[set[int]]:
     return [set(torch.argsort(-counts[l], stable=True)[:E // 2].tolist()) for l in range(counts.shape[0])]
 
 
+def decode_rate(token_times: list[float]) -> float:
+    """Decode tok/s of one generate: (tokens - 1) / (time of the last token - time of the first)."""
+    return (len(token_times) - 1) / max(token_times[-1] - token_times[0], 1e-9)
+
+
 def engine_rate(eng: Engine, prompts: list[list[int]], n_warm: int, n_tokens: int, reps: int) -> dict:
     """Decode tok/s of one sequence: the best over reps of (tokens - 1) / (time of the last token -
     time of the first), from the engine's own per-token clock (decode steps only: a tiered engine's
@@ -181,8 +186,7 @@ def engine_rate(eng: Engine, prompts: list[list[int]], n_warm: int, n_tokens: in
     best, outs = 0.0, None
     for _ in range(reps):
         o = eng.generate(prompts, n_tokens, ignore_eos=True)
-        tt = o[0].token_times
-        rate = (len(tt) - 1) / max(tt[-1] - tt[0], 1e-9)
+        rate = decode_rate(o[0].token_times)
         if rate > best:
             best, outs = rate, o
     return {"tok_s": best, "tokens": outs[0].token_ids}

@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import decode_h200  # noqa: E402  (its setup: the model, bandwidths, prompt, calibrated hot halves)
 from decode_probes import log  # noqa: E402
-from decode_setup import tiered_experts, write_ssd_pack  # noqa: E402
+from decode_setup import decode_rate, tiered_experts, write_ssd_pack  # noqa: E402
 
 from moebench.engine.decode_config import DecodeConfig  # noqa: E402
 from moebench.engine.placement import QuantizedExpert, counter_states, restore_counter_states  # noqa: E402
@@ -200,8 +200,7 @@ def decode_counters(eng, prompt: list[int], n: int, rate: bool = False) -> dict:
     prefill = eng.telemetry()["tiers"]["total"]
     c = {**{k: full["tiers"]["total"][k] - prefill[k] for k in prefill}, "decode_steps": full["decode_steps"]}
     if rate:
-        tt = out[0].token_times
-        c["tok_s"] = (len(tt) - 1) / max(tt[-1] - tt[0], 1e-9)
+        c["tok_s"] = decode_rate(out[0].token_times)
     return c
 
 
@@ -259,7 +258,7 @@ def tier_bound(b, ctx: dict, c: dict) -> dict:
 def run_plan(b, ctx: dict, name: str, precision, home, disk=None, skip_tail_from: int | None = None,
              after: Callable | None = None, **decode_changes) -> dict:
     """One plan's engine with the runner's default choices (and `decode_changes`): its best-of-reps
-    rate, its decode counters, bound and hit rates; after(eng): more results, under "after"."""
+    rate, its decode counters, bound and hit rates; after(eng): more results (a dict) to add."""
     offloaded = sorted({h for row in home for h in row} - {"gpu"})
     cfg, choices = default_decode(b, offloaded)
     if decode_changes:                         # a variant's own settings over the runner's defaults
@@ -303,7 +302,7 @@ def run_plan(b, ctx: dict, name: str, precision, home, disk=None, skip_tail_from
     log(msg + f"; graphs {choices['cuda_graphs']['mode'] or 'off'}, prefetch "
         f"{'on' if choices['prefetch_host']['runs'] else 'off'}")
     if after is not None:
-        r["after"] = after(eng)
+        r.update(after(eng))
     del eng, experts
     return r
 
@@ -374,8 +373,7 @@ def run_ssd_plan(b, ctx: dict, name: str, **decode_changes) -> dict:
     disk = DiskTier.open(path, cache_bytes=cache, threads=b.args.ssd_threads, pin=b.device.type == "cuda")
     try:
         r = run_plan(b, ctx, name, precision, home, disk=disk,
-                     after=lambda eng: unseen_prompt_pass(b, ctx, eng, path), **decode_changes)
-        r["unseen_prompt"] = r.pop("after")
+                     after=lambda eng: {"unseen_prompt": unseen_prompt_pass(b, ctx, eng, path)}, **decode_changes)
         r["ssd"] = {**info, "host_cache_fraction": b.args.ssd_cache_fraction, **disk.stats()}
     finally:
         disk.close()

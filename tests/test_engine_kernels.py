@@ -362,6 +362,7 @@ def test_base3_runs_words_by_default_where_rows_are_whole_words():
     assert SMALL.mode_of("ternary") == DecodeMode.WORDS
     assert kernels.group_mode(group, "gate_up", SMALL) == kernels.group_mode(group, "down", SMALL) == DecodeMode.WORDS
     assert kernels.group_mode(group, "gate_up", bytes_asked) == DecodeMode.BYTES
+    assert group.gate.words(DecodeMode.WORDS) is group.gate.words(DecodeMode.WORDS)     # the view is cached
     unpadded = [kernels.PackedMatrix("ternary", pm.data.contiguous(), pm.rows, pm.cols, pm.scale) for pm in stacks]
     in_place = kernels.ExpertGroup(*unpadded, None, "ternary")
     assert kernels.group_mode(in_place, "gate_up", SMALL) == DecodeMode.BYTES

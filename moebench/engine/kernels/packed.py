@@ -131,10 +131,10 @@ class PackedMatrix:
         then the padded row length (the word view's), the byte path's the stored one."""
         if Format.of(self.fmt) not in WORD_FORMATS or mode == DecodeMode.BYTES:
             return None
+        d = self.copied         # the padded rows where storage pads them
         cached = self.__dict__.get("_words")
-        if cached is not None and cached[0] is self.data:
+        if cached is not None and cached[0] is d:
             return cached[1]
-        d = self.storage if self.storage is not None else self.data
         ok = d.shape[-1] % 4 == 0 and d.stride(0) % 4 == 0 and d.stride(1) % 4 == 0 and d.data_ptr() % 4 == 0
         view = d.view(torch.int32) if ok and d.stride(-1) == 1 else None
         self.__dict__["_words"] = (d, view)
