@@ -174,6 +174,10 @@ class DecodeConfig:
     pdl: programmatic dependent launch (sm_90+): a kernel starts launching while its predecessor runs.
     overlap_host: the host-memory groups and the HBM groups of other formats than the largest
         group's run on side streams, concurrently with it.
+    branch_priority: the side streams of overlap_host's HBM branches (formats other than the lead
+        group's) get the device's highest stream priority, so the block scheduler starts their few
+        programs before the lead group's queued ones (CUDA graphs keep a captured kernel's stream
+        priority). The host lane keeps the default priority.
     defer_moe_sum: the weighted expert sum is done by the next residual add + RMSNorm (no moe_sum launch).
     fused_norm_router: a MoE block without a shared expert is routed inside its post-attention
         norm's launch.
@@ -215,6 +219,7 @@ class DecodeConfig:
     ssd_lookahead: int = 1
     pdl: bool = True
     overlap_host: bool = True
+    branch_priority: bool = False
     defer_moe_sum: bool = True
     fused_norm_router: bool = True
     rope_in_attention: bool = False

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .expert_rows import row_dots
 from .int8_activations import quant_pack, store_quant
-from .runtime import FMT_INT8, MODE_INT8_ACT, grid_dependency, tl, triton
+from .runtime import FMT_INT8, MODE_BYTES, MODE_INT8_ACT, grid_dependency, tl, triton
 
 if triton is not None:
     @triton.jit
@@ -50,14 +50,33 @@ if triton is not None:
             lim = K
         else:
             lim = KB
-        for k0 in range(0, lim, BK):
-            g += row_dots(g_ptr, gs_ptr, gm_ptr, slot, rows, rmask, x_row, k0, K, KB,
-                          stride_ge, stride_gr, stride_gse, stride_gsr, FMT, MODE, GROUP_SIZE, BN, BK, GROUP_SIZE)
-            u += row_dots(u_ptr, us_ptr, um_ptr, slot, rows, rmask, x_row, k0, K, KB,
-                          stride_ue, stride_ur, stride_use, stride_usr, FMT, MODE, GROUP_SIZE, BN, BK, GROUP_SIZE)
         if FMT == FMT_INT8:
-            g = g * tl.load(gs_ptr + slot * stride_gse + rows * stride_gsr, mask=rmask, other=0.0).to(tl.float32)
-            u = u * tl.load(us_ptr + slot * stride_use + rows * stride_usr, mask=rmask, other=0.0).to(tl.float32)
+            # int8's per-row scales, loaded before the K loop: after it they were one more round trip
+            # at every program's end, behind the loop's reductions
+            g_scale = tl.load(gs_ptr + slot * stride_gse + rows * stride_gsr, mask=rmask, other=0.0).to(tl.float32)
+            u_scale = tl.load(us_ptr + slot * stride_use + rows * stride_usr, mask=rmask, other=0.0).to(tl.float32)
+        if FMT <= FMT_INT8 and MODE == MODE_BYTES:
+            # Dense rows (and int8 bytes): x, the gate tile and the up tile are all loaded before either
+            # is summed. row_dots for gate then up would issue up's loads only after gate's reduction
+            # (its barriers), two DRAM round trips per step; bf16's single K step has no software
+            # pipelining to hide that. The sums are row_dots' own, so the result is the same.
+            for k0 in range(0, lim, BK):
+                i = k0 + tl.arange(0, BK)
+                m = rmask[:, None] & (i < K)[None, :]
+                xk = tl.load(x_row + i, mask=i < K, other=0.0).to(tl.float32)
+                wg = tl.load(g_ptr + slot * stride_ge + rows[:, None] * stride_gr + i[None, :], mask=m, other=0)
+                wu = tl.load(u_ptr + slot * stride_ue + rows[:, None] * stride_ur + i[None, :], mask=m, other=0)
+                g += tl.sum(wg.to(tl.float32) * xk[None, :], axis=1)
+                u += tl.sum(wu.to(tl.float32) * xk[None, :], axis=1)
+        else:
+            for k0 in range(0, lim, BK):
+                g += row_dots(g_ptr, gs_ptr, gm_ptr, slot, rows, rmask, x_row, k0, K, KB, stride_ge, stride_gr,
+                              stride_gse, stride_gsr, FMT, MODE, GROUP_SIZE, BN, BK, GROUP_SIZE)
+                u += row_dots(u_ptr, us_ptr, um_ptr, slot, rows, rmask, x_row, k0, K, KB, stride_ue, stride_ur,
+                              stride_use, stride_usr, FMT, MODE, GROUP_SIZE, BN, BK, GROUP_SIZE)
+        if FMT == FMT_INT8:
+            g = g * g_scale
+            u = u * u_scale
         h = g / (1.0 + tl.exp(-g)) * u
         if MODE == MODE_INT8_ACT:
             nat_lo, nat_hi, even, odd, qsum, scale = quant_pack(tl.reshape(h, (BN // 8, 8)), BN)
@@ -137,7 +156,12 @@ if triton is not None:
         else:
             lim = KB
         y = tl.zeros((BN,), dtype=tl.float32)
+        if FMT == FMT_INT8:      # before the K loop, as in gate_up_rows
+            d_scale = tl.load(ds_ptr + slot * stride_dse + rows * stride_dsr, mask=rmask, other=0.0).to(tl.float32)
         if EARLY >= 1:
+            # the step after the early ones: its weights are loaded first thing after the wait,
+            # beside h, so no DRAM round trip waits behind the early steps' sums (same sums, in order)
+            wn = early_down_tile(d_ptr, slot, rows, rmask, stride_de, stride_dr, K, EARLY, BK)
             y += early_down_step(w0, h_row, K, 0, BK)
         if EARLY >= 2:
             y += early_down_step(w1, h_row, K, 1, BK)
@@ -145,11 +169,14 @@ if triton is not None:
             y += early_down_step(w2, h_row, K, 2, BK)
         if EARLY >= 4:
             y += early_down_step(w3, h_row, K, 3, BK)
-        for k0 in range(EARLY * BK, lim, BK):
+        if EARLY >= 1:
+            if EARLY * BK < K:
+                y += early_down_step(wn, h_row, K, EARLY, BK)
+        for k0 in range((EARLY + (EARLY > 0)) * BK, lim, BK):
             y += row_dots(d_ptr, ds_ptr, dm_ptr, slot, rows, rmask, h_row, k0, K, KB,
                           stride_de, stride_dr, stride_dse, stride_dsr, FMT, MODE, GROUP_SIZE, BN, BK, QH)
         if FMT == FMT_INT8:
-            y = y * tl.load(ds_ptr + slot * stride_dse + rows * stride_dsr, mask=rmask, other=0.0).to(tl.float32)
+            y = y * d_scale
         tl.store(part_out + rows, y * w, mask=rmask)
 
     @triton.jit

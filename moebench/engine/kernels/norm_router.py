@@ -62,11 +62,17 @@ if triton is not None:
         return 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
 
     @triton.jit
-    def rms_scale(s, inv, w_ptr, offs, m):
-        """w[offs] * (s * inv rounded to s's dtype), float32 (0 on masked lanes)."""
+    def rms_scale(s, inv, w):
+        """w * (s * inv rounded to s's dtype), float32; w: the norm weight's values at s's columns
+        (norm_weight). The kernels load the whole row's weight before their PDL wait: after the
+        norm's reduction it was one more DRAM round trip on every layer's critical path."""
         xn = (s.to(tl.float32) * inv).to(s.dtype).to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        return w * xn
+        return w.to(tl.float32) * xn
+
+    @triton.jit
+    def norm_weight(w_ptr, offs, m):
+        """The norm weight at columns offs (0 on masked lanes), as stored."""
+        return tl.load(w_ptr + offs, mask=m, other=0.0)
 
     @triton.jit
     def add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, eps,
@@ -74,14 +80,15 @@ if triton is not None:
                            PDL: tl.constexpr = False, LAUNCH_FIRST: tl.constexpr = False):
         """Row r: s = x + delta (rounded to x's dtype, written to res), out = w * norm(s) (see
         residual_sum for DELTA_ROWS > 1)."""
-        grid_dependency(PDL, LAUNCH_FIRST)
         r = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < N
+        w = norm_weight(w_ptr, offs, m)         # weights never change in a step: before the wait
+        grid_dependency(PDL, LAUNCH_FIRST)
         x = residual_sum(x_ptr, d_ptr, r, N, offs, m, HAS_DELTA, DELTA_ROWS)
         if HAS_DELTA:
             tl.store(res_ptr + r * N + offs, x, mask=m)
-        out = rms_scale(x, rms_inv(x, N, eps), w_ptr, offs, m)
+        out = rms_scale(x, rms_inv(x, N, eps), w)
         tl.store(out_ptr + r * N + offs, out.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -171,10 +178,11 @@ if triton is not None:
         if EARLY:
             w_early = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + offs[None, :],
                               mask=rm[:, None] & m[None, :], other=0.0)
+        nw = norm_weight(nw_ptr, offs, m)       # before the wait, as add_rmsnorm_kernel's
         grid_dependency(PDL, LAUNCH_FIRST)
         s = residual_sum(x_ptr, d_ptr, t, N, offs, m, HAS_DELTA, 1)
         inv = rms_inv(s, N, eps)
-        h = rms_scale(s, inv, nw_ptr, offs, m).to(dt)
+        h = rms_scale(s, inv, nw).to(dt)
         if pb == 0:
             if HAS_DELTA:
                 tl.store(res_ptr + t * N + offs, s, mask=m)
@@ -192,7 +200,7 @@ if triton is not None:
                 cols = h0 + tl.arange(0, BH)
                 cm = cols < N
                 sc = residual_sum(x_ptr, d_ptr, t, N, cols, cm, HAS_DELTA, 1)
-                hv = rms_scale(sc, inv, nw_ptr, cols, cm).to(dt).to(tl.float32)
+                hv = rms_scale(sc, inv, norm_weight(nw_ptr, cols, cm)).to(dt).to(tl.float32)
                 wv = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + cols[None, :],
                              mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
                 acc += wv * hv[None, :]
@@ -213,7 +221,7 @@ if triton is not None:
                 cols = qb * QB + tl.arange(0, QB)
                 cm = cols < N
                 sc = residual_sum(x_ptr, d_ptr, t, N, cols, cm, HAS_DELTA, 1)
-                hv = rms_scale(sc, inv, nw_ptr, cols, cm).to(dt).to(tl.float32)
+                hv = rms_scale(sc, inv, norm_weight(nw_ptr, cols, cm)).to(dt).to(tl.float32)
                 nat_lo, nat_hi, even, odd, qsum, scale = quant_pack(tl.reshape(hv, (QB // 8, 8)), QB)
                 w8 = qb * (QB // 8) + tl.arange(0, QB // 8)
                 b = qb + tl.arange(0, 1)
