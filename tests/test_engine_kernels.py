@@ -1134,26 +1134,3 @@ def test_cuda_pdl_and_overlap_switches_change_no_output(ckpt, wiki_bytes, tmp_pa
     assert on._graphs and off._graphs
     assert a.token_ids == b.token_ids
     assert all(abs(x - y) < 1e-5 for sa, sb in zip(a.top_logprobs, b.top_logprobs) for (_, x), (_, y) in zip(sa, sb))
-
-
-@needs_cuda
-def test_cuda_branch_priority_changes_no_output_and_raises_the_branch_stream(ckpt, wiki_bytes, tmp_path):
-    """DecodeConfig.branch_priority runs the other HBM format's branch (here the ternary cold half
-    beside the int8 hot half, both in GPU memory) on a side stream of the device's highest priority:
-    the stream has it, and the greedy tokens and top log-probs are those of the default-priority
-    branch, graph-replayed, in one process."""
-    from moebench.engine.kernels.staging import side_stream
-    stats = calibrate(Engine.load(ckpt, device="cpu", dtype="float32"), [wiki_bytes[:64], wiki_bytes[64:128]])
-    art = pack(ckpt, plan_hot_cold(stats, 0.25, hot="int8", cold="ternary", cold_home="gpu"), tmp_path / "art")
-    runs = {}
-    for high in (False, True):
-        eng = Engine.load(art, device=DEV, dtype="float32", max_seq_len=64, cuda_graphs=True,
-                          decode=replace(small(experts_impl="triton"), branch_priority=high))
-        assert eng.decode.branch_priority is high
-        runs[high] = eng.generate([wiki_bytes[300:320]], 6, ignore_eos=True, top_logprobs=3)[0]
-        assert eng._graphs
-    assert runs[True].token_ids == runs[False].token_ids
-    assert all(abs(x - y) < 1e-5 for sa, sb in zip(runs[True].top_logprobs, runs[False].top_logprobs)
-               for (_, x), (_, y) in zip(sa, sb))
-    greatest = torch.cuda.Stream.priority_range()[1]
-    assert side_stream(DEV, 0, True).priority == greatest < side_stream(DEV, 0).priority == 0

@@ -93,7 +93,7 @@ VARIANTS = ("", "host", "a8")     # "host": groups in pinned host memory; "a8": 
 # benchmarks/quant_kernels_h200.py (one quantized layer per format and decode mode). A host or a8
 # group without its own entry uses its format's.
 SHIPPED_LAUNCH: dict[tuple[str, str, str], Launch] = {
-    ("gate_up", "dense", ""): Launch(2, 2048, 4, 2), ("down", "dense", ""): Launch(16, 256, 4, 3),
+    ("gate_up", "dense", ""): Launch(4, 2048, 4, 2), ("down", "dense", ""): Launch(16, 256, 4, 3),
     ("gate_up", "int8", ""): Launch(8, 512, 4, 3), ("down", "int8", ""): Launch(16, 256, 4, 3),
     ("gate_up", "int4", ""): Launch(8, 256, 4, 3), ("down", "int4", ""): Launch(16, 256, 4, 3),
     ("gate_up", "int4_asym", ""): Launch(8, 256, 4, 3), ("down", "int4_asym", ""): Launch(16, 256, 4, 3),
@@ -111,9 +111,9 @@ SHIPPED_LAUNCH: dict[tuple[str, str, str], Launch] = {
     # the attention projections' GEMV ([q;k;v] and o_proj), swept over every layer's weights
     ("gemv", "dense", ""): Launch(2, 1024, 4, 4),
     # the fused router: num_warps 1 keeps the last program's softmax / top-k reductions in one warp
-    ("router", "dense", ""): Launch(2, 2048, 1, 2),
+    ("router", "dense", ""): Launch(1, 2048, 1, 2),
     # the residual add + RMSNorm of one row (one program per row; only num_warps is used)
-    ("norm", "dense", ""): Launch(1, 2048, 4, 1),
+    ("norm", "dense", ""): Launch(1, 2048, 16, 1),
 }
 DEFAULT_LAUNCH = Launch()
 
@@ -174,10 +174,6 @@ class DecodeConfig:
     pdl: programmatic dependent launch (sm_90+): a kernel starts launching while its predecessor runs.
     overlap_host: the host-memory groups and the HBM groups of other formats than the largest
         group's run on side streams, concurrently with it.
-    branch_priority: the side streams of overlap_host's HBM branches (formats other than the lead
-        group's) get the device's highest stream priority, so the block scheduler starts their few
-        programs before the lead group's queued ones (CUDA graphs keep a captured kernel's stream
-        priority). The host lane keeps the default priority.
     defer_moe_sum: the weighted expert sum is done by the next residual add + RMSNorm (no moe_sum launch).
     fused_norm_router: a MoE block without a shared expert is routed inside its post-attention
         norm's launch.
@@ -219,7 +215,6 @@ class DecodeConfig:
     ssd_lookahead: int = 1
     pdl: bool = True
     overlap_host: bool = True
-    branch_priority: bool = False
     defer_moe_sum: bool = True
     fused_norm_router: bool = True
     rope_in_attention: bool = False

@@ -236,7 +236,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
         main = torch.cuda.current_stream(x.device)
         sides = []
         for key, branch in [*enumerate(branches), *([("host", lane)] if lane else [])]:
-            side = side_stream(x.device, key, cfg.branch_priority and key != "host")   # "host": host_lane
+            side = side_stream(x.device, key)      # "host": host_lane
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 if key == "host" and tail_skip is not None:

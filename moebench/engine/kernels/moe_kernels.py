@@ -159,9 +159,6 @@ if triton is not None:
         if FMT == FMT_INT8:      # before the K loop, as in gate_up_rows
             d_scale = tl.load(ds_ptr + slot * stride_dse + rows * stride_dsr, mask=rmask, other=0.0).to(tl.float32)
         if EARLY >= 1:
-            # the step after the early ones: its weights are loaded first thing after the wait,
-            # beside h, so no DRAM round trip waits behind the early steps' sums (same sums, in order)
-            wn = early_down_tile(d_ptr, slot, rows, rmask, stride_de, stride_dr, K, EARLY, BK)
             y += early_down_step(w0, h_row, K, 0, BK)
         if EARLY >= 2:
             y += early_down_step(w1, h_row, K, 1, BK)
@@ -169,10 +166,7 @@ if triton is not None:
             y += early_down_step(w2, h_row, K, 2, BK)
         if EARLY >= 4:
             y += early_down_step(w3, h_row, K, 3, BK)
-        if EARLY >= 1:
-            if EARLY * BK < K:
-                y += early_down_step(wn, h_row, K, EARLY, BK)
-        for k0 in range((EARLY + (EARLY > 0)) * BK, lim, BK):
+        for k0 in range(EARLY * BK, lim, BK):
             y += row_dots(d_ptr, ds_ptr, dm_ptr, slot, rows, rmask, h_row, k0, K, KB,
                           stride_de, stride_dr, stride_dse, stride_dsr, FMT, MODE, GROUP_SIZE, BN, BK, QH)
         if FMT == FMT_INT8:

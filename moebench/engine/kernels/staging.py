@@ -18,16 +18,14 @@ from .runtime import grid_dependency, next_pow2, pdl_launch, require, tl, triton
 _SIDE_STREAMS: dict = {}
 
 
-def side_stream(device, key, high_priority: bool = False) -> "torch.cuda.Stream":
-    """fused_moe's side stream `key` of a device, made on first use; high_priority: another stream,
-    of the device's highest priority (torch maps -100 to it)."""
+def side_stream(device, key) -> "torch.cuda.Stream":
+    """fused_moe's side stream `key` of a device, made on first use."""
     device = torch.device(device)
     if device.index is None:        # "cuda" and "cuda:0" must name one stream
         device = torch.device(device.type, torch.cuda.current_device())
-    side = _SIDE_STREAMS.get((device, key, high_priority))
+    side = _SIDE_STREAMS.get((device, key))
     if side is None:
-        side = _SIDE_STREAMS[(device, key, high_priority)] = torch.cuda.Stream(
-            device, priority=-100 if high_priority else 0)
+        side = _SIDE_STREAMS[(device, key)] = torch.cuda.Stream(device)
     return side
 
 
