@@ -110,6 +110,56 @@ if triton is not None:
         return tl.sum(s_lo * lo + s_hi * hi, axis=1)
 
     @triton.jit
+    def trit_word_dot_pair(base_g, s_row_g, base_u, s_row_u, rmask, x_ptr, k0, K, KB, GROUP_SIZE: tl.constexpr,
+                           BN: tl.constexpr, BK: tl.constexpr):
+        """trit_word_dots of gate's and up's rows of one expert over one K step, as one: both
+        matrices' words and scales are loaded before any digit is decoded, and each column's x is
+        loaded once for both (trit_word_dots for gate then up loads x twice, and up's words only
+        after gate's reduction). Per matrix the same sums, so the same results."""
+        wi = k0 // 4 + tl.arange(0, BK // 4)
+        wm = rmask[:, None] & (wi < KB // 4)[None, :]
+        wg = tl.load(base_g + wi[None, :], mask=wm, other=0)
+        wu = tl.load(base_u + wi[None, :], mask=wm, other=0)
+        c0 = 20 * wi
+        g_lo = c0 // GROUP_SIZE
+        hi_start = (g_lo + 1) * GROUP_SIZE
+        lo_mask = rmask[:, None] & (c0 < K)[None, :]
+        has_hi = (hi_start < c0 + 20) & (hi_start < K)
+        hi_mask = rmask[:, None] & has_hi[None, :]
+        sg_lo = tl.load(s_row_g + g_lo[None, :], mask=lo_mask, other=0.0).to(tl.float32)
+        sg_hi = tl.load(s_row_g + (g_lo + 1)[None, :], mask=hi_mask, other=0.0).to(tl.float32)
+        su_lo = tl.load(s_row_u + g_lo[None, :], mask=lo_mask, other=0.0).to(tl.float32)
+        su_hi = tl.load(s_row_u + (g_lo + 1)[None, :], mask=hi_mask, other=0.0).to(tl.float32)
+        lo_g = tl.zeros((BN, BK // 4), dtype=tl.float32)
+        hi_g = tl.zeros((BN, BK // 4), dtype=tl.float32)
+        lo_u = tl.zeros((BN, BK // 4), dtype=tl.float32)
+        hi_u = tl.zeros((BN, BK // 4), dtype=tl.float32)
+        for lane in tl.static_range(4):
+            vg = (wg >> (8 * lane)) & 255
+            vu = (wu >> (8 * lane)) & 255
+            for d in tl.static_range(5):
+                c = c0 + (5 * lane + d)
+                xd = tl.load(x_ptr + c, mask=c < K, other=0.0).to(tl.float32)
+                xh = tl.where(c >= hi_start, xd, 0.0)
+                if d < 4:
+                    qg = (vg * 21846) >> 16
+                    rg = vg - qg * 3
+                    vg = qg
+                    qu = (vu * 21846) >> 16
+                    ru = vu - qu * 3
+                    vu = qu
+                else:
+                    rg = vg
+                    ru = vu
+                tg = (rg | 0x4B000000).to(tl.float32, bitcast=True) - 8388609.0
+                tu = (ru | 0x4B000000).to(tl.float32, bitcast=True) - 8388609.0
+                lo_g += tg * (xd - xh)[None, :]
+                hi_g += tg * xh[None, :]
+                lo_u += tu * (xd - xh)[None, :]
+                hi_u += tu * xh[None, :]
+        return tl.sum(sg_lo * lo_g + sg_hi * hi_g, axis=1), tl.sum(su_lo * lo_u + su_hi * hi_u, axis=1)
+
+    @triton.jit
     def word_x(x_ptr, wi, K, PER: tl.constexpr, BK: tl.constexpr):
         """The PER x vectors [BK/4] of word-packed columns (x[PER * w + j] for j < PER), from one
         contiguous (vectorised) load of [BK/4, PER] split in registers, not PER strided loads."""
@@ -265,4 +315,4 @@ if triton is not None:
                         return tl.sum(s * per_group + mn * x_group[None, :], axis=1)
 
 else:       # no Triton here: the names exist, require() refuses the launches
-    row_dots = None
+    row_dots = trit_word_dot_pair = None

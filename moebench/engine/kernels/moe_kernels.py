@@ -12,9 +12,9 @@ launches them.
 """
 from __future__ import annotations
 
-from .expert_rows import row_dots
+from .expert_rows import row_dots, trit_word_dot_pair
 from .int8_activations import quant_pack, store_quant
-from .runtime import FMT_INT8, MODE_BYTES, MODE_INT8_ACT, grid_dependency, tl, triton
+from .runtime import FMT_INT8, FMT_TERNARY, MODE_BYTES, MODE_INT8_ACT, grid_dependency, tl, triton
 
 if triton is not None:
     @triton.jit
@@ -68,6 +68,16 @@ if triton is not None:
                 wu = tl.load(u_ptr + slot * stride_ue + rows[:, None] * stride_ur + i[None, :], mask=m, other=0)
                 g += tl.sum(wg.to(tl.float32) * xk[None, :], axis=1)
                 u += tl.sum(wu.to(tl.float32) * xk[None, :], axis=1)
+        elif FMT == FMT_TERNARY and MODE != MODE_BYTES:
+            # base-3 words: gate's and up's words, scales and x loaded once, before either is decoded
+            for k0 in range(0, lim, BK):
+                gk, uk = trit_word_dot_pair(g_ptr + slot * stride_ge + rows[:, None] * stride_gr,
+                                            gs_ptr + slot * stride_gse + rows[:, None] * stride_gsr,
+                                            u_ptr + slot * stride_ue + rows[:, None] * stride_ur,
+                                            us_ptr + slot * stride_use + rows[:, None] * stride_usr,
+                                            rmask, x_row, k0, K, KB, GROUP_SIZE, BN, BK)
+                g += gk
+                u += uk
         else:
             for k0 in range(0, lim, BK):
                 g += row_dots(g_ptr, gs_ptr, gm_ptr, slot, rows, rmask, x_row, k0, K, KB, stride_ge, stride_gr,
