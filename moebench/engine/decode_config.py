@@ -98,8 +98,9 @@ SHIPPED_LAUNCH: dict[tuple[str, str, str], Launch] = {
     ("gate_up", "int4", ""): Launch(8, 256, 4, 3), ("down", "int4", ""): Launch(16, 256, 4, 3),
     ("gate_up", "int4_asym", ""): Launch(8, 256, 4, 3), ("down", "int4_asym", ""): Launch(16, 256, 4, 3),
     # ternary is the cold format of the hot/cold plans: down tuned with one pair of a layer's eight,
-    # gate_up in the decode chain of the hot int8 / cold ternary plan (decode_h200 chain_sweep)
-    ("gate_up", "ternary", ""): Launch(4, 256, 4, 3), ("down", "ternary", ""): Launch(8, 256, 4, 3),
+    # gate_up in the decode chain of the hot int8 / cold ternary plan (decode_h200 chain_sweep; with
+    # gate's and up's words decoded together, one 512-byte step covers a whole 412-byte row)
+    ("gate_up", "ternary", ""): Launch(4, 512, 4, 3), ("down", "ternary", ""): Launch(8, 256, 4, 3),
     ("gate_up", "ternary", "host"): Launch(4, 512, 4, 3), ("down", "ternary", "host"): Launch(16, 256, 4, 3),
     # ternary2 with float x: int4's WORDS shapes (not swept); with int8 x, a whole 2048-column row
     # (512 bytes) per gate_up step
