@@ -1134,3 +1134,65 @@ def test_cuda_pdl_and_overlap_switches_change_no_output(ckpt, wiki_bytes, tmp_pa
     assert on._graphs and off._graphs
     assert a.token_ids == b.token_ids
     assert all(abs(x - y) < 1e-5 for sa, sb in zip(a.top_logprobs, b.top_logprobs) for (_, x), (_, y) in zip(sa, sb))
+
+
+from moebench.engine.kernels.runtime import FMT_INT8, tl, triton  # noqa: E402
+
+if triton is not None:
+    from moebench.engine.kernels.expert_rows import row_dots
+    from moebench.engine.kernels.moe_kernels import gate_up_rows
+
+    @triton.jit
+    def _gate_up_rows_and_per_matrix_steps(x_ptr, h_ptr, ref_ptr, slot, g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr, um_ptr,
+                                           KB, sge, sgr, sgse, sgsr, sue, sur, suse, susr, N, K,
+                                           FMT: tl.constexpr, MODE: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr,
+                                           BK: tl.constexpr):
+        """h of one row block by gate_up_rows (h_ptr) and by row_dots on gate, then up, per K step,
+        scaled and combined as gate_up_rows does (ref_ptr)."""
+        rows = tl.program_id(0) * BN + tl.arange(0, BN)
+        rmask = rows < N
+        gate_up_rows(x_ptr, h_ptr, h_ptr, slot, rows, rmask, N, K, KB, g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr, um_ptr,
+                     sge, sgr, sgse, sgsr, sue, sur, suse, susr, FMT, MODE, GS, BN, BK)
+        g = tl.zeros((BN,), dtype=tl.float32)
+        u = tl.zeros((BN,), dtype=tl.float32)
+        lim = K if FMT <= FMT_INT8 else KB
+        for k0 in range(0, lim, BK):
+            g += row_dots(g_ptr, gs_ptr, gm_ptr, slot, rows, rmask, x_ptr, k0, K, KB, sge, sgr, sgse, sgsr,
+                          FMT, MODE, GS, BN, BK, GS)
+            u += row_dots(u_ptr, us_ptr, um_ptr, slot, rows, rmask, x_ptr, k0, K, KB, sue, sur, suse, susr,
+                          FMT, MODE, GS, BN, BK, GS)
+        if FMT == FMT_INT8:
+            g = g * tl.load(gs_ptr + slot * sgse + rows * sgsr, mask=rmask, other=0.0).to(tl.float32)
+            u = u * tl.load(us_ptr + slot * suse + rows * susr, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(ref_ptr + rows, g / (1.0 + tl.exp(-g)) * u, mask=rmask)
+
+
+@pytest.mark.parametrize("fmt,mode,bk", [("dense", DecodeMode.BYTES, 32), ("dense", DecodeMode.BYTES, 2048),
+                                         ("int8", DecodeMode.BYTES, 32), ("int8", DecodeMode.WORDS, 32),
+                                         ("ternary", DecodeMode.WORDS, 32), ("ternary", DecodeMode.WORDS, 512)])
+def test_gate_up_rows_sums_like_row_dots_per_matrix(fmt, mode, bk):
+    """gate_up_rows loads gate's and up's tiles of a step together (dense and int8 bytes: one load
+    each before either sum; base-3 words: trit_word_dot_pair, x and both matrices' words and scales
+    loaded once; int8: the row scales before the K loop). Its h is row_dots' on gate, then up, step by
+    step, bit for bit, whether the row takes one step (bk 2048 dense, 512 ternary) or many."""
+    from moebench.engine.kernels.moe import _group_args
+    g = torch.Generator().manual_seed(5)
+    inter, hidden = 48, 200
+    mats = []
+    for rows, cols in ((inter, hidden), (inter, hidden), (hidden, inter)):
+        ws = [torch.randn(rows, cols, generator=g) * 0.1 for _ in range(3)]
+        mats.append(kernels.PackedMatrix.dense(torch.stack(ws).to(DEV)) if fmt == "dense" else
+                    kernels.PackedMatrix.stack([quantize(w, fmt) for w in ws], DEV))
+    group = kernels.ExpertGroup(*mats, None, fmt)
+    cfg = replace(SMALL, mode_by_format={fmt: mode})
+    args = _group_args(group, cfg)
+    assert args.gate_up_mode == mode
+    _, gd, gs, gm, ud, us, um, kb, sge, sgr, sgse, sgsr, sue, sur, suse, susr = args.gate_up(torch.zeros(1))
+    x = torch.randn(hidden, generator=g).to(DEV)
+    h = torch.full((inter,), float("nan"), device=DEV)
+    ref = torch.full((inter,), float("nan"), device=DEV)
+    BN = 16
+    _gate_up_rows_and_per_matrix_steps[(-(-inter // BN),)](
+        x, h, ref, 1, gd, gs, gm, ud, us, um, kb, sge, sgr, sgse, sgsr, sue, sur, suse, susr, inter, hidden,
+        FMT=args.constexprs("A", "gate_up", bk)["FMT_A"], MODE=int(mode), GS=GROUP, BN=BN, BK=bk)
+    assert not h.isnan().any() and torch.equal(h, ref), (h - ref).abs().max()
