@@ -59,10 +59,11 @@ def next_pow2(n: int) -> int:
 # Programmatic dependent launch (PDL, sm_90+): each decode-step kernel is launched with the
 # programmatic-serialization attribute, so the GPU starts launching it while the kernel before it in
 # the stream is still running; its programs then wait (griddepcontrol.wait) until that kernel has
-# finished and its writes are visible, before touching any memory. It saves the launch gap between
-# two dependent kernels (~1.5 us each, a few hundred kernels per step). Every program waits first,
-# whatever it does after: a kernel whose programs all exited without waiting could finish before its
-# predecessor, and the next kernel's wait would then not cover that predecessor.
+# finished and its writes are visible, before touching memory an earlier kernel writes (weights,
+# which no kernel of a step writes, may be loaded before the wait: early_weights, the norm weights).
+# It saves the launch gap between two dependent kernels (~1.5 us each, a few hundred kernels per
+# step). Every program waits, whatever it does after: a kernel whose programs all exited without
+# waiting could finish before its predecessor, and the next kernel's wait would then not cover it.
 _PDL_OK: dict = {}
 
 
