@@ -73,6 +73,27 @@ if triton is not None:
         return s_lo * lo + s_hi * hi
 
     @triton.jit
+    def next_trit(v, TOP: tl.constexpr):
+        """(v // 3, the lowest base-3 digit of v minus 1 as float32) for int32 byte values v <= 255;
+        TOP: v is a byte's top digit itself (v // 81 <= 2). The code c becomes the trit as
+        (c | 0x4B000000) read as a float minus 2^23 + 1: no conversion."""
+        if TOP:
+            q = v
+            r = v
+        else:
+            q = (v * 21846) >> 16                           # v // 3 for v <= 255
+            r = v - q * 3
+        return q, (r | 0x4B000000).to(tl.float32, bitcast=True) - 8388609.0
+
+    @triton.jit
+    def column_x(x_ptr, c, hi_start, K):
+        """x at columns c (0 from K on) split by scale group: (the part in c's word's first group,
+        the part in the next one, from hi_start)."""
+        xd = tl.load(x_ptr + c, mask=c < K, other=0.0).to(tl.float32)
+        xh = tl.where(c >= hi_start, xd, 0.0)
+        return xd - xh, xh
+
+    @triton.jit
     def trit_word_dots(base, s_row, rmask, x_ptr, k0, K, KB, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
                        BK: tl.constexpr):
         """row_dots for base-3 ternary rows padded to whole words (PackedMatrix.storage) and read as
@@ -91,17 +112,9 @@ if triton is not None:
         for lane in tl.static_range(4):
             v = (wv >> (8 * lane)) & 255
             for d in tl.static_range(5):
-                c = c0 + (5 * lane + d)
-                xd = tl.load(x_ptr + c, mask=c < K, other=0.0).to(tl.float32)
-                xh = tl.where(c >= hi_start, xd, 0.0)
-                if d < 4:
-                    q = (v * 21846) >> 16                   # v // 3 for v <= 255
-                    r = v - q * 3
-                    v = q
-                else:
-                    r = v                                   # the top digit: v // 81 <= 2
-                t = (r | 0x4B000000).to(tl.float32, bitcast=True) - 8388609.0
-                lo += t * (xd - xh)[None, :]
+                xl, xh = column_x(x_ptr, c0 + (5 * lane + d), hi_start, K)
+                v, t = next_trit(v, d == 4)
+                lo += t * xl[None, :]
                 hi += t * xh[None, :]
         s_lo = tl.load(s_row + g_lo[None, :], mask=rmask[:, None] & (c0 < K)[None, :], other=0.0).to(tl.float32)
         # the hi scale exists only where the next group starts inside the word and before K
@@ -138,24 +151,12 @@ if triton is not None:
             vg = (wg >> (8 * lane)) & 255
             vu = (wu >> (8 * lane)) & 255
             for d in tl.static_range(5):
-                c = c0 + (5 * lane + d)
-                xd = tl.load(x_ptr + c, mask=c < K, other=0.0).to(tl.float32)
-                xh = tl.where(c >= hi_start, xd, 0.0)
-                if d < 4:
-                    qg = (vg * 21846) >> 16
-                    rg = vg - qg * 3
-                    vg = qg
-                    qu = (vu * 21846) >> 16
-                    ru = vu - qu * 3
-                    vu = qu
-                else:
-                    rg = vg
-                    ru = vu
-                tg = (rg | 0x4B000000).to(tl.float32, bitcast=True) - 8388609.0
-                tu = (ru | 0x4B000000).to(tl.float32, bitcast=True) - 8388609.0
-                lo_g += tg * (xd - xh)[None, :]
+                xl, xh = column_x(x_ptr, c0 + (5 * lane + d), hi_start, K)
+                vg, tg = next_trit(vg, d == 4)
+                vu, tu = next_trit(vu, d == 4)
+                lo_g += tg * xl[None, :]
                 hi_g += tg * xh[None, :]
-                lo_u += tu * (xd - xh)[None, :]
+                lo_u += tu * xl[None, :]
                 hi_u += tu * xh[None, :]
         return tl.sum(sg_lo * lo_g + sg_hi * hi_g, axis=1), tl.sum(su_lo * lo_u + su_hi * hi_u, axis=1)
 
