@@ -25,6 +25,9 @@ from moebench.engine.model import Experts  # noqa: E402
 from moebench.engine.placement import QuantizedExpert, TieredExperts  # noqa: E402
 from moebench.engine.quant import GROUP, QuantizedTensor, pack_trits, quantize  # noqa: E402
 from moebench.engine.tiering import calibrate, pack, plan_hot_cold  # noqa: E402
+from moebench.engine.kernels.expert_rows import row_dots  # noqa: E402
+from moebench.engine.kernels.moe_kernels import gate_up_rows  # noqa: E402
+from moebench.engine.kernels.runtime import FMT_INT8, tl, triton  # noqa: E402
 
 # Odd sizes on purpose: neither width is a multiple of the block sizes set below.
 E, H, I, K = 6, 96, 40, 2
@@ -1136,12 +1139,7 @@ def test_cuda_pdl_and_overlap_switches_change_no_output(ckpt, wiki_bytes, tmp_pa
     assert all(abs(x - y) < 1e-5 for sa, sb in zip(a.top_logprobs, b.top_logprobs) for (_, x), (_, y) in zip(sa, sb))
 
 
-from moebench.engine.kernels.runtime import FMT_INT8, tl, triton  # noqa: E402
-
 if triton is not None:
-    from moebench.engine.kernels.expert_rows import row_dots
-    from moebench.engine.kernels.moe_kernels import gate_up_rows
-
     @triton.jit
     def _gate_up_rows_and_per_matrix_steps(x_ptr, h_ptr, ref_ptr, slot, g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr, um_ptr,
                                            KB, sge, sgr, sgse, sgsr, sue, sur, suse, susr, N, K,
