@@ -123,6 +123,18 @@ if triton is not None:
         return tl.sum(s_lo * lo + s_hi * hi, axis=1)
 
     @triton.jit
+    def dense_dot_pair(base_g, base_u, rmask, x_ptr, k0, K, BK: tl.constexpr):
+        """row_dots' dense BYTES step (float rows, or int8 codes unscaled) for gate's and up's rows of
+        one expert at once: x and both tiles are loaded before either is summed (gate then up through
+        row_dots would issue up's loads only after gate's cross-warp sum, a barrier). Same sums."""
+        i = k0 + tl.arange(0, BK)
+        m = rmask[:, None] & (i < K)[None, :]
+        xk = tl.load(x_ptr + i, mask=i < K, other=0.0).to(tl.float32)
+        wg = tl.load(base_g + i[None, :], mask=m, other=0)
+        wu = tl.load(base_u + i[None, :], mask=m, other=0)
+        return tl.sum(wg.to(tl.float32) * xk[None, :], axis=1), tl.sum(wu.to(tl.float32) * xk[None, :], axis=1)
+
+    @triton.jit
     def trit_word_dot_pair(base_g, s_row_g, base_u, s_row_u, rmask, x_ptr, k0, K, KB, GROUP_SIZE: tl.constexpr,
                            BN: tl.constexpr, BK: tl.constexpr):
         """trit_word_dots of gate's and up's rows of one expert over one K step, as one: both
@@ -316,4 +328,4 @@ if triton is not None:
                         return tl.sum(s * per_group + mn * x_group[None, :], axis=1)
 
 else:       # no Triton here: the names exist, require() refuses the launches
-    row_dots = trit_word_dot_pair = None
+    row_dots = dense_dot_pair = trit_word_dot_pair = None

@@ -12,7 +12,7 @@ launches them.
 """
 from __future__ import annotations
 
-from .expert_rows import row_dots, trit_word_dot_pair
+from .expert_rows import dense_dot_pair, row_dots, trit_word_dot_pair
 from .int8_activations import quant_pack, store_quant
 from .runtime import FMT_INT8, FMT_TERNARY, MODE_BYTES, MODE_INT8_ACT, grid_dependency, tl, triton
 
@@ -51,30 +51,25 @@ if triton is not None:
         else:
             lim = KB
         if FMT == FMT_INT8:
-            # int8's per-row scales, loaded before the K loop: after it they were one more round trip
-            # at every program's end, behind the loop's reductions
+            # int8's per-row scales before the K loop: loaded after it, behind the loop's sums, they
+            # would be one more round trip at every program's end
             g_scale = tl.load(gs_ptr + slot * stride_gse + rows * stride_gsr, mask=rmask, other=0.0).to(tl.float32)
             u_scale = tl.load(us_ptr + slot * stride_use + rows * stride_usr, mask=rmask, other=0.0).to(tl.float32)
+        # gate's and up's rows of this expert slot (dense strides in elements, packed in bytes or words)
+        g_base = g_ptr + slot * stride_ge + rows[:, None] * stride_gr
+        u_base = u_ptr + slot * stride_ue + rows[:, None] * stride_ur
         if FMT <= FMT_INT8 and MODE == MODE_BYTES:
-            # Dense rows (and int8 bytes): x, the gate tile and the up tile are all loaded before either
-            # is summed. row_dots for gate then up would issue up's loads only after gate's reduction
-            # (its barriers), two DRAM round trips per step; bf16's single K step has no software
-            # pipelining to hide that. The sums are row_dots' own, so the result is the same.
+            # dense rows (and int8 bytes): both tiles of a step loaded before either is summed (bf16's
+            # single K step has no software pipelining that would hide a second round trip)
             for k0 in range(0, lim, BK):
-                i = k0 + tl.arange(0, BK)
-                m = rmask[:, None] & (i < K)[None, :]
-                xk = tl.load(x_row + i, mask=i < K, other=0.0).to(tl.float32)
-                wg = tl.load(g_ptr + slot * stride_ge + rows[:, None] * stride_gr + i[None, :], mask=m, other=0)
-                wu = tl.load(u_ptr + slot * stride_ue + rows[:, None] * stride_ur + i[None, :], mask=m, other=0)
-                g += tl.sum(wg.to(tl.float32) * xk[None, :], axis=1)
-                u += tl.sum(wu.to(tl.float32) * xk[None, :], axis=1)
+                gk, uk = dense_dot_pair(g_base, u_base, rmask, x_row, k0, K, BK)
+                g += gk
+                u += uk
         elif FMT == FMT_TERNARY and MODE != MODE_BYTES:
             # base-3 words: gate's and up's words, scales and x loaded once, before either is decoded
             for k0 in range(0, lim, BK):
-                gk, uk = trit_word_dot_pair(g_ptr + slot * stride_ge + rows[:, None] * stride_gr,
-                                            gs_ptr + slot * stride_gse + rows[:, None] * stride_gsr,
-                                            u_ptr + slot * stride_ue + rows[:, None] * stride_ur,
-                                            us_ptr + slot * stride_use + rows[:, None] * stride_usr,
+                gk, uk = trit_word_dot_pair(g_base, gs_ptr + slot * stride_gse + rows[:, None] * stride_gsr,
+                                            u_base, us_ptr + slot * stride_use + rows[:, None] * stride_usr,
                                             rmask, x_row, k0, K, KB, GROUP_SIZE, BN, BK)
                 g += gk
                 u += uk

@@ -64,8 +64,8 @@ if triton is not None:
     @triton.jit
     def rms_scale(s, inv, w):
         """w * (s * inv rounded to s's dtype), float32; w: the norm weight's values at s's columns
-        (norm_weight). The kernels load the whole row's weight before their PDL wait: after the
-        norm's reduction it was one more DRAM round trip on every layer's critical path."""
+        (norm_weight). The kernels load the whole row's weight before their PDL wait: loaded after
+        the norm's reduction, it would be one more DRAM round trip on every layer's critical path."""
         xn = (s.to(tl.float32) * inv).to(s.dtype).to(tl.float32)
         return w.to(tl.float32) * xn
 
