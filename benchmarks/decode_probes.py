@@ -277,7 +277,8 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 def step_timeline(eng: Engine, prompt: list[int], path: Path, steps: int = 6) -> dict:
     """Kernel timeline of graph-replayed decode steps (torch.profiler's CUDA activity records). One
-    step runs from one decode forward's first kernel (the embedding lookup) to the next one's; its
+    step runs from the kernel after one step's greedy pick (the argmax, the graph's last reduction)
+    to the next step's pick; its
     kernels, with times in us from its start, go to `path`. Returns the step's period, the time
     some kernel ran, and the rest: the GPU idle between and inside the step's kernels (host work
     between steps, launch gaps, waits). Stream ids are not reported: in graph replays they name the
@@ -291,11 +292,11 @@ def step_timeline(eng: Engine, prompt: list[int], path: Path, steps: int = 6) ->
         prof.export_chrome_trace(f"{tmp}/trace.json")
         trace = json.loads(Path(f"{tmp}/trace.json").read_text())
     ks = sorted((e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    starts = [i for i, e in enumerate(ks) if "indexSel" in e["name"]]      # prefill, then each decode step
-    if len(starts) < 3:
-        return {"error": f"{len(starts)} embedding lookups among {len(ks)} kernels; expected a prefill and "
+    picks = [i for i, e in enumerate(ks) if "ArgMax" in e["name"]]      # prefill's, then each decode step's
+    if len(picks) < 3:
+        return {"error": f"{len(picks)} argmax kernels among {len(ks)} kernels; expected a prefill and "
                          f"{steps - 1} decode steps"}
-    i, j = starts[-3], starts[-2]
+    i, j = picks[-3] + 1, picks[-2] + 1
     t0, t1 = ks[i]["ts"], ks[j]["ts"]
     step = ks[i:j]
     busy = sum(min(b, t1) - a for a, b in _union([(e["ts"], e["ts"] + e["dur"]) for e in step]))

@@ -520,6 +520,23 @@ def test_add_rmsnorm_matches_add_then_model_rmsnorm():
         kernels.add_rmsnorm(x, d, norm.weight[:10], norm.eps)
 
 
+def test_embed_rmsnorm_is_the_embedding_then_add_rmsnorm_bitwise():
+    """The embedding lookup inside the first norm's launch: the same residual row (the table's) and
+    the same normed row, bit for bit, as nn.Embedding followed by add_rmsnorm; repeated ids too."""
+    g = torch.Generator().manual_seed(61)
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
+    table = torch.randn(50, 200, generator=g).to(DEV, dt)
+    w = (torch.rand(200, generator=g) + 0.5).to(DEV, dt)
+    tokens = torch.tensor([[7, 49, 0], [7, 3, 3]], device=DEV)
+    res, out = kernels.embed_rmsnorm(table, tokens, w, 1e-6)
+    x = F.embedding(tokens, table)
+    want_res, want_out = kernels.add_rmsnorm(x, None, w, 1e-6)
+    assert res.shape == out.shape == (2, 3, 200)
+    assert torch.equal(res, x) and torch.equal(out, want_out) and torch.equal(want_res, x)
+    with pytest.raises(kernels.KernelError, match=r"embed_rmsnorm: table \(50, 200\).*expected a contiguous"):
+        kernels.embed_rmsnorm(table, tokens, w[:10], 1e-6)
+
+
 @pytest.mark.parametrize("renorm", [True, False])
 def test_route_topk_matches_softmax_topk(renorm):
     g = torch.Generator().manual_seed(7)
@@ -607,6 +624,32 @@ def test_qk_rope_cache_matches_torch_attention_ops(qk_norm):
     assert not kc[0, :, untouched].any() and not kc[2].any()
 
 
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_rope_cache_reads_the_rope_tables_like_gathered_rows(qk_norm):
+    """cos / sin given as the float32 tables [S, D] (rows read at the positions in the kernel, as
+    the fused decode step passes them) give the same queries and cache rows, bit for bit, as the
+    rows gathered and cast first; bf16 on CUDA, where the kernel does the rounding itself."""
+    from moebench.engine.model import rope_tables
+    g = torch.Generator().manual_seed(62)
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
+    B, T, NH, NKV, D, S = 2, 2, 4, 2, 16, 12
+    q = torch.randn(B, T, NH * D, generator=g).to(DEV, dt).view(B, T, NH, D)
+    kv = torch.randn(B, T, 2 * NKV * D, generator=g).to(DEV, dt)
+    k, v = kv[..., :NKV * D].view(B, T, NKV, D), kv[..., NKV * D:].view(B, T, NKV, D)
+    qw, kw = ((torch.rand(D, generator=g) + 0.5).to(DEV, dt) for _ in range(2)) if qk_norm else (None, None)
+    cos_t, sin_t = rope_tables(D, 10000.0, S, DEV)
+    positions = torch.tensor([[3, 4], [9, 10]], device=DEV)
+    caches = [[torch.zeros(B, NKV, S, D, device=DEV, dtype=dt) for _ in range(2)] for _ in range(2)]
+    rows = kernels.qk_rope_cache(q, k, v, qw, kw, 1e-6, cos_t[positions].to(dt), sin_t[positions].to(dt),
+                                 positions, *caches[0])
+    tables = kernels.qk_rope_cache(q, k, v, qw, kw, 1e-6, cos_t, sin_t, positions, *caches[1])
+    assert torch.equal(tables, rows)
+    assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
+    assert caches[1][0][:, :, positions[1]].any()
+    with pytest.raises(kernels.KernelError, match=r"expected float32 tables \[S, 16\]"):
+        kernels.qk_rope_cache(q, k, v, qw, kw, 1e-6, cos_t[:, :8], sin_t[:, :8], positions, *caches[1])
+
+
 def count_step_ops(eng, tokens, pos, kv_len) -> int:
     """Ops one decode step launches: torch ops (dispatched aten calls) + Triton kernel launches, not
     counting what a launch does inside (the CPU interpreter runs torch ops of its own)."""
@@ -668,6 +711,20 @@ def test_linear_matches_f_linear(with_bias):
         kernels.linear(x.to(DEV), w.t().contiguous().to(DEV))
 
 
+def test_linear_float32_out_is_its_result_rounded_then_widened():
+    """out_dtype float32 (the decode step's logits): the values of linear(...).float(), bit for
+    bit, with no cast launch; bf16 x and weight (the kernel rounds to bf16 before the store)."""
+    g = torch.Generator().manual_seed(63)
+    x = torch.randn(1, 96, generator=g).to(DEV, torch.bfloat16)
+    w = torch.randn(300, 96, generator=g).to(DEV, torch.bfloat16)
+    cfg = SMALL.with_launch("gemv", "dense", BN=8, BK=32)
+    got = kernels.linear(x, w, cfg=cfg, out_dtype=torch.float32)
+    want = kernels.linear(x, w, cfg=cfg)
+    assert got.dtype == torch.float32 and want.dtype == torch.bfloat16
+    assert torch.equal(got, want.float())
+    assert not torch.equal(got, (x.float() @ w.float().t()))      # the rounding to bf16 is there
+
+
 def test_engine_fused_qkv_and_gemv_decode_match_default_path(ckpt):
     """The fused decode path's one [q; k; v] GEMM (parameters become views into it, values
     unchanged) and the Triton GEMV for the projections give the same logits as the torch path."""
@@ -685,8 +742,8 @@ def test_engine_fused_qkv_and_gemv_decode_match_default_path(ckpt):
     assert a == b
     # One decode step's logits, both paths, same cache contents.
     tokens, pos = torch.tensor([[b[-1]]], device=DEV), torch.tensor([[len(prompt) + 4]], device=DEV)
-    la = ref._decode(tokens, pos, len(prompt) + 5).float().cpu()
-    lb = fused._decode(tokens, pos, len(prompt) + 5).float().cpu()
+    la = ref._decode(tokens, pos, len(prompt) + 5)[0].float().cpu()
+    lb = fused._decode(tokens, pos, len(prompt) + 5)[0].float().cpu()
     torch.testing.assert_close(lb, la, atol=2e-3, rtol=2e-3)
 
 
@@ -704,9 +761,9 @@ def test_engine_rope_in_attention_decodes_exactly_like_qk_rope_cache(ckpt, monke
     calls = []
     real = kernels.qk_rope_cache
     monkeypatch.setattr(kernels, "qk_rope_cache", lambda *a, **k: calls.append(1) or real(*a, **k))
-    la = engines[False]._decode(tokens, pos, len(prompt) + 5).float().cpu()
+    la = engines[False]._decode(tokens, pos, len(prompt) + 5)[0].float().cpu()
     n_off = len(calls)
-    lb = engines[True]._decode(tokens, pos, len(prompt) + 5).float().cpu()
+    lb = engines[True]._decode(tokens, pos, len(prompt) + 5)[0].float().cpu()
     # the option's step runs no qk_rope_cache launch; the default's one per layer
     assert n_off == len(engines[False].model.layers) and len(calls) == n_off
     if DEV == "cuda":
@@ -737,7 +794,7 @@ def test_engine_early_weights_decode_exactly_like_loads_after_the_wait(ckpt, ste
     toks = {on: e.generate([prompt], 5, ignore_eos=True)[0].token_ids for on, e in engines.items()}
     assert toks[True] == toks[False]
     tokens, pos = torch.tensor([[toks[True][-1]]], device=DEV), torch.tensor([[len(prompt) + 4]], device=DEV)
-    la, lb = (engines[on]._decode(tokens, pos, len(prompt) + 5).float().cpu() for on in (False, True))
+    la, lb = (engines[on]._decode(tokens, pos, len(prompt) + 5)[0].float().cpu() for on in (False, True))
     assert torch.equal(la, lb)
 
 
@@ -810,7 +867,7 @@ def test_engine_decode_with_deferred_moe_sum_is_bitwise_the_same(ckpt):
     outs = {}
     for defer in (False, True):
         eng.reconfigure(replace(eng.decode, defer_moe_sum=defer))
-        outs[defer] = eng._decode(tokens, pos, 5).cpu()
+        outs[defer] = eng._decode(tokens, pos, 5)[0].cpu()
     assert torch.equal(outs[True], outs[False])
 
 
@@ -1099,7 +1156,7 @@ def test_engine_decode_with_norm_router_fused_is_the_same(ckpt, wiki_bytes, dtyp
             eng.model.set_tracer(tracer)
             try:
                 step = eng._decode(torch.tensor([[tokens[-1]]], device=DEV),
-                                   torch.tensor([[len(prompt) + 3]], device=DEV), len(prompt) + 4).cpu()
+                                   torch.tensor([[len(prompt) + 3]], device=DEV), len(prompt) + 4)[0].cpu()
             finally:
                 eng.model.set_tracer(None)
             runs[on] = (tokens, step, tracer, gen_calls)

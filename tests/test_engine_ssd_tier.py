@@ -75,13 +75,20 @@ def artifacts(ckpt, stats, tmp_path_factory):
 
 
 def _logits_of_generate(eng: Engine, prompt: list[int], new: int) -> list[torch.Tensor]:
-    """Every lm_head output of a greedy generate: the prefill's, then one per decode step."""
+    """Every logits output (MoETransformer.logits) of a greedy generate: the prefill's, then one per
+    decode step."""
     seen: list[torch.Tensor] = []
-    hook = eng.model.lm_head.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    real = eng.model.logits
+
+    def logits(h, decode=False):
+        out = real(h, decode)
+        seen.append(out.detach().clone())
+        return out
+    eng.model.logits = logits
     try:
         eng.generate([prompt], new, ignore_eos=True)
     finally:
-        hook.remove()
+        del eng.model.logits
     return seen
 
 
@@ -375,7 +382,7 @@ def test_fused_ssd_path_gives_the_same_logits_with_and_without_guesses(fused_art
     assert all(m.prefetching == (lookahead is not None) for m in mods)
     assert e_ssd.graph_mode(1) == ("segmented" if graphs else None)
     prompt, new = batches[0][:24], 12
-    if graphs:      # a replayed graph calls no lm_head hook: compare every step's top log-probs instead
+    if graphs:      # a replayed graph calls no Python: compare every step's top log-probs instead
         a, b = (e.generate([prompt], new, ignore_eos=True, top_logprobs=8)[0] for e in (e_ssd, e_res))
         assert e_ssd._graphs, "decode steps ran as segmented CUDA graphs"
         assert a.token_ids == b.token_ids and len(a.top_logprobs) == new

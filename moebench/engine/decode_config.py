@@ -197,6 +197,8 @@ class DecodeConfig:
         (all of them, early_weights all three, early_steps 2) measured on the H200 against
         early_weights router + down alone: bf16 +1.2%, int4 +2.4%, the int8 / ternary2 a8 plan
         +0.7% (two calls alike; decode_ab_table.txt). early_steps 4 made bf16 1.5% slower.
+    lm_head_gemv: decode steps (up to gemv_tokens rows) compute the logits with the Triton GEMV,
+        stored as float32 by the kernel (MoETransformer.logits), instead of cuBLAS and a cast launch.
     router_max_tokens: most tokens one fused router call takes (size of its arrival counters).
     count_tier_picks: tiered experts on the fused path count each call's picks per expert on the
         device, one atomic per (token, expert) pair inside fused_moe's down launch (and stage copies
@@ -222,6 +224,7 @@ class DecodeConfig:
     early_weights: tuple[str, ...] = EARLY_WEIGHT_KERNELS
     early_steps: int = 2
     early_launch: tuple[str, ...] = EARLY_LAUNCH_KERNELS
+    lm_head_gemv: bool = True
     router_max_tokens: int = 64
     count_tier_picks: bool = True
     launch: Mapping[tuple[str, str, str], Launch] = field(default_factory=lambda: dict(SHIPPED_LAUNCH))

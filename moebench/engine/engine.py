@@ -135,6 +135,9 @@ class Engine:
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._graph_pool = None
+        # per batch size: the (tokens, positions) every graph of that batch reads, so a greedy
+        # step's graph feeds the next step whatever KV bucket that one runs in (_step_feed)
+        self._graph_inputs: dict[int, tuple[Tensor, Tensor]] = {}
         # Decode one step ahead of the host on CUDA: step n+1 is queued before the host waits for
         # token n, so the host's per-token work (the token's copy and sync, bookkeeping, the next
         # launch) overlaps the GPU's step instead of leaving the GPU idle between steps. A finished
@@ -282,7 +285,7 @@ class Engine:
             pos = torch.arange(s, e, device=self.device)[None, :]
             h = self.model(tokens[:, s:e], pos, kv_len=e)
             if need_logits:
-                out.append(self.model.lm_head(h[0]).float().cpu())
+                out.append(self.model.logits(h[0]).cpu())
         self.torch_memory.record("score")
         return torch.cat(out) if need_logits else None
 
@@ -336,34 +339,43 @@ class Engine:
         base_pos = torch.tensor(lens, dtype=torch.long).view(B, 1).to(self.device)
         ahead = self.decode_ahead
 
-        def pick(logits: Tensor):
-            """Sample from logits on the device and start copying the picks (and top log-probs) to
-            the host; returns (device ids, host copies, event marking the copies' end)."""
-            ids = self._sample(logits, temperature, gen)
+        greedy = temperature <= 0
+
+        def pick(logits: Tensor, graph_ids: Tensor | None = None):
+            """Sample from logits on the device (greedy: a graph's own pick, graph_ids, where there
+            is one) and start copying the picks (and top log-probs) to the host; returns (device
+            ids, host copies, event marking the copies' end, whether a graph fed the next step)."""
+            fed = greedy and graph_ids is not None
+            ids = graph_ids if fed else self._sample(logits, temperature, gen)
             outs_dev = [ids] + (list(torch.topk(torch.log_softmax(logits, dim=-1), n_top, dim=-1))
                                 if n_top > 0 else [])
             if self.device.type != "cuda":
-                return ids, [t.cpu() for t in outs_dev], None
+                return ids, [t.cpu() for t in outs_dev], None, fed
             host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in outs_dev]
             for h, t in zip(host, outs_dev):
                 h.copy_(t, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            return ids, host, event
+            return ids, host, event, fed
 
-        def queue_step(step: int, ids: Tensor):
+        def queue_step(step: int, ids: Tensor, fed: bool):
             # Every row decodes (finished ones too: static shapes); row b writes slot lens[b] + step.
+            # fed: the step before ran as a graph and left this step's tokens and positions in the
+            # graphs' inputs (greedy), so nothing is copied in.
             self.decode_steps += 1
+            kv_len = self._kv_len(max(lens) + step + 1)
+            if fed:
+                return pick(*self._decode(None, None, kv_len, batch=B))
             cur.copy_(ids.view(B, 1))
-            return pick(self._decode(cur, base_pos + step, self._kv_len(max(lens) + step + 1)))
+            return pick(*self._decode(cur, base_pos + step, kv_len))
 
         nxt = pick(self._prefill(prompts))                               # [B, V] float32 logits
         self.torch_memory.record("prefill")
         for step in range(max_new):
-            ids, host, event = nxt
+            ids, host, event, fed = nxt
             last = step == max_new - 1
             if ahead and not last:
-                nxt = queue_step(step, ids)          # the GPU runs step n+1 while the host takes token n
+                nxt = queue_step(step, ids, fed)     # the GPU runs step n+1 while the host takes token n
             if event is not None:
                 event.synchronize()                  # one host sync per step, off the GPU's path
             host_ids = host[0].tolist()
@@ -386,27 +398,36 @@ class Engine:
             if all(done) or last:
                 break
             if not ahead:
-                nxt = queue_step(step, ids)
+                nxt = queue_step(step, ids, fed)
         self.torch_memory.record("decode")
         return outs
 
-    def _decode(self, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
-        """One decode step for [B, 1] tokens -> [B, vocab] float32 logits."""
-        B = tokens.shape[0]
+    def _decode(self, tokens: Tensor | None, positions: Tensor | None, kv_len: int,
+                batch: int | None = None) -> tuple[Tensor, Tensor | None]:
+        """One decode step for [B, 1] tokens -> ([B, vocab] float32 logits, the greedy picks [B]
+        where the step ran as a CUDA graph, else None). tokens and positions None: a graph step
+        whose inputs the step before fed (the picks and positions + 1); batch then gives B."""
+        B = tokens.shape[0] if tokens is not None else batch
         mode = self.graph_mode(B)
         if mode is not None:
             graph = self._graphs.get((B, kv_len))
             if graph is None:
                 if self._graph_pool is None:
                     self._graph_pool = torch.cuda.graph_pool_handle()
+                inputs = self._graph_inputs.get(B)
+                if inputs is None:
+                    inputs = self._graph_inputs[B] = (torch.zeros(B, 1, dtype=torch.long, device=self.device),
+                                                      torch.zeros(B, 1, dtype=torch.long, device=self.device))
                 # the warm-up and capture runs are no user's work: keep them out of the tier counters
                 counters = counter_states(self.model)
                 kind = _DecodeGraph if mode == "whole" else _SegmentedGraph
-                graph = self._graphs[(B, kv_len)] = kind(self.model, B, kv_len, self._graph_pool)
+                graph = self._graphs[(B, kv_len)] = kind(self.model, inputs, kv_len, self._graph_pool)
                 restore_counter_states(self.model, counters)
             return graph.run(tokens, positions)
+        if tokens is None:
+            raise EngineError("a fed decode step needs CUDA graphs (the graphs feed their inputs)")
         h = self.model(tokens, positions, kv_len)
-        return self.model.lm_head(h[:, -1]).float()
+        return self.model.logits(h[:, -1], decode=True), None
 
     def graph_mode(self, batch: int = 1) -> str | None:
         """How a decode step of `batch` rows runs as CUDA graphs: "whole" (one graph: every experts
@@ -439,7 +460,7 @@ class Engine:
             for b, n in enumerate(lens):
                 if s <= n - 1 < e:
                     last_h[b] = h[b, n - 1 - s]
-        return self.model.lm_head(last_h).float()
+        return self.model.logits(last_h)
 
     @staticmethod
     def _sample(logits: Tensor, temperature: float, gen: torch.Generator) -> Tensor:
@@ -465,36 +486,57 @@ class Engine:
         return out
 
 
-def _warmed_inputs(model: MoETransformer, batch: int, kv_len: int):
-    """(tokens, positions, side stream): a graph's static inputs, after two warm-up decode steps run on
-    a side stream (as CUDA graph capture asks); the caller orders its stream after that one."""
-    device = next(model.parameters()).device
-    tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+def _warmed_inputs(model: MoETransformer, inputs: tuple[Tensor, Tensor], kv_len: int):
+    """(tokens, positions, side stream): a graph's inputs (the engine's per batch size), after two
+    warm-up decode steps run on a side stream (as CUDA graph capture asks); the caller orders its
+    stream after that one. The inputs' values are kept: a bucket's graph can be captured between
+    two steps of a generation, after the step before fed them."""
+    tokens, positions = inputs
+    device = tokens.device
+    saved = (tokens.clone(), positions.clone())
     # Warm-up writes K/V at the last cache slot, which any row overwrites before it can read it.
-    positions = torch.full((batch, 1), model.max_seq_len - 1, dtype=torch.long, device=device)
+    tokens.zero_()
+    positions.fill_(model.max_seq_len - 1)
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         for _ in range(2):
-            model.lm_head(model(tokens, positions, kv_len)[:, -1]).float()
+            model.logits(model(tokens, positions, kv_len)[:, -1], decode=True)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    tokens.copy_(saved[0])
+    positions.copy_(saved[1])
+    stream.wait_stream(torch.cuda.current_stream(device))
     return tokens, positions, stream
 
 
-class _DecodeGraph:
-    """A captured decode step for a fixed batch size and KV length: copy inputs in, replay."""
+def _feed_next_step(logits: Tensor, tokens: Tensor, positions: Tensor) -> Tensor:
+    """A graph step's last launches: the greedy picks, written to the tokens input too, and the
+    positions moved on by one, so a greedy generation's next step needs no copies in (the engine
+    copies its own picks and positions in where it samples). Returns the picks [B]."""
+    ids = logits.argmax(dim=-1)
+    tokens.copy_(ids.view_as(tokens))
+    positions.add_(1)
+    return ids
 
-    def __init__(self, model: MoETransformer, batch: int, kv_len: int, pool):
-        self.tokens, self.positions, stream = _warmed_inputs(model, batch, kv_len)
+
+class _DecodeGraph:
+    """A captured decode step for a fixed batch size and KV length: copy inputs in (unless the step
+    before fed them), replay."""
+
+    def __init__(self, model: MoETransformer, inputs: tuple[Tensor, Tensor], kv_len: int, pool):
+        self.tokens, self.positions, stream = _warmed_inputs(model, inputs, kv_len)
         torch.cuda.current_stream(self.tokens.device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = model.lm_head(model(self.tokens, self.positions, kv_len)[:, -1]).float()
+        with torch.cuda.graph(self.graph, pool=pool):      # records only: the inputs keep their values
+            self.logits = model.logits(model(self.tokens, self.positions, kv_len)[:, -1], decode=True)
+            self.ids = _feed_next_step(self.logits, self.tokens, self.positions)
 
-    def run(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        self.tokens.copy_(tokens)
-        self.positions.copy_(positions)
+    def run(self, tokens: Tensor | None, positions: Tensor | None) -> tuple[Tensor, Tensor]:
+        if tokens is not None:
+            self.tokens.copy_(tokens)
+            self.positions.copy_(positions)
         self.graph.replay()
-        return self.logits
+        return self.logits, self.ids
 
 
 class _SegmentedGraph:
@@ -504,9 +546,9 @@ class _SegmentedGraph:
     fill the slots, copy the slot map), then the next graph. The graphs share one memory pool and
     replay in capture order, so tensors made in one and read by a later one stay valid."""
 
-    def __init__(self, model: MoETransformer, batch: int, kv_len: int, pool):
+    def __init__(self, model: MoETransformer, inputs: tuple[Tensor, Tensor], kv_len: int, pool):
         self.pool = pool
-        self.tokens, self.positions, stream = _warmed_inputs(model, batch, kv_len)
+        self.tokens, self.positions, stream = _warmed_inputs(model, inputs, kv_len)
         stream.synchronize()
         self.graphs: list = []
         self.after: list = []          # per graph: (guessing slot stacks, host part or None)
@@ -516,7 +558,8 @@ class _SegmentedGraph:
         try:
             with torch.cuda.stream(stream):
                 self._begin()
-                self.logits = model.lm_head(model(self.tokens, self.positions, kv_len)[:, -1]).float()
+                self.logits = model.logits(model(self.tokens, self.positions, kv_len)[:, -1], decode=True)
+                self.ids = _feed_next_step(self.logits, self.tokens, self.positions)
                 self._close(None)
         finally:
             for m in mods:
@@ -543,9 +586,10 @@ class _SegmentedGraph:
         """A guess captured in the current graph: its reads start after the graph's replay."""
         self._guesses.append(slots)
 
-    def run(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        self.tokens.copy_(tokens)
-        self.positions.copy_(positions)
+    def run(self, tokens: Tensor | None, positions: Tensor | None) -> tuple[Tensor, Tensor]:
+        if tokens is not None:
+            self.tokens.copy_(tokens)
+            self.positions.copy_(positions)
         for graph, (guesses, host) in zip(self.graphs, self.after):
             graph.replay()
             if host is None and not guesses:
@@ -557,4 +601,4 @@ class _SegmentedGraph:
                 slots.start_guessed_reads()
             if host is not None:
                 host()
-        return self.logits
+        return self.logits, self.ids

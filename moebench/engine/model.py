@@ -104,7 +104,9 @@ class Attention(nn.Module):
         return F.linear(x, weight, bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, kv_len: int) -> Tensor:
-        """x [B, T, H]; positions [B, T] (cache slot = position); attend to slots [0, kv_len)."""
+        """x [B, T, H]; positions [B, T] (cache slot = position); attend to slots [0, kv_len).
+        cos / sin: this step's RoPE rows [B, T, D] in x's dtype, or, on the fused path, the float32
+        tables [S, D] (qk_rope_cache reads the rows itself)."""
         B, T, _ = x.shape
         fused = B * T <= self.decode.fused_tokens
         if fused and self.qkv_weight is not None:
@@ -128,6 +130,8 @@ class Attention(nn.Module):
             rope = None
             if attention_kernel and T == 1 and self.decode.rope_in_attention:
                 # q/k norm, RoPE and the cache writes inside the attention launch
+                if cos.dim() == 2:          # the tables (MoETransformer._fused_layers): this step's rows
+                    cos, sin = cos[positions].to(q.dtype), sin[positions].to(q.dtype)
                 rope = kernels.RopeInputs(k, v, qw, kw, self.eps, cos, sin)
             else:
                 # One kernel: per-head q/k norm, RoPE, and the cache writes (kernels.qk_rope_cache).
@@ -420,6 +424,18 @@ class MoETransformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
+    def logits(self, h: Tensor, decode: bool = False) -> Tensor:
+        """lm_head(h).float(): float32 logits [..., V] whose values are rounded to h's dtype. A
+        decode step's (decode, up to decode.gemv_tokens rows) with `lm_head_gemv` runs the Triton
+        GEMV, which stores them as float32 itself (no cast launch) and starts under PDL like the
+        other decode kernels (cuBLAS' GEMM launches after the final norm has finished); its sums
+        run in another order than cuBLAS', so prefill and scoring keep cuBLAS."""
+        cfg = self.decode
+        if decode and cfg.lm_head_gemv and h.numel() // h.shape[-1] <= cfg.gemv_tokens:
+            from . import kernels
+            return kernels.linear(h, self.lm_head.weight, self.lm_head.bias, cfg=cfg, out_dtype=torch.float32)
+        return self.lm_head(h).float()
+
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
 
@@ -455,11 +471,11 @@ class MoETransformer(nn.Module):
     def forward(self, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
         """tokens, positions [B, T] -> final-normed hidden states [B, T, H] (apply `lm_head` to
         the positions whose logits you need). Attends to cache slots [0, kv_len)."""
+        if tokens.numel() <= self.decode.fused_tokens:
+            return self._fused_layers(tokens, positions, kv_len)
         x = self.embed_tokens(tokens)
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
-        if tokens.numel() <= self.decode.fused_tokens:
-            return self._fused_layers(x, cos, sin, positions, kv_len)
         for layer in self.layers:
             x = layer(x, cos, sin, positions, kv_len)
         return self.norm(x)
@@ -474,15 +490,18 @@ class MoETransformer(nn.Module):
             block.experts.prefetch(h.reshape(1, -1), block.gate.weight, block.top_k, block.norm_topk_prob,
                                    own_stream=early, ahead=ahead)
 
-    def _fused_layers(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+    def _fused_layers(self, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
         """DecoderLayer.forward for every layer, with each residual add fused into the next RMSNorm
         (the next layer's input norm, or the final norm): one kernel where there were ~9. The MoE
         blocks' weighted expert sums are done by that same kernel where the experts allow it, and
-        their routers run inside the post-attention norm's kernel (add_rmsnorm_router) where they can."""
+        their routers run inside the post-attention norm's kernel (add_rmsnorm_router) where they can.
+        The embedding lookup runs in the first norm's launch, and the RoPE kernels read the cos / sin
+        tables at the positions themselves: no gather launches before the first layer."""
         from . import kernels
         cfg = self.decode
         first = self.layers[0].input_layernorm
-        x, h = kernels.add_rmsnorm(x, None, first.weight, first.eps, cfg=cfg)
+        x, h = kernels.embed_rmsnorm(self.embed_tokens.weight, tokens, first.weight, first.eps, cfg=cfg)
+        cos, sin = self.rope_cos, self.rope_sin
         tokens = x.numel() // x.shape[-1]
         for i, layer in enumerate(self.layers):
             # prefetch_early: guess layer l+1's host experts from layer l's attention input, one

@@ -30,9 +30,10 @@ if triton is not None:
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xt, stride_wn, stride_yt,
                     HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EARLY: tl.constexpr = 0,
-                    PDL: tl.constexpr = False, LAUNCH_FIRST: tl.constexpr = False):
+                    ROUND_X: tl.constexpr = False, PDL: tl.constexpr = False, LAUNCH_FIRST: tl.constexpr = False):
         """Program (row block, token): y[t, rows] = W[rows] . x[t] (+ bias), float32 accumulation.
-        EARLY (0 to 4): that many first K steps' weights are loaded before the PDL wait (same sums)."""
+        EARLY (0 to 4): that many first K steps' weights are loaded before the PDL wait (same sums).
+        ROUND_X: y is rounded to x's dtype before it is stored in y's (a wider one)."""
         nb = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)
         rows = nb * BN + tl.arange(0, BN)
@@ -65,14 +66,19 @@ if triton is not None:
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        if ROUND_X:
+            y = y.to(x_ptr.dtype.element_ty)
         tl.store(y_ptr + t * stride_yt + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, cfg: DecodeConfig = DEFAULT) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, cfg: DecodeConfig = DEFAULT,
+           out_dtype: torch.dtype | None = None) -> Tensor:
     """F.linear for a few tokens: x [..., K], weight [N, K] (unit last stride), bias [N] or None ->
     [..., N] in x's dtype. One program per (BN rows, token): each token re-reads the weight (from L2
-    at best), so this suits decode (1-4 tokens), not prefill."""
+    at best), so this suits decode (1-4 tokens), not prefill. out_dtype (float32 for the lm_head's
+    logits): the result's dtype, its values still rounded to x's, as `F.linear(...).to(out_dtype)`
+    gives them, without the cast's launch."""
     require()
     K = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != K or weight.stride(-1) != 1:
@@ -85,11 +91,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, cfg: DecodeCon
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     T = x2.shape[0]
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    y = torch.empty(T, N, dtype=out_dtype or x.dtype, device=x.device)
     shape = cfg.launch_for("gemv", "dense")
     gemv_kernel[(-(-N // shape.BN), T)](x2, weight, bias if bias is not None else weight, y, N, K,
                                          x2.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
                                          BN=shape.BN, BK=shape.BK, EARLY=early_steps("gemv", K, shape.BK, cfg),
+                                         ROUND_X=y.dtype != x.dtype,
                                          num_warps=shape.num_warps, num_stages=shape.num_stages,
                                          **pdl_launch(x.device, cfg, "gemv"))
     return y.view(*x.shape[:-1], N)

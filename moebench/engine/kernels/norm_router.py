@@ -6,6 +6,7 @@ dominates the step. These kernels do one op group per launch and round to the ac
 where the torch code does, so they agree with it to within reduction order:
 
   add_rmsnorm         (x + delta, RMSNorm(x + delta) * w); delta may be fused_moe's partials, summed here
+  embed_rmsnorm       (table[ids], RMSNorm(table[ids]) * w): the embedding lookup and the first norm
   router_topk         router GEMV + softmax + top-k (+ renormalise) in one launch
   add_rmsnorm_router  both in one launch (and, for INT8_ACTIVATIONS experts, h's int8 rows)
   route_topk          softmax + top-k of given logits: router_topk's reference
@@ -77,15 +78,21 @@ if triton is not None:
     @triton.jit
     def add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, eps,
                            HAS_DELTA: tl.constexpr, DELTA_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                           ids_ptr=None, EMBED: tl.constexpr = False,
                            PDL: tl.constexpr = False, LAUNCH_FIRST: tl.constexpr = False):
         """Row r: s = x + delta (rounded to x's dtype, written to res), out = w * norm(s) (see
-        residual_sum for DELTA_ROWS > 1)."""
+        residual_sum for DELTA_ROWS > 1). EMBED (no delta): x is the embedding table and row r's
+        is table row ids[r], written to res (the embedding lookup and the first norm in one launch)."""
         r = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < N
         w = norm_weight(w_ptr, offs, m)         # weights never change in a step: before the wait
         grid_dependency(PDL, LAUNCH_FIRST)
-        x = residual_sum(x_ptr, d_ptr, r, N, offs, m, HAS_DELTA, DELTA_ROWS)
+        if EMBED:
+            x = tl.load(x_ptr + tl.load(ids_ptr + r).to(tl.int64) * N + offs, mask=m, other=0.0)
+            tl.store(res_ptr + r * N + offs, x, mask=m)
+        else:
+            x = residual_sum(x_ptr, d_ptr, r, N, offs, m, HAS_DELTA, DELTA_ROWS)
         if HAS_DELTA:
             tl.store(res_ptr + r * N + offs, x, mask=m)
         out = rms_scale(x, rms_inv(x, N, eps), w)
@@ -256,6 +263,26 @@ def add_rmsnorm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, del
                                 **pdl_launch(x.device, cfg, "norm"))
     return res, out
 
+
+
+def embed_rmsnorm(table: Tensor, tokens: Tensor, weight: Tensor, eps: float, cfg: DecodeConfig = DEFAULT
+                  ) -> tuple[Tensor, Tensor]:
+    """(table[tokens], RMSNorm(table[tokens]) * weight) in one launch: the embedding lookup and
+    add_rmsnorm(x, None, ...) with the same results. table [V, H] (contiguous), tokens [B, T]
+    integer ids in [0, V) (not checked here: the engine checks them) -> both [B, T, H] in table's dtype."""
+    require()
+    V, N = table.shape
+    if weight.shape != (N,) or not table.is_contiguous():
+        raise KernelError(f"embed_rmsnorm: table {tuple(table.shape)} (contiguous: {table.is_contiguous()}), norm "
+                          f"weight {tuple(weight.shape)}; expected a contiguous [V, H] table and an ({N},) weight")
+    ids = tokens.contiguous()
+    res = torch.empty(*tokens.shape, N, dtype=table.dtype, device=table.device)
+    out = torch.empty_like(res)
+    add_rmsnorm_kernel[(ids.numel(),)](table, table, weight, res, out, N, eps, HAS_DELTA=False, DELTA_ROWS=1,
+                                       BLOCK=next_pow2(N), ids_ptr=ids, EMBED=True,
+                                       num_warps=cfg.launch_for("norm", "dense").num_warps if N >= 1024 else 1,
+                                       **pdl_launch(table.device, cfg, "norm"))
+    return res, out
 
 
 def route_topk(logits: Tensor, top_k: int, renormalize: bool, cfg: DecodeConfig = DEFAULT) -> tuple[Tensor, Tensor]:

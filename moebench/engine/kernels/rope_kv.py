@@ -33,27 +33,35 @@ if triton is not None:
                              qo_ptr, kc_ptr, vc_ptr, T, NH, eps,
                              s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_cb, s_ct,
                              s_ob, s_oh, s_ot, s_cab, s_cah, s_cas,
-                             HAS_NORM: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False,
-                             LAUNCH_FIRST: tl.constexpr = False):
+                             HAS_NORM: tl.constexpr, D: tl.constexpr, TABLES: tl.constexpr = False,
+                             PDL: tl.constexpr = False, LAUNCH_FIRST: tl.constexpr = False):
         """Program (b*T + t, head): query heads -> normed, rotated, written to qo [B, NH, T, D];
-        key/value heads -> normed+rotated key and the value written to their cache slot pos[b, t]."""
-        grid_dependency(PDL, LAUNCH_FIRST)
+        key/value heads -> normed+rotated key and the value written to their cache slot pos[b, t].
+        TABLES: cos / sin are the float32 tables [S, D] (row stride s_cb), read at row pos[b, t] and
+        rounded to q's dtype here, as `table[positions].to(dtype)` rounds them."""
         bt = tl.program_id(0)
         h = tl.program_id(1)
         b = bt // T
         t = bt - b * T
         d = tl.arange(0, D)
         partner = (d + D // 2) % D
-        c = tl.load(cos_ptr + b * s_cb + t * s_ct + d).to(tl.float32)
-        s = tl.load(sin_ptr + b * s_cb + t * s_ct + d).to(tl.float32)
         dt = qo_ptr.dtype.element_ty
+        # The positions and cos / sin rows are written before a step's first kernel (or never change):
+        # loaded before the wait, their round trips overlap the kernel before this one.
+        pos = tl.load(pos_ptr + bt).to(tl.int64)
+        if TABLES:
+            c = tl.load(cos_ptr + pos * s_cb + d).to(dt).to(tl.float32)
+            s = tl.load(sin_ptr + pos * s_cb + d).to(dt).to(tl.float32)
+        else:
+            c = tl.load(cos_ptr + b * s_cb + t * s_ct + d).to(tl.float32)
+            s = tl.load(sin_ptr + b * s_cb + t * s_ct + d).to(tl.float32)
+        grid_dependency(PDL, LAUNCH_FIRST)
         if h < NH:
             out = norm_rope_head(q_ptr + b * s_qb + t * s_qt + h * s_qh, qw_ptr, c, s, d, partner, eps,
                                  HAS_NORM, D, dt)
             tl.store(qo_ptr + b * s_ob + h * s_oh + t * s_ot + d, out)
         else:
             kh = h - NH
-            pos = tl.load(pos_ptr + bt).to(tl.int64)
             out = norm_rope_head(k_ptr + b * s_kb + t * s_kt + kh * s_kh, kw_ptr, c, s, d, partner, eps,
                                  HAS_NORM, D, dt)
             slot = b * s_cab + kh * s_cah + pos * s_cas + d
@@ -67,9 +75,11 @@ def qk_rope_cache(q: Tensor, k: Tensor, v: Tensor, q_norm_w: Tensor | None, k_no
                   eps: float, cos: Tensor, sin: Tensor, positions: Tensor, k_cache: Tensor,
                   v_cache: Tensor, cfg: DecodeConfig = DEFAULT) -> Tensor:
     """q [B, T, NH, D], k/v [B, T, NKV, D] (views with unit last stride), cos/sin [B, T, D] in q's
-    dtype, positions [B, T]: per-head RMSNorm of q and k (when weights are given), RoPE, and the
-    keys/values written to k_cache/v_cache [B', NKV, S, D] at slot positions[b, t]. Returns the
-    rotated queries [B, NH, T, D] (contiguous). One launch instead of ~30 small kernels."""
+    dtype or the float32 tables [S, D] (model.rope_tables; rows read at the positions in the
+    kernel, which saves a decode step the gather and cast launches), positions [B, T]: per-head
+    RMSNorm of q and k (when weights are given), RoPE, and the keys/values written to
+    k_cache/v_cache [B', NKV, S, D] at slot positions[b, t]. Returns the rotated queries
+    [B, NH, T, D] (contiguous). One launch instead of ~30 small kernels."""
     require()
     B, T, NH, D = q.shape
     NKV = k.shape[2]
@@ -82,10 +92,20 @@ def qk_rope_cache(q: Tensor, k: Tensor, v: Tensor, q_norm_w: Tensor | None, k_no
             raise KernelError(f"qk_rope_cache: {name} needs a unit last stride")
     if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
         raise KernelError("qk_rope_cache: k_cache and v_cache need the same layout with a unit last stride")
-    cos = cos.expand(B, T, D) if cos.shape[0] != B else cos
-    sin = sin.expand(B, T, D) if sin.shape[0] != B else sin
-    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
-        cos, sin = cos.contiguous(), sin.contiguous()
+    tables = cos.dim() == 2
+    if tables:
+        if cos.shape != sin.shape or cos.shape[1] != D or cos.dtype != torch.float32:
+            raise KernelError(f"qk_rope_cache: cos {tuple(cos.shape)} {cos.dtype}, sin {tuple(sin.shape)}; expected "
+                              f"float32 tables [S, {D}]")
+        if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+            cos, sin = cos.contiguous(), sin.contiguous()
+        cos_strides = (cos.stride(0), 0)
+    else:
+        cos = cos.expand(B, T, D) if cos.shape[0] != B else cos
+        sin = sin.expand(B, T, D) if sin.shape[0] != B else sin
+        if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+            cos, sin = cos.contiguous(), sin.contiguous()
+        cos_strides = (cos.stride(0), cos.stride(1))
     pos = positions.expand(B, T).contiguous()
     qo = torch.empty(B, NH, T, D, dtype=q.dtype, device=q.device)
     has_norm = q_norm_w is not None
@@ -93,8 +113,8 @@ def qk_rope_cache(q: Tensor, k: Tensor, v: Tensor, q_norm_w: Tensor | None, k_no
     qk_rope_cache_kernel[(B * T, NH + NKV)](
         q, k, v, qw, kw, cos, sin, pos, qo, k_cache, v_cache, T, NH, eps,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), cos.stride(0), cos.stride(1),
+        v.stride(0), v.stride(1), v.stride(2), *cos_strides,
         qo.stride(0), qo.stride(1), qo.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HAS_NORM=has_norm, D=D, num_warps=1, **pdl_launch(q.device, cfg, "rope"))
+        HAS_NORM=has_norm, D=D, TABLES=tables, num_warps=1, **pdl_launch(q.device, cfg, "rope"))
     return qo
 
