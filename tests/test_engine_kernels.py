@@ -725,6 +725,38 @@ def test_linear_float32_out_is_its_result_rounded_then_widened():
     assert not torch.equal(got, (x.float() @ w.float().t()))      # the rounding to bf16 is there
 
 
+def test_greedy_pick_in_the_gemv_is_torch_argmax_and_feeds_the_next_step():
+    """The lm_head GEMV's folded pick, decoded by feed_next_step, is torch.argmax of the logits it
+    stored: the largest value, the lowest index among equal ones (ties planted across programs and
+    inside one, and a run of zero rows above negative ones); the picks go to the row of the step's
+    parity and to tokens, positions move on by one, and the keys are left empty for the next step."""
+    from moebench.engine.kernels.greedy_pick import EMPTY_KEY, empty_keys, feed_next_step
+    g = torch.Generator().manual_seed(64)
+    cfg = SMALL.with_launch("gemv", "dense", BN=4, BK=32)
+    x = torch.randn(2, 64, generator=g).to(DEV)
+    w = torch.randn(203, 64, generator=g).to(DEV)
+    w[150] = w[37]                        # token 0's best row copied further on: the first one wins
+    w[38] = w[37]                         # and inside one program
+    x[0] = w[37] / w[37].norm() * 3
+    neg = torch.zeros_like(w)
+    neg[:100] = -w[:100].abs() - 0.1      # with x >= 0: values < 0 up to row 99, then exact zeros
+    keys = empty_keys(2, DEV)
+    tokens = torch.tensor([[5], [6]], device=DEV)
+    positions = torch.tensor([[10], [20]], device=DEV)
+    picks = torch.full((2, 2), -1, dtype=torch.long, device=DEV)
+    for row, (xs, weight, want_pos) in enumerate(((x, w, [11, 21]), (x.abs(), neg, [12, 22]))):
+        logits = kernels.linear(xs, weight, cfg=cfg, pick_keys=keys)
+        feed_next_step(keys, tokens, positions, picks)
+        ids = picks[row]                   # position 10 (even): row 0; then 11: row 1
+        want = logits.argmax(dim=-1)
+        assert ids.tolist() == want.tolist() and tokens.view(-1).tolist() == want.tolist()
+        assert positions.view(-1).tolist() == want_pos and keys.tolist() == [EMPTY_KEY] * 2
+        if weight is w:
+            assert ids.tolist()[0] == 37
+    assert ids.tolist() == [100, 100] and logits[0, 100] == 0     # the zero rows tie: the first one
+    assert picks[0].tolist() != picks[1].tolist()                # the first step's row is kept
+
+
 def test_engine_fused_qkv_and_gemv_decode_match_default_path(ckpt):
     """The fused decode path's one [q; k; v] GEMM (parameters become views into it, values
     unchanged) and the Triton GEMV for the projections give the same logits as the torch path."""

@@ -85,7 +85,7 @@ class Launch:
         return asdict(self)
 
 
-KERNELS = ("gate_up", "down", "gemv", "router", "norm")
+KERNELS = ("gate_up", "down", "gemv", "lm_head", "router", "norm")
 VARIANTS = ("", "host", "a8")     # "host": groups in pinned host memory; "a8": INT8_ACTIVATIONS groups
 
 # The shipped launch table, keyed (kernel, format, variant), from the H200 sweeps of
@@ -111,6 +111,8 @@ SHIPPED_LAUNCH: dict[tuple[str, str, str], Launch] = {
     ("gate_up", "int8", "a8"): Launch(8, 1024, 4, 3),
     # the attention projections' GEMV ([q;k;v] and o_proj), swept over every layer's weights
     ("gemv", "dense", ""): Launch(2, 1024, 4, 4),
+    # the same GEMV over the lm_head's [vocab x hidden] weight (MoETransformer.logits)
+    ("lm_head", "dense", ""): Launch(2, 1024, 4, 4),
     # the fused router: num_warps 1 keeps the last program's softmax / top-k reductions in one warp
     ("router", "dense", ""): Launch(1, 2048, 1, 2),
     # the residual add + RMSNorm of one row (one program per row; only num_warps is used)

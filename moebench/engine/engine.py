@@ -138,6 +138,7 @@ class Engine:
         # per batch size: the (tokens, positions) every graph of that batch reads, so a greedy
         # step's graph feeds the next step whatever KV bucket that one runs in (_step_feed)
         self._graph_inputs: dict[int, tuple[Tensor, Tensor]] = {}
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Decode one step ahead of the host on CUDA: step n+1 is queued before the host waits for
         # token n, so the host's per-token work (the token's copy and sync, bookkeeping, the next
         # launch) overlaps the GPU's step instead of leaving the GPU idle between steps. A finished
@@ -352,9 +353,20 @@ class Engine:
             if self.device.type != "cuda":
                 return ids, [t.cpu() for t in outs_dev], None, fed
             host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in outs_dev]
+            event = torch.cuda.Event()
+            if fed and n_top == 0:
+                # A graph's own picks: copied on a side stream, so the next step's graph starts
+                # without waiting for the copy. The graph after it writes the other row of picks,
+                # and the one after that is queued only once the host has waited for this copy.
+                done = torch.cuda.Event()
+                done.record()
+                self._copy_stream.wait_event(done)
+                with torch.cuda.stream(self._copy_stream):
+                    host[0].copy_(ids, non_blocking=True)
+                    event.record()
+                return ids, host, event, fed
             for h, t in zip(host, outs_dev):
                 h.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
             event.record()
             return ids, host, event, fed
 
@@ -365,9 +377,9 @@ class Engine:
             self.decode_steps += 1
             kv_len = self._kv_len(max(lens) + step + 1)
             if fed:
-                return pick(*self._decode(None, None, kv_len, batch=B))
+                return pick(*self._decode(None, None, kv_len, batch=B, first_position=lens[0] + step))
             cur.copy_(ids.view(B, 1))
-            return pick(*self._decode(cur, base_pos + step, kv_len))
+            return pick(*self._decode(cur, base_pos + step, kv_len, first_position=lens[0] + step))
 
         nxt = pick(self._prefill(prompts))                               # [B, V] float32 logits
         self.torch_memory.record("prefill")
@@ -403,10 +415,11 @@ class Engine:
         return outs
 
     def _decode(self, tokens: Tensor | None, positions: Tensor | None, kv_len: int,
-                batch: int | None = None) -> tuple[Tensor, Tensor | None]:
+                batch: int | None = None, first_position: int | None = None) -> tuple[Tensor, Tensor | None]:
         """One decode step for [B, 1] tokens -> ([B, vocab] float32 logits, the greedy picks [B]
-        where the step ran as a CUDA graph, else None). tokens and positions None: a graph step
-        whose inputs the step before fed (the picks and positions + 1); batch then gives B."""
+        where the step ran as a CUDA graph and first_position (row 0's position) is given, else
+        None). tokens and positions None: a graph step whose inputs the step before fed (the
+        picks and positions + 1); batch then gives B."""
         B = tokens.shape[0] if tokens is not None else batch
         mode = self.graph_mode(B)
         if mode is not None:
@@ -423,7 +436,8 @@ class Engine:
                 kind = _DecodeGraph if mode == "whole" else _SegmentedGraph
                 graph = self._graphs[(B, kv_len)] = kind(self.model, inputs, kv_len, self._graph_pool)
                 restore_counter_states(self.model, counters)
-            return graph.run(tokens, positions)
+            logits, picks = graph.run(tokens, positions)
+            return logits, (picks[first_position % 2] if first_position is not None else None)
         if tokens is None:
             raise EngineError("a fed decode step needs CUDA graphs (the graphs feed their inputs)")
         h = self.model(tokens, positions, kv_len)
@@ -486,37 +500,56 @@ class Engine:
         return out
 
 
+def _graph_step(model: MoETransformer, tokens: Tensor, positions: Tensor, kv_len: int,
+                keys: Tensor | None, picks: Tensor) -> Tensor:
+    """What a decode graph runs: the step's logits [B, V] (returned), then its greedy picks, to row
+    positions[0] % 2 of picks [2, B] and to the tokens input, and the positions moved on by one, so
+    a greedy generation's next step needs no copies in (the engine copies its own picks and
+    positions in where it samples). keys (greedy_pick.empty_keys, where the logits run on the
+    lm_head GEMV): the GEMV folds the picks into them and one launch feeds the next step; else
+    torch's argmax, copies and add."""
+    h = model(tokens, positions, kv_len)[:, -1]
+    if keys is not None:
+        from . import kernels
+        logits = model.logits(h, decode=True, pick_keys=keys)
+        kernels.feed_next_step(keys, tokens, positions, picks, cfg=model.decode)
+        return logits
+    logits = model.logits(h, decode=True)
+    ids = logits.argmax(dim=-1)
+    row = torch.arange(2, device=picks.device) == positions[0, 0] % 2        # no host sync: capturable
+    picks.copy_(torch.where(row[:, None], ids[None, :], picks))
+    tokens.copy_(ids.view_as(tokens))
+    positions.add_(1)
+    return logits
+
+
 def _warmed_inputs(model: MoETransformer, inputs: tuple[Tensor, Tensor], kv_len: int):
-    """(tokens, positions, side stream): a graph's inputs (the engine's per batch size), after two
-    warm-up decode steps run on a side stream (as CUDA graph capture asks); the caller orders its
-    stream after that one. The inputs' values are kept: a bucket's graph can be captured between
-    two steps of a generation, after the step before fed them."""
+    """(tokens, positions, pick keys or None, picks, side stream): a graph's inputs (the engine's per
+    batch size), its own pick keys and picks [2, B], after two warm-up steps run on a side stream
+    (as CUDA graph capture asks: every kernel compiled); the caller orders its stream after that
+    one. The inputs' values are kept: a bucket's graph can be captured between two steps of a
+    generation, after the step before fed them."""
     tokens, positions = inputs
     device = tokens.device
+    picks = torch.zeros(2, tokens.shape[0], dtype=torch.long, device=device)
+    keys = None
+    if model.gemv_logits(tokens.shape[0]):
+        from .kernels.greedy_pick import empty_keys
+        keys = empty_keys(tokens.shape[0], device)      # each step's feed leaves them empty again
     saved = (tokens.clone(), positions.clone())
     # Warm-up writes K/V at the last cache slot, which any row overwrites before it can read it.
-    tokens.zero_()
-    positions.fill_(model.max_seq_len - 1)
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         for _ in range(2):
-            model.logits(model(tokens, positions, kv_len)[:, -1], decode=True)
+            tokens.zero_()
+            positions.fill_(model.max_seq_len - 1)          # each step's feed moves it on
+            _graph_step(model, tokens, positions, kv_len, keys, picks)
     torch.cuda.current_stream(device).wait_stream(stream)
     tokens.copy_(saved[0])
     positions.copy_(saved[1])
     stream.wait_stream(torch.cuda.current_stream(device))
-    return tokens, positions, stream
-
-
-def _feed_next_step(logits: Tensor, tokens: Tensor, positions: Tensor) -> Tensor:
-    """A graph step's last launches: the greedy picks, written to the tokens input too, and the
-    positions moved on by one, so a greedy generation's next step needs no copies in (the engine
-    copies its own picks and positions in where it samples). Returns the picks [B]."""
-    ids = logits.argmax(dim=-1)
-    tokens.copy_(ids.view_as(tokens))
-    positions.add_(1)
-    return ids
+    return tokens, positions, keys, picks, stream
 
 
 class _DecodeGraph:
@@ -524,19 +557,18 @@ class _DecodeGraph:
     before fed them), replay."""
 
     def __init__(self, model: MoETransformer, inputs: tuple[Tensor, Tensor], kv_len: int, pool):
-        self.tokens, self.positions, stream = _warmed_inputs(model, inputs, kv_len)
+        self.tokens, self.positions, self.keys, self.picks, stream = _warmed_inputs(model, inputs, kv_len)
         torch.cuda.current_stream(self.tokens.device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):      # records only: the inputs keep their values
-            self.logits = model.logits(model(self.tokens, self.positions, kv_len)[:, -1], decode=True)
-            self.ids = _feed_next_step(self.logits, self.tokens, self.positions)
+            self.logits = _graph_step(model, self.tokens, self.positions, kv_len, self.keys, self.picks)
 
     def run(self, tokens: Tensor | None, positions: Tensor | None) -> tuple[Tensor, Tensor]:
         if tokens is not None:
             self.tokens.copy_(tokens)
             self.positions.copy_(positions)
         self.graph.replay()
-        return self.logits, self.ids
+        return self.logits, self.picks
 
 
 class _SegmentedGraph:
@@ -548,7 +580,7 @@ class _SegmentedGraph:
 
     def __init__(self, model: MoETransformer, inputs: tuple[Tensor, Tensor], kv_len: int, pool):
         self.pool = pool
-        self.tokens, self.positions, stream = _warmed_inputs(model, inputs, kv_len)
+        self.tokens, self.positions, self.keys, self.picks, stream = _warmed_inputs(model, inputs, kv_len)
         stream.synchronize()
         self.graphs: list = []
         self.after: list = []          # per graph: (guessing slot stacks, host part or None)
@@ -558,8 +590,7 @@ class _SegmentedGraph:
         try:
             with torch.cuda.stream(stream):
                 self._begin()
-                self.logits = model.logits(model(self.tokens, self.positions, kv_len)[:, -1], decode=True)
-                self.ids = _feed_next_step(self.logits, self.tokens, self.positions)
+                self.logits = _graph_step(model, self.tokens, self.positions, kv_len, self.keys, self.picks)
                 self._close(None)
         finally:
             for m in mods:
@@ -601,4 +632,4 @@ class _SegmentedGraph:
                 slots.start_guessed_reads()
             if host is not None:
                 host()
-        return self.logits, self.ids
+        return self.logits, self.picks

@@ -424,16 +424,23 @@ class MoETransformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
-    def logits(self, h: Tensor, decode: bool = False) -> Tensor:
+    def gemv_logits(self, rows: int) -> bool:
+        """Whether a decode step of `rows` rows computes its logits with the Triton GEMV (logits)."""
+        return self.decode.lm_head_gemv and rows <= self.decode.gemv_tokens
+
+    def logits(self, h: Tensor, decode: bool = False, pick_keys: Tensor | None = None) -> Tensor:
         """lm_head(h).float(): float32 logits [..., V] whose values are rounded to h's dtype. A
-        decode step's (decode, up to decode.gemv_tokens rows) with `lm_head_gemv` runs the Triton
-        GEMV, which stores them as float32 itself (no cast launch) and starts under PDL like the
-        other decode kernels (cuBLAS' GEMM launches after the final norm has finished); its sums
-        run in another order than cuBLAS', so prefill and scoring keep cuBLAS."""
-        cfg = self.decode
-        if decode and cfg.lm_head_gemv and h.numel() // h.shape[-1] <= cfg.gemv_tokens:
+        decode step's (decode, gemv_logits) runs the Triton GEMV, which stores them as float32
+        itself (no cast launch) and starts under PDL like the other decode kernels (cuBLAS' GEMM
+        launches after the final norm has finished); its sums run in another order than cuBLAS',
+        so prefill and scoring keep cuBLAS. pick_keys (GEMV only): the GEMV also folds each row's
+        greedy pick into them (kernels.greedy_pick)."""
+        if decode and self.gemv_logits(h.numel() // h.shape[-1]):
             from . import kernels
-            return kernels.linear(h, self.lm_head.weight, self.lm_head.bias, cfg=cfg, out_dtype=torch.float32)
+            return kernels.linear(h, self.lm_head.weight, self.lm_head.bias, cfg=self.decode,
+                                  out_dtype=torch.float32, pick_keys=pick_keys, shape="lm_head")
+        if pick_keys is not None:
+            raise ValueError("logits: pick_keys needs a decode step on the lm_head GEMV (gemv_logits)")
         return self.lm_head(h).float()
 
     def moe_blocks(self) -> list[MoEBlock]:

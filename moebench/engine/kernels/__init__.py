@@ -9,7 +9,8 @@
   norm_router       residual add + RMSNorm, router GEMV + softmax + top-k, both fused
   rope_kv           q/k norm + RoPE + KV-cache write
   attention         decode attention (flash-decoding splits for long contexts)
-  dense_gemv        the attention projections' GEMV
+  dense_gemv        the attention projections' and the lm_head's GEMV
+  greedy_pick       the greedy pick inside the lm_head GEMV, and the feed of the next step's inputs
   staging           side streams, the host lane, and prefetch's stage copies
 
 Every launcher takes the engine's DecodeConfig (`cfg`) for its launch shapes and switches; none of
@@ -18,6 +19,7 @@ captured in a CUDA graph.
 """
 from .attention import RopeInputs, decode_attention, num_splits_for
 from .dense_gemv import linear
+from .greedy_pick import empty_keys, feed_next_step
 from .int8_activations import quant_row_len, quantize_activations
 from .moe import TailSkip, fused_moe, group_mode, wants_quantized_x
 from .norm_router import add_rmsnorm, add_rmsnorm_router, embed_rmsnorm, route_topk, router_topk
@@ -26,7 +28,7 @@ from .rope_kv import qk_rope_cache
 from .runtime import KernelError, available, pdl_launch, unavailable_reason
 from .staging import host_lane, stage_experts
 
-__all__ = ["RopeInputs", "decode_attention", "num_splits_for", "linear", "quant_row_len", "quantize_activations", "TailSkip", "fused_moe",
+__all__ = ["RopeInputs", "decode_attention", "num_splits_for", "linear", "empty_keys", "feed_next_step", "quant_row_len", "quantize_activations", "TailSkip", "fused_moe",
            "group_mode", "wants_quantized_x", "add_rmsnorm", "add_rmsnorm_router", "embed_rmsnorm", "route_topk", "router_topk",
            "ExpertGroup", "PackedMatrix", "dense_group", "qk_rope_cache", "KernelError", "available", "pdl_launch", "unavailable_reason",
            "host_lane", "stage_experts"]

@@ -59,7 +59,6 @@ if triton is not None:
         work for its heads in registers (q/k norm when HAS_NORM, RoPE from cos/sin [b, t]), and the
         program whose split holds slot positions[b, t] writes this step's key and value there (raw
         kn / vn) before its loop reads the slot: one launch where there were two."""
-        grid_dependency(PDL, LAUNCH_FIRST)
         bt = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -69,7 +68,10 @@ if triton is not None:
         d = tl.arange(0, D)
         gmask = g < G
         heads = kvh * G + g
+        # The positions are written before a step's first kernel: loaded before the wait, the loop
+        # bounds are known when it returns, and the K/V loads start one round trip earlier.
         pos = tl.load(pos_ptr + b * s_pb + t * s_pt).to(tl.int32)     # slots < 2^31; int32 loop bounds
+        grid_dependency(PDL, LAUNCH_FIRST)
         start = split * chunk
         # Slots past the row's position (or past kv_len) are never loaded: they may hold garbage.
         end = tl.minimum(tl.minimum(start + chunk, kv_len), pos + 1)

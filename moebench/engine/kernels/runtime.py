@@ -60,7 +60,9 @@ def next_pow2(n: int) -> int:
 # programmatic-serialization attribute, so the GPU starts launching it while the kernel before it in
 # the stream is still running; its programs then wait (griddepcontrol.wait) until that kernel has
 # finished and its writes are visible, before touching memory an earlier kernel writes (weights,
-# which no kernel of a step writes, may be loaded before the wait: early_weights, the norm weights).
+# which no kernel of a step writes, may be loaded before the wait: early_weights, the norm weights;
+# so may the positions and RoPE tables, written before the step's first kernel, which itself waits
+# for everything before it: no launch before a step's has the PDL attribute's overlap with it).
 # It saves the launch gap between two dependent kernels (~1.5 us each, a few hundred kernels per
 # step). Every program waits, whatever it does after: a kernel whose programs all exited without
 # waiting could finish before its predecessor, and the next kernel's wait would then not cover it.
