@@ -190,6 +190,15 @@ def test_cuda_graph_decode_matches_eager(ckpt):
             assert max(abs(x - y) for (_, x), (_, y) in zip(sa, sb)) < 1e-4
     c = graphed.generate(prompts[1:], max_new_tokens=20, ignore_eos=True)   # batch 1: a new graph
     assert c[0].token_ids == a[1].token_ids
+    # The fused path at batch 1: the graph folds its greedy pick into the lm_head GEMV and feeds the
+    # next step (the bucket's second graph is captured between two fed steps); sampled steps copy in.
+    f_eager = Engine.load(path, device="cuda", max_seq_len=600, experts_impl="triton")
+    f_graph = Engine.load(path, device="cuda", max_seq_len=600, experts_impl="triton", cuda_graphs=True)
+    for kw in ({}, {"temperature": 1.0, "seed": 3}):
+        fe = f_eager.generate(prompts[:1], max_new_tokens=20, ignore_eos=True, **kw)[0].token_ids
+        fg = f_graph.generate(prompts[:1], max_new_tokens=20, ignore_eos=True, **kw)[0].token_ids
+        assert fe == fg and len(fe) == 20, kw
+    assert len(f_graph._graphs) == 2 and all(g.keys is not None for g in f_graph._graphs.values())
     # grouped_mm has no host sync at any batch size: graphs are used for it too, same numbers as eager.
     g_eager = Engine.load(path, device="cuda", dtype="bfloat16", max_seq_len=600, max_batch=2,
                           experts_impl="grouped_mm")

@@ -136,7 +136,7 @@ class Engine:
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._graph_pool = None
         # per batch size: the (tokens, positions) every graph of that batch reads, so a greedy
-        # step's graph feeds the next step whatever KV bucket that one runs in (_step_feed)
+        # step's graph feeds the next step whatever KV bucket that one runs in (_graph_step)
         self._graph_inputs: dict[int, tuple[Tensor, Tensor]] = {}
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Decode one step ahead of the host on CUDA: step n+1 is queued before the host waits for

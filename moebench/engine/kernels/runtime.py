@@ -61,8 +61,9 @@ def next_pow2(n: int) -> int:
 # the stream is still running; its programs then wait (griddepcontrol.wait) until that kernel has
 # finished and its writes are visible, before touching memory an earlier kernel writes (weights,
 # which no kernel of a step writes, may be loaded before the wait: early_weights, the norm weights;
-# so may the positions and RoPE tables, written before the step's first kernel, which itself waits
-# for everything before it: no launch before a step's has the PDL attribute's overlap with it).
+# so may a step's positions and the RoPE tables: the positions are written before the step's first
+# kernel, and that kernel starts only once everything before it has finished, since what precedes
+# it is a graph boundary or a torch op, and neither lets a launch after it start early).
 # It saves the launch gap between two dependent kernels (~1.5 us each, a few hundred kernels per
 # step). Every program waits, whatever it does after: a kernel whose programs all exited without
 # waiting could finish before its predecessor, and the next kernel's wait would then not cover it.
