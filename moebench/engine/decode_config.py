@@ -177,6 +177,9 @@ class DecodeConfig:
     pdl: programmatic dependent launch (sm_90+): a kernel starts launching while its predecessor runs.
     overlap_host: the host-memory groups and the HBM groups of other formats than the largest
         group's run on side streams, concurrently with it.
+    mixed_formats: a layer whose HBM experts are one group of each of two formats (a hot/cold plan
+        in HBM) runs both in one launch pair (the larger group's launch shape, each group its own
+        K step) instead of the smaller one on a side stream. Off: not yet timed on the GPU.
     defer_moe_sum: the weighted expert sum is done by the next residual add + RMSNorm (no moe_sum launch).
     fused_norm_router: a MoE block without a shared expert is routed inside its post-attention
         norm's launch.
@@ -220,6 +223,7 @@ class DecodeConfig:
     ssd_lookahead: int = 1
     pdl: bool = True
     overlap_host: bool = True
+    mixed_formats: bool = False
     defer_moe_sum: bool = True
     fused_norm_router: bool = True
     rope_in_attention: bool = False
