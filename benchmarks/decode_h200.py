@@ -393,10 +393,16 @@ def engine_bf16_triton_graphs(b: Bench) -> dict:
     eng = fused_bf16(b)
     r = b.bf16_rate(eng, "triton")
     if b.args.timeline and b.device.type == "cuda":
-        tl = step_timeline(eng, b.prompt, b.out_dir / "timeline_bf16_plain.json")
+        try:
+            tl = step_timeline(eng, b.prompt, b.out_dir / "timeline_bf16_plain.json")
+        except Exception as e:  # noqa: BLE001 (a diagnostic: never lose the row's figures)
+            tl = {"error": f"{type(e).__name__}: {e}"}
         r["timeline"] = {"plain": tl}
-        log(f"  timeline: a step every {tl['period_us']:.0f} us, {tl['kernels']} kernels; some kernel ran for "
-            f"{tl['busy_us']:.0f} us of it, none for {tl['idle_us']:.0f} us")
+        if "error" in tl:
+            log(f"  timeline: {tl['error']}")
+        else:
+            log(f"  timeline: a step every {tl['period_us']:.0f} us, {tl['kernels']} kernels; some kernel ran "
+                f"for {tl['busy_us']:.0f} us of it, none for {tl['idle_us']:.0f} us")
     return r
 
 
