@@ -264,6 +264,21 @@ def test_int8_activation_mode_matches_its_reference(fmt):
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
 
 
+def format_groups(fmts: list[str], hidden: int, inter: int, g: torch.Generator):
+    """Expert e of format fmts[e] (random, quantized), one ExpertGroup per format (in order of first
+    use) on DEV, and the dequantized (gate, up, down) stacks [E, ...] of all of them."""
+    experts = [tuple(quantize(torch.randn(*s, generator=g) * 0.1, f)
+                     for s in ((inter, hidden), (inter, hidden), (hidden, inter))) for f in fmts]
+    groups = []
+    for fmt in dict.fromkeys(fmts):
+        members = [e for e, f in enumerate(fmts) if f == fmt]
+        slot_of = torch.full((len(fmts),), -1, dtype=torch.int32)
+        slot_of[members] = torch.arange(len(members), dtype=torch.int32)
+        groups.append(kernels.ExpertGroup(*(kernels.PackedMatrix.stack([experts[e][j] for e in members], DEV)
+                                            for j in range(3)), slot_of.to(DEV), fmt))
+    return groups, tuple(torch.stack([experts[e][j].dequantize() for e in range(len(fmts))]) for j in range(3))
+
+
 @pytest.mark.parametrize("cold", ["ternary", "ternary2"])
 def test_int8_activation_group_beside_a_ternary_group(cold):
     """A hot/cold layer: int8 experts in INT8_ACTIVATIONS and ternary ones in one call, on side
@@ -273,16 +288,7 @@ def test_int8_activation_group_beside_a_ternary_group(cold):
     g = torch.Generator().manual_seed(22)
     Hq, Iq = 128, 64
     fmts = ["int8", cold, "int8", cold, "int8", "int8"]
-    experts = [tuple(quantize(torch.randn(*s, generator=g) * 0.1, f) for s in ((Iq, Hq), (Iq, Hq), (Hq, Iq)))
-               for f in fmts]
-    groups = []
-    for fmt in ("int8", cold):
-        members = [e for e, f in enumerate(fmts) if f == fmt]
-        slot_of = torch.full((E,), -1, dtype=torch.int32)
-        slot_of[members] = torch.arange(len(members), dtype=torch.int32)
-        groups.append(kernels.ExpertGroup(*(kernels.PackedMatrix.stack([experts[e][j] for e in members], DEV)
-                                            for j in range(3)), slot_of.to(DEV), fmt))
-    dq = tuple(torch.stack([experts[e][j].dequantize() for e in range(E)]) for j in range(3))
+    groups, dq = format_groups(fmts, Hq, Iq, g)
     x = torch.randn(4, Hq, generator=g)
     ids, w = routing(4, g)
     got = fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), groups, cfg=cfg).cpu()
@@ -323,17 +329,7 @@ def test_mixed_formats_run_a_hot_cold_layer_in_one_launch_pair(cold, monkeypatch
     pair for pair, and what the dequantized reference gives."""
     from moebench.engine.kernels import moe
     g = torch.Generator().manual_seed(23)
-    fmts = ["int8", cold, "int8", "int8", cold, "int8"]
-    experts = [tuple(quantize(torch.randn(*s, generator=g) * 0.1, f) for s in ((I, H), (I, H), (H, I)))
-               for f in fmts]
-    groups = []
-    for fmt in ("int8", cold):
-        members = [e for e, f in enumerate(fmts) if f == fmt]
-        slot_of = torch.full((E,), -1, dtype=torch.int32)
-        slot_of[members] = torch.arange(len(members), dtype=torch.int32)
-        groups.append(kernels.ExpertGroup(*(kernels.PackedMatrix.stack([experts[e][j] for e in members], DEV)
-                                            for j in range(3)), slot_of.to(DEV), fmt))
-    dequant = tuple(torch.stack([experts[e][j].dequantize() for e in range(E)]) for j in range(3))
+    groups, dequant = format_groups(["int8", cold, "int8", "int8", cold, "int8"], H, I, g)
     x = torch.randn(4, H, generator=g)
     ids, w = routing(4, g)
     launches = []
