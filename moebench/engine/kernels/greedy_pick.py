@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..decode_config import DEFAULT, DecodeConfig
-from .runtime import grid_dependency, next_pow2, pdl_launch, require, tl, triton  # noqa: F401
+from .runtime import KernelError, grid_dependency, next_pow2, pdl_launch, require, tl, triton  # noqa: F401
 
 EMPTY_KEY = -(1 << 63)       # below every key: what the feed leaves for the next step's GEMV
 
@@ -28,6 +28,8 @@ def empty_keys(batch: int, device) -> Tensor:
 
 
 if triton is not None:
+    EMPTY = tl.constexpr(EMPTY_KEY)
+
     @triton.jit
     def fold_pick(key_ptr, y, rows, rmask):
         """Fold this program's rows (values y [BN] float32, indices rows) into key_ptr's max key. The
@@ -37,7 +39,7 @@ if triton is not None:
         bits = v.to(tl.int32, bitcast=True)
         hi = bits ^ ((bits >> 31) & 0x7FFFFFFF)
         key = (hi.to(tl.int64) << 32) | (4294967295 - rows.to(tl.int64))
-        best = tl.max(tl.where(rmask, key, -9223372036854775807 - 1), axis=0)
+        best = tl.max(tl.where(rmask, key, EMPTY), axis=0)
         if best > tl.load(key_ptr, volatile=True):
             tl.atomic_max(key_ptr, best, sem="relaxed")
 
@@ -53,7 +55,7 @@ if triton is not None:
         tl.store(ids_ptr + (tl.load(pos_ptr) % 2) * B + b, ids, mask=m)
         tl.store(tok_ptr + b, ids, mask=m)
         tl.store(pos_ptr + b, tl.load(pos_ptr + b, mask=m, other=0) + 1, mask=m)
-        tl.store(key_ptr + b, tl.full((BLOCK,), -9223372036854775807 - 1, tl.int64), mask=m)
+        tl.store(key_ptr + b, tl.full((BLOCK,), EMPTY, tl.int64), mask=m)
 
 
 def feed_next_step(keys: Tensor, tokens: Tensor, positions: Tensor, picks: Tensor,
@@ -65,9 +67,9 @@ def feed_next_step(keys: Tensor, tokens: Tensor, positions: Tensor, picks: Tenso
     require()
     B = keys.numel()
     if tokens.numel() != B or positions.numel() != B or not tokens.is_contiguous() or not positions.is_contiguous():
-        raise ValueError(f"feed_next_step: tokens {tuple(tokens.shape)}, positions {tuple(positions.shape)}; "
+        raise KernelError(f"feed_next_step: tokens {tuple(tokens.shape)}, positions {tuple(positions.shape)}; "
                          f"expected contiguous [{B}, 1]")
     if tuple(picks.shape) != (2, B) or picks.dtype != torch.int64 or not picks.is_contiguous():
-        raise ValueError(f"feed_next_step: picks {tuple(picks.shape)} {picks.dtype}; expected int64 [2, {B}]")
+        raise KernelError(f"feed_next_step: picks {tuple(picks.shape)} {picks.dtype}; expected int64 [2, {B}]")
     feed_kernel[(1,)](keys, picks, tokens, positions, B, BLOCK=next_pow2(max(B, 2)), num_warps=1,
                       **pdl_launch(keys.device, cfg))
