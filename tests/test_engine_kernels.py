@@ -903,6 +903,94 @@ def test_fused_moe_early_down_weights_are_exact_with_two_groups():
     assert odd.any() and torch.all(got[odd] == 0) and torch.all(got[~odd].abs().sum(1) > 0)
 
 
+# ---- experts selected from the router's logits (DecodeConfig.route_in_experts) ---------------------
+
+@pytest.mark.parametrize("renorm", [True, False])
+@pytest.mark.parametrize("layout", ["dense", "dense_early", "int8_ternary", "dense_40"])
+def test_fused_moe_selecting_from_router_logits_matches_the_router_routes(layout, renorm):
+    """route_logits: gate_up and down select each pair's expert from the logits; down writes the ids
+    route_topk gives (ties to the lowest index) and its weights (to rounding), and the part rows are
+    the ones route_topk's routes give. Layouts: one dense group (with down's early weights), an int8
+    and a ternary group in one call (side streams on CUDA), and 40 experts (two 32-logit chunks of
+    the rank count, masked lanes up to 64)."""
+    g = torch.Generator().manual_seed(31)
+    T = 3
+    cfg = small(early_weights=("down",)) if layout == "dense_early" else SMALL
+    if layout == "int8_ternary":
+        n = 6
+        groups, _ = format_groups(["int8", "ternary", "int8", "ternary", "int8", "int8"], H, I, g)
+    else:
+        n = 40 if layout == "dense_40" else E
+        groups = [kernels.dense_group(*(torch.randn(n, *s, generator=g).to(DEV) * 0.1 for s in ((I, H), (I, H), (H, I))))]
+    x = torch.randn(T, H, generator=g).to(DEV)
+    logits = (torch.randn(T, n, generator=g) * 2).to(DEV)
+    logits[1, 4] = logits[1, 2] = logits[1].max() + 1      # a tie at the top: the lower index first
+    ids_want, w_want = kernels.route_topk(logits, K, renorm)
+    assert ids_want[1].tolist() == [2, 4]
+    want = fused_moe(x, ids_want, w_want, groups, cfg=cfg, reduce=False)
+    ids = torch.full_like(ids_want, -7)
+    w = torch.full_like(w_want, -7.0)
+    got = fused_moe(x, ids, w, groups, cfg=cfg, reduce=False, route_logits=kernels.RouteLogits(logits, renorm))
+    assert torch.equal(ids, ids_want)
+    assert torch.allclose(w, w_want, atol=0, rtol=1e-6), (w - w_want).abs().max()
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-5), (got - want).abs().max()
+
+
+def test_fused_moe_route_logits_are_checked():
+    g = torch.Generator().manual_seed(32)
+    group = kernels.dense_group(*(torch.randn(E, *s, generator=g).to(DEV) for s in ((I, H), (I, H), (H, I))))
+    x = torch.randn(2, H, generator=g).to(DEV)
+    ids, w = torch.empty(2, K, dtype=torch.long, device=DEV), torch.empty(2, K, device=DEV)
+    for logits in (torch.zeros(2, E, dtype=torch.float16, device=DEV), torch.zeros(3, E, device=DEV)):
+        with pytest.raises(kernels.KernelError, match="route_logits"):
+            fused_moe(x, ids, w, [group], route_logits=kernels.RouteLogits(logits, True))
+    with pytest.raises(kernels.KernelError, match="route_logits"):      # ids to fill must be int64
+        fused_moe(x, ids.int(), w, [group], route_logits=kernels.RouteLogits(torch.zeros(2, E, device=DEV), True))
+
+
+def test_engine_route_in_experts_decodes_like_the_router_top_k(ckpt, wiki_bytes, monkeypatch):
+    """route_in_experts: every MoE layer of a fused step routes in its norm's launch without the
+    top-k (select=False); the same greedy tokens and the same decode-step logits to rounding; with a
+    RouterTracer attached the router selects again, and the tracer sees the same routes."""
+    from moebench.engine.model import RouterTracer
+    eng = Engine.load(ckpt, device=DEV, dtype="float32", max_seq_len=32, decode=small(experts_impl="triton"))
+    n_layers = len(eng.model.moe_blocks())
+    prompt = wiki_bytes[400:406]
+    selects = []
+    real = kernels.add_rmsnorm_router
+
+    def recording(*args, select=True, **kwargs):
+        selects.append(select)
+        return real(*args, select=select, **kwargs)
+
+    monkeypatch.setattr(kernels, "add_rmsnorm_router", recording)
+    runs = {}
+    for on in (False, True):
+        eng.reconfigure(replace(eng.decode, route_in_experts=on))
+        selects.clear()
+        tokens = eng.generate([prompt], 3, ignore_eos=True)[0].token_ids
+        gen = list(selects)
+        step = eng._decode(torch.tensor([[tokens[-1]]], device=DEV),
+                           torch.tensor([[len(prompt) + 2]], device=DEV), len(prompt) + 3)[0].cpu()
+        tracer = RouterTracer()
+        eng.model.set_tracer(tracer)
+        selects.clear()
+        try:
+            eng._decode(torch.tensor([[tokens[-1]]], device=DEV), torch.tensor([[len(prompt) + 2]], device=DEV),
+                        len(prompt) + 3)
+        finally:
+            eng.model.set_tracer(None)
+        runs[on] = (tokens, step, gen, list(selects), tracer.records)
+    (tok_off, step_off, gen_off, tr_sel_off, rec_off), (tok_on, step_on, gen_on, tr_sel_on, rec_on) = runs[False], runs[True]
+    assert gen_off == [True] * n_layers * 3
+    assert gen_on == [False] * n_layers * 3               # prefill (6 tokens) and two decode steps
+    assert tr_sel_on == tr_sel_off == [True] * n_layers
+    assert tok_on == tok_off and len(tok_on) == 3
+    assert torch.allclose(step_on, step_off, atol=1e-5, rtol=1e-5), (step_on - step_off).abs().max()
+    for (la, ids_a, w_a), (lb, ids_b, w_b) in zip(rec_on, rec_off):
+        assert la == lb and torch.equal(ids_a, ids_b) and torch.equal(w_a, w_b)
+
+
 # ---- the MoE sum deferred into the next add_rmsnorm -----------------------------------------------
 
 def test_add_rmsnorm_sums_moe_partials_exactly_like_moe_sum():
