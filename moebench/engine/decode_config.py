@@ -183,12 +183,6 @@ class DecodeConfig:
     defer_moe_sum: the weighted expert sum is done by the next residual add + RMSNorm (no moe_sum launch).
     fused_norm_router: a MoE block without a shared expert is routed inside its post-attention
         norm's launch.
-    route_in_experts: with fused_norm_router and defer_moe_sum, where the experts allow it (all in
-        HBM: no host, ssd, prefetch or route-tail-skip; no router tracer attached), the norm's
-        launch writes the router logits only, and the expert kernels select each pair's expert from
-        them (top-k by logit, ties to the lower index; down also its weight, and it writes the
-        routes): the router launch then has no arrival counter and no last program's top-k, which
-        every launch after it waited for.
     rope_in_attention: one-token steps do q/k norm, RoPE and the KV write inside the decode
         attention launch (kernels.RopeInputs), one launch per layer fewer. Off: on the H200 bf16
         decoded 6.0% slower with it (benchmarks/results/decode_ab_table.txt).
@@ -232,7 +226,6 @@ class DecodeConfig:
     mixed_formats: bool = False
     defer_moe_sum: bool = True
     fused_norm_router: bool = True
-    route_in_experts: bool = False
     rope_in_attention: bool = False
     early_weights: tuple[str, ...] = EARLY_WEIGHT_KERNELS
     early_steps: int = 2

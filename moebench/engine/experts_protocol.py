@@ -27,16 +27,9 @@ class ExpertsModule(Protocol):
     def partials_ok(self, tokens: int) -> bool:
         """Whether forward_partials runs for this many tokens."""
 
-    def forward_partials(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor, xq: Tensor | None = None,
-                         route_logits=None) -> Tensor:
+    def forward_partials(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor, xq: Tensor | None = None) -> Tensor:
         """The float32 weighted terms [T * k, H] (pair t*k + j) whose per-token sums __call__
-        returns, for the next residual add + RMSNorm to sum. xq: x's int8 rows (wants_quantized_x).
-        route_logits (kernels.RouteLogits; only where takes_route_logits): the experts are selected
-        from the router's logits, and topk_ids / topk_w are filled, not read."""
-
-    def takes_route_logits(self, tokens: int) -> bool:
-        """Whether forward_partials can select this many tokens' experts from the router's logits
-        (DecodeConfig.route_in_experts)."""
+        returns, for the next residual add + RMSNorm to sum. xq: x's int8 rows (wants_quantized_x)."""
 
     def wants_quantized_x(self) -> bool:
         """Whether forward_partials multiplies int8 activations (the caller can then hand it x's int8

@@ -226,17 +226,12 @@ class Experts(nn.Module):
                  ahead: int = 1) -> None:
         pass
 
-    def takes_route_logits(self, tokens: int) -> bool:
-        return self.decode.route_in_experts and self.partials_ok(tokens)
-
-    def forward_partials(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor, xq: Tensor | None = None,
-                         route_logits=None) -> Tensor:
+    def forward_partials(self, x: Tensor, topk_ids: Tensor, topk_w: Tensor, xq: Tensor | None = None) -> Tensor:
         """The float32 weighted terms [T * k, H] whose per-token sums forward returns (see
-        kernels.fused_moe(reduce=False)); only where partials_ok. xq: unused (float activations).
-        route_logits: see the ExpertsModule protocol."""
+        kernels.fused_moe(reduce=False)); only where partials_ok. xq: unused (float activations)."""
         from . import kernels
         return kernels.fused_moe(x, topk_ids, topk_w, [kernels.dense_group(self.w_gate, self.w_up, self.w_down)],
-                                 cfg=self.decode, reduce=False, route_logits=route_logits)
+                                 cfg=self.decode, reduce=False)
 
     def _grouped_mm_runs(self) -> bool:
         return self.w_gate.is_cuda and self.w_gate.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
@@ -361,13 +356,6 @@ class MoEBlock(nn.Module):
         return (self.shared_expert is None and cfg.fused_norm_router
                 and tokens <= min(cfg.router_max_tokens, cfg.fused_tokens))
 
-    def routes_in_experts(self, tokens: int) -> bool:
-        """Whether a fused decode step routing this block in its post-attention norm lets the experts
-        select from the logits (DecodeConfig.route_in_experts; norm_router_ok, the MoE sum deferred
-        to the next norm, no tracer reading the routes before the experts have run)."""
-        return (self.decode.route_in_experts and self.decode.defer_moe_sum and self.tracer is None
-                and self.norm_router_ok(tokens) and self.experts.takes_route_logits(tokens))
-
     def _route_traced(self, x: Tensor, routes: tuple[Tensor, Tensor, Tensor] | None = None
                       ) -> tuple[Tensor, Tensor]:
         """route(x), or the given routes (logits, topk_ids, topk_w) for x's tokens, recorded in the
@@ -380,23 +368,16 @@ class MoEBlock(nn.Module):
         return topk_ids, topk_w
 
     def forward_partials(self, x: Tensor, routes: tuple[Tensor, Tensor, Tensor] | None = None,
-                         xq: Tensor | None = None, selected: bool = True) -> Tensor | None:
+                         xq: Tensor | None = None) -> Tensor | None:
         """The experts' float32 terms [N * top_k, H] (N = tokens of x) for the caller to sum (the
         fused decode layers do it inside the next add_rmsnorm), or None where this block cannot
         (a shared expert, or experts without a fused partials path for this many tokens).
         routes: (logits [N, E], topk_ids [N, k], topk_w [N, k]) already computed for x's flattened
         tokens (kernels.add_rmsnorm_router), used instead of routing here. xq: x's int8 rows for
-        experts that want them (wants_quantized_x), from the same launch. selected=False (only where
-        routes_in_experts): routes' ids and weights are unwritten; the experts select from its logits
-        and fill them."""
+        experts that want them (wants_quantized_x), from the same launch."""
         flat = x.reshape(-1, x.shape[-1])
         if self.shared_expert is not None or not self.experts.partials_ok(flat.shape[0]):
             return None
-        if not selected:
-            from . import kernels
-            logits, topk_ids, topk_w = routes
-            return self.experts.forward_partials(flat, topk_ids, topk_w, xq=xq, route_logits=kernels.RouteLogits(
-                logits, self.norm_topk_prob))
         topk_ids, topk_w = self._route_traced(flat, routes)
         return self.experts.forward_partials(flat, topk_ids, topk_w, xq=xq)
 
@@ -541,15 +522,11 @@ class MoETransformer(nn.Module):
             post = layer.post_attention_layernorm
             block = layer.mlp
             routes = xq = None
-            selected = True
             if isinstance(block, MoEBlock) and block.norm_router_ok(tokens):
-                # experts with int8 activations get h's int8 rows from this launch too; experts that
-                # select from the logits get them alone
+                # experts with int8 activations get h's int8 rows from this launch too
                 quant = block.experts.wants_quantized_x() and x.shape[-1] % GROUP == 0
-                selected = not block.routes_in_experts(tokens)
                 x, h, *routed = kernels.add_rmsnorm_router(x, a, post.weight, post.eps, block.gate.weight,
-                                                           block.top_k, block.norm_topk_prob, quantize_h=quant,
-                                                           select=selected, cfg=cfg)
+                                                           block.top_k, block.norm_topk_prob, quantize_h=quant, cfg=cfg)
                 if quant:
                     *routed, xq = routed
                 routes = tuple(routed)
@@ -558,7 +535,7 @@ class MoETransformer(nn.Module):
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             part = out = None
             if cfg.defer_moe_sum and isinstance(block, MoEBlock):
-                part = block.forward_partials(h, routes, xq, selected)   # the MoE sum moves into the next norm
+                part = block.forward_partials(h, routes, xq)     # the MoE sum moves into the next norm
             if part is None:
                 out = block(h) if routes is None else block(h, routes)
             if not cfg.prefetch_early and i + 1 < len(self.layers):

@@ -546,21 +546,12 @@ class TieredExperts(nn.Module):
         from . import kernels
         return kernels.wants_quantized_x(self._fused_groups or [], self.decode)
 
-    def takes_route_logits(self, tokens: int) -> bool:
-        """DecodeConfig.route_in_experts where nothing reads the routes before the experts run:
-        every fused group in HBM (no host lane), no ssd experts, prefetch or route-tail-skip."""
-        return (self.decode.route_in_experts and self.partials_ok(tokens) and self._ssd is None
-                and not self.prefetching and self.skip_tail_from is None
-                and not any(g.host_lane or g.gate.data.device.type != self.device.type
-                            for g in self._fused_groups))
-
     def forward_partials(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
-                         xq: torch.Tensor | None = None, route_logits=None) -> torch.Tensor:
+                         xq: torch.Tensor | None = None) -> torch.Tensor:
         """kernels.fused_moe(reduce=False): the float32 terms [T * k, H]; only where partials_ok.
-        xq: x's int8 rows (see wants_quantized_x), or None. route_logits: see the ExpertsModule
-        protocol (only where takes_route_logits)."""
+        xq: x's int8 rows (see wants_quantized_x), or None."""
         self._counters["calls"] += 1
-        return self._fused(x, topk_ids, topk_w, reduce=False, xq=xq, route_logits=route_logits)
+        return self._fused(x, topk_ids, topk_w, reduce=False, xq=xq)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         T, k = topk_ids.shape

@@ -21,14 +21,14 @@ from .attention import RopeInputs, decode_attention, num_splits_for
 from .dense_gemv import linear
 from .greedy_pick import empty_keys, feed_next_step
 from .int8_activations import quant_row_len, quantize_activations
-from .moe import RouteLogits, TailSkip, fused_moe, group_mode, wants_quantized_x
+from .moe import TailSkip, fused_moe, group_mode, wants_quantized_x
 from .norm_router import add_rmsnorm, add_rmsnorm_router, embed_rmsnorm, route_topk, router_topk
 from .packed import ExpertGroup, PackedMatrix, dense_group
 from .rope_kv import qk_rope_cache
 from .runtime import KernelError, available, pdl_launch, unavailable_reason
 from .staging import host_lane, stage_experts
 
-__all__ = ["RopeInputs", "decode_attention", "num_splits_for", "linear", "empty_keys", "feed_next_step", "quant_row_len", "quantize_activations", "RouteLogits", "TailSkip", "fused_moe",
+__all__ = ["RopeInputs", "decode_attention", "num_splits_for", "linear", "empty_keys", "feed_next_step", "quant_row_len", "quantize_activations", "TailSkip", "fused_moe",
            "group_mode", "wants_quantized_x", "add_rmsnorm", "add_rmsnorm_router", "embed_rmsnorm", "route_topk", "router_topk",
            "ExpertGroup", "PackedMatrix", "dense_group", "qk_rope_cache", "KernelError", "available", "pdl_launch", "unavailable_reason",
            "host_lane", "stage_experts"]

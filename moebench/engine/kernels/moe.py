@@ -89,17 +89,6 @@ class _GroupArgs:
 
 
 @dataclass
-class RouteLogits:
-    """DecodeConfig.route_in_experts for fused_moe: the router's float32 logits [T, E]
-    (add_rmsnorm_router(select=False)). gate_up and down select each pair's expert from them (top-k
-    by logit, ties to the lower index), down its weight too (softmax, over the top-k's sum when
-    `renormalize`), and down writes both into fused_moe's topk_ids / topk_w."""
-
-    logits: Tensor
-    renormalize: bool
-
-
-@dataclass
 class TailSkip:
     """Route-tail-skip for fused_moe: a pair of rank >= from_rank (its column in topk_ids) whose
     expert is cold is dropped: no group reads its weights and its term is 0 (the other weights are
@@ -132,7 +121,7 @@ def _group_args(g: ExpertGroup, cfg: DecodeConfig) -> _GroupArgs:
 
 def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGroup], cfg: DecodeConfig = DEFAULT,
               reduce: bool = True, xq: Tensor | None = None, after_lane: bool = False,
-              tail_skip: TailSkip | None = None, route_logits: RouteLogits | None = None) -> Tensor:
+              tail_skip: TailSkip | None = None) -> Tensor:
     """x [T, H]; topk_ids [T, k] (int64/int32); topk_w [T, k] -> [T, H] in x's dtype:
     sum_j topk_w[t, j] * down(silu(gate x) * up x) of expert topk_ids[t, j], every expert in
     exactly one of `groups`. Reads each (token, expert) pair's weights once; no host sync.
@@ -145,10 +134,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
     tail_skip: route-tail-skip (TailSkip), decided on the device by one more launch, on the stream
     of the groups that read cold experts, after anything queued there (prefetch's maps): the host
     lane's groups read the ids with dropped pairs, the HBM groups the ids as given (they serve no
-    cold expert). None, or from_rank >= k: no launch.
-    route_logits: the experts are selected from the router's logits (RouteLogits); topk_ids and
-    topk_w (contiguous int64 / float32) are then written by the launch, not read. HBM groups only,
-    without tail_skip."""
+    cold expert). None, or from_rank >= k: no launch."""
     if not groups:
         raise KernelError("fused_moe: no expert groups")
     require()
@@ -183,18 +169,6 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
 
     if tail_skip is not None and tail_skip.from_rank >= k:
         tail_skip = None
-    route: dict = {}
-    if route_logits is not None:
-        lg = route_logits.logits
-        E = lg.shape[-1]
-        if (tail_skip is not None or any(x.is_cuda and (g.gate.on_host or g.host_lane) for g in groups)
-                or lg.dtype != torch.float32 or tuple(lg.shape) != (T, E) or not lg.is_contiguous()
-                or ids is not topk_ids or wts is not topk_w or ids.dtype != torch.int64
-                or wts.dtype != torch.float32):
-            raise KernelError(f"fused_moe: route_logits {lg.dtype} {tuple(lg.shape)} with ids {topk_ids.dtype}, "
-                              f"weights {topk_w.dtype}; expected contiguous float32 logits [{T}, experts], "
-                              f"contiguous int64 ids and float32 weights to fill, HBM groups only, no tail_skip")
-        route = dict(logits_ptr=lg, E=E, ROUTE=True, BLOCK_E=next_pow2(E))
     skip_ids = None if tail_skip is None else torch.empty_like(ids)    # the ids with dropped pairs (made on main)
 
     def launch(pair_groups: list[ExpertGroup], first: bool, ids: Tensor, dropped: bool) -> None:
@@ -226,11 +200,10 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
                     meta[kernel][f"COUNT_{tag}"] = ga.group.picks is not None
         gate_up_kernel[(T * k, -(-inter // meta["gate_up"]["BN"]))](
             x, xq, ids, h, hq, inter, H, x.stride(0), xq.stride(0), h.stride(0), hq.stride(0),
-            *a.gate_up(ids), *b.gate_up(ids), TOPK=k, **meta["gate_up"], **route, **pdl)
+            *a.gate_up(ids), *b.gate_up(ids), TOPK=k, **meta["gate_up"], **pdl)
         down_kernel[(T * k, -(-H // meta["down"]["BN"]))](
             h, hq, ids, wts, part, H, inter, h.stride(0), hq.stride(0), part.stride(0),
             *a.down(ids), *b.down(ids), FIRST=first, QH=meta["gate_up"]["BN"], **meta["down"],
-            **route, **({"TOPK": k, "NORM": route_logits.renormalize} if route else {}),
             **pdl_launch(x.device, cfg, "down"))
 
     def launches(gs: list[ExpertGroup], first: bool, ids: Tensor = ids, dropped: bool = False) -> None:

@@ -18,10 +18,10 @@ from .runtime import FMT_INT8, FMT_TERNARY, MODE_BYTES, MODE_INT8_ACT, grid_depe
 
 if triton is not None:
     @triton.jit
-    def expert_slot(e, slot_ptr, HAS_MAP: tl.constexpr, DROPPED: tl.constexpr = False):
-        """The stack slot of expert `e` (int64) in this launch's group (-1: another group's).
-        DROPPED: e may be -1, a pair route-tail-skip dropped, which is in no group."""
-        slot = e                                            # the expert id is the slot without a map
+    def pair_slot(ids_ptr, slot_ptr, pair, HAS_MAP: tl.constexpr, DROPPED: tl.constexpr = False):
+        """The stack slot of pair `pair`'s expert in this launch's group (-1: another group's).
+        DROPPED: ids may hold -1, a pair route-tail-skip dropped, which is in no group."""
+        slot = tl.load(ids_ptr + pair).to(tl.int64)        # the expert id is the slot without a map
         if HAS_MAP:
             if DROPPED:
                 mapped = tl.load(slot_ptr + tl.maximum(slot, 0)).to(tl.int64)
@@ -31,59 +31,10 @@ if triton is not None:
         return slot
 
     @triton.jit
-    def pair_slot(ids_ptr, slot_ptr, pair, HAS_MAP: tl.constexpr, DROPPED: tl.constexpr = False):
-        """expert_slot of pair `pair`'s expert, read from the ids."""
-        return expert_slot(tl.load(ids_ptr + pair).to(tl.int64), slot_ptr, HAS_MAP, DROPPED)
-
-    @triton.jit
-    def logit_ranks(logits_ptr, tok, E, BLOCK_E: tl.constexpr):
-        """Token tok's router logits z [BLOCK_E] (float32 rows of E; -inf past E), their lanes, and
-        each logit's rank: how many logits beat it (higher, or equal at a lower index), 0 for the
-        largest. Counted in 32-column chunks, so no [BLOCK_E, BLOCK_E] tile is held at once."""
-        offs = tl.arange(0, BLOCK_E)
-        z = tl.load(logits_ptr + tok * E + offs, mask=offs < E, other=float("-inf"))
-        rank = tl.zeros((BLOCK_E,), dtype=tl.int32)
-        CH: tl.constexpr = 32 if BLOCK_E > 32 else BLOCK_E
-        for c in tl.static_range(0, BLOCK_E, CH):
-            ko = c + tl.arange(0, CH)
-            zk = tl.load(logits_ptr + tok * E + ko, mask=ko < E, other=float("-inf"))
-            beats = (zk[None, :] > z[:, None]) | ((zk[None, :] == z[:, None]) & (ko[None, :] < offs[:, None]))
-            rank += tl.sum(beats.to(tl.int32), axis=1)
-        return z, offs, rank
-
-    @triton.jit
-    def routed_expert(logits_ptr, pair, E, TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
-        """DecodeConfig.route_in_experts: pair `pair`'s expert (int64), the token's logit of rank
-        pair % TOPK: the router's top-k by logit (ties to the lower index), read from the logits."""
-        z, offs, rank = logit_ranks(logits_ptr, pair // TOPK, E, BLOCK_E)
-        return tl.sum(tl.where(rank == pair % TOPK, offs, 0), axis=0).to(tl.int64)
-
-    @triton.jit
-    def routed_pair(logits_ptr, pair, E, TOPK: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr):
-        """routed_expert and the pair's routing weight: the softmax of all the token's logits at the
-        pair's expert, over the top-k's softmax sum when NORM (norm_router.softmax_topk_store's
-        formulas; its sums may round in another order)."""
-        z, offs, rank = logit_ranks(logits_ptr, pair // TOPK, E, BLOCK_E)
-        j = pair % TOPK
-        p = tl.exp(z - tl.max(z, axis=0))
-        p = p / tl.sum(p, axis=0)
-        w = tl.sum(tl.where(rank == j, p, 0.0), axis=0)
-        if NORM:
-            w = w / tl.sum(tl.where(rank < TOPK, p, 0.0), axis=0)
-        return tl.sum(tl.where(rank == j, offs, 0), axis=0).to(tl.int64), w
-
-    @triton.jit
-    def store_route(ids_ptr, wts_ptr, pair, e, w):
-        """ids[pair] = e, wts[pair] = w, once per pair (its first row block's program)."""
+    def count_pick(ids_ptr, picks_ptr, pair):
+        """picks[expert of `pair`] += 1, once per pair (its first row block's program)."""
         if tl.program_id(1) == 0:
-            tl.store(ids_ptr + pair, e)
-            tl.store(wts_ptr + pair, w)
-
-    @triton.jit
-    def count_pick(e, picks_ptr):
-        """picks[e] += 1, once per pair (its first row block's program)."""
-        if tl.program_id(1) == 0:
-            tl.atomic_add(picks_ptr + e, 1)
+            tl.atomic_add(picks_ptr + tl.load(ids_ptr + pair).to(tl.int64), 1)
 
     @triton.jit
     def gate_up_rows(x_row, h_out, hq_out, slot, rows, rmask, N, K, KB, g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr,
@@ -149,14 +100,12 @@ if triton is not None:
                        TOPK: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
                        FMT_A: tl.constexpr, MAP_A: tl.constexpr, MODE_A: tl.constexpr, BK_A: tl.constexpr,
                        HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, MODE_B: tl.constexpr,
-                       BK_B: tl.constexpr, DROPPED: tl.constexpr = False, logits_ptr=None, E=0,
-                       ROUTE: tl.constexpr = False, BLOCK_E: tl.constexpr = 1, PDL: tl.constexpr = False):
+                       BK_B: tl.constexpr, DROPPED: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (pair, row block) for up to two expert groups (A, and B when HAS_B): each pair's
         expert is in at most one of them; a pair in neither is left to another launch. Two groups per
         launch: a hot/cold plan's second format costs no extra launches (~3 us each).
         xq / hq: x and h quantized (store_quant rows), for groups in INT8_ACTIVATIONS.
-        DROPPED: ids may hold -1 (pairs route-tail-skip dropped: in no group).
-        ROUTE: the pair's expert comes from the router's logits [T, E] (routed_expert), not the ids."""
+        DROPPED: ids may hold -1 (pairs route-tail-skip dropped: in no group)."""
         grid_dependency(PDL)
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -164,11 +113,7 @@ if triton is not None:
         tok = pair // TOPK
         h_out = h_ptr + pair * stride_ht
         hq_out = hq_ptr + pair * stride_hqt
-        if ROUTE:
-            e = routed_expert(logits_ptr, pair, E, TOPK, BLOCK_E)
-        else:
-            e = tl.load(ids_ptr + pair).to(tl.int64)
-        sa = expert_slot(e, slot_a, MAP_A, DROPPED)
+        sa = pair_slot(ids_ptr, slot_a, pair, MAP_A, DROPPED)
         if sa >= 0:
             if MODE_A == MODE_INT8_ACT:
                 xa = xq_ptr + tok * stride_xqt
@@ -178,7 +123,7 @@ if triton is not None:
                          uma_ptr, sge_a, sgr_a, sgse_a, sgsr_a, sue_a, sur_a, suse_a, susr_a,
                          FMT_A, MODE_A, GROUP_SIZE, BN, BK_A)
         elif HAS_B:
-            sb = expert_slot(e, slot_b, MAP_B, DROPPED)
+            sb = pair_slot(ids_ptr, slot_b, pair, MAP_B, DROPPED)
             if sb >= 0:
                 if MODE_B == MODE_INT8_ACT:
                     xb = xq_ptr + tok * stride_xqt
@@ -242,9 +187,7 @@ if triton is not None:
                     COUNT_A: tl.constexpr,
                     HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, MODE_B: tl.constexpr,
                     BK_B: tl.constexpr, COUNT_B: tl.constexpr, QH: tl.constexpr, DROPPED: tl.constexpr = False,
-                    EARLY: tl.constexpr = 0, logits_ptr=None, E=0, ROUTE: tl.constexpr = False,
-                    TOPK: tl.constexpr = 1, NORM: tl.constexpr = False, BLOCK_E: tl.constexpr = 1,
-                    PDL: tl.constexpr = False, LAUNCH_FIRST: tl.constexpr = False):
+                    EARLY: tl.constexpr = 0, PDL: tl.constexpr = False, LAUNCH_FIRST: tl.constexpr = False):
         """Program (pair, row block): part[pair, rows] = w[pair] * (W_down[e] h[pair])[rows] in
         float32, for up to two groups like gate_up. One program per pair: looping over a token's k
         experts in one program makes a chain of dependent loads (~1.8 TB/s against gate_up's ~3.1). The first launch also zeroes the rows of pairs in neither of its groups, so
@@ -257,10 +200,7 @@ if triton is not None:
         EARLY (group A dense, BYTES; 0 to 4): the pair's slot and its first EARLY K steps of group A's
         weights are loaded before the PDL wait. The ids and slot maps come from launches before gate_up (the
         router, route-tail-skip, prefetch's maps), which had finished before gate_up's programs
-        passed their own wait, so before this launch started; only h is gate_up's.
-        ROUTE (DecodeConfig.route_in_experts): the pair's expert and weight come from the router's
-        logits (routed_pair, before the wait, as EARLY's ids), and the program of the pair's group and
-        first row block writes them to ids and wts: the routes the router kernel left unwritten."""
+        passed their own wait, so before this launch started; only h is gate_up's."""
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
         rmask = rows < N
@@ -269,12 +209,8 @@ if triton is not None:
         w1 = None
         w2 = None
         w3 = None
-        if ROUTE:
-            e, wt = routed_pair(logits_ptr, pair, E, TOPK, NORM, BLOCK_E)
-        elif EARLY >= 1:
-            e = tl.load(ids_ptr + pair).to(tl.int64)
         if EARLY >= 1:
-            sa = expert_slot(e, slot_a, MAP_A, DROPPED)
+            sa = pair_slot(ids_ptr, slot_a, pair, MAP_A, DROPPED)
             w0 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 0, BK_A)
         if EARLY >= 2:
             w1 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 1, BK_A)
@@ -283,40 +219,32 @@ if triton is not None:
         if EARLY >= 4:
             w3 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 3, BK_A)
         grid_dependency(PDL, LAUNCH_FIRST)
-        if not ROUTE:
-            if EARLY == 0:
-                e = tl.load(ids_ptr + pair).to(tl.int64)
-            wt = tl.load(wts_ptr + pair).to(tl.float32)
         if EARLY == 0:
-            sa = expert_slot(e, slot_a, MAP_A, DROPPED)
+            sa = pair_slot(ids_ptr, slot_a, pair, MAP_A, DROPPED)
         if sa >= 0:
             if MODE_A == MODE_INT8_ACT:
                 ha = hq_ptr + pair * stride_hqt
             else:
                 ha = h_ptr + pair * stride_ht
-            down_rows(ha, part_out, wt, sa, rows, rmask, K, KB_a,
+            down_rows(ha, part_out, tl.load(wts_ptr + pair).to(tl.float32), sa, rows, rmask, K, KB_a,
                       da_ptr, dsa_ptr, dma_ptr, sde_a, sdr_a, sdse_a, sdsr_a, FMT_A, MODE_A, GROUP_SIZE, BN, BK_A, QH,
                       w0, w1, w2, w3, EARLY)
             if COUNT_A:
-                count_pick(e, picks_a)
-            if ROUTE:
-                store_route(ids_ptr, wts_ptr, pair, e, wt)
+                count_pick(ids_ptr, picks_a, pair)
         else:
             sb = -1
             if HAS_B:
-                sb = expert_slot(e, slot_b, MAP_B, DROPPED)
+                sb = pair_slot(ids_ptr, slot_b, pair, MAP_B, DROPPED)
             if sb >= 0:
                 if MODE_B == MODE_INT8_ACT:
                     hb = hq_ptr + pair * stride_hqt
                 else:
                     hb = h_ptr + pair * stride_ht
-                down_rows(hb, part_out, wt, sb, rows, rmask, K, KB_b,
+                down_rows(hb, part_out, tl.load(wts_ptr + pair).to(tl.float32), sb, rows, rmask, K, KB_b,
                           db_ptr, dsb_ptr, dmb_ptr, sde_b, sdr_b, sdse_b, sdsr_b, FMT_B, MODE_B, GROUP_SIZE, BN,
                           BK_B, QH)
                 if COUNT_B:
-                    count_pick(e, picks_b)
-                if ROUTE:
-                    store_route(ids_ptr, wts_ptr, pair, e, wt)
+                    count_pick(ids_ptr, picks_b, pair)
             elif FIRST:
                 tl.store(part_out + rows, tl.zeros((BN,), dtype=tl.float32), mask=rmask)
 

@@ -168,15 +168,13 @@ if triton is not None:
                                   w_ptr, q_ptr, N, E, eps, stride_g, stride_q, HAS_DELTA: tl.constexpr,
                                   TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
                                   BLOCK_E: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, QUANT: tl.constexpr,
-                                  QB: tl.constexpr, EARLY: tl.constexpr = False, SELECT: tl.constexpr = True,
-                                  PDL: tl.constexpr = False, LAUNCH_FIRST: tl.constexpr = False):
+                                  QB: tl.constexpr, EARLY: tl.constexpr = False, PDL: tl.constexpr = False,
+                                  LAUNCH_FIRST: tl.constexpr = False):
         """Program (token t, block of BE experts): add_rmsnorm_kernel's row t (program 0 stores res
         and h), then router_topk_kernel's program on that h. Every program normalises the row itself
         (no grid-wide wait for program 0), so the norm's loads are repeated per expert block; they are
         one row each, L2-resident. The GEMV steps, sums and roundings are router_topk_kernel's.
-        EARLY (one GEMV step only): the weight rows are loaded before the PDL wait.
-        SELECT off: the logits only, no arrival counter and no top-k (the expert kernels select,
-        DecodeConfig.route_in_experts)."""
+        EARLY (one GEMV step only): the weight rows are loaded before the PDL wait."""
         t = tl.program_id(0).to(tl.int64)
         pb = tl.program_id(1)
         dt = x_ptr.dtype.element_ty
@@ -215,14 +213,13 @@ if triton is not None:
                 acc += wv * hv[None, :]
         logit = tl.sum(acc, axis=1).to(dt).to(tl.float32)
         tl.store(logits_ptr + t * E + rows, logit, mask=rm)
-        if SELECT:
-            arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
-            if arrived == tl.num_programs(1) - 1:
-                eo = tl.arange(0, BLOCK_E)
-                em = eo < E
-                z = tl.load(logits_ptr + t * E + eo, mask=em, other=float("-inf"), cache_modifier=".cg")
-                softmax_topk_store(z, em, eo, ids_ptr, w_ptr, t, TOPK, KP, NORM, BLOCK_E)
-                tl.atomic_xchg(count_ptr + t, 0)
+        arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
+        if arrived == tl.num_programs(1) - 1:
+            eo = tl.arange(0, BLOCK_E)
+            em = eo < E
+            z = tl.load(logits_ptr + t * E + eo, mask=em, other=float("-inf"), cache_modifier=".cg")
+            softmax_topk_store(z, em, eo, ids_ptr, w_ptr, t, TOPK, KP, NORM, BLOCK_E)
+            tl.atomic_xchg(count_ptr + t, 0)
         if QUANT:
             # The experts' int8 activations (INT8_ACTIVATIONS): quantize_rows_kernel's row of h, one
             # block of QB columns per program, recomputed from x, delta and inv (the whole row
@@ -348,15 +345,13 @@ def router_topk(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, arriva
 
 def add_rmsnorm_router(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, router_weight: Tensor,
                        top_k: int, renormalize: bool, arrivals: Tensor | None = None, quantize_h: bool = False,
-                       select: bool = True, cfg: DecodeConfig = DEFAULT) -> tuple[Tensor, ...]:
+                       cfg: DecodeConfig = DEFAULT) -> tuple[Tensor, ...]:
     """add_rmsnorm(x, delta, norm_weight, eps) followed by router_topk(h, router_weight, top_k,
     renormalize) in one launch, bitwise the same results: (res, h) shaped like x in x's dtype, and
     (logits [N, E] float32, topk_ids [N, k] int64, topk_w [N, k] float32) over the N = x.numel() / H
     flattened tokens (N <= cfg.router_max_tokens). `arrivals` as in router_topk. quantize_h (H a multiple
     of 64): also h's int8 rows for fused_moe(xq=...), a sixth result, as quantize_rows_kernel makes
-    them (one launch fewer per layer for experts in INT8_ACTIVATIONS). select=False: topk_ids and
-    topk_w are returned unwritten, for fused_moe(route_logits=...) to select the experts and fill
-    them (the launch then skips the arrival counter and the top-k)."""
+    them (one launch fewer per layer for experts in INT8_ACTIVATIONS)."""
     require()
     H = x.shape[-1]
     if tuple(norm_weight.shape) != (H,):
@@ -393,7 +388,7 @@ def add_rmsnorm_router(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps
         xc, dc, norm_weight, res, h, router_weight, logits, counts, ids, w, xq, H, E, eps, router_weight.stride(0),
         xq.stride(0), HAS_DELTA=delta is not None, TOPK=top_k, KP=next_pow2(top_k), NORM=renormalize, BLOCK=block,
         BLOCK_E=next_pow2(E), BE=be, BH=min(shape.BK, block), QUANT=quantize_h, QB=GROUP,
-        EARLY="router" in cfg.early_weights and shape.BK >= block, SELECT=select, num_warps=shape.num_warps,
+        EARLY="router" in cfg.early_weights and shape.BK >= block, num_warps=shape.num_warps,
         num_stages=shape.num_stages, **pdl_launch(x.device, cfg, "router"))
     return (res, h, logits, ids, w, xq) if quantize_h else (res, h, logits, ids, w)
 
