@@ -74,7 +74,7 @@ def test_identity_is_json_and_resolves_device_defaults():
     assert (cpu.fused_ops, cpu.gemv_max_tokens, gpu.gemv_max_tokens) == (True, 0, 1)
     ident = json.loads(json.dumps(gpu.identity()))
     assert ident["experts_impl"] == "triton" and ident["gemv_max_tokens"] == 1
-    assert ident["launch"]["router/dense"] == {"BN": 1, "BK": 2048, "num_warps": 1, "num_stages": 2}
+    assert ident["launch"]["router/dense"] == {"BN": 2, "BK": 2048, "num_warps": 1, "num_stages": 2}
     assert ident["attention"]["block_s"] == 32 and ident["decode_mode"] == "WORDS"
     assert DecodeConfig().resolved("cuda").gemv_tokens == 0         # no fused ops: no GEMV either
 

@@ -322,34 +322,6 @@ def test_groups_of_several_formats_each_write_their_pairs(layout):
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
 
 
-@pytest.mark.parametrize("cold", ["ternary", "ternary2"])
-def test_mixed_formats_run_a_hot_cold_layer_in_one_launch_pair(cold, monkeypatch):
-    """DecodeConfig.mixed_formats: an int8 group and a ternary group in one gate_up / down launch
-    pair (the int8 group's launch shape, each its own K step) give what the two launch pairs give,
-    pair for pair, and what the dequantized reference gives."""
-    from moebench.engine.kernels import moe
-    g = torch.Generator().manual_seed(23)
-    groups, dequant = format_groups(["int8", cold, "int8", "int8", cold, "int8"], H, I, g)
-    x = torch.randn(4, H, generator=g)
-    ids, w = routing(4, g)
-    launches = []
-    real = moe.gate_up_kernel
-
-    class Counted:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-    monkeypatch.setattr(moe, "gate_up_kernel", Counted())
-    got = {}
-    for mixed in (False, True):
-        launches.clear()
-        cfg = small(experts_impl="triton", mixed_formats=mixed)
-        got[mixed] = fused_moe(x.to(DEV), ids.to(DEV), w.to(DEV), groups, cfg=cfg).cpu()
-        assert len(launches) == (1 if mixed else 2), (mixed, launches)
-    assert torch.allclose(got[True], got[False], atol=1e-6, rtol=1e-6), (got[True] - got[False]).abs().max()
-    want = reference(x, ids, w, dequant)
-    assert torch.allclose(got[True], want, atol=1e-4, rtol=1e-4), (got[True] - want).abs().max()
-
 @pytest.mark.parametrize("mode", [DecodeMode.BYTES, DecodeMode.WORDS])
 @pytest.mark.parametrize("bk", [None, 8])
 def test_ternary_kernel_decodes_every_byte_value(bk, mode):

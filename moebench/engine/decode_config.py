@@ -113,8 +113,10 @@ SHIPPED_LAUNCH: dict[tuple[str, str, str], Launch] = {
     ("gemv", "dense", ""): Launch(2, 1024, 4, 4),
     # the same GEMV over the lm_head's [vocab x hidden] weight (MoETransformer.logits)
     ("lm_head", "dense", ""): Launch(2, 1024, 4, 4),
-    # the fused router: num_warps 1 keeps the last program's softmax / top-k reductions in one warp
-    ("router", "dense", ""): Launch(1, 2048, 1, 2),
+    # the fused router: num_warps 1 keeps the last program's softmax / top-k reductions in one warp;
+    # two expert rows a program (64 arrivals a token at 128 experts) ran the quantized GPU plans
+    # 1.0-1.5% faster than one, bf16 level (benchmarks/results/decode_ab_router2.log)
+    ("router", "dense", ""): Launch(2, 2048, 1, 2),
     # the residual add + RMSNorm of one row (one program per row; only num_warps is used)
     ("norm", "dense", ""): Launch(1, 2048, 16, 1),
 }
@@ -177,9 +179,6 @@ class DecodeConfig:
     pdl: programmatic dependent launch (sm_90+): a kernel starts launching while its predecessor runs.
     overlap_host: the host-memory groups and the HBM groups of other formats than the largest
         group's run on side streams, concurrently with it.
-    mixed_formats: a layer whose HBM experts are one group of each of two formats (a hot/cold plan
-        in HBM) runs both in one launch pair (the larger group's launch shape, each group its own
-        K step) instead of the smaller one on a side stream. Off: not yet timed on the GPU.
     defer_moe_sum: the weighted expert sum is done by the next residual add + RMSNorm (no moe_sum launch).
     fused_norm_router: a MoE block without a shared expert is routed inside its post-attention
         norm's launch.
@@ -223,7 +222,6 @@ class DecodeConfig:
     ssd_lookahead: int = 1
     pdl: bool = True
     overlap_host: bool = True
-    mixed_formats: bool = False
     defer_moe_sum: bool = True
     fused_norm_router: bool = True
     rope_in_attention: bool = False

@@ -208,13 +208,9 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
 
     def launches(gs: list[ExpertGroup], first: bool, ids: Tensor = ids, dropped: bool = False) -> None:
         # The group with the most experts leads; groups of one format share a launch pair. Two
-        # formats do only with cfg.mixed_formats (two groups of one home): a kernel gets the
-        # registers of its heaviest branch, so an int8 + ternary launch may run its int8 pairs
-        # slower than int8 alone, against a side stream's launches and stream joins saved.
-        if (cfg.mixed_formats and len(gs) == 2 and gs[0].fmt != gs[1].fmt
-                and gs[0].gate.on_host == gs[1].gate.on_host and not any(g.host_lane for g in gs)):
-            launch(sorted(gs, key=lambda g: -g.gate.data.shape[0]), first, ids, dropped)
-            return
+        # formats never do: a kernel gets the registers of its heaviest branch, so an int8 + ternary
+        # launch runs its int8 pairs slower than int8 alone (on the H200 the base-3 plan decoded
+        # 11.5% slower with its int8 and ternary groups in one launch pair: docs/engine-speed.md).
         by_fmt: dict[str, list[ExpertGroup]] = {}
         for g in sorted(gs, key=lambda g: -g.gate.data.shape[0]):
             by_fmt.setdefault(g.fmt, []).append(g)
@@ -235,8 +231,6 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
     for g in in_hbm:                     # the largest group's format first
         fmts.setdefault(g.fmt, []).append(g)
     lead, *branches = list(fmts.values()) or [[]]
-    if cfg.mixed_formats and len(lead) == 1 and branches and len(branches[0]) == 1:
-        lead = lead + branches.pop(0)      # one launch pair for the lead group and the next format's
     if x.is_cuda and cfg.overlap_host and lead and (branches or lane):
         # No zeroing of other pairs' rows here (it would race): the groups cover every expert
         # (TieredExperts builds them so).
