@@ -1,5 +1,6 @@
 """The fused MoE kernels compiled for sm_90 on a machine without a GPU: registers, spills and the
-SASS instruction mix of one gate_up or down launch shape per expert format.
+SASS instruction mix of one gate_up or down launch shape per expert format, and of the fused norm +
+router (`--kernels router`: its top-k's warp reductions are the shfl and redux columns).
 
 Timing needs the H200 (quant_kernels_h200.py; kernel_counters_h200.py under ncu for stalls); this
 says, offline and in seconds, what a kernel change does to the code: how many global loads a K
@@ -8,6 +9,7 @@ static (a loop body once), so compare variants of one kernel, not kernels of oth
 
     TRITON_INTERPRET=0 python benchmarks/kernel_sass.py                      # the shipped shapes and modes
                                                                              # (and base-3's byte decode)
+    TRITON_INTERPRET=0 python benchmarks/kernel_sass.py --kernels router,gate_up,down   # results/kernel_sass.txt
     TRITON_INTERPRET=0 python benchmarks/kernel_sass.py --kernels gate_up --formats ternary,ternary2 \\
         --launch 4,256,4,3                                                      # one shape for all
 
@@ -88,6 +90,28 @@ def captured_launches(fmt: str, cfg) -> dict:
     return caught
 
 
+def captured_router(cfg) -> tuple[tuple, dict]:
+    """The (args, kwargs) add_rmsnorm_router gives its kernel for one decode token of this shape
+    (128 experts, top-8, renormalised), as captured_launches does for the expert kernels."""
+    import torch
+    from moebench.engine import kernels
+    from moebench.engine.kernels import norm_router, runtime
+    caught = {}
+
+    def run(*args, grid, warmup, **kwargs):
+        caught["router"] = (args, kwargs)
+    saved = (runtime.IMPORT_ERROR, norm_router.add_rmsnorm_router_kernel.run)
+    runtime.IMPORT_ERROR = None
+    norm_router.add_rmsnorm_router_kernel.run = run
+    try:
+        x = torch.zeros(1, 1, H, dtype=torch.bfloat16)
+        kernels.add_rmsnorm_router(x, x, torch.ones(H, dtype=torch.bfloat16), 1e-6,
+                                   torch.zeros(E, H, dtype=torch.bfloat16), TOP_K, True, cfg=cfg)
+    finally:
+        runtime.IMPORT_ERROR, norm_router.add_rmsnorm_router_kernel.run = saved
+    return caught["router"]
+
+
 def compile_captured(fn, args: tuple, kwargs: dict):
     """Compile fn for sm_90 with the signature, constants and alignment attributes its JIT would
     derive from these arguments (triton.runtime.jit's specialization)."""
@@ -137,12 +161,14 @@ def sass_report(compiled) -> dict:
 # opcode families worth a column: memory, integer, conversion, float
 COLUMNS = {"LDG": ("LDG",), "LDS/STS": ("LDS", "STS"), "int": ("IMAD", "IADD3", "SHF", "LOP3", "LEA", "SGXT",
            "PRMT", "VIADD", "ISETP", "IMNMX"), "cvt": ("I2F", "I2FP", "F2I", "F2F", "I2I"),
-           "float": ("FFMA", "FADD", "FMUL", "FMNMX", "HADD2", "HFMA2", "HMUL2"), "dp4a": ("IDP",)}
+           "float": ("FFMA", "FADD", "FMUL", "FMNMX", "HADD2", "HFMA2", "HMUL2"), "dp4a": ("IDP",),
+           "shfl": ("SHFL",), "redux": ("REDUX",)}
 
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kernels", default="gate_up,down")
+    ap.add_argument("--kernels", default="gate_up,down",
+                    help="of gate_up, down and router (the fused norm + router: one row, whatever the formats)")
     ap.add_argument("--formats", default="dense,int8,int4,ternary,ternary:bytes,ternary2",
                     help="formats, each optionally with a decode mode by name (ternary:bytes)")
     ap.add_argument("--mode", type=int, default=None, help="DecodeConfig.decode_mode value (default: the shipped one)")
@@ -152,7 +178,22 @@ def main(argv=None) -> list[dict]:
     rows = []
     print(f"{'kernel':8s} {'format':9s} mode  {'launch':18s} regs stack  instr " +
           " ".join(f"{c:>7s}" for c in COLUMNS))
-    for spec in args.formats.split(","):
+    kernel_names = args.kernels.split(",")
+
+    def add_row(kernel: str, fmt: str, mode: int, shape: tuple, rep: dict) -> None:
+        cols = {c: sum(rep["ops"].get(o, 0) for o in opcodes) for c, opcodes in COLUMNS.items()}
+        rows.append({"kernel": kernel, "format": fmt, "mode": mode, "launch": shape, **rep, "columns": cols})
+        launch = "(" + ",".join(map(str, shape)) + ")"
+        print(f"{kernel:8s} {fmt:9s} {mode:4d}  {launch:18s} {rep['registers']!s:>4s} {rep['stack_bytes']!s:>5s} "
+              f"{rep['instructions']:6d} " + " ".join(f"{cols[c]:7d}" for c in COLUMNS), flush=True)
+
+    if "router" in kernel_names:
+        from moebench.engine.kernels import norm_router
+        kargs, kkw = captured_router(DEFAULT)
+        add_row("router", "dense", 0, (kkw["BE"], kkw["BH"], kkw.get("num_warps"), kkw.get("num_stages")),
+                sass_report(compile_captured(norm_router.add_rmsnorm_router_kernel, kargs, kkw)))
+        kernel_names.remove("router")
+    for spec in args.formats.split(",") if kernel_names else []:
         fmt, _, mode_name = spec.partition(":")
         cfg = DEFAULT
         if args.mode is not None:
@@ -163,17 +204,11 @@ def main(argv=None) -> list[dict]:
             bn, bk, warps, stages = map(int, args.launch.split(","))
             cfg = cfg.with_launches(dict(BN=bn, BK=bk, num_warps=warps, num_stages=stages), formats=[fmt])
         caught = captured_launches(fmt, cfg)
-        for kernel in args.kernels.split(","):
+        for kernel in kernel_names:
             fn = moe_kernels.gate_up_kernel if kernel == "gate_up" else moe_kernels.down_kernel
             kargs, kkw = caught[kernel]
-            rep = sass_report(compile_captured(fn, kargs, kkw))
-            cols = {c: sum(rep["ops"].get(o, 0) for o in opcodes) for c, opcodes in COLUMNS.items()}
-            shape = (kkw["BN"], kkw["BK_A"], kkw.get("num_warps"), kkw.get("num_stages"))
-            mode = kkw["MODE_A"]
-            rows.append({"kernel": kernel, "format": fmt, "mode": mode, "launch": shape, **rep, "columns": cols})
-            launch = "(" + ",".join(map(str, shape)) + ")"
-            print(f"{kernel:8s} {fmt:9s} {mode:4d}  {launch:18s} {rep['registers']!s:>4s} {rep['stack_bytes']!s:>5s} "
-                  f"{rep['instructions']:6d} " + " ".join(f"{cols[c]:7d}" for c in COLUMNS), flush=True)
+            add_row(kernel, fmt, kkw["MODE_A"], (kkw["BN"], kkw["BK_A"], kkw.get("num_warps"), kkw.get("num_stages")),
+                    sass_report(compile_captured(fn, kargs, kkw)))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows

@@ -570,6 +570,18 @@ def test_route_topk_ties_go_to_the_lowest_index():
     assert torch.allclose(w, torch.gather(torch.softmax(logits.float(), -1), 1, ids), atol=1e-7, rtol=1e-6)
 
 
+def test_route_topk_softmax_max_is_the_largest_logit_when_all_are_negative():
+    """The softmax's max is taken over sortable int32 keys (norm_router.sortable_bits): with every
+    logit negative and a spread past float32's exp range, any other max than the largest logit
+    overflows exp; -0.0 and +0.0 are one value."""
+    logits = torch.tensor([[-1.0, -100.0, -2.0, -95.0, -1.5, -3.0, float("-inf"), -90.0],
+                           [-0.0, -120.0, 0.0, -110.0, -0.5, -0.0, -130.0, -1.0]]).to(DEV)
+    ids, w = kernels.route_topk(logits, 3, False)
+    assert ids.tolist() == [[0, 4, 2], [0, 2, 5]]
+    want = torch.gather(torch.softmax(logits.float(), -1), 1, ids)
+    assert torch.isfinite(w).all() and torch.allclose(w, want, atol=1e-7, rtol=1e-6), (w, want)
+
+
 @pytest.mark.parametrize("renorm", [True, False])
 def test_router_topk_matches_linear_softmax_topk(renorm):
     """The fused router (GEMV slices + last-arriving program does the top-k): same ids and weights

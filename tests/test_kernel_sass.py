@@ -35,6 +35,21 @@ def test_kernel_sass_reports_the_shipped_launches(tmp_path):
     assert run.stdout.count("\n") == 1 + len(rows)
 
 
+def test_kernel_sass_router_takes_its_maxima_as_integer_warp_reductions(tmp_path):
+    """The fused router's softmax max and top-k rounds reduce int32 keys (norm_router.sortable_bits):
+    on sm_90 each is one REDUX, no float max shuffle tree (FMNMX) is left."""
+    out = tmp_path / "router.json"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--kernels", "router",
+                          "--json", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert row["kernel"] == "router" and row["stack_bytes"] == 0
+    # 8 rounds of (max, index min) and the softmax's max: 17 integer warp reductions
+    assert row["columns"]["redux"] >= 17 and row["ops"].get("FMNMX", 0) == 0, row["ops"]
+    assert row["columns"]["LDG"] > 0 and row["ops"].get("STG", 0) > 0
+
+
 def test_kernel_sass_refuses_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py")], capture_output=True,

@@ -99,22 +99,34 @@ if triton is not None:
         tl.store(out_ptr + r * N + offs, out.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
+    def sortable_bits(x):
+        """float32 x's bits as int32 keys whose signed order is x's order (-0.0 just below +0.0),
+        and back: negative floats get their 31 low bits flipped (an involution)."""
+        bits = x.to(tl.int32, bitcast=True)
+        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+    @triton.jit
     def softmax_topk_store(z, m, offs, ids_ptr, w_ptr, r, TOPK: tl.constexpr, KP: tl.constexpr,
                            NORM: tl.constexpr, BLOCK_E: tl.constexpr):
         """Softmax over one token's router logits z [BLOCK_E] (float32, -inf where ~m), top-k by k
-        rounds of argmax (lowest index wins ties), optional renormalisation; no sort."""
-        p = tl.exp(z - tl.max(z, axis=0))
+        rounds of argmax (lowest index wins ties), optional renormalisation; no sort.
+        The maxima are taken over int32 keys that order as the floats do (sortable_bits), so a
+        warp's max is one integer reduction instruction (REDUX on sm_80+, as the index min already
+        was) instead of a float shuffle tree: the same values, picks and ties."""
+        zk = sortable_bits(z)
+        p = tl.exp(z - sortable_bits(tl.max(zk, axis=0)).to(tl.float32, bitcast=True))
         p = p / tl.sum(p, axis=0)
-        p = tl.where(m, p, -1.0)
+        # p >= +0.0: its bits order as its values; -1 marks masked and picked lanes, below them all
+        pb = tl.where(m, p.to(tl.int32, bitcast=True), -1)
         ks = tl.arange(0, KP)
         vals = tl.zeros((KP,), dtype=tl.float32)
         idx = tl.zeros((KP,), dtype=tl.int64)
         for j in tl.static_range(TOPK):
-            best = tl.max(p, axis=0)
-            at = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)
-            vals = tl.where(ks == j, best, vals)
+            best = tl.max(pb, axis=0)
+            at = tl.min(tl.where(pb == best, offs, BLOCK_E), axis=0)
+            vals = tl.where(ks == j, best.to(tl.float32, bitcast=True), vals)
             idx = tl.where(ks == j, at.to(tl.int64), idx)
-            p = tl.where(offs == at, -2.0, p)
+            pb = tl.where(offs == at, -1, pb)
         if NORM:
             vals = vals / tl.sum(tl.where(ks < TOPK, vals, 0.0), axis=0)
         tl.store(ids_ptr + r * TOPK + ks, idx, mask=ks < TOPK)
