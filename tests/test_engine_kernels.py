@@ -1101,6 +1101,43 @@ def test_engine_int8_activations_run_the_int8_and_int4_groups_with_int8_activati
 
 # ---- the post-attention add_rmsnorm fused with the router -------------------------------------------
 
+@pytest.mark.parametrize("bk", [32, 2048])
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_add_rmsnorm_router_polling_a_mailbox_is_bitwise_the_arrival_counter(dt, bk, monkeypatch):
+    """DecodeConfig.router_poll: each token's last program polls the logits' mailbox instead of an
+    arrival counter choosing it: the same res, h, logits, ids and weights, bit for bit, for 1 and 3
+    tokens and 60 experts (8 programs a token, the last one partly masked); the mailbox rows are
+    empty again after each call (so the next call's poll waits for its own logits)."""
+    from moebench.engine.kernels import norm_router
+    g = torch.Generator().manual_seed(29)
+    counter = SMALL.with_launch("router", "dense", BN=8, BK=bk)
+    poll = replace(counter, router_poll=True)
+    norm_w = (torch.rand(100, generator=g) + 0.5).to(DEV, dt)
+    router_w = (torch.randn(60, 100, generator=g) * 0.3).to(DEV, dt)
+    launched = []
+    real = norm_router.add_rmsnorm_router_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launched.append((kwargs["POLL"], kwargs.get("mail_ptr")))
+                return real[grid](*args, **kwargs)
+            return run
+    monkeypatch.setattr(norm_router, "add_rmsnorm_router_kernel", Spy())
+    for T in (1, 3, 1):
+        x = torch.randn(1, T, 100, generator=g).to(DEV, dt)
+        delta = torch.randn(1, T, 100, generator=g).to(DEV, dt)
+        launched.clear()
+        want = kernels.add_rmsnorm_router(x, delta, norm_w, 1e-6, router_w, 4, True, cfg=counter)
+        got = kernels.add_rmsnorm_router(x, delta, norm_w, 1e-6, router_w, 4, True, cfg=poll)
+        assert launched == [(False, None), (True, norm_router.shared_mailbox(x.device, poll, 60))]
+        for name, a, b in zip(("res", "h", "logits", "ids", "w"), got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b), (name, T, (a.float() - b.float()).abs().max())
+        mail = norm_router.shared_mailbox(x.device, poll, 60)
+        assert mail.shape == (poll.router_max_tokens, 60) and bool((mail == norm_router.MAIL_EMPTY).all())
+    assert int(norm_router.shared_arrivals(x.device, poll).abs().sum()) == 0
+
+
 @pytest.mark.parametrize("bk", [32, 2048])      # 32: GEMV in column steps; 2048: one step over the row
 @pytest.mark.parametrize("renorm", [True, False])
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])

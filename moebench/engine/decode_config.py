@@ -204,6 +204,11 @@ class DecodeConfig:
     lm_head_gemv: decode steps (up to gemv_tokens rows) compute the logits with the Triton GEMV,
         stored as float32 by the kernel (MoETransformer.logits), instead of cuBLAS and a cast launch.
     router_max_tokens: most tokens one fused router call takes (size of its arrival counters).
+    router_poll: the fused norm + router's last program per token polls a mailbox of the logits'
+        bits for the top-k instead of an arrival counter deciding which program runs it
+        (norm_router.add_rmsnorm_router_kernel's POLL): no acq_rel atomic per program. The same
+        results. Off: not yet timed (the arrival counter costs ~2.7% of a bf16 decode step on
+        the H200, benchmarks/results/router_tail_h200.json).
     count_tier_picks: tiered experts on the fused path count each call's picks per expert on the
         device, one atomic per (token, expert) pair inside fused_moe's down launch (and stage copies
         inside prefetch's map launch), so their telemetry covers CUDA-graph replays at no extra launch.
@@ -230,6 +235,7 @@ class DecodeConfig:
     early_launch: tuple[str, ...] = EARLY_LAUNCH_KERNELS
     lm_head_gemv: bool = True
     router_max_tokens: int = 64
+    router_poll: bool = False
     count_tier_picks: bool = True
     launch: Mapping[tuple[str, str, str], Launch] = field(default_factory=lambda: dict(SHIPPED_LAUNCH))
     attention: AttentionLaunch = AttentionLaunch()

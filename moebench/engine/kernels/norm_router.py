@@ -24,6 +24,12 @@ from .runtime import KernelError, grid_dependency, next_pow2, pdl_launch, requir
 # router_topk's per-token arrival counters, per (device, size): zero between calls (each call's last
 # program resets its token's counter). Buffers, not settings.
 _ARRIVALS: dict[tuple[torch.device, int], Tensor] = {}
+# add_rmsnorm_router's mailboxes under DecodeConfig.router_poll, per (device, tokens, experts): int32
+# [tokens, experts], MAIL_EMPTY between calls (each token's polling program empties its row).
+# MAIL_EMPTY is a NaN payload no logit has: a logit is rounded to the activation dtype first (bf16 or
+# fp16 leave its 13+ low bits zero), and a NaN computed in float32 is the canonical 0x7FFFFFFF.
+MAIL_EMPTY = 0x7FBADBAD
+_MAILBOXES: dict[tuple[torch.device, int, int], Tensor] = {}
 
 
 def shared_arrivals(device: torch.device, cfg: DecodeConfig) -> Tensor:
@@ -34,7 +40,18 @@ def shared_arrivals(device: torch.device, cfg: DecodeConfig) -> Tensor:
     return counts
 
 
+def shared_mailbox(device: torch.device, cfg: DecodeConfig, experts: int) -> Tensor:
+    key = (device, cfg.router_max_tokens, experts)
+    mail = _MAILBOXES.get(key)
+    if mail is None:
+        mail = _MAILBOXES[key] = torch.full((cfg.router_max_tokens, experts), MAIL_EMPTY, dtype=torch.int32,
+                                            device=device)
+    return mail
+
+
 if triton is not None:
+    EMPTY_SLOT = tl.constexpr(MAIL_EMPTY)
+
     # The residual add + RMSNorm math, shared by add_rmsnorm_kernel and add_rmsnorm_router_kernel so
     # the two round identically: s = x + delta in x's dtype, inv = 1 / rms(s) over the whole row,
     # out = w * (s * inv rounded to x's dtype), in float32 (the caller rounds it).
@@ -180,13 +197,21 @@ if triton is not None:
                                   w_ptr, q_ptr, N, E, eps, stride_g, stride_q, HAS_DELTA: tl.constexpr,
                                   TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
                                   BLOCK_E: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, QUANT: tl.constexpr,
-                                  QB: tl.constexpr, EARLY: tl.constexpr = False, PDL: tl.constexpr = False,
+                                  QB: tl.constexpr, EARLY: tl.constexpr = False, mail_ptr=None,
+                                  POLL: tl.constexpr = False, PDL: tl.constexpr = False,
                                   LAUNCH_FIRST: tl.constexpr = False):
         """Program (token t, block of BE experts): add_rmsnorm_kernel's row t (program 0 stores res
         and h), then router_topk_kernel's program on that h. Every program normalises the row itself
         (no grid-wide wait for program 0), so the norm's loads are repeated per expert block; they are
         one row each, L2-resident. The GEMV steps, sums and roundings are router_topk_kernel's.
-        EARLY (one GEMV step only): the weight rows are loaded before the PDL wait."""
+        EARLY (one GEMV step only): the weight rows are loaded before the PDL wait.
+        POLL (DecodeConfig.router_poll): no arrival counter; every program also writes its logits'
+        bits to the token's mailbox row (int32, MAIL_EMPTY where unwritten), and the token's last
+        program reads the row (volatile loads, from L2) until no slot is empty, empties it and runs
+        the softmax + top-k: each value tells by itself that it has arrived, so no release fence or
+        atomic sits between the last logit and the top-k. The last program polls: all of a token's
+        programs are resident by then (early_launch: the next kernel launches only after every
+        program of this one started), and the CPU interpreter runs it after the others."""
         t = tl.program_id(0).to(tl.int64)
         pb = tl.program_id(1)
         dt = x_ptr.dtype.element_ty
@@ -225,13 +250,25 @@ if triton is not None:
                 acc += wv * hv[None, :]
         logit = tl.sum(acc, axis=1).to(dt).to(tl.float32)
         tl.store(logits_ptr + t * E + rows, logit, mask=rm)
-        arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
-        if arrived == tl.num_programs(1) - 1:
-            eo = tl.arange(0, BLOCK_E)
-            em = eo < E
-            z = tl.load(logits_ptr + t * E + eo, mask=em, other=float("-inf"), cache_modifier=".cg")
-            softmax_topk_store(z, em, eo, ids_ptr, w_ptr, t, TOPK, KP, NORM, BLOCK_E)
-            tl.atomic_xchg(count_ptr + t, 0)
+        if POLL:
+            tl.store(mail_ptr + t * E + rows, logit.to(tl.int32, bitcast=True), mask=rm)
+            if pb == tl.num_programs(1) - 1:
+                eo = tl.arange(0, BLOCK_E)
+                em = eo < E
+                zb = tl.load(mail_ptr + t * E + eo, mask=em, other=0, volatile=True)
+                while tl.max((zb == EMPTY_SLOT).to(tl.int32), axis=0) > 0:
+                    zb = tl.load(mail_ptr + t * E + eo, mask=em, other=0, volatile=True)
+                tl.store(mail_ptr + t * E + eo, tl.full((BLOCK_E,), EMPTY_SLOT, tl.int32), mask=em)
+                z = tl.where(em, zb.to(tl.float32, bitcast=True), float("-inf"))
+                softmax_topk_store(z, em, eo, ids_ptr, w_ptr, t, TOPK, KP, NORM, BLOCK_E)
+        else:
+            arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
+            if arrived == tl.num_programs(1) - 1:
+                eo = tl.arange(0, BLOCK_E)
+                em = eo < E
+                z = tl.load(logits_ptr + t * E + eo, mask=em, other=float("-inf"), cache_modifier=".cg")
+                softmax_topk_store(z, em, eo, ids_ptr, w_ptr, t, TOPK, KP, NORM, BLOCK_E)
+                tl.atomic_xchg(count_ptr + t, 0)
         if QUANT:
             # The experts' int8 activations (INT8_ACTIVATIONS): quantize_rows_kernel's row of h, one
             # block of QB columns per program, recomputed from x, delta and inv (the whole row
@@ -400,7 +437,8 @@ def add_rmsnorm_router(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps
         xc, dc, norm_weight, res, h, router_weight, logits, counts, ids, w, xq, H, E, eps, router_weight.stride(0),
         xq.stride(0), HAS_DELTA=delta is not None, TOPK=top_k, KP=next_pow2(top_k), NORM=renormalize, BLOCK=block,
         BLOCK_E=next_pow2(E), BE=be, BH=min(shape.BK, block), QUANT=quantize_h, QB=GROUP,
-        EARLY="router" in cfg.early_weights and shape.BK >= block, num_warps=shape.num_warps,
+        EARLY="router" in cfg.early_weights and shape.BK >= block, POLL=cfg.router_poll,
+        **({"mail_ptr": shared_mailbox(x.device, cfg, E)} if cfg.router_poll else {}), num_warps=shape.num_warps,
         num_stages=shape.num_stages, **pdl_launch(x.device, cfg, "router"))
     return (res, h, logits, ids, w, xq) if quantize_h else (res, h, logits, ids, w)
 
