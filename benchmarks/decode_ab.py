@@ -134,13 +134,20 @@ def run(args) -> dict:
     ctx = Context(hf, device, dtype, prompt, args.tokens, args.reps,
                   expert_plans(cfg.num_hidden_layers, cfg.num_experts, hot_halves(counts)), options)
     if device.type == "cuda":
-        from decode_engine import copy_bandwidth, non_expert_bytes_per_token
+        from decode_engine import active_bytes_per_token, copy_bandwidth, non_expert_bytes_per_token
         from decode_probes import pinned_h2d_bandwidth
         from moebench.engine import ModelConfig
         mc = ModelConfig.from_dict(cfg.to_dict(), source="transformers config")
+        elem = torch.finfo(dtype).bits // 8
         ctx.bandwidth = {"copy_Bps": copy_bandwidth(device, 1 << 30), "h2d_Bps": pinned_h2d_bandwidth(1 << 30),
-                         "non_expert_bytes": non_expert_bytes_per_token(mc, torch.finfo(dtype).bits // 8),
-                         "hidden": mc.hidden_size, "inter": mc.expert_intermediate_size}
+                         "non_expert_bytes": non_expert_bytes_per_token(mc, elem),
+                         "hidden": mc.hidden_size, "inter": mc.expert_intermediate_size,
+                         "bf16_bytes_per_token": active_bytes_per_token(mc, elem)["active_bytes"]}
+        # the roofline: bf16's bytes per step at the copy bandwidth (decode_h200 prints the same)
+        ctx.bandwidth["roofline_tok_s"] = ctx.bandwidth["copy_Bps"] / ctx.bandwidth["bf16_bytes_per_token"]
+        print(f"copy bandwidth {ctx.bandwidth['copy_Bps'] / 1e12:.3f} TB/s, bf16 "
+              f"{ctx.bandwidth['bf16_bytes_per_token'] / 1e9:.3f} GB/token: roofline "
+              f"{ctx.bandwidth['roofline_tok_s']:.1f} tok/s", flush=True)
     out = {"tree": str(args.tree), "engine_options": options, "moebench": moebench.__file__, "device": str(device), "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "bandwidth": ctx.bandwidth,
            "variants": {}, "errors": {}}
@@ -163,6 +170,8 @@ def run(args) -> dict:
             r["engine_options"] = ctx.options
         out["variants"][name] = r
         extra = f", prefetch early {r['tok_s_prefetch_early']:.2f}" if "tok_s_prefetch_early" in r else ""
+        if base_name == "bf16" and ctx.bandwidth:
+            extra += f" ({100 * r['tok_s'] / ctx.bandwidth['roofline_tok_s']:.1f}% of the roofline)"
         if "tier_bound_tok_s" in r:
             extra += f"; tier-aware bound {r['tier_bound_tok_s']:.1f}: {r['pct_of_tier_bound']:.1f}%" + (
                 f", prefetch early {r['pct_of_tier_bound_prefetch_early']:.1f}%"
