@@ -14,7 +14,8 @@ Under MOEBENCH_ROUTER_TAIL the experts read fixed routes (pair p's expert is 5p 
   reload   the arrival counter and the last program's reload of the logits, no softmax or top-k;
   arrival  the arrival counter alone (each token's last program resets it);
   none     no arrival and no tail: the logits only.
-Unset, the copy runs as its source. The copy is made by exact text edits of
+Unset, the copy runs as its source; the cuts apply to the arrival counter (router_poll off). The
+copy is made by exact text edits of
 moebench/engine/kernels/norm_router.py; a source those edits no longer fit is refused.
 """
 from __future__ import annotations
@@ -27,18 +28,14 @@ from pathlib import Path
 EDITS = [
     ("_ARRIVALS: dict[tuple[torch.device, int], Tensor] = {}\n",
      "_ARRIVALS: dict[tuple[torch.device, int], Tensor] = {}\n_FIXED_ROUTES: dict = {}\n"),
-    ("QB: tl.constexpr, EARLY: tl.constexpr = False, PDL: tl.constexpr = False,",
-     "QB: tl.constexpr, EARLY: tl.constexpr = False, TAIL: tl.constexpr = 0, PDL: tl.constexpr = False,"),
-    ("""        logit = tl.sum(acc, axis=1).to(dt).to(tl.float32)
-        tl.store(logits_ptr + t * E + rows, logit, mask=rm)
-        arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
-        if arrived == tl.num_programs(1) - 1:""",
-     """        logit = tl.sum(acc, axis=1).to(dt).to(tl.float32)
-        tl.store(logits_ptr + t * E + rows, logit, mask=rm)
-        arrived = -1
-        if TAIL == 0 or TAIL == 1:
-            arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
-        if TAIL == 2 or TAIL == 3:
+    ("QB: tl.constexpr, EARLY: tl.constexpr = False, mail_ptr=None,",
+     "QB: tl.constexpr, EARLY: tl.constexpr = False, TAIL: tl.constexpr = 0, mail_ptr=None,"),
+    ("""        else:
+            route_when_last_arrives(logits_ptr, count_ptr, ids_ptr, w_ptr, t, E, TOPK, KP, NORM, BLOCK_E)
+""",
+     """        elif TAIL == 0 or TAIL == 1:
+            route_when_last_arrives(logits_ptr, count_ptr, ids_ptr, w_ptr, t, E, TOPK, KP, NORM, BLOCK_E)
+        elif TAIL == 2 or TAIL == 3:
             last = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
             if last == tl.num_programs(1) - 1:
                 if TAIL == 2:
@@ -46,7 +43,7 @@ EDITS = [
                     zl = tl.load(logits_ptr + t * E + lo, mask=lo < E, other=float("-inf"), cache_modifier=".cg")
                     tl.store(logits_ptr + t * E, tl.max(zl, axis=0))
                 tl.atomic_xchg(count_ptr + t, 0)
-        if arrived == tl.num_programs(1) - 1:"""),
+"""),
     ("""    w = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
     # router_topk's launch config""",
      """    w = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
@@ -63,8 +60,8 @@ EDITS = [
     # router_topk's launch config"""),
     ("router_weight, logits, counts, ids, w, xq, H, E, eps,",
      "router_weight, logits, counts, kids, kw, xq, H, E, eps,"),
-    ("""EARLY="router" in cfg.early_weights and shape.BK >= block, num_warps=shape.num_warps,""",
-     """EARLY="router" in cfg.early_weights and shape.BK >= block, TAIL=tail, num_warps=shape.num_warps,"""),
+    ("""EARLY="router" in cfg.early_weights and shape.BK >= block, POLL=cfg.router_poll,""",
+     """EARLY="router" in cfg.early_weights and shape.BK >= block, POLL=cfg.router_poll, TAIL=tail,"""),
 ]
 
 

@@ -150,6 +150,35 @@ if triton is not None:
         tl.store(w_ptr + r * TOPK + ks, vals, mask=ks < TOPK)
 
     @triton.jit
+    def route_when_last_arrives(logits_ptr, count_ptr, ids_ptr, w_ptr, t, E, TOPK: tl.constexpr, KP: tl.constexpr,
+                                NORM: tl.constexpr, BLOCK_E: tl.constexpr):
+        """After a program has stored its logits of token t: it counts itself in (acq_rel), and the
+        token's last program to arrive reads all E logits, runs softmax_topk_store and resets the
+        counter for the next call."""
+        arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
+        if arrived == tl.num_programs(1) - 1:
+            offs = tl.arange(0, BLOCK_E)
+            m = offs < E
+            z = tl.load(logits_ptr + t * E + offs, mask=m, other=float("-inf"), cache_modifier=".cg")
+            softmax_topk_store(z, m, offs, ids_ptr, w_ptr, t, TOPK, KP, NORM, BLOCK_E)
+            tl.atomic_xchg(count_ptr + t, 0)
+
+    @triton.jit
+    def route_when_all_posted(mail_ptr, ids_ptr, w_ptr, t, E, TOPK: tl.constexpr, KP: tl.constexpr,
+                              NORM: tl.constexpr, BLOCK_E: tl.constexpr):
+        """add_rmsnorm_router_kernel's POLL: the token's last program reads its mailbox row until no
+        slot is empty, empties it and runs softmax_topk_store on the logits' bits."""
+        if tl.program_id(1) == tl.num_programs(1) - 1:
+            offs = tl.arange(0, BLOCK_E)
+            m = offs < E
+            zb = tl.load(mail_ptr + t * E + offs, mask=m, other=0, volatile=True)
+            while tl.max((zb == EMPTY_SLOT).to(tl.int32), axis=0) > 0:
+                zb = tl.load(mail_ptr + t * E + offs, mask=m, other=0, volatile=True)
+            tl.store(mail_ptr + t * E + offs, tl.full((BLOCK_E,), EMPTY_SLOT, tl.int32), mask=m)
+            z = tl.where(m, zb.to(tl.float32, bitcast=True), float("-inf"))
+            softmax_topk_store(z, m, offs, ids_ptr, w_ptr, t, TOPK, KP, NORM, BLOCK_E)
+
+    @triton.jit
     def route_topk_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOPK: tl.constexpr, KP: tl.constexpr,
                           NORM: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
         """One token: softmax + top-k of its E router logits."""
@@ -184,13 +213,7 @@ if triton is not None:
             acc += wv * xv[None, :]
         logit = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
         tl.store(logits_ptr + t * E + rows, logit, mask=rm)
-        arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
-        if arrived == tl.num_programs(1) - 1:
-            offs = tl.arange(0, BLOCK_E)
-            m = offs < E
-            z = tl.load(logits_ptr + t * E + offs, mask=m, other=float("-inf"), cache_modifier=".cg")
-            softmax_topk_store(z, m, offs, ids_ptr, w_ptr, t, TOPK, KP, NORM, BLOCK_E)
-            tl.atomic_xchg(count_ptr + t, 0)
+        route_when_last_arrives(logits_ptr, count_ptr, ids_ptr, w_ptr, t, E, TOPK, KP, NORM, BLOCK_E)
 
     @triton.jit
     def add_rmsnorm_router_kernel(x_ptr, d_ptr, nw_ptr, res_ptr, h_ptr, g_ptr, logits_ptr, count_ptr, ids_ptr,
@@ -252,23 +275,9 @@ if triton is not None:
         tl.store(logits_ptr + t * E + rows, logit, mask=rm)
         if POLL:
             tl.store(mail_ptr + t * E + rows, logit.to(tl.int32, bitcast=True), mask=rm)
-            if pb == tl.num_programs(1) - 1:
-                eo = tl.arange(0, BLOCK_E)
-                em = eo < E
-                zb = tl.load(mail_ptr + t * E + eo, mask=em, other=0, volatile=True)
-                while tl.max((zb == EMPTY_SLOT).to(tl.int32), axis=0) > 0:
-                    zb = tl.load(mail_ptr + t * E + eo, mask=em, other=0, volatile=True)
-                tl.store(mail_ptr + t * E + eo, tl.full((BLOCK_E,), EMPTY_SLOT, tl.int32), mask=em)
-                z = tl.where(em, zb.to(tl.float32, bitcast=True), float("-inf"))
-                softmax_topk_store(z, em, eo, ids_ptr, w_ptr, t, TOPK, KP, NORM, BLOCK_E)
+            route_when_all_posted(mail_ptr, ids_ptr, w_ptr, t, E, TOPK, KP, NORM, BLOCK_E)
         else:
-            arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
-            if arrived == tl.num_programs(1) - 1:
-                eo = tl.arange(0, BLOCK_E)
-                em = eo < E
-                z = tl.load(logits_ptr + t * E + eo, mask=em, other=float("-inf"), cache_modifier=".cg")
-                softmax_topk_store(z, em, eo, ids_ptr, w_ptr, t, TOPK, KP, NORM, BLOCK_E)
-                tl.atomic_xchg(count_ptr + t, 0)
+            route_when_last_arrives(logits_ptr, count_ptr, ids_ptr, w_ptr, t, E, TOPK, KP, NORM, BLOCK_E)
         if QUANT:
             # The experts' int8 activations (INT8_ACTIVATIONS): quantize_rows_kernel's row of h, one
             # block of QB columns per program, recomputed from x, delta and inv (the whole row
