@@ -232,9 +232,10 @@ if triton is not None:
         bits to the token's mailbox row (int32, MAIL_EMPTY where unwritten), and the token's last
         program reads the row (volatile loads, from L2) until no slot is empty, empties it and runs
         the softmax + top-k: each value tells by itself that it has arrived, so no release fence or
-        atomic sits between the last logit and the top-k. The last program polls: all of a token's
-        programs are resident by then (early_launch: the next kernel launches only after every
-        program of this one started), and the CPU interpreter runs it after the others."""
+        atomic sits between the last logit and the top-k. The poll cannot starve the programs it
+        waits for: a launch after this one in the stream starts only once every program of this one
+        has started (PDL's trigger), and kernels of other streams wait on nothing of this one. The
+        last program polls because the CPU interpreter runs it after the others."""
         t = tl.program_id(0).to(tl.int64)
         pb = tl.program_id(1)
         dt = x_ptr.dtype.element_ty
