@@ -571,7 +571,7 @@ def test_route_topk_ties_go_to_the_lowest_index():
 
 
 def test_route_topk_softmax_max_is_the_largest_logit_when_all_are_negative():
-    """The softmax's max is taken over sortable int32 keys (norm_router.sortable_bits): with every
+    """The softmax's max is taken over sortable int32 keys (runtime.sortable_bits): with every
     logit negative and a spread past float32's exp range, any other max than the largest logit
     overflows exp; -0.0 and +0.0 are one value."""
     logits = torch.tensor([[-1.0, -100.0, -2.0, -95.0, -1.5, -3.0, float("-inf"), -90.0],

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..decode_config import DEFAULT, DecodeConfig
-from .runtime import KernelError, grid_dependency, next_pow2, pdl_launch, require, tl, triton  # noqa: F401
+from .runtime import KernelError, grid_dependency, next_pow2, pdl_launch, require, sortable_bits, tl, triton  # noqa: F401
 
 EMPTY_KEY = -(1 << 63)       # below every key: what the feed leaves for the next step's GEMV
 
@@ -35,9 +35,7 @@ if triton is not None:
         """Fold this program's rows (values y [BN] float32, indices rows) into key_ptr's max key. The
         atomic runs only where the program's best beats the key seen, so ~V / BN programs do not
         all queue on one address."""
-        v = tl.where(y == 0.0, 0.0, y)                       # -0.0 ties with +0.0, as in torch.argmax
-        bits = v.to(tl.int32, bitcast=True)
-        hi = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        hi = sortable_bits(tl.where(y == 0.0, 0.0, y))        # -0.0 ties with +0.0, as in torch.argmax
         key = (hi.to(tl.int64) << 32) | (4294967295 - rows.to(tl.int64))
         best = tl.max(tl.where(rmask, key, EMPTY), axis=0)
         if best > tl.load(key_ptr, volatile=True):

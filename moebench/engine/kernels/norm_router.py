@@ -19,7 +19,7 @@ from torch import Tensor
 from ..decode_config import DEFAULT, DecodeConfig
 from ..quant import GROUP
 from .int8_activations import quant_pack, quant_row_len, store_quant  # noqa: F401 - used by the kernels
-from .runtime import KernelError, grid_dependency, next_pow2, pdl_launch, require, tl, triton  # noqa: F401
+from .runtime import KernelError, grid_dependency, next_pow2, pdl_launch, require, sortable_bits, tl, triton  # noqa: F401
 
 # router_topk's per-token arrival counters, per (device, size): zero between calls (each call's last
 # program resets its token's counter). Buffers, not settings.
@@ -114,13 +114,6 @@ if triton is not None:
             tl.store(res_ptr + r * N + offs, x, mask=m)
         out = rms_scale(x, rms_inv(x, N, eps), w)
         tl.store(out_ptr + r * N + offs, out.to(out_ptr.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def sortable_bits(x):
-        """float32 x's bits as int32 keys whose signed order is x's order (-0.0 just below +0.0),
-        and back: negative floats get their 31 low bits flipped (an involution)."""
-        bits = x.to(tl.int32, bitcast=True)
-        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
     @triton.jit
     def softmax_topk_store(z, m, offs, ids_ptr, w_ptr, r, TOPK: tl.constexpr, KP: tl.constexpr,

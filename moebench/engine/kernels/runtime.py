@@ -119,6 +119,14 @@ if triton is not None:
             if not LAUNCH_FIRST:
                 tl.extra.cuda.gdc_launch_dependents()
 
+    @triton.jit
+    def sortable_bits(x):
+        """float32 x's bits as int32 keys whose signed order is x's order (-0.0 just below +0.0),
+        and back: negative floats get their 31 low bits flipped (an involution). Integer maxima
+        of them are one warp instruction (REDUX) where a float max is a shuffle tree."""
+        bits = x.to(tl.int32, bitcast=True)
+        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
     # Format and DecodeMode values as the kernels compare them (FMT and MODE constexprs)
     FMT_DENSE = tl.constexpr(int(Format.DENSE))
     FMT_INT8 = tl.constexpr(int(Format.INT8))
@@ -132,4 +140,4 @@ if triton is not None:
 else:
     FMT_DENSE = FMT_INT8 = FMT_INT4 = FMT_INT4_ASYM = FMT_TERNARY = FMT_TERNARY2 = None
     MODE_BYTES = MODE_WORDS = MODE_INT8_ACT = None
-    grid_dependency = None
+    grid_dependency = sortable_bits = None
