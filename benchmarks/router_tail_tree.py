@@ -14,7 +14,7 @@ Under MOEBENCH_ROUTER_TAIL the experts read fixed routes (pair p's expert is 5p 
   reload   the arrival counter and the last program's reload of the logits, no softmax or top-k;
   arrival  the arrival counter alone (each token's last program resets it);
   none     no arrival and no tail: the logits only.
-Unset, the copy runs as its source; the cuts apply to the arrival counter (router_poll off). The
+Unset, the copy runs as its source; a cut runs the arrival counter's path (router_poll's mailbox off). The
 copy is made by exact text edits of
 moebench/engine/kernels/norm_router.py; a source those edits no longer fit is refused.
 """
@@ -60,8 +60,10 @@ EDITS = [
     # router_topk's launch config"""),
     ("router_weight, logits, counts, ids, w, xq, H, E, eps,",
      "router_weight, logits, counts, kids, kw, xq, H, E, eps,"),
-    ("""EARLY="router" in cfg.early_weights and shape.BK >= block, POLL=cfg.router_poll,""",
-     """EARLY="router" in cfg.early_weights and shape.BK >= block, POLL=cfg.router_poll, TAIL=tail,"""),
+    ("""EARLY="router" in cfg.early_weights and shape.BK >= block, POLL=poll,""",
+     """EARLY="router" in cfg.early_weights and shape.BK >= block, POLL=poll and not tail, TAIL=tail,"""),
+    ("""{"mail_ptr": shared_mailbox(x.device, cfg, E)} if poll else {}""",
+     """{"mail_ptr": shared_mailbox(x.device, cfg, E)} if poll and not tail else {}"""),
 ]
 
 

@@ -177,7 +177,7 @@ def test_cuda_bf16_qwen3_shape(kv_len):
     sdpa = reference(q, k, v, pos, kv_len).float()
     assert torch.allclose(got.float(), sdpa, atol=2e-3, rtol=2e-2), (got.float() - sdpa).abs().max()
     if kv_len == 40000:
-        assert num_splits_for(kv_len, QWEN["NKV"], attention_kernel._sm_count(q.device)) > 1
+        assert num_splits_for(kv_len, QWEN["NKV"], attention_kernel.sm_count(q.device)) > 1
 
 
 @needs_cuda

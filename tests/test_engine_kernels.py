@@ -1110,7 +1110,7 @@ def test_add_rmsnorm_router_polling_a_mailbox_is_bitwise_the_arrival_counter(dt,
     empty again after each call (so the next call's poll waits for its own logits)."""
     from moebench.engine.kernels import norm_router
     g = torch.Generator().manual_seed(29)
-    counter = SMALL.with_launch("router", "dense", BN=8, BK=bk)
+    counter = replace(SMALL.with_launch("router", "dense", BN=8, BK=bk), router_poll=False)
     poll = replace(counter, router_poll=True)
     norm_w = (torch.rand(100, generator=g) + 0.5).to(DEV, dt)
     router_w = (torch.randn(60, 100, generator=g) * 0.3).to(DEV, dt)
@@ -1136,6 +1136,35 @@ def test_add_rmsnorm_router_polling_a_mailbox_is_bitwise_the_arrival_counter(dt,
         mail = norm_router.shared_mailbox(x.device, poll, 60)
         assert mail.shape == (poll.router_max_tokens, 60) and bool((mail == norm_router.MAIL_EMPTY).all())
     assert int(norm_router.shared_arrivals(x.device, poll).abs().sum()) == 0
+
+
+def test_add_rmsnorm_router_polls_only_with_fewer_tokens_than_sms(monkeypatch):
+    """A polling program spins in its slot, so router_poll applies to calls of fewer tokens than the
+    GPU has SMs; a call of as many tokens as SMs takes the arrival counter (the same results)."""
+    from moebench.engine.kernels import norm_router
+    g = torch.Generator().manual_seed(31)
+    cfg = SMALL.with_launch("router", "dense", BN=8, BK=32)
+    assert cfg.router_poll                                    # the default
+    norm_w = (torch.rand(100, generator=g) + 0.5).to(DEV)
+    router_w = (torch.randn(60, 100, generator=g) * 0.3).to(DEV)
+    launched = []
+    real = norm_router.add_rmsnorm_router_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launched.append(kwargs["POLL"])
+                return real[grid](*args, **kwargs)
+            return run
+    monkeypatch.setattr(norm_router, "add_rmsnorm_router_kernel", Spy())
+    monkeypatch.setattr(norm_router, "sm_count", lambda device: 3)
+    for T, polls in ((2, True), (3, False)):
+        x = torch.randn(1, T, 100, generator=g).to(DEV)
+        launched.clear()
+        res, h, logits, ids, w = kernels.add_rmsnorm_router(x, None, norm_w, 1e-6, router_w, 4, True, cfg=cfg)
+        assert launched == [polls], T
+        want_ids, want_w = kernels.route_topk(logits, 4, True)
+        assert torch.equal(ids, want_ids) and torch.equal(w, want_w), T
 
 
 @pytest.mark.parametrize("bk", [32, 2048])      # 32: GEMV in column steps; 2048: one step over the row

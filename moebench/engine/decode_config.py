@@ -207,8 +207,9 @@ class DecodeConfig:
     router_poll: the fused norm + router's last program per token polls a mailbox of the logits'
         bits for the top-k instead of an arrival counter deciding which program runs it
         (norm_router.add_rmsnorm_router_kernel's POLL): no acq_rel atomic per program. The same
-        results. Off: not yet timed (the arrival counter costs ~2.7% of a bf16 decode step on
-        the H200, benchmarks/results/router_tail_h200.json).
+        results. Calls of fewer tokens than the GPU has SMs poll; larger ones use the counter. On
+        the H200 against the counter: bf16 +1.5%, int4 +1.8%, int8 hot / base-3 cold +1.4%, same
+        tokens (benchmarks/results/decode_ab_poll.json).
     count_tier_picks: tiered experts on the fused path count each call's picks per expert on the
         device, one atomic per (token, expert) pair inside fused_moe's down launch (and stage copies
         inside prefetch's map launch), so their telemetry covers CUDA-graph replays at no extra launch.
@@ -235,7 +236,7 @@ class DecodeConfig:
     early_launch: tuple[str, ...] = EARLY_LAUNCH_KERNELS
     lm_head_gemv: bool = True
     router_max_tokens: int = 64
-    router_poll: bool = False
+    router_poll: bool = True
     count_tier_picks: bool = True
     launch: Mapping[tuple[str, str, str], Launch] = field(default_factory=lambda: dict(SHIPPED_LAUNCH))
     attention: AttentionLaunch = AttentionLaunch()

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ..decode_config import DEFAULT, AttentionLaunch, DecodeConfig
-from .runtime import KernelError, grid_dependency, next_pow2, pdl_launch, require, tl, triton  # noqa: F401
+from .runtime import KernelError, grid_dependency, next_pow2, pdl_launch, require, sm_count, tl, triton  # noqa: F401
 
 # Launch shape and KV splits: DecodeConfig.attention (AttentionLaunch).
 LOG2E = 1.4426950408889634
@@ -155,12 +155,6 @@ if triton is not None:
         tl.store(out_ptr + r * D + d, out.to(out_ptr.dtype.element_ty))
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132      # the interpreter: the H200's count, so CPU tests split as the GPU would
-
-
 def num_splits_for(kv_len: int, programs: int, sm_count: int = 132,
                    launch: AttentionLaunch = DEFAULT.attention) -> int:
     """Splits of the KV range for `programs` = B * T * NKV programs per split: 1 for short contexts
@@ -258,7 +252,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Ten
     launch = cfg.attention
     block = launch.block_s
     if num_splits is None:
-        num_splits = num_splits_for(kv_len, B * T * NKV, _sm_count(q.device), launch)
+        num_splits = num_splits_for(kv_len, B * T * NKV, sm_count(q.device), launch)
     # Split boundaries on block multiples; recount so no split is empty.
     chunk = -(-(-(-kv_len // max(1, num_splits))) // block) * block
     splits = -(-kv_len // chunk)

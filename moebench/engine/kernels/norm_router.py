@@ -19,7 +19,7 @@ from torch import Tensor
 from ..decode_config import DEFAULT, DecodeConfig
 from ..quant import GROUP
 from .int8_activations import quant_pack, quant_row_len, store_quant  # noqa: F401 - used by the kernels
-from .runtime import KernelError, grid_dependency, next_pow2, pdl_launch, require, sortable_bits, tl, triton  # noqa: F401
+from .runtime import KernelError, grid_dependency, next_pow2, pdl_launch, require, sm_count, sortable_bits, tl, triton  # noqa: F401
 
 # router_topk's per-token arrival counters, per (device, size): zero between calls (each call's last
 # program resets its token's counter). Buffers, not settings.
@@ -226,9 +226,11 @@ if triton is not None:
         program reads the row (volatile loads, from L2) until no slot is empty, empties it and runs
         the softmax + top-k: each value tells by itself that it has arrived, so no release fence or
         atomic sits between the last logit and the top-k. The poll cannot starve the programs it
-        waits for: a launch after this one in the stream starts only once every program of this one
-        has started (PDL's trigger), and kernels of other streams wait on nothing of this one. The
-        last program polls because the CPU interpreter runs it after the others."""
+        waits for: only the N polling programs ever wait, and the caller polls only when N is under
+        the GPU's SM count, so they never hold every slot; the programs they wait for wait on
+        nothing (a launch after this one in the stream starts only once every program of this one
+        has started, PDL's trigger; kernels of other streams wait on nothing of this one). The last
+        program polls because the CPU interpreter runs it after the others."""
         t = tl.program_id(0).to(tl.int64)
         pb = tl.program_id(1)
         dt = x_ptr.dtype.element_ty
@@ -436,12 +438,14 @@ def add_rmsnorm_router(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps
     be = min(shape.BN, next_pow2(E))
     block = next_pow2(H)
     xq = torch.empty(N, quant_row_len(H, GROUP), dtype=torch.int32, device=x.device) if quantize_h else logits
+    # a spinning program holds its slot: fewer of them than SMs leaves the others room to finish
+    poll = cfg.router_poll and N < sm_count(x.device)
     add_rmsnorm_router_kernel[(N, -(-E // be))](
         xc, dc, norm_weight, res, h, router_weight, logits, counts, ids, w, xq, H, E, eps, router_weight.stride(0),
         xq.stride(0), HAS_DELTA=delta is not None, TOPK=top_k, KP=next_pow2(top_k), NORM=renormalize, BLOCK=block,
         BLOCK_E=next_pow2(E), BE=be, BH=min(shape.BK, block), QUANT=quantize_h, QB=GROUP,
-        EARLY="router" in cfg.early_weights and shape.BK >= block, POLL=cfg.router_poll,
-        **({"mail_ptr": shared_mailbox(x.device, cfg, E)} if cfg.router_poll else {}), num_warps=shape.num_warps,
+        EARLY="router" in cfg.early_weights and shape.BK >= block, POLL=poll,
+        **({"mail_ptr": shared_mailbox(x.device, cfg, E)} if poll else {}), num_warps=shape.num_warps,
         num_stages=shape.num_stages, **pdl_launch(x.device, cfg, "router"))
     return (res, h, logits, ids, w, xq) if quantize_h else (res, h, logits, ids, w)
 

@@ -56,6 +56,12 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132      # the interpreter: the H200's count, so CPU tests split and launch as the GPU would
+
+
 # Programmatic dependent launch (PDL, sm_90+): each decode-step kernel is launched with the
 # programmatic-serialization attribute, so the GPU starts launching it while the kernel before it in
 # the stream is still running; its programs then wait (griddepcontrol.wait) until that kernel has
