@@ -1138,6 +1138,28 @@ def test_add_rmsnorm_router_polling_a_mailbox_is_bitwise_the_arrival_counter(dt,
     assert int(norm_router.shared_arrivals(x.device, poll).abs().sum()) == 0
 
 
+@needs_cuda
+def test_add_rmsnorm_router_poll_is_the_counter_on_cuda_at_the_qwen_shape():
+    """Compiled, with the programs really concurrent: the mailbox poll gives the arrival counter's
+    bits at the Qwen3-30B-A3B router shape (2048 hidden, 128 experts, top 8) for every token count
+    up to router_max_tokens, 20 times over."""
+    poll = DecodeConfig()
+    counter = replace(poll, router_poll=False)
+    assert poll.router_poll
+    g = torch.Generator(device="cuda").manual_seed(3)
+    H, E = 2048, 128
+    nw = torch.rand(H, generator=g, device="cuda").bfloat16() + 0.5
+    rw = (torch.randn(E, H, generator=g, device="cuda") * 0.02).bfloat16()
+    for rep in range(20):
+        for T in range(1, poll.router_max_tokens + 1):
+            x = torch.randn(1, T, H, generator=g, device="cuda").bfloat16()
+            d = torch.randn(1, T, H, generator=g, device="cuda").bfloat16()
+            got = kernels.add_rmsnorm_router(x, d, nw, 1e-6, rw, 8, True, cfg=poll)
+            want = kernels.add_rmsnorm_router(x, d, nw, 1e-6, rw, 8, True, cfg=counter)
+            for name, a, b in zip(("res", "h", "logits", "ids", "w"), got, want):
+                assert torch.equal(a, b), (name, rep, T)
+
+
 def test_add_rmsnorm_router_polls_only_with_fewer_tokens_than_sms(monkeypatch):
     """A polling program spins in its slot, so router_poll applies to calls of fewer tokens than the
     GPU has SMs; a call of as many tokens as SMs takes the arrival counter (the same results)."""
