@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"decode_goals: cannot read {path}: {e}", file=sys.stderr)
             return 2
     rows = goals(*loaded)
-    ssd_met = any(met for goal, _, met in rows if goal.startswith("plan_gpu_host_ssd") or goal.startswith("an SSD"))
+    ssd_met = any(met for goal, _, met in rows if goal.startswith("plan_gpu_host_ssd"))
     width = max(len(g) for g, _, _ in rows)
     for goal, figures, met in rows:
         is_ssd = goal.startswith("plan_gpu_host_ssd")

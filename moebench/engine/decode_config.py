@@ -203,7 +203,7 @@ class DecodeConfig:
         +0.7% (two calls alike; decode_ab_table.txt). early_steps 4 made bf16 1.5% slower.
     lm_head_gemv: decode steps (up to gemv_tokens rows) compute the logits with the Triton GEMV,
         stored as float32 by the kernel (MoETransformer.logits), instead of cuBLAS and a cast launch.
-    router_max_tokens: most tokens one fused router call takes (size of its arrival counters).
+    router_max_tokens: most tokens one fused router call takes (size of its arrival counters and mailboxes).
     router_poll: the fused norm + router's last program per token polls a mailbox of the logits'
         bits for the top-k instead of an arrival counter deciding which program runs it
         (norm_router.add_rmsnorm_router_kernel's POLL): no acq_rel atomic per program. The same

@@ -8,6 +8,7 @@ can run here; `require()` raises KernelError where they cannot.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 
@@ -56,7 +57,9 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
+    """Called per router and attention launch (eager decode included): read from the device once."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 132      # the interpreter: the H200's count, so CPU tests split and launch as the GPU would
