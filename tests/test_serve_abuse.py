@@ -268,3 +268,49 @@ def test_a_client_disconnect_logs_one_short_line_and_no_traceback(caplog, stream
     assert len(gone) == 1 and gone[0].levelno == logging.INFO, [(r.name, r.getMessage()) for r in caplog.records]
     assert "POST /v1/completions" in gone[0].getMessage() and "\n" not in gone[0].getMessage()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+# -- over the real engine runner (the zoo's tiny MoE on the CPU) -----------------------------------
+
+@pytest.fixture(scope="module")
+def engine_server(zoo):
+    from moebench.runners.engine import EngineRunner
+    runner = EngineRunner({"model": str(zoo / "tiny-moe"), "dtype": "float32", "max_seq_len": 512}, "test")
+    with BackgroundServer(runner, ServeOptions(port=0)) as s:
+        yield s, runner
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"prompt": [5, 999999999], "max_tokens": 2}, "prompt", "below its vocabulary size of 50257"),
+    ({"prompt": [5] * 600, "max_tokens": 2}, "prompt", "600 prompt tokens + 2 max_tokens exceed the model's "
+                                                       "context length of 512"),
+    ({"prompt": [5] * 500, "max_tokens": 20}, "max_tokens", "context length of 512"),
+    ({"prompt": "hi", "seed": 10**23}, "seed", "between 0 and"),
+])
+def test_engine_refusals_are_400_not_502(engine_server, body, param, words):
+    s, _ = engine_server
+    r = httpx.post(s.url + "/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and words in _error(r), r.text
+
+
+def test_engine_stops_decoding_when_its_client_leaves(engine_server):
+    """A 400-token answer (about 16 s on a shared CPU core) whose client leaves once decoding has
+    begun: the engine stops within a few decode steps of the disconnect, and the next request runs."""
+    s, runner = engine_server
+    steps0 = runner.engine.decode_steps
+    raw = json.dumps({"messages": [{"role": "user", "content": "Who was Pierre Bezukhov, and what did he do in "
+                                                                "Moscow?"}], "max_tokens": 400, "temperature": 0})
+    sock, path = _connect(s.url + "/chat/completions")
+    with sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(raw)}\r\n\r\n{raw}".encode())
+        end = time.monotonic() + 60
+        while runner.engine.decode_steps - steps0 < 5 and time.monotonic() < end:
+            time.sleep(0.05)
+        at_leave = runner.engine.decode_steps - steps0
+    assert at_leave >= 5, "decoding never began"
+    steps = _wait_until_still(lambda: runner.engine.decode_steps, settle_s=1.0, limit_s=30) - steps0
+    assert steps - at_leave <= 5, f"{steps - at_leave} decode steps after the client left at step {at_leave}"
+    r = httpx.post(s.url + "/completions", json={"prompt": "The", "max_tokens": 2, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
