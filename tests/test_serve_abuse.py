@@ -314,3 +314,40 @@ def test_engine_stops_decoding_when_its_client_leaves(engine_server):
     assert steps - at_leave <= 5, f"{steps - at_leave} decode steps after the client left at step {at_leave}"
     r = httpx.post(s.url + "/completions", json={"prompt": "The", "max_tokens": 2, "temperature": 0}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+# -- memory after a huge prompt --------------------------------------------------------------------
+
+def _rss_mb(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM: the peak) of a process, in MiB."""
+    status = open(f"/proc/{pid}/status").read()
+    return tuple(int(status.split(f"{k}:")[1].split()[0]) / 1024 for k in ("VmRSS", "VmHWM"))
+
+
+def test_memory_after_a_huge_prompt_goes_back(zoo):
+    """`moebench serve --runner engine-bf16` (the real CLI): one 3.9 MB prompt is tokenized (866,666
+    tokens) and refused with 400; the process's RSS afterwards is back within 150 MB of before (it
+    stayed about 455 MB higher when glibc kept the tokenizer's freed memory)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    proc = subprocess.Popen([sys.executable, "-m", "moebench.cli", "serve", "--runner", "engine-bf16", "--port", "0"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert " on http://127.0.0.1:" in line, line
+        url = line.split(" on ")[1].split()[0]
+        assert httpx.post(url + "/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=120).status_code == 200
+        time.sleep(0.5)
+        before, _ = _rss_mb(proc.pid)
+        text = ("The quick brown fox jumps over the lazy dog. " * 100_000)[:3_900_000]
+        r = httpx.post(url + "/completions", json={"prompt": text, "max_tokens": 4}, timeout=300)
+        assert r.status_code == 400 and "866666 prompt tokens" in _error(r), r.text
+        time.sleep(0.5)
+        after, peak = _rss_mb(proc.pid)
+        assert after < before + 150, f"RSS {before:.0f} MB before the 3.9 MB prompt, {after:.0f} MB after (peak {peak:.0f})"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        proc.stdout.close()
