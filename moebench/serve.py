@@ -10,7 +10,8 @@ over `max_body_bytes` get 413; at most `max_concurrency` requests run at once an
 wait, beyond that 429 with `Retry-After`. Every error is a JSON body
 `{"error": {"message", "type", "code"}}` with a 4xx/5xx status.
 
-Abuse: a body must arrive whole within `body_timeout_s` (else 408) and nest at most `max_json_depth`
+Abuse: request headers must arrive within `header_timeout_s` (else the connection is closed), a
+body whole within `body_timeout_s` (else 408) and nest at most `max_json_depth`
 levels; a request holds at most `max_prompts_per_request` prompts and `max_prompt_tokens_per_request`
 prompt tokens; every numeric parameter must be finite and in range, token ids within the vocabulary
 and prompt + max_tokens within the model's context (each a 400 naming the parameter). A client that
@@ -69,6 +70,8 @@ class ServeOptions:
     model_name: str | None = None        # the id /v1/models reports; None = the runner's name
     api_key: str | None = None           # bearer key every endpoint but /health requires; None = open
     retry_after_s: int = 1               # what a 429 asks the client to wait
+    header_timeout_s: float = 30.0       # a connection's request headers must arrive within this of its
+                                         # opening or its last response, else it is closed (idle ones too)
     body_timeout_s: float = 30.0         # the whole body must arrive within this after the headers (else 408)
     max_json_depth: int = 64             # nesting levels a body may have (OpenAI bodies use under 10)
     max_prompts_per_request: int = 256   # prompts in one /v1/completions request
@@ -803,8 +806,11 @@ def _bind(host: str, port: int) -> socket.socket:
 async def start_server(runner: Runner, options: ServeOptions) -> tuple[web.AppRunner, str]:
     """Start the runner and the HTTP site on the running loop; returns (app runner, base URL ".../v1")."""
     await runner.start(None)
-    # handler_cancellation: a client's disconnect cancels its handler, which stops the request's work
-    app_runner = web.AppRunner(Server(runner, options).app(), access_log=None, handler_cancellation=True)
+    # handler_cancellation: a client's disconnect cancels its handler, which stops the request's work.
+    # keepalive_timeout: aiohttp closes a connection still waiting for a whole request header then
+    # (counted from its opening, then from each response), so headers sent a byte at a time are cut off.
+    app_runner = web.AppRunner(Server(runner, options).app(), access_log=None, handler_cancellation=True,
+                               keepalive_timeout=options.header_timeout_s)
     await app_runner.setup()
     sock = _bind(options.host, options.port)
     site = web.SockSite(app_runner, sock)

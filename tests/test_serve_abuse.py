@@ -203,6 +203,27 @@ def test_a_body_that_trickles_in_is_cut_off_with_408():
         assert "within 0.5 s" in reply and waited < 5, (waited, reply)
 
 
+def test_headers_that_trickle_in_are_cut_off():
+    with BackgroundServer(VocabMarkovRunner(), ServeOptions(port=0, header_timeout_s=0.5)) as s:
+        sock, path = _connect(s.url + "/completions")
+        with sock:
+            t0 = time.monotonic()
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n".encode())
+            for _ in range(4):                   # a byte every 0.25 s: never a whole header
+                time.sleep(0.25)
+                try:
+                    sock.sendall(b"X")
+                except OSError:
+                    break
+            try:
+                reply = sock.recv(65536)
+            except ConnectionResetError:
+                reply = b""
+            waited = time.monotonic() - t0
+        assert reply == b"" and waited < 5, (waited, reply)
+        assert httpx.post(s.url + "/completions", json={"prompt": "a", "max_tokens": 1}, timeout=30).status_code == 200
+
+
 # -- clients that leave ---------------------------------------------------------------------------
 
 def _send_and_leave(url: str, body: dict, stay_s: float, read_first: bool = False) -> str:
