@@ -29,8 +29,8 @@ generated token's own log-prob is null when it is not among the returned alterna
 from __future__ import annotations
 
 import asyncio
-import hmac
 import ctypes
+import hmac
 import ipaddress
 import json
 import logging
@@ -324,7 +324,6 @@ class Server:
             raise ApiError(400, f"request body is nested deeper than {depth} levels") from None
         except (ValueError, UnicodeDecodeError) as e:  # ValueError: also an integer of over 4300 digits
             raise ApiError(400, f"request body is not valid JSON: {e}") from None
-        del raw
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         if _json_depth_over(body, depth):
@@ -357,15 +356,17 @@ class Server:
                 return v
         return None
 
-    async def _check_prompts(self, prompts: list[str | list[int]], names: list[str], max_tokens: int) -> None:
+    async def _check_prompts(self, prompts: list[str | list[int]], param: str, indexed: bool,
+                             max_tokens: int) -> None:
         """400 for a request over the per-request caps, a token id outside the vocabulary, or a prompt
-        that with max_tokens does not fit the model's context (each naming the prompt). Text prompts
-        are tokenized here only where their UTF-8 length could break a limit (a token is at least one
-        byte, and a tokenizer may add one marker)."""
+        that with max_tokens does not fit the model's context, naming `param` (with each prompt's index
+        where `indexed`). Text prompts are tokenized here only where their UTF-8 length could break a
+        limit (a token is at least one byte, and a tokenizer may add one marker)."""
         o = self.options
+        names = [f"{param}[{i}]" if indexed else param for i in range(len(prompts))]
         if len(prompts) > o.max_prompts_per_request:
-            raise ApiError(400, f"'prompt' holds {len(prompts)} prompts; a request may hold at most "
-                                f"{o.max_prompts_per_request} (max_prompts_per_request)", param="prompt")
+            raise ApiError(400, f"'{param}' holds {len(prompts)} prompts; a request may hold at most "
+                                f"{o.max_prompts_per_request} (max_prompts_per_request)", param=param)
         vocab = self.runner.vocab_size()
         if vocab is not None:
             for p, name in zip(prompts, names):
@@ -373,7 +374,7 @@ class Server:
                     j = next((j for j, t in enumerate(p) if t >= vocab), None)
                     if j is not None:
                         raise ApiError(400, f"'{name}[{j}]' = {p[j]} is not a token id of this model: ids must be "
-                                            f"below its vocabulary size of {vocab}", param=names[0].split("[")[0])
+                                            f"below its vocabulary size of {vocab}", param=param)
         ctx = self._context_length()
         bounds = [len(p) if isinstance(p, list) else len(p.encode("utf-8")) + 1 for p in prompts]
         may_break = (sum(bounds) > o.max_prompt_tokens_per_request
@@ -385,14 +386,13 @@ class Server:
         counts = [len(p) if isinstance(p, list) else len(await self.runner.tokenize(p)) for p in prompts]
         total = sum(counts)
         if total > o.max_prompt_tokens_per_request:
-            raise ApiError(400, f"'{names[0].split('[')[0]}' holds {total} prompt tokens; a request may hold at "
-                                f"most {o.max_prompt_tokens_per_request} (max_prompt_tokens_per_request)",
-                           param=names[0].split("[")[0])
+            raise ApiError(400, f"'{param}' holds {total} prompt tokens; a request may hold at most "
+                                f"{o.max_prompt_tokens_per_request} (max_prompt_tokens_per_request)", param=param)
         for n, name in zip(counts, names):
             if ctx is not None and n + max_tokens > ctx:
                 raise ApiError(400, f"'{name}': {n} prompt tokens + {max_tokens} max_tokens exceed the model's "
                                     f"context length of {ctx} tokens; shorten the prompt or lower max_tokens",
-                               param="max_tokens" if n < ctx else names[0].split("[")[0])
+                               param="max_tokens" if n < ctx else param)
 
     async def _piece(self, token_id: int) -> str:
         if token_id not in self._pieces:
@@ -534,9 +534,8 @@ class Server:
         if echo and any(isinstance(p, list) for p in prompts):
             self._need(Capability.TOKENIZE, "echo of a token-id prompt")
         self._check_logprob_request(n_logprobs, echo)
-        nested = isinstance(body["prompt"], list) and not all(isinstance(t, int) for t in body["prompt"])
-        await self._check_prompts(prompts, [f"prompt[{i}]" if nested else "prompt" for i in range(len(prompts))],
-                                  max_tokens)
+        several = isinstance(body["prompt"], list) and not all(isinstance(t, int) for t in body["prompt"])
+        await self._check_prompts(prompts, "prompt", several, max_tokens)
         created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex[:24]}"
         gone = threading.Event()
         gen = dict(max_tokens=max_tokens, stop=stop, n_logprobs=n_logprobs, **sampling,
@@ -746,7 +745,7 @@ class Server:
         self._need(Capability.GENERATE, "chat completions")
         n_logprobs = top_n if want_lp else None
         self._check_logprob_request(n_logprobs, echo=False)
-        await self._check_prompts([prompt], ["messages"], max_tokens)
+        await self._check_prompts([prompt], "messages", False, max_tokens)
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:24]}"
         gone = threading.Event()
         gen = dict(max_tokens=max_tokens, stop=stop, n_logprobs=n_logprobs, **sampling, echo_scores=False,
