@@ -275,6 +275,39 @@ def test_a_long_generation_whose_client_left_stops_between_tokens(stream):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_a_disconnect_reaches_the_backend_through_the_http_runner(stream):
+    """serve over the HTTP runner over serve: the front's client leaves, the front drops its backend
+    request, and the backend stops generating."""
+    from moebench.runners.http import HttpRunner
+    backend = ThreadedTokenRunner(token_s=0.02)
+    with BackgroundServer(backend, ServeOptions(port=0, max_concurrency=1)) as b:
+        front = HttpRunner({"base_url": b.url, "retries": 0}, "t.toml")
+        with BackgroundServer(front, ServeOptions(port=0, max_concurrency=1)) as s:
+            _send_and_leave(s.url + "/completions", {"prompt": "a", "max_tokens": 400, "stream": stream},
+                            stay_s=0.5, read_first=stream)
+            made = _wait_until_still(lambda: backend.tokens_made)
+            assert made < 100, f"the backend made {made} of 400 tokens after the front's client left"
+            r = httpx.post(s.url + "/completions", json={"prompt": "b", "max_tokens": 2}, timeout=30)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "xx", r.text
+
+
+def test_a_client_that_leaves_during_its_body_logs_one_short_line(caplog):
+    caplog.set_level(logging.INFO)
+    with BackgroundServer(VocabMarkovRunner()) as s:
+        sock, path = _connect(s.url + "/completions")
+        with sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: 100\r\n\r\n{{\"prompt\":".encode())
+            time.sleep(0.3)
+        time.sleep(0.5)
+        assert httpx.post(s.url + "/completions", json={"prompt": "b", "max_tokens": 1}, timeout=30).status_code == 200
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING], \
+        [(r.name, r.getMessage()) for r in caplog.records]
+    gone = [r for r in caplog.records if "disconnected" in r.getMessage()]
+    assert len(gone) == 1 and gone[0].levelno == logging.INFO, [(r.name, r.getMessage()) for r in caplog.records]
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_a_client_disconnect_logs_one_short_line_and_no_traceback(caplog, stream):
     caplog.set_level(logging.INFO)
     runner = ThreadedTokenRunner(token_s=0.02)
