@@ -255,7 +255,7 @@ def test_a_batch_whose_client_left_stops_between_items_and_frees_the_slot():
     with BackgroundServer(runner, ServeOptions(port=0, max_concurrency=1)) as s:
         _send_and_leave(s.url + "/completions", {"prompt": ["a"] * 20, "max_tokens": 5}, stay_s=0.4)
         calls = _wait_until_still(lambda: runner.calls)
-        assert calls <= 3, f"{calls} of 20 batch items generated after the client left"
+        assert calls <= 5, f"{calls} of 20 batch items generated after the client left"
         t0 = time.monotonic()
         r = httpx.post(s.url + "/completions", json={"prompt": "b", "max_tokens": 2}, timeout=30)
         assert r.status_code == 200 and time.monotonic() - t0 < 2.0
