@@ -10,6 +10,15 @@ over `max_body_bytes` get 413; at most `max_concurrency` requests run at once an
 wait, beyond that 429 with `Retry-After`. Every error is a JSON body
 `{"error": {"message", "type", "code"}}` with a 4xx/5xx status.
 
+Abuse: request headers must arrive within `header_timeout_s` (else the connection is closed), a
+body whole within `body_timeout_s` (else 408) and nest at most `max_json_depth`
+levels; a request holds at most `max_prompts_per_request` prompts and `max_prompt_tokens_per_request`
+prompt tokens; every numeric parameter must be finite and in range, token ids within the vocabulary
+and prompt + max_tokens within the model's context (each a 400 naming the parameter). A client that
+disconnects cancels its request: no further batch item starts, and a runner that generates on a worker
+thread (the engine runner) stops at its next token, through GenerateRequest.on_text. That is one INFO
+line in the log, not a traceback.
+
 Streaming: `stream: true` sends text as the runner generates it (GenerateRequest.on_text), holding
 back only what could still be the start of a stop string; a completions request with several prompts
 or `echo` is sent after generation. Limits (the Runner contract's, documented in docs/lm-eval.md):
@@ -20,10 +29,12 @@ generated token's own log-prob is null when it is not among the returned alterna
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hmac
 import ipaddress
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -42,6 +53,8 @@ from moebench.scoring.answers import first_stop
 log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 100
+MAX_SEED = 2**63 - 1        # a seed every backend takes (int64; numpy and torch refuse more or negatives)
+TRIM_AFTER_BYTES = 1 << 20  # bodies this large hand their freed memory back to the OS afterwards
 
 
 @dataclass
@@ -57,6 +70,12 @@ class ServeOptions:
     model_name: str | None = None        # the id /v1/models reports; None = the runner's name
     api_key: str | None = None           # bearer key every endpoint but /health requires; None = open
     retry_after_s: int = 1               # what a 429 asks the client to wait
+    header_timeout_s: float = 30.0       # a connection's request headers must arrive within this of its
+                                         # opening or its last response, else it is closed (idle ones too)
+    body_timeout_s: float = 30.0         # the whole body must arrive within this after the headers (else 408)
+    max_json_depth: int = 64             # nesting levels a body may have (OpenAI bodies use under 10)
+    max_prompts_per_request: int = 256   # prompts in one /v1/completions request
+    max_prompt_tokens_per_request: int = 262144   # prompt tokens over all prompts of one request
 
 
 class ApiError(Exception):
@@ -96,10 +115,58 @@ def _bearer_auth(api_key: str | None):
     return check
 
 
+class ClientGone(Exception):
+    """Raised in the runner's generation (through on_text) once the request's client has disconnected."""
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+_GONE_LOGGED = web.RequestKey("moebench_gone_logged", bool)
+
+
+def _log_client_gone(request: web.Request, where: str) -> None:
+    """One INFO line per request whose client left: an ordinary event, not a server fault."""
+    if not request.get(_GONE_LOGGED):
+        request[_GONE_LOGGED] = True
+        log.info("%s %s: the client disconnected %s; its work was stopped", request.method, request.path, where)
+
+
+def _trim_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc keeps a large body's and tokenization's freed
+    memory otherwise, and the process stays hundreds of MB larger). No-op where there is no glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+@web.middleware
+async def _trim_after_large_bodies(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    finally:
+        if (request.content_length or 0) >= TRIM_AFTER_BYTES:
+            _trim_heap()
+
+
 @web.middleware
 async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
+    except asyncio.CancelledError:
+        # aiohttp cancels the handler when its client disconnects (handler_cancellation)
+        if _client_gone(request):
+            _log_client_gone(request, "before its answer was complete")
+        raise
+    except (ConnectionError, ClientGone) as e:
+        if not _client_gone(request):
+            log.exception("unhandled error in %s", request.path)
+            return _error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+        _log_client_gone(request, "while its answer was being sent")
+        return web.Response(status=499)       # nginx's "client closed request": nobody reads it
     except ApiError as e:
         return _error_response(e.status, e.message, e.type, e.param, e.headers)
     except web.HTTPRequestEntityTooLarge as e:
@@ -122,9 +189,12 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
 
 def _get(body: dict[str, Any], key: str, types: type | tuple[type, ...], default: Any,
          lo: float | None = None, hi: float | None = None) -> Any:
+    """body[key] (default when absent or null), checked to be of `types`, finite and within [lo, hi]."""
     if key not in body or body[key] is None:
         return default
     v = body[key]
+    if isinstance(v, float) and not math.isfinite(v):     # Python's JSON reads NaN, Infinity, 1e999
+        raise ApiError(400, f"'{key}' must be a finite number, got {v}", param=key)
     ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in (types if isinstance(types, tuple)
                                                                              else (types,)))
     if not ok:
@@ -171,6 +241,44 @@ def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
                         "integers) or a list of such lists, and not empty", param="prompt")
 
 
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """temperature, top_p, top_k and seed, checked (a 400 naming the parameter); the OpenAI penalties
+    are checked too, though no runner applies them."""
+    temperature = float(_get(body, "temperature", (int, float), 1.0, 0, 100))
+    top_p = _get(body, "top_p", (int, float), None, 0, 1)
+    if top_p is not None and top_p <= 0:
+        raise ApiError(400, f"'top_p' must be above 0 and at most 1, got {top_p}", param="top_p")
+    top_k = _get(body, "top_k", int, None, -1, 1 << 31)
+    for key in ("presence_penalty", "frequency_penalty"):
+        _get(body, key, (int, float), None, -2, 2)
+    seed = _get(body, "seed", int, None, 0, MAX_SEED)
+    return {"temperature": temperature, "top_p": None if top_p is None else float(top_p),
+            "top_k": top_k if top_k is None or top_k > 0 else None, "seed": seed}
+
+
+def _json_depth_over(value: Any, limit: int) -> bool:
+    """Whether a parsed JSON value nests more than `limit` levels (iterative: no recursion limit)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = v.values() if isinstance(v, dict) else v
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def _stop_when_gone(gone: threading.Event, forward=None):
+    """An on_text callback that raises ClientGone once `gone` is set and otherwise passes the text on
+    to `forward` (if any). It runs where the runner calls on_text, often its worker thread."""
+    def on_text(piece: str) -> None:
+        if gone.is_set():
+            raise ClientGone("the client disconnected")
+        if forward is not None:
+            forward(piece)
+    return on_text
+
+
 class Server:
     """The request handlers over one started runner."""
 
@@ -186,7 +294,8 @@ class Server:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.options.max_body_bytes,
-                              middlewares=[_json_errors, _bearer_auth(self.options.api_key)])
+                              middlewares=[_trim_after_large_bodies, _json_errors,
+                                           _bearer_auth(self.options.api_key)])
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
@@ -201,13 +310,24 @@ class Server:
         if request.content_length is not None and request.content_length > self.options.max_body_bytes:
             raise ApiError(413, f"request body of {request.content_length} bytes exceeds the limit of "
                                 f"{self.options.max_body_bytes} bytes")
-        raw = await request.read()
+        limit_s = self.options.body_timeout_s
+        try:
+            async with asyncio.timeout(limit_s):      # a client that trickles its body holds a connection
+                raw = await request.read()
+        except TimeoutError:
+            raise ApiError(408, f"request body not received within {limit_s:g} s (body_timeout_s)",
+                           headers={"Connection": "close"}) from None
+        depth = self.options.max_json_depth
         try:
             body = json.loads(raw or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except RecursionError:
+            raise ApiError(400, f"request body is nested deeper than {depth} levels") from None
+        except (ValueError, UnicodeDecodeError) as e:  # ValueError: also an integer of over 4300 digits
             raise ApiError(400, f"request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
+        if _json_depth_over(body, depth):
+            raise ApiError(400, f"request body is nested deeper than {depth} levels")
         return body
 
     def _need(self, cap: str, what: str) -> None:
@@ -226,6 +346,53 @@ class Server:
             await self.slots.acquire()
         finally:
             self.waiting -= 1
+
+    def _context_length(self) -> int | None:
+        """The most tokens (prompt + output) one sequence may have, where the runner tells it (the engine
+        runner's max_seq_len); None where it does not (the backend then answers for itself)."""
+        for obj in (self.runner, getattr(self.runner, "engine", None)):
+            v = getattr(obj, "max_seq_len", None) if obj is not None else None
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+        return None
+
+    async def _check_prompts(self, prompts: list[str | list[int]], param: str, indexed: bool,
+                             max_tokens: int) -> None:
+        """400 for a request over the per-request caps, a token id outside the vocabulary, or a prompt
+        that with max_tokens does not fit the model's context, naming `param` (with each prompt's index
+        where `indexed`). Text prompts are tokenized here only where their UTF-8 length could break a
+        limit (a token is at least one byte, and a tokenizer may add one marker)."""
+        o = self.options
+        names = [f"{param}[{i}]" if indexed else param for i in range(len(prompts))]
+        if len(prompts) > o.max_prompts_per_request:
+            raise ApiError(400, f"'{param}' holds {len(prompts)} prompts; a request may hold at most "
+                                f"{o.max_prompts_per_request} (max_prompts_per_request)", param=param)
+        vocab = self.runner.vocab_size()
+        if vocab is not None:
+            for p, name in zip(prompts, names):
+                if isinstance(p, list):
+                    j = next((j for j, t in enumerate(p) if t >= vocab), None)
+                    if j is not None:
+                        raise ApiError(400, f"'{name}[{j}]' = {p[j]} is not a token id of this model: ids must be "
+                                            f"below its vocabulary size of {vocab}", param=param)
+        ctx = self._context_length()
+        bounds = [len(p) if isinstance(p, list) else len(p.encode("utf-8")) + 1 for p in prompts]
+        may_break = (sum(bounds) > o.max_prompt_tokens_per_request
+                     or ctx is not None and max(bounds) + max_tokens > ctx)
+        if not may_break:
+            return
+        if any(isinstance(p, str) for p in prompts) and Capability.TOKENIZE not in self.runner.capabilities:
+            return                          # cannot count: the backend answers for itself
+        counts = [len(p) if isinstance(p, list) else len(await self.runner.tokenize(p)) for p in prompts]
+        total = sum(counts)
+        if total > o.max_prompt_tokens_per_request:
+            raise ApiError(400, f"'{param}' holds {total} prompt tokens; a request may hold at most "
+                                f"{o.max_prompt_tokens_per_request} (max_prompt_tokens_per_request)", param=param)
+        for n, name in zip(counts, names):
+            if ctx is not None and n + max_tokens > ctx:
+                raise ApiError(400, f"'{name}': {n} prompt tokens + {max_tokens} max_tokens exceed the model's "
+                                    f"context length of {ctx} tokens; shorten the prompt or lower max_tokens",
+                               param="max_tokens" if n < ctx else param)
 
     async def _piece(self, token_id: int) -> str:
         if token_id not in self._pieces:
@@ -279,9 +446,12 @@ class Server:
     # -- generation core --------------------------------------------------------------------------
     async def _generate_one(self, prompt: str | list[int], *, max_tokens: int, temperature: float,
                             stop: list[str], seed: int | None, n_logprobs: int | None,
-                            echo_scores: bool, on_text=None, as_ids: bool = False) -> dict[str, Any]:
+                            echo_scores: bool, gone: threading.Event, top_p: float | None = None,
+                            top_k: int | None = None, on_text=None, as_ids: bool = False) -> dict[str, Any]:
         """Generate for one prompt; with n_logprobs, per-token log-probs of the output (and, with
-        echo_scores, of the prompt) as lists of (piece, logprob, {piece: logprob})."""
+        echo_scores, of the prompt) as lists of (piece, logprob, {piece: logprob}). Once `gone` is set
+        (the client disconnected), a runner that passes text to on_text as it generates (on its worker
+        thread, as the engine runner does) is stopped there by ClientGone."""
         caps = self.runner.capabilities
         scoring = prompt_scoring_kind(self.runner)
         prompt_ids: list[int] | None = prompt if isinstance(prompt, list) else None
@@ -290,10 +460,11 @@ class Server:
         out_text, out_ids, finish, res = "", [], "length", None
         if max_tokens > 0:
             # Without one-pass scoring, the output's log-probs come from the generation's alternatives.
-            top_k = max(n_logprobs, 1) if n_logprobs is not None and scoring is None else 0
+            n_top = max(n_logprobs, 1) if n_logprobs is not None and scoring is None else 0
             res = await self.runner.generate(GenerateRequest(
                 prompt=prompt, max_tokens=max_tokens, stop=stop, temperature=temperature, seed=seed,
-                top_logprobs=top_k, stream=on_text is not None, on_text=on_text))
+                top_p=top_p, top_k=top_k, top_logprobs=n_top, stream=on_text is not None,
+                on_text=_stop_when_gone(gone, on_text)))
             out_text, finish = res.text, res.finish_reason or "stop"
             out_ids = list(res.token_ids) if res.token_ids is not None else (
                 await self.runner.tokenize(out_text) if Capability.TOKENIZE in caps else [])
@@ -351,8 +522,7 @@ class Server:
         if _get(body, "n", int, 1) != 1:
             raise ApiError(400, "only n = 1 is supported", param="n")
         max_tokens = _get(body, "max_tokens", int, 16, 0, self.options.max_tokens_limit)
-        temperature = float(_get(body, "temperature", (int, float), 1.0, 0, 100))
-        seed = _get(body, "seed", int, None)
+        sampling = _sampling(body)
         stop = _stops(body)
         n_logprobs = _get(body, "logprobs", int, None, 0, self.options.max_logprobs)
         echo = _get(body, "echo", bool, False)
@@ -364,9 +534,12 @@ class Server:
         if echo and any(isinstance(p, list) for p in prompts):
             self._need(Capability.TOKENIZE, "echo of a token-id prompt")
         self._check_logprob_request(n_logprobs, echo)
+        several = isinstance(body["prompt"], list) and not all(isinstance(t, int) for t in body["prompt"])
+        await self._check_prompts(prompts, "prompt", several, max_tokens)
         created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex[:24]}"
-        gen = dict(max_tokens=max_tokens, temperature=temperature, stop=stop, seed=seed, n_logprobs=n_logprobs,
-                   echo_scores=echo and n_logprobs is not None, as_ids=as_ids)
+        gone = threading.Event()
+        gen = dict(max_tokens=max_tokens, stop=stop, n_logprobs=n_logprobs, **sampling,
+                   echo_scores=echo and n_logprobs is not None, as_ids=as_ids, gone=gone)
         live = stream and len(prompts) == 1 and not echo     # else the SSE events follow generation
 
         def chunk(text: str, logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
@@ -385,9 +558,10 @@ class Server:
                 except Exception as e:  # noqa: BLE001 - the headers are out: report it in the stream
                     return await self._sse_error(resp, e)
             else:
-                for p in prompts:
+                for p in prompts:           # a disconnect cancels this handler here: no further item starts
                     outs.append(await self._generate_one(p, **gen))
         finally:
+            gone.set()                      # a generation still running on a worker thread stops
             self.slots.release()
         choices = []
         for i, (p, o) in enumerate(zip(prompts, outs)):
@@ -452,6 +626,7 @@ class Server:
         task = asyncio.ensure_future(self._generate_one(prompt, on_text=on_text, **gen))
         acc = sent = ""
         stopped = False
+        getter: asyncio.Future | None = None
         try:
             while True:
                 getter = asyncio.ensure_future(queue.get())
@@ -469,6 +644,8 @@ class Server:
                     await send(safe[len(sent):])
                     sent = safe
         finally:
+            if getter is not None and not getter.done():    # cancelled mid-wait (the client went away)
+                getter.cancel()
             if not task.done():                         # the client went away: stop waiting for it
                 task.cancel()
         out = task.result()
@@ -483,7 +660,7 @@ class Server:
 
     async def _sse_error(self, resp: web.StreamResponse, e: Exception) -> web.StreamResponse:
         """After the SSE headers went out an error cannot be a status code: send it as an event."""
-        if isinstance(e, (ConnectionError, asyncio.CancelledError)):
+        if isinstance(e, (ConnectionError, ClientGone, asyncio.CancelledError)):
             raise e                                     # the client is gone: nobody to tell
         if isinstance(e, RunnerError):
             msg = f"the backend failed: {e}"
@@ -558,8 +735,7 @@ class Server:
         max_tokens = _get(body, "max_completion_tokens", int, None, 0, self.options.max_tokens_limit)
         if max_tokens is None:
             max_tokens = _get(body, "max_tokens", int, 256, 0, self.options.max_tokens_limit)
-        temperature = float(_get(body, "temperature", (int, float), 1.0, 0, 100))
-        seed = _get(body, "seed", int, None)
+        sampling = _sampling(body)
         stop = _stops(body) + ["<|im_end|>"]
         want_lp = _get(body, "logprobs", bool, False)
         top_n = _get(body, "top_logprobs", int, 0, 0, 20)
@@ -569,9 +745,11 @@ class Server:
         self._need(Capability.GENERATE, "chat completions")
         n_logprobs = top_n if want_lp else None
         self._check_logprob_request(n_logprobs, echo=False)
+        await self._check_prompts([prompt], "messages", False, max_tokens)
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        gen = dict(max_tokens=max_tokens, temperature=temperature, stop=stop, seed=seed, n_logprobs=n_logprobs,
-                   echo_scores=False)
+        gone = threading.Event()
+        gen = dict(max_tokens=max_tokens, stop=stop, n_logprobs=n_logprobs, **sampling, echo_scores=False,
+                   gone=gone)
         await self._admit()
         try:
             if not stream:
@@ -590,6 +768,7 @@ class Server:
                 except Exception as e:  # noqa: BLE001 - the headers are out: report it in the stream
                     return await self._sse_error(resp, e)
         finally:
+            gone.set()                      # a generation still running on a worker thread stops
             self.slots.release()
         lp = None
         if want_lp:
@@ -626,7 +805,11 @@ def _bind(host: str, port: int) -> socket.socket:
 async def start_server(runner: Runner, options: ServeOptions) -> tuple[web.AppRunner, str]:
     """Start the runner and the HTTP site on the running loop; returns (app runner, base URL ".../v1")."""
     await runner.start(None)
-    app_runner = web.AppRunner(Server(runner, options).app(), access_log=None)
+    # handler_cancellation: a client's disconnect cancels its handler, which stops the request's work.
+    # keepalive_timeout: aiohttp closes a connection still waiting for a whole request header then
+    # (counted from its opening, then from each response), so headers sent a byte at a time are cut off.
+    app_runner = web.AppRunner(Server(runner, options).app(), access_log=None, handler_cancellation=True,
+                               keepalive_timeout=options.header_timeout_s)
     await app_runner.setup()
     sock = _bind(options.host, options.port)
     site = web.SockSite(app_runner, sock)
