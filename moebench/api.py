@@ -379,9 +379,11 @@ def _check_run(p: str) -> None:
 
 
 def compare(baseline: str, candidate: str, out: str | None = None, results_dir: str = "results",
-            write_report: bool = True, speed_ab: str | None = None) -> tuple[Path, dict[str, Any]]:
+            write_report: bool = True, speed_ab: str | None = None,
+            allow_reversed: bool = False) -> tuple[Path, dict[str, Any]]:
     """Compare one candidate with the baseline: compare.json, summary.md, matrix.csv/json, report.html."""
-    out_dir, cmps, _ = compare_many(baseline, [candidate], out, results_dir, write_report, speed_ab)
+    out_dir, cmps, _ = compare_many(baseline, [candidate], out, results_dir, write_report, speed_ab,
+                                    allow_reversed)
     return out_dir, cmps[0]
 
 
@@ -390,7 +392,7 @@ def _pair_dir_name(i: int, label: Any, run: str) -> str:
 
 
 def compare_many(baseline: str, candidates: list[str], out: str | None = None, results_dir: str = "results",
-                 write_report: bool = True, speed_ab: str | None = None
+                 write_report: bool = True, speed_ab: str | None = None, allow_reversed: bool = False
                  ) -> tuple[Path, list[dict[str, Any]], list[dict[str, Any]]]:
     """Compare each candidate with the baseline. Returns (compare dir, compare.json objects, matrix rows).
 
@@ -398,6 +400,8 @@ def compare_many(baseline: str, candidates: list[str], out: str | None = None, r
     complete two-run compare directory per candidate, `NN_<label>/` (compare.json, summary.md,
     report.html: each gate-able alone), and in the top directory matrix.json, matrix.csv, summary.md
     and report.html over all of them. Both layouts write matrix.csv/matrix.json (a row per candidate).
+    A candidate whose runs look given the wrong way round (the baseline was run with --baseline
+    CANDIDATE) is refused before anything is written, unless `allow_reversed`.
     """
     from moebench.compare.build import build_compare
     from moebench.compare.tables import matrix_row, summary_markdown, to_csv
@@ -413,13 +417,15 @@ def compare_many(baseline: str, candidates: list[str], out: str | None = None, r
         out_dir = Path(results_dir) / f"compare_{Path(baseline).name}_vs_{Path(candidates[0]).name}"
     else:
         out_dir = Path(results_dir) / f"compare_{Path(baseline).name}_vs_{len(candidates)}_candidates"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cmps, rows, pair_dirs = [], [], []
-    for i, cand in enumerate(candidates):
+    built = []
+    for cand in candidates:
         try:
-            cmp = build_compare(baseline, cand, speed_ab=speed_ab)
+            built.append(build_compare(baseline, cand, speed_ab=speed_ab, allow_reversed=allow_reversed))
         except ValueError as e:
             raise UsageError(str(e)) from None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmps, rows, pair_dirs = [], [], []
+    for i, (cand, cmp) in enumerate(zip(candidates, built)):
         if len(candidates) == 1:
             pair_dir = out_dir
         else:

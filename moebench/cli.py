@@ -74,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
                         "the directory goes to stderr")
     c.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
     c.add_argument("--speed-ab", metavar="AB_DIR", help="add a `moebench speed-ab` directory's rounds and ratios")
+    c.add_argument("--allow-reversed", action="store_true",
+                   help="compare even when the baseline run was itself run with --baseline CANDIDATE (the runs "
+                        "look swapped; refused with exit 2 otherwise)")
 
     tr = _command(sub, "trend", "headline figures of several runs across builds: trend.html, .csv, .json",
                   "moebench trend results/run-b11000 results/run-b11434 --order build --out results/trend")
@@ -312,7 +315,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from moebench import api
     from moebench.compare.tables import text_table
-    out_dir, cmps, rows = api.compare_many(args.baseline, args.candidates, args.out, speed_ab=args.speed_ab)
+    out_dir, cmps, rows = api.compare_many(args.baseline, args.candidates, args.out, speed_ab=args.speed_ab,
+                                           allow_reversed=args.allow_reversed)
     if args.format == "text":
         print(text_table(cmps, rows))
         print(out_dir)

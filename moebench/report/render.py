@@ -687,7 +687,9 @@ def compare_context(compare_dir: Path) -> dict[str, Any]:
     except RecordError as e:
         raise ReportError(str(e)) from None
     compare = doc.to_dict()
-    warnings: list[str] = _id_list(doc.warnings)      # the builder's own (e.g. a run not complete)
+    # the builder's own: first what makes the runs different experiments, then the rest
+    warnings: list[str] = [f"Not like for like: {d}" for d in _id_list(doc.extra.get("setup_differences"))]
+    warnings += _id_list(doc.warnings)
     base = _side(doc.baseline, "baseline", compare_dir, warnings)
     cand = _side(doc.candidate, "candidate", compare_dir, warnings)
     tasks_raw = doc.tasks
