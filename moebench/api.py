@@ -45,6 +45,7 @@ class RunOptions:
     limit: int | None = None
     resume: bool = False
     baseline: str | None = None
+    as_baseline: bool = False        # KLD: this run is the baseline candidates measure against
     results_dir: str = "results"
     quiet: bool = False
 
@@ -226,8 +227,28 @@ def _note_failed_resume(run_dir: Path, e: OSError) -> None:
         pass                        # unreadable or unwritable: it stays as it was, whole
 
 
+def _check_kld_role(opts: RunOptions, suite: SuiteProfile, tasks: list[Task]) -> None:
+    """KLD measures a candidate against a baseline run; without --baseline a run only records a
+    baseline and measures nothing. That must be asked for (--as-baseline), or it is said: refused
+    before any work when the suite is KLD only, a warning line when other tasks run too."""
+    kld = [t.name for t in tasks if t.kind == "kld"]
+    if not kld or opts.baseline or opts.as_baseline:
+        return
+    names = ", ".join(kld)
+    if len(kld) == len(tasks):
+        raise UsageError(f"suite {suite.name!r} measures only KLD ({names}), which needs a baseline run: give "
+                         "--baseline RUN to measure this runner against it, or --as-baseline to record this run "
+                         "as the baseline candidates measure against")
+    print(f"warning: {names}: no --baseline, so this run records a KLD baseline and measures no KLD (give "
+          "--baseline RUN to measure against one, or --as-baseline to say this run is the baseline)",
+          file=sys.stderr)
+
+
 def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, label: str, run_dir: Path,
              lock: RunLock) -> tuple[RunStore, list[Task], Runner, dict[str, list], TaskContext]:
+    if opts.baseline and opts.as_baseline:
+        raise UsageError("--baseline and --as-baseline exclude each other: a run is either measured against a "
+                         "baseline or is one")
     _check_resumable(run_dir, suite, runner_p)
     baseline = Path(opts.baseline) if opts.baseline else None
     if baseline is not None and not (baseline / "manifest.json").is_file():
@@ -242,6 +263,7 @@ def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, lab
     runner.needed = set().union(*needs.values()) if needs else set()
     for t in tasks:                  # task-specific checks against the runner (e.g. KLD's flags)
         t.check(runner)
+    _check_kld_role(opts, suite, tasks)
     # Items are listed before the run starts so bad data fails fast (and data files get hashed).
     items = {t.name: t.items() for t in tasks}
 
@@ -506,7 +528,7 @@ def demo(out: str | Path | None = None, log=print) -> Path:
     smoke = str(repo_root() / "suites" / "smoke.toml")
     runners = repo_root() / "runners"
     base_dir, code = run(RunOptions(suite=smoke, runner=str(runners / "engine-bf16.toml"),
-                                    out=str(_fresh(out / "engine-bf16")), label="engine-bf16"))
+                                    out=str(_fresh(out / "engine-bf16")), label="engine-bf16", as_baseline=True))
     if code != 0:
         raise RuntimeError(f"demo: the baseline run failed (exit {code}); see {base_dir}/manifest.json")
     cand_dir, code = run(RunOptions(suite=smoke, runner=str(runners / "engine-tiered.toml"),

@@ -33,7 +33,8 @@ def _hf_zoo(tmp_path_factory) -> Path:
 
 def _run(suite: Path, runner: Path, out: Path, baseline: Path | None = None) -> tuple[Path, list[dict]]:
     run_dir, code = api.run(api.RunOptions(suite=str(suite), runner=str(runner), out=str(out),
-                                           baseline=str(baseline) if baseline else None, quiet=True))
+                                           baseline=str(baseline) if baseline else None,
+                                           as_baseline=baseline is None, quiet=True))
     items = [json.loads(x) for x in (run_dir / "items.jsonl").read_text().splitlines() if x.strip()]
     errors = [r.get("error") for r in items if r["status"] != "ok"]
     assert code == 0 and not errors, f"{runner.name}: exit {code}, errors {errors[:3]}"

@@ -551,7 +551,12 @@ def _verdict_context(tasks: list[dict[str, Any]], cmp: dict[str, Any]) -> dict[s
                ("decode J/token", fmt_number(row["energy.decode_j_per_token"], 3))]
     if row["speed_ab.rounds"]:
         figures.append(("speed-ab rounds won by B", f"{row['speed_ab.rounds_won_b']} of {row['speed_ab.rounds']}"))
-    return {"tasks": tasks, "figures": [(k, v) for k, v in figures if v != "–"]}
+    from moebench.compare.provenance import kld_notes
+    kld = cmp.get("kld") if isinstance(cmp.get("kld"), dict) else {}
+    missing = cmp.get("missing_sections") if isinstance(cmp.get("missing_sections"), dict) else {}
+    # what the KLD figures mean (or why there are none) belongs beside them, not only in the warnings
+    notes = kld_notes(kld) + [f"{k}: no figures: {v}" for k, v in missing.items()]
+    return {"tasks": tasks, "figures": [(k, v) for k, v in figures if v != "–"], "notes": notes}
 
 
 TIME_COLUMNS = ("t_s", "t", "time_s", "elapsed_s", "time", "timestamp", "ts")
