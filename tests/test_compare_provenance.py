@@ -134,3 +134,19 @@ def test_compare_refuses_runs_given_the_wrong_way_round(server, tmp_path, data_d
     assert r.stdout.startswith("NOT LIKE FOR LIKE: the runs look swapped"), r.stdout
     ok = moebench_cli("compare", str(base), str(cand), "--out", str(tmp_path / "right"))
     assert ok.returncode == 0 and "swapped" not in ok.stdout
+
+
+def test_several_candidates_say_which_one_differs_first(server, tmp_path, data_dir):
+    runner = _runner(tmp_path, server, "a")
+    base = _run(_suite(tmp_path, "g"), runner, tmp_path / "base")
+    same = _run(_suite(tmp_path, "g"), runner, tmp_path / "same", "--label", "same")
+    other = _run(_suite(tmp_path, "g", shots=2), runner, tmp_path / "other", "--label", "other")
+    cmp = tmp_path / "cmp"
+    r = moebench_cli("compare", str(base), str(same), str(other), "--out", str(cmp))
+    assert r.returncode == 0, r.stderr
+    said = "other: gsm8k: suite settings differ: shots 0 (baseline) vs 2 (candidate)"
+    assert r.stdout.splitlines()[0] == f"NOT LIKE FOR LIKE: {said}", r.stdout
+    assert (cmp / "summary.md").read_text().splitlines()[2] == f"> **Not like for like:** {said}"
+    html = (cmp / "report.html").read_text()
+    assert html.index(f"Not like for like: {said}") < html.index('id="verdict"')
+    assert "same: " not in html.split('id="verdict"')[0]

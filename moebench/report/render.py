@@ -763,6 +763,10 @@ def matrix_context(matrix_dir: Path) -> dict[str, Any]:
     for r in rows:
         d = matrix_dir / str(r.get("compare_dir") or ".")
         gate = _gate_context(d, warnings) if d != matrix_dir else None
+        if d != matrix_dir and (d / "compare.json").is_file():   # different experiments: said first
+            pair = _load_json(d / "compare.json")
+            warnings += [f"Not like for like: {r.get('candidate')}: {x}"
+                         for x in _id_list(pair.get("setup_differences") if isinstance(pair, dict) else None)]
         cands.append({"row": r, "link": f"{r.get('compare_dir')}/{REPORT_FILE}" if d != matrix_dir else None,
                       "gate": gate,
                       "tasks": [{"task": t, **{f: r.get(f"{t}.{f}") for f in TASK_FIELDS}} for t in tasks]})
