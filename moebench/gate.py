@@ -711,19 +711,19 @@ def summary_markdown(checks: list[Check], compare: CompareDoc, rules_path: Path,
 def _reasons(checks: list[Check]) -> list[str]:
     """One line per check, except that checks sharing a section-wide cause share one line naming
     their rules (a missing kld section is one line, not one per KLD rule)."""
-    out: list[str] = []
-    grouped: dict[tuple[str, str], list[str]] = {}
+    lines: list[str] = []
+    line_of: dict[tuple[str, str], int] = {}        # (section, cause) -> its line
+    rules: dict[int, list[str]] = {}                # line -> the rules sharing it
     for c in checks:
         if not c.cause:
-            out.append(c.message)
+            lines.append(c.message)
             continue
-        key = (c.section, c.cause)
-        if key not in grouped:
-            grouped[key] = []
-            out.append(key)           # type: ignore[arg-type]  (filled in below, keeping the order)
-        grouped[key].append(c.rule)
-    return [f"{x[1]} (rule{'s' if len(grouped[x]) > 1 else ''} {', '.join(grouped[x])})" if isinstance(x, tuple)
-            else x for x in out]
+        i = line_of.setdefault((c.section, c.cause), len(lines))
+        if i == len(lines):
+            lines.append(c.cause)
+        rules.setdefault(i, []).append(c.rule)
+    return [f"{line} (rule{'s' if len(rules[i]) > 1 else ''} {', '.join(rules[i])})" if i in rules else line
+            for i, line in enumerate(lines)]
 
 
 def junit_xml(checks: list[Check]) -> bytes:

@@ -68,6 +68,9 @@ def build_compare(base_dir: str | Path, cand_dir: str | Path, speed_ab: str | Pa
                 for side, m in (("baseline", bm), ("candidate", cm)) if m.get("status") != "complete"]
     warnings += [f"{t}: nothing paired: {r['unpaired_reason']}" for t, r in paired["tasks"].items()
                  if r.get("unpaired_reason")]
+    # tasks that are not paired item by item (kld, speed, needle) still measured different inputs
+    warnings += [f"{t}: {data_mismatch_reason(f, paired=False)}" for t, f in mismatched.items()
+                 if t not in paired["tasks"]]
 
     kld = _optional("moebench.compare.kld", "kld_compare")
     if kld is not None and (any(r.get("task") == "kld" for r in crecs)):

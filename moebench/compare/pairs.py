@@ -51,9 +51,9 @@ def pair_task(base: dict[str, dict[str, Any]], cand: dict[str, dict[str, Any]],
     order = sorted(set(base) | set(cand), key=natural_key)
     for item_id in order:
         b, c = base.get(item_id), cand.get(item_id)
-        reason = refused.get(item_id)
-        if reason:
-            pass
+        reason = None
+        if item_id in refused:
+            reason = refused[item_id]
         elif b is None or c is None:
             reason = "missing in " + ("baseline" if b is None else "candidate")
         elif b.get("status") != "ok" or c.get("status") != "ok":

@@ -46,12 +46,14 @@ def data_mismatch(bm: dict[str, Any], cm: dict[str, Any], task: str) -> dict[str
     return {p: {"baseline": b[p], "candidate": c[p]} for p in sorted(set(b) & set(c)) if b[p] != c[p]}
 
 
-def data_mismatch_reason(files: dict[str, dict[str, str]]) -> str:
+def data_mismatch_reason(files: dict[str, dict[str, str]], paired: bool = True) -> str:
+    """One sentence naming the differing files (three at most) and what follows from it."""
     shown = "; ".join(f"{p}: sha256 {h['baseline'][:12]} in the baseline, {h['candidate'][:12]} in the candidate"
                       for p, h in list(files.items())[:3])
     more = f" and {len(files) - 3} more" if len(files) > 3 else ""
-    return (f"the runs read different data ({shown}{more}): the same item ids may hold other questions or "
-            "answers, so none is paired")
+    then = ("the same item ids may hold other questions or answers, so none is paired" if paired
+            else "its figures compare different inputs")
+    return f"the runs read different data ({shown}{more}): {then}"
 
 
 def _runner_sampling(m: dict[str, Any]) -> dict[str, Any]:
