@@ -45,6 +45,7 @@ class RunOptions:
     limit: int | None = None
     resume: bool = False
     baseline: str | None = None
+    as_baseline: bool = False        # KLD: this run is the baseline candidates measure against
     results_dir: str = "results"
     quiet: bool = False
 
@@ -226,8 +227,28 @@ def _note_failed_resume(run_dir: Path, e: OSError) -> None:
         pass                        # unreadable or unwritable: it stays as it was, whole
 
 
+def _check_kld_role(opts: RunOptions, suite: SuiteProfile, tasks: list[Task]) -> None:
+    """KLD measures a candidate against a baseline run; without --baseline a run only records a
+    baseline and measures nothing. That must be asked for (--as-baseline), or it is said: refused
+    before any work when the suite is KLD only, a warning line when other tasks run too."""
+    kld = [t.name for t in tasks if t.kind == "kld"]
+    if not kld or opts.baseline or opts.as_baseline:
+        return
+    names = ", ".join(kld)
+    if len(kld) == len(tasks):
+        raise UsageError(f"suite {suite.name!r} measures only KLD ({names}), which needs a baseline run: give "
+                         "--baseline RUN to measure this runner against it, or --as-baseline to record this run "
+                         "as the baseline candidates measure against")
+    print(f"warning: {names}: no --baseline, so this run records a KLD baseline and measures no KLD (give "
+          "--baseline RUN to measure against one, or --as-baseline to say this run is the baseline)",
+          file=sys.stderr)
+
+
 def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, label: str, run_dir: Path,
              lock: RunLock) -> tuple[RunStore, list[Task], Runner, dict[str, list], TaskContext]:
+    if opts.baseline and opts.as_baseline:
+        raise UsageError("--baseline and --as-baseline exclude each other: a run is either measured against a "
+                         "baseline or is one")
     _check_resumable(run_dir, suite, runner_p)
     baseline = Path(opts.baseline) if opts.baseline else None
     if baseline is not None and not (baseline / "manifest.json").is_file():
@@ -242,6 +263,7 @@ def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, lab
     runner.needed = set().union(*needs.values()) if needs else set()
     for t in tasks:                  # task-specific checks against the runner (e.g. KLD's flags)
         t.check(runner)
+    _check_kld_role(opts, suite, tasks)
     # Items are listed before the run starts so bad data fails fast (and data files get hashed).
     items = {t.name: t.items() for t in tasks}
 
@@ -379,9 +401,11 @@ def _check_run(p: str) -> None:
 
 
 def compare(baseline: str, candidate: str, out: str | None = None, results_dir: str = "results",
-            write_report: bool = True, speed_ab: str | None = None) -> tuple[Path, dict[str, Any]]:
+            write_report: bool = True, speed_ab: str | None = None,
+            allow_reversed: bool = False) -> tuple[Path, dict[str, Any]]:
     """Compare one candidate with the baseline: compare.json, summary.md, matrix.csv/json, report.html."""
-    out_dir, cmps, _ = compare_many(baseline, [candidate], out, results_dir, write_report, speed_ab)
+    out_dir, cmps, _ = compare_many(baseline, [candidate], out, results_dir, write_report, speed_ab,
+                                    allow_reversed)
     return out_dir, cmps[0]
 
 
@@ -390,7 +414,7 @@ def _pair_dir_name(i: int, label: Any, run: str) -> str:
 
 
 def compare_many(baseline: str, candidates: list[str], out: str | None = None, results_dir: str = "results",
-                 write_report: bool = True, speed_ab: str | None = None
+                 write_report: bool = True, speed_ab: str | None = None, allow_reversed: bool = False
                  ) -> tuple[Path, list[dict[str, Any]], list[dict[str, Any]]]:
     """Compare each candidate with the baseline. Returns (compare dir, compare.json objects, matrix rows).
 
@@ -398,6 +422,8 @@ def compare_many(baseline: str, candidates: list[str], out: str | None = None, r
     complete two-run compare directory per candidate, `NN_<label>/` (compare.json, summary.md,
     report.html: each gate-able alone), and in the top directory matrix.json, matrix.csv, summary.md
     and report.html over all of them. Both layouts write matrix.csv/matrix.json (a row per candidate).
+    A candidate whose runs look given the wrong way round (the baseline was run with --baseline
+    CANDIDATE) is refused before anything is written, unless `allow_reversed`.
     """
     from moebench.compare.build import build_compare
     from moebench.compare.tables import matrix_row, summary_markdown, to_csv
@@ -413,13 +439,15 @@ def compare_many(baseline: str, candidates: list[str], out: str | None = None, r
         out_dir = Path(results_dir) / f"compare_{Path(baseline).name}_vs_{Path(candidates[0]).name}"
     else:
         out_dir = Path(results_dir) / f"compare_{Path(baseline).name}_vs_{len(candidates)}_candidates"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cmps, rows, pair_dirs = [], [], []
-    for i, cand in enumerate(candidates):
+    built = []
+    for cand in candidates:
         try:
-            cmp = build_compare(baseline, cand, speed_ab=speed_ab)
+            built.append(build_compare(baseline, cand, speed_ab=speed_ab, allow_reversed=allow_reversed))
         except ValueError as e:
             raise UsageError(str(e)) from None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmps, rows, pair_dirs = [], [], []
+    for i, (cand, cmp) in enumerate(zip(candidates, built)):
         if len(candidates) == 1:
             pair_dir = out_dir
         else:
@@ -500,7 +528,7 @@ def demo(out: str | Path | None = None, log=print) -> Path:
     smoke = str(repo_root() / "suites" / "smoke.toml")
     runners = repo_root() / "runners"
     base_dir, code = run(RunOptions(suite=smoke, runner=str(runners / "engine-bf16.toml"),
-                                    out=str(_fresh(out / "engine-bf16")), label="engine-bf16"))
+                                    out=str(_fresh(out / "engine-bf16")), label="engine-bf16", as_baseline=True))
     if code != 0:
         raise RuntimeError(f"demo: the baseline run failed (exit {code}); see {base_dir}/manifest.json")
     cand_dir, code = run(RunOptions(suite=smoke, runner=str(runners / "engine-tiered.toml"),

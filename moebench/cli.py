@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true",
                    help="continue an unfinished run, keeping its finished items (without --out: the newest one)")
     r.add_argument("--baseline", metavar="RUN", help="baseline run directory, for tasks that measure against one (kld)")
+    r.add_argument("--as-baseline", action="store_true",
+                   help="this run is the baseline others measure against (kld keeps its distributions); without "
+                        "it or --baseline a KLD-only suite is refused")
     r.add_argument("--json", action="store_true",
                    help="print one JSON object (run_dir, status, exit_code, summary) instead of the text lines")
 
@@ -74,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
                         "the directory goes to stderr")
     c.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
     c.add_argument("--speed-ab", metavar="AB_DIR", help="add a `moebench speed-ab` directory's rounds and ratios")
+    c.add_argument("--allow-reversed", action="store_true",
+                   help="compare even when the baseline run was itself run with --baseline CANDIDATE (the runs "
+                        "look swapped; refused with exit 2 otherwise)")
 
     tr = _command(sub, "trend", "headline figures of several runs across builds: trend.html, .csv, .json",
                   "moebench trend results/run-b11000 results/run-b11434 --order build --out results/trend")
@@ -239,7 +245,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         run_dir, code = api.run(api.RunOptions(suite=args.suite, runner=args.runner, out=args.out,
                                                label=args.label, limit=args.limit, resume=args.resume,
-                                               baseline=args.baseline))
+                                               baseline=args.baseline, as_baseline=args.as_baseline))
         if args.json:
             print(json.dumps(_run_json(run_dir, code), sort_keys=True))
             return code
@@ -312,7 +318,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from moebench import api
     from moebench.compare.tables import text_table
-    out_dir, cmps, rows = api.compare_many(args.baseline, args.candidates, args.out, speed_ab=args.speed_ab)
+    out_dir, cmps, rows = api.compare_many(args.baseline, args.candidates, args.out, speed_ab=args.speed_ab,
+                                           allow_reversed=args.allow_reversed)
     if args.format == "text":
         print(text_table(cmps, rows))
         print(out_dir)
@@ -366,10 +373,28 @@ def _print_run_summary(run_dir: Path) -> None:
         return
     print(f"status: {m.get('status')}")
     for task, s in (m.get("summary") or {}).items():
-        acc = s.get("accuracy")
-        acc_s = "-" if acc is None else f"{100 * acc:.1f}%"
-        print(f"{task}: n={s.get('n')} scored={s.get('n_scored')} correct={s.get('n_correct')} "
-              f"accuracy={acc_s} errors={s.get('n_errors')}")
+        print(_summary_line(task, s, m))
+
+
+def _summary_line(task: str, s: dict, m: dict) -> str:
+    """One line per task; KLD has no accuracy, so its line gives what it measured (or recorded)."""
+    if s.get("role") in ("baseline", "candidate"):
+        head = f"{task}: n={s.get('n')} chunks={s.get('n_chunks')} errors={s.get('n_errors')}"
+        if s["role"] == "baseline":
+            ppl = s.get("ppl")
+            return (f"{head} role=baseline (recorded for candidates to measure against; no KLD measured) "
+                    f"tokens={s.get('n_tokens')} ppl={'-' if ppl is None else f'{ppl:.6g}'}")
+        k = s.get("kld") if isinstance(s.get("kld"), dict) else {}
+        fig = lambda key: "-" if not isinstance(k.get(key), (int, float)) else f"{k[key]:.6g}"  # noqa: E731
+        est = k.get("estimate") if isinstance(k.get("estimate"), dict) else {}
+        bound = f" (a top-{est.get('k')} lower bound)" if est.get("lower_bound") else ""
+        return (f"{head} role=candidate against {m.get('baseline_run')}: tokens={k.get('n_tokens')} "
+                f"kld_mean={fig('mean')}{bound} p99={fig('p99')} max={fig('max')} same_top_p={fig('same_top_p')} "
+                f"ppl_ratio={fig('ppl_ratio')}" + (f" error={k['error']}" if k.get("error") else ""))
+    acc = s.get("accuracy")
+    acc_s = "-" if acc is None else f"{100 * acc:.1f}%"
+    return (f"{task}: n={s.get('n')} scored={s.get('n_scored')} correct={s.get('n_correct')} "
+            f"accuracy={acc_s} errors={s.get('n_errors')}")
 
 
 if __name__ == "__main__":

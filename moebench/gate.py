@@ -10,7 +10,8 @@ report shows first) into the compare directory and prints the summary.
 Rules file (TOML); a table per task named as in compare.json's "tasks", plus the optional sections:
 
     [gsm8k]
-    min_paired = 100                 # the task really ran on enough items
+    min_paired = 100                 # the task really ran on enough items; below it the other rules
+                                     # are INCONCLUSIVE (default floor 1: 0 paired items judge nothing)
     min_accuracy = 0.5               # candidate accuracy
     max_accuracy_drop = 0.02         # baseline minus candidate accuracy
     max_losses = 5                   # right in baseline, wrong in candidate
@@ -52,6 +53,10 @@ Rules file (TOML); a table per task named as in compare.json's "tasks", plus the
 
 A task whose name collides with a section (e.g. a scored "needle" task) goes under [tasks.NAME].
 A rule whose task or section is absent from compare.json FAILS: a gate never passes on missing data.
+A task with fewer paired items than its floor (`min_paired`, else DEFAULT_MIN_PAIRED = 1) has every
+other rule INCONCLUSIVE, with compare's reason (prompts or data differ, errors); `min_paired` itself
+fails. KLD rules are INCONCLUSIVE when the candidate measured its KLD against another baseline run.
+A several-candidate compare's matrix.json may only name directories inside the compare directory.
 
 Speed ratio rules judge intervals, not single numbers: per prompt length and client count, the 95%
 bootstrap interval of the candidate/baseline ratio. A group FAILS when its whole interval is on the
@@ -84,6 +89,7 @@ SUMMARY_FILE = "summary.md"
 JUNIT_FILE = "junit.xml"
 GATE_FILE = "gate.json"
 DEFAULT_MIN_SAMPLES = 5
+DEFAULT_MIN_PAIRED = 1      # below it a task's rules are INCONCLUSIVE: 0 paired items are no evidence
 EXIT_INCONCLUSIVE = 3
 INCONCLUSIVE_CHOICES = ("exit3", "fail", "pass")
 
@@ -401,6 +407,8 @@ class Check:
     passed: bool
     message: str
     verdict: str = ""     # "pass" | "fail" | "inconclusive"
+    cause: str = ""       # set when the verdict comes from the section as a whole (absent, too few
+                          # pairs): the summary then gives one line per section and cause, not per rule
 
     def __post_init__(self) -> None:
         if not self.verdict:
@@ -490,7 +498,8 @@ def _holm(compare: CompareDoc, rules: list[tuple[str, bool, dict[str, Any]]],
     family: dict[str, float] = {}
     for section, is_task, settings in rules:
         t = tasks.get(section)
-        if is_task and settings.get("fail_on_significant_loss") and isinstance(t, dict):
+        if is_task and settings.get("fail_on_significant_loss") and isinstance(t, dict) \
+                and not _too_few_paired(section, t, settings):
             p = number(t.get("mcnemar_p"))
             if p is not None:
                 family[section] = p
@@ -500,27 +509,67 @@ def _holm(compare: CompareDoc, rules: list[tuple[str, bool, dict[str, Any]]],
     return {name: (adj, len(family)) for name, adj in zip(family, adjusted)}
 
 
+def _too_few_paired(task: str, t: dict[str, Any], settings: dict[str, Any]) -> str | None:
+    """Why a task's rules cannot be judged: fewer paired items than the floor (`min_paired`, else
+    DEFAULT_MIN_PAIRED), with compare's reason where it gave one; None when there is enough."""
+    n = number(t.get("n_paired"))
+    floor = settings.get("min_paired", DEFAULT_MIN_PAIRED)
+    if n is None or n >= floor:
+        return None                   # a missing n_paired is reported by the rules themselves
+    why = t.get("unpaired_reason")
+    return (f"{task}: {int(n)} paired item{'s' if n != 1 else ''}, fewer than the floor of {floor} "
+            f"({'min_paired' if 'min_paired' in settings else 'default; set min_paired to raise it'})"
+            + (f": {why}" if why else ""))
+
+
+def _kld_not_comparable(kld: dict[str, Any]) -> str | None:
+    """Why a kld section's figures do not describe this compare's pair (the candidate measured against
+    another baseline run), else None."""
+    other = kld.get("measured_against")
+    if kld.get("baseline_mismatch") and other:
+        return f"kld: the candidate's KLD was measured against {other}, not this compare's baseline"
+    warning = kld.get("warning")     # a compare.json written before measured_against existed
+    if isinstance(warning, str) and warning.startswith("the candidate was measured against"):
+        return f"kld: {warning}"
+    return None
+
+
 def evaluate(compare: CompareDoc, rules: list[tuple[str, bool, dict[str, Any]]],
              correction: str = "holm") -> list[Check]:
     checks: list[Check] = []
     tasks = compare.tasks
     holm = _holm(compare, rules, correction)
+    why_absent = compare.extra.get("missing_sections")
+    why_absent = why_absent if isinstance(why_absent, dict) else {}
     for section, is_task, settings in rules:
         table = TASK_RULES if is_task else SECTION_RULES[section.partition(".")[0]]
+        unjudgeable = None            # the evidence is there but cannot carry a verdict: INCONCLUSIVE
         if is_task:
             data = tasks.get(section)
             absent = (f"task {section!r} is not in compare.json (tasks there: "
                       f"{', '.join(sorted(tasks)) or 'none'})")
+            if isinstance(data, dict) and data:
+                unjudgeable = _too_few_paired(section, data, settings)
         else:
             data = _section_data(compare, section)
             absent = f"section {section!r} is not in compare.json"
+            reason = why_absent.get(section.partition(".")[0])
+            if reason:
+                absent += f": {reason}"
+            if section == "kld" and isinstance(data, dict) and data:
+                unjudgeable = _kld_not_comparable(data)
         for name, limit in settings.items():
             if name not in table:
                 continue              # options such as alpha
             rule = table[name]
             shown_limit = _limit_text(rule, limit)
             if not isinstance(data, dict) or not data:
-                checks.append(Check(section, name, "missing", shown_limit, False, absent))
+                checks.append(Check(section, name, "missing", shown_limit, False, absent, cause=absent))
+                continue
+            if unjudgeable and not (is_task and name == "min_paired"):
+                value = f"n_paired={fmt(data.get('n_paired'))}" if is_task else "other baseline"
+                checks.append(Check(section, name, value, shown_limit, False,
+                                    f"{unjudgeable}; cannot check {rule.what}", "inconclusive", cause=unjudgeable))
                 continue
             try:
                 value = rule.get(data)
@@ -650,13 +699,31 @@ def summary_markdown(checks: list[Check], compare: CompareDoc, rules_path: Path,
         lines.append(f"| {_md(c.section)}.{_md(c.rule)} | {_md(c.value)} | {_md(c.limit)} | "
                      f"{RESULT_TEXT[c.verdict]} |")
     if failed:
-        lines += ["", "Failures:", ""] + [f"- {_md(c.message)}" for c in failed]
+        lines += ["", "Failures:", ""] + [f"- {_md(m)}" for m in _reasons(failed)]
     if unsure:
         effect = {"exit3": f"exit code {EXIT_INCONCLUSIVE}", "fail": "counted as failures",
                   "pass": "not failing the gate"}[on_inconclusive]
         lines += ["", f"Inconclusive ({effect}; measure more samples or see the A/A noise floor):", ""]
-        lines += [f"- {_md(c.message)}" for c in unsure]
+        lines += [f"- {_md(m)}" for m in _reasons(unsure)]
     return "\n".join(lines) + "\n"
+
+
+def _reasons(checks: list[Check]) -> list[str]:
+    """One line per check, except that checks sharing a section-wide cause share one line naming
+    their rules (a missing kld section is one line, not one per KLD rule)."""
+    lines: list[str] = []
+    line_of: dict[tuple[str, str], int] = {}        # (section, cause) -> its line
+    rules: dict[int, list[str]] = {}                # line -> the rules sharing it
+    for c in checks:
+        if not c.cause:
+            lines.append(c.message)
+            continue
+        i = line_of.setdefault((c.section, c.cause), len(lines))
+        if i == len(lines):
+            lines.append(c.cause)
+        rules.setdefault(i, []).append(c.rule)
+    return [f"{line} (rule{'s' if len(rules[i]) > 1 else ''} {', '.join(rules[i])})" if i in rules else line
+            for i, line in enumerate(lines)]
 
 
 def junit_xml(checks: list[Check]) -> bytes:
@@ -714,9 +781,24 @@ def _matrix_pairs(cdir: Path) -> list[Path] | None:
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        return [cdir / c["compare_dir"] for c in data["candidates"]]
+        named = [c["compare_dir"] for c in data["candidates"]]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise GateInputError(f"{path}: not a moebench matrix ({type(e).__name__}: {e})") from None
+    return [_inside(cdir, path, f"candidates[{i}].compare_dir", d) for i, d in enumerate(named)]
+
+
+def _inside(cdir: Path, matrix: Path, key: str, named: Any) -> Path:
+    """A candidate's compare directory, which must lie inside the compare directory: the gate writes
+    summary.md, junit.xml, gate.json and report.html there, and an edited matrix.json must not point
+    those writes elsewhere (an absolute path, `..`, or a symlink leading out are all refused)."""
+    if not isinstance(named, str) or not named or named in (".", "./"):
+        raise GateInputError(f"{matrix}: key {key!r} must name a sub-directory of {cdir}, got {named!r}")
+    root = cdir.resolve()
+    target = (cdir / named).resolve()
+    if Path(named).is_absolute() or root not in target.parents:
+        raise GateInputError(f"{matrix}: key {key!r} = {named!r} leads to {target}, outside the compare "
+                             f"directory {root}; the gate writes only inside it")
+    return cdir / named
 
 
 def run_gate(compare_dir: str | os.PathLike[str], rules_path: str | os.PathLike[str], as_json: bool = False,

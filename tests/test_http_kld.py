@@ -33,7 +33,8 @@ def _hf_zoo(tmp_path_factory) -> Path:
 
 def _run(suite: Path, runner: Path, out: Path, baseline: Path | None = None) -> tuple[Path, list[dict]]:
     run_dir, code = api.run(api.RunOptions(suite=str(suite), runner=str(runner), out=str(out),
-                                           baseline=str(baseline) if baseline else None, quiet=True))
+                                           baseline=str(baseline) if baseline else None,
+                                           as_baseline=baseline is None, quiet=True))
     items = [json.loads(x) for x in (run_dir / "items.jsonl").read_text().splitlines() if x.strip()]
     errors = [r.get("error") for r in items if r["status"] != "ok"]
     assert code == 0 and not errors, f"{runner.name}: exit {code}, errors {errors[:3]}"
@@ -113,6 +114,10 @@ def test_vllm_and_sglang_shapes_give_a_lower_bound(pair):
         got[name] = cmp["kld"]
         kk = got[name]
         assert kk["method"] == "topk-lower-bound" and kk["estimate"]["lower_bound"] and kk["estimate"]["k"] == k
+        # the bound is said beside the figure, not only inside the kld section
+        said = f"kld: mean {kk['mean']!r} is a top-{k} lower bound of the full KLD"
+        assert any(w.startswith(said) for w in cmp["warnings"]), cmp.get("warnings")
+        assert f"- warning: {said}" in (pair["tmp"] / f"cmp-{name}" / "summary.md").read_text()
         # Same top p and delta-p need only each side's top token and the actual token: exact.
         assert kk["same_top_p"] == pytest.approx(exact["same_top_p"], abs=1e-9)
         assert kk["delta_p"]["rms"] == pytest.approx(exact["delta_p"]["rms"], rel=1e-3, abs=1e-6)

@@ -75,7 +75,8 @@ def _write_profiles(tmp: Path, zoo: dict[str, Path], chunks: int = 2, top_k: int
 
 def _run(prof, runner: str, out: Path, baseline: Path | None = None) -> Path:
     run_dir, code = api.run(api.RunOptions(suite=str(prof["suite"]), runner=str(prof[runner]), out=str(out),
-                                           baseline=str(baseline) if baseline else None, quiet=True))
+                                           baseline=str(baseline) if baseline else None,
+                                           as_baseline=baseline is None, quiet=True))
     items = [json.loads(x) for x in (run_dir / "items.jsonl").read_text().splitlines() if x.strip()]
     errors = [r.get("error") for r in items if r["status"] != "ok"]
     assert code == 0 and not errors, f"run {runner} exited {code}: {errors}\n{(run_dir / 'manifest.json').read_text()[-2000:]}"

@@ -67,7 +67,7 @@ def test_kld_runs_the_candidates_own_llama_perplexity_with_its_flags(zoo, tmp_pa
              "--metrics", "--cache-reuse", "64", "--temp", "0.7", "-c", "4096"]
     cand_prof = _profile(tmp_path, "cand", zoo / "tiny-moe-q8_0.gguf", flags, build / "llama-server")
     base, code = api.run(api.RunOptions(suite=str(suite), runner=str(base_prof), out=str(tmp_path / "base"),
-                                        quiet=True))
+                                        as_baseline=True, quiet=True))
     assert code == 0
     cand, code = api.run(api.RunOptions(suite=str(suite), runner=str(cand_prof), out=str(tmp_path / "cand"),
                                         baseline=str(base), quiet=True))

@@ -23,7 +23,8 @@ def _items(run_dir: Path) -> list[dict]:
 
 def _run(suite: Path, runner: Path, out: Path, baseline: Path | None = None) -> tuple[Path, list[dict]]:
     run_dir, code = api.run(api.RunOptions(suite=str(suite), runner=str(runner), out=str(out),
-                                           baseline=str(baseline) if baseline else None, quiet=True))
+                                           baseline=str(baseline) if baseline else None,
+                                           as_baseline=baseline is None, quiet=True))
     items = _items(run_dir)
     errors = [(r["item_id"], r.get("error")) for r in items if r["status"] != "ok"]
     assert code == 0 and not errors, f"{runner.name}: exit {code}, errors {errors[:3]}"

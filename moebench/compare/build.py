@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moebench.compare.pairs import pair_runs
+from moebench.compare.provenance import (data_mismatch, data_mismatch_reason, kld_absent_reason, kld_notes,
+                                         reversed_pair, setup_differences)
 from moebench.store import load_run
 from moebench.store.records import COMPARE_SCHEMA_VERSION  # noqa: F401  (re-exported: one definition, in the store)
 
@@ -31,12 +33,26 @@ def _side_info(run_dir: Path, m: dict[str, Any]) -> dict[str, Any]:
             "model": {"path": model.get("path"), "bytes": size if isinstance(size, int) else None}}
 
 
-def build_compare(base_dir: str | Path, cand_dir: str | Path, speed_ab: str | Path | None = None) -> dict[str, Any]:
-    """compare.json for two runs; `speed_ab`, a `moebench speed-ab` directory, adds its section."""
+class ReversedRuns(ValueError):
+    """The run given as the baseline measured itself against the run given as the candidate."""
+
+
+def build_compare(base_dir: str | Path, cand_dir: str | Path, speed_ab: str | Path | None = None,
+                  allow_reversed: bool = False) -> dict[str, Any]:
+    """compare.json for two runs; `speed_ab`, a `moebench speed-ab` directory, adds its section.
+    Runs that look given the wrong way round are refused (ReversedRuns) unless `allow_reversed`."""
     base_dir, cand_dir = Path(base_dir), Path(cand_dir)
     bm, brecs = load_run(base_dir)
     cm, crecs = load_run(cand_dir)
-    paired = pair_runs(brecs, crecs)
+    swapped = reversed_pair(base_dir, cand_dir, bm)
+    if swapped and not allow_reversed:
+        raise ReversedRuns(swapped + "; --allow-reversed compares them as given")
+    tasks = {str(r.get("task")) for r in brecs + crecs}
+    mismatched = {t: f for t in sorted(tasks) if (f := data_mismatch(bm, cm, t))}
+    paired = pair_runs(brecs, crecs, refuse={t: data_mismatch_reason(f) for t, f in mismatched.items()})
+    for t, files in mismatched.items():
+        if t in paired["tasks"]:
+            paired["tasks"][t]["data_mismatch"] = files
     out: dict[str, Any] = {
         "schema_version": COMPARE_SCHEMA_VERSION,
         "baseline": _side_info(base_dir, bm),
@@ -44,18 +60,30 @@ def build_compare(base_dir: str | Path, cand_dir: str | Path, speed_ab: str | Pa
         "tasks": paired["tasks"],
         "overall": paired["overall"],
     }
+    # what makes the two runs different experiments: shown first wherever the compare is shown
+    differences = ([swapped] if swapped else []) + setup_differences(bm, cm)
+    if differences:
+        out["setup_differences"] = differences
     warnings = [f"{side} run status is {m.get('status')!r}, not 'complete'"
                 for side, m in (("baseline", bm), ("candidate", cm)) if m.get("status") != "complete"]
     warnings += [f"{t}: nothing paired: {r['unpaired_reason']}" for t, r in paired["tasks"].items()
                  if r.get("unpaired_reason")]
-    if warnings:
-        out["warnings"] = warnings
+    # tasks that are not paired item by item (kld, speed, needle) still measured different inputs
+    warnings += [f"{t}: {data_mismatch_reason(f, paired=False)}" for t, f in mismatched.items()
+                 if t not in paired["tasks"]]
 
     kld = _optional("moebench.compare.kld", "kld_compare")
     if kld is not None and (any(r.get("task") == "kld" for r in crecs)):
         section = kld(base_dir, cand_dir, bm, cm, _records_of(brecs, "kld"), _records_of(crecs, "kld"))
         if section:
             out["kld"] = section
+            warnings += kld_notes(section)
+    absent = kld_absent_reason(crecs, cm) if "kld" not in out else None
+    if absent:
+        out["missing_sections"] = {"kld": absent}
+        warnings.append(f"kld: no KLD figures: {absent}")
+    if warnings:
+        out["warnings"] = warnings
     needle = _optional("moebench.compare.needle", "needle_compare")
     if needle is not None and any(r.get("task") == "needle" for r in brecs + crecs):
         out["needle"] = needle(_records_of(brecs, "needle"), _records_of(crecs, "needle"))

@@ -21,7 +21,11 @@ def kld_compare(base_dir: Path, cand_dir: Path, base_manifest: dict[str, Any], c
         return None                       # the candidate was not run with --baseline: nothing measured
     out: dict[str, Any] = {}
     measured_against = cand_manifest.get("baseline_run")
+    if measured_against:
+        out["measured_against"] = str(measured_against)
     if measured_against and Path(measured_against).resolve() != Path(base_dir).resolve():
+        # the gate reads baseline_mismatch: these figures say nothing about this compare's pair
+        out["baseline_mismatch"] = True
         out["warning"] = (f"the candidate was measured against {measured_against}, not {base_dir}; "
                           "its KLD figures refer to that run")
     base_hash = {r["item_id"]: r.get("prompt_hash") for r in base_records if r.get("status") == "ok"}

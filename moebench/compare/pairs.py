@@ -36,12 +36,14 @@ def same_prompt(a: Any, b: Any) -> bool:
 
 
 def pair_task(base: dict[str, dict[str, Any]], cand: dict[str, dict[str, Any]],
-              n_boot: int = 2000) -> dict[str, Any]:
+              n_boot: int = 2000, refused: dict[str, str] | None = None) -> dict[str, Any]:
     """Pair one task's records by item id.
 
     A pair is excluded (and listed with its reason) when either side is missing, errored or unscored,
-    or when the prompt hashes differ (the suites asked different questions).
+    when the prompt hashes differ (the suites asked different questions), or when its id is in
+    `refused` (id -> reason: the runs read different data).
     """
+    refused = refused or {}
     wins, losses, excluded = [], [], []
     reasons: dict[str, str] = {}
     base_ok, cand_ok = [], []
@@ -50,7 +52,9 @@ def pair_task(base: dict[str, dict[str, Any]], cand: dict[str, dict[str, Any]],
     for item_id in order:
         b, c = base.get(item_id), cand.get(item_id)
         reason = None
-        if b is None or c is None:
+        if item_id in refused:
+            reason = refused[item_id]
+        elif b is None or c is None:
             reason = "missing in " + ("baseline" if b is None else "candidate")
         elif b.get("status") != "ok" or c.get("status") != "ok":
             side = "baseline" if b.get("status") != "ok" else "candidate"
@@ -148,13 +152,23 @@ def why_unpaired(task: str, bt: dict[str, dict[str, dict[str, Any]]], ct: dict[s
     return f"all {len(b_ids & c_ids)} items in both runs were excluded: {parts}"
 
 
-def pair_runs(base_records: list[dict[str, Any]], cand_records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-task pairing for every task with correctness in either run, plus an overall block."""
+def pair_runs(base_records: list[dict[str, Any]], cand_records: list[dict[str, Any]],
+              refuse: dict[str, str] | None = None) -> dict[str, Any]:
+    """Per-task pairing for every task with correctness in either run, plus an overall block.
+    `refuse` (task -> reason) names tasks not to pair at all: every item is excluded with the reason."""
+    refuse = refuse or {}
     bt, ct = _by_task(base_records), _by_task(cand_records)
     tasks = [t for t in list(bt) + [t for t in ct if t not in bt] if t in _scored_tasks(bt) | _scored_tasks(ct)]
-    per_task = {t: pair_task(bt.get(t, {}), ct.get(t, {})) for t in tasks}
+
+    def refused(t: str, prefix: str = "") -> dict[str, str]:
+        ids = set(bt.get(t, {})) | set(ct.get(t, {}))
+        return {f"{prefix}{i}": refuse[t] for i in ids} if t in refuse else {}
+
+    per_task = {t: pair_task(bt.get(t, {}), ct.get(t, {}), refused=refused(t)) for t in tasks}
     for t, result in per_task.items():
-        if result["n_paired"] == 0:
+        if t in refuse:
+            result["unpaired_reason"] = refuse[t]
+        elif result["n_paired"] == 0:
             result["unpaired_reason"] = why_unpaired(t, bt, ct, result)
     for t in tasks:
         if t == "cmmlu" or t.startswith("cmmlu"):
@@ -164,7 +178,7 @@ def pair_runs(base_records: list[dict[str, Any]], cand_records: list[dict[str, A
         # Overall pairs every scored item of every task; ids are prefixed by task to stay unique.
         base_all = {f"{t}::{i}": r for t in tasks for i, r in bt.get(t, {}).items()}
         cand_all = {f"{t}::{i}": r for t in tasks for i, r in ct.get(t, {}).items()}
-        o = pair_task(base_all, cand_all)
+        o = pair_task(base_all, cand_all, refused={k: v for t in tasks for k, v in refused(t, f"{t}::").items()})
         overall = {k: v for k, v in o.items() if k not in ("wins", "losses", "excluded", "excluded_reasons")}
         overall.update(n_wins=len(o["wins"]), n_losses=len(o["losses"]), n_excluded=len(o["excluded"]))
     return {"tasks": per_task, "overall": overall}

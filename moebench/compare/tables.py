@@ -172,6 +172,11 @@ def summary_markdown(cmps: list[dict[str, Any]], rows: list[dict[str, Any]]) -> 
     """summary.md of a compare: headline table over the candidates, then each candidate's task table."""
     base = (cmps[0].get("baseline") or {}).get("label") if cmps else None
     lines = [f"## moebench compare: {len(cmps)} candidate{'s' if len(cmps) != 1 else ''} against `{base}`", ""]
+    for cmp, row in zip(cmps, rows):       # different experiments: said before any figure
+        prefix = f"{row['candidate']}: " if len(cmps) > 1 else ""
+        lines += [f"> **Not like for like:** {prefix}{d}" for d in cmp.get("setup_differences") or []]
+    if lines[-1] != "":
+        lines.append("")
     lines += _markdown(headline_table(rows)) + [""]
     for cmp, row in zip(cmps, rows):
         lines += [f"### {row['candidate']}", ""]
@@ -212,6 +217,9 @@ def _per_subject_lines(cmp: dict[str, Any], markdown: bool) -> list[str]:
 def text_table(cmps: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
     """What `moebench compare` prints by default."""
     lines: list[str] = []
+    for cmp, row in zip(cmps, rows):       # different experiments: said before any figure
+        prefix = f"{row['candidate']}: " if len(cmps) > 1 else ""
+        lines += [f"NOT LIKE FOR LIKE: {prefix}{d}" for d in cmp.get("setup_differences") or []]
     for cmp, row in zip(cmps, rows):
         if len(cmps) > 1:
             lines.append(f"== {row['candidate']}")

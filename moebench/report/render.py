@@ -551,7 +551,12 @@ def _verdict_context(tasks: list[dict[str, Any]], cmp: dict[str, Any]) -> dict[s
                ("decode J/token", fmt_number(row["energy.decode_j_per_token"], 3))]
     if row["speed_ab.rounds"]:
         figures.append(("speed-ab rounds won by B", f"{row['speed_ab.rounds_won_b']} of {row['speed_ab.rounds']}"))
-    return {"tasks": tasks, "figures": [(k, v) for k, v in figures if v != "–"]}
+    from moebench.compare.provenance import kld_notes
+    kld = cmp.get("kld") if isinstance(cmp.get("kld"), dict) else {}
+    missing = cmp.get("missing_sections") if isinstance(cmp.get("missing_sections"), dict) else {}
+    # what the KLD figures mean (or why there are none) belongs beside them, not only in the warnings
+    notes = kld_notes(kld) + [f"{k}: no figures: {v}" for k, v in missing.items()]
+    return {"tasks": tasks, "figures": [(k, v) for k, v in figures if v != "–"], "notes": notes}
 
 
 TIME_COLUMNS = ("t_s", "t", "time_s", "elapsed_s", "time", "timestamp", "ts")
@@ -687,7 +692,9 @@ def compare_context(compare_dir: Path) -> dict[str, Any]:
     except RecordError as e:
         raise ReportError(str(e)) from None
     compare = doc.to_dict()
-    warnings: list[str] = _id_list(doc.warnings)      # the builder's own (e.g. a run not complete)
+    # the builder's own: first what makes the runs different experiments, then the rest
+    warnings: list[str] = [f"Not like for like: {d}" for d in _id_list(doc.extra.get("setup_differences"))]
+    warnings += _id_list(doc.warnings)
     base = _side(doc.baseline, "baseline", compare_dir, warnings)
     cand = _side(doc.candidate, "candidate", compare_dir, warnings)
     tasks_raw = doc.tasks
@@ -756,6 +763,10 @@ def matrix_context(matrix_dir: Path) -> dict[str, Any]:
     for r in rows:
         d = matrix_dir / str(r.get("compare_dir") or ".")
         gate = _gate_context(d, warnings) if d != matrix_dir else None
+        if d != matrix_dir and (d / "compare.json").is_file():   # different experiments: said first
+            pair = _load_json(d / "compare.json")
+            warnings += [f"Not like for like: {r.get('candidate')}: {x}"
+                         for x in _id_list(pair.get("setup_differences") if isinstance(pair, dict) else None)]
         cands.append({"row": r, "link": f"{r.get('compare_dir')}/{REPORT_FILE}" if d != matrix_dir else None,
                       "gate": gate,
                       "tasks": [{"task": t, **{f: r.get(f"{t}.{f}") for f in TASK_FIELDS}} for t in tasks]})
