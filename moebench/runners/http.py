@@ -27,6 +27,7 @@ import httpx
 
 from moebench.config import Field, ProfileError, positive
 from moebench.runners import prompt_logprobs as prompt_lp
+from moebench.runners import reply_checks
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
 from moebench.scoring.answers import first_stop
 from moebench.runners.metrics import parse_prometheus
@@ -176,7 +177,7 @@ class HttpRunner(Runner):
             try:
                 return await call(url)
             except HttpStatus as e:
-                if 400 <= e.status < 500 and e.status != 429:
+                if e.status < 500 and e.status != 429:     # a redirect or a refusal: asking again changes nothing
                     raise RunnerError(str(e)) from None
                 last = RunnerError(str(e))
                 retry_after = retry_after_s(e.retry_after)
@@ -194,8 +195,8 @@ class HttpRunner(Runner):
         assert self.client is not None
         async with self.client.stream("POST", url, json=body) as resp:
             raw = await read_bounded(resp, limit, url)
-            if resp.status_code >= 400:
-                raise HttpStatus(url, resp.status_code, raw, resp.headers.get("retry-after"))
+            if not 200 <= resp.status_code < 300:       # only a 2xx reply is an answer
+                raise HttpStatus.of(url, resp, raw)
         return raw
 
     def _body(self, req: GenerateRequest) -> dict[str, Any]:
@@ -240,7 +241,8 @@ class HttpRunner(Runner):
                                                        url, request.on_text, limit), request.stop[self.max_stop:])
             t0 = time.perf_counter()
             raw = await self._post(url + path, body, limit)
-            result = _apply_stops(parse_response(_json(raw, url + path), self.api), request.stop[self.max_stop:])
+            result = _apply_stops(parse_response(_json(raw, url + path), self.api, url + path),
+                                  request.stop[self.max_stop:])
             result.endpoint = url
             result.timings.setdefault("wall_s", time.perf_counter() - t0)
             return result
@@ -262,9 +264,9 @@ class HttpRunner(Runner):
         server_timings: dict[str, Any] = {}
         event = "message"
         async with self.client.stream("POST", url, json=body) as resp:
-            if resp.status_code >= 400:
+            if not 200 <= resp.status_code < 300:
                 raw = await read_bounded(resp, min(limit, 1 << 20), url)
-                raise HttpStatus(url, resp.status_code, raw, resp.headers.get("retry-after"))
+                raise HttpStatus.of(url, resp, raw)
             async for line in bounded_lines(resp, limit, url):
                 if not line:
                     event = "message"           # a blank line ends one SSE event
@@ -294,8 +296,8 @@ class HttpRunner(Runner):
                     raise RunnerError(f"{url}: stream chunk is not a JSON object: {payload[:200]!r}")
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-                if isinstance(chunk.get("timings"), dict):
-                    server_timings = chunk["timings"]       # llama-server's (draft counters among them)
+                if chunk.get("timings") is not None:        # llama-server's (draft counters among them)
+                    server_timings = reply_checks.timings(chunk["timings"], url)
                 choices = chunk.get("choices") or []
                 if not choices:
                     continue
@@ -435,14 +437,21 @@ def _apply_stops(result: GenerateResult, stops: list[str]) -> GenerateResult:
 
 
 class HttpStatus(Exception):
-    """An HTTP error status, with what `_with_retries` needs to decide on a retry."""
+    """A status other than 2xx, with what `_with_retries` needs to decide on a retry."""
 
-    def __init__(self, url: str, status: int, body: bytes, retry_after: str | None):
+    def __init__(self, url: str, status: int, body: bytes, retry_after: str | None, location: str | None = None):
         self.status = status
         self.retry_after = retry_after
         text = body[:300].decode("utf-8", "replace")
-        super().__init__(f"{url}: HTTP {status}: {text}"
+        # Redirects are not followed: the profile should name the final address, not lean on a hop.
+        moved = (f" redirect to {location or '(no Location header)'}, not followed: point base_url there"
+                 if 300 <= status < 400 else "")
+        super().__init__(f"{url}: HTTP {status}{moved}: {text}"
                          + (f" (Retry-After: {retry_after})" if retry_after else ""))
+
+    @classmethod
+    def of(cls, url: str, resp: httpx.Response, body: bytes) -> "HttpStatus":
+        return cls(url, resp.status_code, body, resp.headers.get("retry-after"), resp.headers.get("location"))
 
 
 def _reasoning_tokens(usage: dict[str, Any]) -> int | None:
@@ -474,8 +483,8 @@ def _top_logprobs(lp: Any) -> list[dict[str, float]] | None:
     raise RunnerError(f"unrecognised logprobs format: {str(lp)[:200]}")
 
 
-def parse_response(data: Any, api: str) -> GenerateResult:
-    """Parse a non-streamed completions/chat response, or raise RunnerError saying what is wrong."""
+def parse_response(data: Any, api: str, where: str = "response") -> GenerateResult:
+    """Parse a non-streamed completions/chat response from `where`, or raise RunnerError saying what is wrong."""
     if not isinstance(data, dict):
         raise RunnerError(f"response is not a JSON object: {str(data)[:200]}")
     if data.get("error"):                # an error object is an error, whatever else came with it
@@ -497,7 +506,7 @@ def parse_response(data: Any, api: str) -> GenerateResult:
     if not isinstance(text, str):
         raise RunnerError(f"response choice has no text: {str(c)[:200]}")
     usage = data.get("usage") or {}
-    timings = dict(data.get("timings") or {})       # llama-server adds its own timings
+    timings = reply_checks.timings(data.get("timings"), where)     # llama-server adds its own timings
     return GenerateResult(text=text, prompt_tokens=usage.get("prompt_tokens"),
                           output_tokens=usage.get("completion_tokens"), finish_reason=c.get("finish_reason"),
                           top_logprobs=_top_logprobs(c.get("logprobs")), timings=timings,
