@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
+from conftest import REPO
+from moebench.config import ProfileError, load_runner
+from moebench.runners import runner_schemas
 from moebench.runners.base import GenerateRequest, RunnerError
+from moebench.runners.http import HttpRunner
+from moebench.runners.responses import describe
 from test_http_faults import _Scripted, _ask, _data, _ok, _send, _sse
 
 
@@ -56,3 +62,63 @@ def test_timings_of_the_wrong_type_name_the_field_and_url(timings, stream):
         assert isinstance(res, RunnerError), res
         msg = str(res)
         assert "'timings'" in msg and "expected an object" in msg and srv.url + "/completions" in msg, msg
+
+
+# -- a total deadline per request, retries included ---------------------------------------------------
+
+def _drip(h, how: str) -> None:
+    """One byte every 0.2 s, each well inside the per-read timeout, for up to 12 s."""
+    h.send_response(200)
+    h.send_header("Content-Type", "text/event-stream" if how == "sse-comments" else "application/json")
+    if how == "content-length":
+        h.send_header("Content-Length", "100000")
+    h.end_headers()
+    for _ in range(60):
+        h.wfile.write(b": keep-alive\n\n" if how == "sse-comments" else b" ")
+        h.wfile.flush()
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("how", ["no-length", "content-length", "sse-comments"])
+def test_slow_drip_reply_ends_at_the_request_deadline(how):
+    with _Scripted(lambda h, n, body: _drip(h, how)) as srv:
+        t0 = time.monotonic()
+        res = _ask(srv.url, GenerateRequest(prompt="q", stream=how == "sse-comments"),
+                   timeout_s=1.0, request_deadline_s=1.5)
+        took = time.monotonic() - t0
+        assert isinstance(res, RunnerError), res
+        assert describe(res) == (f"DeadlineExceeded: POST {srv.url}/completions: no complete reply after 1.5 s "
+                                 "(request_deadline_s, retries included)")
+        assert 1.4 <= took < 4.0, took
+
+
+def test_request_deadline_covers_all_retries():
+    def script(h, n, body):
+        time.sleep(0.5)
+        _send(h, 503, b'{"error":"busy"}')
+
+    with _Scripted(script) as srv:
+        t0 = time.monotonic()
+        res = _ask(srv.url, GenerateRequest(prompt="q"), retries=20, backoff_s=0.05, request_deadline_s=1.6)
+        took = time.monotonic() - t0
+        assert isinstance(res, RunnerError) and type(res).__name__ == "DeadlineExceeded", res
+        assert "no complete reply after 1.6 s" in str(res)
+        assert took < 3.5 and 2 <= len(srv.arrivals) <= 4, (took, len(srv.arrivals))
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "inf", "nan", '"soon"'])
+def test_request_deadline_must_be_a_finite_positive_number(tmp_path: Path, value):
+    p = tmp_path / "r.toml"
+    p.write_text(f'kind = "http"\nbase_url = "http://127.0.0.1:8080/v1"\nrequest_deadline_s = {value}\n')
+    with pytest.raises(ProfileError) as e:
+        load_runner(p, runner_schemas())
+    assert str(p) in str(e.value) and "request_deadline_s" in str(e.value)
+
+
+def test_request_deadline_default_is_documented_and_loaded(tmp_path: Path):
+    p = tmp_path / "r.toml"
+    p.write_text('kind = "http"\nbase_url = "http://127.0.0.1:8080/v1"\n')
+    prof = load_runner(p, runner_schemas())
+    assert prof.settings["request_deadline_s"] == 1800.0
+    assert HttpRunner(prof.settings, str(p)).request_deadline_s == 1800.0
+    assert "request_deadline_s" in (REPO / "docs" / "robustness.md").read_text()

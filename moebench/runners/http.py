@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import time
@@ -33,6 +34,15 @@ from moebench.scoring.answers import first_stop
 from moebench.runners.metrics import parse_prometheus
 from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, bounded_lines, describe, read_bounded,
                                         response_limit, retry_after_s)
+
+
+# A slow server may answer a long generation in minutes; one that drips a byte now and then, each
+# inside timeout_s, must still not hold an item for hours.
+DEFAULT_REQUEST_DEADLINE_S = 1800.0
+
+
+def finite_positive(value: Any) -> str | None:
+    return None if math.isfinite(value) and value > 0 else "must be a finite number of seconds above 0"
 
 
 def url_problem(value: Any) -> str | None:
@@ -62,6 +72,9 @@ SCHEMA: dict[str, Field] = {
     "connect_timeout_s": Field(float, default=10.0, check=positive),
     "retries": Field(int, default=3),
     "backoff_s": Field(float, default=0.5),
+    "request_deadline_s": Field(float, default=DEFAULT_REQUEST_DEADLINE_S, check=finite_positive,
+                                doc="longest one request may take, every retry and wait included; timeout_s "
+                                    "bounds each read only"),
     "max_retry_wait_s": Field(float, default=120.0, check=positive,
                               doc="longest wait a 429/503 Retry-After may ask for before the next attempt"),
     "max_response_bytes": Field(int, default=DEFAULT_MAX_RESPONSE_BYTES, check=positive,
@@ -108,6 +121,7 @@ class HttpRunner(Runner):
         self.retries = int(profile.get("retries", 3))
         self.backoff_s = float(profile.get("backoff_s", 0.5))
         self.max_retry_wait_s = float(profile.get("max_retry_wait_s", 120.0))
+        self.request_deadline_s = float(profile.get("request_deadline_s", DEFAULT_REQUEST_DEADLINE_S))
         self.max_response_bytes = int(profile.get("max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES))
         self.extra_body = dict(profile.get("extra_body") or {})
         self.max_stop = int(profile.get("max_stop", 4))
@@ -165,13 +179,24 @@ class HttpRunner(Runner):
             return min(retry_after, self.max_retry_wait_s)
         return self.backoff_s * (2 ** attempt) * (0.5 + random.random())
 
-    async def _with_retries(self, call):
-        """Run `call(base_url)` with retries on connection errors, timeouts, 5xx and 429 (never other 4xx)."""
+    async def _with_retries(self, call, target: Callable[[str], str] = lambda url: url):
+        """Run `call(base_url)` with retries on connection errors, timeouts, 5xx and 429 (never other 4xx),
+        all within `request_deadline_s`; `target(base_url)` names the URL asked, for the deadline's error."""
         if self.client is None:
             await self.start()
+        asked: list[str] = []
+        try:
+            return await asyncio.wait_for(self._attempts(call, asked), self.request_deadline_s)
+        except TimeoutError:
+            url = target(asked[-1] if asked else self.base_urls[0])
+            raise DeadlineExceeded(f"POST {url}: no complete reply after {self.request_deadline_s:g} s "
+                                   "(request_deadline_s, retries included)") from None
+
+    async def _attempts(self, call, asked: list[str]):
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             url = self._pick()
+            asked.append(url)
             self.in_flight[url] += 1
             retry_after = None
             try:
@@ -247,7 +272,7 @@ class HttpRunner(Runner):
             result.timings.setdefault("wall_s", time.perf_counter() - t0)
             return result
 
-        return await self._with_retries(call)
+        return await self._with_retries(call, lambda url: url + path)
 
     async def _stream(self, url: str, body: dict[str, Any], base: str,
                       on_text: Callable[[str], None] | None, limit: int) -> GenerateResult:
@@ -385,7 +410,7 @@ class HttpRunner(Runner):
                 return prompt_lp.parse_echo(data, ids, where, piece_map)
             return prompt_lp.parse_sglang(data, ids, where)
 
-        return await self._with_retries(call)
+        return await self._with_retries(call, lambda url: (url[:-3] if url.endswith("/v1") else url) + path)
 
     async def tokenize(self, text: str) -> list[int]:
         if Capability.TOKENIZE not in self.capabilities:
@@ -405,7 +430,7 @@ class HttpRunner(Runner):
                 raise RunnerError(f"{root}/tokenize: no 'tokens' list in the response")
             return [t if isinstance(t, int) else t["id"] for t in tokens]
 
-        return await self._with_retries(call)
+        return await self._with_retries(call, lambda url: (url[:-3] if url.endswith("/v1") else url) + "/tokenize")
 
     async def server_metrics(self) -> dict[str, float] | None:
         """Counters of every endpoint's Prometheus /metrics page, summed; None where any has none."""
@@ -434,6 +459,10 @@ def _apply_stops(result: GenerateResult, stops: list[str]) -> GenerateResult:
         result.text, result.finish_reason = result.text[:cut], "stop"
         result.token_ids = None             # the server's ids cover the uncut text
     return result
+
+
+class DeadlineExceeded(RunnerError):
+    """A request got no complete reply within `request_deadline_s`, retries included."""
 
 
 class HttpStatus(Exception):
