@@ -3,6 +3,7 @@ count and log-prob is checked before it reaches a record, and every request has 
 Each server is a few lines on 127.0.0.1 scripted per request (helpers from test_http_faults)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -122,3 +123,149 @@ def test_request_deadline_default_is_documented_and_loaded(tmp_path: Path):
     assert prof.settings["request_deadline_s"] == 1800.0
     assert HttpRunner(prof.settings, str(p)).request_deadline_s == 1800.0
     assert "request_deadline_s" in (REPO / "docs" / "robustness.md").read_text()
+
+
+# -- counts and log-probs: checked, never stored as they come -----------------------------------------
+
+def _pieces_stream(h, n_pieces: int, usage: dict, gap_s: float = 0.0, extra: dict | None = None) -> None:
+    events = [_data({"choices": [{"index": 0, "text": f" w{i}"}]}) for i in range(n_pieces)]
+    events.append(_data({"choices": [{"index": 0, "text": "", "finish_reason": "length"}], **(extra or {})}))
+    events.append(_data({"choices": [], "usage": usage}))
+    events.append(b"data: [DONE]\n\n")
+    _sse(h, events, gap_s)
+
+
+def test_server_count_far_above_the_streamed_pieces_is_flagged_and_not_used():
+    with _Scripted(lambda h, n, b: _pieces_stream(h, 8, {"prompt_tokens": 3, "completion_tokens": 100000})) as srv:
+        res = _ask(srv.url, GenerateRequest(prompt="q", max_tokens=128, stream=True))
+        assert not isinstance(res, Exception), res
+        assert res.output_tokens == 8 and len(res.token_times) == 8
+        flag = res.to_record_fields()["server_count_mismatch"]
+        assert flag["field"] == "usage.completion_tokens" and flag["server"] == 100000 and flag["client"] == 8
+        assert flag["client_source"] == "stream-pieces"
+        assert res.to_record_fields()["output_tokens_source"] == "stream-pieces"
+
+
+@pytest.mark.parametrize("reported", [8, 12])
+def test_server_count_within_the_bounds_is_used_without_a_flag(reported):
+    # 12 tokens in 8 pieces: a piece may carry several tokens (speculative decoding), never fewer than one
+    with _Scripted(lambda h, n, b: _pieces_stream(h, 8, {"prompt_tokens": 3, "completion_tokens": reported})) as srv:
+        res = _ask(srv.url, GenerateRequest(prompt="q", max_tokens=128, stream=True))
+        assert not isinstance(res, Exception), res
+        fields = res.to_record_fields()
+        assert res.output_tokens == reported and "server_count_mismatch" not in fields
+        assert fields["output_tokens_source"] == "server"
+
+
+def test_server_count_above_max_tokens_is_flagged_non_streamed():
+    def script(h, n, body):
+        _send(h, 200, json.dumps({"choices": [{"text": "fine", "finish_reason": "length"}],
+                                  "usage": {"prompt_tokens": 2, "completion_tokens": 500}}).encode())
+
+    with _Scripted(script) as srv:
+        res = _ask(srv.url, GenerateRequest(prompt="q", max_tokens=16))
+        assert not isinstance(res, Exception), res
+        flag = res.to_record_fields()["server_count_mismatch"]
+        assert flag["server"] == 500 and flag["client"] is None and flag["allowed"][1] <= 16
+        assert res.output_tokens is None          # no count this client could check: none at all
+
+
+_BAD_COUNTS = {"negative": "-3", "string": '"8"', "fraction": "8.5", "bool": "true", "nan": "NaN",
+               "infinity": "Infinity"}
+
+
+@pytest.mark.parametrize("field", ["prompt_tokens", "completion_tokens", "total_tokens"])
+@pytest.mark.parametrize("bad", sorted(_BAD_COUNTS))
+@pytest.mark.parametrize("stream", [False, True])
+def test_impossible_usage_count_is_an_error_naming_field_and_url(field, bad, stream):
+    usage = '{"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3, "%s": %s}' % (field, _BAD_COUNTS[bad])
+
+    def script(h, n, body):
+        if stream:
+            _sse(h, [_data({"choices": [{"index": 0, "text": "one", "finish_reason": "stop"}]}),
+                     b'data: {"choices": [], "usage": ' + usage.encode() + b"}\n\n", b"data: [DONE]\n\n"])
+        else:
+            _send(h, 200, b'{"choices": [{"text": "one", "finish_reason": "stop"}], "usage": ' + usage.encode() + b"}")
+
+    with _Scripted(script) as srv:
+        res = _ask(srv.url, GenerateRequest(prompt="q", stream=stream))
+        assert isinstance(res, RunnerError), res
+        msg = str(res)
+        assert f"'usage.{field}'" in msg and "non-negative integer" in msg and f"{srv.url}/completions" in msg, msg
+        assert len(srv.arrivals) == 1                  # a malformed reply is not asked again
+
+
+@pytest.mark.parametrize("key,value,why", [("predicted_per_second", "NaN", "finite number"),
+                                           ("predicted_ms", "-Infinity", "finite number"),
+                                           ("prompt_ms", "-4.0", ">= 0"),
+                                           ("predicted_n", '"8"', "non-negative integer"),
+                                           ("draft_n_accepted", "-1", "non-negative integer")])
+@pytest.mark.parametrize("stream", [False, True])
+def test_impossible_timings_value_is_an_error_naming_field_and_url(key, value, why, stream):
+    timings = ('{"predicted_n": 1, "predicted_ms": 5.0, "%s": %s}' % (key, value)).encode()
+
+    def script(h, n, body):
+        if stream:
+            _sse(h, [_data({"choices": [{"index": 0, "text": "one"}]}),
+                     b'data: {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}], "timings": '
+                     + timings + b"}\n\n", b"data: [DONE]\n\n"])
+        else:
+            _send(h, 200, b'{"choices": [{"text": "one", "finish_reason": "stop"}], "timings": ' + timings + b"}")
+
+    with _Scripted(script) as srv:
+        res = _ask(srv.url, GenerateRequest(prompt="q", stream=stream))
+        assert isinstance(res, RunnerError), res
+        msg = str(res)
+        assert f"'timings.{key}'" in msg and why in msg and f"{srv.url}/completions" in msg, msg
+
+
+def _with_logprobs(api: str, value: str) -> bytes:
+    if api == "chat":
+        lp = ('{"content": [{"token": "A", "logprob": -0.1, "top_logprobs": [{"token": "A", "logprob": -0.1}, '
+              '{"token": "B", "logprob": %s}]}]}' % value)
+        return ('{"choices": [{"message": {"role": "assistant", "content": "A"}, "finish_reason": "stop", '
+                '"logprobs": %s}]}' % lp).encode()
+    lp = '{"tokens": ["A"], "token_logprobs": [-0.1], "top_logprobs": [{"A": -0.1, "B": %s}]}' % value
+    return ('{"choices": [{"text": "A", "finish_reason": "stop", "logprobs": %s}]}' % lp).encode()
+
+
+@pytest.mark.parametrize("value", ["0.5", "NaN", "Infinity", "-Infinity", '"-1"'])
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_impossible_top_logprob_is_an_error_naming_field_and_url(api, value):
+    with _Scripted(lambda h, n, b: _send(h, 200, _with_logprobs(api, value))) as srv:
+        res = _ask(srv.url, GenerateRequest(prompt="q", top_logprobs=2), api=api)
+        assert isinstance(res, RunnerError), res
+        msg = str(res)
+        path = "/chat/completions" if api == "chat" else "/completions"
+        assert "top_logprobs" in msg and "log-prob" in msg and f"{srv.url}{path}" in msg, msg
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_top_logprob_within_rounding_of_zero_is_accepted(api):
+    with _Scripted(lambda h, n, b: _send(h, 200, _with_logprobs(api, "0.00005"))) as srv:
+        res = _ask(srv.url, GenerateRequest(prompt="q", top_logprobs=2), api=api)
+        assert not isinstance(res, Exception), res
+        assert res.top_logprobs == [{"A": -0.1, "B": 0.00005}]
+
+
+@pytest.mark.parametrize("value", ["0.5", "NaN", "-Infinity"])
+def test_impossible_prompt_logprob_is_an_error_naming_position_and_url(value):
+    def script(h, n, body):
+        plp = '[null, {"2": {"logprob": -0.3}}, {"3": {"logprob": %s}, "7": {"logprob": -2.0}}]' % value
+        _send(h, 200, ('{"choices": [{"text": "", "prompt_logprobs": %s}]}' % plp).encode())
+
+    with _Scripted(script) as srv:
+        runner = HttpRunner({"base_url": srv.url, "model": "m", "retries": 0, "prompt_logprobs": "vllm",
+                             "token_prompts": True}, "test.toml")
+
+        async def go():
+            try:
+                return await runner.prompt_logprobs([1, 2, 3], top_k=2)
+            finally:
+                await runner.close()
+
+        with pytest.raises(RunnerError) as e:
+            asyncio.run(go())
+        root = srv.url[:-3]
+        assert f"{root}/v1/completions" in str(e.value) and "position 2" in str(e.value)
+        assert "log-prob" in str(e.value)

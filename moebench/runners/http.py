@@ -261,18 +261,41 @@ class HttpRunner(Runner):
         async def call(url: str) -> GenerateResult:
             assert self.client is not None
             if request.stream:
-                return _apply_stops(await self._stream(url + path, {**body, "stream": True,
-                                                                   "stream_options": {"include_usage": True}},
-                                                       url, request.on_text, limit), request.stop[self.max_stop:])
+                return await self._stream(url + path, {**body, "stream": True,
+                                                       "stream_options": {"include_usage": True}},
+                                          url, request.on_text, limit)
             t0 = time.perf_counter()
             raw = await self._post(url + path, body, limit)
-            result = _apply_stops(parse_response(_json(raw, url + path), self.api, url + path),
-                                  request.stop[self.max_stop:])
+            result = parse_response(_json(raw, url + path), self.api, url + path)
             result.endpoint = url
             result.timings.setdefault("wall_s", time.perf_counter() - t0)
             return result
 
-        return await self._with_retries(call, lambda url: url + path)
+        result = await self._with_retries(call, lambda url: url + path)
+        await self._check_output_count(result, request)       # on the whole text, before client-side stops
+        return _apply_stops(result, request.stop[self.max_stop:])
+
+    async def _check_output_count(self, result: GenerateResult, request: GenerateRequest) -> None:
+        """Compare the server's output count with one counted here; keep the checked one and flag a
+        disagreement (moebench.runners.reply_checks)."""
+        text = (result.reasoning or "") + result.text
+        if self.local_tokenizer is not None:
+            client = reply_checks.OutputCount(len(self.local_tokenizer.encode(text)), "tokenizer")
+        elif self.tokenize_form != "none":
+            client = reply_checks.OutputCount(len(await self.tokenize(text)) if text else 0, "server-tokenize")
+        elif result.token_times is not None:
+            client = reply_checks.OutputCount(len(result.token_times), "stream-pieces")
+        else:
+            client = reply_checks.OutputCount(None, "none")
+        server = result.output_tokens
+        result.output_tokens, result.server_count_mismatch = reply_checks.reconcile(
+            server, "usage.completion_tokens", client, text, request.max_tokens)
+        if result.output_tokens is None:
+            result.output_tokens_source = None
+        elif server is not None and result.server_count_mismatch is None:
+            result.output_tokens_source = "server"
+        else:
+            result.output_tokens_source = client.source
 
     async def _stream(self, url: str, body: dict[str, Any], base: str,
                       on_text: Callable[[str], None] | None, limit: int) -> GenerateResult:
@@ -319,8 +342,8 @@ class HttpRunner(Runner):
                                       f"{str(detail)[:300]}")
                 if not isinstance(chunk, dict):
                     raise RunnerError(f"{url}: stream chunk is not a JSON object: {payload[:200]!r}")
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
+                if chunk.get("usage") is not None:
+                    usage = reply_checks.usage(chunk["usage"], url)
                 if chunk.get("timings") is not None:        # llama-server's (draft counters among them)
                     server_timings = reply_checks.timings(chunk["timings"], url)
                 choices = chunk.get("choices") or []
@@ -345,7 +368,7 @@ class HttpRunner(Runner):
                     first.setdefault("first_content_s", now)
                     if on_text is not None:
                         on_text(piece)
-                    top.extend(_top_logprobs(c.get("logprobs")) or [])
+                    top.extend(_top_logprobs(c.get("logprobs"), url) or [])
                 finish = c.get("finish_reason") or finish
         if not ended and finish is None:
             raise RunnerError(f"{url}: the stream ended after {len(times)} pieces without [DONE] or a "
@@ -354,7 +377,7 @@ class HttpRunner(Runner):
         if reasoning:
             timings["reasoning_pieces"] = len(reasoning)
         return GenerateResult(
-            text="".join(texts), output_tokens=usage.get("completion_tokens") or len(times),
+            text="".join(texts), output_tokens=usage.get("completion_tokens"),
             prompt_tokens=usage.get("prompt_tokens"), finish_reason=finish,
             top_logprobs=top or None, token_times=times, endpoint=base,
             reasoning="".join(reasoning) or None,
@@ -484,10 +507,9 @@ class HttpStatus(Exception):
 
 
 def _reasoning_tokens(usage: dict[str, Any]) -> int | None:
-    """Reasoning token count where the server reports it (OpenAI-style usage details)."""
-    details = usage.get("completion_tokens_details") or {}
-    n = details.get("reasoning_tokens") if isinstance(details, dict) else None
-    return n if isinstance(n, int) else None
+    """Reasoning token count where the server reports it (OpenAI-style usage details, checked by
+    reply_checks.usage)."""
+    return usage.get("reasoning_tokens")
 
 
 def _json(raw: bytes, where: str) -> Any:
@@ -497,19 +519,21 @@ def _json(raw: bytes, where: str) -> Any:
         raise RunnerError(f"{where}: response is not JSON: {raw[:200].decode('utf-8', 'replace')!r}") from None
 
 
-def _top_logprobs(lp: Any) -> list[dict[str, float]] | None:
-    """Per-position top log-probs from either format; None when absent."""
+def _top_logprobs(lp: Any, where: str) -> list[dict[str, float]] | None:
+    """Per-position top log-probs from either format, each checked; None when absent."""
     if not lp:
         return None
     if isinstance(lp, dict) and isinstance(lp.get("content"), list):        # chat style
         out = []
-        for pos in lp["content"]:
-            alts = pos.get("top_logprobs") or []
-            out.append({a["token"]: float(a["logprob"]) for a in alts if "token" in a and "logprob" in a})
+        for i, pos in enumerate(lp["content"]):
+            alts = (pos.get("top_logprobs") if isinstance(pos, dict) else None) or []
+            out.append({a["token"]: reply_checks.logprob(a["logprob"], f"logprobs.content[{i}].top_logprobs", where)
+                        for a in alts if isinstance(a, dict) and "token" in a and "logprob" in a})
         return out
     if isinstance(lp, dict) and isinstance(lp.get("top_logprobs"), list):   # legacy completions
-        return [{str(k): float(v) for k, v in (pos or {}).items()} for pos in lp["top_logprobs"]]
-    raise RunnerError(f"unrecognised logprobs format: {str(lp)[:200]}")
+        return [{str(k): reply_checks.logprob(v, f"logprobs.top_logprobs[{i}][{k!r}]", where)
+                 for k, v in (pos or {}).items()} for i, pos in enumerate(lp["top_logprobs"])]
+    raise RunnerError(f"{where}: unrecognised logprobs format: {str(lp)[:200]}")
 
 
 def parse_response(data: Any, api: str, where: str = "response") -> GenerateResult:
@@ -534,10 +558,10 @@ def parse_response(data: Any, api: str, where: str = "response") -> GenerateResu
         text = c.get("text")
     if not isinstance(text, str):
         raise RunnerError(f"response choice has no text: {str(c)[:200]}")
-    usage = data.get("usage") or {}
+    usage = reply_checks.usage(data.get("usage"), where)
     timings = reply_checks.timings(data.get("timings"), where)     # llama-server adds its own timings
     return GenerateResult(text=text, prompt_tokens=usage.get("prompt_tokens"),
                           output_tokens=usage.get("completion_tokens"), finish_reason=c.get("finish_reason"),
-                          top_logprobs=_top_logprobs(c.get("logprobs")), timings=timings,
+                          top_logprobs=_top_logprobs(c.get("logprobs"), where), timings=timings,
                           reasoning=reasoning if isinstance(reasoning, str) else None,
                           reasoning_tokens=_reasoning_tokens(usage) if reasoning else None)

@@ -40,6 +40,22 @@ def count(value: Any, field: str, where: str) -> int | None:
     return value
 
 
+def usage(value: Any, where: str) -> dict[str, Any]:
+    """The checked counts of an OpenAI-style `usage` object (reasoning tokens from its
+    `completion_tokens_details`); {} when absent."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise RunnerError(f"{where}: field 'usage' is {_shown(value)}, expected an object")
+    out = {key: count(value.get(key), f"usage.{key}", where)
+           for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    details = value.get("completion_tokens_details")
+    out["reasoning_tokens"] = (count(details.get("reasoning_tokens"),
+                                     "usage.completion_tokens_details.reasoning_tokens", where)
+                               if isinstance(details, dict) else None)
+    return out
+
+
 def logprob(value: Any, field: str, where: str) -> float:
     """A log-prob the server reported, as a float; RunnerError unless finite and <= LOGPROB_TOLERANCE."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -93,10 +109,11 @@ def reconcile(server: int | None, field: str, client: OutputCount, text: str,
     upper = len(text.encode("utf-8")) + SPECIAL_TOKEN_ALLOWANCE
     lower = 0
     if client.value is not None:
-        slack = max(COUNT_TOLERANCE_TOKENS, math.ceil(COUNT_TOLERANCE_FRACTION * client.value))
-        lower = client.value - slack
-        if client.source != "stream-pieces":
-            upper = min(upper, client.value + slack)
+        if client.source == "stream-pieces":
+            lower = client.value            # every text-bearing piece holds at least one token
+        else:
+            slack = max(COUNT_TOLERANCE_TOKENS, math.ceil(COUNT_TOLERANCE_FRACTION * client.value))
+            lower, upper = client.value - slack, min(upper, client.value + slack)
     if max_tokens:
         upper = min(upper, max_tokens)
     lower = max(0, min(lower, upper))
