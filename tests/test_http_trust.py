@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, moebench_cli, read_items
 from moebench.config import ProfileError, load_runner
 from moebench.runners import runner_schemas
 from moebench.runners.base import GenerateRequest, RunnerError
@@ -113,7 +113,9 @@ def test_request_deadline_must_be_a_finite_positive_number(tmp_path: Path, value
     p.write_text(f'kind = "http"\nbase_url = "http://127.0.0.1:8080/v1"\nrequest_deadline_s = {value}\n')
     with pytest.raises(ProfileError) as e:
         load_runner(p, runner_schemas())
-    assert str(p) in str(e.value) and "request_deadline_s" in str(e.value)
+    msg = str(e.value)
+    assert str(p) in msg and "key 'request_deadline_s' must be a" in msg, msg
+    assert ("finite number of seconds above 0" if value != '"soon"' else "must be a number") in msg, msg
 
 
 def test_request_deadline_default_is_documented_and_loaded(tmp_path: Path):
@@ -269,3 +271,28 @@ def test_impossible_prompt_logprob_is_an_error_naming_position_and_url(value):
         root = srv.url[:-3]
         assert f"{root}/v1/completions" in str(e.value) and "position 2" in str(e.value)
         assert "log-prob" in str(e.value)
+
+
+def test_speed_run_uses_the_checked_count_not_the_servers_word(tmp_path: Path, data_dir):
+    """The real CLI: a speed record keeps `ok`, flags the server's 100000-token claim for 8 streamed
+    pieces, and its decode tok/s comes from the 8 pieces (not ~1e6 tok/s)."""
+    def script(h, n, body):
+        if body.get("stream"):
+            _pieces_stream(h, 8, {"prompt_tokens": 30, "completion_tokens": 100000}, gap_s=0.05)
+        else:
+            _send(h, 200, _ok())
+
+    with _Scripted(script) as srv:
+        suite = tmp_path / "s.toml"
+        suite.write_text('name = "s"\n[[tasks]]\ntask = "speed"\nprompt_lengths = [32]\noutput_tokens = 8\n'
+                         'repeats = 1\nwarmup = 0\n[probes]\nnvml = false\n')
+        runner = tmp_path / "r.toml"
+        runner.write_text(f'kind = "http"\nbase_url = "{srv.url}"\nmodel = "m"\nretries = 0\n')
+        out = tmp_path / "run"
+        proc = moebench_cli("run", str(suite), "--runner", str(runner), "--out", str(out), timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        [rec] = [r for r in read_items(out) if r.get("task") == "speed"]
+        assert rec["status"] == "ok", rec
+        assert rec["output_tokens"] == 8 and rec["output_tokens_source"] == "stream-pieces"
+        assert rec["server_count_mismatch"]["server"] == 100000 and rec["server_count_mismatch"]["client"] == 8
+        assert 0 < rec["decode_tok_s"] < 100, rec["decode_tok_s"]      # 7 gaps of ~0.05 s: ~20 tok/s
