@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -296,3 +297,77 @@ def test_speed_run_uses_the_checked_count_not_the_servers_word(tmp_path: Path, d
         assert rec["output_tokens"] == 8 and rec["output_tokens_source"] == "stream-pieces"
         assert rec["server_count_mismatch"]["server"] == 100000 and rec["server_count_mismatch"]["client"] == 8
         assert 0 < rec["decode_tok_s"] < 100, rec["decode_tok_s"]      # 7 gaps of ~0.05 s: ~20 tok/s
+
+
+# -- the llama-server runner checks its server's replies the same way ---------------------------------
+
+def _llama(tmp_path: Path, req: GenerateRequest, completion: str = "{}", stream: list[str] | None = None):
+    """Ask a llama-server runner whose binary is tests/llama_server_fake.py answering as planted."""
+    from moebench.runners.llama_server import LlamaServerRunner
+    binary = tmp_path / "llama-server"
+    binary.write_text(f"#!{sys.executable}\n" + (REPO / "tests" / "llama_server_fake.py").read_text())
+    binary.chmod(0o755)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(64))
+    runner = LlamaServerRunner({"binary": str(binary), "model": str(model), "startup_timeout_s": 30.0,
+                                "max_restarts": 0, "env": {"FAKE_COMPLETION": completion,
+                                                           "FAKE_STREAM": json.dumps(stream or [])}}, "test.toml")
+
+    async def go():
+        await runner.start(str(tmp_path))
+        try:
+            return await runner.generate(req)
+        finally:
+            await runner.close()
+
+    try:
+        return asyncio.run(go())
+    except RunnerError as e:
+        return e
+
+
+def _llama_reply(**fields) -> str:
+    reply = {"content": "one two", "tokens": [11, 12], "tokens_predicted": 2, "tokens_evaluated": 3,
+             "tokens_cached": 0, "stop_type": "limit", "stop": True,
+             "timings": {"prompt_n": 3, "prompt_ms": 1.5, "predicted_n": 2, "predicted_ms": 4.0,
+                         "predicted_per_second": 500.0}}
+    reply.update(fields)
+    return json.dumps(reply)
+
+
+def test_llama_server_count_beyond_its_token_ids_is_flagged(tmp_path: Path):
+    res = _llama(tmp_path, GenerateRequest(prompt="q", max_tokens=64), _llama_reply(tokens_predicted=100000))
+    assert not isinstance(res, Exception), res
+    fields = res.to_record_fields()
+    assert res.output_tokens == 2 and fields["output_tokens_source"] == "token-ids"
+    assert fields["server_count_mismatch"]["field"] == "tokens_predicted"
+    assert fields["server_count_mismatch"]["server"] == 100000 and fields["server_count_mismatch"]["client"] == 2
+
+
+@pytest.mark.parametrize("field,value,expect", [
+    ("tokens_predicted", "-2", "'tokens_predicted' is -2"),
+    ("tokens_evaluated", '"3"', "'tokens_evaluated' is '3'"),
+    ("timings", '{"predicted_per_second": NaN}', "'timings.predicted_per_second' is nan"),
+    ("timings", "[1, 2]", "'timings' is list"),
+    ("completion_probabilities", '[{"top_logprobs": [{"token": "a", "logprob": 0.7}]}]',
+     "'completion_probabilities[0].top_logprobs' is 0.7"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_llama_server_impossible_value_is_an_error_naming_field_and_url(tmp_path: Path, field, value, expect, stream):
+    reply = json.loads(_llama_reply())
+    raw = json.dumps({k: v for k, v in reply.items() if k != field})[:-1] + f', "{field}": {value}}}'
+    req = GenerateRequest(prompt="q", max_tokens=64, top_logprobs=1, stream=stream)
+    if stream:
+        res = _llama(tmp_path, req, stream=['{"content": "one", "tokens": [11], "stop": false}', raw])
+    else:
+        res = _llama(tmp_path, req, raw)
+    assert isinstance(res, RunnerError), res
+    msg = str(res)
+    assert expect in msg and "/completion" in msg and "http://127.0.0.1:" in msg, msg
+
+
+def test_llama_server_reply_within_bounds_is_kept(tmp_path: Path):
+    res = _llama(tmp_path, GenerateRequest(prompt="q", max_tokens=64), _llama_reply())
+    assert not isinstance(res, Exception), res
+    assert res.output_tokens == 2 and res.prompt_tokens == 3 and res.server_count_mismatch is None
+    assert res.timings["predicted_per_second"] == 500.0 and res.output_tokens_source == "server"
