@@ -301,8 +301,10 @@ def test_speed_run_uses_the_checked_count_not_the_servers_word(tmp_path: Path, d
 
 # -- the llama-server runner checks its server's replies the same way ---------------------------------
 
-def _llama(tmp_path: Path, req: GenerateRequest, completion: str = "{}", stream: list[str] | None = None):
-    """Ask a llama-server runner whose binary is tests/llama_server_fake.py answering as planted."""
+def _llama(tmp_path: Path, req: GenerateRequest | None, completion: str = "{}", stream: list[str] | None = None,
+           ask=None):
+    """Ask a llama-server runner whose binary is tests/llama_server_fake.py answering as planted
+    (`req`, or `ask(runner)` for another request than generate)."""
     from moebench.runners.llama_server import LlamaServerRunner
     binary = tmp_path / "llama-server"
     binary.write_text(f"#!{sys.executable}\n" + (REPO / "tests" / "llama_server_fake.py").read_text())
@@ -316,7 +318,7 @@ def _llama(tmp_path: Path, req: GenerateRequest, completion: str = "{}", stream:
     async def go():
         await runner.start(str(tmp_path))
         try:
-            return await runner.generate(req)
+            return await (ask(runner) if ask is not None else runner.generate(req))
         finally:
             await runner.close()
 
@@ -371,3 +373,33 @@ def test_llama_server_reply_within_bounds_is_kept(tmp_path: Path):
     assert not isinstance(res, Exception), res
     assert res.output_tokens == 2 and res.prompt_tokens == 3 and res.server_count_mismatch is None
     assert res.timings["predicted_per_second"] == 500.0 and res.output_tokens_source == "server"
+
+
+@pytest.mark.parametrize("prob", ["1.7", "NaN", "-0.2"])
+def test_llama_server_impossible_choice_probability_is_an_error(tmp_path: Path, prob):
+    reply = ('{"content": "A", "tokens": [5], "stop": true, "completion_probabilities": [{"top_probs": '
+             '[{"token": "A", "prob": %s}, {"token": "B", "prob": 0.1}]}]}' % prob)
+    res = _llama(tmp_path, None, reply, ask=lambda r: r.choice_logprobs("q", ["A", "B"]))
+    assert isinstance(res, RunnerError), res
+    msg = str(res)
+    assert "'completion_probabilities[0].top_probs'" in msg and "probability in [0, 1]" in msg, msg
+    assert "/completion" in msg and "http://127.0.0.1:" in msg
+
+
+@pytest.mark.parametrize("tokens", ["[1, -2]", '[1, "2"]', "[1, null]", '[{"id": 1.5, "piece": "a"}]'])
+def test_impossible_token_id_from_tokenize_names_it_and_the_url(tokens):
+    def script(h, n, body):
+        _send(h, 200, ('{"tokens": %s}' % tokens).encode())
+
+    with _Scripted(script) as srv:
+        runner = HttpRunner({"base_url": srv.url, "model": "m", "retries": 0, "tokenize": "llama-server"}, "t.toml")
+
+        async def go():
+            try:
+                return await runner.tokenize("a b")
+            finally:
+                await runner.close()
+
+        with pytest.raises(RunnerError) as e:
+            asyncio.run(go())
+        assert "'tokens[" in str(e.value) and f"{srv.url[:-3]}/tokenize" in str(e.value), str(e.value)

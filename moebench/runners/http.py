@@ -451,7 +451,7 @@ class HttpRunner(Runner):
             tokens = data.get("tokens") if isinstance(data, dict) else None
             if not isinstance(tokens, list):
                 raise RunnerError(f"{root}/tokenize: no 'tokens' list in the response")
-            return [t if isinstance(t, int) else t["id"] for t in tokens]
+            return [_token_id(t, f"tokens[{i}]", f"{root}/tokenize") for i, t in enumerate(tokens)]
 
         return await self._with_retries(call, lambda url: (url[:-3] if url.endswith("/v1") else url) + "/tokenize")
 
@@ -510,6 +510,14 @@ def _reasoning_tokens(usage: dict[str, Any]) -> int | None:
     """Reasoning token count where the server reports it (OpenAI-style usage details, checked by
     reply_checks.usage)."""
     return usage.get("reasoning_tokens")
+
+
+def _token_id(entry: Any, field: str, where: str) -> int:
+    """A token id from /tokenize: a bare id (llama-server, vLLM) or {"id": ...} (llama-server with pieces)."""
+    tid = reply_checks.count(entry.get("id") if isinstance(entry, dict) else entry, field, where)
+    if tid is None:
+        raise RunnerError(f"{where}: field {field!r} is null, expected a token id")
+    return tid
 
 
 def _json(raw: bytes, where: str) -> Any:

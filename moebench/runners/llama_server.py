@@ -683,11 +683,19 @@ class LlamaServerRunner(Runner):
         async def call(client: httpx.AsyncClient) -> dict[str, float | None]:
             r = await client.post("/completion", json=payload)
             self._check_status(r)
-            probs = (r.json().get("completion_probabilities") or [{}])[0].get("top_probs") or []
+            where = f"{self.base_url}/completion"
+            positions = _json_object(r.content, where).get("completion_probabilities") or [{}]
+            probs = (positions[0].get("top_probs") if isinstance(positions, list) and isinstance(positions[0], dict)
+                     else None) or []
+            if not isinstance(probs, list):
+                raise RunnerError(f"{where}: field 'completion_probabilities[0].top_probs' is not a list")
             best: dict[str, float] = {}
             for p in probs:
-                tok, prob = p.get("token"), p.get("prob")
-                if tok in choices and prob and prob > 0:
+                tok = p.get("token") if isinstance(p, dict) else None
+                if tok not in choices:
+                    continue
+                prob = reply_checks.probability(p.get("prob"), "completion_probabilities[0].top_probs", where)
+                if prob > 0:
                     best[tok] = max(best.get(tok, 0.0), prob)
             return {c: (math.log(best[c]) if c in best else None) for c in choices}
 

@@ -6,7 +6,7 @@
 - `timings` must be an object of numbers (or nulls): finite, and not negative for counts (`*_n`),
   durations (`*_ms`) and rates (`*_per_second`). NaN and Infinity never pass, so no record holds them.
 - A log-prob must be a finite number <= LOGPROB_TOLERANCE (a log-prob is at most 0; the tolerance
-  absorbs servers' rounding).
+  absorbs servers' rounding); a probability a finite number in [0, 1 + LOGPROB_TOLERANCE].
 - The output token count the server reports is compared with one counted on the client
   (`OutputCount`); beyond the tolerance the record stays `ok`, carries `server_count_mismatch` with
   both numbers, and the client's count is the one used (tok/s among others).
@@ -65,6 +65,14 @@ def logprob(value: Any, field: str, where: str) -> float:
         raise RunnerError(f"{where}: field {field!r} is {_shown(value)}, expected a finite log-prob <= 0 "
                           f"(tolerance {LOGPROB_TOLERANCE:g})")
     return v
+
+
+def probability(value: Any, field: str, where: str) -> float:
+    """A probability the server reported; RunnerError unless a finite number in [0, 1 + tolerance]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 <= value <= 1 + LOGPROB_TOLERANCE:
+        raise RunnerError(f"{where}: field {field!r} is {_shown(value)}, expected a probability in [0, 1]")
+    return float(value)
 
 
 def timings(value: Any, where: str) -> dict[str, Any]:
