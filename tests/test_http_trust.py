@@ -403,3 +403,44 @@ def test_impossible_token_id_from_tokenize_names_it_and_the_url(tokens):
         with pytest.raises(RunnerError) as e:
             asyncio.run(go())
         assert "'tokens[" in str(e.value) and f"{srv.url[:-3]}/tokenize" in str(e.value), str(e.value)
+
+
+def _reply(text: str, completion_tokens: int) -> bytes:
+    return json.dumps({"choices": [{"text": text, "finish_reason": "length"}],
+                       "usage": {"prompt_tokens": 2, "completion_tokens": completion_tokens}}).encode()
+
+
+@pytest.mark.parametrize("claimed,flagged", [(60, True), (2, True), (None, False)])
+def test_output_count_checked_by_the_local_tokenizer(zoo, claimed, flagged):
+    from moebench.runners.local_tokenizer import load_tokenizer
+    text = " the quick brown fox jumps over the lazy dog" * 3
+    real = len(load_tokenizer(str(zoo / "tiny-moe"), "x").encode(text))
+    claim = claimed if claimed is not None else real + 1       # within the tolerance: the server's is kept
+    with _Scripted(lambda h, n, b: _send(h, 200, _reply(text, claim))) as srv:
+        res = _ask(srv.url, GenerateRequest(prompt="q", max_tokens=200), tokenizer=str(zoo / "tiny-moe"))
+        assert not isinstance(res, Exception), res
+        fields = res.to_record_fields()
+        if flagged:
+            assert res.output_tokens == real and fields["output_tokens_source"] == "tokenizer"
+            assert fields["server_count_mismatch"]["client"] == real
+            assert fields["server_count_mismatch"]["server"] == claim
+        else:
+            assert res.output_tokens == claim and fields["output_tokens_source"] == "server"
+            assert "server_count_mismatch" not in fields
+
+
+def test_output_count_checked_by_the_servers_tokenize():
+    text = "one two three four five six seven eight nine ten eleven twelve"
+
+    def script(h, n, body):
+        if h.path == "/tokenize":                   # one token per word
+            _send(h, 200, json.dumps({"tokens": list(range(len(body["content"].split())))}).encode())
+        else:
+            _send(h, 200, _reply(text, 40))
+
+    with _Scripted(script) as srv:
+        res = _ask(srv.url, GenerateRequest(prompt="q", max_tokens=64), tokenize="llama-server")
+        assert not isinstance(res, Exception), res
+        fields = res.to_record_fields()
+        assert res.output_tokens == 12 and fields["output_tokens_source"] == "server-tokenize"
+        assert fields["server_count_mismatch"]["server"] == 40 and fields["server_count_mismatch"]["allowed"] == [4, 20]

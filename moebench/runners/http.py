@@ -12,6 +12,11 @@
 - Both log-prob formats: legacy completions (`logprobs.top_logprobs` = list of dicts) and chat-style
   (`logprobs.content[].top_logprobs` = list of {token, logprob}), which vLLM and llama-server return.
 - Streaming (SSE) records each token's arrival time for the speed task.
+- Each request, its retries and waits included, ends by `request_deadline_s` (DeadlineExceeded), so a
+  server that drips a byte at a time, each inside the per-read `timeout_s`, cannot hold an item.
+- Only a 2xx reply is an answer; redirects are not followed (the error names the Location).
+- Counts, timings and log-probs are checked before they reach a record, and the output count is
+  checked against the client's own (moebench.runners.reply_checks).
 A response that is not what the protocol promises raises RunnerError with the reason.
 """
 from __future__ import annotations
