@@ -347,7 +347,7 @@ class HttpRunner(Runner):
                                       f"{str(detail)[:300]}")
                 if not isinstance(chunk, dict):
                     raise RunnerError(f"{url}: stream chunk is not a JSON object: {payload[:200]!r}")
-                if chunk.get("usage") is not None:
+                if chunk.get("usage") not in (None, {}):    # an empty usage on a middle chunk says nothing
                     usage = reply_checks.usage(chunk["usage"], url)
                 if chunk.get("timings") is not None:        # llama-server's (draft counters among them)
                     server_timings = reply_checks.timings(chunk["timings"], url)
