@@ -444,3 +444,32 @@ def test_output_count_checked_by_the_servers_tokenize():
         fields = res.to_record_fields()
         assert res.output_tokens == 12 and fields["output_tokens_source"] == "server-tokenize"
         assert fields["server_count_mismatch"]["server"] == 40 and fields["server_count_mismatch"]["allowed"] == [4, 20]
+
+
+def test_run_records_name_the_bad_field_and_the_deadline(tmp_path: Path, data_dir):
+    """The real CLI: an impossible count and a slow drip become `error` records in `Type: detail` form,
+    never wrong answers, and the drip holds its item no longer than request_deadline_s."""
+    def script(h, n, body):
+        if n == 1:
+            _send(h, 200, b'{"choices": [{"text": "#### 1", "finish_reason": "stop"}], '
+                          b'"usage": {"prompt_tokens": 5, "completion_tokens": -3}}')
+        else:
+            _drip(h, "no-length")
+
+    with _Scripted(script) as srv:
+        suite = tmp_path / "g.toml"
+        suite.write_text('name = "g"\n[[tasks]]\ntask = "gsm8k"\nlimit = 2\nshots = 0\n[probes]\nnvml = false\n')
+        runner = tmp_path / "r.toml"
+        runner.write_text(f'kind = "http"\nbase_url = "{srv.url}"\nmodel = "m"\nretries = 0\n'
+                          'request_deadline_s = 1.5\n')
+        out = tmp_path / "run"
+        t0 = time.monotonic()
+        proc = moebench_cli("run", str(suite), "--runner", str(runner), "--out", str(out), timeout=120)
+        assert time.monotonic() - t0 < 60, proc.stderr
+        recs = [r for r in read_items(out) if r.get("task") == "gsm8k"]
+        assert len(recs) == 2 and all(r["status"] == "error" and r["correct"] is None for r in recs), recs
+        errors = sorted(r["error"] for r in recs)
+        assert errors[0] == (f"DeadlineExceeded: POST {srv.url}/completions: no complete reply after 1.5 s "
+                             "(request_deadline_s, retries included)"), errors
+        assert errors[1].startswith(f"RunnerError: {srv.url}/completions: field 'usage.completion_tokens' is -3 "
+                                    "(int), expected a non-negative integer"), errors
