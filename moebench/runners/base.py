@@ -94,6 +94,12 @@ class GenerateResult:
     # its token count where the server reports one.
     reasoning: str | None = None
     reasoning_tokens: int | None = None
+    # How `output_tokens` was obtained: "server" (the server's count, checked against the client's),
+    # or the client's own count where the server gave none or one beyond the tolerance
+    # (moebench.runners.reply_checks); None where the runner does not say.
+    output_tokens_source: str | None = None
+    # The server's output count and the client's, where they disagree beyond the tolerance.
+    server_count_mismatch: dict[str, Any] | None = None
 
     def to_record_fields(self) -> dict[str, Any]:
         """The fields every task copies into its record."""
@@ -111,6 +117,10 @@ class GenerateResult:
         if self.reasoning is not None:
             out["reasoning"] = self.reasoning
             out["reasoning_tokens"] = self.reasoning_tokens
+        if self.output_tokens_source is not None:
+            out["output_tokens_source"] = self.output_tokens_source
+        if self.server_count_mismatch is not None:
+            out["server_count_mismatch"] = self.server_count_mismatch
         return out
 
 

@@ -12,12 +12,18 @@
 - Both log-prob formats: legacy completions (`logprobs.top_logprobs` = list of dicts) and chat-style
   (`logprobs.content[].top_logprobs` = list of {token, logprob}), which vLLM and llama-server return.
 - Streaming (SSE) records each token's arrival time for the speed task.
+- Each request, its retries and waits included, ends by `request_deadline_s` (DeadlineExceeded), so a
+  server that drips a byte at a time, each inside the per-read `timeout_s`, cannot hold an item.
+- Only a 2xx reply is an answer; redirects are not followed (the error names the Location).
+- Counts, timings and log-probs are checked before they reach a record, and the output count is
+  checked against the client's own (moebench.runners.reply_checks).
 A response that is not what the protocol promises raises RunnerError with the reason.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import time
@@ -27,11 +33,21 @@ import httpx
 
 from moebench.config import Field, ProfileError, positive
 from moebench.runners import prompt_logprobs as prompt_lp
+from moebench.runners import reply_checks
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
 from moebench.scoring.answers import first_stop
 from moebench.runners.metrics import parse_prometheus
 from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, bounded_lines, describe, read_bounded,
                                         response_limit, retry_after_s)
+
+
+# A slow server may answer a long generation in minutes; one that drips a byte now and then, each
+# inside timeout_s, must still not hold an item for hours.
+DEFAULT_REQUEST_DEADLINE_S = 1800.0
+
+
+def finite_positive(value: Any) -> str | None:
+    return None if math.isfinite(value) and value > 0 else "must be a finite number of seconds above 0"
 
 
 def url_problem(value: Any) -> str | None:
@@ -61,6 +77,9 @@ SCHEMA: dict[str, Field] = {
     "connect_timeout_s": Field(float, default=10.0, check=positive),
     "retries": Field(int, default=3),
     "backoff_s": Field(float, default=0.5),
+    "request_deadline_s": Field(float, default=DEFAULT_REQUEST_DEADLINE_S, check=finite_positive,
+                                doc="longest one request may take, every retry and wait included; timeout_s "
+                                    "bounds each read only"),
     "max_retry_wait_s": Field(float, default=120.0, check=positive,
                               doc="longest wait a 429/503 Retry-After may ask for before the next attempt"),
     "max_response_bytes": Field(int, default=DEFAULT_MAX_RESPONSE_BYTES, check=positive,
@@ -107,6 +126,7 @@ class HttpRunner(Runner):
         self.retries = int(profile.get("retries", 3))
         self.backoff_s = float(profile.get("backoff_s", 0.5))
         self.max_retry_wait_s = float(profile.get("max_retry_wait_s", 120.0))
+        self.request_deadline_s = float(profile.get("request_deadline_s", DEFAULT_REQUEST_DEADLINE_S))
         self.max_response_bytes = int(profile.get("max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES))
         self.extra_body = dict(profile.get("extra_body") or {})
         self.max_stop = int(profile.get("max_stop", 4))
@@ -164,19 +184,30 @@ class HttpRunner(Runner):
             return min(retry_after, self.max_retry_wait_s)
         return self.backoff_s * (2 ** attempt) * (0.5 + random.random())
 
-    async def _with_retries(self, call):
-        """Run `call(base_url)` with retries on connection errors, timeouts, 5xx and 429 (never other 4xx)."""
+    async def _with_retries(self, call, target: Callable[[str], str] = lambda url: url):
+        """Run `call(base_url)` with retries on connection errors, timeouts, 5xx and 429 (never other 4xx),
+        all within `request_deadline_s`; `target(base_url)` names the URL asked, for the deadline's error."""
         if self.client is None:
             await self.start()
+        asked: list[str] = []
+        try:
+            return await asyncio.wait_for(self._attempts(call, asked), self.request_deadline_s)
+        except TimeoutError:
+            url = target(asked[-1] if asked else self.base_urls[0])
+            raise DeadlineExceeded(f"POST {url}: no complete reply after {self.request_deadline_s:g} s "
+                                   "(request_deadline_s, retries included)") from None
+
+    async def _attempts(self, call, asked: list[str]):
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             url = self._pick()
+            asked.append(url)
             self.in_flight[url] += 1
             retry_after = None
             try:
                 return await call(url)
             except HttpStatus as e:
-                if 400 <= e.status < 500 and e.status != 429:
+                if e.status < 500 and e.status != 429:     # a redirect or a refusal: asking again changes nothing
                     raise RunnerError(str(e)) from None
                 last = RunnerError(str(e))
                 retry_after = retry_after_s(e.retry_after)
@@ -194,8 +225,8 @@ class HttpRunner(Runner):
         assert self.client is not None
         async with self.client.stream("POST", url, json=body) as resp:
             raw = await read_bounded(resp, limit, url)
-            if resp.status_code >= 400:
-                raise HttpStatus(url, resp.status_code, raw, resp.headers.get("retry-after"))
+            if not 200 <= resp.status_code < 300:       # only a 2xx reply is an answer
+                raise HttpStatus.of(url, resp, raw)
         return raw
 
     def _body(self, req: GenerateRequest) -> dict[str, Any]:
@@ -235,17 +266,41 @@ class HttpRunner(Runner):
         async def call(url: str) -> GenerateResult:
             assert self.client is not None
             if request.stream:
-                return _apply_stops(await self._stream(url + path, {**body, "stream": True,
-                                                                   "stream_options": {"include_usage": True}},
-                                                       url, request.on_text, limit), request.stop[self.max_stop:])
+                return await self._stream(url + path, {**body, "stream": True,
+                                                       "stream_options": {"include_usage": True}},
+                                          url, request.on_text, limit)
             t0 = time.perf_counter()
             raw = await self._post(url + path, body, limit)
-            result = _apply_stops(parse_response(_json(raw, url + path), self.api), request.stop[self.max_stop:])
+            result = parse_response(_json(raw, url + path), self.api, url + path)
             result.endpoint = url
             result.timings.setdefault("wall_s", time.perf_counter() - t0)
             return result
 
-        return await self._with_retries(call)
+        result = await self._with_retries(call, lambda url: url + path)
+        await self._check_output_count(result, request)       # on the whole text, before client-side stops
+        return _apply_stops(result, request.stop[self.max_stop:])
+
+    async def _check_output_count(self, result: GenerateResult, request: GenerateRequest) -> None:
+        """Compare the server's output count with one counted here; keep the checked one and flag a
+        disagreement (moebench.runners.reply_checks)."""
+        text = (result.reasoning or "") + result.text
+        if self.local_tokenizer is not None:
+            client = reply_checks.OutputCount(len(self.local_tokenizer.encode(text)), "tokenizer")
+        elif self.tokenize_form != "none":
+            client = reply_checks.OutputCount(len(await self.tokenize(text)) if text else 0, "server-tokenize")
+        elif result.token_times is not None:
+            client = reply_checks.OutputCount(len(result.token_times), "stream-pieces")
+        else:
+            client = reply_checks.OutputCount(None, "none")
+        server = result.output_tokens
+        result.output_tokens, result.server_count_mismatch = reply_checks.reconcile(
+            server, "usage.completion_tokens", client, text, request.max_tokens)
+        if result.output_tokens is None:
+            result.output_tokens_source = None
+        elif server is not None and result.server_count_mismatch is None:
+            result.output_tokens_source = "server"
+        else:
+            result.output_tokens_source = client.source
 
     async def _stream(self, url: str, body: dict[str, Any], base: str,
                       on_text: Callable[[str], None] | None, limit: int) -> GenerateResult:
@@ -262,9 +317,9 @@ class HttpRunner(Runner):
         server_timings: dict[str, Any] = {}
         event = "message"
         async with self.client.stream("POST", url, json=body) as resp:
-            if resp.status_code >= 400:
+            if not 200 <= resp.status_code < 300:
                 raw = await read_bounded(resp, min(limit, 1 << 20), url)
-                raise HttpStatus(url, resp.status_code, raw, resp.headers.get("retry-after"))
+                raise HttpStatus.of(url, resp, raw)
             async for line in bounded_lines(resp, limit, url):
                 if not line:
                     event = "message"           # a blank line ends one SSE event
@@ -292,10 +347,10 @@ class HttpRunner(Runner):
                                       f"{str(detail)[:300]}")
                 if not isinstance(chunk, dict):
                     raise RunnerError(f"{url}: stream chunk is not a JSON object: {payload[:200]!r}")
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                if isinstance(chunk.get("timings"), dict):
-                    server_timings = chunk["timings"]       # llama-server's (draft counters among them)
+                if chunk.get("usage") not in (None, {}):    # an empty usage on a middle chunk says nothing
+                    usage = reply_checks.usage(chunk["usage"], url)
+                if chunk.get("timings") is not None:        # llama-server's (draft counters among them)
+                    server_timings = reply_checks.timings(chunk["timings"], url)
                 choices = chunk.get("choices") or []
                 if not choices:
                     continue
@@ -318,7 +373,7 @@ class HttpRunner(Runner):
                     first.setdefault("first_content_s", now)
                     if on_text is not None:
                         on_text(piece)
-                    top.extend(_top_logprobs(c.get("logprobs")) or [])
+                    top.extend(_top_logprobs(c.get("logprobs"), url) or [])
                 finish = c.get("finish_reason") or finish
         if not ended and finish is None:
             raise RunnerError(f"{url}: the stream ended after {len(times)} pieces without [DONE] or a "
@@ -327,7 +382,7 @@ class HttpRunner(Runner):
         if reasoning:
             timings["reasoning_pieces"] = len(reasoning)
         return GenerateResult(
-            text="".join(texts), output_tokens=usage.get("completion_tokens") or len(times),
+            text="".join(texts), output_tokens=usage.get("completion_tokens"),
             prompt_tokens=usage.get("prompt_tokens"), finish_reason=finish,
             top_logprobs=top or None, token_times=times, endpoint=base,
             reasoning="".join(reasoning) or None,
@@ -383,7 +438,7 @@ class HttpRunner(Runner):
                 return prompt_lp.parse_echo(data, ids, where, piece_map)
             return prompt_lp.parse_sglang(data, ids, where)
 
-        return await self._with_retries(call)
+        return await self._with_retries(call, lambda url: (url[:-3] if url.endswith("/v1") else url) + path)
 
     async def tokenize(self, text: str) -> list[int]:
         if Capability.TOKENIZE not in self.capabilities:
@@ -401,9 +456,9 @@ class HttpRunner(Runner):
             tokens = data.get("tokens") if isinstance(data, dict) else None
             if not isinstance(tokens, list):
                 raise RunnerError(f"{root}/tokenize: no 'tokens' list in the response")
-            return [t if isinstance(t, int) else t["id"] for t in tokens]
+            return [_token_id(t, f"tokens[{i}]", f"{root}/tokenize") for i, t in enumerate(tokens)]
 
-        return await self._with_retries(call)
+        return await self._with_retries(call, lambda url: (url[:-3] if url.endswith("/v1") else url) + "/tokenize")
 
     async def server_metrics(self) -> dict[str, float] | None:
         """Counters of every endpoint's Prometheus /metrics page, summed; None where any has none."""
@@ -434,22 +489,40 @@ def _apply_stops(result: GenerateResult, stops: list[str]) -> GenerateResult:
     return result
 
 
-class HttpStatus(Exception):
-    """An HTTP error status, with what `_with_retries` needs to decide on a retry."""
+class DeadlineExceeded(RunnerError):
+    """A request got no complete reply within `request_deadline_s`, retries included."""
 
-    def __init__(self, url: str, status: int, body: bytes, retry_after: str | None):
+
+class HttpStatus(Exception):
+    """A status other than 2xx, with what `_with_retries` needs to decide on a retry."""
+
+    def __init__(self, url: str, status: int, body: bytes, retry_after: str | None, location: str | None = None):
         self.status = status
         self.retry_after = retry_after
         text = body[:300].decode("utf-8", "replace")
-        super().__init__(f"{url}: HTTP {status}: {text}"
+        # Redirects are not followed: the profile should name the final address, not lean on a hop.
+        moved = (f" redirect to {location or '(no Location header)'}, not followed: point base_url there"
+                 if 300 <= status < 400 else "")
+        super().__init__(f"{url}: HTTP {status}{moved}: {text}"
                          + (f" (Retry-After: {retry_after})" if retry_after else ""))
+
+    @classmethod
+    def of(cls, url: str, resp: httpx.Response, body: bytes) -> "HttpStatus":
+        return cls(url, resp.status_code, body, resp.headers.get("retry-after"), resp.headers.get("location"))
 
 
 def _reasoning_tokens(usage: dict[str, Any]) -> int | None:
-    """Reasoning token count where the server reports it (OpenAI-style usage details)."""
-    details = usage.get("completion_tokens_details") or {}
-    n = details.get("reasoning_tokens") if isinstance(details, dict) else None
-    return n if isinstance(n, int) else None
+    """Reasoning token count where the server reports it (OpenAI-style usage details, checked by
+    reply_checks.usage)."""
+    return usage.get("reasoning_tokens")
+
+
+def _token_id(entry: Any, field: str, where: str) -> int:
+    """A token id from /tokenize: a bare id (llama-server, vLLM) or {"id": ...} (llama-server with pieces)."""
+    tid = reply_checks.count(entry.get("id") if isinstance(entry, dict) else entry, field, where)
+    if tid is None:
+        raise RunnerError(f"{where}: field {field!r} is null, expected a token id")
+    return tid
 
 
 def _json(raw: bytes, where: str) -> Any:
@@ -459,23 +532,25 @@ def _json(raw: bytes, where: str) -> Any:
         raise RunnerError(f"{where}: response is not JSON: {raw[:200].decode('utf-8', 'replace')!r}") from None
 
 
-def _top_logprobs(lp: Any) -> list[dict[str, float]] | None:
-    """Per-position top log-probs from either format; None when absent."""
+def _top_logprobs(lp: Any, where: str) -> list[dict[str, float]] | None:
+    """Per-position top log-probs from either format, each checked; None when absent."""
     if not lp:
         return None
     if isinstance(lp, dict) and isinstance(lp.get("content"), list):        # chat style
         out = []
-        for pos in lp["content"]:
-            alts = pos.get("top_logprobs") or []
-            out.append({a["token"]: float(a["logprob"]) for a in alts if "token" in a and "logprob" in a})
+        for i, pos in enumerate(lp["content"]):
+            alts = (pos.get("top_logprobs") if isinstance(pos, dict) else None) or []
+            out.append({a["token"]: reply_checks.logprob(a["logprob"], f"logprobs.content[{i}].top_logprobs", where)
+                        for a in alts if isinstance(a, dict) and "token" in a and "logprob" in a})
         return out
     if isinstance(lp, dict) and isinstance(lp.get("top_logprobs"), list):   # legacy completions
-        return [{str(k): float(v) for k, v in (pos or {}).items()} for pos in lp["top_logprobs"]]
-    raise RunnerError(f"unrecognised logprobs format: {str(lp)[:200]}")
+        return [{str(k): reply_checks.logprob(v, f"logprobs.top_logprobs[{i}][{k!r}]", where)
+                 for k, v in (pos or {}).items()} for i, pos in enumerate(lp["top_logprobs"])]
+    raise RunnerError(f"{where}: unrecognised logprobs format: {str(lp)[:200]}")
 
 
-def parse_response(data: Any, api: str) -> GenerateResult:
-    """Parse a non-streamed completions/chat response, or raise RunnerError saying what is wrong."""
+def parse_response(data: Any, api: str, where: str = "response") -> GenerateResult:
+    """Parse a non-streamed completions/chat response from `where`, or raise RunnerError saying what is wrong."""
     if not isinstance(data, dict):
         raise RunnerError(f"response is not a JSON object: {str(data)[:200]}")
     if data.get("error"):                # an error object is an error, whatever else came with it
@@ -496,10 +571,10 @@ def parse_response(data: Any, api: str) -> GenerateResult:
         text = c.get("text")
     if not isinstance(text, str):
         raise RunnerError(f"response choice has no text: {str(c)[:200]}")
-    usage = data.get("usage") or {}
-    timings = dict(data.get("timings") or {})       # llama-server adds its own timings
+    usage = reply_checks.usage(data.get("usage"), where)
+    timings = reply_checks.timings(data.get("timings"), where)     # llama-server adds its own timings
     return GenerateResult(text=text, prompt_tokens=usage.get("prompt_tokens"),
                           output_tokens=usage.get("completion_tokens"), finish_reason=c.get("finish_reason"),
-                          top_logprobs=_top_logprobs(c.get("logprobs")), timings=timings,
+                          top_logprobs=_top_logprobs(c.get("logprobs"), where), timings=timings,
                           reasoning=reasoning if isinstance(reasoning, str) else None,
                           reasoning_tokens=_reasoning_tokens(usage) if reasoning else None)

@@ -32,6 +32,7 @@ import httpx
 
 from moebench.config import Field, ProfileError, non_negative, positive
 from moebench.gguf_header import FILE_TYPE_NAMES, GgufFormatError, read_gguf
+from moebench.runners import reply_checks
 from moebench.runners.base import SERVERLESS, Capability, GenerateRequest, GenerateResult, Runner, RunnerError
 from moebench.runners.responses import DEFAULT_MAX_RESPONSE_BYTES, bounded_lines, describe, read_bounded, response_limit
 from moebench.store import now_iso
@@ -243,6 +244,16 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
             if f"{arch}.{key}" in meta:
                 out[key] = meta[f"{arch}.{key}"]
     return out
+
+
+def _json_object(raw: bytes, where: str) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise RunnerError(f"{where}: reply is not JSON: {raw[:200].decode('utf-8', 'replace')!r}") from None
+    if not isinstance(data, dict):
+        raise RunnerError(f"{where}: reply is {type(data).__name__}, expected a JSON object")
+    return data
 
 
 # --- the runner ----------------------------------------------------------------------------------
@@ -494,7 +505,9 @@ class LlamaServerRunner(Runner):
             msg = err.get("error", {}).get("message") or err
         except (ValueError, AttributeError):
             msg = raw[:500].decode("utf-8", "replace")
-        raise RunnerError(f"llama-server {r.request.url.path} answered {r.status_code}: {msg}")
+        moved = (f" (redirect to {r.headers.get('location') or 'no Location header'}, not followed)"
+                 if 300 <= r.status_code < 400 else "")
+        raise RunnerError(f"llama-server {r.request.url} answered {r.status_code}{moved}: {msg}")
 
     # -- requests ---------------------------------------------------------------------------------
     def _payload(self, request: GenerateRequest) -> dict[str, Any]:
@@ -521,14 +534,56 @@ class LlamaServerRunner(Runner):
         return payload
 
     @staticmethod
-    def _top_logprobs(probs: list[dict[str, Any]]) -> list[dict[str, float]]:
+    def _top_logprobs(probs: Any, where: str) -> list[dict[str, float]]:
+        if not isinstance(probs, list):
+            raise RunnerError(f"{where}: field 'completion_probabilities' is {type(probs).__name__}, expected a list")
         out = []
-        for position in probs:
+        for i, position in enumerate(probs):
+            alts = position.get("top_logprobs") if isinstance(position, dict) else None
+            if not isinstance(alts, list):
+                raise RunnerError(f"{where}: field 'completion_probabilities[{i}].top_logprobs' is not a list")
             d: dict[str, float] = {}
-            for alt in position.get("top_logprobs", []):
-                d.setdefault(alt["token"], float(alt["logprob"]))   # same text, two ids: keep the likelier
+            for alt in alts:
+                if not isinstance(alt, dict) or not isinstance(alt.get("token"), str):
+                    raise RunnerError(f"{where}: an entry of 'completion_probabilities[{i}].top_logprobs' has no "
+                                      f"token text: {str(alt)[:100]}")
+                lp = reply_checks.logprob(alt.get("logprob"), f"completion_probabilities[{i}].top_logprobs", where)
+                d.setdefault(alt["token"], lp)      # same text, two ids: keep the likelier
             out.append(d)
         return out
+
+    def _result(self, final: dict[str, Any], request: GenerateRequest, *, text: Any, ids: Any, probs: Any,
+                times: list[float] | None, wall: float) -> GenerateResult:
+        """The result of one /completion reply (`final`: the reply, or a stream's last event), every
+        count, timing and log-prob checked (moebench.runners.reply_checks)."""
+        where = f"{self.base_url}/completion"
+        if not isinstance(text, str):
+            raise RunnerError(f"{where}: field 'content' is {type(text).__name__}, expected text")
+        if not isinstance(ids, list):
+            raise RunnerError(f"{where}: field 'tokens' is {type(ids).__name__}, expected a list of token ids")
+        ids = [reply_checks.count(t, f"tokens[{i}]", where) for i, t in enumerate(ids)]
+        timings = reply_checks.timings(final.get("timings"), where)
+        timings.update(wall_s=wall, tokens_cached=reply_checks.count(final.get("tokens_cached"), "tokens_cached", where),
+                       stop_type=final.get("stop_type"))
+        if times:
+            timings["client_ttft_s"] = times[0]
+        server = reply_checks.count(final.get("tokens_predicted"), "tokens_predicted", where)
+        output_tokens, mismatch = reply_checks.reconcile(server, "tokens_predicted",
+                                                         reply_checks.OutputCount(len(ids), "token-ids"), text,
+                                                         request.max_tokens)
+        return GenerateResult(
+            text=text,
+            token_ids=ids,
+            prompt_tokens=reply_checks.count(final.get("tokens_evaluated"), "tokens_evaluated", where),
+            output_tokens=output_tokens,
+            output_tokens_source="server" if mismatch is None and server is not None else "token-ids",
+            server_count_mismatch=mismatch,
+            finish_reason=self._finish_reason(final.get("stop_type")),
+            top_logprobs=self._top_logprobs(probs, where) if request.top_logprobs and probs is not None else None,
+            token_times=times,
+            timings=timings,
+            endpoint=self.base_url,
+        )
 
     @staticmethod
     def _finish_reason(stop_type: str | None) -> str | None:
@@ -552,23 +607,12 @@ class LlamaServerRunner(Runner):
             raw = await read_bounded(r, self._limit(request), f"llama-server {r.request.url.path}")
         wall = time.perf_counter() - t0
         self._check_status(r, raw)
-        data = json.loads(raw)
+        data = _json_object(raw, f"{self.base_url}/completion")
         if data.get("error"):
             err = data["error"]
             raise RunnerError(f"llama-server error: {err.get('message', err) if isinstance(err, dict) else err}")
-        timings = dict(data.get("timings") or {})
-        timings.update(wall_s=wall, tokens_cached=data.get("tokens_cached"), stop_type=data.get("stop_type"))
-        probs = data.get("completion_probabilities")
-        return GenerateResult(
-            text=data.get("content", ""),
-            token_ids=list(data.get("tokens") or []),
-            prompt_tokens=data.get("tokens_evaluated"),
-            output_tokens=data.get("tokens_predicted"),
-            finish_reason=self._finish_reason(data.get("stop_type")),
-            top_logprobs=self._top_logprobs(probs) if request.top_logprobs and probs is not None else None,
-            timings=timings,
-            endpoint=self.base_url,
-        )
+        return self._result(data, request, text=data.get("content", ""), ids=data.get("tokens") or [],
+                            probs=data.get("completion_probabilities"), times=None, wall=wall)
 
     async def _generate_stream(self, client: httpx.AsyncClient, payload: dict[str, Any],
                                request: GenerateRequest) -> GenerateResult:
@@ -588,21 +632,33 @@ class LlamaServerRunner(Runner):
                 body = line.split(":", 1)[1].strip()
                 if not body or body == "[DONE]":
                     continue
-                event = json.loads(body)
+                event = _json_object(body.encode(), f"{self.base_url}/completion (stream)")
                 if line.startswith("error:") or "error" in event:
                     err = event.get("error", event)
                     raise RunnerError(f"llama-server stream error: {err.get('message', err)}")
                 now = time.perf_counter() - t0
                 if event.get("prompt_progress") is not None:
                     continue
-                text.append(event.get("content", ""))
+                piece = event.get("content", "")
+                if not isinstance(piece, str):
+                    raise RunnerError(f"{self.base_url}/completion (stream): field 'content' is "
+                                      f"{type(piece).__name__}, expected text")
+                text.append(piece)
                 if request.on_text and event.get("content"):
                     request.on_text(event["content"])
                 # The final event may carry the last tokens (text held back until its UTF-8 was whole).
-                for tok in event.get("tokens") or []:
+                event_ids = event.get("tokens") or []
+                if not isinstance(event_ids, list):
+                    raise RunnerError(f"{self.base_url}/completion (stream): field 'tokens' is "
+                                      f"{type(event_ids).__name__}, expected a list of token ids")
+                for tok in event_ids:
                     ids.append(tok)
                     times.append(now)
-                probs.extend(event.get("completion_probabilities") or [])
+                event_probs = event.get("completion_probabilities") or []
+                if not isinstance(event_probs, list):
+                    raise RunnerError(f"{self.base_url}/completion (stream): field 'completion_probabilities' "
+                                      f"is {type(event_probs).__name__}, expected a list")
+                probs.extend(event_probs)
                 if event.get("stop"):
                     final = event
                     break
@@ -610,21 +666,8 @@ class LlamaServerRunner(Runner):
         if not final:
             # The server closed the stream without its final event: it died mid-answer.
             raise httpx.RemoteProtocolError("stream ended without a final event")
-        timings = dict(final.get("timings") or {})
-        timings.update(wall_s=wall, tokens_cached=final.get("tokens_cached"), stop_type=final.get("stop_type"))
-        if times:
-            timings["client_ttft_s"] = times[0]
-        return GenerateResult(
-            text="".join(text),
-            token_ids=ids,
-            prompt_tokens=final.get("tokens_evaluated"),
-            output_tokens=final.get("tokens_predicted"),
-            finish_reason=self._finish_reason(final.get("stop_type")),
-            top_logprobs=self._top_logprobs(probs) if request.top_logprobs else None,
-            token_times=times,
-            timings=timings,
-            endpoint=self.base_url,
-        )
+        return self._result(final, request, text="".join(text), ids=ids,
+                            probs=probs if request.top_logprobs else None, times=times, wall=wall)
 
     async def choice_logprobs(self, prompt, choices):
         """Exact ranking of single-token choices whatever their rank in the vocabulary: a grammar allows
@@ -640,11 +683,19 @@ class LlamaServerRunner(Runner):
         async def call(client: httpx.AsyncClient) -> dict[str, float | None]:
             r = await client.post("/completion", json=payload)
             self._check_status(r)
-            probs = (r.json().get("completion_probabilities") or [{}])[0].get("top_probs") or []
+            where = f"{self.base_url}/completion"
+            positions = _json_object(r.content, where).get("completion_probabilities") or [{}]
+            probs = (positions[0].get("top_probs") if isinstance(positions, list) and isinstance(positions[0], dict)
+                     else None) or []
+            if not isinstance(probs, list):
+                raise RunnerError(f"{where}: field 'completion_probabilities[0].top_probs' is not a list")
             best: dict[str, float] = {}
             for p in probs:
-                tok, prob = p.get("token"), p.get("prob")
-                if tok in choices and prob and prob > 0:
+                tok = p.get("token") if isinstance(p, dict) else None
+                if tok not in choices:
+                    continue
+                prob = reply_checks.probability(p.get("prob"), "completion_probabilities[0].top_probs", where)
+                if prob > 0:
                     best[tok] = max(best.get(tok, 0.0), prob)
             return {c: (math.log(best[c]) if c in best else None) for c in choices}
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
+from moebench.runners import reply_checks
 from moebench.runners.base import RunnerError
 
 MODES = ("none", "vllm", "echo", "sglang")
@@ -63,9 +64,8 @@ def request(mode: str, model: str, prompt: list[int] | str, k: int,
 
 
 def _float(v: Any, where: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise RunnerError(f"{where}: log-prob {v!r} is not a number")
-    return float(v)
+    """A log-prob: a finite number <= 0 (within reply_checks.LOGPROB_TOLERANCE), else RunnerError."""
+    return reply_checks.logprob(v, "log-prob", where)
 
 
 def _choice(data: Any, where: str) -> dict[str, Any]:
