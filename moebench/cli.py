@@ -370,6 +370,11 @@ def _print_run_summary(run_dir: Path) -> None:
         acc_s = "-" if acc is None else f"{100 * acc:.1f}%"
         print(f"{task}: n={s.get('n')} scored={s.get('n_scored')} correct={s.get('n_correct')} "
               f"accuracy={acc_s} errors={s.get('n_errors')}")
+    causes = m.get("error_causes") or []
+    if causes:                      # counts alone do not say why: name the causes
+        print("most common errors:")
+        for c in causes:
+            print(f"  {c.get('count')} x {c.get('error')}")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import httpx
 
 from moebench.config import Field, ProfileError, positive
 from moebench.runners import prompt_logprobs as prompt_lp
-from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
+from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError, Unreachable
 from moebench.scoring.answers import first_stop
 from moebench.runners.metrics import parse_prometheus
 from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, bounded_lines, describe, read_bounded,
@@ -169,6 +169,7 @@ class HttpRunner(Runner):
         if self.client is None:
             await self.start()
         last: Exception | None = None
+        never_connected = True          # every attempt failed to connect: Unreachable, not RunnerError
         for attempt in range(self.retries + 1):
             url = self._pick()
             self.in_flight[url] += 1
@@ -179,15 +180,18 @@ class HttpRunner(Runner):
                 if 400 <= e.status < 500 and e.status != 429:
                     raise RunnerError(str(e)) from None
                 last = RunnerError(str(e))
+                never_connected = False
                 retry_after = retry_after_s(e.retry_after)
             except (httpx.TransportError, httpx.TimeoutException) as e:
                 last = RunnerError(f"{url}: {describe(e)}")
+                never_connected = never_connected and isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))
             finally:
                 self.in_flight[url] -= 1
             if attempt < self.retries:
                 await asyncio.sleep(self._wait_s(attempt, retry_after))
         assert last is not None
-        raise RunnerError(f"gave up after {self.retries + 1} attempts: {last}")
+        error = Unreachable if never_connected else RunnerError
+        raise error(f"gave up after {self.retries + 1} attempts: {last}")
 
     async def _post(self, url: str, body: dict[str, Any], limit: int) -> bytes:
         """POST and read the whole reply within `limit` bytes; HttpStatus for an HTTP error status."""
