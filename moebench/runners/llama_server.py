@@ -34,7 +34,7 @@ from moebench.config import Field, ProfileError, non_negative, positive
 from moebench.gguf_header import FILE_TYPE_NAMES, GgufFormatError, read_gguf
 from moebench.runners.base import SERVERLESS, Capability, GenerateRequest, GenerateResult, Runner, RunnerError
 from moebench.runners.responses import DEFAULT_MAX_RESPONSE_BYTES, bounded_lines, describe, read_bounded, response_limit
-from moebench.store import now_iso
+from moebench.store import now_iso, open_append
 from moebench.tools import llama_args, llamacpp
 from moebench.tools.llama_perplexity import PerplexityPlan
 
@@ -337,7 +337,7 @@ class LlamaServerRunner(Runner):
             port = fixed_port or _free_port(self.profile["host"])
             cmd = self.command(port)
             _install_exit_hooks()
-            with self.log_path.open("ab") as log:
+            with open_append(self.log_path) as log:     # never through a link planted in the run
                 log_start = log.tell()
                 log.write(f"\n=== moebench {now_iso()}: {' '.join(cmd)}\n".encode())
                 log.flush()

@@ -8,6 +8,10 @@
 - `.lock`: an OS file lock (flock) that the writing process holds for the run's life, so two writers
   never interleave in one directory; the file names the holder (PID, host, start time) for the refusal
   message. The kernel drops the lock when its holder dies, so a stale file is simply taken over.
+- No file of a run directory is written through a symbolic link: the store opens its files with
+  O_NOFOLLOW, replaces whole files by renaming a fresh temporary file over them, and refuses (StoreError,
+  exit 2, naming the link) a run directory holding any link before it writes anything. A directory with
+  items.jsonl but no manifest.json is refused too: its records are of unknown origin.
 Everything downstream (compare, report, gate) reads only this.
 """
 from __future__ import annotations
@@ -40,6 +44,36 @@ class RunLocked(StoreError):
     """Another live process is writing into this run directory."""
 
 
+def _link_refused(path: Path | str) -> StoreError:
+    return StoreError(f"{path}: is a symbolic link; refusing to write a run file through it "
+                      "(the files of a run directory must be its own regular files)")
+
+
+def open_fd(path: Path | str, flags: int, mode: int = 0o644) -> int:
+    """os.open that never follows a symbolic link at `path`: a link there is refused (StoreError naming
+    it) instead of writing through to its target."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _link_refused(path) from None
+        raise
+
+
+def open_append(path: Path | str) -> Any:
+    """`path` opened for appending bytes (created if missing), never through a link."""
+    return os.fdopen(open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
+
+
+def refuse_links(run_dir: Path) -> None:
+    """StoreError naming the first symbolic link anywhere inside `run_dir` (files and folders): the
+    probes and tasks write side files there too, and none of them may land in a link's target."""
+    for root, dirs, files in os.walk(run_dir, followlinks=False):
+        for name in sorted(dirs + files):
+            if os.path.islink(os.path.join(root, name)):
+                raise _link_refused(Path(root) / name)
+
+
 class RunLock:
     """An exclusive OS lock on a run directory, held from `acquire` until `release` (or process death).
 
@@ -62,7 +96,7 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         import fcntl
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_fd(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -137,11 +171,22 @@ def _name_path(e: OSError, path: Path) -> OSError:
 def write_json_atomic(path: Path, data: Any) -> None:
     """Replace `path` with `data` all at once: the old file stays whole if anything fails, and the
     temporary file never outlives a failure (a full disk leaves no debris)."""
+    write_bytes_atomic(path, (json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n").encode("utf-8"))
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` all at once, as write_json_atomic. Neither the temporary file nor
+    `path` is written through a link: a link under the temporary name is removed, and the rename
+    replaces a link at `path` itself, never its target."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with tmp.open("w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, ensure_ascii=False, default=str)
-            f.write("\n")
+        try:
+            os.unlink(tmp)          # debris of a writer that died with our PID, or a planted link
+        except FileNotFoundError:
+            pass
+        with os.fdopen(open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -238,7 +283,11 @@ class RunStore:
         return store
 
     def _open_for_writing(self, manifest: dict[str, Any]) -> None:
+        refuse_links(self.path)
         self.resumed = self.manifest_path.exists()
+        if not self.resumed and self.items_path.exists() and self.items_path.stat().st_size > 0:
+            raise StoreError(f"{self.items_path}: item records but no manifest.json beside them; refusing to "
+                             "adopt records of unknown origin (move them away, or choose another --out)")
         self.previous_status = None
         if self.resumed:
             old = self.read_manifest()
@@ -260,7 +309,7 @@ class RunStore:
         self.manifest = manifest
         # The items file opens before the manifest says "running": a resume that cannot write leaves
         # the manifest exactly as it found it.
-        self._items_file = self.items_path.open("ab")
+        self._items_file = open_append(self.items_path)
         self.write_manifest()
 
     @classmethod
@@ -275,7 +324,7 @@ class RunStore:
     def _cut_torn_tail(self) -> None:
         if not self.items_path.exists():
             return
-        with self.items_path.open("rb+") as f:
+        with os.fdopen(open_fd(self.items_path, os.O_RDWR), "rb+") as f:
             data = f.read()
             if data and not data.endswith(b"\n"):
                 cut = data.rfind(b"\n") + 1

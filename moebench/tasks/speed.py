@@ -41,7 +41,7 @@ from moebench.runners.metrics import spec_decode_delta
 from moebench.runners.responses import describe
 from moebench.compare.speed import read_token_times, speed_compare, summarize_speed  # noqa: F401 (speed_compare re-exported)
 from moebench.compare.speed_ab import ab_section, output_identity  # noqa: F401 (output_identity re-exported)
-from moebench.store import write_json_atomic
+from moebench.store import open_append, write_json_atomic
 from moebench.store.session import ask_item
 from moebench.tasks.base import Item, Task, TaskContext, count_flagged, prompt_hash, prompt_tokens_check
 from moebench.tasks.needle import HAYSTACK_FILE, HaystackIndex, build_index, fit_haystack, load_haystack
@@ -272,9 +272,9 @@ class SpeedTask(Task):
         if self.ctx.run_dir is not None and rows:
             path = Path(self.ctx.run_dir) / "speed_token_times.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("a", encoding="utf-8") as f:
+            with open_append(path) as f:           # never through a link planted in the run
                 for row in rows:
-                    f.write(json.dumps(row) + "\n")
+                    f.write((json.dumps(row) + "\n").encode("utf-8"))
 
     async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
         """One measurement; the first item of a group runs the whole group (closed-loop clients).
