@@ -203,7 +203,7 @@ async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runne
             async with sem:
                 rec = await ask_item(task.name, item.item_id, lambda: task.evaluate(item, runner), describe,
                                      passthrough=(CapabilityError,))
-                store.append(rec)
+                rec = store.append(rec)
                 counts["asked"] += 1
                 counts["errors"] += rec["status"] == "error"
                 progress.advance(error=rec["status"] == "error")

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from moebench import __version__
+from moebench import __version__, jsonout
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -241,7 +241,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                                                label=args.label, limit=args.limit, resume=args.resume,
                                                baseline=args.baseline))
         if args.json:
-            print(json.dumps(_run_json(run_dir, code), sort_keys=True))
+            print(jsonout.dumps(_run_json(run_dir, code), sort_keys=True))
             return code
         _print_run_summary(run_dir)
         print(run_dir)

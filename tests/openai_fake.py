@@ -13,6 +13,7 @@ listening. The plan (JSON):
    "garbage_for": ["<substring>"],      # answer non-JSON when the prompt contains it
    "bad_request_for": ["<substring>"],  # answer HTTP 400
    "log": "path.jsonl",                 # append every prompt asked
+   "extra": {"<substring>": {...}},     # merged into the (non-streamed) response JSON, e.g. "timings"
    "top_logprobs": {"<substring>": {"A": -0.1, "B": -2.0}}}
 """
 from __future__ import annotations
@@ -101,6 +102,9 @@ class Handler(BaseHTTPRequestHandler):
                                       "top_logprobs": [top]}
         out = {"id": f"cmpl-{n}", "object": "text_completion", "model": body.get("model"), "choices": [choice],
                "usage": {"prompt_tokens": len(prompt_s.split()), "completion_tokens": len(reply.split())}}
+        for sub, extra in (plan.get("extra") or {}).items():
+            if sub in last_q:
+                out.update(extra)
         self._send(200, json.dumps(out).encode())
 
     def _stream(self, reply: str, chat: bool) -> None:

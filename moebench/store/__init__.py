@@ -26,6 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
+from moebench.jsonout import document, document_text, dumps, non_finite_values, standard
 from moebench.secrets import scrub
 
 SCHEMA_VERSION = 1
@@ -113,7 +114,7 @@ class RunLock:
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": now_iso(),
                 "command": " ".join(sys.argv)[:500]}
         os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        os.pwrite(fd, (dumps(info) + "\n").encode(), 0)
         os.fsync(fd)
         return self
 
@@ -132,7 +133,7 @@ class RunLock:
             holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
             holder["released_at"] = now_iso()
             os.ftruncate(fd, 0)
-            os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+            os.pwrite(fd, (dumps(holder) + "\n").encode(), 0)
         except (OSError, ValueError):
             pass            # a full disk must not stop the release; the lock itself goes with the fd
         finally:
@@ -170,8 +171,9 @@ def _name_path(e: OSError, path: Path) -> OSError:
 
 def write_json_atomic(path: Path, data: Any) -> None:
     """Replace `path` with `data` all at once: the old file stays whole if anything fails, and the
-    temporary file never outlives a failure (a full disk leaves no debris)."""
-    write_bytes_atomic(path, (json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n").encode("utf-8"))
+    temporary file never outlives a failure (a full disk leaves no debris). Standard JSON: non-finite
+    numbers are written as null and named under `non_finite` (moebench.jsonout.document)."""
+    write_bytes_atomic(path, (document_text(data, indent=2, ensure_ascii=False, default=str) + "\n").encode("utf-8"))
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
@@ -232,6 +234,23 @@ def iter_records(path: Path) -> Iterator[dict[str, Any]]:
         if not isinstance(rec, dict):
             raise StoreError(f"{path}: line {n} is not a JSON object")
         yield rec
+
+
+def finite_record(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` unchanged when every number in it is finite; else an error record (retried on resume,
+    never a wrong answer) whose `error` names the fields, with the numbers as null and their spellings
+    under `non_finite`."""
+    found = non_finite_values(record)
+    if not found:
+        return record
+    clean, _ = standard(record)
+    where = f"non-finite value{'s' if len(found) > 1 else ''} at {', '.join(found)}"
+    clean["non_finite"] = found
+    if clean.get("status") == "error":              # already failed: keep its own message first
+        clean["error"] = f"{clean.get('error')}; {where}"
+    else:
+        clean.update(status="error", correct=None, error=where, error_type="NonFiniteValue")
+    return clean
 
 
 def record_key(rec: dict[str, Any]) -> tuple[str, str]:
@@ -341,9 +360,9 @@ class RunStore:
             raise StoreError(f"{self.manifest_path}: not valid JSON ({e})") from None
 
     def write_manifest(self) -> None:
-        data = self.manifest
+        data = document(self.manifest)
         if self.secrets:
-            data = json.loads(scrub(json.dumps(data, ensure_ascii=False, default=str), self.secrets))
+            data = json.loads(scrub(dumps(data, ensure_ascii=False, default=str), self.secrets))
         with self._lock:
             write_json_atomic(self.manifest_path, data)
 
@@ -360,12 +379,15 @@ class RunStore:
         self.update_manifest(status=status, ended_at=now_iso(), **fields)
 
     # -- items ----------------------------------------------------------------------------------
-    def append(self, record: dict[str, Any]) -> None:
-        """Append one finished item; durable on return."""
+    def append(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Append one finished item; durable on return. Returns the record as written: one holding a
+        non-finite number (NaN, Infinity) is written as an error record naming the field, the number
+        as null and its spelling under `non_finite`, so the file stays standard JSON and nothing is lost."""
         for key in ("task", "item_id", "status"):
             if key not in record:
                 raise ValueError(f"record lacks {key!r}: {record!r}")
-        text = json.dumps(record, ensure_ascii=False, default=str)
+        record = finite_record(record)
+        text = dumps(record, ensure_ascii=False, default=str)
         line = (scrub(text, self.secrets) if self.secrets else text).encode("utf-8") + b"\n"
         with self._lock:
             assert self._items_file is not None, "store not opened for writing"
@@ -375,6 +397,7 @@ class RunStore:
                 os.fsync(self._items_file.fileno())
             except OSError as e:
                 raise _name_path(e, self.items_path) from None
+        return record
 
     def records(self) -> dict[tuple[str, str], dict[str, Any]]:
         return latest_records(self.items_path)

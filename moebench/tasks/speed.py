@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moebench import jsonout
 from moebench.config import Field, positive
 from moebench.datasets import data_file, register
 from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
@@ -274,7 +275,7 @@ class SpeedTask(Task):
             path.parent.mkdir(parents=True, exist_ok=True)
             with open_append(path) as f:           # never through a link planted in the run
                 for row in rows:
-                    f.write((json.dumps(row) + "\n").encode("utf-8"))
+                    f.write((jsonout.dumps(row) + "\n").encode("utf-8"))
 
     async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
         """One measurement; the first item of a group runs the whole group (closed-loop clients).
@@ -362,7 +363,7 @@ def _main(argv: list[str] | None = None) -> int:
     from moebench.datasets import data_dir
     result = asyncio.run(_measure_in_process(args.runner, json.loads(args.options),
                                              args.data_dir or str(data_dir())))
-    Path(args.out).write_text(json.dumps(result, default=str))
+    Path(args.out).write_text(jsonout.document_text(result, default=str))
     return 0
 
 
@@ -386,7 +387,7 @@ def run_ab(profile_a_path: str, profile_b_path: str, suite_options: dict[str, An
     for i, which in enumerate(order):
         path = out / f"pass{i}_{which}.json"
         cmd = [sys.executable, "-m", "moebench.tasks.speed", "--runner", profiles[which],
-               "--options", json.dumps(suite_options), "--out", str(path), "--data-dir", str(data_dir())]
+               "--options", jsonout.dumps(suite_options), "--out", str(path), "--data-dir", str(data_dir())]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
         if proc.returncode != 0 or not path.is_file():
@@ -409,7 +410,7 @@ def run_ab(profile_a_path: str, profile_b_path: str, suite_options: dict[str, An
         "outputs": section["identity"],
         "speed_ab": section,
     }
-    (out / "ab.json").write_text(json.dumps(result, indent=2, default=str))
+    (out / "ab.json").write_text(jsonout.document_text(result, indent=2, default=str))
     write_json_atomic(out / "compare.json", ab_compare(result))
     return result
 
