@@ -51,9 +51,10 @@ class Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length", "0"))
         body = json.loads(self.rfile.read(length) or b"{}")
         plan = self.plan
-        with self.lock:
-            Handler.counter += 1
-            n = Handler.counter
+        cls = type(self)                # each served plan counts its own requests (fail_first)
+        with cls.lock:
+            cls.counter += 1
+            n = cls.counter
         if self.path == "/tokenize":
             # whitespace "tokenizer" for protocol tests
             toks = [hash(w) % 50000 for w in body.get("content", "").split()]
