@@ -356,7 +356,7 @@ def _run_json(run_dir: Path, exit_code: int) -> dict:
         m = {}
     return {"run_dir": str(run_dir), "exit_code": exit_code, "status": m.get("status"),
             "run_id": m.get("run_id"), "label": m.get("label"), "summary": m.get("summary") or {},
-            "counts": m.get("counts") or {}}
+            "counts": m.get("counts") or {}, "error_causes": m.get("error_causes") or []}
 
 
 def _print_run_summary(run_dir: Path) -> None:

@@ -142,6 +142,12 @@ def test_every_item_errored_prints_the_causes_with_counts(tmp_path, data_dir):
         assert "most common errors:" in lines, res.stdout
         causes = [ln.strip() for ln in lines[lines.index("most common errors:") + 1:] if ln.startswith("  ")]
         assert len(causes) == 1 and causes[0].startswith("5 x ") and "500" in causes[0], res.stdout
+        m = _manifest(out)
+        assert m["error_causes"] == [{"error": recs[0]["error"], "count": 5}]
+        assert causes[0] == f"5 x {recs[0]['error']}"
+        again = moebench_cli("run", str(suite), "--runner", str(runner), "--out", str(tmp_path / "run2"), "--json")
+        assert again.returncode == 1, again.stderr
+        assert json.loads(again.stdout)["error_causes"] == [{"error": recs[0]["error"], "count": 5}]
     finally:
         srv.shutdown()
         srv.server_close()
