@@ -161,3 +161,16 @@ def test_nvml_side_files_replace_a_link_instead_of_writing_through_it(tmp_path):
     for name in files.values():
         assert (run / name).is_file() and not (run / name).is_symlink()
     assert json.loads((run / "nvml_phases.json").read_text()) == [{"phase": "idle", "start": 0.0}]
+
+
+def test_kld_base_file_refuses_a_link_and_leaves_its_target_whole(tmp_path):
+    """base.kld is written chunk by chunk into the run: never through a link planted there."""
+    import numpy as np
+    from moebench.store import StoreError
+    from moebench.tools.llama_perplexity import BaseFileWriter
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"precious")
+    (tmp_path / "base.kld").symlink_to(victim)
+    with pytest.raises(StoreError, match=r"base\.kld: is a symbolic link"):
+        BaseFileWriter(tmp_path / "base.kld", 4, 8, np.zeros((1, 4), dtype=np.int32))
+    assert victim.read_bytes() == b"precious"
