@@ -354,7 +354,10 @@ def _execute(opts: RunOptions, suite: SuiteProfile, store: RunStore, tasks: list
         status = "complete"
         exit_code = 0
         if counts.get("asked") and counts["errors"] == counts["asked"]:
-            exit_code = 1              # every item errored: the run did not measure anything
+            # Every item errored: nothing was measured, so the run is no finished one (and --resume,
+            # which a complete run refuses, asks them all again).
+            status, exit_code = "failed", 1
+            _try(store.add_event, "failed", message=f"every item asked ({counts['asked']}) errored")
     except (KeyboardInterrupt, _Interrupted, asyncio.CancelledError):
         status, exit_code = "interrupted", 130
     except ServerUnreachable as e:

@@ -130,7 +130,7 @@ def test_server_lost_mid_run_is_no_early_stop_and_the_common_error_causes_are_pr
 
 
 def test_every_item_errored_prints_the_causes_with_counts(tmp_path, data_dir):
-    srv = serve({"default": "#### 1", "fail_first": 1000})          # HTTP 500 to everything
+    srv = serve({"default": "#### 1", "fail_first": 10})          # HTTP 500 to the first 10 requests
     try:
         suite, runner = _profiles(tmp_path, srv.server_address[1], 5, retries=0)
         out = tmp_path / "run"
@@ -148,6 +148,14 @@ def test_every_item_errored_prints_the_causes_with_counts(tmp_path, data_dir):
         again = moebench_cli("run", str(suite), "--runner", str(runner), "--out", str(tmp_path / "run2"), "--json")
         assert again.returncode == 1, again.stderr
         assert json.loads(again.stdout)["error_causes"] == [{"error": recs[0]["error"], "count": 5}]
+        # Nothing was measured: the run is failed, not complete, and --resume asks every item again.
+        assert "status: failed" in lines and m["status"] == "failed"
+        assert any(e["event"] == "failed" and "every item asked (5) errored" in e["message"] for e in m["events"])
+        done = moebench_cli("run", str(suite), "--runner", str(runner), "--out", str(out), "--resume")
+        assert done.returncode == 0, done.stderr
+        m2 = _manifest(out)
+        assert m2["status"] == "complete" and m2["error_causes"] == [] and m2["summary"]["gsm8k"]["n_errors"] == 0
+        assert "most common errors:" not in done.stdout
     finally:
         srv.shutdown()
         srv.server_close()
