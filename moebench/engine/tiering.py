@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from moebench import jsonout
-
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from moebench import jsonout
 
 from .expert_names import parse_expert_name
 from .placement import HOMES, QuantizedExpert, TieredExperts

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from moebench.store import write_bytes_atomic, write_json_atomic
+
 FI_POWER_INSTANT = 186    # NVML_FI_DEV_POWER_INSTANT
 FI_POWER_AVERAGE = 185    # NVML_FI_DEV_POWER_AVERAGE
 BASELINE_IDLE = "baseline_idle"
@@ -304,8 +306,7 @@ def write_samples(run_dir: Path, samples: list[dict[str, Any]], phases: list[dic
         if c not in df.columns:
             df[c] = math.nan
     df = df[list(SAMPLE_COLUMNS) + [c for c in df.columns if c not in SAMPLE_COLUMNS]]
-    # Written whole and renamed into place (moebench.store): never through a link planted in the run.
-    from moebench.store import write_bytes_atomic, write_json_atomic
+    # Written whole and renamed into place: never through a link planted in the run.
     try:
         buf = io.BytesIO()
         df.to_parquet(buf, index=False)
