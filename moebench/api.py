@@ -21,16 +21,21 @@ from moebench.errors import UsageError
 from moebench.datasets import data_dir
 from moebench.progress import Progress
 from moebench.runners import make_runner, runner_schemas
-from moebench.runners.base import CapabilityError, Runner, check_capabilities
+from moebench.runners.base import CapabilityError, Runner, Unreachable, check_capabilities
 from moebench.runners.responses import describe
 from moebench.secrets import redact
 from moebench.store import RunLock, RunStore, StoreError, now_iso, write_json_atomic
-from moebench.store.session import ask_item, finish_run, new_manifest, open_store, record_runner_identity
+from moebench.store.session import (ask_item, common_errors, finish_run, new_manifest, open_store,
+                                    record_runner_identity)
 from moebench.tasks import task_class, task_schemas
 from moebench.tasks.base import Task, TaskContext
 
 
 BASELINE_IDLE_END = "baseline_idle_end"   # the optional idle window after the last task
+
+# A run whose first this-many finished items all failed to connect to the server (each after its own
+# retries), with no success before them, stops as failed: a server that is down is no measurement.
+UNREACHABLE_STOP_AFTER = 3
 
 
 
@@ -141,11 +146,44 @@ def _start_probe(suite: SuiteProfile) -> tuple[Any, dict[str, Any]]:
     return probe, {"nvml": {"available": True}}
 
 
+class ServerUnreachable(Exception):
+    """The run's first items all failed to connect: the server is down and nothing was measured."""
+
+
+class _UnreachableWatch:
+    """Decides the early stop: the first UNREACHABLE_STOP_AFTER items to finish (in the order they
+    finish, over all tasks) all failed to connect, with no other outcome before them. Any other outcome
+    first (an answer, an HTTP error) disarms it: from then on errors are records, retried on resume."""
+
+    def __init__(self, stop_after: int = UNREACHABLE_STOP_AFTER):
+        self.stop_after = stop_after
+        self.unreachable = 0
+        self.armed = stop_after > 0
+        self.first_error: str | None = None
+
+    def stop(self, rec: dict[str, Any]) -> ServerUnreachable | None:
+        """The reason to stop after this finished item, else None."""
+        if not self.armed:
+            return None
+        if rec.get("status") != "error" or rec.get("error_type") != Unreachable.__name__:
+            self.armed = False
+            return None
+        self.unreachable += 1
+        self.first_error = self.first_error or rec.get("error")
+        if self.unreachable < self.stop_after:
+            return None
+        self.armed = False
+        return ServerUnreachable(f"run stopped: the first {self.stop_after} items could not connect to the server "
+                                 f"({self.first_error}); start the server and continue with --resume")
+
+
 async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runner, store: RunStore,
                         quiet: bool, counts: dict[str, int], probe: Any = None) -> dict[str, int]:
-    """Ask every unfinished item; `counts` is updated in place so an interrupted run still has them."""
+    """Ask every unfinished item; `counts` is updated in place so an interrupted run still has them.
+    ServerUnreachable when the first items all fail to connect (_UnreachableWatch)."""
     finished = store.finished_keys()
     counts.update(asked=0, errors=0, skipped_finished=0)
+    watch = _UnreachableWatch()
 
     def mark(phase: str) -> None:
         if probe is not None:
@@ -166,17 +204,25 @@ async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runne
             async with sem:
                 rec = await ask_item(task.name, item.item_id, lambda: task.evaluate(item, runner), describe,
                                      passthrough=(CapabilityError,))
-                store.append(rec)
+                rec = store.append(rec)
                 counts["asked"] += 1
                 counts["errors"] += rec["status"] == "error"
                 progress.advance(error=rec["status"] == "error")
+                stop = watch.stop(rec)
+                if stop is not None:
+                    raise stop
 
         # A task that marks no phases of its own is booked as a whole under its phase, so that no
         # work lands in "idle"; speed and needle mark prefill/decode/idle per request themselves.
         mark(task.phase or "prepare")
+        jobs = [asyncio.ensure_future(one(it)) for it in todo]
         try:
-            await asyncio.gather(*(one(it) for it in todo))
+            await asyncio.gather(*jobs)
         finally:
+            # An early stop (or any failure) ends the items still asking: unrecorded, they are asked on resume.
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
             progress.close()
             mark("idle")
     return counts
@@ -330,9 +376,17 @@ def _execute(opts: RunOptions, suite: SuiteProfile, store: RunStore, tasks: list
         status = "complete"
         exit_code = 0
         if counts.get("asked") and counts["errors"] == counts["asked"]:
-            exit_code = 1              # every item errored: the run did not measure anything
+            # Every item errored: nothing was measured, so the run is no finished one (and --resume,
+            # which a complete run refuses, asks them all again).
+            status, exit_code = "failed", 1
+            _try(store.add_event, "failed", message=f"every item asked ({counts['asked']}) errored")
     except (KeyboardInterrupt, _Interrupted, asyncio.CancelledError):
         status, exit_code = "interrupted", 130
+    except ServerUnreachable as e:
+        status, exit_code = "failed", 1
+        _try(store.add_event, "failed", message=str(e))
+        print(f"error: {e}", file=sys.stderr)
+        reported = True
     except CapabilityError as e:
         status, exit_code = "failed", 2
         _try(store.add_event, "capability_error", message=str(e))
@@ -365,7 +419,8 @@ def _execute(opts: RunOptions, suite: SuiteProfile, store: RunStore, tasks: list
             probes = dict(store.manifest.get("probes") or {})
             if probe_summary is not None:
                 probes["nvml"] = {**probes.get("nvml", {}), **probe_summary}
-            finish_run(store, status, runner, summary, counts=counts, probes=probes, data_files=ctx.data_files)
+            finish_run(store, status, runner, summary, counts=counts, probes=probes, data_files=ctx.data_files,
+                       error_causes=common_errors(records))
         except OSError as e:         # the manifest keeps its last whole version; say why once
             if not reported:
                 print(os_error_line(e), file=sys.stderr)

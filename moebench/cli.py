@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from moebench import __version__
+from moebench import __version__, jsonout
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -247,7 +247,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                                                label=args.label, limit=args.limit, resume=args.resume,
                                                baseline=args.baseline, as_baseline=args.as_baseline))
         if args.json:
-            print(json.dumps(_run_json(run_dir, code), sort_keys=True))
+            print(jsonout.dumps(_run_json(run_dir, code), sort_keys=True))
             return code
         _print_run_summary(run_dir)
         print(run_dir)
@@ -363,7 +363,7 @@ def _run_json(run_dir: Path, exit_code: int) -> dict:
         m = {}
     return {"run_dir": str(run_dir), "exit_code": exit_code, "status": m.get("status"),
             "run_id": m.get("run_id"), "label": m.get("label"), "summary": m.get("summary") or {},
-            "counts": m.get("counts") or {}}
+            "counts": m.get("counts") or {}, "error_causes": m.get("error_causes") or []}
 
 
 def _print_run_summary(run_dir: Path) -> None:
@@ -374,6 +374,11 @@ def _print_run_summary(run_dir: Path) -> None:
     print(f"status: {m.get('status')}")
     for task, s in (m.get("summary") or {}).items():
         print(_summary_line(task, s, m))
+    causes = m.get("error_causes") or []
+    if causes:                      # counts alone do not say why: name the causes
+        print("most common errors:")
+        for c in causes:
+            print(f"  {c.get('count')} x {c.get('error')}")
 
 
 def _summary_line(task: str, s: dict, m: dict) -> str:

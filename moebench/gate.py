@@ -80,6 +80,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from moebench import jsonout
 from moebench.config import Field, ProfileError, load_toml, non_negative, positive, validate
 from moebench.store.records import CompareDoc, RecordError
 from moebench.store.sections import memory_value, needle_cells, needle_counts, number, side_value, speed_rows
@@ -816,7 +817,7 @@ def run_gate(compare_dir: str | os.PathLike[str], rules_path: str | os.PathLike[
     except GateInputError as e:
         print(f"moebench gate: error: {e}", file=sys.stderr)
         if as_json:
-            print(json.dumps({"exit_code": 2, "error": str(e), "rules_file": str(rpath)}))
+            print(jsonout.dumps({"exit_code": 2, "error": str(e), "rules_file": str(rpath)}))
         return 2
     if pairs is not None:
         codes = [run_gate(p, rpath, quiet=as_json or quiet) for p in pairs]
@@ -825,7 +826,7 @@ def run_gate(compare_dir: str | os.PathLike[str], rules_path: str | os.PathLike[
         _write(cdir / SUMMARY_FILE, ("\n".join(parts)).encode("utf-8"))
         _rerender(cdir)
         if as_json:
-            print(json.dumps({"exit_code": code, "candidates": [
+            print(jsonout.dumps({"exit_code": code, "candidates": [
                 {"compare_dir": str(p), **(json.loads((p / GATE_FILE).read_text()) if (p / GATE_FILE).is_file()
                                            else {"exit_code": c})} for p, c in zip(pairs, codes)]}))
         return code
@@ -838,7 +839,7 @@ def run_gate(compare_dir: str | os.PathLike[str], rules_path: str | os.PathLike[
         if cdir.is_dir():   # let CI show why, next to where the table would be
             _write(cdir / SUMMARY_FILE, f"## moebench gate: ERROR\n\n{_md(str(e))}\n".encode())
         if as_json:
-            print(json.dumps({"exit_code": 2, "error": str(e), "rules_file": str(rpath)}))
+            print(jsonout.dumps({"exit_code": 2, "error": str(e), "rules_file": str(rpath)}))
         return 2
     checks = evaluate(compare, rules, options["correction"])
     code = exit_code(checks, options["on_inconclusive"])
@@ -853,10 +854,10 @@ def run_gate(compare_dir: str | os.PathLike[str], rules_path: str | os.PathLike[
                                  ).encode("utf-8"))
     _write(cdir / JUNIT_FILE, junit_xml(checks))
     verdicts = gate_json(checks, rpath, code)
-    _write(cdir / GATE_FILE, (json.dumps(verdicts, indent=2) + "\n").encode("utf-8"))
+    _write(cdir / GATE_FILE, (jsonout.document_text(verdicts, indent=2) + "\n").encode("utf-8"))
     _rerender(cdir)
     if as_json:
-        print(json.dumps(verdicts))
+        print(jsonout.document_text(verdicts))
     elif not quiet:
         print(summary, end="")
     return code

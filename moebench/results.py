@@ -16,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+from moebench import jsonout
 from moebench import store
 
 # Columns that hold text in items.jsonl (DESIGN.md section 4): kept as str (or None), never parsed.
@@ -35,7 +36,7 @@ def load_items(run: str | Path) -> pd.DataFrame:
         for k in TEXT_COLUMNS:
             v = row.get(k)
             if v is not None and not isinstance(v, str):
-                row[k] = json.dumps(v) if isinstance(v, (list, dict)) else str(v)
+                row[k] = jsonout.document_text(v) if isinstance(v, (list, dict)) else str(v)
         rows.append(row)
     df = pd.DataFrame.from_records(rows)
     for k in TEXT_COLUMNS:

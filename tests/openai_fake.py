@@ -13,6 +13,7 @@ listening. The plan (JSON):
    "garbage_for": ["<substring>"],      # answer non-JSON when the prompt contains it
    "bad_request_for": ["<substring>"],  # answer HTTP 400
    "log": "path.jsonl",                 # append every prompt asked
+   "extra": {"<substring>": {...}},     # merged into the (non-streamed) response JSON, e.g. "timings"
    "top_logprobs": {"<substring>": {"A": -0.1, "B": -2.0}}}
 """
 from __future__ import annotations
@@ -50,9 +51,10 @@ class Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length", "0"))
         body = json.loads(self.rfile.read(length) or b"{}")
         plan = self.plan
-        with self.lock:
-            Handler.counter += 1
-            n = Handler.counter
+        cls = type(self)                # each served plan counts its own requests (fail_first)
+        with cls.lock:
+            cls.counter += 1
+            n = cls.counter
         if self.path == "/tokenize":
             # whitespace "tokenizer" for protocol tests
             toks = [hash(w) % 50000 for w in body.get("content", "").split()]
@@ -101,6 +103,9 @@ class Handler(BaseHTTPRequestHandler):
                                       "top_logprobs": [top]}
         out = {"id": f"cmpl-{n}", "object": "text_completion", "model": body.get("model"), "choices": [choice],
                "usage": {"prompt_tokens": len(prompt_s.split()), "completion_tokens": len(reply.split())}}
+        for sub, extra in (plan.get("extra") or {}).items():
+            if sub in last_q:
+                out.update(extra)
         self._send(200, json.dumps(out).encode())
 
     def _stream(self, reply: str, chat: bool) -> None:

@@ -127,9 +127,10 @@ def _in_private_mount(script: str, env: dict, tmp: Path) -> subprocess.Completed
 
 
 def _run_script(*extra: str) -> str:
-    return ('ln -sfn "$FULL/items.jsonl" "$OUT/items.jsonl"\n'
+    # The full file is bind-mounted over $OUT/items.jsonl (the store refuses a symbolic link there).
+    return (': > "$OUT/items.jsonl"\nmount --bind "$FULL/items.jsonl" "$OUT/items.jsonl"\n'
             f'"$PY" -m moebench.cli run "$SUITE" --runner "$RUNNER" --out "$OUT" {" ".join(extra)} '
-            '> "$SEEN/stdout" 2> "$SEEN/stderr"\necho $? > "$SEEN/rc"\nrm "$OUT/items.jsonl"\n'
+            '> "$SEEN/stdout" 2> "$SEEN/stderr"\necho $? > "$SEEN/rc"\numount "$OUT/items.jsonl"\n'
             'cp "$FULL/items.jsonl" "$OUT/items.jsonl"\n')
 
 

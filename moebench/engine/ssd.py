@@ -47,6 +47,8 @@ from typing import Iterable
 
 import torch
 
+from moebench import jsonout
+
 from .placement import QuantizedExpert
 from .quant import QuantizedTensor
 
@@ -120,7 +122,7 @@ def write_pack(path: str | Path, experts: Iterable[tuple[int, int, QuantizedExpe
             pos += entry["read_bytes"]
         index = {"format": PACK_FORMAT, "version": PACK_VERSION, "alignment": ALIGN, "file_bytes": pos,
                  "experts": [entry for entry, _ in records]}
-        blob = json.dumps(index, separators=(",", ":")).encode("utf-8")
+        blob = jsonout.dumps(index, separators=(",", ":")).encode("utf-8")
         if _HEADER.size + len(blob) <= data_start:
             break
         data_start = _up(_HEADER.size + len(blob), ALIGN)

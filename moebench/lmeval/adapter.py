@@ -18,7 +18,6 @@ record (never a wrong answer).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import threading
@@ -28,6 +27,7 @@ from typing import Any, Awaitable, Iterable, TypeVar
 
 from lm_eval.api.model import LM
 
+from moebench import jsonout
 from moebench.lmeval.importer import records_from_samples, summarize
 from moebench.lmeval.local_tasks import materialize, shipped_task_names
 from moebench.lmeval.scoring import prompt_scoring_kind, score_tokens
@@ -321,7 +321,7 @@ def evaluate_runner(runner: Runner, tasks: list[str], limit: int | None, out_dir
                 store.append(rec)
         aggregate = {k: v for k, v in (results or {}).items() if k != "samples"}
         (out_dir / "lm_eval_results.json").write_text(
-            json.dumps(aggregate, indent=2, ensure_ascii=False, default=str), encoding="utf-8")
+            jsonout.document_text(aggregate, indent=2, ensure_ascii=False, default=str), encoding="utf-8")
         status = "complete"
     except KeyboardInterrupt:
         status = "interrupted"

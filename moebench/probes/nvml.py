@@ -25,12 +25,15 @@ Counters (they differ; the samples keep each under its own column):
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from moebench.store import write_bytes_atomic, write_json_atomic
 
 FI_POWER_INSTANT = 186    # NVML_FI_DEV_POWER_INSTANT
 FI_POWER_AVERAGE = 185    # NVML_FI_DEV_POWER_AVERAGE
@@ -303,14 +306,17 @@ def write_samples(run_dir: Path, samples: list[dict[str, Any]], phases: list[dic
         if c not in df.columns:
             df[c] = math.nan
     df = df[list(SAMPLE_COLUMNS) + [c for c in df.columns if c not in SAMPLE_COLUMNS]]
+    # Written whole and renamed into place: never through a link planted in the run.
     try:
+        buf = io.BytesIO()
+        df.to_parquet(buf, index=False)
         path = run_dir / "nvml_samples.parquet"
-        df.to_parquet(path, index=False)
     except ImportError:
+        buf = io.BytesIO(df.to_csv(index=False).encode("utf-8"))
         path = run_dir / "nvml_samples.csv"
-        df.to_csv(path, index=False)
+    write_bytes_atomic(path, buf.getvalue())
     phases_path = run_dir / "nvml_phases.json"
-    phases_path.write_text(json.dumps(phases, indent=1))
+    write_json_atomic(phases_path, phases)
     return {"samples_file": path.name, "phases_file": phases_path.name}
 
 

@@ -43,6 +43,11 @@ class RunnerError(Exception):
     """
 
 
+class Unreachable(RunnerError):
+    """Every attempt of a request failed to connect to the server (refused, no route, connect timeout):
+    nothing answered, so the run can tell a server that is down from one that answers badly."""
+
+
 class CapabilityError(Exception):
     """The runner lacks something the suite needs; raised before any item is asked."""
 

@@ -34,7 +34,7 @@ import httpx
 from moebench.config import Field, ProfileError, positive
 from moebench.runners import prompt_logprobs as prompt_lp
 from moebench.runners import reply_checks
-from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
+from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError, Unreachable
 from moebench.scoring.answers import first_stop
 from moebench.runners.metrics import parse_prometheus
 from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, bounded_lines, describe, read_bounded,
@@ -192,13 +192,14 @@ class HttpRunner(Runner):
         asked: list[str] = []
         try:
             return await asyncio.wait_for(self._attempts(call, asked), self.request_deadline_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:   # the builtin TimeoutError from 3.11; its own class on 3.10
             url = target(asked[-1] if asked else self.base_urls[0])
             raise DeadlineExceeded(f"POST {url}: no complete reply after {self.request_deadline_s:g} s "
                                    "(request_deadline_s, retries included)") from None
 
     async def _attempts(self, call, asked: list[str]):
         last: Exception | None = None
+        never_connected = True          # every attempt failed to connect: Unreachable, not RunnerError
         for attempt in range(self.retries + 1):
             url = self._pick()
             asked.append(url)
@@ -210,15 +211,18 @@ class HttpRunner(Runner):
                 if e.status < 500 and e.status != 429:     # a redirect or a refusal: asking again changes nothing
                     raise RunnerError(str(e)) from None
                 last = RunnerError(str(e))
+                never_connected = False
                 retry_after = retry_after_s(e.retry_after)
             except (httpx.TransportError, httpx.TimeoutException) as e:
                 last = RunnerError(f"{url}: {describe(e)}")
+                never_connected = never_connected and isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))
             finally:
                 self.in_flight[url] -= 1
             if attempt < self.retries:
                 await asyncio.sleep(self._wait_s(attempt, retry_after))
         assert last is not None
-        raise RunnerError(f"gave up after {self.retries + 1} attempts: {last}")
+        error = Unreachable if never_connected else RunnerError
+        raise error(f"gave up after {self.retries + 1} attempts: {last}")
 
     async def _post(self, url: str, body: dict[str, Any], limit: int) -> bytes:
         """POST and read the whole reply within `limit` bytes; HttpStatus for an HTTP error status."""

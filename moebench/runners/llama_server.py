@@ -30,12 +30,13 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import httpx
 
+from moebench import jsonout
 from moebench.config import Field, ProfileError, non_negative, positive
 from moebench.gguf_header import FILE_TYPE_NAMES, GgufFormatError, read_gguf
 from moebench.runners import reply_checks
 from moebench.runners.base import SERVERLESS, Capability, GenerateRequest, GenerateResult, Runner, RunnerError
 from moebench.runners.responses import DEFAULT_MAX_RESPONSE_BYTES, bounded_lines, describe, read_bounded, response_limit
-from moebench.store import now_iso
+from moebench.store import now_iso, open_append
 from moebench.tools import llama_args, llamacpp
 from moebench.tools.llama_perplexity import PerplexityPlan
 
@@ -214,7 +215,7 @@ def file_sha256(path: Path) -> str:
         cache[key] = digest
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.write_text(jsonout.dumps(cache, indent=1))
         os.replace(tmp, cache_file)
     except OSError:
         pass                                           # a read-only cache only costs a re-hash
@@ -348,7 +349,7 @@ class LlamaServerRunner(Runner):
             port = fixed_port or _free_port(self.profile["host"])
             cmd = self.command(port)
             _install_exit_hooks()
-            with self.log_path.open("ab") as log:
+            with open_append(self.log_path) as log:     # never through a link planted in the run
                 log_start = log.tell()
                 log.write(f"\n=== moebench {now_iso()}: {' '.join(cmd)}\n".encode())
                 log.flush()
@@ -768,7 +769,7 @@ class LlamaServerRunner(Runner):
             except llamacpp.ToolError as e:
                 build = {"kind": "llama.cpp", "error": str(e)}
             self._identity = {"model": model, "build": build}
-        ident = json.loads(json.dumps(self._identity))
+        ident = json.loads(jsonout.dumps(self._identity))
         ident["build"]["server_args"] = self.command(self.port or 0)[1:] if self.binary and self.server_started else None
         ident["build"]["server_started"] = self.server_started
         return ident

@@ -9,6 +9,7 @@ llama_perplexity.json (a llama-perplexity candidate's printed statistics, binary
 """
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from moebench.scoring import kld_stats as ks
+from moebench.store import write_bytes_atomic, write_json_atomic
 
 TOPK_LADDER = (5, 16, 20, 64, 100, 256)   # K values at which the top-K estimate is checked against exact
 
@@ -41,18 +43,17 @@ def read_meta(run_dir: Path, name: str) -> dict[str, Any]:
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Written atomically, never through a link (moebench.store.write_json_atomic)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    tmp.replace(path)
+    write_json_atomic(path, doc)
 
 
 def save_npz(path: Path, **arrays: Any) -> None:
-    """Uncompressed (so bytes per token are what the arrays say), written atomically."""
+    """Uncompressed (so bytes per token are what the arrays say), written atomically, never through a link."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    tmp.replace(path)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    write_bytes_atomic(path, buf.getvalue())
 
 
 def id_dtype(n: int) -> Any:

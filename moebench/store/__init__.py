@@ -8,6 +8,10 @@
 - `.lock`: an OS file lock (flock) that the writing process holds for the run's life, so two writers
   never interleave in one directory; the file names the holder (PID, host, start time) for the refusal
   message. The kernel drops the lock when its holder dies, so a stale file is simply taken over.
+- No file of a run directory is written through a symbolic link: the store opens its files with
+  O_NOFOLLOW, replaces whole files by renaming a fresh temporary file over them, and refuses (StoreError,
+  exit 2, naming the link) a run directory holding any link before it writes anything. A directory with
+  items.jsonl but no manifest.json is refused too: its records are of unknown origin.
 Everything downstream (compare, report, gate) reads only this.
 """
 from __future__ import annotations
@@ -22,6 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
+from moebench.jsonout import document, document_text, dumps, non_finite_values, standard
 from moebench.secrets import scrub
 
 SCHEMA_VERSION = 1
@@ -38,6 +43,36 @@ class StoreError(ValueError):
 
 class RunLocked(StoreError):
     """Another live process is writing into this run directory."""
+
+
+def _link_refused(path: Path | str) -> StoreError:
+    return StoreError(f"{path}: is a symbolic link; refusing to write a run file through it "
+                      "(the files of a run directory must be its own regular files)")
+
+
+def open_fd(path: Path | str, flags: int, mode: int = 0o644) -> int:
+    """os.open that never follows a symbolic link at `path`: a link there is refused (StoreError naming
+    it) instead of writing through to its target."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _link_refused(path) from None
+        raise
+
+
+def open_append(path: Path | str) -> Any:
+    """`path` opened for appending bytes (created if missing), never through a link."""
+    return os.fdopen(open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
+
+
+def refuse_links(run_dir: Path) -> None:
+    """StoreError naming the first symbolic link anywhere inside `run_dir` (files and folders): the
+    probes and tasks write side files there too, and none of them may land in a link's target."""
+    for root, dirs, files in os.walk(run_dir, followlinks=False):
+        for name in sorted(dirs + files):
+            if os.path.islink(os.path.join(root, name)):
+                raise _link_refused(Path(root) / name)
 
 
 class RunLock:
@@ -62,7 +97,7 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         import fcntl
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_fd(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -79,7 +114,7 @@ class RunLock:
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": now_iso(),
                 "command": " ".join(sys.argv)[:500]}
         os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        os.pwrite(fd, (dumps(info) + "\n").encode(), 0)
         os.fsync(fd)
         return self
 
@@ -98,7 +133,7 @@ class RunLock:
             holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
             holder["released_at"] = now_iso()
             os.ftruncate(fd, 0)
-            os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+            os.pwrite(fd, (dumps(holder) + "\n").encode(), 0)
         except (OSError, ValueError):
             pass            # a full disk must not stop the release; the lock itself goes with the fd
         finally:
@@ -136,12 +171,24 @@ def _name_path(e: OSError, path: Path) -> OSError:
 
 def write_json_atomic(path: Path, data: Any) -> None:
     """Replace `path` with `data` all at once: the old file stays whole if anything fails, and the
-    temporary file never outlives a failure (a full disk leaves no debris)."""
+    temporary file never outlives a failure (a full disk leaves no debris). Standard JSON: non-finite
+    numbers are written as null and named under `non_finite` (moebench.jsonout.document)."""
+    write_bytes_atomic(path, (document_text(data, indent=2, ensure_ascii=False, default=str) + "\n").encode("utf-8"))
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` all at once, as write_json_atomic. Neither the temporary file nor
+    `path` is written through a link: a link under the temporary name is removed, and the rename
+    replaces a link at `path` itself, never its target."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with tmp.open("w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, ensure_ascii=False, default=str)
-            f.write("\n")
+        try:
+            os.unlink(tmp)          # debris of a writer that died with our PID, or a planted link
+        except FileNotFoundError:
+            pass
+        with os.fdopen(open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -187,6 +234,23 @@ def iter_records(path: Path) -> Iterator[dict[str, Any]]:
         if not isinstance(rec, dict):
             raise StoreError(f"{path}: line {n} is not a JSON object")
         yield rec
+
+
+def finite_record(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` unchanged when every number in it is finite; else an error record (retried on resume,
+    never a wrong answer) whose `error` names the fields, with the numbers as null and their spellings
+    under `non_finite`."""
+    found = non_finite_values(record)
+    if not found:
+        return record
+    clean, _ = standard(record)
+    where = f"non-finite value{'s' if len(found) > 1 else ''} at {', '.join(found)}"
+    clean["non_finite"] = found
+    if clean.get("status") == "error":              # already failed: keep its own message first
+        clean["error"] = f"{clean.get('error')}; {where}"
+    else:
+        clean.update(status="error", correct=None, error=where, error_type="NonFiniteValue")
+    return clean
 
 
 def record_key(rec: dict[str, Any]) -> tuple[str, str]:
@@ -238,7 +302,11 @@ class RunStore:
         return store
 
     def _open_for_writing(self, manifest: dict[str, Any]) -> None:
+        refuse_links(self.path)
         self.resumed = self.manifest_path.exists()
+        if not self.resumed and self.items_path.exists() and self.items_path.stat().st_size > 0:
+            raise StoreError(f"{self.items_path}: item records but no manifest.json beside them; refusing to "
+                             "adopt records of unknown origin (move them away, or choose another --out)")
         self.previous_status = None
         if self.resumed:
             old = self.read_manifest()
@@ -260,7 +328,7 @@ class RunStore:
         self.manifest = manifest
         # The items file opens before the manifest says "running": a resume that cannot write leaves
         # the manifest exactly as it found it.
-        self._items_file = self.items_path.open("ab")
+        self._items_file = open_append(self.items_path)
         self.write_manifest()
 
     @classmethod
@@ -275,7 +343,7 @@ class RunStore:
     def _cut_torn_tail(self) -> None:
         if not self.items_path.exists():
             return
-        with self.items_path.open("rb+") as f:
+        with os.fdopen(open_fd(self.items_path, os.O_RDWR), "rb+") as f:
             data = f.read()
             if data and not data.endswith(b"\n"):
                 cut = data.rfind(b"\n") + 1
@@ -292,9 +360,9 @@ class RunStore:
             raise StoreError(f"{self.manifest_path}: not valid JSON ({e})") from None
 
     def write_manifest(self) -> None:
-        data = self.manifest
+        data = document(self.manifest)
         if self.secrets:
-            data = json.loads(scrub(json.dumps(data, ensure_ascii=False, default=str), self.secrets))
+            data = json.loads(scrub(dumps(data, ensure_ascii=False, default=str), self.secrets))
         with self._lock:
             write_json_atomic(self.manifest_path, data)
 
@@ -311,12 +379,15 @@ class RunStore:
         self.update_manifest(status=status, ended_at=now_iso(), **fields)
 
     # -- items ----------------------------------------------------------------------------------
-    def append(self, record: dict[str, Any]) -> None:
-        """Append one finished item; durable on return."""
+    def append(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Append one finished item; durable on return. Returns the record as written: one holding a
+        non-finite number (NaN, Infinity) is written as an error record naming the field, the number
+        as null and its spelling under `non_finite`, so the file stays standard JSON and nothing is lost."""
         for key in ("task", "item_id", "status"):
             if key not in record:
                 raise ValueError(f"record lacks {key!r}: {record!r}")
-        text = json.dumps(record, ensure_ascii=False, default=str)
+        record = finite_record(record)
+        text = dumps(record, ensure_ascii=False, default=str)
         line = (scrub(text, self.secrets) if self.secrets else text).encode("utf-8") + b"\n"
         with self._lock:
             assert self._items_file is not None, "store not opened for writing"
@@ -326,6 +397,7 @@ class RunStore:
                 os.fsync(self._items_file.fileno())
             except OSError as e:
                 raise _name_path(e, self.items_path) from None
+        return record
 
     def records(self) -> dict[tuple[str, str], dict[str, Any]]:
         return latest_records(self.items_path)

@@ -41,9 +41,13 @@ def item_base(task: str, item_id: str) -> dict[str, Any]:
     return {"task": task, "item_id": item_id, "correct": None, "answer": None, "reference": None, "output": None}
 
 
-def error_fields(message: str) -> dict[str, Any]:
-    """An errored item: retried on resume, never counted as a wrong answer."""
-    return {"status": "error", "correct": None, "error": message}
+def error_fields(message: str, error_type: str | None = None) -> dict[str, Any]:
+    """An errored item: retried on resume, never counted as a wrong answer. `error_type` is the
+    exception's class name (`Unreachable`: the server never answered)."""
+    fields: dict[str, Any] = {"status": "error", "correct": None, "error": message}
+    if error_type is not None:
+        fields["error_type"] = error_type
+    return fields
 
 
 async def ask_item(task: str, item_id: str, evaluate: Callable[[], Awaitable[dict[str, Any]]],
@@ -60,12 +64,28 @@ async def ask_item(task: str, item_id: str, evaluate: Callable[[], Awaitable[dic
     except OSError as e:
         if e.errno in FATAL_ERRNOS:
             raise
-        rec = {**base, **error_fields(describe(e))}
+        rec = {**base, **error_fields(describe(e), type(e).__name__)}
     except Exception as e:
-        rec = {**base, **error_fields(describe(e))}
+        rec = {**base, **error_fields(describe(e), type(e).__name__)}
     rec["task"], rec["item_id"] = task, item_id
     rec["wall_s"] = round(time.perf_counter() - t0, 4)
     return rec
+
+
+COMMON_ERRORS = 3            # the error causes a run's manifest and printout name, most frequent first
+ERROR_CAUSE_CHARS = 300      # a cause is the error message, cut to this length
+
+
+def common_errors(records: list[dict[str, Any]], top: int = COMMON_ERRORS) -> list[dict[str, Any]]:
+    """The most common error messages among the (latest) records, most frequent first:
+    [{"error": message, "count": n}, ...]; ties keep the order of first appearance."""
+    counts: dict[str, int] = {}
+    for rec in records:
+        if rec.get("status") == "error":
+            cause = str(rec.get("error") or "no message")[:ERROR_CAUSE_CHARS]
+            counts[cause] = counts.get(cause, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+    return [{"error": cause, "count": n} for cause, n in ranked[:top]]
 
 
 def record_runner_identity(store: RunStore, runner: Any) -> None:

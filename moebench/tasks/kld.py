@@ -30,6 +30,7 @@ How the log-probs are obtained is chosen from the runner's capabilities, never i
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from moebench.runners.base import Capability, Runner, RunnerError
 from moebench.scoring import kld_stats as ks
 from moebench.scoring.kld_runs import (TOPK_LADDER, KldError, chunk_file, id_dtype, kld_section, read_meta,
                                        router_agreement, save_npz, task_dir, write_json)
+from moebench.store import write_bytes_atomic
 from moebench.tasks.base import Item, Task, prompt_hash
 
 DEFAULT_CORPUS = "wikitext2/wiki.test.raw"
@@ -159,7 +161,9 @@ class KldTask(Task):
             raise KldError(f"{self.corpus}: {len(ids)} tokens, need {max(need, 2 * self.context)} for "
                            f"{self.n_chunks} chunks of {self.context}")
         self.tokens = np.asarray(ids[:need], dtype=np.int32).reshape(self.n_chunks, self.context)
-        np.save(self.out_dir / "tokens.npy", self.tokens)
+        buf = io.BytesIO()
+        np.save(buf, self.tokens)
+        write_bytes_atomic(self.out_dir / "tokens.npy", buf.getvalue())
         write_json(self.out_dir / "meta.json", {
             "format": "npz", "corpus": self.corpus, "context": self.context, "n_chunk": self.n_chunks,
             "n_vocab": runner.vocab_size(), "add_bos": add_bos, "bos_token_id": bos,
@@ -401,7 +405,7 @@ class KldTask(Task):
         if not self.is_candidate:
             text = read_text(data_file(self.ctx.data_dir, self.corpus))
             corpus = self.out_dir / "corpus.txt"
-            corpus.write_text(text, encoding="utf-8")       # LF-normalised copy: what llama.cpp reads
+            write_bytes_atomic(corpus, text.encode("utf-8"))     # LF-normalised copy: what llama.cpp reads
             bf = lp.write_base(model, corpus, self.out_dir / "base.kld", self.context, self.n_chunks, threads, log,
                                **tool)
             if bf.n_chunk < self.n_chunks:

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moebench import jsonout
 from moebench.config import Field, positive
 from moebench.datasets import data_file, register
 from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
@@ -41,7 +42,7 @@ from moebench.runners.metrics import spec_decode_delta
 from moebench.runners.responses import describe
 from moebench.compare.speed import read_token_times, speed_compare, summarize_speed  # noqa: F401 (speed_compare re-exported)
 from moebench.compare.speed_ab import ab_section, output_identity  # noqa: F401 (output_identity re-exported)
-from moebench.store import write_json_atomic
+from moebench.store import open_append, write_json_atomic
 from moebench.store.session import ask_item
 from moebench.tasks.base import Item, Task, TaskContext, count_flagged, prompt_hash, prompt_tokens_check
 from moebench.tasks.needle import HAYSTACK_FILE, HaystackIndex, build_index, fit_haystack, load_haystack
@@ -272,9 +273,9 @@ class SpeedTask(Task):
         if self.ctx.run_dir is not None and rows:
             path = Path(self.ctx.run_dir) / "speed_token_times.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("a", encoding="utf-8") as f:
+            with open_append(path) as f:           # never through a link planted in the run
                 for row in rows:
-                    f.write(json.dumps(row) + "\n")
+                    f.write((jsonout.dumps(row) + "\n").encode("utf-8"))
 
     async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
         """One measurement; the first item of a group runs the whole group (closed-loop clients).
@@ -362,7 +363,7 @@ def _main(argv: list[str] | None = None) -> int:
     from moebench.datasets import data_dir
     result = asyncio.run(_measure_in_process(args.runner, json.loads(args.options),
                                              args.data_dir or str(data_dir())))
-    Path(args.out).write_text(json.dumps(result, default=str))
+    Path(args.out).write_text(jsonout.document_text(result, default=str))
     return 0
 
 
@@ -386,7 +387,7 @@ def run_ab(profile_a_path: str, profile_b_path: str, suite_options: dict[str, An
     for i, which in enumerate(order):
         path = out / f"pass{i}_{which}.json"
         cmd = [sys.executable, "-m", "moebench.tasks.speed", "--runner", profiles[which],
-               "--options", json.dumps(suite_options), "--out", str(path), "--data-dir", str(data_dir())]
+               "--options", jsonout.dumps(suite_options), "--out", str(path), "--data-dir", str(data_dir())]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
         if proc.returncode != 0 or not path.is_file():
@@ -409,7 +410,7 @@ def run_ab(profile_a_path: str, profile_b_path: str, suite_options: dict[str, An
         "outputs": section["identity"],
         "speed_ab": section,
     }
-    (out / "ab.json").write_text(json.dumps(result, indent=2, default=str))
+    (out / "ab.json").write_text(jsonout.document_text(result, indent=2, default=str))
     write_json_atomic(out / "compare.json", ab_compare(result))
     return result
 

@@ -7,6 +7,7 @@ chunk and per scored position (n_ctx - 1 - n_ctx/2 of them) one row of `row_widt
 """
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from moebench.scoring.kld_stats import decode_logprobs, row_width
+from moebench.store import open_append, open_fd, write_bytes_atomic
 
 MAGIC = b"_logits_"
 
@@ -102,7 +104,8 @@ class BaseFileWriter:
         self.path, self.n_ctx, self.n_vocab = Path(path), n_ctx, n_vocab
         self.n_chunk = tokens.shape[0]
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("wb") as f:
+        # Run files are never written through a link planted in the run (moebench.store).
+        with os.fdopen(open_fd(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
             f.write(MAGIC)
             np.array([n_ctx, n_vocab, self.n_chunk], dtype="<i4").tofile(f)
             tokens.tofile(f)
@@ -112,7 +115,7 @@ class BaseFileWriter:
         if rows.shape != (n_scored, row_width(self.n_vocab)) or rows.dtype != np.uint16:
             raise ValueError(f"chunk rows must be uint16 [{n_scored}, {row_width(self.n_vocab)}], got "
                              f"{rows.dtype} {rows.shape}")
-        with self.path.open("ab") as f:
+        with open_append(self.path) as f:
             rows.astype("<u2").tofile(f)
 
 
@@ -151,7 +154,8 @@ def run_perplexity(model: str | Path, args: list[str], log_path: Path | None = N
     proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout_s)
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_path.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+        write_bytes_atomic(log_path, f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+                           .encode("utf-8"))
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
         raise PerplexityError(f"llama-perplexity exited {proc.returncode}: {' '.join(cmd)}\n{tail}")

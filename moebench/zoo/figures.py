@@ -8,12 +8,13 @@
 """
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from moebench import jsonout
 
 _FLOAT = r"([-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)"
 _PATTERNS = {
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Perplexity, KLD and expert-load figures of the zoo model.")
     ap.add_argument("--zoo", default="models/zoo")
     args = ap.parse_args(argv)
-    print(json.dumps(measure_zoo(Path(args.zoo)), indent=2))
+    print(jsonout.document_text(measure_zoo(Path(args.zoo)), indent=2))
     return 0
 
 

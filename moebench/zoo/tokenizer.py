@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from moebench import jsonout
 from moebench.gguf_header import GgufFormatError, read_gguf
 
 VOCAB_NAME = "gpt-2"
@@ -139,6 +140,6 @@ def _write_configs(out_dir: Path, bos: str, eos: str) -> list[Path]:
         "add_bos_token": False, "add_eos_token": False, "add_prefix_space": False,
         "model_max_length": 1024, "clean_up_tokenization_spaces": False,
     }
-    paths[0].write_text(json.dumps(config, indent=2) + "\n")
-    paths[1].write_text(json.dumps({"bos_token": bos, "eos_token": eos, "unk_token": eos}, indent=2) + "\n")
+    paths[0].write_text(jsonout.dumps(config, indent=2) + "\n")
+    paths[1].write_text(jsonout.dumps({"bos_token": bos, "eos_token": eos, "unk_token": eos}, indent=2) + "\n")
     return paths

@@ -11,12 +11,13 @@ flip. WikiText-2 test is the KLD corpus and is never read here.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from moebench import jsonout
 
 TRAIN_TEXT = "haystack/war_and_peace.txt"   # relative to the dataset mirror
 # GSM8K train (MIT) beside the novel: modern English and numbers halve WikiText-2 perplexity
@@ -277,7 +278,7 @@ def save_weights(model, summary: dict[str, Any], out_dir: Path, shape: ModelShap
     save_file(dict(sorted(tensors.items())), str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     hf_config = {**shape.hf_config(), "router_aux_loss_coef": summary["train_config"]["router_aux_loss_coef"]}
     doc = {**summary, "hf_config": hf_config, "weights": WEIGHTS_FILE, "weights_dtype": "bfloat16"}
-    (out_dir / TRAINING_FILE).write_text(json.dumps(doc, indent=2) + "\n")
+    (out_dir / TRAINING_FILE).write_text(jsonout.document_text(doc, indent=2) + "\n")
     return [out_dir / WEIGHTS_FILE, out_dir / TRAINING_FILE]
 
 
@@ -302,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         model, summary = train(Path(tok_dir), cfg)
     for p in save_weights(model, summary, args.out, cfg.shape):
         print(p)
-    print(json.dumps({k: summary[k] for k in ("final_loss_mean_last20", "heldout_ppl", "wall_seconds")}))
+    print(jsonout.document_text({k: summary[k] for k in ("final_loss_mean_last20", "heldout_ppl", "wall_seconds")}))
     return 0
 
 
