@@ -312,9 +312,9 @@ class Server:
                                 f"{self.options.max_body_bytes} bytes")
         limit_s = self.options.body_timeout_s
         try:
-            async with asyncio.timeout(limit_s):      # a client that trickles its body holds a connection
-                raw = await request.read()
-        except TimeoutError:
+            # a client that trickles its body holds a connection
+            raw = await asyncio.wait_for(request.read(), limit_s)
+        except asyncio.TimeoutError:                  # the builtin TimeoutError from 3.11; its own class on 3.10
             raise ApiError(408, f"request body not received within {limit_s:g} s (body_timeout_s)",
                            headers={"Connection": "close"}) from None
         depth = self.options.max_json_depth

@@ -18,7 +18,7 @@ def _strict(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
-def test_record_with_a_non_finite_field_becomes_an_error_record_naming_it(tmp_path, data_dir):
+def test_server_reply_with_a_non_finite_field_becomes_an_error_record_naming_it(tmp_path, data_dir):
     # The server's own timings (llama-server sends them) carry a NaN for the first question only.
     srv = serve({"default": "#### 1", "extra": {"Janet": {"timings": {"prompt_ms": math.nan, "predicted_n": 3}}}})
     try:
@@ -38,15 +38,14 @@ def test_record_with_a_non_finite_field_becomes_an_error_record_naming_it(tmp_pa
         assert len(bad) == 1
         bad = bad[0]
         assert bad["status"] == "error" and bad["correct"] is None
-        assert bad["error"] == "non-finite value at timings.prompt_ms", bad
-        assert bad["non_finite"] == {"timings.prompt_ms": "NaN"}
-        # Nothing else of the record is lost: the rest of the timings and the answer are kept.
-        assert bad["timings"]["prompt_ms"] is None and bad["timings"]["predicted_n"] == 3
-        assert bad["output"] == "#### 1" and bad["answer"] == "1"
+        # The HTTP runner refuses the impossible value at parse time, naming the field and the URL (the
+        # store's own conversion of a non-finite record is the next test's).
+        assert bad["error_type"] == "RunnerError", bad
+        assert "field 'timings.prompt_ms' is nan" in bad["error"] and "/v1/completions" in bad["error"], bad
         assert all(r["status"] == "ok" for r in recs if r is not bad)
         m = _strict((out / "manifest.json").read_text())
         assert m["status"] == "complete" and m["summary"]["gsm8k"]["n_errors"] == 1
-        assert "1 x non-finite value at timings.prompt_ms" in res.stdout
+        assert "field 'timings.prompt_ms' is nan" in res.stdout
     finally:
         srv.shutdown()
         srv.server_close()
