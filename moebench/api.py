@@ -198,7 +198,7 @@ def run(opts: RunOptions) -> tuple[Path, int]:
     label = opts.label or runner_p.name
     run_dir = _run_dir(opts, suite, label)
     created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    _make_run_dir(run_dir, "--out" if opts.out else "the run directory")
     # The lock comes first: a second writer is refused before it reads or touches anything.
     lock = RunLock(run_dir).acquire()
     try:
@@ -211,6 +211,16 @@ def run(opts: RunOptions) -> tuple[Path, int]:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     return run_dir, _execute(opts, suite, store, tasks, runner, items, ctx)
+
+
+def _make_run_dir(run_dir: Path, named: str) -> None:
+    """Create the run directory; a regular file where it, or a folder above it, should be is bad
+    usage (exit 2), said in plain words rather than as an errno."""
+    for p in (run_dir, *run_dir.parents):
+        if p.exists() and not p.is_dir():
+            raise UsageError(f"{named} {run_dir} is a file, not a directory" if p == run_dir
+                             else f"{named} {run_dir}: {p} is a file, not a directory")
+    run_dir.mkdir(parents=True, exist_ok=True)
 
 
 def _note_failed_resume(run_dir: Path, e: OSError) -> None:
