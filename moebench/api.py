@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from moebench.config import RunnerProfile, SuiteProfile, load_runner, load_suite, resolve_profile_path
+from moebench.data_check import check_before_run
 from moebench.errors import UsageError
 from moebench.datasets import data_dir
 from moebench.progress import Progress
@@ -47,6 +48,7 @@ class RunOptions:
     baseline: str | None = None
     results_dir: str = "results"
     quiet: bool = False
+    allow_modified_data: bool = False    # run on data files that differ from SHA256SUMS, saying so
 
 
 def load_profiles(suite: str, runner: str) -> tuple[SuiteProfile, RunnerProfile]:
@@ -254,10 +256,14 @@ def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, lab
         t.check(runner)
     # Items are listed before the run starts so bad data fails fast (and data files get hashed).
     items = {t.name: t.items() for t in tasks}
+    # ... and data that is not the mirror's is refused before any request.
+    verification, notes = check_before_run(ctx.data_dir, ctx.data_files, opts.allow_modified_data)
+    for line in notes:
+        print(line, file=sys.stderr)
 
     manifest = new_manifest(label, redact(suite.to_dict()), runner_p.redacted(), ctx.data_dir,
-                            data_files=ctx.data_files, baseline_run=str(baseline) if baseline else None,
-                            limit=opts.limit)
+                            data_files=ctx.data_files, data_verification=verification,
+                            baseline_run=str(baseline) if baseline else None, limit=opts.limit)
     return open_store(run_dir, manifest, runner_p.settings, lock=lock), tasks, runner, items, ctx
 
 

@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--baseline", metavar="RUN", help="baseline run directory, for tasks that measure against one (kld)")
     r.add_argument("--json", action="store_true",
                    help="print one JSON object (run_dir, status, exit_code, summary) instead of the text lines")
+    r.add_argument("--allow-modified-data", action="store_true",
+                   help="run even where a data file differs from the data folder's SHA256SUMS (refused by "
+                        "default, exit 2); the manifest and the report then say which files differ")
 
     c = _command(sub, "compare", "pair runs item by item with a baseline; writes compare.json, summary.md, "
                                  "matrix.csv/json and report.html",
@@ -239,7 +242,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         run_dir, code = api.run(api.RunOptions(suite=args.suite, runner=args.runner, out=args.out,
                                                label=args.label, limit=args.limit, resume=args.resume,
-                                               baseline=args.baseline))
+                                               baseline=args.baseline,
+                                               allow_modified_data=args.allow_modified_data))
         if args.json:
             print(json.dumps(_run_json(run_dir, code), sort_keys=True))
             return code

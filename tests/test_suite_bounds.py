@@ -14,6 +14,7 @@ from moebench.config import (COMMON_RUNNER_SCHEMA, COMMON_TASK_SCHEMA, PROBES_SC
 from moebench.runners import runner_schemas
 from moebench.tasks import task_schemas
 from openai_fake import serve
+from request_count import RequestCount
 
 
 def _suite(tmp: Path, body: str, probes: str = "nvml = false") -> Path:
@@ -120,6 +121,7 @@ def test_values_at_the_bounds_load(tmp_path):
 ], ids=["shots", "clients", "prompt_lengths", "subjects"])
 def test_cli_refuses_unbounded_suite_before_any_request(tmp_path, body, key):
     server = serve({"default": "#### 1"})
+    asked = RequestCount(server)
     try:
         suite = _suite(tmp_path, body)
         runner = _runner(tmp_path, server.server_address[1])
@@ -129,7 +131,7 @@ def test_cli_refuses_unbounded_suite_before_any_request(tmp_path, body, key):
         line = proc.stderr.strip().splitlines()[-1]
         assert line.startswith("error: ") and str(suite) in line and f"key {key!r}" in line, proc.stderr
         assert "Traceback" not in proc.stderr
-        assert server.RequestHandlerClass.counter == 0      # nothing was asked
+        assert asked.n == 0                                  # nothing was asked
         assert not out.exists()                              # and nothing was left behind
     finally:
         server.shutdown()
