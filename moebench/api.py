@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moebench.config import RunnerProfile, SuiteProfile, load_runner, load_suite, resolve_profile_path
+from moebench.config import MAX_ITEMS, RunnerProfile, SuiteProfile, load_runner, load_suite, resolve_profile_path
 from moebench.data_check import check_before_run
 from moebench.errors import UsageError
 from moebench.datasets import data_dir
@@ -116,6 +116,8 @@ def _check_resumable(run_dir: Path, suite: SuiteProfile, runner_p: RunnerProfile
 
 
 def _make_tasks(suite: SuiteProfile, ctx: TaskContext, limit: int | None) -> list[Task]:
+    if limit is not None and not 1 <= limit <= MAX_ITEMS:    # 0 would mean every item, -3 all but three
+        raise UsageError(f"limit must be between 1 and {MAX_ITEMS:,}, got {limit}")
     tasks = []
     for opts in suite.tasks:
         opts = dict(opts)

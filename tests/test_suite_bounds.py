@@ -192,3 +192,37 @@ def test_every_numeric_key_has_a_bound_documented_in_profiles_md():
                 f"docs/profiles.md ({where}) lacks `{key}` with bounds {bounds_text(field)!r}"
             checked += 1
     assert checked >= 50
+
+
+@pytest.mark.parametrize("limit", ["0", "-3", "100000000"])
+def test_cli_limit_outside_its_bound_exits_2_before_any_request(tmp_path, limit):
+    """`--limit 0` once ran every item and `--limit -3` all but the last three."""
+    server = serve({"default": "#### 1"})
+    asked = RequestCount(server)
+    try:
+        suite = _suite(tmp_path, 'task = "gsm8k"\nlimit = 5\nshots = 0')
+        runner = _runner(tmp_path, server.server_address[1])
+        out = tmp_path / "run"
+        proc = moebench_cli("run", str(suite), "--runner", str(runner), "--out", str(out), "--limit", limit,
+                            timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert f"argument --limit: must be a whole number between 1 and 10,000,000, got {limit!r}" in proc.stderr
+        assert asked.n == 0 and not out.exists()
+    finally:
+        server.shutdown()
+
+
+def test_api_limit_outside_its_bound_is_usage_error(tmp_path):
+    from moebench import api
+    server = serve({"default": "#### 1"})
+    asked = RequestCount(server)
+    try:
+        suite = _suite(tmp_path, 'task = "gsm8k"\nlimit = 5\nshots = 0')
+        runner = _runner(tmp_path, server.server_address[1], extra="retries = 0")
+        for limit in (0, -3):
+            with pytest.raises(api.UsageError, match=rf"limit must be between 1 and 10,000,000, got {limit}"):
+                api.run(api.RunOptions(suite=str(suite), runner=str(runner), out=str(tmp_path / "run"),
+                                       limit=limit, quiet=True))
+            assert asked.n == 0 and not (tmp_path / "run").exists()
+    finally:
+        server.shutdown()
