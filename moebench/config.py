@@ -58,12 +58,8 @@ def bounds_text(spec: Field) -> str:
 
 
 def _bound_problem(value: Any, spec: Field) -> str | None:
-    """Why a number breaks the field's bounds (or is NaN / infinite), else None."""
+    """Why a (finite) number breaks the field's bounds, else None; anything else is not its business."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    if isinstance(value, float) and not math.isfinite(value):
-        return "must be a finite number"
-    if spec.low is None and spec.high is None:
         return None
     too_low = spec.low is not None and (value <= spec.low if spec.low_open else value < spec.low)
     too_high = spec.high is not None and value > spec.high
@@ -124,25 +120,20 @@ def validate(table: dict[str, Any], schema: dict[str, Field], where: str) -> dic
             raise ProfileError(
                 f"{where}: key {key!r} must be one of {', '.join(map(repr, spec.choices))}, got {value!r}"
             )
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ProfileError(f"{where}: key {key!r} must be a finite number, got {value!r}")
-        if isinstance(value, list):
-            for i, v in enumerate(value):
-                if isinstance(v, float) and not math.isfinite(v):
-                    raise ProfileError(f"{where}: key {key!r} item {i} must be a finite number, got {v!r}")
+        # A list's bound holds for each item; NaN and infinity are refused first, as no check
+        # below is written for them (NaN > 0 is False, inf passes "positive").
+        numbers = [(f" item {i}", v) for i, v in enumerate(value)] if isinstance(value, list) else [("", value)]
+        for item, v in numbers:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ProfileError(f"{where}: key {key!r}{item} must be a finite number, got {v!r}")
         if spec.check is not None:
             problem = spec.check(value)
             if problem:
                 raise ProfileError(f"{where}: key {key!r} {problem}, got {value!r}")
-        if isinstance(value, list):
-            for i, v in enumerate(value):
-                problem = _bound_problem(v, spec)
-                if problem:
-                    raise ProfileError(f"{where}: key {key!r} item {i} {problem}, got {v!r}")
-        else:
-            problem = _bound_problem(value, spec)
+        for item, v in numbers:
+            problem = _bound_problem(v, spec)
             if problem:
-                raise ProfileError(f"{where}: key {key!r} {problem}, got {value!r}")
+                raise ProfileError(f"{where}: key {key!r}{item} {problem}, got {v!r}")
         out[key] = value
     return out
 

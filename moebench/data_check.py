@@ -97,7 +97,8 @@ def notes(root: Path, verification: dict[str, Any]) -> list[str]:
     modified = with_status(verification, MODIFIED)
     if modified:
         out.append(f"warning: running on modified data (--allow-modified-data): {', '.join(modified)} "
-                   "differ from SHA256SUMS; the manifest and the report say so")
+                   f"{'differs' if len(modified) == 1 else 'differ'} from SHA256SUMS; the manifest and the "
+                   "report say so")
     return out
 
 

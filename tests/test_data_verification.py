@@ -107,7 +107,7 @@ def test_allow_modified_data_runs_and_the_manifest_and_report_say_so(tmp_path, d
         assert proc.returncode == 0, proc.stderr
         assert srv.requests > 0
     warnings = [l for l in proc.stderr.splitlines() if "modified data" in l]
-    assert warnings == ["warning: running on modified data (--allow-modified-data): gsm8k/test.jsonl differ "
+    assert warnings == ["warning: running on modified data (--allow-modified-data): gsm8k/test.jsonl differs "
                         "from SHA256SUMS; the manifest and the report say so"]
     m = json.loads((out / "manifest.json").read_text())
     v = m["data_verification"]
@@ -119,7 +119,7 @@ def test_allow_modified_data_runs_and_the_manifest_and_report_say_so(tmp_path, d
     assert v["files"]["gsm8k/train.jsonl"]["status"] == "verified"
     report = moebench_cli("report", str(out), check=True)
     html = Path(report.stdout.strip().splitlines()[-1]).read_text(encoding="utf-8")
-    assert "MODIFIED (run with --allow-modified-data): gsm8k/test.jsonl differ from SHA256SUMS" in html
+    assert "MODIFIED (run with --allow-modified-data): gsm8k/test.jsonl differs from SHA256SUMS" in html
 
 
 def test_folder_without_sha256sums_runs_unverified_and_says_so_in_one_line(tmp_path, data_dir):

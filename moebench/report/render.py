@@ -190,8 +190,9 @@ def data_line(verification: Any) -> str | None:
         by.setdefault(str(entry.get("status")) if isinstance(entry, dict) else "?", []).append(str(rel))
     parts = []
     if by.get("modified"):
-        parts.append(f"MODIFIED (run with --allow-modified-data): {', '.join(by.pop('modified'))} "
-                     "differ from SHA256SUMS")
+        modified = by.pop("modified")
+        parts.append(f"MODIFIED (run with --allow-modified-data): {', '.join(modified)} "
+                     f"{'differs' if len(modified) == 1 else 'differ'} from SHA256SUMS")
     if by.get("unverified"):
         parts.append(f"unverified: {', '.join(by.pop('unverified'))}")
     verified = by.pop("verified", [])
