@@ -144,6 +144,7 @@ MAX_PROMPT_TOKENS = 1_048_576        # a prompt or context length, in tokens
 MAX_NEW_TOKENS = 131_072             # tokens generated for one request
 MAX_SECONDS = 86_400                 # any timeout or wait: one day
 MAX_IDLE_SECONDS = 3_600             # a measured idle window
+MAX_VOCAB = 1_048_576                # K alternatives per position: up to a whole vocabulary
 MAX_CLIENTS = 1_024                  # concurrent requests, clients, slots, batch rows
 MAX_ITEMS = 10_000_000               # an item count (limit): above every dataset here
 MAX_SEED = 2**32 - 1                 # llama.cpp's seed is a uint32

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import httpx
 
-from moebench.config import MAX_RESPONSE_BYTES, MAX_SECONDS, Field, ProfileError, positive
+from moebench.config import MAX_RESPONSE_BYTES, MAX_SECONDS, MAX_VOCAB, Field, ProfileError, positive
 from moebench.runners import prompt_logprobs as prompt_lp
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
 from moebench.scoring.answers import first_stop
@@ -73,7 +73,7 @@ SCHEMA: dict[str, Field] = {
     "prompt_logprobs": Field(str, default="none", choices=prompt_lp.MODES,
                              doc="how the server returns prompt log-probs (KLD): vLLM's prompt_logprobs field, "
                                  "legacy echo + logprobs, or SGLang's /generate"),
-    "prompt_logprobs_k": Field(int, default=20, check=positive, low=1, high=1_024,
+    "prompt_logprobs_k": Field(int, default=20, check=positive, low=1, high=MAX_VOCAB,
                                doc="top K prompt log-probs asked per position"),
     "prompt_logprob_ids": Field(bool, default=False,
                                 doc="the server also scores given token ids at each position (SGLang's "

@@ -22,7 +22,7 @@ from functools import lru_cache
 from pathlib import PurePosixPath
 from typing import Any
 
-from moebench.config import MAX_ITEMS, MAX_NEW_TOKENS, Field, non_negative, positive
+from moebench.config import MAX_ITEMS, MAX_NEW_TOKENS, MAX_VOCAB, Field, non_negative, positive
 from moebench.datasets import data_file, read_csv_rows, register
 from moebench.lmeval.scoring import score_tokens
 from moebench.prompts import cmmlu_prefix, cmmlu_question
@@ -33,7 +33,6 @@ from moebench.tasks.base import Item, Task, prompt_hash
 LETTERS = ("A", "B", "C", "D")
 COLUMNS = ("Question", "A", "B", "C", "D", "Answer")
 DEV_SHOTS = 5                 # rows per subject in the dev split: more shots could not be filled
-MAX_TOP_LOGPROBS = 1_000
 
 
 @lru_cache(maxsize=1)
@@ -64,7 +63,7 @@ class CmmluTask(Task):
                           doc="subject file stems (the mirror's 67 names); default all 67"),
         "per_subject_limit": Field(int, check=positive, low=1, high=MAX_ITEMS,
                                    doc="the first N questions of each subject"),
-        "top_logprobs": Field(int, default=100, check=positive, low=1, high=MAX_TOP_LOGPROBS,
+        "top_logprobs": Field(int, default=100, check=positive, low=1, high=MAX_VOCAB,
                               doc="alternatives asked for the next token"),
         "scoring": Field(str, default="auto", choices=("auto", "logprobs", "generate")),
         "max_tokens": Field(int, default=8, check=positive, low=1, high=MAX_NEW_TOKENS,

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from moebench.config import MAX_PROMPT_TOKENS, Field, non_negative, positive
+from moebench.config import MAX_PROMPT_TOKENS, MAX_VOCAB, Field, non_negative, positive
 from moebench.datasets import data_file, read_text, register
 from moebench.runners.base import Capability, Runner, RunnerError
 from moebench.scoring import kld_stats as ks
@@ -77,7 +77,7 @@ class KldTask(Task):
                          doc="tokens per chunk (llama-perplexity -c)"),
         "chunks": Field(int, default=32, check=positive, low=1, high=1_000_000,
                         doc="chunks to score (llama-perplexity --chunks)"),
-        "top_k": Field(int, default=64, check=positive, low=1, high=1_024,
+        "top_k": Field(int, default=64, check=positive, low=1, high=MAX_VOCAB,
                        doc="baseline tokens kept per scored position"),
         "full_chunks": Field(int, default=1, check=non_negative, low=0, high=1_000_000,
                              doc="baseline chunks that also keep the whole distribution (exact KLD, llama.cpp export)"),

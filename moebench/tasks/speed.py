@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moebench.config import MAX_CLIENTS, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, Field, positive
+from moebench.config import (MAX_CLIENTS, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, MAX_VOCAB, Field,
+                             positive)
 from moebench.datasets import data_file, register
 from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
 from moebench.runners.metrics import spec_decode_delta
@@ -128,7 +129,7 @@ class SpeedTask(Task):
                              doc="0 = greedy (the default)"),
         "top_p": Field(float, check=_unit_interval, low=0.0, low_open=True, high=1.0,
                        doc="nucleus sampling; unset = the backend's default"),
-        "top_k": Field(int, check=_non_negative, low=0, high=MAX_PROMPT_TOKENS,
+        "top_k": Field(int, check=_non_negative, low=0, high=MAX_VOCAB,
                        doc="top-k sampling; unset = the backend's default"),
     }
 
