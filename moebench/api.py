@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moebench.config import RunnerProfile, SuiteProfile, load_runner, load_suite, resolve_profile_path
+from moebench.config import MAX_ITEMS, RunnerProfile, SuiteProfile, load_runner, load_suite, resolve_profile_path
+from moebench.data_check import check_before_run
 from moebench.errors import UsageError
 from moebench.datasets import data_dir
 from moebench.progress import Progress
@@ -53,6 +54,7 @@ class RunOptions:
     as_baseline: bool = False        # KLD: this run is the baseline candidates measure against
     results_dir: str = "results"
     quiet: bool = False
+    allow_modified_data: bool = False    # run on data files that differ from SHA256SUMS, saying so
 
 
 def load_profiles(suite: str, runner: str) -> tuple[SuiteProfile, RunnerProfile]:
@@ -120,6 +122,8 @@ def _check_resumable(run_dir: Path, suite: SuiteProfile, runner_p: RunnerProfile
 
 
 def _make_tasks(suite: SuiteProfile, ctx: TaskContext, limit: int | None) -> list[Task]:
+    if limit is not None and not 1 <= limit <= MAX_ITEMS:    # 0 would mean every item, -3 all but three
+        raise UsageError(f"limit must be between 1 and {MAX_ITEMS:,}, got {limit}")
     tasks = []
     for opts in suite.tasks:
         opts = dict(opts)
@@ -245,7 +249,7 @@ def run(opts: RunOptions) -> tuple[Path, int]:
     label = opts.label or runner_p.name
     run_dir = _run_dir(opts, suite, label)
     created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    _make_run_dir(run_dir, "--out" if opts.out else "the run directory")
     # The lock comes first: a second writer is refused before it reads or touches anything.
     lock = RunLock(run_dir).acquire()
     try:
@@ -258,6 +262,16 @@ def run(opts: RunOptions) -> tuple[Path, int]:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     return run_dir, _execute(opts, suite, store, tasks, runner, items, ctx)
+
+
+def _make_run_dir(run_dir: Path, named: str) -> None:
+    """Create the run directory; a regular file where it, or a folder above it, should be is bad
+    usage (exit 2), said in plain words rather than as an errno."""
+    for p in (run_dir, *run_dir.parents):
+        if p.exists() and not p.is_dir():
+            raise UsageError(f"{named} {run_dir} is a file, not a directory" if p == run_dir
+                             else f"{named} {run_dir}: {p} is a file, not a directory")
+    run_dir.mkdir(parents=True, exist_ok=True)
 
 
 def _note_failed_resume(run_dir: Path, e: OSError) -> None:
@@ -312,10 +326,14 @@ def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, lab
     _check_kld_role(opts, suite, tasks)
     # Items are listed before the run starts so bad data fails fast (and data files get hashed).
     items = {t.name: t.items() for t in tasks}
+    # ... and data that is not the mirror's is refused before any request.
+    verification, notes = check_before_run(ctx.data_dir, ctx.data_files, opts.allow_modified_data)
+    for line in notes:
+        print(line, file=sys.stderr)
 
     manifest = new_manifest(label, redact(suite.to_dict()), runner_p.redacted(), ctx.data_dir,
-                            data_files=ctx.data_files, baseline_run=str(baseline) if baseline else None,
-                            limit=opts.limit)
+                            data_files=ctx.data_files, data_verification=verification,
+                            baseline_run=str(baseline) if baseline else None, limit=opts.limit)
     return open_store(run_dir, manifest, runner_p.settings, lock=lock), tasks, runner, items, ctx
 
 

@@ -24,6 +24,19 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: {default})"
 
 
+def _item_count(text: str) -> int:
+    """`--limit N`: a whole number of items within the suite key `limit`'s bound (0 or a negative N
+    would otherwise mean every item, or all but the last N)."""
+    from moebench.config import MAX_ITEMS
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_ITEMS:
+        raise argparse.ArgumentTypeError(f"must be a whole number between 1 and {MAX_ITEMS:,}, got {text!r}")
+    return n
+
+
 def _command(sub, name: str, help: str, examples: str):
     """A subcommand whose --help ends with examples."""
     return sub.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter,
@@ -52,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--runner", required=True, help=RUNNER_HELP)
     r.add_argument("--out", help="run directory (default: results/<timestamp>_<suite>_<label>/)")
     r.add_argument("--label", help="a name for this run (default: the runner profile's name)")
-    r.add_argument("--limit", type=int, metavar="N", help="at most N items per task, the first N (default: the suite's)")
+    r.add_argument("--limit", type=_item_count, metavar="N",
+                   help="at most N items per task, the first N (1 to 10,000,000; default: the suite's)")
     r.add_argument("--resume", action="store_true",
                    help="continue an unfinished run, keeping its finished items (without --out: the newest one)")
     r.add_argument("--baseline", metavar="RUN", help="baseline run directory, for tasks that measure against one (kld)")
@@ -61,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
                         "it or --baseline a KLD-only suite is refused")
     r.add_argument("--json", action="store_true",
                    help="print one JSON object (run_dir, status, exit_code, summary) instead of the text lines")
+    r.add_argument("--allow-modified-data", action="store_true",
+                   help="run even where a data file differs from the data folder's SHA256SUMS (refused by "
+                        "default, exit 2); the manifest and the report then say which files differ")
 
     c = _command(sub, "compare", "pair runs item by item with a baseline; writes compare.json, summary.md, "
                                  "matrix.csv/json and report.html",
@@ -245,7 +262,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         run_dir, code = api.run(api.RunOptions(suite=args.suite, runner=args.runner, out=args.out,
                                                label=args.label, limit=args.limit, resume=args.resume,
-                                               baseline=args.baseline, as_baseline=args.as_baseline))
+                                               baseline=args.baseline, as_baseline=args.as_baseline,
+                                               allow_modified_data=args.allow_modified_data))
         if args.json:
             print(jsonout.dumps(_run_json(run_dir, code), sort_keys=True))
             return code

@@ -5,6 +5,7 @@ task or runner kind can declare its own keys next to its code.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -34,6 +35,35 @@ class Field:
     item_type: type | tuple[type, ...] | None = None   # for lists: type of each element
     check: Callable[[Any], str | None] | None = None     # returns an error text or None
     doc: str = ""
+    # Bounds of a number, or of each number in a list (docs/profiles.md lists them all). A value
+    # past them is refused when the profile loads, before it can size a prompt or a queue.
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False                               # low itself not allowed (a timeout of 0)
+
+
+def _num(x: float) -> str:
+    return f"{x:,}" if isinstance(x, int) else f"{x:g}"
+
+
+def bounds_text(spec: Field) -> str:
+    """A field's bounds in words, e.g. "between 1 and 1,024" or "more than 0 and at most 86,400"."""
+    if spec.low is not None and spec.high is not None:
+        if spec.low_open:
+            return f"more than {_num(spec.low)} and at most {_num(spec.high)}"
+        return f"between {_num(spec.low)} and {_num(spec.high)}"
+    if spec.low is not None:
+        return f"{'more than' if spec.low_open else 'at least'} {_num(spec.low)}"
+    return f"at most {_num(spec.high)}" if spec.high is not None else "any value"
+
+
+def _bound_problem(value: Any, spec: Field) -> str | None:
+    """Why a (finite) number breaks the field's bounds, else None; anything else is not its business."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    too_low = spec.low is not None and (value <= spec.low if spec.low_open else value < spec.low)
+    too_high = spec.high is not None and value > spec.high
+    return f"must be {bounds_text(spec)}" if too_low or too_high else None
 
 
 def _type_name(t: type | tuple[type, ...]) -> str:
@@ -90,12 +120,35 @@ def validate(table: dict[str, Any], schema: dict[str, Field], where: str) -> dic
             raise ProfileError(
                 f"{where}: key {key!r} must be one of {', '.join(map(repr, spec.choices))}, got {value!r}"
             )
+        # A list's bound holds for each item; NaN and infinity are refused first, as no check
+        # below is written for them (NaN > 0 is False, inf passes "positive").
+        numbers = [(f" item {i}", v) for i, v in enumerate(value)] if isinstance(value, list) else [("", value)]
+        for item, v in numbers:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ProfileError(f"{where}: key {key!r}{item} must be a finite number, got {v!r}")
         if spec.check is not None:
             problem = spec.check(value)
             if problem:
                 raise ProfileError(f"{where}: key {key!r} {problem}, got {value!r}")
+        for item, v in numbers:
+            problem = _bound_problem(v, spec)
+            if problem:
+                raise ProfileError(f"{where}: key {key!r}{item} {problem}, got {v!r}")
         out[key] = value
     return out
+
+
+# Shared bounds (docs/profiles.md). Generous for real use, small enough that no value can make a
+# prompt, a queue or a wait that no machine survives.
+MAX_PROMPT_TOKENS = 1_048_576        # a prompt or context length, in tokens
+MAX_NEW_TOKENS = 131_072             # tokens generated for one request
+MAX_SECONDS = 86_400                 # any timeout or wait: one day
+MAX_IDLE_SECONDS = 3_600             # a measured idle window
+MAX_VOCAB = 1_048_576                # K alternatives per position: up to a whole vocabulary
+MAX_CLIENTS = 1_024                  # concurrent requests, clients, slots, batch rows
+MAX_ITEMS = 10_000_000               # an item count (limit): above every dataset here
+MAX_SEED = 2**32 - 1                 # llama.cpp's seed is a uint32
+MAX_RESPONSE_BYTES = 4 * 1024**3     # one HTTP reply
 
 
 def positive(value: Any) -> str | None:
@@ -155,16 +208,17 @@ def _gpu_indices(value: Any) -> str | None:
 
 PROBES_SCHEMA: dict[str, Field] = {
     "nvml": Field(bool, default=True, doc="sample GPU memory/power/energy where NVML is present"),
-    "interval_ms": Field(int, default=100, check=positive),
-    "gpu_index": Field(int, default=0, check=non_negative, doc="the one GPU to sample (see gpu_indices)"),
-    "gpu_indices": Field((list, str), item_type=int, check=_gpu_indices,
+    "interval_ms": Field(int, default=100, check=positive, low=1, high=60_000),
+    "gpu_index": Field(int, default=0, check=non_negative, low=0, high=1_023,
+                       doc="the one GPU to sample (see gpu_indices)"),
+    "gpu_indices": Field((list, str), item_type=int, check=_gpu_indices, low=0, high=1_023,
                          doc='several GPUs: a list of NVML indices or "all" (overrides gpu_index)'),
-    "idle_s": Field(float, default=5.0, check=non_negative,
+    "idle_s": Field(float, default=5.0, check=non_negative, low=0, high=MAX_IDLE_SECONDS,
                     doc="seconds of idle measured after the model is loaded and warm, before the first task"),
-    "idle_end_s": Field(float, default=0.0, check=non_negative,
+    "idle_end_s": Field(float, default=0.0, check=non_negative, low=0, high=MAX_IDLE_SECONDS,
                         doc="seconds of idle measured again after the last task (0: none)"),
-    "tariff_day_per_kwh": Field(float, doc="electricity price by day, per kWh"),
-    "tariff_night_per_kwh": Field(float, doc="electricity price by night, per kWh"),
+    "tariff_day_per_kwh": Field(float, low=0, high=1_000, doc="electricity price by day, per kWh"),
+    "tariff_night_per_kwh": Field(float, low=0, high=1_000, doc="electricity price by night, per kWh"),
     "currency": Field(str, default="EUR"),
 }
 
@@ -178,7 +232,7 @@ SUITE_SCHEMA: dict[str, Field] = {
 # Keys every task entry accepts; each task kind adds its own (`Task.options`).
 COMMON_TASK_SCHEMA: dict[str, Field] = {
     "task": Field(str, required=True),
-    "limit": Field(int, check=positive, doc="the first N items in the dataset's own order"),
+    "limit": Field(int, check=positive, low=1, high=MAX_ITEMS, doc="the first N items in the dataset's own order"),
     "name": Field(str, doc="a label when a suite holds the same task twice"),
 }
 
@@ -226,7 +280,7 @@ def load_suite(path: str | os.PathLike[str], task_schemas: dict[str, dict[str, F
 COMMON_RUNNER_SCHEMA: dict[str, Field] = {
     "kind": Field(str, required=True),
     "name": Field(str, doc="a label for reports; defaults to the file stem"),
-    "concurrency": Field(int, default=1, check=positive),
+    "concurrency": Field(int, default=1, check=positive, low=1, high=MAX_CLIENTS),
 }
 
 @dataclass

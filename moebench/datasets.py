@@ -2,7 +2,8 @@
 
 The mirror is `MOEBENCH_DATA_DIR`, else `../shared/datasets` beside the checkout, else
 `./shared/datasets`, else a `data/` folder made by `moebench data fetch` (moebench/data_fetch.py). Every file a task reads is hashed (sha256) into the run manifest. There is no
-silent hub fallback: a missing file is an error naming the path and the variable to set.
+silent hub fallback: a missing file is an error naming the path and the variable to set. Before a run
+asks anything, moebench/data_check.py checks the files it read against SHA256SUMS.
 """
 from __future__ import annotations
 

@@ -156,6 +156,9 @@ def identity(manifest: dict[str, Any]) -> list[tuple[str, str]]:
     runner = manifest.get("runner")
     if isinstance(runner, dict):
         pairs.append(("runner", " / ".join(str(runner[k]) for k in ("kind", "name") if runner.get(k))))
+    data = data_line(manifest.get("data_verification"))
+    if data:
+        pairs.append(("data", data))
     for section in ("model", "build", "host"):
         value = manifest.get(section)
         if isinstance(value, dict):
@@ -174,6 +177,29 @@ def identity(manifest: dict[str, Any]) -> list[tuple[str, str]]:
         elif value is not None:
             pairs.append((section, str(value)))
     return [(k, v if len(v) <= 300 else v[:300] + "…") for k, v in pairs]
+
+
+def data_line(verification: Any) -> str | None:
+    """One line on the run's data: modified files first (a run on them was asked for explicitly),
+    then unverified ones, else how many files SHA256SUMS verified."""
+    files = verification.get("files") if isinstance(verification, dict) else None
+    if not isinstance(files, dict) or not files:
+        return None
+    by: dict[str, list[str]] = {}
+    for rel, entry in files.items():
+        by.setdefault(str(entry.get("status")) if isinstance(entry, dict) else "?", []).append(str(rel))
+    parts = []
+    if by.get("modified"):
+        modified = by.pop("modified")
+        parts.append(f"MODIFIED (run with --allow-modified-data): {', '.join(modified)} "
+                     f"{'differs' if len(modified) == 1 else 'differ'} from SHA256SUMS")
+    if by.get("unverified"):
+        parts.append(f"unverified: {', '.join(by.pop('unverified'))}")
+    verified = by.pop("verified", [])
+    if verified:
+        parts.append(f"{len(verified)} file(s) verified against SHA256SUMS")
+    parts += [f"{status}: {', '.join(rels)}" for status, rels in by.items()]
+    return "; ".join(parts)
 
 
 def question_text(rec: dict[str, Any] | None, item_id: str) -> str:

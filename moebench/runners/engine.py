@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moebench.config import Field, ProfileError, positive
+from moebench.config import MAX_CLIENTS, MAX_PROMPT_TOKENS, Field, ProfileError, positive
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
 from moebench.scoring.answers import first_stop
 
@@ -26,9 +26,10 @@ SCHEMA: dict[str, Field] = {
     "dtype": Field(str, default="bfloat16", choices=("auto", "float32", "bfloat16", "float16"),
                    doc="auto: float32 on the CPU (exact for bf16 weights, and faster there), bfloat16 on CUDA"),
     "device": Field(str, default="auto", doc="auto | cpu | cuda | cuda:N"),
-    "max_seq_len": Field(int, check=positive, doc="KV cache length (default: the model's, capped)"),
-    "max_batch": Field(int, default=1, check=positive),
-    "prefill_chunk": Field(int, default=512, check=positive),
+    "max_seq_len": Field(int, check=positive, low=1, high=MAX_PROMPT_TOKENS,
+                         doc="KV cache length (default: the model's, capped)"),
+    "max_batch": Field(int, default=1, check=positive, low=1, high=MAX_CLIENTS),
+    "prefill_chunk": Field(int, default=512, check=positive, low=1, high=MAX_PROMPT_TOKENS),
     "experts_impl": Field(str, default="auto", doc="auto | gather | loop | grouped_mm | triton (see engine docs); "
                           "auto on CUDA: triton (the fused kernels) where Triton runs"),
     "cuda_graphs": Field((bool, str), default="auto", check=_true_false_auto,

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import httpx
 
-from moebench.config import Field, ProfileError, positive
+from moebench.config import MAX_RESPONSE_BYTES, MAX_SECONDS, MAX_VOCAB, Field, ProfileError, positive
 from moebench.runners import prompt_logprobs as prompt_lp
 from moebench.runners import reply_checks
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError, Unreachable
@@ -73,16 +73,18 @@ SCHEMA: dict[str, Field] = {
     "model": Field(str, default="default"),
     "api": Field(str, default="completions", choices=("completions", "chat")),
     "api_key_env": Field(str, doc="name of the environment variable holding the API key"),
-    "timeout_s": Field(float, default=600.0, check=positive),
-    "connect_timeout_s": Field(float, default=10.0, check=positive),
-    "retries": Field(int, default=3),
-    "backoff_s": Field(float, default=0.5),
-    "request_deadline_s": Field(float, default=DEFAULT_REQUEST_DEADLINE_S, check=finite_positive,
+    "timeout_s": Field(float, default=600.0, check=positive, low=0, low_open=True, high=MAX_SECONDS),
+    "connect_timeout_s": Field(float, default=10.0, check=positive, low=0, low_open=True, high=MAX_SECONDS),
+    "retries": Field(int, default=3, low=0, high=100),
+    "backoff_s": Field(float, default=0.5, low=0, high=MAX_SECONDS),
+    "request_deadline_s": Field(float, default=DEFAULT_REQUEST_DEADLINE_S, check=finite_positive, low=0,
+                                low_open=True, high=MAX_SECONDS,
                                 doc="longest one request may take, every retry and wait included; timeout_s "
                                     "bounds each read only"),
-    "max_retry_wait_s": Field(float, default=120.0, check=positive,
+    "max_retry_wait_s": Field(float, default=120.0, check=positive, low=0, low_open=True, high=MAX_SECONDS,
                               doc="longest wait a 429/503 Retry-After may ask for before the next attempt"),
-    "max_response_bytes": Field(int, default=DEFAULT_MAX_RESPONSE_BYTES, check=positive,
+    "max_response_bytes": Field(int, default=DEFAULT_MAX_RESPONSE_BYTES, check=positive, low=1,
+                                high=MAX_RESPONSE_BYTES,
                                 doc="hard cap on one response's size (the bound from max_tokens is usually lower)"),
     "tokenize": Field(str, default="none", choices=("none", "llama-server", "vllm"),
                       doc="the server's own /tokenize beside /v1: llama-server's {content} or vLLM's {prompt} form"),
@@ -91,13 +93,14 @@ SCHEMA: dict[str, Field] = {
     "prompt_logprobs": Field(str, default="none", choices=prompt_lp.MODES,
                              doc="how the server returns prompt log-probs (KLD): vLLM's prompt_logprobs field, "
                                  "legacy echo + logprobs, or SGLang's /generate"),
-    "prompt_logprobs_k": Field(int, default=20, check=positive, doc="top K prompt log-probs asked per position"),
+    "prompt_logprobs_k": Field(int, default=20, check=positive, low=1, high=MAX_VOCAB,
+                               doc="top K prompt log-probs asked per position"),
     "prompt_logprob_ids": Field(bool, default=False,
                                 doc="the server also scores given token ids at each position (SGLang's "
                                     "token_ids_logprob): a candidate asks for the baseline's top-K ids"),
     "token_prompts": Field(bool, default=False, doc="the server accepts token-id prompts"),
     "extra_body": Field(dict, default=dict, doc="extra JSON fields sent with every request"),
-    "max_stop": Field(int, default=4, check=positive,
+    "max_stop": Field(int, default=4, check=positive, low=1, high=1_024,
                       doc="stop strings the server accepts per request (OpenAI and vLLM: 4); the rest "
                           "are applied to the returned text"),
 }

@@ -31,7 +31,8 @@ from typing import Any, Awaitable, Callable, TypeVar
 import httpx
 
 from moebench import jsonout
-from moebench.config import Field, ProfileError, non_negative, positive
+from moebench.config import (MAX_CLIENTS, MAX_PROMPT_TOKENS, MAX_RESPONSE_BYTES, MAX_SECONDS, Field,
+                             ProfileError, non_negative, positive)
 from moebench.gguf_header import FILE_TYPE_NAMES, GgufFormatError, read_gguf
 from moebench.runners import reply_checks
 from moebench.runners.base import SERVERLESS, Capability, GenerateRequest, GenerateResult, Runner, RunnerError
@@ -66,14 +67,17 @@ SCHEMA: dict[str, Field] = {
     "model": Field(str, required=True, check=_model_file_problem, doc="the GGUF file to serve"),
     "args": Field(list, default=list, item_type=str, doc="extra llama-server arguments, e.g. ['-c', '8192']"),
     "host": Field(str, default="127.0.0.1"),
-    "port": Field(int, default=0, check=non_negative, doc="0 picks a free port"),
-    "startup_timeout_s": Field(float, default=300.0, check=positive),
-    "request_timeout_s": Field(float, default=600.0, check=positive),
-    "max_restarts": Field(int, default=3, check=non_negative),
-    "parallel": Field(int, check=positive, doc="server slots (--parallel); defaults to concurrency"),
-    "ctx_size": Field(int, check=positive, doc="-c: total context, shared by the slots"),
+    "port": Field(int, default=0, check=non_negative, low=0, high=65_535, doc="0 picks a free port"),
+    "startup_timeout_s": Field(float, default=300.0, check=positive, low=0, low_open=True, high=MAX_SECONDS),
+    "request_timeout_s": Field(float, default=600.0, check=positive, low=0, low_open=True, high=MAX_SECONDS),
+    "max_restarts": Field(int, default=3, check=non_negative, low=0, high=100),
+    "parallel": Field(int, check=positive, low=1, high=MAX_CLIENTS,
+                      doc="server slots (--parallel); defaults to concurrency"),
+    "ctx_size": Field(int, check=positive, low=1, high=16 * MAX_PROMPT_TOKENS,
+                      doc="-c: total context, shared by the slots"),
     "env": Field(dict, default=dict, check=_env_problem, doc="extra environment for the server"),
-    "max_response_bytes": Field(int, default=DEFAULT_MAX_RESPONSE_BYTES, check=positive,
+    "max_response_bytes": Field(int, default=DEFAULT_MAX_RESPONSE_BYTES, check=positive, low=1,
+                                high=MAX_RESPONSE_BYTES,
                                 doc="hard cap on one response's size (the bound from max_tokens is usually lower)"),
 }
 

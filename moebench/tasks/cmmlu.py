@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import math
 import re
+from functools import lru_cache
+from pathlib import PurePosixPath
 from typing import Any
 
-from moebench.config import Field, non_negative, positive
+from moebench.config import MAX_ITEMS, MAX_NEW_TOKENS, MAX_VOCAB, Field, non_negative, positive
 from moebench.datasets import data_file, read_csv_rows, register
 from moebench.lmeval.scoring import score_tokens
 from moebench.prompts import cmmlu_prefix, cmmlu_question
@@ -30,18 +32,42 @@ from moebench.tasks.base import Item, Task, prompt_hash
 
 LETTERS = ("A", "B", "C", "D")
 COLUMNS = ("Question", "A", "B", "C", "D", "Answer")
+DEV_SHOTS = 5                 # rows per subject in the dev split: more shots could not be filled
+
+
+@lru_cache(maxsize=1)
+def known_subjects() -> frozenset[str]:
+    """The 67 subject names: the stems of cmmlu/test/*.csv in the project's list of mirror files."""
+    from moebench.data_fetch import mirror_files
+    return frozenset(PurePosixPath(f.path).stem for f in mirror_files()
+                     if PurePosixPath(f.path).parent == PurePosixPath("cmmlu/test"))
+
+
+def _subjects_problem(value: list[str]) -> str | None:
+    # A subject becomes a path (cmmlu/test/<subject>.csv): only a known name may, so none can
+    # reach outside the mirror ("../x", "/etc/x").
+    unknown = [s for s in value if s not in known_subjects()]
+    if not unknown:
+        return None
+    return (f"names {', '.join(map(repr, unknown))}, not a CMMLU subject: expected names such as 'agronomy' "
+            "(the stems of cmmlu/test/*.csv listed in moebench/mirror/SHA256SUMS)")
 
 
 class CmmluTask(Task):
     kind = "cmmlu"
     phase = "score"
     options = {
-        "shots": Field(int, default=5, check=non_negative),
-        "subjects": Field(list, item_type=str, doc="subject file stems; default all 67"),
-        "per_subject_limit": Field(int, check=positive, doc="the first N questions of each subject"),
-        "top_logprobs": Field(int, default=100, check=positive, doc="alternatives asked for the next token"),
+        "shots": Field(int, default=5, check=non_negative, low=0, high=DEV_SHOTS,
+                       doc="dev exemplars before each question (the dev split holds 5 per subject)"),
+        "subjects": Field(list, item_type=str, check=_subjects_problem,
+                          doc="subject file stems (the mirror's 67 names); default all 67"),
+        "per_subject_limit": Field(int, check=positive, low=1, high=MAX_ITEMS,
+                                   doc="the first N questions of each subject"),
+        "top_logprobs": Field(int, default=100, check=positive, low=1, high=MAX_VOCAB,
+                              doc="alternatives asked for the next token"),
         "scoring": Field(str, default="auto", choices=("auto", "logprobs", "generate")),
-        "max_tokens": Field(int, default=8, check=positive, doc="tokens generated when scoring by generation"),
+        "max_tokens": Field(int, default=8, check=positive, low=1, high=MAX_NEW_TOKENS,
+                            doc="tokens generated when scoring by generation"),
     }
 
     def needs(self, runner: Runner) -> set[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moebench.config import Field, non_negative, positive
+from moebench.config import MAX_NEW_TOKENS, Field, non_negative, positive
 from moebench.datasets import data_file, read_jsonl, register
 from moebench.prompts import gsm8k_prompt
 from moebench.runners.base import Capability, GenerateRequest, Runner
@@ -16,13 +16,16 @@ from moebench.scoring.answers import cut_at_stop, extract_gsm8k, gsm8k_reference
 from moebench.tasks.base import Item, Task, prompt_hash
 
 DEFAULT_STOP = ["Question:", "</s>", "<|im_end|>"]
+# 64 exemplars already make a prompt of about 10k tokens; more only grows every prompt.
+MAX_SHOTS = 64
 
 
 class Gsm8kTask(Task):
     kind = "gsm8k"
     options = {
-        "shots": Field(int, default=5, check=non_negative),
-        "max_tokens": Field(int, default=256, check=positive),
+        "shots": Field(int, default=5, check=non_negative, low=0, high=MAX_SHOTS,
+                       doc="train exemplars before each question (lm-eval: 5 or 8)"),
+        "max_tokens": Field(int, default=256, check=positive, low=1, high=MAX_NEW_TOKENS),
         "stop": Field(list, item_type=str, default=lambda: list(DEFAULT_STOP)),
         "split": Field(str, default="test", choices=("test", "train")),
     }

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from moebench.config import Field, positive
+from moebench.config import MAX_IDLE_SECONDS, MAX_NEW_TOKENS, Field, positive
 from moebench.datasets import DatasetError, data_file, read_jsonl, register
 from moebench.runners.base import Capability, GenerateRequest, Runner
 from moebench.scoring.answers import cut_at_stop
@@ -62,8 +62,8 @@ def load_problems(path) -> list[dict[str, Any]]:
 class HumanEvalTask(Task):
     kind = "humaneval"
     options = {
-        "max_tokens": Field(int, default=512, check=positive),
-        "timeout_s": Field(float, default=10.0, check=positive,
+        "max_tokens": Field(int, default=512, check=positive, low=1, high=MAX_NEW_TOKENS),
+        "timeout_s": Field(float, default=10.0, check=positive, low=0, low_open=True, high=MAX_IDLE_SECONDS,
                            doc="wall seconds for one check in the sandbox (re-run once on timeout)"),
         "stop": Field(list, item_type=str, default=lambda: list(DEFAULT_STOP)),
     }

@@ -32,12 +32,12 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
 
-from moebench.config import Field, non_negative, positive
+from moebench.config import MAX_PROMPT_TOKENS, MAX_VOCAB, Field, non_negative, positive
 from moebench.datasets import data_file, read_text, register
 from moebench.runners.base import Capability, Runner, RunnerError
 from moebench.scoring import kld_stats as ks
@@ -61,18 +61,30 @@ def backend(runner: Runner) -> str:
     return BY_PROMPT_LOGPROBS
 
 
+def _corpus_problem(value: str) -> str | None:
+    """The corpus is read from the mirror: a relative path that stays inside it."""
+    p = PurePosixPath(value)
+    if not value or p.is_absolute() or ".." in p.parts or "\\" in value:
+        return "must be a path inside the data mirror, like 'wikitext2/wiki.test.raw' (no leading '/', no '..')"
+    return None
+
+
 class KldTask(Task):
     kind = "kld"
     phase = "score"
     options = {
-        "corpus": Field(str, default=DEFAULT_CORPUS, doc="text file in the data mirror (CRLF normalised)"),
-        "context": Field(int, default=512, check=positive, doc="tokens per chunk (llama-perplexity -c)"),
-        "chunks": Field(int, default=32, check=positive, doc="chunks to score (llama-perplexity --chunks)"),
-        "top_k": Field(int, default=64, check=positive, doc="baseline tokens kept per scored position"),
-        "full_chunks": Field(int, default=1, check=non_negative,
+        "corpus": Field(str, default=DEFAULT_CORPUS, check=_corpus_problem,
+                        doc="text file in the data mirror (CRLF normalised)"),
+        "context": Field(int, default=512, check=positive, low=4, high=MAX_PROMPT_TOKENS,
+                         doc="tokens per chunk (llama-perplexity -c)"),
+        "chunks": Field(int, default=32, check=positive, low=1, high=1_000_000,
+                        doc="chunks to score (llama-perplexity --chunks)"),
+        "top_k": Field(int, default=64, check=positive, low=1, high=MAX_VOCAB,
+                       doc="baseline tokens kept per scored position"),
+        "full_chunks": Field(int, default=1, check=non_negative, low=0, high=1_000_000,
                              doc="baseline chunks that also keep the whole distribution (exact KLD, llama.cpp export)"),
         "router": Field(bool, default=True, doc="store router traces where the runner offers them"),
-        "threads": Field(int, check=positive, doc="llama-perplexity -t"),
+        "threads": Field(int, check=positive, low=1, high=1_024, doc="llama-perplexity -t"),
     }
 
     def __init__(self, opts: dict[str, Any], ctx):

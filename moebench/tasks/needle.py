@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from moebench.config import Field, positive
+from moebench.config import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, Field, positive
 from moebench.datasets import data_file, register
 from moebench.runners.base import Capability, GenerateRequest, Runner
 from moebench.compare.needle import needle_compare  # noqa: F401 (re-exported for callers of the task module)
@@ -295,11 +295,13 @@ class NeedleTask(Task):
     phase = None
     options = {
         "lengths": Field(list, item_type=int, default=lambda: list(DEFAULT_LENGTHS), check=_lengths_ok,
+                         low=1, high=MAX_PROMPT_TOKENS,
                          doc="target prompt lengths in the runner's own tokens"),
         "depths": Field(list, item_type=float, default=lambda: list(DEFAULT_DEPTHS), check=_depths_ok,
+                        low=0.0, high=1.0,
                         doc="needle depths, 0 = start of the haystack, 1 = end"),
-        "seed": Field(int, default=1234, doc="seeds the per-cell codes"),
-        "max_tokens": Field(int, default=32, check=positive, doc="answer length cap"),
+        "seed": Field(int, default=1234, low=0, high=MAX_SEED, doc="seeds the per-cell codes"),
+        "max_tokens": Field(int, default=32, check=positive, low=1, high=MAX_NEW_TOKENS, doc="answer length cap"),
     }
 
     def __init__(self, opts: dict[str, Any], ctx):

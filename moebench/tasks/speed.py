@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from moebench import jsonout
-from moebench.config import Field, positive
+from moebench.config import (MAX_CLIENTS, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, MAX_VOCAB, Field,
+                             positive)
 from moebench.datasets import data_file, register
 from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
 from moebench.runners.metrics import spec_decode_delta
@@ -116,16 +117,21 @@ class SpeedTask(Task):
     phase = None
     options = {
         "prompt_lengths": Field(list, item_type=int, default=lambda: list(DEFAULT_PROMPT_LENGTHS),
-                                check=_lengths_ok, doc="prompt lengths in tokens"),
-        "output_tokens": Field(int, default=128, check=positive, doc="tokens generated per request"),
-        "repeats": Field(int, default=3, check=positive, doc="requests per client per prompt length"),
-        "clients": Field((int, list), default=1, check=_clients_ok,
+                                check=_lengths_ok, low=1, high=MAX_PROMPT_TOKENS, doc="prompt lengths in tokens"),
+        "output_tokens": Field(int, default=128, check=positive, low=1, high=MAX_NEW_TOKENS,
+                               doc="tokens generated per request"),
+        "repeats": Field(int, default=3, check=positive, low=1, high=10_000,
+                         doc="requests per client per prompt length"),
+        "clients": Field((int, list), default=1, check=_clients_ok, low=1, high=MAX_CLIENTS,
                          doc="closed-loop clients: one count or a list of counts"),
-        "warmup": Field(int, default=1, doc="untimed requests before each prompt length group"),
-        "seed": Field(int, default=1234, doc="seeds the unique prompt prefixes and the sampler"),
-        "temperature": Field(float, default=0.0, check=_non_negative, doc="0 = greedy (the default)"),
-        "top_p": Field(float, check=_unit_interval, doc="nucleus sampling; unset = the backend's default"),
-        "top_k": Field(int, check=_non_negative, doc="top-k sampling; unset = the backend's default"),
+        "warmup": Field(int, default=1, low=0, high=1_000, doc="untimed requests before each prompt length group"),
+        "seed": Field(int, default=1234, low=0, high=MAX_SEED, doc="seeds the unique prompt prefixes and the sampler"),
+        "temperature": Field(float, default=0.0, check=_non_negative, low=0.0, high=10.0,
+                             doc="0 = greedy (the default)"),
+        "top_p": Field(float, check=_unit_interval, low=0.0, low_open=True, high=1.0,
+                       doc="nucleus sampling; unset = the backend's default"),
+        "top_k": Field(int, check=_non_negative, low=0, high=MAX_VOCAB,
+                       doc="top-k sampling; unset = the backend's default"),
     }
 
     def __init__(self, opts: dict[str, Any], ctx: TaskContext):
