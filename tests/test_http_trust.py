@@ -304,7 +304,7 @@ def test_speed_run_uses_the_checked_count_not_the_servers_word(tmp_path: Path, d
 # -- the llama-server runner checks its server's replies the same way ---------------------------------
 
 def _llama(tmp_path: Path, req: GenerateRequest | None, completion: str = "{}", stream: list[str] | None = None,
-           ask=None):
+           ask=None, env: dict | None = None, **profile):
     """Ask a llama-server runner whose binary is tests/llama_server_fake.py answering as planted
     (`req`, or `ask(runner)` for another request than generate)."""
     from moebench.runners.llama_server import LlamaServerRunner
@@ -314,8 +314,9 @@ def _llama(tmp_path: Path, req: GenerateRequest | None, completion: str = "{}", 
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + bytes(64))
     runner = LlamaServerRunner({"binary": str(binary), "model": str(model), "startup_timeout_s": 30.0,
-                                "max_restarts": 0, "env": {"FAKE_COMPLETION": completion,
-                                                           "FAKE_STREAM": json.dumps(stream or [])}}, "test.toml")
+                                "max_restarts": 0, **profile,
+                                "env": {"FAKE_COMPLETION": completion, "FAKE_STREAM": json.dumps(stream or []),
+                                        **(env or {})}}, "test.toml")
 
     async def go():
         await runner.start(str(tmp_path))
@@ -475,3 +476,28 @@ def test_run_records_name_the_bad_field_and_the_deadline(tmp_path: Path, data_di
                              "(request_deadline_s, retries included)"), errors
         assert errors[1].startswith(f"RunnerError: {srv.url}/completions: field 'usage.completion_tokens' is -3 "
                                     "(int), expected a non-negative integer"), errors
+
+
+def test_llama_server_slow_drip_ends_at_the_request_deadline(tmp_path: Path):
+    """The managed llama-server runner has the same total deadline per request as the http runner: a
+    server that sends a byte every 0.2 s (each inside the read timeout) ends the item at the deadline."""
+    t0 = time.monotonic()
+    res = _llama(tmp_path, GenerateRequest(prompt="q", max_tokens=8), env={"FAKE_DRIP": "1"},
+                 request_timeout_s=1.0, request_deadline_s=1.5)
+    took = time.monotonic() - t0
+    assert isinstance(res, RunnerError) and type(res).__name__ == "DeadlineExceeded", res
+    assert describe(res).startswith("DeadlineExceeded: POST http://127.0.0.1:"), describe(res)
+    assert describe(res).endswith("/completion: no complete reply after 1.5 s (request_deadline_s)"), describe(res)
+    assert took < 10.0, took                       # the drip would last 12 s; start-up is the rest
+
+
+def test_llama_server_request_deadline_is_a_bounded_profile_key(tmp_path: Path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(64))
+    p = tmp_path / "r.toml"
+    p.write_text(f'kind = "llama-server"\nmodel = "{gguf}"\nrequest_deadline_s = 0\n')
+    with pytest.raises(ProfileError) as e:
+        load_runner(p, runner_schemas())
+    assert str(p) in str(e.value) and "request_deadline_s" in str(e.value), e.value
+    p.write_text(f'kind = "llama-server"\nmodel = "{gguf}"\n')
+    assert load_runner(p, runner_schemas()).settings["request_deadline_s"] == 1800.0

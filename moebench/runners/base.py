@@ -48,6 +48,15 @@ class Unreachable(RunnerError):
     nothing answered, so the run can tell a server that is down from one that answers badly."""
 
 
+
+class DeadlineExceeded(RunnerError):
+    """A request got no complete reply within its runner's `request_deadline_s`."""
+
+
+# A slow server may answer a long generation in minutes; one that drips a byte now and then, each
+# inside the per-read timeout, must still not hold an item for hours.
+DEFAULT_REQUEST_DEADLINE_S = 1800.0
+
 class CapabilityError(Exception):
     """The runner lacks something the suite needs; raised before any item is asked."""
 

@@ -34,16 +34,12 @@ import httpx
 from moebench.config import MAX_RESPONSE_BYTES, MAX_SECONDS, MAX_VOCAB, Field, ProfileError, positive
 from moebench.runners import prompt_logprobs as prompt_lp
 from moebench.runners import reply_checks
-from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError, Unreachable
+from moebench.runners.base import (DEFAULT_REQUEST_DEADLINE_S, Capability, DeadlineExceeded, GenerateRequest,
+                                   GenerateResult, Runner, RunnerError, Unreachable)
 from moebench.scoring.answers import first_stop
 from moebench.runners.metrics import parse_prometheus
 from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, bounded_lines, describe, read_bounded,
                                         response_limit, retry_after_s)
-
-
-# A slow server may answer a long generation in minutes; one that drips a byte now and then, each
-# inside timeout_s, must still not hold an item for hours.
-DEFAULT_REQUEST_DEADLINE_S = 1800.0
 
 
 def finite_positive(value: Any) -> str | None:
@@ -494,10 +490,6 @@ def _apply_stops(result: GenerateResult, stops: list[str]) -> GenerateResult:
         result.text, result.finish_reason = result.text[:cut], "stop"
         result.token_ids = None             # the server's ids cover the uncut text
     return result
-
-
-class DeadlineExceeded(RunnerError):
-    """A request got no complete reply within `request_deadline_s`, retries included."""
 
 
 class HttpStatus(Exception):

@@ -35,7 +35,8 @@ from moebench.config import (MAX_CLIENTS, MAX_PROMPT_TOKENS, MAX_RESPONSE_BYTES,
                              ProfileError, non_negative, positive)
 from moebench.gguf_header import FILE_TYPE_NAMES, GgufFormatError, read_gguf
 from moebench.runners import reply_checks
-from moebench.runners.base import SERVERLESS, Capability, GenerateRequest, GenerateResult, Runner, RunnerError
+from moebench.runners.base import (DEFAULT_REQUEST_DEADLINE_S, SERVERLESS, Capability, DeadlineExceeded,
+                                   GenerateRequest, GenerateResult, Runner, RunnerError)
 from moebench.runners.responses import DEFAULT_MAX_RESPONSE_BYTES, bounded_lines, describe, read_bounded, response_limit
 from moebench.store import now_iso, open_append
 from moebench.tools import llama_args, llamacpp
@@ -69,7 +70,11 @@ SCHEMA: dict[str, Field] = {
     "host": Field(str, default="127.0.0.1"),
     "port": Field(int, default=0, check=non_negative, low=0, high=65_535, doc="0 picks a free port"),
     "startup_timeout_s": Field(float, default=300.0, check=positive, low=0, low_open=True, high=MAX_SECONDS),
-    "request_timeout_s": Field(float, default=600.0, check=positive, low=0, low_open=True, high=MAX_SECONDS),
+    "request_timeout_s": Field(float, default=600.0, check=positive, low=0, low_open=True, high=MAX_SECONDS,
+                               doc="read timeout: the longest wait for the next bytes of a reply"),
+    "request_deadline_s": Field(float, default=DEFAULT_REQUEST_DEADLINE_S, check=positive, low=0, low_open=True,
+                                high=MAX_SECONDS,
+                                doc="longest one request may take from being sent to its whole reply"),
     "max_restarts": Field(int, default=3, check=non_negative, low=0, high=100),
     "parallel": Field(int, check=positive, low=1, high=MAX_CLIENTS,
                       doc="server slots (--parallel); defaults to concurrency"),
@@ -482,15 +487,21 @@ class LlamaServerRunner(Runner):
                                 "time": now_iso(), "restarts": self.restarts, "old_pid": old_pid,
                                 "new_pid": self.proc.pid if self.proc else None})
 
-    async def _with_restarts(self, call: Callable[[httpx.AsyncClient], Awaitable[T]]) -> T:
-        """Run `call`, restarting the server and asking again when the connection is lost."""
+    async def _with_restarts(self, call: Callable[[httpx.AsyncClient], Awaitable[T]], path: str = "/completion") -> T:
+        """Run `call`, restarting the server and asking again when the connection is lost. Each attempt
+        ends by `request_deadline_s` (a server that drips bytes inside the read timeout holds no item
+        for hours); a restart's own wait is bounded by `startup_timeout_s` and `max_restarts`."""
+        deadline_s = float(self.profile["request_deadline_s"])
         for _ in range(self.max_restarts + 4):
             if self._gave_up:
                 raise RunnerError(self._gave_up)
             generation = self._generation
             client = self._client_for_loop()
             try:
-                return await call(client)
+                return await asyncio.wait_for(call(client), deadline_s)
+            except asyncio.TimeoutError:    # the builtin TimeoutError from 3.11; its own class on 3.10
+                raise DeadlineExceeded(f"POST {self.base_url}{path}: no complete reply after {deadline_s:g} s "
+                                       "(request_deadline_s)") from None
             except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout) as e:
                 if self.proc is not None and self.proc.poll() is None:
                     raise RunnerError(f"llama-server request timed out after "
@@ -713,14 +724,14 @@ class LlamaServerRunner(Runner):
                                                      "parse_special": False})
             self._check_status(r)
             return [int(t) for t in r.json()["tokens"]]
-        return await self._with_restarts(call)
+        return await self._with_restarts(call, "/tokenize")
 
     async def detokenize(self, token_ids: list[int]) -> str:
         async def call(client: httpx.AsyncClient) -> str:
             r = await client.post("/detokenize", json={"tokens": list(token_ids)})
             self._check_status(r)
             return r.json()["content"]
-        return await self._with_restarts(call)
+        return await self._with_restarts(call, "/detokenize")
 
     # -- KLD through llama-perplexity -----------------------------------------------------------
     def perplexity_plan(self) -> PerplexityPlan:
