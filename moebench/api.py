@@ -12,7 +12,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -103,10 +103,11 @@ def _run_dir(opts: RunOptions, suite: SuiteProfile, label: str) -> Path:
     return default_run_dir(suite.name, label, opts.results_dir)
 
 
-def _check_resumable(run_dir: Path, suite: SuiteProfile, runner_p: RunnerProfile) -> None:
+def _check_resumable(run_dir: Path, suite: SuiteProfile, runner_p: RunnerProfile) -> dict | None:
+    """The unfinished run's manifest that a resume continues (None for a fresh run directory)."""
     manifest_path = run_dir / "manifest.json"
     if not manifest_path.exists():
-        return
+        return None
     try:
         old = json.loads(manifest_path.read_text())
     except json.JSONDecodeError as e:
@@ -119,6 +120,27 @@ def _check_resumable(run_dir: Path, suite: SuiteProfile, runner_p: RunnerProfile
     old_runner = (old.get("runner") or {}).get("name")
     if old_runner != runner_p.name:
         raise UsageError(f"{run_dir} was run with runner {old_runner!r}, not {runner_p.name!r}; refusing to mix them")
+    return old
+
+
+def _kld_role_of_resumed(opts: RunOptions, old: dict | None, run_dir: Path) -> RunOptions:
+    """A resumed run keeps the KLD role it started with: its baseline run, or being a baseline. A flag
+    that contradicts the manifest is refused rather than mixing two references in one run."""
+    if old is None:
+        return opts
+    old_base, old_as = old.get("baseline_run"), bool(old.get("as_baseline"))
+    if opts.baseline is not None and old_base is not None and Path(opts.baseline).resolve() != Path(old_base).resolve():
+        raise UsageError(f"{run_dir} was measured against baseline {old_base}, not {opts.baseline}; refusing to "
+                         "mix two baselines in one run")
+    if (opts.baseline is not None and old_as) or (opts.as_baseline and old_base is not None):
+        raise UsageError(f"{run_dir} was started " + ("as a KLD baseline (--as-baseline)" if old_as else
+                                                      f"against baseline {old_base} (--baseline)")
+                         + "; resume it with the same role")
+    if opts.baseline is None and old_base is not None:
+        return replace(opts, baseline=old_base)
+    if old_as and not opts.as_baseline:
+        return replace(opts, as_baseline=True)
+    return opts
 
 
 def _make_tasks(suite: SuiteProfile, ctx: TaskContext, limit: int | None) -> list[Task]:
@@ -309,7 +331,7 @@ def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, lab
     if opts.baseline and opts.as_baseline:
         raise UsageError("--baseline and --as-baseline exclude each other: a run is either measured against a "
                          "baseline or is one")
-    _check_resumable(run_dir, suite, runner_p)
+    opts = _kld_role_of_resumed(opts, _check_resumable(run_dir, suite, runner_p), run_dir)
     baseline = Path(opts.baseline) if opts.baseline else None
     if baseline is not None and not (baseline / "manifest.json").is_file():
         raise UsageError(f"--baseline {baseline}: not a moebench run (no manifest.json)")
@@ -333,7 +355,8 @@ def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, lab
 
     manifest = new_manifest(label, redact(suite.to_dict()), runner_p.redacted(), ctx.data_dir,
                             data_files=ctx.data_files, data_verification=verification,
-                            baseline_run=str(baseline) if baseline else None, limit=opts.limit)
+                            baseline_run=str(baseline) if baseline else None, as_baseline=opts.as_baseline,
+                            limit=opts.limit)
     return open_store(run_dir, manifest, runner_p.settings, lock=lock), tasks, runner, items, ctx
 
 

@@ -4,6 +4,7 @@ missing. Real runs of the engine on the zoo's tiny MoE (CPU, float32), through t
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,37 @@ def test_kld_notes_name_a_lower_bound_beside_the_exact_figure():
     assert kld_notes(section) == ["kld: mean 0.0123 is a top-20 lower bound of the full KLD; the exact mean on "
                                   "the 255 tokens of the full chunks is 0.0187"]
     assert kld_notes({"mean": 0.01, "estimate": {"k": 20, "lower_bound": False}}) == []
+
+
+def _unfinished_copy(src: Path, dst: Path) -> Path:
+    """The run `src` as an interruption leaves one: status interrupted, no item finished yet."""
+    shutil.copytree(src, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    m["status"] = "interrupted"
+    (dst / "manifest.json").write_text(json.dumps(m))
+    (dst / "items.jsonl").write_text("")
+    return dst
+
+
+def test_resume_keeps_the_kld_role_the_run_started_with(kld_runs):
+    tmp = kld_runs["tmp"]
+    # A candidate resumed without --baseline keeps measuring against the baseline it started with.
+    cand = _unfinished_copy(kld_runs["cand"], tmp / "cand_resumed")
+    r = moebench_cli("run", str(tmp / "kld.toml"), "--runner", str(tmp / "engine.toml"), "--out", str(cand),
+                     "--resume")
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = json.loads((cand / "manifest.json").read_text())
+    assert m["status"] == "complete" and m["baseline_run"] == str(kld_runs["base"]), m
+    assert m["summary"]["kld"]["role"] == "candidate" and "kld_mean=" in r.stdout, r.stdout
+    # ... and is refused a second reference.
+    again = _unfinished_copy(kld_runs["cand"], tmp / "cand_other")
+    r = moebench_cli("run", str(tmp / "kld.toml"), "--runner", str(tmp / "engine.toml"), "--out", str(again),
+                     "--resume", "--baseline", str(kld_runs["base2"]))
+    assert r.returncode == 2 and "mix two baselines" in r.stderr, r.stderr
+    # A baseline resumed without --as-baseline stays a baseline.
+    base = _unfinished_copy(kld_runs["base"], tmp / "base_resumed")
+    r = moebench_cli("run", str(tmp / "kld.toml"), "--runner", str(tmp / "engine.toml"), "--out", str(base),
+                     "--resume")
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = json.loads((base / "manifest.json").read_text())
+    assert m["status"] == "complete" and m["as_baseline"] is True and m["summary"]["kld"]["role"] == "baseline", m
