@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
-from moebench.jsonout import document, document_text, dumps, non_finite_values, standard
+from moebench.jsonout import NonFiniteValue, document, document_text, dumps, non_finite_values, standard
 from moebench.secrets import scrub
 
 SCHEMA_VERSION = 1
@@ -386,8 +386,11 @@ class RunStore:
         for key in ("task", "item_id", "status"):
             if key not in record:
                 raise ValueError(f"record lacks {key!r}: {record!r}")
-        record = finite_record(record)
-        text = dumps(record, ensure_ascii=False, default=str)
+        try:
+            text = dumps(record, ensure_ascii=False, default=str)
+        except NonFiniteValue:              # rare: the walk over every field runs only then
+            record = finite_record(record)
+            text = dumps(record, ensure_ascii=False, default=str)
         line = (scrub(text, self.secrets) if self.secrets else text).encode("utf-8") + b"\n"
         with self._lock:
             assert self._items_file is not None, "store not opened for writing"
