@@ -56,6 +56,8 @@ A rule whose task or section is absent from compare.json FAILS: a gate never pas
 A task with fewer paired items than its floor (`min_paired`, else DEFAULT_MIN_PAIRED = 1) has every
 other rule INCONCLUSIVE, with compare's reason (prompts or data differ, errors); `min_paired` itself
 fails. KLD rules are INCONCLUSIVE when the candidate measured its KLD against another baseline run.
+The rules of a task or section whose data no SHA256SUMS vouched for on either side (compare.json
+`data_unverified`) are INCONCLUSIVE: a verdict on data nobody checked is no evidence.
 A several-candidate compare's matrix.json may only name directories inside the compare directory.
 
 Speed ratio rules judge intervals, not single numbers: per prompt length and client count, the 95%
@@ -535,6 +537,18 @@ def _kld_not_comparable(kld: dict[str, Any]) -> str | None:
     return None
 
 
+def _unverified_data(compare: CompareDoc, section: str) -> str | None:
+    """Why a task's or section's figures rest on data no SHA256SUMS vouched for (compare.json's
+    `data_unverified`: a run with --allow-modified-data, or files no list named), else None."""
+    unvouched = compare.extra.get("data_unverified")
+    sides = unvouched.get(section.partition(".")[0]) if isinstance(unvouched, dict) else None
+    if not isinstance(sides, dict) or not sides:
+        return None
+    files = "; ".join(f"the {side} read " + ", ".join(f"{p} ({st})" for p, st in list(f.items())[:3])
+                      for side, f in sides.items() if isinstance(f, dict))
+    return f"{section}: unverified data ({files})"
+
+
 def evaluate(compare: CompareDoc, rules: list[tuple[str, bool, dict[str, Any]]],
              correction: str = "holm") -> list[Check]:
     checks: list[Check] = []
@@ -559,6 +573,8 @@ def evaluate(compare: CompareDoc, rules: list[tuple[str, bool, dict[str, Any]]],
                 absent += f": {reason}"
             if section == "kld" and isinstance(data, dict) and data:
                 unjudgeable = _kld_not_comparable(data)
+        if isinstance(data, dict) and data and not unjudgeable:
+            unjudgeable = _unverified_data(compare, section)
         for name, limit in settings.items():
             if name not in table:
                 continue              # options such as alpha
@@ -568,7 +584,8 @@ def evaluate(compare: CompareDoc, rules: list[tuple[str, bool, dict[str, Any]]],
                 checks.append(Check(section, name, "missing", shown_limit, False, absent, cause=absent))
                 continue
             if unjudgeable and not (is_task and name == "min_paired"):
-                value = f"n_paired={fmt(data.get('n_paired'))}" if is_task else "other baseline"
+                value = ("unverified data" if unjudgeable.startswith(f"{section}: unverified data") else
+                         f"n_paired={fmt(data.get('n_paired'))}" if is_task else "other baseline")
                 checks.append(Check(section, name, value, shown_limit, False,
                                     f"{unjudgeable}; cannot check {rule.what}", "inconclusive", cause=unjudgeable))
                 continue

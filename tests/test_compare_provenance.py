@@ -89,6 +89,35 @@ def test_compare_refuses_to_pair_a_task_whose_data_differs(server, tmp_path, dat
     assert "the runs read different data" in g.stdout
 
 
+def test_gate_on_data_no_sha256sums_vouched_for_is_inconclusive(server, tmp_path, data_dir):
+    """Both runs read the same modified data (--allow-modified-data): the items pair, and the candidate
+    loses nothing, but a verdict on data nobody vouched for is no evidence: INCONCLUSIVE, said why."""
+    runner = _runner(tmp_path, server, "fake")
+    suite = _suite(tmp_path, "g")
+    mirror = _changed_mirror(data_dir, tmp_path / "mirror")
+    env = {"MOEBENCH_DATA_DIR": str(mirror)}
+    base = _run(suite, runner, tmp_path / "base", "--allow-modified-data", env=env)
+    cand = _run(suite, runner, tmp_path / "cand", "--allow-modified-data", env=env)
+    cmp = tmp_path / "cmp"
+    r = moebench_cli("compare", str(base), str(cand), "--out", str(cmp))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((cmp / "compare.json").read_text())
+    assert doc["tasks"]["gsm8k"]["n_paired"] == 4 and doc["tasks"]["gsm8k"]["losses"] == []
+    assert doc["data_unverified"] == {"gsm8k": {"baseline": {"gsm8k/test.jsonl": "modified"},
+                                                "candidate": {"gsm8k/test.jsonl": "modified"}}}
+    said = "gsm8k: the baseline read gsm8k/test.jsonl (modified); the candidate read gsm8k/test.jsonl (modified)"
+    assert f"warning: {said}" in r.stdout, r.stdout
+    assert said in (cmp / "summary.md").read_text()
+    rules = tmp_path / "rules.toml"
+    rules.write_text("[gsm8k]\nmax_losses = 0\nmin_paired = 4\n")
+    g = moebench_cli("gate", str(cmp), "--rules", str(rules))
+    assert g.returncode == 3, g.stdout
+    assert "gsm8k: unverified data (the baseline read gsm8k/test.jsonl (modified)" in g.stdout, g.stdout
+    gate = json.loads((cmp / "gate.json").read_text())
+    verdicts = {c["rule"]: c["verdict"] for c in gate["checks"]}
+    assert verdicts == {"min_paired": "pass", "max_losses": "inconclusive"}, gate
+
+
 def test_compare_says_first_when_suites_or_sampling_differ(server, tmp_path, data_dir):
     base = _run(_suite(tmp_path, "g"), _runner(tmp_path, server, "a"), tmp_path / "base")
     cand = _run(_suite(tmp_path, "g2", extra="max_tokens = 64\n"),

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 from moebench.compare.pairs import pair_runs
 from moebench.compare.provenance import (data_mismatch, data_mismatch_reason, kld_absent_reason, kld_notes,
+                                         unverified_data, unverified_reason,
                                          reversed_pair, setup_differences)
 from moebench.store import load_run
 from moebench.store.records import COMPARE_SCHEMA_VERSION  # noqa: F401  (re-exported: one definition, in the store)
@@ -71,6 +72,14 @@ def build_compare(base_dir: str | Path, cand_dir: str | Path, speed_ab: str | Pa
     # tasks that are not paired item by item (kld, speed, needle) still measured different inputs
     warnings += [f"{t}: {data_mismatch_reason(f, paired=False)}" for t, f in mismatched.items()
                  if t not in paired["tasks"]]
+    # data run with --allow-modified-data, or that no SHA256SUMS listed: said, and the gate's rules
+    # on that task are INCONCLUSIVE
+    unvouched = {t: sides for t in sorted(tasks)
+                 if (sides := {side: f for side, m in (("baseline", bm), ("candidate", cm))
+                               if (f := unverified_data(m, t))})}
+    if unvouched:
+        out["data_unverified"] = unvouched
+        warnings += [f"{t}: {unverified_reason(sides)}" for t, sides in unvouched.items()]
 
     kld = _optional("moebench.compare.kld", "kld_compare")
     if kld is not None and (any(r.get("task") == "kld" for r in crecs)):

@@ -46,6 +46,27 @@ def data_mismatch(bm: dict[str, Any], cm: dict[str, Any], task: str) -> dict[str
     return {p: {"baseline": b[p], "candidate": c[p]} for p in sorted(set(b) & set(c)) if b[p] != c[p]}
 
 
+def unverified_data(m: dict[str, Any], task: str) -> dict[str, str]:
+    """The files a run's task read that no SHA256SUMS vouched for: path -> `modified` (run with
+    --allow-modified-data) or `unverified` (no list named the file). A run made before data
+    verification existed carries no statuses and gives none here."""
+    ver = m.get("data_verification") if isinstance(m.get("data_verification"), dict) else {}
+    files = ver.get("files") if isinstance(ver.get("files"), dict) else {}
+    read = task_data_files(m, task)
+    return {p: str(e.get("status")) for p, e in sorted(files.items())
+            if p in read and isinstance(e, dict) and e.get("status") in ("modified", "unverified")}
+
+
+def unverified_reason(sides: dict[str, dict[str, str]]) -> str:
+    """One sentence: which side read which unvouched files (three at most per side)."""
+    parts = []
+    for side, files in sides.items():
+        shown = ", ".join(f"{p} ({status})" for p, status in list(files.items())[:3])
+        more = f" and {len(files) - 3} more" if len(files) > 3 else ""
+        parts.append(f"the {side} read {shown}{more}")
+    return "; ".join(parts) + ": data no SHA256SUMS vouched for is no evidence for a verdict"
+
+
 def data_mismatch_reason(files: dict[str, dict[str, str]], paired: bool = True) -> str:
     """One sentence naming the differing files (three at most) and what follows from it."""
     shown = "; ".join(f"{p}: sha256 {h['baseline'][:12]} in the baseline, {h['candidate'][:12]} in the candidate"
