@@ -210,6 +210,10 @@ async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runne
     finished = store.finished_keys()
     counts.update(asked=0, errors=0, skipped_finished=0)
     watch = _UnreachableWatch()
+    # Records handed to the store's writer and not yet durable. Each is counted when the store
+    # acknowledges it (a done-callback on the loop's thread), even when its item was cancelled
+    # meanwhile; the run waits for them all before it ends, so its counts match its records.
+    unwritten: set[asyncio.Future] = set()
 
     def mark(phase: str) -> None:
         if probe is not None:
@@ -226,17 +230,27 @@ async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runne
         progress = Progress(task.name, len(todo), every_s=10.0 if not quiet else 1e9)
         sem = asyncio.Semaphore(max(1, runner.concurrency))
 
-        async def one(item, task=task, progress=progress):
+        def written(fut: asyncio.Future, progress=progress) -> None:
+            unwritten.discard(fut)
+            if fut.cancelled() or fut.exception() is not None:
+                return                  # not written: the error reaches the item that appended it
+            rec = fut.result()
+            counts["asked"] += 1
+            counts["errors"] += rec["status"] == "error"
+            progress.advance(error=rec["status"] == "error")
+
+        async def one(item, task=task):
             async with sem:
                 rec = await ask_item(task.name, item.item_id, lambda: task.evaluate(item, runner), describe,
                                      passthrough=(CapabilityError,))
-                rec = store.append(rec)
-                counts["asked"] += 1
-                counts["errors"] += rec["status"] == "error"
-                progress.advance(error=rec["status"] == "error")
-                stop = watch.stop(rec)
-                if stop is not None:
-                    raise stop
+            # The request's slot is free while the record waits for its group commit.
+            fut = store.append_async(rec)
+            unwritten.add(fut)
+            fut.add_done_callback(written)
+            rec = await asyncio.shield(fut)
+            stop = watch.stop(rec)
+            if stop is not None:
+                raise stop
 
         # A task that marks no phases of its own is booked as a whole under its phase, so that no
         # work lands in "idle"; speed and needle mark prefill/decode/idle per request themselves.
@@ -249,6 +263,8 @@ async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runne
             for job in jobs:
                 job.cancel()
             await asyncio.gather(*jobs, return_exceptions=True)
+            if unwritten:
+                await asyncio.gather(*list(unwritten), return_exceptions=True)
             progress.close()
             mark("idle")
     return counts
