@@ -110,7 +110,7 @@ def test_sigkill_during_group_commits_leaves_no_torn_or_duplicated_line(tmp_path
     run = tmp_path / "run"
     acked: set[str] = set()
     start = 0
-    for kill_after in (0.15, 0.4, 0.05, 0.7, 0.25):
+    for kill_after in (0.15, 0.4, 0.05, 0.7, 0.25, 0.33, 0.1, 0.55):
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(run), str(start)], cwd=REPO,
                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
         assert proc.stdout.readline().strip() == "READY"
