@@ -242,12 +242,26 @@ class HttpRunner(Runner):
         all within `request_deadline_s`; `target(base_url)` names the URL asked, for the deadline's error."""
         await self._session()
         asked: list[str] = []
+        timeout = getattr(asyncio, "timeout", None)
+        if timeout is None:             # Python 3.10: wait_for runs the attempts as a task of their own
+            try:
+                return await asyncio.wait_for(self._attempts(call, asked), self.request_deadline_s)
+            except asyncio.TimeoutError:
+                raise self._deadline_exceeded(target, asked) from None
+        # 3.11+: a deadline on this task itself, without a task per request
+        deadline = timeout(self.request_deadline_s)
         try:
-            return await asyncio.wait_for(self._attempts(call, asked), self.request_deadline_s)
-        except asyncio.TimeoutError:   # the builtin TimeoutError from 3.11; its own class on 3.10
-            url = target(asked[-1] if asked else self.base_urls[0])
-            raise DeadlineExceeded(f"POST {url}: no complete reply after {self.request_deadline_s:g} s "
-                                   "(request_deadline_s, retries included)") from None
+            async with deadline:
+                return await self._attempts(call, asked)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise self._deadline_exceeded(target, asked) from None
+
+    def _deadline_exceeded(self, target: Callable[[str], str], asked: list[str]) -> DeadlineExceeded:
+        url = target(asked[-1] if asked else self.base_urls[0])
+        return DeadlineExceeded(f"POST {url}: no complete reply after {self.request_deadline_s:g} s "
+                                "(request_deadline_s, retries included)")
 
     async def _attempts(self, call, asked: list[str]):
         last: Exception | None = None
