@@ -14,7 +14,8 @@ which gives the request-phase CPU per item.
     python benchmarks/harness_cost.py rss --variant after=. --items 10000 --concurrency 64
 
 runs 10,000 items (the GSM8K test set repeated under new ids, in a scratch data folder) and reports
-the run's peak RSS.
+the run's peak RSS. `python benchmarks/harness_cost.py table RESULTS.json` prints a results file as the
+markdown table of docs/harness-cost.md.
 
 The fake server (`serve`) is aiohttp in its own process: every completion answers one fixed text
 after `--delay-s` (0 = at once).
@@ -291,6 +292,28 @@ def cmd_rss(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_table(args: argparse.Namespace) -> int:
+    """A markdown table of a `run` results file: per variant and concurrency, the range over its runs."""
+    res = json.loads(Path(args.results).read_text())
+    groups: dict = {}
+    for r in res["runs"]:
+        groups.setdefault((r["concurrency"], r["variant"]), []).append(r)
+
+    def span(rows: list[dict], key: str, fmt: str) -> str:
+        vals = sorted(r[key] for r in rows if r.get(key) is not None)
+        if not vals:
+            return "-"
+        lo, hi = format(vals[0], fmt), format(vals[-1], fmt)
+        return lo if lo == hi else f"{lo}-{hi}"
+
+    print("| concurrency | variant | runs | whole run CPU-s | wall s | request phase CPU ms/item | peak RSS MB |")
+    print("|---|---|---|---|---|---|---|")
+    for (conc, name), rows in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] == "lm-eval")):
+        print(f"| {conc} | {name} | {len(rows)} | {span(rows, 'cpu_s', '.2f')} | {span(rows, 'wall_s', '.2f')} | "
+              f"{span(rows, 'request_cpu_ms_per_item', '.3f')} | {span(rows, 'peak_rss_mb', '.0f')} |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -311,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             r.add_argument("--concurrency", type=int, default=64)
             r.add_argument("--items", type=int, default=10_000)
+    t = sub.add_parser("table")
+    t.add_argument("results")
     cm = sub.add_parser("child-moebench")
     cm.add_argument("--report", required=True)
     cm.add_argument("argv", nargs=argparse.REMAINDER)
@@ -328,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         return child_moebench(rest, args.report)
     if args.cmd == "child-lmeval":
         return child_lmeval(args.url, args.concurrency, args.limit, args.data, args.report)
+    if args.cmd == "table":
+        return cmd_table(args)
     return cmd_run(args) if args.cmd == "run" else cmd_rss(args)
 
 
