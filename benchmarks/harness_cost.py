@@ -15,7 +15,8 @@ which gives the request-phase CPU per item.
 
 runs 10,000 items (the GSM8K test set repeated under new ids, in a scratch data folder) and reports
 the run's peak RSS. `python benchmarks/harness_cost.py table RESULTS.json` prints a results file as the
-markdown table of docs/harness-cost.md.
+markdown table of docs/harness-cost.md. `python benchmarks/harness_cost.py clients` measures bare httpx
+and aiohttp clients sending the same 1,319 bodies (the choice of client).
 
 The fake server (`serve`) is aiohttp in its own process: every completion answers one fixed text
 after `--delay-s` (0 = at once).
@@ -292,6 +293,64 @@ def cmd_rss(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_clients(args: argparse.Namespace) -> int:
+    """Bare clients sending the 1,319 5-shot GSM8K bodies: httpx (its pool sized to the concurrency)
+    against aiohttp, each in its own process, A,B,B,A; CPU from os.wait4 on that process."""
+    results: dict = {"runs": []}
+    server = Server(args.delay_s)
+    try:
+        for conc in args.concurrency:
+            for rnd in range(args.rounds):
+                seq = ["httpx", "aiohttp"] if rnd % 2 == 0 else ["aiohttp", "httpx"]
+                for client in seq:
+                    m = _measure([sys.executable, str(Path(__file__).resolve()), "child-client", client,
+                                  server.url, str(conc)], {**os.environ, "PYTHONPATH": str(REPO)}, REPO)
+                    row = {"client": client, "concurrency": conc, "round": rnd, "cpu_s": m["cpu_s"],
+                           "wall_s": m["wall_s"], "rc": m["rc"]}
+                    results["runs"].append(row)
+                    print(json.dumps(row), flush=True)
+    finally:
+        server.stop()
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+def child_client(client: str, url: str, concurrency: int) -> int:
+    import asyncio
+
+    from moebench.datasets import data_dir, read_jsonl
+    from moebench.prompts import gsm8k_prompt
+
+    root = data_dir() / "gsm8k"
+    shots = list(read_jsonl(root / "train.jsonl"))[:5]
+    bodies = [{"model": "fake", "prompt": gsm8k_prompt(shots, row["question"]), "max_tokens": 256,
+               "temperature": 0.0, "stop": ["Question:"]} for row in read_jsonl(root / "test.jsonl")]
+
+    async def main() -> None:
+        sem = asyncio.Semaphore(concurrency)
+        if client == "httpx":
+            import httpx
+            limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+            async with httpx.AsyncClient(limits=limits, timeout=60) as c:
+                async def one(body):
+                    async with sem:
+                        r = await c.post(url + "/completions", json=body)
+                        return json.loads(r.content)
+                await asyncio.gather(*(one(b) for b in bodies))
+        else:
+            import aiohttp
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as c:
+                async def one(body):
+                    async with sem:
+                        async with c.post(url + "/completions", json=body) as r:
+                            return json.loads(await r.read())
+                await asyncio.gather(*(one(b) for b in bodies))
+
+    asyncio.run(main())
+    return 0
+
+
 def cmd_table(args: argparse.Namespace) -> int:
     """A markdown table of a `run` results file: per variant and concurrency, the range over its runs."""
     res = json.loads(Path(args.results).read_text())
@@ -334,6 +393,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             r.add_argument("--concurrency", type=int, default=64)
             r.add_argument("--items", type=int, default=10_000)
+    c = sub.add_parser("clients")
+    c.add_argument("--delay-s", type=float, default=0.0)
+    c.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    c.add_argument("--rounds", type=int, default=2)
+    c.add_argument("--out")
+    cc = sub.add_parser("child-client")
+    cc.add_argument("client", choices=("httpx", "aiohttp"))
+    cc.add_argument("url")
+    cc.add_argument("concurrency", type=int)
     t = sub.add_parser("table")
     t.add_argument("results")
     cm = sub.add_parser("child-moebench")
@@ -353,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
         return child_moebench(rest, args.report)
     if args.cmd == "child-lmeval":
         return child_lmeval(args.url, args.concurrency, args.limit, args.data, args.report)
+    if args.cmd == "clients":
+        return cmd_clients(args)
+    if args.cmd == "child-client":
+        return child_client(args.client, args.url, args.concurrency)
     if args.cmd == "table":
         return cmd_table(args)
     return cmd_run(args) if args.cmd == "run" else cmd_rss(args)
