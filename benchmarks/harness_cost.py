@@ -214,6 +214,28 @@ def run_lmeval(tree: Path, url: str, concurrency: int, limit: int | None, tmp: P
     return m
 
 
+def _describe_trees(variants: list[str]) -> dict:
+    """Each variant's tree and, where it is a git checkout, its commit and whether it was clean."""
+    out = {}
+    for v in variants:
+        name, path = v.split("=", 1)
+        tree = Path(path).resolve()
+        head = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True)
+        out[name] = {"tree": str(tree), "commit": head.stdout.strip() if head.returncode == 0 else None,
+                     "modified": bool(dirty.stdout.strip()) if head.returncode == 0 else None}
+    return out
+
+
+def _lm_eval_version() -> str | None:
+    try:
+        from importlib.metadata import version
+        return version("lm_eval")
+    except Exception:
+        return None
+
+
 def _summary(m: dict, items: int) -> dict:
     out = {k: m.get(k) for k in ("rc", "cpu_s", "wall_s", "peak_rss_mb", "request_cpu_s", "request_wall_s", "items",
                                  "errors")}
@@ -231,6 +253,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     order = [name for name, _ in variants] + (["lm-eval"] if args.lm_eval else [])
     trees = dict(variants)
     results: dict = {"machine": {"cpus": os.cpu_count(), "load_at_start": os.getloadavg()},
+                     "trees": _describe_trees(args.variant), "python": sys.version.split()[0],
+                     "lm_eval": _lm_eval_version() if args.lm_eval else None,
                      "delay_s": args.delay_s, "limit": args.limit, "order": "A,B,..,B,A per concurrency", "runs": []}
     server = Server(args.delay_s)
     try:
@@ -273,7 +297,7 @@ def _big_mirror(src: Path, dest: Path, n: int) -> Path:
 
 def cmd_rss(args: argparse.Namespace) -> int:
     from moebench.datasets import data_dir
-    results: dict = {"items": args.items, "runs": []}
+    results: dict = {"items": args.items, "trees": _describe_trees(args.variant), "runs": []}
     server = Server(args.delay_s)
     try:
         with tempfile.TemporaryDirectory() as t:
