@@ -307,7 +307,7 @@ class RunStore:
         self._queue: list[_Pending] = []
         self._writer: threading.Thread | None = None
         self._stopping = False
-        self._failed: OSError | None = None
+        self._failed: BaseException | None = None
         self.lock: RunLock | None = None
         # Values of the environment variables the profile names (API keys): never written, wherever
         # they turn up (a server echoing the key in an error message).
@@ -469,7 +469,7 @@ class RunStore:
                 if not self._queue:
                     return
                 batch, self._queue = self._queue, []
-            error: OSError | None = self._failed
+            error: BaseException | None = self._failed
             if error is None:
                 try:
                     f = self._items_file
@@ -479,12 +479,15 @@ class RunStore:
                     os.fsync(f.fileno())
                 except OSError as e:
                     error = _name_path(e, self.items_path)
+                except BaseException as e:      # never leave a waiter hanging on a dead writer
+                    error = e
+                if error is not None:
                     with self._cond:
                         self._failed = error
             self._acknowledge(batch, error)
 
     @staticmethod
-    def _acknowledge(batch: list[_Pending], error: OSError | None) -> None:
+    def _acknowledge(batch: list[_Pending], error: BaseException | None) -> None:
         by_loop: dict[Any, list[_Pending]] = {}
         for p in batch:
             if p.loop is None:
@@ -500,9 +503,9 @@ class RunStore:
             except RuntimeError:
                 pass            # the loop has closed: nobody is waiting for these any more
 
-    def flush(self) -> None:
-        """Wait until every record appended so far is written (or its write failed) and stop the
-        writer thread; a later append starts a new one."""
+    def _stop_writer(self) -> None:
+        """Wait until every record appended so far is written (or its write failed) and end the
+        writer thread (on close: no append may run meanwhile)."""
         with self._cond:
             writer = self._writer
             self._stopping = True
@@ -521,7 +524,7 @@ class RunStore:
         return {k for k, r in self.records().items() if r.get("status") == "ok"}
 
     def close(self) -> None:
-        self.flush()
+        self._stop_writer()
         with self._lock:
             try:
                 if self._items_file is not None:
