@@ -60,6 +60,29 @@ def test_records_arriving_together_share_an_fsync_and_are_acknowledged_after_it(
     assert sorted(ids) == sorted([str(i) for i in range(200)] + ["sync"])
 
 
+def test_append_many_shares_fsyncs_and_returns_durable(tmp_path, monkeypatch):
+    store = _store(tmp_path / "run")
+    fd = store._items_file.fileno()
+    calls = []
+    real_fsync = os.fsync
+
+    def counting(f):
+        real_fsync(f)
+        if f == fd:
+            calls.append(os.fstat(fd).st_size)
+
+    monkeypatch.setattr(os, "fsync", counting)
+    try:
+        out = store.append_many([{"task": "t", "item_id": str(i), "status": "ok", "x": float("nan") if i == 3 else i}
+                                 for i in range(500)])
+        assert calls and calls[-1] == os.fstat(fd).st_size       # everything returned is fsynced
+    finally:
+        store.close()
+    assert len(calls) < 50, len(calls)
+    assert out[3]["status"] == "error" and out[3]["non_finite"]   # written as it is returned
+    assert [r["item_id"] for r in iter_records(tmp_path / "run" / "items.jsonl")] == [str(i) for i in range(500)]
+
+
 def test_a_failed_write_fails_its_batch_and_every_later_append(tmp_path, monkeypatch):
     store = _store(tmp_path / "run")
     store.append({"task": "t", "item_id": "0", "status": "ok"})
