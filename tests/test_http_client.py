@@ -3,7 +3,6 @@ connections (about one connection per concurrent request, not one per item)."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 from moebench.runners.base import GenerateRequest
 from moebench.runners.http import HttpRunner
