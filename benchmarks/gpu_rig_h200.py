@@ -266,7 +266,8 @@ def main() -> int:
         if suite in skip:
             continue
         for label in ("engine-bf16-cuda", "engine-tiered-cuda"):
-            extra = ["--baseline", runs[suite]["engine-bf16-cuda"]] if suite == "smoke" and runs.get(suite) else []
+            extra = (["--baseline", runs[suite]["engine-bf16-cuda"]] if suite == "smoke" and runs.get(suite) else
+                     ["--as-baseline"] if suite == "smoke" else [])
             got = stage(summary, f"run_{suite}_{label}", cli,
                         ["run", suite_arg, "--runner", str(profiles[label]), "--out", str(results / f"{suite}_{label}"),
                          "--label", label, *extra, *(["--limit", "2"] if a.dry else [])], limit * (3 if a.dry else 1))

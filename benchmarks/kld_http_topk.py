@@ -26,7 +26,8 @@ VOCAB = 50257
 
 def run(suite: Path, runner: Path, out: Path, baseline: Path | None = None) -> Path:
     run_dir, code = api.run(api.RunOptions(suite=str(suite), runner=str(runner), out=str(out),
-                                           baseline=str(baseline) if baseline else None, quiet=True))
+                                           baseline=str(baseline) if baseline else None,
+                                           as_baseline=baseline is None, quiet=True))
     if code != 0:
         raise SystemExit(f"{runner}: exit {code}")
     return run_dir

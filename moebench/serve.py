@@ -46,6 +46,7 @@ from typing import Any
 
 from aiohttp import web
 
+from moebench import jsonout
 from moebench.lmeval.scoring import TokenScore, prompt_scoring_kind, score_tokens
 from moebench.runners.base import Capability, CapabilityError, GenerateRequest, Runner, RunnerError
 from moebench.scoring.answers import first_stop
@@ -78,6 +79,19 @@ class ServeOptions:
     max_prompt_tokens_per_request: int = 262144   # prompt tokens over all prompts of one request
 
 
+def wire_json(data: Any) -> str:
+    """Standard JSON on the wire, as strict clients parse it: a non-finite number a runner produced
+    (a -inf log-prob) is sent as null, never as NaN or Infinity."""
+    try:
+        return jsonout.dumps(data, ensure_ascii=False)
+    except jsonout.NonFiniteValue:
+        return jsonout.dumps(jsonout.standard(data)[0], ensure_ascii=False)
+
+
+def _json_response(data: Any, **kwargs: Any) -> web.Response:
+    return web.json_response(data, dumps=wire_json, **kwargs)
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  headers: dict[str, str] | None = None):
@@ -88,7 +102,7 @@ class ApiError(Exception):
 
 def _error_response(status: int, message: str, type_: str, param: str | None = None,
                     headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": type_, "param": param, "code": status}},
+    return _json_response({"error": {"message": message, "type": type_, "param": param, "code": status}},
                              status=status, headers=headers)
 
 
@@ -401,10 +415,10 @@ class Server:
 
     # -- simple endpoints -------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        return _json_response({"status": "ok"})
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
+        return _json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "moebench",
              "runner_kind": self.runner.kind, "capabilities": sorted(self.runner.capabilities)}]})
 
@@ -423,7 +437,7 @@ class Server:
             tid = self._special_token_id(name)
             info[f"{name}_token"] = await self.runner.detokenize([tid]) if tid is not None else None
             info[f"{name}_token_id"] = tid
-        return web.json_response(info)
+        return _json_response(info)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         self._need(Capability.TOKENIZE, "tokenize")
@@ -432,7 +446,7 @@ class Server:
         if not isinstance(text, str):
             raise ApiError(400, "'prompt' (or 'content') must be a string", param="prompt")
         ids = await self.runner.tokenize(text)
-        return web.json_response({"tokens": ids, "count": len(ids)})
+        return _json_response({"tokens": ids, "count": len(ids)})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         self._need(Capability.TOKENIZE, "detokenize")
@@ -441,7 +455,7 @@ class Server:
         if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
             raise ApiError(400, "'tokens' must be a list of integers", param="tokens")
         text = await self.runner.detokenize(ids)
-        return web.json_response({"prompt": text, "content": text})
+        return _json_response({"prompt": text, "content": text})
 
     # -- generation core --------------------------------------------------------------------------
     async def _generate_one(self, prompt: str | list[int], *, max_tokens: int, temperature: float,
@@ -586,7 +600,7 @@ class Server:
             return resp
         if stream:
             return await self._stream_completion(request, cid, created, choices, outs, echo, prompts)
-        return web.json_response({"id": cid, "object": "text_completion", "created": created,
+        return _json_response({"id": cid, "object": "text_completion", "created": created,
                                   "model": self.model_name, "choices": choices, "usage": usage})
 
     def _usage(self, outs: list[dict[str, Any]]) -> dict[str, int]:
@@ -681,7 +695,7 @@ class Server:
 
     @staticmethod
     async def _sse(resp: web.StreamResponse, data: Any) -> None:
-        payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+        payload = data if isinstance(data, str) else wire_json(data)
         await resp.write(f"data: {payload}\n\n".encode("utf-8"))
 
     async def _stream_completion(self, request: web.Request, cid: str, created: int, choices: list[dict],
@@ -778,7 +792,7 @@ class Server:
                               for piece, v, top in o["logprob_entries"]]}
         finish = o["finish_reason"]
         if not stream:
-            return web.json_response({
+            return _json_response({
                 "id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": o["text"]},
                              "logprobs": lp, "finish_reason": finish}],

@@ -92,12 +92,19 @@ STRING_ONLY = {   # (file, text of the line): why
     ("moebench/secrets.py", "escaped = json.dumps(s)[1:-1]"): "a secret as it appears inside a JSON string",
     ("moebench/runners/llama_server.py", "json.dumps(c, ensure_ascii=False) for c in choices"): "grammar choices",
     ("moebench/serve.py", 'f"got {json.dumps(v)[:80]}", param=key)'): "a request value quoted in an error",
-    ("moebench/serve.py", "json.dumps(data, ensure_ascii=False)"): "an SSE payload (moebench serve's own checks)",
     # The sandbox child runs isolated (python -I -S) and cannot import moebench: its launch
     # configuration and status lines are strings and integers on a private pipe, never a file.
     ("moebench/scoring/sandbox.py", '"--launch", json.dumps(cfg)]'): "the sandbox's launch argument",
     ("moebench/scoring/sandbox.py", 'os.write(status_fd, (json.dumps({"stage": stage, **kw})'): "the sandbox's pipe",
 }
+
+
+def test_serve_sends_standard_json_even_for_a_non_finite_number():
+    """moebench serve's replies and SSE events go through wire_json: a -inf log-prob is null on the wire."""
+    from moebench.serve import wire_json
+    text = wire_json({"logprobs": {"token_logprobs": [-0.5, -math.inf], "top": [{"a": math.nan}]}, "n": 1})
+    assert _strict(text) == {"logprobs": {"token_logprobs": [-0.5, None], "top": [{"a": None}]}, "n": 1}
+    assert wire_json({"ok": [1.5, "x"]}) == '{"ok": [1.5, "x"]}'
 
 
 def test_no_json_writer_in_the_package_allows_nan():
@@ -111,6 +118,10 @@ def test_no_json_writer_in_the_package_allows_nan():
             continue
         for n, line in enumerate(py.read_text(encoding="utf-8").splitlines(), start=1):
             allowed = any(rel == f and text in line for f, text in STRING_ONLY)
-            if ("json.dump(" in line or "json.dumps(" in line) and not allowed:
+            # aiohttp's json_response uses json.dumps unless given serve's wire_json
+            raw_response = "web.json_response(" in line and "dumps=wire_json" not in line
+            # the engine imports nothing else of moebench: it calls json.dumps with allow_nan=False itself
+            strict = "allow_nan=False" in line
+            if ("json.dump(" in line or "json.dumps(" in line or raw_response) and not (allowed or strict):
                 offenders.append(f"{rel}:{n}: {line.strip()}")
     assert offenders == []

@@ -47,8 +47,6 @@ from typing import Iterable
 
 import torch
 
-from moebench import jsonout
-
 from .placement import QuantizedExpert
 from .quant import QuantizedTensor
 
@@ -122,7 +120,7 @@ def write_pack(path: str | Path, experts: Iterable[tuple[int, int, QuantizedExpe
             pos += entry["read_bytes"]
         index = {"format": PACK_FORMAT, "version": PACK_VERSION, "alignment": ALIGN, "file_bytes": pos,
                  "experts": [entry for entry, _ in records]}
-        blob = jsonout.dumps(index, separators=(",", ":")).encode("utf-8")
+        blob = json.dumps(index, separators=(",", ":"), allow_nan=False).encode("utf-8")
         if _HEADER.size + len(blob) <= data_start:
             break
         data_start = _up(_HEADER.size + len(blob), ALIGN)

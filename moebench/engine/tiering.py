@@ -28,8 +28,6 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moebench import jsonout
-
 from .expert_names import parse_expert_name
 from .placement import HOMES, QuantizedExpert, TieredExperts
 from .quant import QuantizedTensor, format_nbytes, parse_format, quantize
@@ -84,7 +82,8 @@ class CalibrationStats:
         header = {"layers": self.layers, "num_experts": self.num_experts, "top_k": self.top_k,
                   "tokens": self.tokens, "meta": self.meta}
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
-                  metadata={"format": "moebench-calibration", "version": "1", "header": jsonout.dumps(header)})
+                  metadata={"format": "moebench-calibration", "version": "1",
+                            "header": json.dumps(header, allow_nan=False)})
 
     @classmethod
     def load(cls, path: str | Path) -> "CalibrationStats":
@@ -318,7 +317,7 @@ class Plan:
                 "info": self.info}
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(jsonout.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
+        Path(path).write_text(json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n", encoding="utf-8")
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
@@ -686,7 +685,7 @@ def pack(checkpoint_dir: str | Path, plan: Plan, out_dir: str | Path, device="cp
         data["artifact"]["ssd_file_bytes"] = index["file_bytes"]
     elif (out / PACK_NAME).is_file():
         (out / PACK_NAME).unlink()        # an earlier pack's file; this plan keeps nothing on disk
-    (out / "plan.json").write_text(jsonout.dumps(data, indent=1) + "\n", encoding="utf-8")
+    (out / "plan.json").write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", encoding="utf-8")
     return out
 
 
