@@ -210,6 +210,10 @@ async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runne
     finished = store.finished_keys()
     counts.update(asked=0, errors=0, skipped_finished=0)
     watch = _UnreachableWatch()
+    # Records handed to the store's writer and not yet durable. Each is counted when the store
+    # acknowledges it (a done-callback on the loop's thread), even when its item was cancelled
+    # meanwhile; the run waits for them all before it ends, so its counts match its records.
+    unwritten: set[asyncio.Future] = set()
 
     def mark(phase: str) -> None:
         if probe is not None:
@@ -224,31 +228,64 @@ async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runne
         if not todo:
             continue
         progress = Progress(task.name, len(todo), every_s=10.0 if not quiet else 1e9)
-        sem = asyncio.Semaphore(max(1, runner.concurrency))
+        # Set when the run must stop: a record that could not be written, or the early stop.
+        stopped: asyncio.Future = asyncio.get_running_loop().create_future()
 
-        async def one(item, task=task, progress=progress):
-            async with sem:
+        def written(fut: asyncio.Future, progress=progress, stopped=stopped) -> None:
+            unwritten.discard(fut)
+            if fut.cancelled():
+                return
+            error = fut.exception()
+            if error is not None:           # not written (a full disk): the run stops with that error
+                if not stopped.done():
+                    stopped.set_exception(error)
+                return
+            rec = fut.result()
+            counts["asked"] += 1
+            counts["errors"] += rec["status"] == "error"
+            progress.advance(error=rec["status"] == "error")
+            stop = watch.stop(rec)
+            if stop is not None and not stopped.done():
+                stopped.set_exception(stop)
+
+        queue = iter(todo)
+
+        async def worker(task=task, queue=queue, stopped=stopped) -> None:
+            # `concurrency` workers take the items in order; a worker moves on to its next item while
+            # the record of the last one waits for its group commit.
+            for item in queue:
+                if stopped.done():
+                    return
                 rec = await ask_item(task.name, item.item_id, lambda: task.evaluate(item, runner), describe,
                                      passthrough=(CapabilityError,))
-                rec = store.append(rec)
-                counts["asked"] += 1
-                counts["errors"] += rec["status"] == "error"
-                progress.advance(error=rec["status"] == "error")
-                stop = watch.stop(rec)
-                if stop is not None:
-                    raise stop
+                fut = store.append_async(rec)
+                unwritten.add(fut)
+                fut.add_done_callback(written)
 
         # A task that marks no phases of its own is booked as a whole under its phase, so that no
         # work lands in "idle"; speed and needle mark prefill/decode/idle per request themselves.
         mark(task.phase or "prepare")
-        jobs = [asyncio.ensure_future(one(it)) for it in todo]
+        jobs = [asyncio.ensure_future(worker()) for _ in range(max(1, min(runner.concurrency, len(todo))))]
+        everything = asyncio.gather(*jobs)
         try:
-            await asyncio.gather(*jobs)
+            await asyncio.wait([everything, stopped], return_when=asyncio.FIRST_COMPLETED)
+            if everything.done():
+                everything.result()         # a worker's own failure (CapabilityError, a fatal OSError)
+            if unwritten:
+                await asyncio.wait(list(unwritten))
+            if stopped.done():
+                stopped.result()            # raises the early stop or the write error
         finally:
             # An early stop (or any failure) ends the items still asking: unrecorded, they are asked on resume.
             for job in jobs:
                 job.cancel()
-            await asyncio.gather(*jobs, return_exceptions=True)
+            await asyncio.gather(everything, return_exceptions=True)
+            if unwritten:
+                await asyncio.gather(*list(unwritten), return_exceptions=True)
+            if not stopped.done():
+                stopped.cancel()
+            elif not stopped.cancelled():
+                stopped.exception()         # retrieved: raised above, or superseded by another failure
             progress.close()
             mark("idle")
     return counts

@@ -5,6 +5,8 @@ import sys
 import time
 from typing import TextIO
 
+TTY_REDRAW_S = 0.1          # the bar on a terminal is redrawn at most this often (and at the end)
+
 
 class Progress:
     def __init__(self, label: str, total: int, stream: TextIO | None = None, every_s: float = 10.0):
@@ -32,6 +34,9 @@ class Progress:
         eta = (self.total - self.done) / rate if rate > 0 else float("nan")
         err = f" errors={self.errors}" if self.errors else ""
         if self.tty:
+            if not final and now - self._last < TTY_REDRAW_S and self.done != self.total:
+                return                  # a redraw per item would cost more than the item itself
+            self._last = now
             width = 30
             filled = int(width * self.done / self.total) if self.total else width
             bar = "#" * filled + "." * (width - filled)

@@ -311,6 +311,7 @@ def evaluate_runner(runner: Runner, tasks: list[str], limit: int | None, out_dir
         results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit, log_samples=True,
                                           task_manager=tm)
         samples = results.get("samples", {}) if results else {}
+        ready = []
         for task_name, rows in samples.items():
             for row, rec in zip(rows, records_from_samples(task_name, rows)):   # one record per row
                 ctx = _context_of(row)
@@ -318,7 +319,8 @@ def evaluate_runner(runner: Runner, tasks: list[str], limit: int | None, out_dir
                     rec["floored_tokens"] = lm.floored_contexts[ctx]
                 if ctx in lm.failed_contexts:
                     rec.update(status="error", correct=None, error=lm.failed_contexts[ctx])
-                store.append(rec)
+                ready.append(rec)
+        store.append_many(ready)
         aggregate = {k: v for k, v in (results or {}).items() if k != "samples"}
         (out_dir / "lm_eval_results.json").write_text(
             jsonout.document_text(aggregate, indent=2, ensure_ascii=False, default=str), encoding="utf-8")

@@ -217,8 +217,7 @@ def import_lm_eval(paths: list[Path], out_dir: Path, label: str | None = None) -
     }
     store = RunStore.create_or_resume(out_dir, manifest)
     try:
-        for rec in records:
-            store.append(rec)
+        store.append_many(records)
         store.finish("complete", summary=summarize(records))
     finally:
         store.close()

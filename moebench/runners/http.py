@@ -1,6 +1,8 @@
 """`kind = "http"`: any OpenAI-compatible server (vLLM, SGLang, llama-server, TGI, `moebench serve`).
 
-- `/v1/completions` or `/v1/chat/completions` (`api`), through httpx, async.
+- `/v1/completions` or `/v1/chat/completions` (`api`), through one aiohttp session: its connection pool
+  hands out a free connection without walking the whole pool, so a request costs the same CPU at any
+  concurrency.
 - Several endpoints (`base_urls`) share the work: each request goes to the least busy one.
 - Retries with exponential backoff on connection errors, timeouts and 5xx; never on 4xx but 429, whose
   `Retry-After` is honoured (up to `max_retry_wait_s`).
@@ -22,13 +24,15 @@ A response that is not what the protocol promises raises RunnerError with the re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
 import random
 import time
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
+import aiohttp
 import httpx
 
 from moebench.config import MAX_RESPONSE_BYTES, MAX_SECONDS, MAX_VOCAB, Field, ProfileError, positive
@@ -38,8 +42,9 @@ from moebench.runners.base import (DEFAULT_REQUEST_DEADLINE_S, Capability, Deadl
                                    GenerateResult, Runner, RunnerError, Unreachable)
 from moebench.scoring.answers import first_stop
 from moebench.runners.metrics import parse_prometheus
-from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, bounded_lines, describe, read_bounded,
-                                        response_limit, retry_after_s)
+from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, ConnectError, ConnectTimeout, TransportError,
+                                        bounded_lines, describe, read_bounded, response_limit, retry_after_s,
+                                        transport_error)
 
 
 def finite_positive(value: Any) -> str | None:
@@ -158,18 +163,67 @@ class HttpRunner(Runner):
         if profile.get("token_prompts"):
             caps.add(Capability.TOKEN_PROMPTS)
         self.capabilities = frozenset(caps)
-        self.timeout = httpx.Timeout(float(profile.get("timeout_s", 600.0)),
-                                     connect=float(profile.get("connect_timeout_s", 10.0)))
-        self.client: httpx.AsyncClient | None = None
+        self.read_timeout_s = float(profile.get("timeout_s", 600.0))
+        self.connect_timeout_s = float(profile.get("connect_timeout_s", 10.0))
+        # timeout_s bounds the wait for each read and connect_timeout_s the socket connect;
+        # request_deadline_s bounds the whole request, retries included.
+        self.timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.connect_timeout_s,
+                                             sock_read=self.read_timeout_s)
+        self.client: aiohttp.ClientSession | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._proxies: dict[str, tuple[Any, Any]] = {}      # origin -> (proxy URL, proxy auth) or (None, None)
 
     async def start(self, run_dir: str | None = None) -> None:
-        limits = httpx.Limits(max_connections=self.concurrency + 4, max_keepalive_connections=self.concurrency + 4)
-        self.client = httpx.AsyncClient(timeout=self.timeout, limits=limits, headers=self.headers)
+        # A pool of concurrency + 4 connections over all endpoints. The proxy variables (HTTP_PROXY,
+        # HTTPS_PROXY, NO_PROXY) are read here, once per endpoint: aiohttp's trust_env would read them
+        # (and ~/.netrc) in a worker thread on every request.
+        connector = aiohttp.TCPConnector(limit=self.concurrency + 4, limit_per_host=0)
+        self.client = aiohttp.ClientSession(connector=connector, timeout=self.timeout, headers=self.headers)
+        self._client_loop = asyncio.get_running_loop()
+        self._proxies = {}
 
     async def close(self) -> None:
         if self.client is not None:
-            await self.client.aclose()
-            self.client = None
+            client, self.client = self.client, None
+            if self._client_loop is asyncio.get_running_loop():
+                await client.close()
+            # a session of an event loop that has ended went with it: nothing left to close here
+
+    async def _session(self) -> aiohttp.ClientSession:
+        """The session, started on first use and again on a new event loop (aiohttp's sessions are
+        bound to the loop that made them)."""
+        if self.client is None or self._client_loop is not asyncio.get_running_loop():
+            await self.start()
+        assert self.client is not None
+        return self.client
+
+    def _proxy(self, url: str) -> tuple[Any, Any]:
+        """The proxy the environment names for `url`'s origin (None where none or NO_PROXY covers it)."""
+        origin = url.split("/", 3)[:3]
+        key = "/".join(origin)
+        found = self._proxies.get(key)
+        if found is None:
+            from aiohttp.helpers import get_env_proxy_for_url
+            from yarl import URL
+            try:
+                found = get_env_proxy_for_url(URL(key))
+            except LookupError:
+                found = (None, None)
+            self._proxies[key] = found
+        return found
+
+    @contextlib.asynccontextmanager
+    async def _open(self, method: str, url: str, body: dict[str, Any] | None = None) -> AsyncIterator[Any]:
+        """An open response to `method url`, redirects not followed; aiohttp's failures while asking or
+        reading come out as TransportError subclasses (ConnectError, ReadTimeout...)."""
+        client = await self._session()
+        proxy, proxy_auth = self._proxy(url)
+        try:
+            async with client.request(method, url, json=body, allow_redirects=False, proxy=proxy,
+                                      proxy_auth=proxy_auth) as resp:
+                yield resp
+        except aiohttp.ClientError as e:
+            raise transport_error(e, method, url, self.connect_timeout_s, self.read_timeout_s) from None
 
     def identity(self) -> dict[str, Any]:
         return {"model": {"name": self.model, "endpoints": self.base_urls, "api": self.api}, "build": {}}
@@ -186,15 +240,28 @@ class HttpRunner(Runner):
     async def _with_retries(self, call, target: Callable[[str], str] = lambda url: url):
         """Run `call(base_url)` with retries on connection errors, timeouts, 5xx and 429 (never other 4xx),
         all within `request_deadline_s`; `target(base_url)` names the URL asked, for the deadline's error."""
-        if self.client is None:
-            await self.start()
+        await self._session()
         asked: list[str] = []
+        timeout = getattr(asyncio, "timeout", None)
+        if timeout is None:             # Python 3.10: wait_for runs the attempts as a task of their own
+            try:
+                return await asyncio.wait_for(self._attempts(call, asked), self.request_deadline_s)
+            except asyncio.TimeoutError:
+                raise self._deadline_exceeded(target, asked) from None
+        # 3.11+: a deadline on this task itself, without a task per request
+        deadline = timeout(self.request_deadline_s)
         try:
-            return await asyncio.wait_for(self._attempts(call, asked), self.request_deadline_s)
-        except asyncio.TimeoutError:   # the builtin TimeoutError from 3.11; its own class on 3.10
-            url = target(asked[-1] if asked else self.base_urls[0])
-            raise DeadlineExceeded(f"POST {url}: no complete reply after {self.request_deadline_s:g} s "
-                                   "(request_deadline_s, retries included)") from None
+            async with deadline:
+                return await self._attempts(call, asked)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise self._deadline_exceeded(target, asked) from None
+
+    def _deadline_exceeded(self, target: Callable[[str], str], asked: list[str]) -> DeadlineExceeded:
+        url = target(asked[-1] if asked else self.base_urls[0])
+        return DeadlineExceeded(f"POST {url}: no complete reply after {self.request_deadline_s:g} s "
+                                "(request_deadline_s, retries included)")
 
     async def _attempts(self, call, asked: list[str]):
         last: Exception | None = None
@@ -212,9 +279,9 @@ class HttpRunner(Runner):
                 last = RunnerError(str(e))
                 never_connected = False
                 retry_after = retry_after_s(e.retry_after)
-            except (httpx.TransportError, httpx.TimeoutException) as e:
+            except TransportError as e:
                 last = RunnerError(f"{url}: {describe(e)}")
-                never_connected = never_connected and isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))
+                never_connected = never_connected and isinstance(e, (ConnectError, ConnectTimeout))
             finally:
                 self.in_flight[url] -= 1
             if attempt < self.retries:
@@ -225,10 +292,9 @@ class HttpRunner(Runner):
 
     async def _post(self, url: str, body: dict[str, Any], limit: int) -> bytes:
         """POST and read the whole reply within `limit` bytes; HttpStatus for an HTTP error status."""
-        assert self.client is not None
-        async with self.client.stream("POST", url, json=body) as resp:
+        async with self._open("POST", url, body) as resp:
             raw = await read_bounded(resp, limit, url)
-            if not 200 <= resp.status_code < 300:       # only a 2xx reply is an answer
+            if not 200 <= resp.status < 300:            # only a 2xx reply is an answer
                 raise HttpStatus.of(url, resp, raw)
         return raw
 
@@ -267,7 +333,6 @@ class HttpRunner(Runner):
         limit = response_limit(request.max_tokens, request.top_logprobs, self.max_response_bytes)
 
         async def call(url: str) -> GenerateResult:
-            assert self.client is not None
             if request.stream:
                 return await self._stream(url + path, {**body, "stream": True,
                                                        "stream_options": {"include_usage": True}},
@@ -307,7 +372,6 @@ class HttpRunner(Runner):
 
     async def _stream(self, url: str, body: dict[str, Any], base: str,
                       on_text: Callable[[str], None] | None, limit: int) -> GenerateResult:
-        assert self.client is not None
         t0 = time.perf_counter()
         texts: list[str] = []
         reasoning: list[str] = []
@@ -319,8 +383,8 @@ class HttpRunner(Runner):
         usage: dict[str, Any] = {}
         server_timings: dict[str, Any] = {}
         event = "message"
-        async with self.client.stream("POST", url, json=body) as resp:
-            if not 200 <= resp.status_code < 300:
+        async with self._open("POST", url, body) as resp:
+            if not 200 <= resp.status < 300:
                 raw = await read_bounded(resp, min(limit, 1 << 20), url)
                 raise HttpStatus.of(url, resp, raw)
             async for line in bounded_lines(resp, limit, url):
@@ -465,18 +529,15 @@ class HttpRunner(Runner):
 
     async def server_metrics(self) -> dict[str, float] | None:
         """Counters of every endpoint's Prometheus /metrics page, summed; None where any has none."""
-        if self.client is None:
-            await self.start()
-        assert self.client is not None
         total: dict[str, float] = {}
         for url in self.base_urls:
             root = url[:-3] if url.endswith("/v1") else url
             try:
-                async with self.client.stream("GET", root + "/metrics") as resp:
+                async with self._open("GET", root + "/metrics") as resp:
                     raw = await read_bounded(resp, 16 << 20, root + "/metrics")
-                    if resp.status_code != 200:
+                    if resp.status != 200:
                         return None
-            except (httpx.HTTPError, RunnerError):
+            except (TransportError, RunnerError):
                 return None           # no metrics page: no server-side counters, not an error
             for name, value in parse_prometheus(raw.decode("utf-8", "replace")).items():
                 total[name] = total.get(name, 0.0) + value
@@ -506,8 +567,8 @@ class HttpStatus(Exception):
                          + (f" (Retry-After: {retry_after})" if retry_after else ""))
 
     @classmethod
-    def of(cls, url: str, resp: httpx.Response, body: bytes) -> "HttpStatus":
-        return cls(url, resp.status_code, body, resp.headers.get("retry-after"), resp.headers.get("location"))
+    def of(cls, url: str, resp: aiohttp.ClientResponse, body: bytes) -> "HttpStatus":
+        return cls(url, resp.status, body, resp.headers.get("retry-after"), resp.headers.get("location"))
 
 
 def _reasoning_tokens(usage: dict[str, Any]) -> int | None:

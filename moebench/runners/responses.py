@@ -3,7 +3,10 @@
 - A response is read through a byte bound: a server that answers a 32-token request with 50 MB is cut
   off at the bound and the request fails naming the size, instead of filling memory and the run.
   The bound follows from what was asked (`response_limit`) and never exceeds a hard cap.
-- Streams are split into lines here, not by httpx, so one endless line cannot grow without bound.
+- Streams are split into lines here, not by the HTTP client, so one endless line cannot grow without bound.
+- Both clients are read: an httpx response (llama-server's runner) or an aiohttp one (the http runner).
+- `transport_error` names an aiohttp failure as what happened (ConnectError, ConnectTimeout, ReadTimeout,
+  RemoteProtocolError, ReadError), with the method, URL and limit where a timeout's own text is empty.
 - `describe` spells an exception as "Type: detail" even when the exception's own text is empty
   (httpx's timeouts often are), so no record ends in an empty colon.
 - `retry_after_s` reads a `Retry-After` header (seconds or an HTTP date).
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import email.utils
 import time
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import httpx
 
@@ -45,24 +48,30 @@ def _too_large(where: str, size: int, limit: int, declared: bool = False) -> Res
                             f"for this request; cut off (raise max_response_bytes if this is expected)")
 
 
-async def read_bounded(resp: httpx.Response, limit: int, where: str) -> bytes:
+def _chunks(resp: Any) -> AsyncIterator[bytes]:
+    """The body's chunks as they arrive: httpx's aiter_bytes, or aiohttp's content.iter_any."""
+    aiter_bytes = getattr(resp, "aiter_bytes", None)
+    return aiter_bytes() if aiter_bytes is not None else resp.content.iter_any()
+
+
+async def read_bounded(resp: Any, limit: int, where: str) -> bytes:
     """The whole body of a streamed-open response, or ResponseTooLarge once it passes `limit`."""
     declared = resp.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise _too_large(where, int(declared), limit, declared=True)
     buf = bytearray()
-    async for chunk in resp.aiter_bytes():
+    async for chunk in _chunks(resp):
         buf += chunk
         if len(buf) > limit:
             raise _too_large(where, len(buf), limit)
     return bytes(buf)
 
 
-async def bounded_lines(resp: httpx.Response, limit: int, where: str) -> AsyncIterator[str]:
+async def bounded_lines(resp: Any, limit: int, where: str) -> AsyncIterator[str]:
     """The lines of a streamed response (SSE), decoded; ResponseTooLarge once the total passes `limit`."""
     total = 0
     pending = b""
-    async for chunk in resp.aiter_bytes():
+    async for chunk in _chunks(resp):
         total += len(chunk)
         if total > limit:
             raise _too_large(where, total, limit)
@@ -72,6 +81,49 @@ async def bounded_lines(resp: httpx.Response, limit: int, where: str) -> AsyncIt
             yield raw.rstrip(b"\r").decode("utf-8", "replace")
     if pending:
         yield pending.rstrip(b"\r").decode("utf-8", "replace")
+
+
+class TransportError(Exception):
+    """The request failed below HTTP: no connection, a timeout, a connection cut mid-reply."""
+
+
+class ConnectError(TransportError):
+    """No connection could be made (refused, no route, name not resolved, TLS handshake failed)."""
+
+
+class ConnectTimeout(TransportError):
+    """The connection was not made within connect_timeout_s."""
+
+
+class ReadTimeout(TransportError):
+    """No byte of the reply arrived within timeout_s."""
+
+
+class RemoteProtocolError(TransportError):
+    """The server broke HTTP: closed the connection early, a malformed status line or body."""
+
+
+class ReadError(TransportError):
+    """The connection failed while the request was being sent or its reply read."""
+
+
+def transport_error(e: Exception, method: str, url: str, connect_s: float | None,
+                    read_s: float | None) -> TransportError:
+    """An aiohttp failure as a TransportError subclass that says what happened."""
+    import aiohttp
+
+    detail = str(e).strip()
+    if isinstance(e, aiohttp.ConnectionTimeoutError):
+        limit = f" after {connect_s:g} s" if connect_s is not None else ""
+        return ConnectTimeout(f"{method} {url}: no connect progress{limit}")
+    if isinstance(e, aiohttp.ServerTimeoutError):
+        limit = f" after {read_s:g} s" if read_s is not None else ""
+        return ReadTimeout(f"{method} {url}: no read progress{limit}")
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return ConnectError(detail or f"{method} {url}: no connection")
+    if isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError)):
+        return RemoteProtocolError(f"{method} {url}: {detail or type(e).__name__}")
+    return ReadError(f"{method} {url}: {type(e).__name__}: {detail or 'no detail given'}")
 
 
 def describe(e: BaseException) -> str:

@@ -1,10 +1,16 @@
 """The run store (DESIGN.md section 4): a run is a directory.
 
 - `manifest.json`: identity and status, replaced atomically (write a temp file, fsync, rename).
-- `items.jsonl`: one record per finished item, appended and fsynced as each item finishes.
-  A torn last line (a crash mid-write) is ignored on read and cut off on resume; nothing else is
-  ever rewritten. When an item appears more than once (an error retried on resume), the last
-  record wins.
+- `items.jsonl`: one record per finished item, appended by one writer thread per open store with
+  group commit: the records that arrive while an fsync runs are written together and made durable by
+  the next fsync, which starts as soon as the previous one ends (no timer: a record waits at most for
+  the fsync in progress and its own). A record is acknowledged (`append` returns, `append_async`'s
+  future resolves) only once its fsync has returned, so a crash loses only records not yet
+  acknowledged. Lines are only ever appended whole, in one write per batch: a torn last line (a
+  crash mid-write) is ignored on read and cut off on resume; nothing else is ever rewritten, and a
+  record is written once. After a failed write (a full disk) the store writes nothing more: every
+  later append fails with the same error, so nothing lands after a torn line. When an item appears
+  more than once (an error retried on resume), the last record wins.
 - `.lock`: an OS file lock (flock) that the writing process holds for the run's life, so two writers
   never interleave in one directory; the file names the holder (PID, host, start time) for the refusal
   message. The kernel drops the lock when its holder dies, so a stale file is simply taken over.
@@ -23,6 +29,7 @@ import os
 import socket
 import sys
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -265,8 +272,29 @@ def latest_records(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
     return out
 
 
+class _Pending:
+    """A record waiting for its group commit: its line and who to tell once it is durable (a
+    concurrent Future, or an asyncio future on `loop`)."""
+    __slots__ = ("line", "record", "future", "loop")
+
+    def __init__(self, line: bytes, record: dict[str, Any], future: Any, loop: Any = None):
+        self.line, self.record, self.future, self.loop = line, record, future, loop
+
+
+def _settle(batch: list[_Pending], error: BaseException | None) -> None:
+    """On the event loop's thread: resolve the asyncio futures of a written (or failed) batch."""
+    for p in batch:
+        if p.future.done():
+            continue
+        if error is None:
+            p.future.set_result(p.record)
+        else:
+            p.future.set_exception(error)
+
+
 class RunStore:
-    """An open run directory. Appends are thread-safe and durable once `append` returns."""
+    """An open run directory. Appends are thread-safe and durable once acknowledged: when `append`
+    returns, or when the future of `append_async` resolves."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
@@ -274,6 +302,12 @@ class RunStore:
         self.manifest_path = self.path / MANIFEST
         self._lock = threading.Lock()
         self._items_file = None
+        # group commit (see the module docstring): the queue, the writer thread, and a failed write
+        self._cond = threading.Condition()
+        self._queue: list[_Pending] = []
+        self._writer: threading.Thread | None = None
+        self._stopping = False
+        self._failed: BaseException | None = None
         self.lock: RunLock | None = None
         # Values of the environment variables the profile names (API keys): never written, wherever
         # they turn up (a server echoing the key in an error message).
@@ -382,7 +416,38 @@ class RunStore:
     def append(self, record: dict[str, Any]) -> dict[str, Any]:
         """Append one finished item; durable on return. Returns the record as written: one holding a
         non-finite number (NaN, Infinity) is written as an error record naming the field, the number
-        as null and its spelling under `non_finite`, so the file stays standard JSON and nothing is lost."""
+        as null and its spelling under `non_finite`, so the file stays standard JSON and nothing is lost.
+        An OSError (naming items.jsonl) when the write or its fsync failed."""
+        record, line = self._line(record)
+        future: Future = Future()
+        self._submit(_Pending(line, record, future))
+        return future.result()
+
+    def append_many(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`append` for records that are all at hand (an import): handed to the writer together, so
+        they share a few fsyncs; durable on return. Returns the records as written."""
+        futures = []
+        for record in records:
+            record, line = self._line(record)
+            future: Future = Future()
+            self._submit(_Pending(line, record, future))
+            futures.append(future)
+        return [f.result() for f in futures]
+
+    def append_async(self, record: dict[str, Any]) -> "Any":
+        """`append` for a caller on a running event loop: returns an asyncio future that resolves to
+        the record as written once it is durable (or fails with the OSError of its write). The record
+        is checked and serialised here; the write and the fsync happen on the writer thread, batched
+        with the records of other items."""
+        import asyncio
+        loop = asyncio.get_running_loop()
+        record, line = self._line(record)
+        future = loop.create_future()
+        self._submit(_Pending(line, record, future, loop))
+        return future
+
+    def _line(self, record: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        """The record as it will be written and its line (standard JSON, secrets scrubbed)."""
         for key in ("task", "item_id", "status"):
             if key not in record:
                 raise ValueError(f"record lacks {key!r}: {record!r}")
@@ -392,15 +457,75 @@ class RunStore:
             record = finite_record(record)
             text = dumps(record, ensure_ascii=False, default=str)
         line = (scrub(text, self.secrets) if self.secrets else text).encode("utf-8") + b"\n"
-        with self._lock:
-            assert self._items_file is not None, "store not opened for writing"
+        return record, line
+
+    def _submit(self, pending: _Pending) -> None:
+        with self._cond:
+            assert self._items_file is not None and not self._stopping, "store not opened for writing"
+            if self._failed is not None:
+                raise self._failed
+            self._queue.append(pending)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="moebench-items-writer", daemon=True)
+                self._writer.start()
+            self._cond.notify()
+
+    def _write_loop(self) -> None:
+        """The writer thread: take every queued record, write them in one write, fsync once,
+        acknowledge them all; until the store closes and the queue is empty."""
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch, self._queue = self._queue, []
+            error: BaseException | None = self._failed
+            if error is None:
+                try:
+                    f = self._items_file
+                    assert f is not None
+                    f.write(b"".join(p.line for p in batch))
+                    f.flush()
+                    os.fsync(f.fileno())
+                except OSError as e:
+                    error = _name_path(e, self.items_path)
+                except BaseException as e:      # never leave a waiter hanging on a dead writer
+                    error = e
+                if error is not None:
+                    with self._cond:
+                        self._failed = error
+            self._acknowledge(batch, error)
+
+    @staticmethod
+    def _acknowledge(batch: list[_Pending], error: BaseException | None) -> None:
+        by_loop: dict[Any, list[_Pending]] = {}
+        for p in batch:
+            if p.loop is None:
+                if error is None:
+                    p.future.set_result(p.record)
+                else:
+                    p.future.set_exception(error)
+            else:
+                by_loop.setdefault(p.loop, []).append(p)
+        for loop, items in by_loop.items():
             try:
-                self._items_file.write(line)
-                self._items_file.flush()
-                os.fsync(self._items_file.fileno())
-            except OSError as e:
-                raise _name_path(e, self.items_path) from None
-        return record
+                loop.call_soon_threadsafe(_settle, items, error)
+            except RuntimeError:
+                pass            # the loop has closed: nobody is waiting for these any more
+
+    def _stop_writer(self) -> None:
+        """Wait until every record appended so far is written (or its write failed) and end the
+        writer thread (on close: no append may run meanwhile)."""
+        with self._cond:
+            writer = self._writer
+            self._stopping = True
+            self._cond.notify()
+        if writer is not None:
+            writer.join()
+        with self._cond:
+            self._writer = None
+            self._stopping = False
 
     def records(self) -> dict[tuple[str, str], dict[str, Any]]:
         return latest_records(self.items_path)
@@ -410,6 +535,7 @@ class RunStore:
         return {k for k, r in self.records().items() if r.get("status") == "ok"}
 
     def close(self) -> None:
+        self._stop_writer()
         with self._lock:
             try:
                 if self._items_file is not None:
