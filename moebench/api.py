@@ -39,7 +39,6 @@ BASELINE_IDLE_END = "baseline_idle_end"   # the optional idle window after the l
 UNREACHABLE_STOP_AFTER = 3
 
 
-
 @dataclass
 class RunOptions:
     """Options of one `moebench run` (the CLI flags)."""

@@ -83,6 +83,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moebench import jsonout
+from moebench.compare.provenance import unverified_files
 from moebench.config import Field, ProfileError, load_toml, non_negative, positive, validate
 from moebench.store.records import CompareDoc, RecordError
 from moebench.store.sections import memory_value, needle_cells, needle_counts, number, side_value, speed_rows
@@ -544,9 +545,8 @@ def _unverified_data(compare: CompareDoc, section: str) -> str | None:
     sides = unvouched.get(section.partition(".")[0]) if isinstance(unvouched, dict) else None
     if not isinstance(sides, dict) or not sides:
         return None
-    files = "; ".join(f"the {side} read " + ", ".join(f"{p} ({st})" for p, st in list(f.items())[:3])
-                      for side, f in sides.items() if isinstance(f, dict))
-    return f"{section}: unverified data ({files})"
+    files = {side: f for side, f in sides.items() if isinstance(f, dict)}
+    return f"{section}: unverified data ({unverified_files(files)})"
 
 
 def evaluate(compare: CompareDoc, rules: list[tuple[str, bool, dict[str, Any]]],

@@ -57,14 +57,19 @@ def unverified_data(m: dict[str, Any], task: str) -> dict[str, str]:
             if p in read and isinstance(e, dict) and e.get("status") in ("modified", "unverified")}
 
 
-def unverified_reason(sides: dict[str, dict[str, str]]) -> str:
-    """One sentence: which side read which unvouched files (three at most per side)."""
+def unverified_files(sides: dict[str, dict[str, str]]) -> str:
+    """Which side read which unvouched files (three at most per side)."""
     parts = []
     for side, files in sides.items():
         shown = ", ".join(f"{p} ({status})" for p, status in list(files.items())[:3])
         more = f" and {len(files) - 3} more" if len(files) > 3 else ""
         parts.append(f"the {side} read {shown}{more}")
-    return "; ".join(parts) + ": data no SHA256SUMS vouched for is no evidence for a verdict"
+    return "; ".join(parts)
+
+
+def unverified_reason(sides: dict[str, dict[str, str]]) -> str:
+    """One sentence: the unvouched files and what follows from them."""
+    return unverified_files(sides) + ": data no SHA256SUMS vouched for is no evidence for a verdict"
 
 
 def data_mismatch_reason(files: dict[str, dict[str, str]], paired: bool = True) -> str:
