@@ -1,0 +1,465 @@
+"""The engine beside a real peer, llama.cpp CUDA, on the same weights and the same GPU (issue 43 part 1).
+
+One random Qwen3-30B-A3B-shaped checkpoint (the attention, expert and vocabulary sizes of the real
+model, at the largest layer and expert count the disk holds, stated in the output) is
+written once and served by both sides:
+
+  - llama.cpp b11434 built with CUDA for sm_90 by `moebench tools build-llamacpp --cuda`, as GGUF bf16
+    and as Q8_0 / Q4_0 with only the expert tensors quantized (attention, router, embeddings and the
+    output matrix stay bf16, as in the engine's plans), through `llama-bench` and through moebench's
+    own llama-server runner and speed suite (the product's real use, NVML energy included);
+  - the in-repo engine at bf16 (the checkpoint) and with every expert int8 / int4 on the GPU (packed
+    artifacts), through the engine runner and the same speed suite.
+
+Batch-1 decode tok/s at 128 and 4,096 prompt tokens, each against its roofline (the weight and KV
+bytes one decode step reads at that precision and context, over the device copy bandwidth measured in
+the same call), the engine over llama.cpp at matching precision, and the harness's llama-server
+figure over llama-bench's for the same build and flags.
+
+Stages (each fits a device call; the work folder persists while the machine is held):
+    python3 benchmarks/peers_h200.py stage-source --to .peers      # here: what a device call carries
+    python3 benchmarks/peers_h200.py build --carry .peers --jobs 16 # there: llama.cpp CUDA build
+    python3 benchmarks/peers_h200.py prepare --work /root/peers --work /dev/shm/peers --link /root/peers-work
+    python3 benchmarks/peers_h200.py measure --work /root/peers-work --out $OUT
+`--small` makes a small shape on the CPU (with the CPU build of llama.cpp) to check the whole path.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+ZOO_TOKENIZER = ROOT / "models" / "zoo" / "tiny-moe"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+# Qwen3-30B-A3B's shape (its config.json); `experts` is chosen to fit the disk.
+QWEN3_30B_A3B = dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                     vocab_size=151936)
+SMALL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256, vocab_size=50257)
+PROMPT_LENGTHS = (128, 4096)
+OUTPUT_TOKENS = 128
+LLAMA_FLAGS = ("-ngl", "99", "-fa", "on")           # the same for llama-bench and llama-server
+# Bytes per weight of each expert format, scales included (docs/engine.md; GGUF block sizes).
+FORMAT_BYTES = {"bf16": 2.0, "int8": 1.001, "int4": 0.531, "Q8_0": 34 / 32, "Q4_0": 18 / 32}
+PAIRS = (("bf16", "bf16"), ("int8", "Q8_0"), ("int4", "Q4_0"))   # engine plan, llama.cpp type
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float | None = None, **kw) -> str:
+    log("$ " + " ".join(str(c) for c in cmd))
+    res = subprocess.run([str(c) for c in cmd], env=env, timeout=timeout, text=True, capture_output=True, **kw)
+    if res.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    return res.stdout
+
+
+# --- shape and bytes ---------------------------------------------------------------------------
+
+def model_config(shape: dict[str, int]) -> dict[str, Any]:
+    """A transformers Qwen3MoeForCausalLM config.json for `shape` (untied output, as the real model)."""
+    cfg = json.loads((ZOO_TOKENIZER / "config.json").read_text())
+    cfg.update(shape, intermediate_size=6144 if shape["hidden_size"] == 2048 else 4 * shape["hidden_size"],
+               tie_word_embeddings=False, max_position_embeddings=40960, rope_theta=1_000_000.0,
+               rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, dtype="bfloat16")
+    return cfg
+
+
+def layer_params(shape: dict[str, int]) -> dict[str, int]:
+    H, D, I = shape["hidden_size"], shape["head_dim"], shape["moe_intermediate_size"]
+    attn = H * shape["num_attention_heads"] * D * 2 + H * shape["num_key_value_heads"] * D * 2
+    return {"attn": attn, "router": shape["num_experts"] * H, "expert": 3 * H * I, "norms": 2 * H + 2 * D}
+
+
+def checkpoint_bytes(shape: dict[str, int], expert_bytes: float) -> float:
+    p = layer_params(shape)
+    per_layer = 2 * (p["attn"] + p["router"] + p["norms"]) + shape["num_experts"] * p["expert"] * expert_bytes
+    return shape["num_hidden_layers"] * per_layer + 2 * 2 * shape["vocab_size"] * shape["hidden_size"]
+
+
+def disk_need(shape: dict[str, int]) -> float:
+    """Bytes the work folder holds at its fullest: the checkpoint, three GGUFs, two engine artifacts."""
+    return sum(checkpoint_bytes(shape, FORMAT_BYTES[f]) for f in ("bf16", "bf16", "Q8_0", "Q4_0", "int8", "int4"))
+
+
+def step_bytes(shape: dict[str, int], fmt: str, context: int) -> float:
+    """Bytes one batch-1 decode step reads: bf16 attention, router, norms, lm_head and embedding row,
+    top-k experts at `fmt`, and the bf16 K/V cache of `context` tokens."""
+    p, L, H = layer_params(shape), shape["num_hidden_layers"], shape["hidden_size"]
+    dense = L * (p["attn"] + p["router"] + p["norms"]) + shape["vocab_size"] * H + 2 * H
+    experts = L * shape["num_experts_per_tok"] * p["expert"] * FORMAT_BYTES[fmt]
+    kv = L * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2 * context
+    return 2 * dense + experts + kv
+
+
+# --- stage-source (here) -----------------------------------------------------------------------
+
+def stage_source(to: Path) -> None:
+    """What a device call carries: a llama.cpp source tree without docs, tests and vocab files (the
+    sdist is 37 MB; the call carries at most 64 MiB), the CPU llama-quantize, the haystack data."""
+    from moebench.tools import llamacpp
+    to.mkdir(parents=True, exist_ok=True)
+    src = llamacpp.source_dir(cuda=False)
+    skip = ("docs", "media", "benches", "tests", ".git", "tools/ui/node_modules")
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        rel = info.name.split("/", 1)[1] if "/" in info.name else ""
+        if any(rel == s or rel.startswith(s + "/") for s in skip):
+            return None
+        if rel.startswith("models/") and rel.rsplit(".", 1)[-1] in ("gguf", "inp", "out"):
+            return None
+        return info
+    with tarfile.open(to / "llama-src.tar.gz", "w:gz", compresslevel=6) as tar:
+        tar.add(src, arcname="llama.cpp", filter=keep)
+    shutil.copy2(llamacpp.bin_dir(cuda=False) / "llama-quantize", to / "llama-quantize")
+    data = Path(os.environ.get("MOEBENCH_DATA_DIR", ROOT.parent / "shared" / "datasets"))
+    (to / "datasets").mkdir(exist_ok=True)
+    for f in ("SHA256SUMS", "README.md"):
+        shutil.copy2(data / f, to / "datasets" / f)
+    shutil.copytree(data / "haystack", to / "datasets" / "haystack", dirs_exist_ok=True)
+    for f in sorted(to.rglob("*")):
+        if f.is_file():
+            print(f"{f.stat().st_size:>12,d}  {f}")
+
+
+# --- build (there) -----------------------------------------------------------------------------
+
+def build(carry: Path, jobs: int) -> None:
+    """Extract the carried source where `moebench tools build-llamacpp --cuda` looks, then build."""
+    from moebench.tools import llamacpp
+    src_root = llamacpp.variant_dir(cuda=True) / "src"
+    if not (src_root / "llama.cpp" / "CMakeLists.txt").is_file():
+        src_root.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(carry / "llama-src.tar.gz") as tar:
+            tar.extractall(src_root, filter="data")
+    t = time.monotonic()
+    run([sys.executable, "-m", "moebench.cli", "tools", "build-llamacpp", "--cuda", "--jobs", str(jobs)])
+    log(f"llama.cpp CUDA build: {time.monotonic() - t:.0f} s")
+
+
+# --- prepare (there) ---------------------------------------------------------------------------
+
+SHAPE_CHOICES = ((48, 128), (48, 64), (48, 32), (48, 16), (24, 16), (12, 16))   # (layers, experts)
+
+
+def pick_shape(candidates: list[Path], small: bool) -> tuple[Path, dict[str, int]]:
+    """The largest shape (layers first, then experts per layer) whose files fit one of the candidate
+    folders, with 10% to spare; the folder with the most free space wins a tie."""
+    if small:
+        candidates[0].mkdir(parents=True, exist_ok=True)
+        return candidates[0], dict(SMALL)
+    free = {}
+    for c in candidates:
+        try:
+            c.mkdir(parents=True, exist_ok=True)
+            free[c] = shutil.disk_usage(c).free
+        except OSError as e:
+            log(f"{c}: not usable ({e})")
+    for layers, experts in SHAPE_CHOICES:
+        shape = dict(QWEN3_30B_A3B, num_hidden_layers=layers, num_experts=experts)
+        for c, f in sorted(free.items(), key=lambda kv: -kv[1]):
+            if disk_need(shape) < 0.9 * f:
+                log(f"{c}: {f / 1e9:.1f} GB free: {layers} layers, {experts} experts per layer "
+                    f"({disk_need(shape) / 1e9:.1f} GB of files)")
+                return c, shape
+    raise RuntimeError(f"too little space in {', '.join(f'{c} ({f / 1e9:.1f} GB)' for c, f in free.items())}")
+
+
+def write_checkpoint(hf: Path, shape: dict[str, int], seed: int, device: str) -> None:
+    """Random bf16 weights, one safetensors file per layer. As decode_setup.realistic_routing does for
+    the in-memory benchmarks: embeddings of rms ~1 and o_proj scaled by 0.02 keep each token's identity
+    in the residual stream, and Zipf-skewed router rows give token-dependent, skewed expert picks."""
+    import torch
+    from safetensors.torch import save_file
+    hf.mkdir(parents=True, exist_ok=True)
+    (hf / "config.json").write_text(json.dumps(model_config(shape), indent=1) + "\n")
+    for f in TOKENIZER_FILES:
+        shutil.copy2(ZOO_TOKENIZER / f, hf / f)
+    g = torch.Generator(device=device).manual_seed(seed)
+    H, D, I, E = shape["hidden_size"], shape["head_dim"], shape["moe_intermediate_size"], shape["num_experts"]
+    nh, nkv, V = shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"]
+
+    def randn(*size: int, scale: float = 0.02) -> "torch.Tensor":
+        return (torch.randn(*size, generator=g, device=device, dtype=torch.float32) * scale).to(torch.bfloat16).cpu()
+
+    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)
+    rank_scale = (torch.arange(E, dtype=torch.float32) + 1) ** -0.5
+    rank_scale = rank_scale / rank_scale.mean()
+    weight_map: dict[str, str] = {}
+    for l in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{l}."
+        t = {p + "input_layernorm.weight": ones(H), p + "post_attention_layernorm.weight": ones(H),
+             p + "self_attn.q_norm.weight": ones(D), p + "self_attn.k_norm.weight": ones(D),
+             p + "self_attn.q_proj.weight": randn(nh * D, H), p + "self_attn.k_proj.weight": randn(nkv * D, H),
+             p + "self_attn.v_proj.weight": randn(nkv * D, H),
+             p + "self_attn.o_proj.weight": randn(H, nh * D, scale=0.02 * 0.02)}
+        perm = torch.randperm(E, generator=torch.Generator().manual_seed(seed + l))
+        router = randn(E, H).float() * rank_scale[torch.argsort(perm)][:, None]
+        t[p + "mlp.gate.weight"] = router.to(torch.bfloat16)
+        for e in range(E):
+            t[p + f"mlp.experts.{e}.gate_proj.weight"] = randn(I, H)
+            t[p + f"mlp.experts.{e}.up_proj.weight"] = randn(I, H)
+            t[p + f"mlp.experts.{e}.down_proj.weight"] = randn(H, I)
+        name = f"model-layer{l:03d}.safetensors"
+        save_file(t, str(hf / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in t})
+    t = {"model.embed_tokens.weight": randn(V, H, scale=1.0), "lm_head.weight": randn(V, H),
+         "model.norm.weight": ones(H)}
+    save_file(t, str(hf / "model-rest.safetensors"), metadata={"format": "pt"})
+    weight_map.update({k: "model-rest.safetensors" for k in t})
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+
+
+def quantize_experts(binary: Path, src: Path, out: Path, qtype: str) -> None:
+    """Only the expert tensors at `qtype`: attention, embeddings and the output matrix stay bf16
+    (the router and norms are F32 in the converted file already), as in the engine's int8/int4 plans."""
+    run([binary, "--pure", "--output-tensor-type", "bf16", "--token-embedding-type", "bf16",
+         "--tensor-type", "attn_=bf16", src, out, qtype, str(os.cpu_count() or 2)])
+
+
+def pack_engine(hf: Path, out: Path, fmt: str, device: str) -> None:
+    """Every expert at `fmt` on the GPU: the engine's all-int8 / all-int4 plan."""
+    from moebench.engine.tiering import Plan, pack
+    cfg = json.loads((hf / "config.json").read_text())
+    L, E = cfg["num_hidden_layers"], cfg["num_experts"]
+    plan = Plan(layers=list(range(L)), precision=[[fmt] * E for _ in range(L)], home=[["gpu"] * E for _ in range(L)],
+                info={"rule": f"every expert {fmt} on the GPU (benchmarks/peers_h200.py)"})
+    pack(hf, plan, out, device=device)
+
+
+def prepare(candidates: list[Path], link: Path, carry: Path, small: bool, seed: int) -> None:
+    """Write the checkpoint, the GGUFs and the engine artifacts into the roomiest candidate folder;
+    `link` (a symlink) names the folder chosen for `measure --work`."""
+    import torch
+    from moebench.tools import llamacpp
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    work, shape = pick_shape(candidates, small)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(work.resolve())
+    (work / "shape.json").write_text(json.dumps(shape))
+    hf = work / "hf"
+    t = time.monotonic()
+    write_checkpoint(hf, shape, seed, device)
+    log(f"checkpoint: {time.monotonic() - t:.0f} s")
+    src = llamacpp.variant_dir(cuda=not small) / "src" / "llama.cpp"
+    if not (src / "convert_hf_to_gguf.py").is_file():
+        src = llamacpp.source_dir(cuda=False)
+    env = dict(os.environ, PYTHONPATH=str(src / "gguf-py") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t = time.monotonic()
+    run([sys.executable, src / "convert_hf_to_gguf.py", hf, "--outfile", work / "bf16.gguf", "--outtype", "bf16"],
+        env=env)
+    log(f"convert_hf_to_gguf: {time.monotonic() - t:.0f} s")
+    quant = carry / "llama-quantize" if (carry / "llama-quantize").is_file() else llamacpp.tool("llama-quantize")
+    for qtype in ("Q8_0", "Q4_0"):
+        t = time.monotonic()
+        quantize_experts(quant, work / "bf16.gguf", work / f"{qtype}.gguf", qtype)
+        log(f"llama-quantize {qtype}: {time.monotonic() - t:.0f} s")
+    for fmt in ("int8", "int4"):
+        t = time.monotonic()
+        pack_engine(hf, work / f"engine-{fmt}", fmt, device)
+        log(f"engine pack {fmt}: {time.monotonic() - t:.0f} s")
+    run(["du", "-sh", *sorted(str(p) for p in work.iterdir())])
+
+
+# --- measure (there) ---------------------------------------------------------------------------
+
+SUITE = """name = "peers-speed"
+description = "batch-1 decode and prefill at {lengths} prompt tokens, {out} output tokens"
+[[tasks]]
+task = "speed"
+prompt_lengths = {lengths}
+output_tokens = {out}
+repeats = {repeats}
+clients = 1
+warmup = 1
+seed = 1234
+[probes]
+nvml = true
+interval_ms = 100
+idle_s = 3.0
+"""
+
+
+def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    import torch
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    bw = 2 * nbytes * iters / (time.perf_counter() - t)
+    del src, dst
+    torch.cuda.empty_cache()
+    return bw
+
+
+def llama_bench(binary: Path, gguf: Path, lengths: tuple[int, ...], flags: tuple[str, ...], reps: int) -> dict[int, float]:
+    """tg tok/s after `depth` context tokens (llama-bench -d), per depth."""
+    out = run([binary, "-m", gguf, "-p", "0", "-n", str(OUTPUT_TOKENS), "-d", ",".join(map(str, lengths)),
+               "-r", str(reps), "-o", "json", *flags], timeout=900)
+    rows = json.loads(out)
+    return {int(r["n_depth"]): float(r["avg_ts"]) for r in rows if int(r.get("n_gen", 0)) > 0}
+
+
+def moebench_speed(profile: str, suite: Path, out: Path, label: str) -> dict[str, Any]:
+    """`moebench run` of the speed suite; per prompt length the median decode and prefill tok/s, and
+    the run's decode J/token (NVML, gross)."""
+    prof = out.parent / f"{label}.toml"
+    prof.write_text(profile)
+    run_dir = out / label
+    t = time.monotonic()
+    run([sys.executable, "-m", "moebench.cli", "run", suite, "--runner", prof, "--label", label, "--out", run_dir],
+        timeout=1800)
+    res: dict[str, Any] = {"wall_s": round(time.monotonic() - t, 1), "run_dir": str(run_dir)}
+    by_len: dict[int, dict[str, list[float]]] = {}
+    for line in (run_dir / "items.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("task") != "speed" or rec.get("status") != "ok":
+            continue
+        for k in ("decode_tok_s", "prefill_tok_s", "ttft_s", "prompt_tokens"):
+            if rec.get(k) is not None:
+                by_len.setdefault(int(rec["prompt_length"]), {}).setdefault(k, []).append(float(rec[k]))
+    res["by_length"] = {n: {k: statistics.median(v) for k, v in d.items()} | {"n": len(d.get("decode_tok_s", []))}
+                        for n, d in sorted(by_len.items())}
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    energy = (((manifest.get("probes") or {}).get("nvml") or {}).get("summary") or {}).get("energy") or {}
+    res["decode_j_per_token"] = ((energy.get("per_token") or {}).get("decode") or {}).get("gross_j_per_token")
+    res["peak_memory_bytes"] = ((((manifest.get("probes") or {}).get("nvml") or {}).get("summary") or {})
+                                .get("memory") or {}).get("peak_used_bytes")
+    return res
+
+
+def measure(work: Path, out: Path, small: bool, reps: int, skip: set[str]) -> dict[str, Any]:
+    from moebench.tools import llamacpp
+    shape = json.loads((work / "shape.json").read_text())
+    lengths = (64, 256) if small else PROMPT_LENGTHS
+    cuda = not small
+    flags = ("-ngl", "0") if small else LLAMA_FLAGS
+    out.mkdir(parents=True, exist_ok=True)
+    suite = out / "peers-speed.toml"
+    suite.write_text(SUITE.format(lengths=list(lengths), out=OUTPUT_TOKENS if not small else 16,
+                                  repeats=3 if small else 5))
+    runs = out / "runs"
+    runs.mkdir(exist_ok=True)
+    res: dict[str, Any] = {"shape": shape, "lengths": list(lengths), "output_tokens": OUTPUT_TOKENS,
+                           "llama_flags": list(flags), "llama": {}, "engine": {}}
+    if cuda:
+        import torch
+        res["device"] = torch.cuda.get_device_name(0)
+        res["copy_Bps"] = copy_bandwidth()
+        log(f"copy bandwidth {res['copy_Bps'] / 1e12:.2f} TB/s")
+    bin_dir = llamacpp.bin_dir(cuda=cuda)
+    res["llama_build"] = llamacpp.read_stamp(bin_dir)
+    for eng_fmt, qtype in PAIRS:
+        gguf = work / f"{qtype}.gguf"
+        if f"llama-{qtype}" not in skip:
+            side: dict[str, Any] = {}
+            side["llama_bench"] = llama_bench(bin_dir / "llama-bench", gguf, lengths, flags, reps)
+            log(f"llama-bench {qtype}: {side['llama_bench']}")
+            profile = (f'kind = "llama-server"\nbinary = "{bin_dir / "llama-server"}"\nmodel = "{gguf}"\n'
+                       f'ctx_size = {max(lengths) + 1024}\nconcurrency = 1\nargs = {json.dumps(list(flags))}\n')
+            side["harness"] = moebench_speed(profile, suite, runs, f"llama-{qtype}")
+            log(f"harness llama-server {qtype}: {side['harness']['by_length']}")
+            res["llama"][qtype] = side
+        if f"engine-{eng_fmt}" not in skip:
+            model = work / "hf" if eng_fmt == "bf16" else work / f"engine-{eng_fmt}"
+            profile = (f'kind = "engine"\nmodel = "{model}"\ndtype = "auto"\ndevice = "{"cuda" if cuda else "cpu"}"\n'
+                       f'max_seq_len = {max(lengths) + 1024}\n')
+            res["engine"][eng_fmt] = moebench_speed(profile, suite, runs, f"engine-{eng_fmt}")
+            log(f"engine {eng_fmt}: {res['engine'][eng_fmt]['by_length']}")
+    (out / "peers_h200.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    print(table(res))
+    return res
+
+
+def _decode(side: dict[str, Any] | None, n: int) -> float | None:
+    row = ((side or {}).get("by_length") or {}).get(n) or ((side or {}).get("by_length") or {}).get(str(n)) or {}
+    return row.get("decode_tok_s")
+
+
+def table(res: dict[str, Any]) -> str:
+    shape, bw = res["shape"], res.get("copy_Bps")
+    lines = [f"shape: {shape['num_hidden_layers']} layers, {shape['num_experts']} experts of "
+             f"{shape['moe_intermediate_size']} (top-{shape['num_experts_per_tok']}), hidden {shape['hidden_size']}, "
+             f"vocab {shape['vocab_size']}; llama.cpp flags {' '.join(res['llama_flags'])}"
+             + (f"; copy bandwidth {bw / 1e12:.2f} TB/s" if bw else ""),
+             "| precision | prompt | engine tok/s | llama.cpp (harness) tok/s | llama-bench tok/s | engine / llama.cpp "
+             "| harness / llama-bench | engine % roof | llama.cpp % roof | J/token engine / llama.cpp |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, spec: "–" if v is None else format(v, spec)
+    for eng_fmt, qtype in PAIRS:
+        eng, lla = res["engine"].get(eng_fmt), res["llama"].get(qtype, {})
+        for n in res["lengths"]:
+            e, h = _decode(eng, n), _decode(lla.get("harness"), n)
+            b = (lla.get("llama_bench") or {}).get(n) or (lla.get("llama_bench") or {}).get(str(n))
+            ctx = n + OUTPUT_TOKENS // 2
+            roof_e = bw / step_bytes(shape, eng_fmt, ctx) if bw else None
+            roof_l = bw / step_bytes(shape, qtype, ctx) if bw else None
+            ratio = e / h if e and h else None
+            lines.append(
+                f"| {eng_fmt} / {qtype} | {n} | {fmt(e, '.1f')} | {fmt(h, '.1f')} | {fmt(b, '.1f')} | {fmt(ratio, '.2f')}x "
+                f"| {fmt(h / b if h and b else None, '.3f')} | {fmt(100 * e / roof_e if e and roof_e else None, '.1f')} "
+                f"| {fmt(100 * h / roof_l if h and roof_l else None, '.1f')} "
+                f"| {fmt((eng or {}).get('decode_j_per_token'), '.3f')} / {fmt((lla.get('harness') or {}).get('decode_j_per_token'), '.3f')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="stage", required=True)
+    s = sub.add_parser("stage-source")
+    s.add_argument("--to", type=Path, default=ROOT / ".peers")
+    b = sub.add_parser("build")
+    b.add_argument("--carry", type=Path, default=ROOT / ".peers")
+    b.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    p = sub.add_parser("prepare")
+    p.add_argument("--work", type=Path, action="append", required=True,
+                   help="a candidate folder (give several: the roomiest that fits the largest shape is used)")
+    p.add_argument("--link", type=Path, required=True, help="a symlink made to the folder chosen")
+    p.add_argument("--carry", type=Path, default=ROOT / ".peers")
+    p.add_argument("--small", action="store_true")
+    p.add_argument("--seed", type=int, default=43)
+    m = sub.add_parser("measure")
+    m.add_argument("--work", type=Path, required=True)
+    m.add_argument("--out", type=Path, required=True)
+    m.add_argument("--small", action="store_true")
+    m.add_argument("--reps", type=int, default=5, help="llama-bench repetitions")
+    m.add_argument("--skip", default="", help="comma list of llama-<type> / engine-<fmt> to leave out")
+    t = sub.add_parser("table")
+    t.add_argument("json", type=Path)
+    a = ap.parse_args(argv)
+    if a.stage == "stage-source":
+        stage_source(a.to)
+    elif a.stage == "build":
+        build(a.carry, a.jobs)
+    elif a.stage == "prepare":
+        prepare(a.work, a.link, a.carry, a.small, a.seed)
+    elif a.stage == "measure":
+        measure(a.work, a.out, a.small, a.reps, {x for x in a.skip.split(",") if x})
+    else:
+        res = json.loads(a.json.read_text())
+        res["llama"] = {k: {**v, "llama_bench": {int(n): r for n, r in v.get("llama_bench", {}).items()}}
+                        for k, v in res["llama"].items()}
+        print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
