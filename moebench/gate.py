@@ -29,6 +29,7 @@ Rules file (TOML); a table per task named as in compare.json's "tasks", plus the
     max_ttft_ratio = 1.2             # also min_prefill_ratio, max_tpot_ratio, max_itl_ratio, max_e2e_ratio
     min_samples = 5                  # timed requests per side and group below which a group is inconclusive
     min_acceptance_rate = 0.6        # speculative decoding: the candidate's draft acceptance, every group
+    min_goodput_ratio = 0.9          # serving load: candidate / baseline goodput, every prompt length and rate
     [speed_ab]                       # `moebench speed-ab` results (B is the candidate)
     min_rounds_won = 3               # B won at least 3 rounds ...
     min_rounds = 4                   # ... of at least 4
@@ -197,6 +198,26 @@ def _speed(metric: str) -> Callable[[dict[str, Any]], list[Estimate]]:
     return get
 
 
+def _goodput(speed: dict[str, Any]) -> list[Estimate]:
+    """Candidate/baseline goodput per prompt length and rate (compare.json speed.load.rows)."""
+    load = speed.get("load") if isinstance(speed.get("load"), dict) else {}
+    out = []
+    for r in load.get("rows") or []:
+        if not isinstance(r, dict) or number(r.get("goodput_ratio")) is None:
+            continue
+        ns = [r.get("n_baseline"), r.get("n_candidate")]
+        ci = r.get("goodput_ratio_ci95")
+        ci_t = (number(ci[0]), number(ci[1])) if isinstance(ci, list) and len(ci) == 2 else None
+        out.append(Estimate(f"{r.get('prompt_length')} tokens, {fmt(r.get('rate'))} req/s",
+                            number(r["goodput_ratio"]),  # type: ignore[arg-type]
+                            ci_t if ci_t and None not in ci_t else None,
+                            min(ns) if all(isinstance(x, int) for x in ns) else None))
+    if not out:
+        raise Missing("no goodput ratio at any rate (no open-loop speed groups measured on both sides, "
+                      "or the baseline met no SLO)")
+    return out
+
+
 def _min_acceptance(speed: dict[str, Any]) -> float:
     """The candidate's lowest draft acceptance rate over prompt lengths and client counts."""
     vals = [r["acceptance_candidate"] for r in speed_rows(speed) if r.get("acceptance_candidate") is not None]
@@ -338,6 +359,8 @@ SECTION_RULES: dict[str, dict[str, Rule]] = {
                               "inter-token latency ratio"),
         "max_e2e_ratio": Rule(Field(float, check=positive), "interval_max", _speed("e2e_s"),
                               "end-to-end latency ratio"),
+        "min_goodput_ratio": Rule(Field(float, check=positive), "interval_min", _goodput,
+                                  "goodput ratio (requests per second meeting every SLO)"),
         "min_acceptance_rate": Rule(Field(float, check=_fraction), "min", _min_acceptance,
                                     "candidate draft acceptance rate (lowest group)"),
     },
