@@ -1,0 +1,127 @@
+"""Serving load (the speed task's open loop): arrival schedules, SLOs and goodput, the /metrics names of
+vLLM, SGLang and llama-server read during each group (a stand-in serving each one's documented names,
+tests/serving_standin.py), the sweep's stop rule, compare's goodput ratio, the gate rule and the report.
+The same suite against `moebench serve` over the engine is in test_serving_load_serve.py-style below;
+against the managed vLLM in tests/test_vllm.py.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from moebench import api
+from moebench.compare.load import TAIL_NEEDED, tail_samples_needed
+from moebench.config import COMMON_TASK_SCHEMA, ProfileError, validate
+from moebench.datasets import data_dir
+from moebench.tasks.base import TaskContext
+from moebench.tasks.load import arrival_offsets
+from moebench.tasks.speed import SpeedTask
+from serving_standin import StandIn
+
+
+def _items(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "items.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _profile(tmp_path: Path, name: str, url: str, concurrency: int = 16) -> Path:
+    p = tmp_path / f"{name}.toml"
+    p.write_text(f'kind = "http"\nbase_url = "{url}"\nconcurrency = {concurrency}\nretries = 0\n')
+    return p
+
+
+def _suite(tmp_path: Path, body: str, name: str = "load") -> Path:
+    p = tmp_path / f"{name}.toml"
+    p.write_text(f'name = "{name}"\n[[tasks]]\ntask = "speed"\nprompt_lengths = [64]\noutput_tokens = 4\n'
+                 f'warmup = 0\nmetrics_interval_s = 0.05\n{body}\n[probes]\nnvml = false\n')
+    return p
+
+
+def _run(suite: Path, runner: Path, out: Path) -> tuple[Path, list[dict]]:
+    run_dir, code = api.run(api.RunOptions(suite=str(suite), runner=str(runner), out=str(out), quiet=True))
+    items = _items(run_dir)
+    errors = [(r["item_id"], r.get("error")) for r in items if r["status"] != "ok"]
+    assert code == 0 and not errors, (code, errors[:3])
+    return run_dir, items
+
+
+def test_arrival_schedules_keep_the_rate_and_the_burstiness():
+    """Poisson gaps: mean 1/rate and coefficient of variation 1; gamma with shape b: the same mean and
+    CV 1/sqrt(b). Same seed, same schedule (a candidate and its baseline are offered the same load)."""
+    n = 4000
+    for arrival, b, cv in (("poisson", 1.0, 1.0), ("gamma", 0.25, 2.0), ("gamma", 4.0, 0.5)):
+        t = arrival_offsets(arrival, 5.0, n, b, seed=7)
+        gaps = [y - x for x, y in zip(t, t[1:])]
+        assert t[0] == 0.0
+        assert abs(statistics.mean(gaps) - 0.2) < 0.2 * 0.08, (arrival, b, statistics.mean(gaps))
+        assert abs(statistics.stdev(gaps) / statistics.mean(gaps) - cv) < 0.12 * cv, (arrival, b)
+        assert arrival_offsets(arrival, 5.0, 50, b, seed=7) == t[:50]
+    assert arrival_offsets("poisson", 5.0, 50, 1.0, seed=8) != arrival_offsets("poisson", 5.0, 50, 1.0, seed=7)
+
+
+def test_tail_sample_counts_are_mlperf_early_stopping_floors():
+    """LoadGen's early-stopping floor with no over-latency sample at 99% confidence: h_min(t=0, p99) = 459."""
+    assert TAIL_NEEDED == {"p90": 44, "p99": 459}
+    assert tail_samples_needed(0.5) == 7
+
+
+@pytest.mark.parametrize("opts, words", [
+    ({"rate": 2.0}, ["'rate'", "poisson"]),
+    ({"arrival": "poisson"}, ["exactly one of", "none"]),
+    ({"arrival": "poisson", "rate": 1.0, "rates": [1.0, 2.0]}, ["exactly one of", "'rate', 'rates'"]),
+    ({"arrival": "gamma", "rates": [1.0], "sweep": True}, ["exactly one of", "'sweep'"]),
+])
+def test_load_options_that_do_not_fit_are_refused_naming_the_key(opts, words):
+    with pytest.raises(ProfileError) as e:
+        SpeedTask(validate({"task": "speed", **opts}, {**COMMON_TASK_SCHEMA, **SpeedTask.options}, "test"),
+                  TaskContext(data_dir=data_dir()))
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("family, source, hit_name", [
+    ("vllm", "vllm", "vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total"),
+    ("sglang", "sglang", "sglang:cache_hit_rate (mean of the gauge)"),
+    ("llama-server", "llama-server", "llamacpp:prompt_tokens_cached_total / llamacpp:prompt_tokens_total + hits"),
+])
+def test_poisson_load_reads_each_servers_documented_metrics(tmp_path, family, source, hit_name):
+    """Two rates against a one-slot server (about 40 ms a request): at 4 req/s it keeps up, at 60 req/s
+    requests queue. Every record carries its SLO verdicts and its group's server state; the group at
+    60 req/s saw a queue, the planted prefix-cache hit rate (0.25) and preemptions (vLLM: one per request)
+    come back exactly."""
+    suite = _suite(tmp_path, 'arrival = "poisson"\nrates = [4.0, 60.0]\nrequests = 12\n'
+                             'slo_ttft_s = 0.2\nslo_tpot_s = 0.05\n')
+    with StandIn(family, slots=1) as server:
+        run_dir, items = _run(suite, _profile(tmp_path, family, server.url), tmp_path / "run")
+    assert len(items) == 24
+    for r in items:
+        assert r["arrival"] == "poisson" and r["rate"] in (4.0, 60.0)
+        assert set(r["slo"]) == {"ttft_s_met", "tpot_s_met"}
+        assert r["slo_met"] == (r["slo"]["ttft_s_met"] and r["slo"]["tpot_s_met"])
+        assert r["slo"]["ttft_s_met"] == (r["ttft_s"] <= 0.2)
+    by_rate = {rate: [r for r in items if r["rate"] == rate] for rate in (4.0, 60.0)}
+    fast = by_rate[60.0][0]["group"]["server"]
+    assert fast["source"] == source and fast["n_samples"] >= 3
+    assert fast["queue_length"]["max"] >= 2, fast
+    assert fast["running"]["max"] == 1.0
+    assert fast["prefix_cache_hit_rate"] == pytest.approx(0.25)
+    assert fast["names"]["prefix_cache_hit_rate"] == hit_name
+    if family == "vllm":
+        assert fast["preemptions"] == 12 and fast["kv_cache_usage"]["max"] == pytest.approx(0.1)
+    elif family == "sglang":
+        assert fast["preemptions"] is None and fast["kv_cache_usage"]["max"] == pytest.approx(0.1)
+    else:
+        assert fast["kv_cache_usage"] is None and fast["preemptions"] is None      # b11434 exports neither
+    # queueing at 60 req/s shows in TTFT: the last requests waited for the others
+    assert max(r["ttft_s"] for r in by_rate[60.0]) > 3 * statistics.median(r["ttft_s"] for r in by_rate[4.0])
+    summary = json.loads((run_dir / "manifest.json").read_text())["summary"]["speed"]["load"]
+    rows = {r["rate"]: r for r in summary["rows"]}
+    for rate, row in rows.items():
+        met = sum(1 for r in by_rate[rate] if r["slo_met"])
+        assert row["n_sent"] == 12 and row["slo_met_share"] == pytest.approx(met / 12)
+        assert row["goodput"] == pytest.approx(met / row["duration_s"])
+        assert row["ttft_s"]["n"] == 12 and row["ttft_s"]["p99_indicative"] and row["ttft_s"]["p90_indicative"]
+    assert rows[4.0]["slo_met_share"] > rows[60.0]["slo_met_share"]
+    samples = [json.loads(x) for x in (run_dir / "speed_server_metrics.jsonl").read_text().splitlines()]
+    assert {s["group"] for s in samples} == {"64/r4", "64/r60"}
