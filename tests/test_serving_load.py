@@ -125,3 +125,47 @@ def test_poisson_load_reads_each_servers_documented_metrics(tmp_path, family, so
     assert rows[4.0]["slo_met_share"] > rows[60.0]["slo_met_share"]
     samples = [json.loads(x) for x in (run_dir / "speed_server_metrics.jsonl").read_text().splitlines()]
     assert {s["group"] for s in samples} == {"64/r4", "64/r60"}
+
+
+def test_compare_gate_and_report_of_two_builds(tmp_path):
+    """A slow build (one slot, 10 ms a token) against a fast one (four slots, 2 ms a token), the same
+    poisson schedule at 4 and 60 req/s: compare gives goodput per rate with the ratio's interval and both
+    sides' server state; [speed] min_goodput_ratio passes for the fast build as candidate and fails the
+    other way round; the report draws goodput against rate and marks the p99 over 12 requests indicative."""
+    suite = _suite(tmp_path, 'arrival = "poisson"\nrates = [4.0, 60.0]\nrequests = 12\nslo_ttft_s = 0.15\n')
+    runs = {}
+    for name, slots, token_s in (("slow", 1, 0.01), ("fast", 4, 0.002)):
+        with StandIn("vllm", slots=slots, token_s=token_s) as server:
+            runs[name], _ = _run(suite, _profile(tmp_path, name, server.url), tmp_path / name)
+    from moebench.gate import run_gate
+    rules = tmp_path / "gate.toml"
+    rules.write_text("[speed]\nmin_goodput_ratio = 0.8\n")
+    verdicts = {}
+    for base, cand in (("slow", "fast"), ("fast", "slow")):
+        out = tmp_path / f"cmp_{cand}"
+        api.compare(str(runs[base]), str(runs[cand]), out=str(out))
+        load = json.loads((out / "compare.json").read_text())["speed"]["load"]
+        rows = {r["rate"]: r for r in load["rows"]}
+        assert set(rows) == {4.0, 60.0} and load["unpaired_groups"] == []
+        for r in rows.values():
+            assert r["n_baseline"] == r["n_candidate"] == 12
+            assert r["goodput_ratio"] == pytest.approx(r["candidate"]["goodput"] / r["baseline"]["goodput"])
+            lo, hi = r["goodput_ratio_ci95"]
+            assert lo <= r["goodput_ratio"] <= hi
+            for side in ("baseline", "candidate"):
+                assert r[side]["server"]["source"] == "vllm" and r[side]["server"]["preemptions"] == 12
+        print(f"\n{cand} vs {base}: " + "; ".join(
+            f"{rate:g} req/s goodput {r['baseline']['goodput']:.3g} -> {r['candidate']['goodput']:.3g}, ratio "
+            f"{r['goodput_ratio']:.3g} [{r['goodput_ratio_ci95'][0]:.3g}, {r['goodput_ratio_ci95'][1]:.3g}], queue max "
+            f"{r['baseline']['server']['queue_length']['max']:g} -> {r['candidate']['server']['queue_length']['max']:g}"
+            for rate, r in rows.items()))
+        code = run_gate(str(out), str(rules), quiet=True)
+        verdicts[cand] = (code, json.loads((out / "gate.json").read_text()))
+        html = (out / "report.html").read_text()
+        assert "goodput vs offered rate" in html and "<svg" in html.split("goodput vs offered rate")[1][:400]
+        assert "indicative (n 12 &lt; 459)" in html
+        assert "Server state per group" in html and "vllm (" in html
+    assert verdicts["fast"][0] == 0, verdicts["fast"][1]
+    assert verdicts["slow"][0] == 1, verdicts["slow"][1]
+    check = next(c for c in verdicts["slow"][1]["checks"] if c["rule"] == "min_goodput_ratio")
+    assert "60 req/s" in check["message"], check

@@ -191,7 +191,7 @@ def speed_compare(base_records: list[dict[str, Any]], cand_records: list[dict[st
 
     only = sorted({f"{l}/{c}" for l in base for c in base[l]} ^ {f"{l}/{c}" for l in cand for c in cand[l]})
     from moebench.compare.load import load_compare      # load imports this module's helpers
-    load = load_compare(base_records, cand_records, n_boot=n_boot)
+    load = load_compare(base_records, cand_records)
     return {"rows": rows, **({"load": load} if load is not None else {}),
             "sampling": {"baseline": _sampling(base_recs), "candidate": _sampling(cand_recs)},
             "geomean": {RATIO_NAMES[m]: geomean(f"{RATIO_NAMES[m]}_ratio") for m in metrics},
