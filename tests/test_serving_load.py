@@ -169,3 +169,27 @@ def test_compare_gate_and_report_of_two_builds(tmp_path):
     assert verdicts["slow"][0] == 1, verdicts["slow"][1]
     check = next(c for c in verdicts["slow"][1]["checks"] if c["rule"] == "min_goodput_ratio")
     assert "60 req/s" in check["message"], check
+
+
+def test_sweep_stops_after_the_step_that_queues(tmp_path):
+    """A one-slot server taking about 60 ms a request saturates near 16 req/s. A sweep from 2 req/s
+    doubling each step stops after the first step whose median TTFT exceeds the first step's by more than
+    0.15 s (the queue), reports the saturation rate as the step before, and sends nothing after."""
+    suite = _suite(tmp_path, 'arrival = "poisson"\nsweep = true\nsweep_start_rate = 2.0\nsweep_factor = 2.0\n'
+                             'sweep_steps = 6\nrequests = 10\nsweep_max_queue_delay_s = 0.15\n'
+                             'sweep_max_error_rate = 0.05\nslo_ttft_s = 0.3\n')
+    with StandIn("sglang", slots=1, first_s=0.02, token_s=0.013) as server:
+        run_dir, items = _run(suite, _profile(tmp_path, "sweep", server.url), tmp_path / "run")
+    rates = sorted({r["rate"] for r in items})
+    assert rates == [2.0, 4.0, 8.0, 16.0, 32.0, 64.0] and len(items) == 60
+    ran = sorted({r["rate"] for r in items if not r.get("sweep_skipped")})
+    skipped = sorted({r["rate"] for r in items if r.get("sweep_skipped")})
+    assert ran and skipped and ran[-1] < skipped[0] and ran + skipped == rates
+    last = next(r for r in items if r["rate"] == ran[-1])["group"]["sweep"]
+    assert last["stop"] and "queueing delay" in last["stop"] and last["queue_delay_s"] > 0.15
+    assert all(next(r for r in items if r["rate"] == x)["group"]["sweep"]["stop"] is None for x in ran[:-1])
+    sweep = json.loads((run_dir / "manifest.json").read_text())["summary"]["speed"]["load"]["sweeps"]["64"]
+    assert sweep["rates_run"] == ran and sweep["stopped_at_rate"] == ran[-1]
+    assert sweep["saturation_rate"] == (ran[-2] if len(ran) > 1 else None)
+    assert 8.0 <= ran[-1] <= 32.0, ran           # 60 ms a request: the queue grows past ~16 req/s
+    print(f"\nsweep ran {ran}, stopped: {last['stop']}, saturation {sweep['saturation_rate']} req/s")
