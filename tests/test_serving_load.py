@@ -193,3 +193,73 @@ def test_sweep_stops_after_the_step_that_queues(tmp_path):
     assert sweep["saturation_rate"] == (ran[-2] if len(ran) > 1 else None)
     assert 8.0 <= ran[-1] <= 32.0, ran           # 60 ms a request: the queue grows past ~16 req/s
     print(f"\nsweep ran {ran}, stopped: {last['stop']}, saturation {sweep['saturation_rate']} req/s")
+
+
+class ServeProcess:
+    """`moebench serve --runner PROFILE --port 0` in its own process, as it is deployed."""
+
+    def __init__(self, profile: Path, log: Path):
+        import subprocess
+        import sys
+        from conftest import REPO
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen([sys.executable, "-u", "-m", "moebench.cli", "serve", "--runner", str(profile),
+                                      "--port", "0"], cwd=REPO, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        line = self.proc.stdout.readline()                  # "serving NAME (KIND) on URL"
+        assert " on http://" in line, (line, log.read_text()[-2000:])
+        self.url = line.strip().rsplit(" on ", 1)[1]
+
+    def __enter__(self) -> "ServeProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def test_poisson_load_against_moebench_serve_two_builds(tmp_path):
+    """The serving-load shape (poisson, two rates, SLOs) against `moebench serve` over the in-repo engine:
+    the zoo's BF16 model and its tiered build as two builds. Both runs read moebench serve's /metrics
+    (queue length, running requests); the compare gives goodput ratios with intervals per rate and both
+    builds' server state."""
+    from conftest import REPO
+    suite = tmp_path / "load.toml"
+    suite.write_text('name = "serving-load-serve"\n[[tasks]]\ntask = "speed"\narrival = "poisson"\n'
+                     'rates = [1.0, 6.0]\nrequests = 8\nprompt_lengths = [64]\noutput_tokens = 8\n'
+                     'slo_ttft_s = 0.5\nslo_tpot_s = 0.1\nwarmup = 3\nmetrics_interval_s = 0.1\n[probes]\nnvml = false\n')
+    runs = {}
+    for build, model in (("bf16", "tiny-moe"), ("tiered", "tiny-moe-tiered")):
+        engine = tmp_path / f"engine-{build}.toml"
+        engine.write_text(f'kind = "engine"\nmodel = "{REPO / "models" / "zoo" / model}"\ndtype = "float32"\n'
+                          f'device = "cpu"\nmax_seq_len = 512\n')
+        with ServeProcess(engine, tmp_path / f"serve-{build}.log") as srv:
+            client = tmp_path / f"http-{build}.toml"
+            client.write_text(f'kind = "http"\nbase_url = "{srv.url}"\ntokenize = "vllm"\nconcurrency = 12\n'
+                              f'retries = 0\ntimeout_s = 120\n')
+            runs[build], items = _run(suite, client, tmp_path / build)
+        assert len(items) == 16
+        for r in items:
+            server = r["group"]["server"]
+            assert server["source"] == "moebench serve" and server["n_samples"] >= 2
+            assert server["names"]["queue_length"] == "moebench:num_requests_waiting"
+            assert server["running"]["max"] <= 1       # the engine runner serves one request at a time
+            assert abs(r["prompt_tokens"] - 64) <= 1 and "slo_met" in r
+    out = tmp_path / "cmp"
+    api.compare(str(runs["bf16"]), str(runs["tiered"]), out=str(out))
+    load = json.loads((out / "compare.json").read_text())["speed"]["load"]
+    assert [r["rate"] for r in load["rows"]] == [1.0, 6.0]
+    for r in load["rows"]:
+        print(f"\n{r['rate']:g} req/s: goodput bf16 {r['baseline']['goodput']:.3g} (within SLOs "
+              f"{r['baseline']['slo_met_share']:.0%}), tiered {r['candidate']['goodput']:.3g} "
+              f"({r['candidate']['slo_met_share']:.0%}), ratio {r['goodput_ratio']} {r['goodput_ratio_ci95']}; "
+              f"queue max {r['baseline']['server']['queue_length']['max']:g} / "
+              f"{r['candidate']['server']['queue_length']['max']:g}")
+        if r["goodput_ratio"] is not None:
+            lo, hi = r["goodput_ratio_ci95"]
+            assert lo <= r["goodput_ratio"] <= hi
+        else:                                            # the baseline met no SLO at this rate: no ratio
+            assert r["baseline"]["slo_met_share"] == 0
+    assert any(r["goodput_ratio"] is not None for r in load["rows"])
+    html = (out / "report.html").read_text()
+    assert "goodput vs offered rate" in html and "moebench serve (" in html
