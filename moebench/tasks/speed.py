@@ -92,7 +92,7 @@ def _rates_ok(v: list[float]) -> str | None:
     return None if all(x > 0 for x in v) else "must hold positive request rates (requests per second)"
 
 
-MAX_RATE = 100_000.0          # requests per second
+MAX_RATE = 100_000            # requests per second
 MAX_LOAD_REQUESTS = 100_000   # requests per rate
 
 
@@ -167,27 +167,27 @@ class SpeedTask(Task):
                       doc="requests per second (open loop); or `rates`"),
         "rates": Field(list, item_type=float, check=_rates_ok, low=0.0, low_open=True, high=MAX_RATE,
                        doc="several request rates, one group each"),
-        "burstiness": Field(float, default=1.0, check=positive, low=0.0, low_open=True, high=1_000.0,
+        "burstiness": Field(float, default=1.0, check=positive, low=0.0, low_open=True, high=1_000,
                             doc="gamma arrivals: the gamma shape (1 = Poisson, < 1 burstier)"),
         "requests": Field(int, default=20, check=positive, low=1, high=MAX_LOAD_REQUESTS,
                           doc="requests sent per rate and prompt length (open loop)"),
         "sweep": Field(bool, default=False, doc="open loop: step the rate up until the stop rule holds"),
         "sweep_start_rate": Field(float, default=1.0, check=positive, low=0.0, low_open=True, high=MAX_RATE,
                                   doc="the sweep's first rate"),
-        "sweep_factor": Field(float, default=2.0, low=1.0, low_open=True, high=100.0,
+        "sweep_factor": Field(float, default=2.0, low=1, low_open=True, high=100,
                               doc="each step's rate is the last one's times this"),
         "sweep_steps": Field(int, default=6, low=1, high=100, doc="the most steps a sweep takes"),
         "sweep_max_error_rate": Field(float, default=0.05, low=0.0, high=1.0,
                                       doc="stop after a step whose error rate passes this"),
-        "sweep_max_queue_delay_s": Field(float, default=1.0, low=0.0, low_open=True, high=86_400.0,
+        "sweep_max_queue_delay_s": Field(float, default=1.0, low=0.0, low_open=True, high=86_400,
                                          doc="stop after a step whose median TTFT exceeds the first step's by this"),
-        "slo_ttft_s": Field(float, check=positive, low=0.0, low_open=True, high=86_400.0,
+        "slo_ttft_s": Field(float, check=positive, low=0.0, low_open=True, high=86_400,
                             doc="SLO: time to first token, seconds"),
-        "slo_tpot_s": Field(float, check=positive, low=0.0, low_open=True, high=86_400.0,
+        "slo_tpot_s": Field(float, check=positive, low=0.0, low_open=True, high=86_400,
                             doc="SLO: time per output token after the first, seconds"),
-        "slo_e2e_s": Field(float, check=positive, low=0.0, low_open=True, high=86_400.0,
+        "slo_e2e_s": Field(float, check=positive, low=0.0, low_open=True, high=86_400,
                            doc="SLO: end-to-end latency, seconds"),
-        "metrics_interval_s": Field(float, default=1.0, low=0.0, high=3_600.0,
+        "metrics_interval_s": Field(float, default=1.0, low=0.0, high=3_600,
                                     doc="seconds between readings of the server's /metrics during a group; 0 = off"),
     }
 
