@@ -263,3 +263,23 @@ def test_poisson_load_against_moebench_serve_two_builds(tmp_path):
     assert any(r["goodput_ratio"] is not None for r in load["rows"])
     html = (out / "report.html").read_text()
     assert "goodput vs offered rate" in html and "moebench serve (" in html
+
+
+def test_goodput_rule_is_inconclusive_where_the_baseline_met_no_slo(tmp_path):
+    """An SLO no request can meet (TTFT within 1 ms): goodput 0 on both sides, no ratio at any rate;
+    [speed] min_goodput_ratio is INCONCLUSIVE (exit 3) and says why, never a pass or a fail."""
+    from moebench.gate import EXIT_INCONCLUSIVE, run_gate
+    suite = _suite(tmp_path, 'arrival = "gamma"\nburstiness = 0.5\nrates = [10.0]\nrequests = 6\nslo_ttft_s = 0.001\n')
+    runs = []
+    for name in ("a", "b"):
+        with StandIn("llama-server", slots=2) as server:
+            runs.append(_run(suite, _profile(tmp_path, name, server.url), tmp_path / name)[0])
+    out = tmp_path / "cmp"
+    api.compare(str(runs[0]), str(runs[1]), out=str(out))
+    row = json.loads((out / "compare.json").read_text())["speed"]["load"]["rows"][0]
+    assert row["baseline"]["goodput"] == 0 and row["goodput_ratio"] is None and row["baseline"]["burstiness"] == 0.5
+    rules = tmp_path / "gate.toml"
+    rules.write_text("[speed]\nmin_goodput_ratio = 0.9\n")
+    assert run_gate(str(out), str(rules), quiet=True) == EXIT_INCONCLUSIVE
+    check = next(c for c in json.loads((out / "gate.json").read_text())["checks"] if c["rule"] == "min_goodput_ratio")
+    assert check["verdict"] == "inconclusive" and "the baseline met no SLO" in check["message"], check
