@@ -32,10 +32,10 @@ def _profile(tmp_path: Path, name: str, url: str, concurrency: int = 16) -> Path
     return p
 
 
-def _suite(tmp_path: Path, body: str, name: str = "load") -> Path:
+def _suite(tmp_path: Path, body: str, name: str = "load", warmup: int = 0) -> Path:
     p = tmp_path / f"{name}.toml"
     p.write_text(f'name = "{name}"\n[[tasks]]\ntask = "speed"\nprompt_lengths = [64]\noutput_tokens = 4\n'
-                 f'warmup = 0\nmetrics_interval_s = 0.05\n{body}\n[probes]\nnvml = false\n')
+                 f'warmup = {warmup}\nmetrics_interval_s = 0.05\n{body}\n[probes]\nnvml = false\n')
     return p
 
 
@@ -172,13 +172,13 @@ def test_compare_gate_and_report_of_two_builds(tmp_path):
 
 
 def test_sweep_stops_after_the_step_that_queues(tmp_path):
-    """A one-slot server taking about 60 ms a request saturates near 16 req/s. A sweep from 2 req/s
+    """A one-slot server taking about 110 ms a request saturates near 9 req/s. A sweep from 2 req/s
     doubling each step stops after the first step whose median TTFT exceeds the first step's by more than
     0.15 s (the queue), reports the saturation rate as the step before, and sends nothing after."""
     suite = _suite(tmp_path, 'arrival = "poisson"\nsweep = true\nsweep_start_rate = 2.0\nsweep_factor = 2.0\n'
                              'sweep_steps = 6\nrequests = 10\nsweep_max_queue_delay_s = 0.15\n'
-                             'sweep_max_error_rate = 0.05\nslo_ttft_s = 0.3\n')
-    with StandIn("sglang", slots=1, first_s=0.02, token_s=0.013) as server:
+                             'sweep_max_error_rate = 0.05\nslo_ttft_s = 0.3\n', warmup=1)
+    with StandIn("sglang", slots=1, first_s=0.05, token_s=0.02) as server:
         run_dir, items = _run(suite, _profile(tmp_path, "sweep", server.url), tmp_path / "run")
     rates = sorted({r["rate"] for r in items})
     assert rates == [2.0, 4.0, 8.0, 16.0, 32.0, 64.0] and len(items) == 60
@@ -191,7 +191,7 @@ def test_sweep_stops_after_the_step_that_queues(tmp_path):
     sweep = json.loads((run_dir / "manifest.json").read_text())["summary"]["speed"]["load"]["sweeps"]["64"]
     assert sweep["rates_run"] == ran and sweep["stopped_at_rate"] == ran[-1]
     assert sweep["saturation_rate"] == (ran[-2] if len(ran) > 1 else None)
-    assert 8.0 <= ran[-1] <= 32.0, ran           # 60 ms a request: the queue grows past ~16 req/s
+    assert 8.0 <= ran[-1] <= 32.0, ran           # 110 ms a request: the queue grows past ~9 req/s
     print(f"\nsweep ran {ran}, stopped: {last['stop']}, saturation {sweep['saturation_rate']} req/s")
 
 
@@ -283,3 +283,19 @@ def test_goodput_rule_is_inconclusive_where_the_baseline_met_no_slo(tmp_path):
     assert run_gate(str(out), str(rules), quiet=True) == EXIT_INCONCLUSIVE
     check = next(c for c in json.loads((out / "gate.json").read_text())["checks"] if c["rule"] == "min_goodput_ratio")
     assert check["verdict"] == "inconclusive" and "the baseline met no SLO" in check["message"], check
+
+
+def test_compare_prints_goodput_per_rate(tmp_path):
+    """`moebench compare` (the CLI) prints the goodput lines and summary.md carries them."""
+    from conftest import moebench_cli
+    suite = _suite(tmp_path, 'arrival = "poisson"\nrates = [20.0]\nrequests = 8\nslo_ttft_s = 0.5\n')
+    runs = []
+    for name in ("a", "b"):
+        with StandIn("vllm", slots=2) as server:
+            runs.append(_run(suite, _profile(tmp_path, name, server.url), tmp_path / name)[0])
+    proc = moebench_cli("compare", str(runs[0]), str(runs[1]), "--out", str(tmp_path / "cmp"), check=True)
+    line = next(x for x in proc.stdout.splitlines() if x.strip().startswith("64 tokens @ 20 req/s"))
+    assert "goodput" in line and "ratio" in line and "server vllm/vllm" in line and "preemptions 8 -> 8" in line
+    assert "TTFT p99 indicative (baseline n 8, candidate n 8 < 459)" in line
+    assert "64 tokens @ 20 req/s" in (tmp_path / "cmp" / "summary.md").read_text()
+    print("\n" + "\n".join(x for x in proc.stdout.splitlines() if "req/s" in x or "serving load" in x))

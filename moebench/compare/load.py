@@ -175,3 +175,48 @@ def load_compare(base_records: list[dict[str, Any]], cand_records: list[dict[str
             "interval": GOODPUT_INTERVAL,
             "ratio_meaning": "candidate goodput / baseline goodput; > 1 means the candidate served more "
                              "requests within the SLOs per second"}
+
+
+def _f(v: Any, digits: int = 3) -> str:
+    return "-" if v is None else f"{v:.{digits}g}"
+
+
+def format_load(load: dict[str, Any]) -> list[str]:
+    """compare.json speed.load as text lines: goodput per rate, the ratio and interval, the SLO shares,
+    the server's queue and KV-cache usage, and where a p99 is only indicative."""
+    lines = ["serving load (goodput = requests/s within every SLO; candidate / baseline):"]
+    for r in load.get("rows") or []:
+        b, c = r.get("baseline") or {}, r.get("candidate") or {}
+        where = f"  {r.get('prompt_length')} tokens @ {_f(r.get('rate'))} req/s:"
+        if b.get("sweep_skipped") or c.get("sweep_skipped"):
+            lines.append(f"{where} not sent (the sweep had stopped)")
+            continue
+        ci = r.get("goodput_ratio_ci95")
+        text = (f"{where} goodput {_f(b.get('goodput'))} -> {_f(c.get('goodput'))}, ratio {_f(r.get('goodput_ratio'))}"
+                + (f" [{_f(ci[0])}, {_f(ci[1])}]" if ci else "")
+                + f", within SLOs {_pct(b.get('slo_met_share'))} -> {_pct(c.get('slo_met_share'))}")
+        servers = [s.get("server") for s in (b, c)]
+        if any(isinstance(s, dict) for s in servers):
+            def fig(s: Any, key: str) -> str:
+                v = s.get(key) if isinstance(s, dict) else None
+                return _f(v.get("max")) if isinstance(v, dict) else _f(v)
+            text += ("; server " + "/".join(str((s or {}).get("source")) for s in servers)
+                     + f": queue max {fig(servers[0], 'queue_length')} -> {fig(servers[1], 'queue_length')}"
+                     + f", KV-cache max {fig(servers[0], 'kv_cache_usage')} -> {fig(servers[1], 'kv_cache_usage')}"
+                     + f", prefix hits {fig(servers[0], 'prefix_cache_hit_rate')} -> {fig(servers[1], 'prefix_cache_hit_rate')}"
+                     + f", preemptions {fig(servers[0], 'preemptions')} -> {fig(servers[1], 'preemptions')}")
+        tails = [(side, s.get("ttft_s")) for side, s in (("baseline", b), ("candidate", c))]
+        short = [f"{side} n {t['n']}" for side, t in tails if isinstance(t, dict) and t.get("p99_indicative")]
+        if short:
+            text += f"; TTFT p99 indicative ({', '.join(short)} < {TAIL_NEEDED['p99']})"
+        lines.append(text)
+    for side, sweeps in (load.get("sweeps") or {}).items():
+        for length, s in (sweeps or {}).items():
+            lines.append(f"  sweep {side}, {length} tokens: rates {s.get('rates_run')}, "
+                         + (f"stopped at {_f(s.get('stopped_at_rate'))} ({s.get('stop_reason')}), saturation "
+                            f"{_f(s.get('saturation_rate'))} req/s" if s.get("stop_reason") else "saturation not reached"))
+    return lines
+
+
+def _pct(v: Any) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
