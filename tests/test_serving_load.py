@@ -299,3 +299,33 @@ def test_compare_prints_goodput_per_rate(tmp_path):
     assert "TTFT p99 indicative (baseline n 8, candidate n 8 < 459)" in line
     assert "64 tokens @ 20 req/s" in (tmp_path / "cmp" / "summary.md").read_text()
     print("\n" + "\n".join(x for x in proc.stdout.splitlines() if "req/s" in x or "serving load" in x))
+
+
+def test_poisson_load_against_llama_server_with_metrics(tmp_path):
+    """A managed llama-server (built from source) started with `--metrics`, two slots, on the zoo's q8_0
+    GGUF: each group reads its llamacpp:* names (requests_processing, requests_deferred, the prompt-token
+    counters). Speed prompts are unique and sent with cache_prompt off, so the prefix-cache hit rate the
+    counters give is 0."""
+    from conftest import REPO
+    gguf = REPO / "models" / "zoo" / "tiny-moe-q8_0.gguf"
+    if not gguf.is_file():
+        pytest.skip(f"{gguf} not built (moebench zoo build)")
+    runner = tmp_path / "llama.toml"
+    runner.write_text(f'kind = "llama-server"\nmodel = "{gguf}"\nparallel = 2\nconcurrency = 8\nctx_size = 2048\n'
+                      'args = ["--threads", "1", "--metrics"]\n')
+    suite = _suite(tmp_path, 'arrival = "poisson"\nrates = [2.0, 12.0]\nrequests = 8\nslo_ttft_s = 0.5\n', warmup=1)
+    run_dir, items = _run(suite, runner, tmp_path / "run")
+    assert len(items) == 16
+    seen_running = 0.0
+    for r in items:
+        server = r["group"]["server"]
+        assert server["source"] == "llama-server" and server["n_samples"] >= 2, server
+        assert server["names"]["queue_length"] == "llamacpp:requests_deferred"
+        assert server["names"]["running"] == "llamacpp:requests_processing"
+        assert server["prefix_cache_hit_rate"] == 0.0 and server["kv_cache_usage"] is None
+        assert server["running"]["max"] <= 2                      # two slots
+        seen_running = max(seen_running, server["running"]["max"])
+    assert seen_running >= 1
+    print("\nllama-server: " + "; ".join(
+        f"{rate:g} req/s queue max {g['server']['queue_length']['max']:g}, running max {g['server']['running']['max']:g}"
+        for rate, g in sorted({r['rate']: r['group'] for r in items}.items())))

@@ -85,4 +85,5 @@ def load_context(speed: Any) -> dict[str, Any] | None:
                 sweeps.append({"role": role, "prompt_length": length, **s})
     return {"rows": rows, "plot": goodput_plot(rows), "slos": sorted(slos.items()), "sweeps": sweeps,
             "needs": load.get("tail_samples_needed") or {}, "interval": load.get("interval"),
-            "server": any(r["baseline"]["server"] or r["candidate"]["server"] for r in rows)}
+            "server": any(r["baseline"]["server"] or r["candidate"]["server"] for r in rows),
+            "server_labels": [label for _, label in SERVER_FIGURES]}

@@ -717,6 +717,21 @@ class LlamaServerRunner(Runner):
 
         return await self._with_restarts(call), "renormalized"
 
+    async def server_metrics(self) -> dict[str, float] | None:
+        """llama-server's Prometheus page (served when `args` hold `--metrics`), its values summed per
+        name; None without it (llama-server answers 501) or while the server is not up. A failed
+        reading never restarts the server: it is no request."""
+        if self._client is None:
+            return None
+        try:
+            r = await self._client_for_loop().get("/metrics")
+        except httpx.HTTPError:
+            return None
+        if r.status_code != 200:
+            return None
+        from moebench.runners.metrics import parse_prometheus
+        return parse_prometheus(r.text)
+
     async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         """Token ids of `text` (no BOS unless `add_special`; special-token text is not parsed)."""
         async def call(client: httpx.AsyncClient) -> list[int]:
