@@ -121,6 +121,8 @@ def test_poisson_load_reads_each_servers_documented_metrics(tmp_path, family, so
         met = sum(1 for r in by_rate[rate] if r["slo_met"])
         assert row["n_sent"] == 12 and row["slo_met_share"] == pytest.approx(met / 12)
         assert row["goodput"] == pytest.approx(met / row["duration_s"])
+        assert by_rate[rate][0]["group"]["goodput"] == pytest.approx(row["goodput"])       # in the records too
+        assert by_rate[rate][0]["group"]["slo_met_share"] == pytest.approx(met / 12)
         assert row["ttft_s"]["n"] == 12 and row["ttft_s"]["p99_indicative"] and row["ttft_s"]["p90_indicative"]
     assert rows[4.0]["slo_met_share"] > rows[60.0]["slo_met_share"]
     samples = [json.loads(x) for x in (run_dir / "speed_server_metrics.jsonl").read_text().splitlines()]

@@ -362,7 +362,7 @@ class SpeedTask(Task):
         _mark(self.ctx, "idle", time.perf_counter())
         group_spec = spec_decode_delta(before, await runner.server_metrics() if before else None)
         group = {"arrival": "closed", "clients": clients, "duration_s": duration, "n_sent": len(results),
-                 "server": serving_summary(sampler.samples, self.metrics_interval_s)}
+                 **_goodput_fields(results, duration), "server": serving_summary(sampler.samples, self.metrics_interval_s)}
         for rec in results.values():
             if isinstance(rec, dict):
                 rec["group"] = group
@@ -430,7 +430,8 @@ class SpeedTask(Task):
             "arrival": self.arrival, "rate": rate, "burstiness": self.burstiness if self.arrival == "gamma" else None,
             "duration_s": duration, "n_sent": self.requests, "last_send_s": offsets[-1],
             "max_in_flight": flight["max"], "client_concurrency": getattr(runner, "concurrency", None),
-            "slos": dict(self.slos), "server": serving_summary(sampler.samples, self.metrics_interval_s)}
+            "slos": dict(self.slos), **_goodput_fields(results, duration),
+            "server": serving_summary(sampler.samples, self.metrics_interval_s)}
         if self.sweep:
             ok = [r for r in results.values() if isinstance(r, dict)]
             reason, figures = sweep_stop(ok, self.requests, state.get("first_ttft_median"), **self.sweep_rule)
@@ -506,6 +507,14 @@ class SpeedTask(Task):
                 "sampling": dict(self.sampling),
                 "by_prompt_length": summarize_speed(ok, times),
                 **({"load": summarize_load(records)} if self.rates else {})}
+
+
+def _goodput_fields(results: dict[str, Any], duration: float) -> dict[str, Any]:
+    """The group's goodput as measured (requests that finished within every SLO per second of its wall
+    time; without SLOs every finished request counts) and the share of requests sent that made it."""
+    met = sum(1 for r in results.values() if isinstance(r, dict) and r.get("slo_met", True))
+    return {"goodput": met / duration if duration > 0 else None,
+            "slo_met_share": met / len(results) if results else None}
 
 
 # --- probe plumbing -------------------------------------------------------------------------------
