@@ -29,6 +29,7 @@ Rules file (TOML); a table per task named as in compare.json's "tasks", plus the
     max_ttft_ratio = 1.2             # also min_prefill_ratio, max_tpot_ratio, max_itl_ratio, max_e2e_ratio
     min_samples = 5                  # timed requests per side and group below which a group is inconclusive
     min_acceptance_rate = 0.6        # speculative decoding: the candidate's draft acceptance, every group
+    min_goodput_ratio = 0.9          # serving load: candidate / baseline goodput, every prompt length and rate
     [speed_ab]                       # `moebench speed-ab` results (B is the candidate)
     min_rounds_won = 3               # B won at least 3 rounds ...
     min_rounds = 4                   # ... of at least 4
@@ -121,9 +122,10 @@ class Estimate:
     """One group's ratio with its interval and sample counts, for an interval rule."""
 
     where: str                                  # "512 tokens, 1 client"
-    value: float
+    value: float | None                         # None: no ratio here (`note` says why): inconclusive
     ci: tuple[float, float] | None
     n: int | None                               # the smaller side's sample count
+    note: str = ""
 
 
 def _req(section: dict[str, Any], key: str, label: str = "") -> float:
@@ -195,6 +197,29 @@ def _speed(metric: str) -> Callable[[dict[str, Any]], list[Estimate]]:
             raise Missing(f"no {metric} ratio at any prompt length")
         return out
     return get
+
+
+def _goodput(speed: dict[str, Any]) -> list[Estimate]:
+    """Candidate/baseline goodput per prompt length and rate (compare.json speed.load.rows)."""
+    load = speed.get("load") if isinstance(speed.get("load"), dict) else {}
+    out = []
+    for r in load.get("rows") or []:
+        if not isinstance(r, dict) or (r.get("baseline") or {}).get("sweep_skipped") \
+                or (r.get("candidate") or {}).get("sweep_skipped"):
+            continue                 # a sweep step not sent (past the stop rule) has nothing to judge
+        where = f"{r.get('prompt_length')} tokens, {fmt(r.get('rate'))} req/s"
+        if number(r.get("goodput_ratio")) is None:
+            out.append(Estimate(where, None, None, None, "no goodput ratio: the baseline met no SLO at this rate"))
+            continue
+        ns = [r.get("n_baseline"), r.get("n_candidate")]
+        ci = r.get("goodput_ratio_ci95")
+        ci_t = (number(ci[0]), number(ci[1])) if isinstance(ci, list) and len(ci) == 2 else None
+        out.append(Estimate(where, number(r["goodput_ratio"]),
+                            ci_t if ci_t and None not in ci_t else None,
+                            min(ns) if all(isinstance(x, int) for x in ns) else None))
+    if not out:
+        raise Missing("no open-loop speed group measured on both sides (speed.load.rows)")
+    return out
 
 
 def _min_acceptance(speed: dict[str, Any]) -> float:
@@ -338,6 +363,8 @@ SECTION_RULES: dict[str, dict[str, Rule]] = {
                               "inter-token latency ratio"),
         "max_e2e_ratio": Rule(Field(float, check=positive), "interval_max", _speed("e2e_s"),
                               "end-to-end latency ratio"),
+        "min_goodput_ratio": Rule(Field(float, check=positive), "interval_min", _goodput,
+                                  "goodput ratio (requests per second meeting every SLO)"),
         "min_acceptance_rate": Rule(Field(float, check=_fraction), "min", _min_acceptance,
                                     "candidate draft acceptance rate (lowest group)"),
     },
@@ -616,6 +643,9 @@ def _judge_interval(section: str, name: str, rule: Rule, estimates: list[Estimat
     upper = rule.kind == "interval_max"
     failed, unsure, passed = [], [], []
     for e in estimates:
+        if e.value is None:
+            unsure.append(f"{e.where}: {e.note or 'no ratio'}")
+            continue
         shown = f"{fmt(e.value)}" + (f" [{fmt(e.ci[0])}, {fmt(e.ci[1])}]" if e.ci else "")
         # too few samples first: a bootstrap over two requests is no interval, whatever it says
         if e.n is None:
@@ -631,9 +661,13 @@ def _judge_interval(section: str, name: str, rule: Rule, estimates: list[Estimat
             passed.append(e)
         else:
             unsure.append(f"{e.where}: {shown} straddles {fmt(limit)}")
-    worst = max(estimates, key=lambda e: e.value) if upper else min(estimates, key=lambda e: e.value)
-    value = f"{fmt(worst.value)}" + (f" [{fmt(worst.ci[0])}, {fmt(worst.ci[1])}]" if worst.ci else "") + \
-        f" at {worst.where}" + (f", n={worst.n}" if worst.n is not None else "")
+    valued = [e for e in estimates if e.value is not None]
+    if valued:
+        worst = max(valued, key=lambda e: e.value) if upper else min(valued, key=lambda e: e.value)  # type: ignore[arg-type, return-value]
+        value = f"{fmt(worst.value)}" + (f" [{fmt(worst.ci[0])}, {fmt(worst.ci[1])}]" if worst.ci else "") + \
+            f" at {worst.where}" + (f", n={worst.n}" if worst.n is not None else "")
+    else:
+        value = "no ratio"
     shown_limit = _limit_text(rule, limit) + " (95% interval)"
     if failed:
         msg = f"{section}: {rule.what} breaks the limit {_limit_text(rule, limit)}: the whole interval is beyond it at " \

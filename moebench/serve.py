@@ -2,7 +2,8 @@
 
 Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, and
 the tokenizer endpoints lm-eval's `local-completions` auto-detects (`GET /tokenizer_info`,
-`POST /tokenize`, `POST /detokenize`, vLLM-style). Built on aiohttp (installed with lm-eval's API extra).
+`POST /tokenize`, `POST /detokenize`, vLLM-style), and `GET /metrics`, a Prometheus page of the
+scheduler's state (METRICS below). Built on aiohttp (installed with lm-eval's API extra).
 
 Safety: binds 127.0.0.1 by default; beyond loopback it requires a bearer key (`api_key`, from the
 environment variable `--api-key-env` names), checked on every endpoint but /health; request bodies
@@ -127,6 +128,16 @@ def _bearer_auth(api_key: str | None):
                                        "authentication_error", headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
     return check
+
+
+# GET /metrics: name -> (type, help). A load test reads the queue and running counts as it does vLLM's
+# vllm:num_requests_waiting / vllm:num_requests_running (moebench/runners/metrics.py).
+METRICS = {
+    "moebench:num_requests_running": ("gauge", "Requests holding a slot (generating)."),
+    "moebench:num_requests_waiting": ("gauge", "Requests waiting for a slot."),
+    "moebench:requests_admitted_total": ("counter", "Requests that got a slot."),
+    "moebench:requests_rejected_total": ("counter", "Requests refused with 429 (queue full)."),
+}
 
 
 class ClientGone(Exception):
@@ -304,6 +315,9 @@ class Server:
         self.slots = asyncio.Semaphore(limit)
         self.max_concurrency = limit
         self.waiting = 0
+        self.running = 0
+        self.admitted = 0
+        self.rejected = 0
         self._pieces: dict[int, str] = {}
 
     def app(self) -> web.Application:
@@ -317,6 +331,7 @@ class Server:
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/metrics", self.metrics)
         return app
 
     # -- plumbing ---------------------------------------------------------------------------------
@@ -352,6 +367,7 @@ class Server:
     async def _admit(self) -> None:
         """Wait for a slot; refuse with 429 when the queue is full (bounded memory and latency)."""
         if self.slots.locked() and self.waiting >= self.options.max_queue:
+            self.rejected += 1
             raise ApiError(429, f"server busy: {self.max_concurrency} requests running and "
                                 f"{self.waiting} waiting; retry after {self.options.retry_after_s} s",
                            "rate_limit_error", headers={"Retry-After": str(self.options.retry_after_s)})
@@ -360,6 +376,12 @@ class Server:
             await self.slots.acquire()
         finally:
             self.waiting -= 1
+        self.running += 1
+        self.admitted += 1
+
+    def _release(self) -> None:
+        self.running -= 1
+        self.slots.release()
 
     def _context_length(self) -> int | None:
         """The most tokens (prompt + output) one sequence may have, where the runner tells it (the engine
@@ -414,6 +436,14 @@ class Server:
         return self._pieces[token_id]
 
     # -- simple endpoints -------------------------------------------------------------------------
+    async def metrics(self, request: web.Request) -> web.Response:
+        values = {"moebench:num_requests_running": self.running, "moebench:num_requests_waiting": self.waiting,
+                  "moebench:requests_admitted_total": self.admitted, "moebench:requests_rejected_total": self.rejected}
+        lines = []
+        for name, (kind, text) in METRICS.items():
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {values[name]}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
+
     async def health(self, request: web.Request) -> web.Response:
         return _json_response({"status": "ok"})
 
@@ -576,7 +606,7 @@ class Server:
                     outs.append(await self._generate_one(p, **gen))
         finally:
             gone.set()                      # a generation still running on a worker thread stops
-            self.slots.release()
+            self._release()
         choices = []
         for i, (p, o) in enumerate(zip(prompts, outs)):
             prompt_text = p if isinstance(p, str) else await self.runner.detokenize(p)
@@ -783,7 +813,7 @@ class Server:
                     return await self._sse_error(resp, e)
         finally:
             gone.set()                      # a generation still running on a worker thread stops
-            self.slots.release()
+            self._release()
         lp = None
         if want_lp:
             lp = {"content": [{"token": piece, "logprob": v, "bytes": list(piece.encode("utf-8")),

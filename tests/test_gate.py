@@ -52,7 +52,13 @@ COMPARE = {
                        for L, t_b, t_c, p_b, p_c, d_b, d_c, acc in [
                            (512, 0.1, 0.13, 5120.0, 3993.6, 40.0, 36.8, 0.8),     # decode 0.92, ttft 1.3
                            (4096, 0.5, 0.6, 8192.0, 6389.76, 38.0, 34.2, 0.65),  # decode 0.90, prefill 0.78
-                           (16384, 2.0, 2.4, 8192.0, 6881.28, 30.0, 26.7, 0.7)]]},  # decode 0.89
+                           (16384, 2.0, 2.4, 8192.0, 6881.28, 30.0, 26.7, 0.7)]],  # decode 0.89
+              # serving load: goodput per rate, 50 requests per side; the lowest ratio 0.93 [0.9, 0.96]
+              "load": {"rows": [{"prompt_length": 512, "rate": rate, "baseline": {"goodput": gb},
+                                 "candidate": {"goodput": gc}, "goodput_ratio": gc / gb,
+                                 "goodput_ratio_ci95": [gc / gb - 0.03, gc / gb + 0.03],
+                                 "n_baseline": 50, "n_candidate": 50}
+                                for rate, gb, gc in [(2.0, 1.9, 1.9), (8.0, 6.0, 5.58)]]}},
     "needle": {"cells": [{"length": L, "depth": d, "prompt_tokens": L - 2, "found_baseline": True,
                           "found_candidate": not (L == 16384 and d == 0.9)}
                          for L in (4096, 8192, 16384) for d in (0.1, 0.5, 0.9)]},
@@ -95,6 +101,7 @@ CASES = [
     ("speed", "max_itl_ratio", 1.14, 1.1),
     ("speed", "max_e2e_ratio", 1.15, 1.05),
     ("speed", "min_acceptance_rate", 0.6, 0.7),       # lowest group: 0.65
+    ("speed", "min_goodput_ratio", 0.85, 0.97),       # lowest rate: 0.93 [0.9, 0.96]
     ("speed_ab", "min_rounds_won", 3, 4),
     ("speed_ab", "min_rounds", 4, 5),
     ("speed_ab", "min_decode_ratio", 1.04, 1.12),

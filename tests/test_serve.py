@@ -343,6 +343,41 @@ def test_concurrency_bounded_and_queue_overflow_429():
     assert results.count(200) == 4 and results.count(429) == 3    # 2 running + 2 queued; the rest refused
 
 
+def _metrics(url: str) -> dict[str, float]:
+    from moebench.runners.metrics import parse_prometheus
+    r = httpx.get(url[: -len("/v1")] + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/plain")
+    return parse_prometheus(r.text)
+
+
+def test_metrics_page_counts_running_waiting_admitted_and_rejected():
+    """GET /metrics while 2 requests run, 2 wait and 3 were refused, then once all are done."""
+    runner = MarkovRunner(concurrency=8, delay_s=0.6)
+    with BackgroundServer(runner, ServeOptions(port=0, max_concurrency=2, max_queue=2)) as s:
+        assert _metrics(s.url) == {"moebench:num_requests_running": 0, "moebench:num_requests_waiting": 0,
+                                   "moebench:requests_admitted_total": 0, "moebench:requests_rejected_total": 0}
+        results: list[int] = []
+
+        def ask():
+            results.append(post(s.url + "/completions", {"prompt": "hello", "max_tokens": 1}).status_code)
+
+        threads = [threading.Thread(target=ask) for _ in range(7)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 0.4        # the 3 refused answer at once; the first 2 hold 0.6 s
+        while results.count(429) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        during = _metrics(s.url)
+        for t in threads:
+            t.join()
+        after = _metrics(s.url)
+    assert results.count(429) == 3
+    assert during["moebench:num_requests_running"] == 2 and during["moebench:num_requests_waiting"] == 2
+    assert during["moebench:requests_rejected_total"] == 3 and during["moebench:requests_admitted_total"] == 2
+    assert after == {"moebench:num_requests_running": 0, "moebench:num_requests_waiting": 0,
+                     "moebench:requests_admitted_total": 4, "moebench:requests_rejected_total": 3}
+
+
 def test_tokenizer_endpoints_vllm_style(server):
     s, runner = server
     base = s.url[: -len("/v1")]

@@ -139,3 +139,53 @@ def test_needle_and_speed_over_vllm(vllm_server, tmp_path):
         print(f"\n{name}: " + ", ".join(f"{r['item_id']} fitted {r['prompt_tokens']} / vLLM {r['runner_prompt_tokens']}"
                                         for r in needle + speed))
         assert speed[0]["decode_tok_s"] and speed[0]["ttft_s"] > 0
+
+
+def test_serving_load_over_vllm(vllm_server, tmp_path):
+    """The serving-load shape (poisson arrivals, two rates, SLOs) against the real vLLM, twice, compared:
+    goodput per rate with the ratio's interval, and vLLM's own /metrics (vllm:kv_cache_usage_perc,
+    vllm:num_requests_waiting/running, the prefix-cache counters, vllm:num_preemptions) read during
+    each group. Small (6 requests a rate, 32 tokens each): the CPU vLLM is slow, the load is real. The
+    counters are read before and after each group, so the prefix-cache figure is always there; the
+    gauges are read every 50 ms, so a request in flight is seen at least once over the runs."""
+    suite = tmp_path / "load.toml"
+    suite.write_text('name = "serving-load-vllm"\n[[tasks]]\ntask = "speed"\narrival = "poisson"\n'
+                     'rates = [0.5, 4.0]\nrequests = 6\nprompt_lengths = [64]\noutput_tokens = 32\n'
+                     'slo_ttft_s = 2.0\nslo_tpot_s = 0.5\nwarmup = 1\nmetrics_interval_s = 0.05\n'
+                     '[probes]\nnvml = false\n')
+    prof = _vllm_profile(tmp_path / "vllm.toml", vllm_server, 'tokenize = "vllm"\n')
+    prof.write_text(prof.read_text().replace("concurrency = 1", "concurrency = 8"))
+    runs, running_seen, kv_seen = {}, 0.0, 0.0
+    for side in ("a", "b"):
+        runs[side], items = _run(suite, prof, tmp_path / side)
+        assert len(items) == 12
+        for r in items:
+            server = r["group"]["server"]
+            assert server["source"] == "vllm" and server["n_samples"] >= 2, server
+            assert server["names"]["kv_cache_usage"] == "vllm:kv_cache_usage_perc"
+            assert server["names"]["queue_length"] == "vllm:num_requests_waiting"
+            assert 0.0 <= server["kv_cache_usage"]["max"] <= 1.0
+            assert server["preemptions"] == 0
+            # unique prompt openings: the prefix cache was queried (counters moved) and found nothing
+            assert server["prefix_cache_hit_rate"] == 0.0, server
+            assert isinstance(r["slo_met"], bool)
+            running_seen = max(running_seen, server["running"]["max"])
+            kv_seen = max(kv_seen, server["kv_cache_usage"]["max"])
+    assert running_seen >= 1 and kv_seen > 0, (running_seen, kv_seen)
+    out = tmp_path / "cmp"
+    api.compare(str(runs["a"]), str(runs["b"]), out=str(out))
+    load = json.loads((out / "compare.json").read_text())["speed"]["load"]
+    assert [r["rate"] for r in load["rows"]] == [0.5, 4.0]
+    for r in load["rows"]:
+        s = r["baseline"]["server"]
+        print(f"\nvLLM {r['rate']:g} req/s: goodput {r['baseline']['goodput']:.3g} -> {r['candidate']['goodput']:.3g}, "
+              f"ratio {r['goodput_ratio']} {r['goodput_ratio_ci95']}; KV usage max {s['kv_cache_usage']['max']:.3g}, "
+              f"queue max {s['queue_length']['max']:g}, prefix hit rate {s['prefix_cache_hit_rate']}, "
+              f"preemptions {s['preemptions']}; TTFT p99 {r['baseline']['ttft_s']['p99']:.3g} s "
+              f"(indicative: {r['baseline']['ttft_s']['p99_indicative']})")
+        if r["goodput_ratio"] is not None:
+            lo, hi = r["goodput_ratio_ci95"]
+            assert lo <= r["goodput_ratio"] <= hi
+    assert any(r["goodput_ratio"] is not None for r in load["rows"])
+    html = (out / "report.html").read_text()
+    assert "goodput vs offered rate" in html and "vllm (" in html

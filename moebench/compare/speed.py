@@ -78,8 +78,8 @@ def _gaps(times: list[float] | None) -> list[float]:
 def _groups(records: list[dict[str, Any]]) -> dict[tuple[int, int], list[dict[str, Any]]]:
     groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for r in records:
-        if r.get("status", "ok") != "ok" or r.get("ttft_s") is None:
-            continue
+        if r.get("status", "ok") != "ok" or r.get("ttft_s") is None or r.get("rate") is not None:
+            continue             # open-loop records (a request rate) are compare.load's
         key = (int(r.get("prompt_length") or _from_id(r, 1)), int(r.get("clients") or _from_id(r, 2)))
         groups.setdefault(key, []).append(r)
     return groups
@@ -190,7 +190,9 @@ def speed_compare(base_records: list[dict[str, Any]], cand_records: list[dict[st
         return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
 
     only = sorted({f"{l}/{c}" for l in base for c in base[l]} ^ {f"{l}/{c}" for l in cand for c in cand[l]})
-    return {"rows": rows,
+    from moebench.compare.load import load_compare      # load imports this module's helpers
+    load = load_compare(base_records, cand_records)
+    return {"rows": rows, **({"load": load} if load is not None else {}),
             "sampling": {"baseline": _sampling(base_recs), "candidate": _sampling(cand_recs)},
             "geomean": {RATIO_NAMES[m]: geomean(f"{RATIO_NAMES[m]}_ratio") for m in metrics},
             "unpaired_groups": only,

@@ -168,6 +168,15 @@ def _speed_ab_lines(cmp: dict[str, Any]) -> list[str]:
     return ["speed-ab (A,B,B,A order kept):"] + format_rounds(ab).splitlines()
 
 
+def _load_lines(cmp: dict[str, Any]) -> list[str]:
+    sp = cmp.get("speed")
+    load = sp.get("load") if isinstance(sp, dict) else None
+    if not isinstance(load, dict) or not load.get("rows"):
+        return []
+    from moebench.compare.load import format_load
+    return format_load(load)
+
+
 def summary_markdown(cmps: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
     """summary.md of a compare: headline table over the candidates, then each candidate's task table."""
     base = (cmps[0].get("baseline") or {}).get("label") if cmps else None
@@ -188,6 +197,9 @@ def summary_markdown(cmps: list[dict[str, Any]], rows: list[dict[str, Any]]) -> 
         ab = _speed_ab_lines(cmp)
         if ab:
             lines += [f"- {x}" for x in ab] + [""]
+        load = _load_lines(cmp)
+        if load:
+            lines += [load[0], ""] + [f"- {x.strip()}" for x in load[1:]] + [""]
         for w in cmp.get("warnings", []) or []:
             lines.append(f"- warning: {w}")
     return "\n".join(lines).rstrip() + "\n"
@@ -235,6 +247,7 @@ def text_table(cmps: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
             lines.append(f"speed (candidate/baseline, geomean over groups): decode {_n(row['speed.decode_ratio'], 4)}, "
                          f"prefill {_n(row['speed.prefill_ratio'], 4)}, ttft {_n(row['speed.ttft_ratio'], 4)}")
         lines += _speed_ab_lines(cmp)
+        lines += _load_lines(cmp)
         for w in cmp.get("warnings", []) or []:
             lines.append(f"warning: {w}")
     if len(cmps) > 1:

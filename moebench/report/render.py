@@ -17,6 +17,7 @@ from markupsafe import Markup
 
 from moebench import store
 from moebench.report import plots
+from moebench.report.load import load_context
 from moebench.report.rig import rig_context, run_rig_context
 from moebench.store.records import CompareDoc, CompareSide, ItemRecord, Manifest, RecordError
 from moebench.store.sections import (SPEED_METRICS, needle_cells, needle_counts, number, per_side,
@@ -759,6 +760,7 @@ def compare_context(compare_dir: Path) -> dict[str, Any]:
         "needle": _needle_context(doc.section("needle")),
         "speed": _speed_context(doc.section("speed")),
         "speed_ab": _speed_ab_context(doc.section("speed_ab")),
+        "load": load_context(doc.section("speed")),
         "memory": _memory_context(doc.section("memory"), compare_dir, [base, cand], warnings),
         "energy": _energy_context(doc.section("energy")),
         "rig": rig_context(compare),

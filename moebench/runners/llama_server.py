@@ -2,7 +2,7 @@
 
 - One server process per runner, in its own process group, log appended to `run_dir/llama-server.log`.
 - Requests go to the native `/completion` endpoint (token-id prompts, `n_probs` top log-probs,
-  output token ids, per-token streaming) through one async httpx client.
+  output token ids, per-token streaming) through one aiohttp session.
 - A server that dies mid-run is restarted (at most `max_restarts` times), the requests in flight are
   asked again, and each restart is recorded in `self.events`.
 - No orphans: `close()` stops the whole process group (SIGTERM, then SIGKILL), and an `atexit` hook
@@ -26,9 +26,11 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
-import httpx
+import contextlib
+
+import aiohttp
 
 from moebench import jsonout
 from moebench.config import (MAX_CLIENTS, MAX_PROMPT_TOKENS, MAX_RESPONSE_BYTES, MAX_SECONDS, Field,
@@ -37,7 +39,9 @@ from moebench.gguf_header import FILE_TYPE_NAMES, GgufFormatError, read_gguf
 from moebench.runners import reply_checks
 from moebench.runners.base import (DEFAULT_REQUEST_DEADLINE_S, SERVERLESS, Capability, DeadlineExceeded,
                                    GenerateRequest, GenerateResult, Runner, RunnerError)
-from moebench.runners.responses import DEFAULT_MAX_RESPONSE_BYTES, bounded_lines, describe, read_bounded, response_limit
+from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, ConnectTimeout, ReadTimeout, RemoteProtocolError,
+                                        TransportError, bounded_lines, describe, read_bounded, response_limit,
+                                        transport_error)
 from moebench.store import now_iso, open_append
 from moebench.tools import llama_args, llamacpp
 from moebench.tools.llama_perplexity import PerplexityPlan
@@ -46,6 +50,7 @@ T = TypeVar("T")
 
 LOG_NAME = "llama-server.log"
 STOP_GRACE_S = 5.0
+CONNECT_TIMEOUT_S = 10.0          # TCP connect to the managed server (on this host)
 # Flags the runner sets itself; a profile's `args` must not set them too.
 OWNED_FLAGS = {"--host", "--port", "-m", "--model", "-np", "--parallel"}
 
@@ -304,9 +309,9 @@ class LlamaServerRunner(Runner):
         self.base_url: str | None = None
         self.log_path: Path | None = None
         self.binary: Path | None = None
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
-        self._old_clients: list[httpx.AsyncClient] = []
+        self._old_clients: list[aiohttp.ClientSession] = []
         self._generation = 0              # bumped on every (re)start; requests note it when sent
         self._restart_lock: asyncio.Lock | None = None
         self._gave_up: str | None = None
@@ -387,15 +392,15 @@ class LlamaServerRunner(Runner):
     async def _wait_healthy(self, proc: subprocess.Popen) -> str | None:
         """None once GET /health is 200; otherwise why not (exited, timed out)."""
         deadline = time.monotonic() + float(self.profile["startup_timeout_s"])
-        async with httpx.AsyncClient(base_url=self.base_url or "", timeout=5.0) as client:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as client:
             while time.monotonic() < deadline:
                 if proc.poll() is not None:
                     return f"the process exited with code {proc.returncode} while loading"
                 try:
-                    r = await client.get("/health")
-                    if r.status_code == 200:
-                        return None
-                except httpx.TransportError:
+                    async with client.get(f"{self.base_url}/health") as r:
+                        if r.status == 200:
+                            return None
+                except (aiohttp.ClientError, asyncio.TimeoutError):
                     pass                    # not listening yet
                 await asyncio.sleep(0.1)
         return f"/health not 200 after {self.profile['startup_timeout_s']} s"
@@ -403,16 +408,17 @@ class LlamaServerRunner(Runner):
     def _new_client(self) -> None:
         if self._client is not None:
             self._old_clients.append(self._client)   # requests may still hold it; closed in close()
-        limits = httpx.Limits(max_connections=max(self.slots, self.concurrency) + 4)
-        self._client = httpx.AsyncClient(base_url=self.base_url or "", limits=limits,
-                                         timeout=httpx.Timeout(float(self.profile["request_timeout_s"]),
-                                                               connect=10.0))
+        # One session over a pool of slots + 4 connections; a request's read may stall at most
+        # request_timeout_s between bytes (its whole length is bounded by request_deadline_s).
+        connector = aiohttp.TCPConnector(limit=max(self.slots, self.concurrency) + 4, limit_per_host=0)
+        self._client = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(
+            total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=float(self.profile["request_timeout_s"])))
         try:
             self._client_loop = asyncio.get_running_loop()
         except RuntimeError:
             self._client_loop = None
 
-    def _client_for_loop(self) -> httpx.AsyncClient:
+    def _client_for_loop(self) -> aiohttp.ClientSession:
         # A client is bound to the loop it first ran on; a caller on a new loop gets a fresh one.
         if self._client is None:
             raise RunnerError("llama-server runner used before start()")
@@ -437,7 +443,7 @@ class LlamaServerRunner(Runner):
         self._client, self._old_clients = None, []
         for c in clients:
             try:
-                await c.aclose()
+                await c.close()
             except RuntimeError:             # bound to a loop that has ended: nothing left to free
                 pass
 
@@ -461,10 +467,10 @@ class LlamaServerRunner(Runner):
                 await asyncio.sleep(0.1)
             if proc.poll() is None:
                 try:
-                    r = await self._client_for_loop().get("/health", timeout=5.0)
-                    if r.status_code == 200:
-                        return
-                except httpx.HTTPError:
+                    async with self._open("GET", "/health", timeout_s=5.0) as r:
+                        if r.status == 200:
+                            return
+                except TransportError:
                     pass
             exit_code = await asyncio.to_thread(_stop_process_sync, proc)
             if self.restarts >= self.max_restarts:
@@ -487,7 +493,28 @@ class LlamaServerRunner(Runner):
                                 "time": now_iso(), "restarts": self.restarts, "old_pid": old_pid,
                                 "new_pid": self.proc.pid if self.proc else None})
 
-    async def _with_restarts(self, call: Callable[[httpx.AsyncClient], Awaitable[T]], path: str = "/completion") -> T:
+    @contextlib.asynccontextmanager
+    async def _open(self, method: str, path: str, body: dict[str, Any] | None = None,
+                    timeout_s: float | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
+        """An open response to `method path` on the managed server; aiohttp's failures while asking or
+        reading (inside the block too) come out as TransportError subclasses (ConnectError, ReadTimeout...)."""
+        url = f"{self.base_url}{path}"
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+        try:
+            async with self._client_for_loop().request(method, url, json=body, allow_redirects=False,
+                                                       **({"timeout": timeout} if timeout else {})) as resp:
+                yield resp
+        except aiohttp.ClientError as e:
+            raise transport_error(e, method, url, CONNECT_TIMEOUT_S, float(self.profile["request_timeout_s"])) from None
+
+    async def _post_json(self, path: str, body: dict[str, Any]) -> Any:
+        """POST a small request and read its JSON reply (bounded), after checking the status."""
+        async with self._open("POST", path, body) as r:
+            raw = await read_bounded(r, int(self.profile["max_response_bytes"]), f"llama-server {path}")
+        self._check_status(r, raw)
+        return _json_object(raw, f"{self.base_url}{path}")
+
+    async def _with_restarts(self, call: Callable[[], Awaitable[T]], path: str = "/completion") -> T:
         """Run `call`, restarting the server and asking again when the connection is lost. Each attempt
         ends by `request_deadline_s` (a server that drips bytes inside the read timeout holds no item
         for hours); a restart's own wait is bounded by `startup_timeout_s` and `max_restarts`."""
@@ -496,34 +523,32 @@ class LlamaServerRunner(Runner):
             if self._gave_up:
                 raise RunnerError(self._gave_up)
             generation = self._generation
-            client = self._client_for_loop()
             try:
-                return await asyncio.wait_for(call(client), deadline_s)
-            except asyncio.TimeoutError:    # the builtin TimeoutError from 3.11; its own class on 3.10
-                raise DeadlineExceeded(f"POST {self.base_url}{path}: no complete reply after {deadline_s:g} s "
-                                       "(request_deadline_s)") from None
-            except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout) as e:
+                return await asyncio.wait_for(call(), deadline_s)
+            except (ReadTimeout, ConnectTimeout) as e:
                 if self.proc is not None and self.proc.poll() is None:
                     raise RunnerError(f"llama-server request timed out after "
                                       f"{self.profile['request_timeout_s']} s ({type(e).__name__})") from None
                 await self._recover(generation, f"timeout, process gone: {type(e).__name__}")
-            except httpx.TransportError as e:   # refused, reset, disconnected mid-response
+            except TransportError as e:     # refused, reset, disconnected mid-response
                 await self._recover(generation, describe(e))
+            except asyncio.TimeoutError:    # the builtin TimeoutError from 3.11; its own class on 3.10
+                raise DeadlineExceeded(f"POST {self.base_url}{path}: no complete reply after {deadline_s:g} s "
+                                       "(request_deadline_s)") from None
         raise RunnerError("llama-server request failed repeatedly although the server answers /health")
 
     @staticmethod
-    def _check_status(r: httpx.Response, body: bytes | None = None) -> None:
-        if r.status_code == 200:
+    def _check_status(r: aiohttp.ClientResponse, raw: bytes) -> None:
+        if r.status == 200:
             return
-        raw = body if body is not None else r.content
         try:
             err = json.loads(raw)
             msg = err.get("error", {}).get("message") or err
         except (ValueError, AttributeError):
             msg = raw[:500].decode("utf-8", "replace")
         moved = (f" (redirect to {r.headers.get('location') or 'no Location header'}, not followed)"
-                 if 300 <= r.status_code < 400 else "")
-        raise RunnerError(f"llama-server {r.request.url} answered {r.status_code}{moved}: {msg}")
+                 if 300 <= r.status < 400 else "")
+        raise RunnerError(f"llama-server {r.url} answered {r.status}{moved}: {msg}")
 
     # -- requests ---------------------------------------------------------------------------------
     def _payload(self, request: GenerateRequest) -> dict[str, Any]:
@@ -613,14 +638,13 @@ class LlamaServerRunner(Runner):
             raise RunnerError("a token prompt must be a list of ints")
         payload = self._payload(request)
         if request.stream:
-            return await self._with_restarts(lambda c: self._generate_stream(c, payload, request))
-        return await self._with_restarts(lambda c: self._generate_once(c, payload, request))
+            return await self._with_restarts(lambda: self._generate_stream(payload, request))
+        return await self._with_restarts(lambda: self._generate_once(payload, request))
 
-    async def _generate_once(self, client: httpx.AsyncClient, payload: dict[str, Any],
-                             request: GenerateRequest) -> GenerateResult:
+    async def _generate_once(self, payload: dict[str, Any], request: GenerateRequest) -> GenerateResult:
         t0 = time.perf_counter()
-        async with client.stream("POST", "/completion", json=payload) as r:
-            raw = await read_bounded(r, self._limit(request), f"llama-server {r.request.url.path}")
+        async with self._open("POST", "/completion", payload) as r:
+            raw = await read_bounded(r, self._limit(request), "llama-server /completion")
         wall = time.perf_counter() - t0
         self._check_status(r, raw)
         data = _json_object(raw, f"{self.base_url}/completion")
@@ -630,8 +654,7 @@ class LlamaServerRunner(Runner):
         return self._result(data, request, text=data.get("content", ""), ids=data.get("tokens") or [],
                             probs=data.get("completion_probabilities"), times=None, wall=wall)
 
-    async def _generate_stream(self, client: httpx.AsyncClient, payload: dict[str, Any],
-                               request: GenerateRequest) -> GenerateResult:
+    async def _generate_stream(self, payload: dict[str, Any], request: GenerateRequest) -> GenerateResult:
         """SSE: one `data:` event per generated token; record when each arrives."""
         t0 = time.perf_counter()
         text: list[str] = []
@@ -639,10 +662,10 @@ class LlamaServerRunner(Runner):
         times: list[float] = []
         probs: list[dict[str, Any]] = []
         final: dict[str, Any] = {}
-        async with client.stream("POST", "/completion", json=payload) as r:
-            if r.status_code != 200:
-                self._check_status(r, await r.aread())
-            async for line in bounded_lines(r, self._limit(request), f"llama-server {r.request.url.path}"):
+        async with self._open("POST", "/completion", payload) as r:
+            if r.status != 200:
+                self._check_status(r, await read_bounded(r, self._limit(request), "llama-server /completion"))
+            async for line in bounded_lines(r, self._limit(request), "llama-server /completion"):
                 if not line.startswith(("data:", "error:")):
                     continue
                 body = line.split(":", 1)[1].strip()
@@ -681,7 +704,7 @@ class LlamaServerRunner(Runner):
         wall = time.perf_counter() - t0
         if not final:
             # The server closed the stream without its final event: it died mid-answer.
-            raise httpx.RemoteProtocolError("stream ended without a final event")
+            raise RemoteProtocolError(f"POST {self.base_url}/completion: stream ended without a final event")
         return self._result(final, request, text="".join(text), ids=ids,
                             probs=probs if request.top_logprobs else None, times=times, wall=wall)
 
@@ -696,11 +719,9 @@ class LlamaServerRunner(Runner):
                    "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0,
                    "seed": 0, "cache_prompt": True, "grammar": grammar}
 
-        async def call(client: httpx.AsyncClient) -> dict[str, float | None]:
-            r = await client.post("/completion", json=payload)
-            self._check_status(r)
+        async def call() -> dict[str, float | None]:
             where = f"{self.base_url}/completion"
-            positions = _json_object(r.content, where).get("completion_probabilities") or [{}]
+            positions = (await self._post_json("/completion", payload)).get("completion_probabilities") or [{}]
             probs = (positions[0].get("top_probs") if isinstance(positions, list) and isinstance(positions[0], dict)
                      else None) or []
             if not isinstance(probs, list):
@@ -717,20 +738,33 @@ class LlamaServerRunner(Runner):
 
         return await self._with_restarts(call), "renormalized"
 
+    async def server_metrics(self) -> dict[str, float] | None:
+        """llama-server's Prometheus page (served when `args` hold `--metrics`), its values summed per
+        name; None without it (llama-server answers 501) or while the server is not up. A failed
+        reading never restarts the server: it is no request."""
+        if self._client is None:
+            return None
+        try:
+            async with self._open("GET", "/metrics") as r:
+                if r.status != 200:
+                    return None
+                raw = await read_bounded(r, 16 << 20, "llama-server /metrics")
+        except (TransportError, RunnerError):
+            return None
+        from moebench.runners.metrics import parse_prometheus
+        return parse_prometheus(raw.decode("utf-8", "replace"))
+
     async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         """Token ids of `text` (no BOS unless `add_special`; special-token text is not parsed)."""
-        async def call(client: httpx.AsyncClient) -> list[int]:
-            r = await client.post("/tokenize", json={"content": text, "add_special": add_special,
-                                                     "parse_special": False})
-            self._check_status(r)
-            return [int(t) for t in r.json()["tokens"]]
+        async def call() -> list[int]:
+            data = await self._post_json("/tokenize", {"content": text, "add_special": add_special,
+                                                       "parse_special": False})
+            return [int(t) for t in data["tokens"]]
         return await self._with_restarts(call, "/tokenize")
 
     async def detokenize(self, token_ids: list[int]) -> str:
-        async def call(client: httpx.AsyncClient) -> str:
-            r = await client.post("/detokenize", json={"tokens": list(token_ids)})
-            self._check_status(r)
-            return r.json()["content"]
+        async def call() -> str:
+            return (await self._post_json("/detokenize", {"tokens": list(token_ids)}))["content"]
         return await self._with_restarts(call, "/detokenize")
 
     # -- KLD through llama-perplexity -----------------------------------------------------------

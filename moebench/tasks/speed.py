@@ -1,7 +1,15 @@
-"""Speed versus context: TTFT, prefill and decode throughput per prompt length, by streaming.
+"""Speed versus context: TTFT, prefill and decode throughput per prompt length, by streaming; and
+serving load: requests arriving at a rate, goodput under SLOs, the server's own state.
 
-For each prompt length and client count, N closed-loop clients (each sends its next request when the
-previous one finishes) make `repeats` requests each. Every request has a UNIQUE prompt (a random
+Closed loop (`arrival = "closed"`, the default): for each prompt length and client count, N clients
+(each sends its next request when the previous one finishes) make `repeats` requests each.
+Open loop (`arrival = "poisson"` or `"gamma"`): for each prompt length and each rate in `rates` (or
+`rate`, or the geometric steps of `sweep`), `requests` requests are sent on a random schedule at that
+rate (moebench/tasks/load.py), whether or not earlier ones finished; a sweep stops after the first
+step that breaks its stop rule. With SLOs set (`slo_ttft_s`, `slo_tpot_s`, `slo_e2e_s`), every record
+says which it met. While a group runs, the server's Prometheus /metrics page (where it has one) is read
+every `metrics_interval_s`; the group's summary (KV-cache usage, queue length, prefix-cache hit rate,
+preemptions) goes into each of its records as `group.server`. Every request has a UNIQUE prompt (a random
 prefix, then haystack text) and `cache_prompt=False`, so no prompt cache hides prefill; generation
 goes on past EOS where the backend allows (`ignore_eos`), for a fixed number of output tokens.
 
@@ -36,19 +44,23 @@ from typing import Any
 
 from moebench import jsonout
 from moebench.config import (MAX_CLIENTS, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, MAX_VOCAB, Field,
-                             positive)
+                             ProfileError, positive)
 from moebench.datasets import data_file, register
 from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
-from moebench.runners.metrics import spec_decode_delta
+from moebench.runners.metrics import serving_summary, spec_decode_delta
 from moebench.runners.responses import describe
 from moebench.compare.speed import read_token_times, speed_compare, summarize_speed  # noqa: F401 (speed_compare re-exported)
+from moebench.compare.load import summarize_load
 from moebench.compare.speed_ab import ab_section, output_identity  # noqa: F401 (output_identity re-exported)
 from moebench.store import open_append, write_json_atomic
 from moebench.store.session import ask_item
 from moebench.tasks.base import Item, Task, TaskContext, count_flagged, prompt_hash, prompt_tokens_check
+from moebench.tasks.load import (ARRIVALS, MetricsSampler, arrival_offsets, slo_fields, sweep_rates,
+                                 sweep_stop)
 from moebench.tasks.needle import HAYSTACK_FILE, HaystackIndex, build_index, fit_haystack, load_haystack
 
 DEFAULT_PROMPT_LENGTHS = [128, 512, 2048, 8192, 16384]
+SERVER_METRICS_FILE = "speed_server_metrics.jsonl"
 CHARS_PER_TOKEN_GUESS = 4.0       # only where the runner cannot tokenize; the real count is then the server's
 
 
@@ -74,6 +86,16 @@ def _unit_interval(v: Any) -> str | None:
     return None if 0 < v <= 1 else "must be in (0, 1]"
 
 
+def _rates_ok(v: list[float]) -> str | None:
+    if not v:
+        return "must list at least one rate"
+    return None if all(x > 0 for x in v) else "must hold positive request rates (requests per second)"
+
+
+MAX_RATE = 100_000            # requests per second
+MAX_LOAD_REQUESTS = 100_000   # requests per rate
+
+
 def draft_fields(timings: dict[str, Any] | None, output_tokens: int | None) -> dict[str, Any]:
     """Speculative decoding figures from the backend's draft counters; {} where it reports none."""
     t = timings or {}
@@ -92,6 +114,12 @@ def measurement_prefix(seed: int, prompt_len: int, clients: int, repeat: int, cl
     rng = random.Random(f"speed:{seed}:{prompt_len}:{clients}:{repeat}:{client}")
     words = " ".join(f"{rng.getrandbits(32):08x}" for _ in range(2))
     return f"Request {words}. Continue the story.\n\n"
+
+
+def load_prefix(seed: int, prompt_len: int, rate: float, request: int) -> str:
+    """A unique opening per open-loop request (differs across rates too: no prefix cache between steps)."""
+    rng = random.Random(f"load:{seed}:{prompt_len}:{rate!r}:{request}")
+    return f"Request {rng.getrandbits(32):08x} {rng.getrandbits(32):08x}. Continue the story.\n\n"
 
 
 def timing_fields(token_times: list[float] | None, prompt_tokens: int | None,
@@ -132,6 +160,35 @@ class SpeedTask(Task):
                        doc="nucleus sampling; unset = the backend's default"),
         "top_k": Field(int, check=_non_negative, low=0, high=MAX_VOCAB,
                        doc="top-k sampling; unset = the backend's default"),
+        # serving load (moebench/tasks/load.py; docs/serving-load.md)
+        "arrival": Field(str, default="closed", choices=ARRIVALS,
+                         doc="closed: `clients` closed-loop clients; poisson or gamma: requests at `rate`"),
+        "rate": Field(float, check=positive, low=0.0, low_open=True, high=MAX_RATE,
+                      doc="requests per second (open loop); or `rates`"),
+        "rates": Field(list, item_type=float, check=_rates_ok, low=0.0, low_open=True, high=MAX_RATE,
+                       doc="several request rates, one group each"),
+        "burstiness": Field(float, default=1.0, check=positive, low=0.0, low_open=True, high=1_000,
+                            doc="gamma arrivals: the gamma shape (1 = Poisson, < 1 burstier)"),
+        "requests": Field(int, default=20, check=positive, low=1, high=MAX_LOAD_REQUESTS,
+                          doc="requests sent per rate and prompt length (open loop)"),
+        "sweep": Field(bool, default=False, doc="open loop: step the rate up until the stop rule holds"),
+        "sweep_start_rate": Field(float, default=1.0, check=positive, low=0.0, low_open=True, high=MAX_RATE,
+                                  doc="the sweep's first rate"),
+        "sweep_factor": Field(float, default=2.0, low=1, low_open=True, high=100,
+                              doc="each step's rate is the last one's times this"),
+        "sweep_steps": Field(int, default=6, low=1, high=100, doc="the most steps a sweep takes"),
+        "sweep_max_error_rate": Field(float, default=0.05, low=0.0, high=1.0,
+                                      doc="stop after a step whose error rate passes this"),
+        "sweep_max_queue_delay_s": Field(float, default=1.0, low=0.0, low_open=True, high=86_400,
+                                         doc="stop after a step whose median TTFT exceeds the first step's by this"),
+        "slo_ttft_s": Field(float, check=positive, low=0.0, low_open=True, high=86_400,
+                            doc="SLO: time to first token, seconds"),
+        "slo_tpot_s": Field(float, check=positive, low=0.0, low_open=True, high=86_400,
+                            doc="SLO: time per output token after the first, seconds"),
+        "slo_e2e_s": Field(float, check=positive, low=0.0, low_open=True, high=86_400,
+                           doc="SLO: end-to-end latency, seconds"),
+        "metrics_interval_s": Field(float, default=1.0, low=0.0, high=3_600,
+                                    doc="seconds between readings of the server's /metrics during a group; 0 = off"),
     }
 
     def __init__(self, opts: dict[str, Any], ctx: TaskContext):
@@ -147,10 +204,39 @@ class SpeedTask(Task):
         self.seed = int(opts["seed"])
         self.sampling = {"temperature": float(opts["temperature"]), "top_p": opts.get("top_p"),
                          "top_k": opts.get("top_k"), "seed": self.seed}
+        self.arrival = str(opts["arrival"])
+        self.burstiness = float(opts["burstiness"])
+        self.requests = int(opts["requests"])
+        self.sweep = bool(opts["sweep"])
+        self.sweep_rule = {"max_error_rate": float(opts["sweep_max_error_rate"]),
+                           "max_queue_delay_s": float(opts["sweep_max_queue_delay_s"])}
+        self.rates = self._rates(opts)
+        self.slos = {k: float(opts[f"slo_{k}"]) for k in ("ttft_s", "tpot_s", "e2e_s")
+                     if opts.get(f"slo_{k}") is not None}
+        self.metrics_interval_s = float(opts["metrics_interval_s"])
+        self._sweep_state: dict[int, dict[str, Any]] = {}      # prompt length -> first median, stop
         self.index: HaystackIndex | None = None
         self._text: str | None = None
-        self._groups: dict[tuple[int, int], asyncio.Task] = {}
+        self._groups: dict[tuple, asyncio.Task] = {}
         self._group_lock: asyncio.Lock | None = None
+
+    def _rates(self, opts: dict[str, Any]) -> list[float]:
+        """The request rates of an open-loop task; [] for closed loop. Keys that do not fit the arrival
+        are refused naming the key, never ignored."""
+        given = [k for k in ("rate", "rates") if opts.get(k) is not None] + (["sweep"] if self.sweep else [])
+        if self.arrival == "closed":
+            if given:
+                raise ProfileError(f"speed: key {given[0]!r} needs arrival = \"poisson\" or \"gamma\" "
+                                   f"(arrival \"closed\" runs `clients` closed-loop clients)")
+            return []
+        if len(given) != 1:
+            raise ProfileError(f"speed: arrival {self.arrival!r} needs exactly one of 'rate', 'rates' or "
+                               f"sweep = true, got {', '.join(map(repr, given)) or 'none'}")
+        if self.sweep:
+            return sweep_rates(float(opts["sweep_start_rate"]), float(opts["sweep_factor"]),
+                               int(opts["sweep_steps"]))
+        rates = opts["rates"] if opts.get("rates") is not None else [opts["rate"]]
+        return [float(x) for x in dict.fromkeys(rates)]
 
     def needs(self, runner: Runner) -> set[str]:
         needs = {Capability.GENERATE, Capability.STREAM}
@@ -160,6 +246,13 @@ class SpeedTask(Task):
 
     def items(self) -> list[Item]:
         out = []
+        if self.rates:
+            for length in self.prompt_lengths:
+                for rate in self.rates:
+                    for i in range(self.requests):
+                        out.append(Item(f"speed/{length}/r{rate:g}/{i}",
+                                        {"prompt_length": length, "rate": rate, "request": i}))
+            return self._cut(out)
         for length in self.prompt_lengths:
             for n in self.clients:
                 for rep in range(self.repeats):
@@ -254,21 +347,118 @@ class SpeedTask(Task):
                 try:
                     rec = await self.measure(runner, prompt, n, concurrent=clients > 1)
                     rec.update(prompt_length=length, clients=clients, repeat=rep, client=c)
+                    if self.slos:
+                        rec.update(slo_fields(rec, self.slos))
                     results[item_id] = rec
                 except Exception as e:
                     results[item_id] = e
 
         before = await runner.server_metrics()      # server-side draft counters (vLLM), where kept
         _mark(self.ctx, "mixed" if clients > 1 else "idle", time.perf_counter())
-        await asyncio.gather(*(client_loop(c) for c in range(clients)))
+        t0 = time.perf_counter()
+        async with MetricsSampler(runner.server_metrics, self.metrics_interval_s if before else 0) as sampler:
+            await asyncio.gather(*(client_loop(c) for c in range(clients)))
+        duration = time.perf_counter() - t0
         _mark(self.ctx, "idle", time.perf_counter())
         group_spec = spec_decode_delta(before, await runner.server_metrics() if before else None)
-        if group_spec is not None:
-            for rec in results.values():
-                if isinstance(rec, dict):
+        group = {"arrival": "closed", "clients": clients, "duration_s": duration, "n_sent": len(results),
+                 **_goodput_fields(results, duration), "server": serving_summary(sampler.samples, self.metrics_interval_s)}
+        for rec in results.values():
+            if isinstance(rec, dict):
+                rec["group"] = group
+                if group_spec is not None:
                     rec["group_spec_decode"] = group_spec
         self._write_token_times(results)
+        self._write_samples(f"{length}/{clients}", sampler.samples)
         return results
+
+    async def run_rate_group(self, runner: Runner, length: int, rate: float) -> dict[str, dict[str, Any] | BaseException]:
+        """`requests` requests sent at `rate` per second on the arrival schedule, each as its own task.
+
+        The clock of the schedule starts after the prompts are built and the warm-up is done. A sweep
+        step after the one that met the stop rule is not sent: its records say `sweep_skipped`."""
+        ids = [f"speed/{length}/r{rate:g}/{i}" for i in range(self.requests)]
+        state = self._sweep_state.setdefault(length, {})
+        step = self.rates.index(rate)
+        if self.sweep and state.get("stopped"):
+            skipped = {"prompt_length": length, "arrival": self.arrival, "rate": rate, "sweep_step": step,
+                       "sweep_skipped": True, "sweep_stopped_at": state["stopped"]}
+            return {i: {**skipped, "request": n} for n, i in enumerate(ids)}
+        _mark(self.ctx, "prepare", time.perf_counter())
+        prompts = [await self.build_prompt(runner, load_prefix(self.seed, length, rate, i), length)
+                   for i in range(self.requests)]
+        _mark(self.ctx, "warmup", time.perf_counter())
+        for w in range(self.warmup):
+            prompt, n = await self.build_prompt(runner, load_prefix(self.seed + 1_000_003, length, rate, w), length)
+            try:
+                await self.measure(runner, prompt, n, concurrent=True)
+            except Exception:
+                pass
+        offsets = arrival_offsets(self.arrival, rate, self.requests, self.burstiness, self.seed)
+        results: dict[str, dict[str, Any] | BaseException] = {}
+        flight = {"now": 0, "max": 0}
+        t0 = 0.0
+
+        async def one(i: int) -> None:
+            await asyncio.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
+            sent = time.perf_counter() - t0
+            flight["now"] += 1
+            flight["max"] = max(flight["max"], flight["now"])
+            in_flight = flight["now"]
+            try:
+                prompt, n = prompts[i]
+                rec = await self.measure(runner, prompt, n, concurrent=True)
+                rec.update(prompt_length=length, arrival=self.arrival, rate=rate, request=i,
+                           scheduled_s=offsets[i], sent_s=sent, in_flight_at_send=in_flight)
+                if self.sweep:
+                    rec["sweep_step"] = step
+                if self.slos:
+                    rec.update(slo_fields(rec, self.slos))
+                results[ids[i]] = rec
+            except Exception as e:
+                results[ids[i]] = e
+            finally:
+                flight["now"] -= 1
+
+        _mark(self.ctx, "mixed", time.perf_counter())
+        async with MetricsSampler(runner.server_metrics, self.metrics_interval_s) as sampler:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(i) for i in range(self.requests)))
+            duration = time.perf_counter() - t0
+        _mark(self.ctx, "idle", time.perf_counter())
+        group: dict[str, Any] = {
+            "arrival": self.arrival, "rate": rate, "burstiness": self.burstiness if self.arrival == "gamma" else None,
+            "duration_s": duration, "n_sent": self.requests, "last_send_s": offsets[-1],
+            "max_in_flight": flight["max"], "client_concurrency": getattr(runner, "concurrency", None),
+            "slos": dict(self.slos), **_goodput_fields(results, duration),
+            "server": serving_summary(sampler.samples, self.metrics_interval_s)}
+        if self.sweep:
+            ok = [r for r in results.values() if isinstance(r, dict)]
+            reason, figures = sweep_stop(ok, self.requests, state.get("first_ttft_median"), **self.sweep_rule)
+            if step == 0:
+                state["first_ttft_median"] = figures["ttft_median_s"]
+            if reason:
+                state["stopped"] = f"rate {rate:g}: {reason}"
+            group["sweep"] = {"step": step, **figures, "stop": reason, "rule": dict(self.sweep_rule)}
+        for rec in results.values():
+            if isinstance(rec, dict):
+                rec["group"] = group
+        self._write_token_times(results)
+        self._write_samples(f"{length}/r{rate:g}", sampler.samples)
+        return results
+
+    def _write_samples(self, group: str, samples: list[tuple[float, dict[str, float]]]) -> None:
+        """Every /metrics reading of a group (the names the summary reads), beside items.jsonl."""
+        if self.ctx.run_dir is None or not samples:
+            return
+        from moebench.runners.metrics import GAUGES, HIT_COUNTERS, HIT_GAUGES, PREEMPTION_COUNTERS
+        wanted = {n for names in GAUGES.values() for n in names} | {n for h, d, _ in HIT_COUNTERS for n in (h, d)} \
+            | set(HIT_GAUGES) | set(PREEMPTION_COUNTERS)
+        path = Path(self.ctx.run_dir) / SERVER_METRICS_FILE
+        with open_append(path) as f:
+            for t, reading in samples:
+                row = {"group": group, "t_s": t, "values": {k: v for k, v in reading.items() if k in wanted}}
+                f.write((jsonout.dumps(row) + "\n").encode("utf-8"))
 
     def _write_token_times(self, results: dict[str, Any]) -> None:
         """Per-token arrival times go beside items.jsonl (bulk data), not into the records."""
@@ -288,14 +478,17 @@ class SpeedTask(Task):
 
         Groups run one at a time whatever the executor's concurrency, so lengths never overlap.
         """
-        key = (item.data["prompt_length"], item.data["clients"])
+        open_loop = "rate" in item.data
+        key = (item.data["prompt_length"], item.data["rate"] if open_loop else item.data["clients"], open_loop)
         if self._group_lock is None:
             self._group_lock = asyncio.Lock()
         if key not in self._groups:
             async def guarded() -> dict[str, Any]:
                 assert self._group_lock is not None
                 async with self._group_lock:
-                    return await self.run_group(runner, *key)
+                    if open_loop:
+                        return await self.run_rate_group(runner, key[0], key[1])
+                    return await self.run_group(runner, key[0], key[1])
             self._groups[key] = asyncio.ensure_future(guarded())
         results = await self._groups[key]
         rec = results.get(item.item_id)
@@ -312,7 +505,16 @@ class SpeedTask(Task):
                 "n_errors": sum(1 for r in records if r.get("status") == "error"),
                 "n_prompt_tokens_flagged": count_flagged(records),
                 "sampling": dict(self.sampling),
-                "by_prompt_length": summarize_speed(ok, times)}
+                "by_prompt_length": summarize_speed(ok, times),
+                **({"load": summarize_load(records)} if self.rates else {})}
+
+
+def _goodput_fields(results: dict[str, Any], duration: float) -> dict[str, Any]:
+    """The group's goodput as measured (requests that finished within every SLO per second of its wall
+    time; without SLOs every finished request counts) and the share of requests sent that made it."""
+    met = sum(1 for r in results.values() if isinstance(r, dict) and r.get("slo_met", True))
+    return {"goodput": met / duration if duration > 0 else None,
+            "slo_met_share": met / len(results) if results else None}
 
 
 # --- probe plumbing -------------------------------------------------------------------------------

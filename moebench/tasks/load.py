@@ -1,0 +1,109 @@
+"""Open-loop load for the speed task: request arrival schedules, SLO checks, the /metrics sampler that
+runs beside a group, and the sweep's stop rule.
+
+Arrivals (as vLLM's `bench serve`): "poisson" sends at exponentially distributed gaps with mean
+1/rate; "gamma" draws the gaps from a gamma distribution with shape `burstiness` and scale
+1/(rate * burstiness), so the mean rate is the same and burstiness < 1 is burstier, > 1 steadier
+(burstiness 1 is Poisson). Requests are sent on that schedule whether or not earlier ones finished.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from typing import Any, Awaitable, Callable
+
+ARRIVALS = ("closed", "poisson", "gamma")
+
+
+def arrival_offsets(arrival: str, rate: float, n: int, burstiness: float, seed: int) -> list[float]:
+    """Send times (seconds from the group start) of n requests; the first is sent at 0.
+
+    Seeded by (seed, arrival, rate), so a candidate and its baseline get the same schedule."""
+    if arrival not in ("poisson", "gamma"):
+        raise ValueError(f"arrival {arrival!r} has no schedule (poisson or gamma)")
+    rng = random.Random(f"arrivals:{seed}:{arrival}:{rate!r}:{burstiness!r}")
+    out, t = [], 0.0
+    for i in range(n):
+        out.append(t)
+        if arrival == "poisson":
+            t += rng.expovariate(rate)
+        else:
+            t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return out
+
+
+def slo_fields(rec: dict[str, Any], slos: dict[str, float]) -> dict[str, Any]:
+    """Which SLOs a measured request met: `slo_met` is True only when it met every one that is set.
+
+    slos: {"ttft_s": limit, "tpot_s": limit, "e2e_s": limit} (those set). TPOT is seconds per output
+    token after the first, as compare.speed.tpot."""
+    from moebench.compare.speed import tpot
+    values = {"ttft_s": rec.get("ttft_s"), "tpot_s": tpot(rec), "e2e_s": rec.get("e2e_s")}
+    met = {k: (values[k] is not None and values[k] <= limit) for k, limit in slos.items()}
+    return {"slo": {f"{k}_met": v for k, v in met.items()}, "slo_met": all(met.values())}
+
+
+class MetricsSampler:
+    """Reads the server's /metrics every `interval_s` while a group runs (one reading before the group's
+    first request, one after its last reply, and one per interval between)."""
+
+    def __init__(self, read: Callable[[], Awaitable[dict[str, float] | None]], interval_s: float):
+        self.read, self.interval_s = read, interval_s
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._task: asyncio.Task | None = None
+        self._t0 = 0.0
+
+    async def _take(self) -> bool:
+        try:
+            reading = await self.read()
+        except Exception:            # a metrics page that fails is no measurement failure
+            reading = None
+        if reading:
+            self.samples.append((time.perf_counter() - self._t0, reading))
+        return reading is not None
+
+    async def __aenter__(self) -> "MetricsSampler":
+        self._t0 = time.perf_counter()
+        if self.interval_s > 0 and await self._take():     # a server without /metrics: no sampling loop
+            self._task = asyncio.ensure_future(self._loop())
+        return self
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self._take()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            await self._take()
+
+
+def sweep_rates(start: float, factor: float, steps: int) -> list[float]:
+    return [round(start * factor ** k, 6) for k in range(steps)]
+
+
+def sweep_stop(step_records: list[dict[str, Any]], n_sent: int, first_ttft_median: float | None,
+               max_error_rate: float, max_queue_delay_s: float) -> tuple[str | None, dict[str, Any]]:
+    """The sweep's stop rule for one finished step: (reason or None, the figures it judged).
+
+    Stop when the step's error rate (errors / requests sent) passes `max_error_rate`, or when its
+    queueing delay, the median TTFT at this rate minus the median TTFT of the sweep's first (lowest)
+    rate, passes `max_queue_delay_s`: waiting in the server's queue shows up in TTFT."""
+    ok = [r for r in step_records if r.get("ttft_s") is not None]
+    errors = n_sent - len(ok)
+    error_rate = errors / n_sent if n_sent else 0.0
+    median = statistics.median(r["ttft_s"] for r in ok) if ok else None
+    delay = (median - first_ttft_median) if median is not None and first_ttft_median is not None else None
+    figures = {"error_rate": error_rate, "ttft_median_s": median, "queue_delay_s": delay}
+    if error_rate > max_error_rate:
+        return f"error rate {error_rate:.3g} > sweep_max_error_rate {max_error_rate:g}", figures
+    if delay is not None and delay > max_queue_delay_s:
+        return f"queueing delay {delay:.3g} s > sweep_max_queue_delay_s {max_queue_delay_s:g}", figures
+    return None, figures
