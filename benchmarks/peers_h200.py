@@ -38,10 +38,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+# The zoo's GPT-2 tokenizer and config (stage-source copies them into the carried folder).
 ZOO_TOKENIZER = ROOT / "models" / "zoo" / "tiny-moe"
+if not (ZOO_TOKENIZER / "config.json").is_file():
+    ZOO_TOKENIZER = ROOT / ".peers" / "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
-# Qwen3-30B-A3B's shape (its config.json); `experts` is chosen to fit the disk.
+# Qwen3-30B-A3B's shape (its config.json); layers and experts are cut to what the disk holds (SHAPE_CHOICES).
 QWEN3_30B_A3B = dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                      head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                      vocab_size=151936)
@@ -124,6 +127,9 @@ def stage_source(to: Path) -> None:
     with tarfile.open(to / "llama-src.tar.gz", "w:gz", compresslevel=6) as tar:
         tar.add(src, arcname="llama.cpp", filter=keep)
     shutil.copy2(llamacpp.bin_dir(cuda=False) / "llama-quantize", to / "llama-quantize")
+    (to / "tokenizer").mkdir(exist_ok=True)
+    for f in ("config.json", *TOKENIZER_FILES):
+        shutil.copy2(ROOT / "models" / "zoo" / "tiny-moe" / f, to / "tokenizer" / f)
     data = Path(os.environ.get("MOEBENCH_DATA_DIR", ROOT.parent / "shared" / "datasets"))
     (to / "datasets").mkdir(exist_ok=True)
     for f in ("SHA256SUMS", "README.md"):
@@ -164,7 +170,8 @@ def pick_shape(candidates: list[Path], small: bool) -> tuple[Path, dict[str, int
     for c in candidates:
         try:
             c.mkdir(parents=True, exist_ok=True)
-            free[c] = shutil.disk_usage(c).free
+            # A RAM-backed folder keeps 48 GB of memory for the processes that load the models.
+            free[c] = shutil.disk_usage(c).free - (48e9 if str(c).startswith("/dev/shm") else 0)
         except OSError as e:
             log(f"{c}: not usable ({e})")
     for layers, experts in SHAPE_CHOICES:
