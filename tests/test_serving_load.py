@@ -331,3 +331,16 @@ def test_poisson_load_against_llama_server_with_metrics(tmp_path):
     print("\nllama-server: " + "; ".join(
         f"{rate:g} req/s queue max {g['server']['queue_length']['max']:g}, running max {g['server']['running']['max']:g}"
         for rate, g in sorted({r['rate']: r['group'] for r in items}.items())))
+
+
+def test_goodput_interval_holds_the_ratio_when_a_side_met_none_or_all():
+    """Haldane's half-request correction moves the interval's centre; it must still hold the measured
+    ratio: 0 where the candidate met no SLO, 2 where it met all against half."""
+    from moebench.compare.load import goodput_ratio_ci
+    base = {"duration_s": 2.0, "n_sent": 8, "slo_met_share": 0.5}
+    lo, hi = goodput_ratio_ci(base, {"duration_s": 2.0, "n_sent": 8, "slo_met_share": 0.0})
+    assert lo == 0.0 and hi > 0.5
+    lo, hi = goodput_ratio_ci(base, {"duration_s": 2.0, "n_sent": 8, "slo_met_share": 1.0})
+    assert lo <= 2.0 <= hi and lo > 0.5
+    lo, hi = goodput_ratio_ci(base, {"duration_s": 2.0, "n_sent": 8, "slo_met_share": 0.75})
+    assert lo < 1.5 < hi

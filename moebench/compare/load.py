@@ -24,7 +24,7 @@ from moebench.compare.speed import _stats, tpot
 TAIL_CONFIDENCE = 0.99
 LOAD_METRICS = ("ttft_s", "tpot_s", "e2e_s")
 GOODPUT_INTERVAL = ("95% Katz log interval of the ratio of the shares meeting every SLO (binomial; half a "
-                    "request added where a side met none or all), times the ratio of requests sent per "
+                    "request added where a side met none or all, and 0 as its lower end where the candidate met none), times the ratio of requests sent per "
                     "second of wall time, which is taken as measured")
 
 
@@ -140,12 +140,21 @@ def goodput_ratio_ci(base_row: dict[str, Any], cand_row: dict[str, Any], z: floa
     a = round((cand_row.get("slo_met_share") or 0.0) * n1)
     if n0 <= 0 or n1 <= 0:
         return None
+    scale = (cand_row["n_sent"] / cand_row["duration_s"]) / (base_row["n_sent"] / base_row["duration_s"])
+    point = (a / n1) / (b / n0) * scale if b else None
+    met_none = a == 0
     if a in (0, n1) or b in (0, n0):
         a, b, n0, n1 = a + 0.5, b + 0.5, n0 + 1, n1 + 1
     ratio = (a / n1) / (b / n0)
     half = z * math.sqrt(1 / a - 1 / n1 + 1 / b - 1 / n0)
-    scale = (cand_row["n_sent"] / cand_row["duration_s"]) / (base_row["n_sent"] / base_row["duration_s"])
-    return ratio * math.exp(-half) * scale, ratio * math.exp(half) * scale
+    lo, hi = ratio * math.exp(-half) * scale, ratio * math.exp(half) * scale
+    # The corrected counts move the centre: a candidate that met no SLO has goodput ratio 0, which the
+    # interval must hold (its lower end is 0), and the interval always holds the measured ratio.
+    if met_none:
+        lo = 0.0
+    if point is not None:
+        lo, hi = min(lo, point), max(hi, point)
+    return lo, hi
 
 
 def load_compare(base_records: list[dict[str, Any]], cand_records: list[dict[str, Any]],
