@@ -1,6 +1,7 @@
 """moebench: benchmark and evaluate compressed Mixture-of-Experts runtimes (a thin shell over moebench.api).
 
-Exit codes: 0 ok, 1 a failed gate or a failed run, 2 bad usage or bad input.
+Exit codes: 0 ok, 1 a failed gate or a failed run, 2 bad usage or bad input, 3 a gate with
+inconclusive rules and no failure.
 """
 from __future__ import annotations
 
@@ -110,7 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("path", help="a run directory (manifest.json) or a compare directory (compare.json)")
     rp.add_argument("--out", help="output HTML file (default: report.html inside the directory)")
 
-    g = _command(sub, "gate", "check a compare directory against rules; exit 0 pass, 1 a rule failed, 2 bad input",
+    g = _command(sub, "gate", "check a compare directory against rules; exit 0 pass, 1 a rule failed, 2 bad input, "
+                              "3 inconclusive (no rule failed, one could not be judged: too few samples, an "
+                              "interval straddling the limit; [gate] on_inconclusive maps it to 0 or 1)",
                  "moebench gate results/cmp --rules gates/example.toml\n"
                  "moebench gate results/cmp --rules gates/example.toml --json")
     g.add_argument("compare_dir", help="compare directory (compare.json); summary.md and junit.xml are written there")

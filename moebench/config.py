@@ -66,6 +66,13 @@ def _bound_problem(value: Any, spec: Field) -> str | None:
     return f"must be {bounds_text(spec)}" if too_low or too_high else None
 
 
+def did_you_mean(word: str, known: Any) -> str:
+    """" (did you mean 'x'?)" naming the nearest known word, or "" where none is close."""
+    import difflib
+    close = difflib.get_close_matches(word, [str(k) for k in known], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _type_name(t: type | tuple[type, ...]) -> str:
     ts = t if isinstance(t, tuple) else (t,)
     names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
@@ -93,7 +100,7 @@ def validate(table: dict[str, Any], schema: dict[str, Field], where: str) -> dic
     unknown = sorted(set(table) - set(schema))
     if unknown:
         raise ProfileError(
-            f"{where}: unknown key {unknown[0]!r}"
+            f"{where}: unknown key {unknown[0]!r}{did_you_mean(unknown[0], schema)}"
             + (f" (and {', '.join(map(repr, unknown[1:]))})" if len(unknown) > 1 else "")
             + f"; allowed keys: {', '.join(sorted(schema))}"
         )
@@ -119,6 +126,7 @@ def validate(table: dict[str, Any], schema: dict[str, Field], where: str) -> dic
         if spec.choices is not None and value not in spec.choices:
             raise ProfileError(
                 f"{where}: key {key!r} must be one of {', '.join(map(repr, spec.choices))}, got {value!r}"
+                + (did_you_mean(value, spec.choices) if isinstance(value, str) else "")
             )
         # A list's bound holds for each item; NaN and infinity are refused first, as no check
         # below is written for them (NaN > 0 is False, inf passes "positive").
@@ -184,9 +192,17 @@ def resolve_profile_path(name_or_path: str, folder: str) -> Path:
     for c in candidates:
         if c.is_file():
             return c
+    names = available_profiles(folder)
     raise ProfileError(
-        f"profile {name_or_path!r} not found (looked for {', '.join(str(c) for c in candidates)})"
+        f"profile {name_or_path!r} not found{did_you_mean(name_or_path, names)} (looked for "
+        f"{', '.join(str(c) for c in candidates)}); available {folder}: {', '.join(names) or 'none'}"
     )
+
+
+def available_profiles(folder: str) -> list[str]:
+    """The short names a bare profile name can take: ./<folder>/*.toml and the checkout's shipped ones."""
+    names = {p.stem for d in (Path(folder), repo_root() / folder) if d.is_dir() for p in d.glob("*.toml")}
+    return sorted(names)
 
 
 def repo_root() -> Path:
@@ -264,6 +280,7 @@ def load_suite(path: str | os.PathLike[str], task_schemas: dict[str, dict[str, F
         if kind not in task_schemas:
             raise ProfileError(
                 f"{where}: key 'task' must be one of {', '.join(map(repr, sorted(task_schemas)))}, got {kind!r}"
+                + (did_you_mean(kind, task_schemas) if isinstance(kind, str) else "")
             )
         tasks.append(validate(entry, {**COMMON_TASK_SCHEMA, **task_schemas[kind]}, where))
     names = [t.get("name", t["task"]) for t in tasks]
@@ -303,6 +320,7 @@ def load_runner(path: str | os.PathLike[str], runner_schemas: dict[str, dict[str
     if kind not in runner_schemas:
         raise ProfileError(
             f"{p}: key 'kind' must be one of {', '.join(map(repr, sorted(runner_schemas)))}, got {kind!r}"
+            + (did_you_mean(kind, runner_schemas) if isinstance(kind, str) else "")
         )
     found = literal_secrets(raw)
     if found:
