@@ -40,6 +40,9 @@ class Field:
     low: float | None = None
     high: float | None = None
     low_open: bool = False                               # low itself not allowed (a timeout of 0)
+    # A local path (what it names, e.g. "GGUF file"): a relative one resolves against the profile's
+    # folder first (resolve_profile_paths); a required one that exists nowhere is refused naming each try.
+    path: str = ""
 
 
 def _num(x: float) -> str:
@@ -313,6 +316,43 @@ class RunnerProfile:
         return {"kind": self.kind, "name": self.name, "path": self.path, **redact(self.settings)}
 
 
+def path_bases(profile: Path) -> list[Path]:
+    """Where a relative path in a profile is looked for, in order: the profile's folder; for a profile
+    in a runners/ folder (the shipped ones, ./runners/NAME.toml) the folder above, whose paths the shipped
+    profiles are written against; then the working directory."""
+    folder = profile.resolve().parent
+    bases = [folder] + ([folder.parent] if folder.name == "runners" else []) + [Path.cwd()]
+    return list(dict.fromkeys(bases))
+
+
+def resolve_profile_paths(raw: dict[str, Any], schema: dict[str, Field], profile: Path) -> dict[str, Any]:
+    """`raw` with each relative path key (Field.path) pointing at the first base where it exists, so a
+    profile works from any working directory. A path that is also right from the working directory
+    keeps its text as written. A required path found nowhere is refused, naming every place tried;
+    an optional one (a binary name, a tokenizer) stays as written for its runner to look up."""
+    out = dict(raw)
+    for key, spec in schema.items():
+        value = raw.get(key)
+        if not spec.path or not isinstance(value, str) or not value:
+            continue
+        p = Path(value).expanduser()
+        if p.is_absolute():
+            continue
+        if key == "binary" and os.sep not in value:
+            continue                        # a bare name: the tool cache, then PATH
+        tried = [base / p for base in path_bases(profile)]
+        found = next((t for t in tried if t.exists()), None)
+        if found is not None:
+            same = (Path.cwd() / p).exists() and (Path.cwd() / p).resolve() == found.resolve()
+            out[key] = value if same else str(found)
+        elif spec.required:
+            raise ProfileError(f"{profile}: key {key!r} must name an existing {spec.path} (not found: tried "
+                               f"{', '.join(str(t) for t in tried)}; a relative path resolves against the "
+                               "profile's folder, the checkout for a profile in runners/, then the working "
+                               "directory)")
+    return out
+
+
 def load_runner(path: str | os.PathLike[str], runner_schemas: dict[str, dict[str, Field]]) -> RunnerProfile:
     p = Path(path)
     raw = load_toml(p)
@@ -329,8 +369,8 @@ def load_runner(path: str | os.PathLike[str], runner_schemas: dict[str, dict[str
                            + ": secrets never live in files; put the value in an environment variable "
                            "(api_key_env = \"VARNAME\" for the HTTP runner's key; a llama-server inherits "
                            "moebench's environment)")
-    settings = validate(raw, {**COMMON_RUNNER_SCHEMA, **runner_schemas[kind]}, str(p))
-    # Relative model/binary paths in a profile are relative to the working directory (the repo root).
+    schema = {**COMMON_RUNNER_SCHEMA, **runner_schemas[kind]}
+    settings = validate(resolve_profile_paths(raw, schema, p), schema, str(p))
     name = settings.pop("name", None) or p.stem
     settings.pop("kind")
     return RunnerProfile(kind=kind, name=name, path=str(p), settings=settings)

@@ -63,3 +63,73 @@ def test_gate_rule_typo_suggests_the_rule(tmp_path):
     g.write_text("[gsm8k]\nmax_loses = 2\n")
     with pytest.raises(ProfileError, match=r"unknown key 'max_loses' \(did you mean 'max_losses'\?\)"):
         load_rules(g)
+
+
+def _serve(args: list[str], cwd: Path):
+    import os
+    import re
+    import subprocess
+    import sys
+    import time
+    proc = subprocess.Popen([sys.executable, "-m", "moebench.cli", "serve", *args, "--port", "0"], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    lines, url = [], None
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        m = re.search(r"serving \S+ \(\w[\w-]*\) on (\S+)", line)
+        if m:
+            url = m.group(1).rstrip("/")
+            break
+    return proc, url, lines
+
+
+def test_shipped_engine_profile_serves_from_another_folder(tmp_path, zoo):
+    """`moebench serve --runner engine-bf16` from a folder outside the checkout: the shipped profile's
+    model path resolves against the checkout, not the caller's working directory."""
+    import httpx
+    proc, url, lines = _serve(["--runner", "engine-bf16"], tmp_path)
+    try:
+        assert url, "".join(lines)
+        r = httpx.post(url + "/completions", json={"prompt": "Natalia sold clips to", "max_tokens": 4,
+                                                   "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_relative_paths_resolve_against_the_profile_folder_and_name_every_try(tmp_path, zoo):
+    elsewhere = tmp_path / "else" / "where"       # "../models" from here is no folder
+    elsewhere.mkdir(parents=True)
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "models").symlink_to(zoo)
+    prof = tmp_path / "profiles" / "mine.toml"
+    prof.write_text('kind = "engine"\nmodel = "../models/tiny-moe"\n')
+    import os
+    old = os.getcwd()
+    os.chdir(elsewhere)
+    try:
+        r = load_runner(prof, runner_schemas())
+        assert Path(r.settings["model"]) == tmp_path / "profiles" / ".." / "models" / "tiny-moe"
+        assert (Path(r.settings["model"]) / "config.json").is_file()
+        # shipped llama-server profile: the GGUF resolves against the checkout
+        r = load_runner(REPO / "runners" / "llama-q4_0.toml", runner_schemas())
+        assert Path(r.settings["model"]).resolve() == (REPO / "models" / "zoo" / "tiny-moe-q4_0.gguf").resolve()
+        prof.write_text('kind = "engine"\nmodel = "models/zoo/nope"\n')
+        with pytest.raises(ProfileError) as e:
+            load_runner(prof, runner_schemas())
+        msg = str(e.value)
+        assert "key 'model' must name an existing checkpoint directory (not found: tried" in msg
+        for base in (tmp_path / "profiles", elsewhere):
+            assert str(base / "models" / "zoo" / "nope") in msg, msg
+        assert "zoo build" not in msg      # its advice would build a second zoo in the wrong place
+    finally:
+        os.chdir(old)
+    # from the checkout the text stays as written (the manifest keeps what the profile says)
+    r = load_runner(REPO / "runners" / "engine-bf16.toml", runner_schemas())
+    assert r.settings["model"] == "models/zoo/tiny-moe"

@@ -22,7 +22,8 @@ def _true_false_auto(value: Any) -> str | None:
 
 
 SCHEMA: dict[str, Field] = {
-    "model": Field(str, required=True, doc="a Hugging Face checkpoint directory or a packed tiered artifact"),
+    "model": Field(str, required=True, path="checkpoint directory",
+                   doc="a Hugging Face checkpoint directory or a packed tiered artifact"),
     "dtype": Field(str, default="bfloat16", choices=("auto", "float32", "bfloat16", "float16"),
                    doc="auto: float32 on the CPU (exact for bf16 weights, and faster there), bfloat16 on CUDA"),
     "device": Field(str, default="auto", doc="auto | cpu | cuda | cuda:N"),

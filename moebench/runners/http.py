@@ -89,7 +89,7 @@ SCHEMA: dict[str, Field] = {
                                 doc="hard cap on one response's size (the bound from max_tokens is usually lower)"),
     "tokenize": Field(str, default="none", choices=("none", "llama-server", "vllm"),
                       doc="the server's own /tokenize beside /v1: llama-server's {content} or vLLM's {prompt} form"),
-    "tokenizer": Field(str, doc="a local tokenizer (HF folder, tokenizer.json or GGUF) where the server has no "
+    "tokenizer": Field(str, path="tokenizer", doc="a local tokenizer (HF folder, tokenizer.json or GGUF) where the server has no "
                                 "usable /tokenize; also maps echoed token text to ids"),
     "prompt_logprobs": Field(str, default="none", choices=prompt_lp.MODES,
                              doc="how the server returns prompt log-probs (KLD): vLLM's prompt_logprobs field, "

@@ -63,9 +63,9 @@ def _env_problem(value: Any) -> str | None:
 
 
 SCHEMA: dict[str, Field] = {
-    "binary": Field(str, default="llama-server",
+    "binary": Field(str, default="llama-server", path="llama-server binary",
                     doc="a path, or a name found in the moebench tool cache or on PATH"),
-    "model": Field(str, required=True, check=_model_file_problem, doc="the GGUF file to serve"),
+    "model": Field(str, required=True, check=_model_file_problem, path="GGUF file", doc="the GGUF file to serve"),
     "args": Field(list, default=list, item_type=str, doc="extra llama-server arguments, e.g. ['-c', '8192']"),
     "host": Field(str, default="127.0.0.1"),
     "port": Field(int, default=0, check=non_negative, low=0, high=65_535, doc="0 picks a free port"),
