@@ -53,7 +53,10 @@ RUNNER_HELP = "runner profile: a name under runners/ (engine-bf16, http) or a pa
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moebench", description=__doc__.splitlines()[0], formatter_class=_HelpFormatter,
-                                epilog="examples:\n  moebench demo\n  moebench run smoke --runner http --label cand\n"
+                                epilog="examples:\n  moebench demo\n"
+                                       "  moebench serve --runner engine-bf16 --port 8000 &   # then, from "
+                                       "another shell:\n"
+                                       "  moebench run smoke --runner serve --label served\n"
                                        "  moebench <command> --help")
     p.add_argument("--version", action="version", version=f"moebench {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -239,10 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     from moebench.config import ProfileError
     from moebench.datasets import DatasetError
     from moebench.runners.base import CapabilityError
+    from moebench.scoring.kld_runs import KldError
     from moebench.store import StoreError
     try:
         return _dispatch(args)
-    except (api.UsageError, ProfileError, DatasetError, StoreError, CapabilityError, FileNotFoundError) as e:
+    except (api.UsageError, ProfileError, DatasetError, StoreError, CapabilityError, KldError,
+            FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:

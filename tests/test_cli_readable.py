@@ -133,3 +133,62 @@ def test_relative_paths_resolve_against_the_profile_folder_and_name_every_try(tm
     # from the checkout the text stays as written (the manifest keeps what the profile says)
     r = load_runner(REPO / "runners" / "engine-bf16.toml", runner_schemas())
     assert r.settings["model"] == "models/zoo/tiny-moe"
+
+
+def test_http_profile_names_the_keys_that_add_a_missing_capability(tmp_path):
+    """The shipped `http` profile cannot run the smoke suite's KLD: the error says which profile keys
+    would add prompt_logprobs and tokenize, before anything starts."""
+    proc = moebench_cli("run", "smoke", "--runner", "http", "--limit", "1", "--out", str(tmp_path / "run"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    err = proc.stderr
+    assert "task 'kld' needs prompt_logprobs, tokenize" in err
+    assert "Profile keys that would add them to" in err and "http.toml" in err
+    assert 'prompt_logprobs = "vllm" | "echo" | "sglang"' in err and 'tokenize = "vllm"' in err
+    assert 'tokenizer = "PATH"' in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_serve_profile_runs_the_smoke_suite_and_vocabularies_are_checked_before_any_work(tmp_path, zoo):
+    """runners/serve.toml against `moebench serve --runner engine-bf16` runs the whole smoke suite (KLD
+    included, recorded as a baseline with its vocabulary size). An engine candidate measures KLD against
+    it; against a served baseline that recorded no vocabulary size it is refused before any work, with
+    no Python None in the message."""
+    import json
+    proc, url, lines = _serve(["--runner", "engine-bf16"], tmp_path)
+    try:
+        assert url, "".join(lines)
+        text = (REPO / "runners" / "serve.toml").read_text().replace("http://127.0.0.1:8000/v1", url)
+        profile = tmp_path / "served.toml"
+        profile.write_text(text.replace('tokenizer = "models/zoo/tiny-moe"', f'tokenizer = "{zoo / "tiny-moe"}"'))
+        base = tmp_path / "base"
+        run = moebench_cli("run", "smoke", "--runner", str(profile), "--limit", "1", "--out", str(base))
+        assert run.returncode == 0, run.stderr
+        manifest = json.loads((base / "manifest.json").read_text())
+        assert manifest["status"] == "complete" and set(manifest["summary"]) == {"gsm8k", "cmmlu", "humaneval", "kld"}
+        meta = json.loads(next(base.rglob("meta.json")).read_text())
+        assert meta["n_vocab"] == 50257 and meta["runner_kind"] == "http"
+        kld_suite = tmp_path / "kld.toml"
+        kld_suite.write_text('name = "kld1"\n[[tasks]]\ntask = "kld"\ncontext = 512\nchunks = 1\n'
+                             '[probes]\nnvml = false\n')
+        # a served baseline whose profile names no tokenizer records no vocabulary size
+        bare = tmp_path / "bare.toml"
+        bare.write_text("\n".join(ln for ln in text.splitlines() if not ln.startswith("tokenizer")))
+        base_bare = tmp_path / "base-bare"
+        run = moebench_cli("run", str(kld_suite), "--runner", str(bare), "--as-baseline", "--out", str(base_bare))
+        assert run.returncode == 0, run.stderr
+        # an engine candidate: measured against the first, refused before any work against the second
+        cand = tmp_path / "cand"
+        run = moebench_cli("run", str(kld_suite), "--runner", "engine-bf16", "--baseline", str(base_bare),
+                           "--out", str(cand))
+        assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+        assert f"baseline {base_bare} recorded no vocabulary size" in run.stderr
+        assert "50,257 tokens" in run.stderr and "None" not in run.stderr
+        assert not cand.exists()
+        run = moebench_cli("run", str(kld_suite), "--runner", "engine-bf16", "--baseline", str(base),
+                           "--out", str(cand))
+        assert run.returncode == 0, run.stderr
+        kld = json.loads((cand / "manifest.json").read_text())["summary"]["kld"]["kld"]
+        assert kld["n_tokens"] > 0 and kld["mean"] < 1e-3, kld    # the same model on both sides
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -339,6 +339,13 @@ class EngineRunner(Runner):
     def vocab_size(self) -> int | None:
         return self._eng().vocab_size
 
+    def declared_vocab_size(self) -> int | None:
+        try:
+            v = json.loads((self.model_path / "config.json").read_text(encoding="utf-8")).get("vocab_size")
+        except (OSError, ValueError):
+            return None
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
     def num_experts(self) -> int | None:
         return getattr(self._eng().config, "num_experts", None)
 

@@ -109,6 +109,14 @@ SCHEMA: dict[str, Field] = {
 
 class HttpRunner(Runner):
     kind = "http"
+    capability_keys = {
+        Capability.PROMPT_LOGPROBS: 'prompt_logprobs = "vllm" | "echo" | "sglang" (the server\'s form; '
+                                    '`moebench serve` takes "echo")',
+        Capability.TOKENIZE: 'tokenize = "vllm" | "llama-server" (the server\'s /tokenize; `moebench serve` '
+                             'has the vllm form) or tokenizer = "PATH" (a local HF folder, tokenizer.json or GGUF)',
+        Capability.TOKEN_PROMPTS: "token_prompts = true (the server takes token-id prompts)",
+        Capability.PROMPT_LOGPROB_IDS: 'prompt_logprob_ids = true (with prompt_logprobs = "sglang")',
+    }
 
     def __init__(self, profile: dict[str, Any], profile_path: str | None = None):
         super().__init__(profile, profile_path)
@@ -462,6 +470,9 @@ class HttpRunner(Runner):
 
     def vocab_size(self) -> int | None:
         return self.local_tokenizer.vocab_size if self.local_tokenizer is not None else None
+
+    def declared_vocab_size(self) -> int | None:
+        return self.vocab_size()
 
     def bos_policy(self) -> tuple[bool, int | None]:
         tok = self.local_tokenizer
