@@ -410,22 +410,28 @@ def _print_run_summary(run_dir: Path) -> None:
 def _summary_line(task: str, s: dict, m: dict) -> str:
     """One line per task; KLD has no accuracy, so its line gives what it measured (or recorded)."""
     if s.get("role") in ("baseline", "candidate"):
-        head = f"{task}: n={s.get('n')} chunks={s.get('n_chunks')} errors={s.get('n_errors')}"
+        head = (f"{task}: n={_shown(s.get('n'))} chunks={_shown(s.get('n_chunks'))} "
+                f"errors={_shown(s.get('n_errors'))}")
         if s["role"] == "baseline":
             ppl = s.get("ppl")
             return (f"{head} role=baseline (recorded for candidates to measure against; no KLD measured) "
-                    f"tokens={s.get('n_tokens')} ppl={'-' if ppl is None else f'{ppl:.6g}'}")
+                    f"tokens={_shown(s.get('n_tokens'))} ppl={'-' if ppl is None else f'{ppl:.6g}'}")
         k = s.get("kld") if isinstance(s.get("kld"), dict) else {}
         fig = lambda key: "-" if not isinstance(k.get(key), (int, float)) else f"{k[key]:.6g}"  # noqa: E731
         est = k.get("estimate") if isinstance(k.get("estimate"), dict) else {}
         bound = f" (a top-{est.get('k')} lower bound)" if est.get("lower_bound") else ""
-        return (f"{head} role=candidate against {m.get('baseline_run')}: tokens={k.get('n_tokens')} "
+        return (f"{head} role=candidate against {m.get('baseline_run')}: tokens={_shown(k.get('n_tokens'))} "
                 f"kld_mean={fig('mean')}{bound} p99={fig('p99')} max={fig('max')} same_top_p={fig('same_top_p')} "
                 f"ppl_ratio={fig('ppl_ratio')}" + (f" error={k['error']}" if k.get("error") else ""))
     acc = s.get("accuracy")
     acc_s = "-" if acc is None else f"{100 * acc:.1f}%"
-    return (f"{task}: n={s.get('n')} scored={s.get('n_scored')} correct={s.get('n_correct')} "
-            f"accuracy={acc_s} errors={s.get('n_errors')}")
+    return (f"{task}: n={_shown(s.get('n'))} scored={_shown(s.get('n_scored'))} "
+            f"correct={_shown(s.get('n_correct'))} accuracy={acc_s} errors={_shown(s.get('n_errors'))}")
+
+
+def _shown(v) -> str:
+    """A summary figure as text; one not measured is "-", never Python's None."""
+    return "-" if v is None else str(v)
 
 
 if __name__ == "__main__":

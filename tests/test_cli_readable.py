@@ -192,3 +192,59 @@ def test_serve_profile_runs_the_smoke_suite_and_vocabularies_are_checked_before_
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_start_up_says_what_it_is_doing_with_elapsed_time(tmp_path, data_dir):
+    """The engine's ~15 s start-up: a line before the runner is checked, one before the model loads, one
+    when it is ready, one before the first item; each with seconds since the run began, in order."""
+    import re
+    suite = tmp_path / "one.toml"
+    suite.write_text('name = "one"\n[[tasks]]\ntask = "gsm8k"\nlimit = 1\nmax_tokens = 8\n[probes]\nnvml = false\n')
+    proc = moebench_cli("run", str(suite), "--runner", "engine-bf16", "--out", str(tmp_path / "run"), cwd=tmp_path,
+                        env={"PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    timed = [(float(m.group(1)), m.group(2)) for m in (re.match(r"\[\s*([\d.]+)s\] (.*)", ln) for ln in lines) if m]
+    texts = [t for _, t in timed]
+    assert len(timed) == 4, lines
+    assert texts[0].startswith("suite one, runner engine-bf16 (engine), run directory")
+    assert texts[1].startswith("loading the model ") and "tiny-moe into the engine" in texts[1]
+    assert texts[2] == "engine runner ready; warming up"
+    assert texts[3] == "starting 1 task(s), 1 item(s): gsm8k"
+    assert [t for t, _ in timed] == sorted(t for t, _ in timed) and timed[-1][0] > 0
+    first_progress = next(i for i, ln in enumerate(lines) if ln.startswith("gsm8k: "))
+    assert first_progress > lines.index(f"[{timed[-1][0]:6.1f}s] {texts[3]}")
+
+
+@pytest.mark.skipif(not (REPO / "models" / "zoo" / "tiny-moe-bf16.gguf").is_file(), reason="no zoo GGUF")
+def test_llama_server_start_up_names_the_server_and_its_log(tmp_path, data_dir):
+    suite = tmp_path / "one.toml"
+    suite.write_text('name = "one"\n[[tasks]]\ntask = "gsm8k"\nlimit = 1\nmax_tokens = 8\n[probes]\nnvml = false\n')
+    run_dir = tmp_path / "run"
+    proc = moebench_cli("run", str(suite), "--runner", "llama-bf16", "--out", str(run_dir))
+    assert proc.returncode == 0, proc.stderr
+    line = next(ln for ln in proc.stderr.splitlines() if "starting llama-server" in ln)
+    assert f"its log: {run_dir / 'llama-server.log'}" in line and "tiny-moe-bf16.gguf" in line
+    assert (run_dir / "llama-server.log").is_file()
+    assert "llama-server runner ready" in proc.stderr
+
+
+def test_rerun_onto_an_unfinished_out_says_so_on_its_first_line(tmp_path, data_dir):
+    """A run that failed (its server was down) left an unfinished run directory; a second `run --out`
+    onto it continues it, and says so first, with the label change."""
+    import socket
+    with socket.socket() as s:          # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    profile = tmp_path / "down.toml"
+    profile.write_text(f'kind = "http"\nbase_url = "http://127.0.0.1:{port}/v1"\nretries = 0\n')
+    suite = tmp_path / "one.toml"
+    suite.write_text('name = "one"\n[[tasks]]\ntask = "gsm8k"\nlimit = 4\nmax_tokens = 8\n[probes]\nnvml = false\n')
+    out = tmp_path / "run"
+    first = moebench_cli("run", str(suite), "--runner", str(profile), "--out", str(out), "--label", "a")
+    assert first.returncode == 1 and (out / "manifest.json").is_file(), first.stderr
+    assert "continuing" not in first.stderr
+    again = moebench_cli("run", str(suite), "--runner", str(profile), "--out", str(out), "--label", "b")
+    head = again.stderr.splitlines()[0]
+    assert head.startswith(f"continuing the unfinished run in {out} (status failed, ")
+    assert "its label 'a' becomes 'b'" in head, head

@@ -198,6 +198,10 @@ class Runner:
         """Rows of the model's next-token distribution."""
         return None
 
+    def startup_note(self, run_dir: str | None) -> str:
+        """One line saying what start() is about to do (printed before it, as it may take a while)."""
+        return f"starting the {self.kind} runner"
+
     def declared_vocab_size(self) -> int | None:
         """The vocabulary size known before start() (from the model's files), for checks before any
         work; None where only the running backend knows it."""

@@ -339,6 +339,9 @@ class EngineRunner(Runner):
     def vocab_size(self) -> int | None:
         return self._eng().vocab_size
 
+    def startup_note(self, run_dir: str | None) -> str:
+        return f"loading the model {self.model_path} into the engine (device {self.device})"
+
     def declared_vocab_size(self) -> int | None:
         try:
             v = json.loads((self.model_path / "config.json").read_text(encoding="utf-8")).get("vocab_size")

@@ -471,6 +471,9 @@ class HttpRunner(Runner):
     def vocab_size(self) -> int | None:
         return self.local_tokenizer.vocab_size if self.local_tokenizer is not None else None
 
+    def startup_note(self, run_dir: str | None) -> str:
+        return f"connecting to {', '.join(self.base_urls)}"
+
     def declared_vocab_size(self) -> int | None:
         return self.vocab_size()
 

@@ -323,6 +323,13 @@ class LlamaServerRunner(Runner):
                 raise RunnerError(str(e)) from None
         return self.binary
 
+    def startup_note(self, run_dir: str | None) -> str:
+        if self.needed is not None and set(self.needed) <= SERVERLESS:
+            return f"no llama-server needed (KLD by llama-perplexity on {self.model_path})"
+        log = Path(run_dir) / LOG_NAME if run_dir else "a temporary folder"
+        return (f"starting llama-server ({self.profile['binary']}; built first if missing) on {self.model_path}, "
+                f"waiting for /health; its log: {log}")
+
     async def start(self, run_dir: str | None = None) -> None:
         if self.proc is not None and self.proc.poll() is None:
             return
