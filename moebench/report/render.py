@@ -19,7 +19,7 @@ from moebench import store
 from moebench.report import plots
 from moebench.report.rig import rig_context, run_rig_context
 from moebench.store.records import CompareDoc, CompareSide, ItemRecord, Manifest, RecordError
-from moebench.store.sections import (SPEED_METRICS, needle_cells, needle_counts, number,
+from moebench.store.sections import (SPEED_METRICS, needle_cells, needle_counts, number, per_side,
                                       speed_rows)
 
 REPORT_FILE = "report.html"
@@ -272,7 +272,8 @@ def run_context(run_dir: Path) -> dict[str, Any]:
         kind = ("error" if rec.status == "error" else "correct" if rec.correct is True
                 else "wrong" if rec.correct is False else "unscored")
         rows.append({"kind": kind, "task": rec.task, "item_id": rec.item_id, "question": q,
-                     "question_excerpt": excerpt(q), "question_code": code_excerpt(rec.task, q),
+                     "question_excerpt": excerpt(q),
+                     "question_code": code_excerpt(rec.task, q) if q != rec.item_id else None,
                      "reference": rec.reference,
                      "answer": rec.answer, "output": cut_output(rec.output),
                      "error": rec.extra.get("error"), "status": rec.status})
@@ -407,7 +408,7 @@ def _flip_rows(task: str, t: dict[str, Any], base: dict[str, Any], cand: dict[st
         b, c = b_recs.get(item_id), c_recs.get(item_id)
         q = question_text(b or c, item_id)
         rows.append({"kind": kind, "item_id": item_id, "question": q, "question_excerpt": excerpt(q),
-                     "question_code": code_excerpt(task, q),
+                     "question_code": code_excerpt(task, q) if q != item_id else None,
                      "reference": (b or c or {}).get("reference"),
                      "baseline_answer": (b or {}).get("answer"), "candidate_answer": (c or {}).get("answer"),
                      "baseline_output": cut_output((b or {}).get("output")),
@@ -734,7 +735,8 @@ def _memory_context(memory: Any, compare_dir: Path, sides: list[dict[str, Any]],
     if not isinstance(memory, dict) or not memory:
         return None
     ctx: dict[str, Any] = {"rows": memory_rows(memory), "note": _unavailable(memory) or memory.get("source"),
-                           "available": memory.get("available") is not False, "plots": []}
+                           "available": memory.get("available") is not False, "plots": [],
+                           "raw": _raw(memory, skip=("timeline", "timelines"))}
     for side in sides:
         role = side["role"]
         ref = None
@@ -813,7 +815,8 @@ def _energy_context(energy: Any) -> dict[str, Any] | None:
     if not isinstance(energy, dict) or not energy:
         return None
     if energy.get("available") is False and not energy.get("phases"):
-        return {"available": False, "note": _unavailable(energy), "per_token": [], "phases": [], "idle": None}
+        return {"available": False, "note": _unavailable(energy), "per_token": [], "phases": [], "idle": None,
+                "raw": None}
     per_token = []
     for phase, p in (energy.get("per_token") or {}).items():
         if isinstance(p, dict):
@@ -845,7 +848,16 @@ def _energy_context(energy: Any) -> dict[str, Any] | None:
                        "b_w": None, "c_w": None})
     idle = {side: energy.get(f"{side}_idle_power_w") for side in ("baseline", "candidate")}
     return {"available": True, "note": None, "per_token": per_token, "phases": phases,
-            "idle": idle if any(number(v) is not None for v in idle.values()) else None}
+            "idle": idle if any(number(v) is not None for v in idle.values()) else None, "raw": _raw(energy)}
+
+
+def _raw(section: dict[str, Any], skip: tuple[str, ...] = ()) -> dict[str, Any] | None:
+    """Every figure of a section under its flattened compare.json key, for a folded table (figures of
+    shapes the readable tables do not know stay visible there)."""
+    if section.get("available") is False:
+        return None
+    names, values = per_side(section, skip=skip)
+    return {"names": names, "values": values, "columns": list(values)} if names else None
 
 
 def compare_context(compare_dir: Path) -> dict[str, Any]:
