@@ -386,8 +386,6 @@ def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, lab
     old = _check_resumable(run_dir, suite, runner_p)
     if old is not None:         # --resume or an --out that holds one: never silently
         print(_continuing_line(run_dir, old, label), file=sys.stderr, flush=True)
-    say(f"suite {suite.name}, runner {runner_p.name} ({runner_p.kind}), run directory {run_dir}: checking "
-        "the runner, listing items and checking data files")
     opts = _kld_role_of_resumed(opts, old, run_dir)
     baseline = Path(opts.baseline) if opts.baseline else None
     if baseline is not None and not (baseline / "manifest.json").is_file():
@@ -409,6 +407,9 @@ def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, lab
     verification, notes = check_before_run(ctx.data_dir, ctx.data_files, opts.allow_modified_data)
     for line in notes:
         print(line, file=sys.stderr)
+    # said once the checks before any work passed (a refusal stays the one line it is)
+    say(f"suite {suite.name}, runner {runner_p.name} ({runner_p.kind}), run directory {run_dir}: runner, items "
+        "and data files checked")
 
     manifest = new_manifest(label, redact(suite.to_dict()), runner_p.redacted(), ctx.data_dir,
                             data_files=ctx.data_files, data_verification=verification,

@@ -195,8 +195,8 @@ def test_serve_profile_runs_the_smoke_suite_and_vocabularies_are_checked_before_
 
 
 def test_start_up_says_what_it_is_doing_with_elapsed_time(tmp_path, data_dir):
-    """The engine's ~15 s start-up: a line before the runner is checked, one before the model loads, one
-    when it is ready, one before the first item; each with seconds since the run began, in order."""
+    """The engine's ~15 s start-up: a line once the runner, items and data are checked, one before the model
+    loads, one when it is ready, one before the first item; each with seconds since the run began, in order."""
     import re
     suite = tmp_path / "one.toml"
     suite.write_text('name = "one"\n[[tasks]]\ntask = "gsm8k"\nlimit = 1\nmax_tokens = 8\n[probes]\nnvml = false\n')
