@@ -544,6 +544,7 @@ def _speed_context(speed: Any) -> dict[str, Any] | None:
                                     "baseline": b or {}, "candidate": c or {}})
     sampling = speed.get("sampling") if isinstance(speed, dict) and isinstance(speed.get("sampling"), dict) else {}
     return {"rows": rows, "metrics": metrics, "plots": figs, "show_clients": len(client_counts) > 1,
+            "labels": dict(PERCENTILE_METRICS), "higher_better": ("decode_tok_s", "prefill_tok_s"),
             "geomean": [(k, v) for k, v in geo.items() if number(v) is not None], "percentiles": percentiles,
             "sampling": [(side, _sampling_text(sampling.get(side))) for side in ("baseline", "candidate")
                          if sampling.get(side)],
