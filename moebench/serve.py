@@ -922,6 +922,8 @@ def serve(runner_profile_path: str, host: str = "127.0.0.1", port: int = 8000,
     from moebench.config import load_runner
     from moebench.runners import make_runner, runner_schemas
 
+    from moebench.progress import StartupLog
+    say = StartupLog()
     api_key = api_key_from_env(host, api_key_env)      # refused before any model is loaded
     profile = load_runner(runner_profile_path, runner_schemas())
     runner = make_runner(profile)
@@ -939,6 +941,7 @@ def serve(runner_profile_path: str, host: str = "127.0.0.1", port: int = 8000,
                 pass
         app_runner = None
         try:
+            say(runner.startup_note(None))          # a model load takes seconds: not in silence
             app_runner, url = await start_server(runner, options)
             print(f"serving {profile.name} ({profile.kind}) on {url}"
                   + (f" (bearer key from ${api_key_env} required)" if api_key else ""), flush=True)

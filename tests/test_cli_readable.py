@@ -90,11 +90,15 @@ def _serve(args: list[str], cwd: Path):
 
 def test_shipped_engine_profile_serves_from_another_folder(tmp_path, zoo):
     """`moebench serve --runner engine-bf16` from a folder outside the checkout: the shipped profile's
-    model path resolves against the checkout, not the caller's working directory."""
+    model path resolves against the checkout, not the caller's working directory; the model load is said
+    before it starts."""
+    import re
+
     import httpx
     proc, url, lines = _serve(["--runner", "engine-bf16"], tmp_path)
     try:
         assert url, "".join(lines)
+        assert any(re.match(r"\[\s*[\d.]+s\] loading the model \S*tiny-moe into the engine", ln) for ln in lines), lines
         r = httpx.post(url + "/completions", json={"prompt": "Natalia sold clips to", "max_tokens": 4,
                                                    "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
