@@ -1,5 +1,6 @@
 """The reports in a real browser (issue 44): headless Chromium from the distribution's packages opens the
-demo's compare report, the trend page over its two runs and a rig report with NVML memory and energy
+demo's compare report, the trend page over its two runs, a several-candidates report over them, and a
+rig report with NVML memory and energy
 (per-card figures the real code computed from modelled samples), each at 1,400 and 700 px. Measured
 from the DOM: no verdict, memory or energy table overflows its container; every chart's text lies inside
 its chart's box and no two tick labels of a chart overlap. Without JavaScript every row shows and the
@@ -31,6 +32,10 @@ def reports(tmp_path_factory, zoo) -> list[Path]:
     moebench_cli("demo", "--out", str(root / "demo"), check=True, timeout=900)
     moebench_cli("trend", str(root / "demo" / "engine-bf16"), str(root / "demo" / "engine-tiered"),
                  "--out", str(root / "trend"), check=True)
+    # several candidates (the tiered one, and the baseline against itself): the matrix report and its
+    # one-point scatter
+    moebench_cli("compare", str(root / "demo" / "engine-bf16"), str(root / "demo" / "engine-tiered"),
+                 str(root / "demo" / "engine-bf16"), "--out", str(root / "matrix"), check=True)
     from test_rig_report import _layer, _run
     from moebench.compare.build import build_compare
     from moebench.report.render import render
@@ -41,7 +46,8 @@ def reports(tmp_path_factory, zoo) -> list[Path]:
                 {"layers": layers, "total": total}, 1500.0)
     (root / "rig" / "cmp").mkdir()
     (root / "rig" / "cmp" / "compare.json").write_text(json.dumps(build_compare(base, cand)))
-    found = [root / "demo" / "compare" / "report.html", root / "trend" / "trend.html", render(root / "rig" / "cmp")]
+    found = [root / "demo" / "compare" / "report.html", root / "trend" / "trend.html", render(root / "rig" / "cmp"),
+             root / "matrix" / "report.html"]
     extra = [Path(p) for p in os.environ.get("MOEBENCH_REPORTS", "").split(os.pathsep) if p]
     missing = [p for p in extra if not p.is_file()]
     assert not missing, f"MOEBENCH_REPORTS names files that do not exist: {missing}"

@@ -184,6 +184,7 @@ def test_trend_puts_each_run_at_one_x_and_shares_within_100_percent(tmp_path):
     html = (out / "trend.html").read_text()
     svgs = re.findall(r"<svg class=\"plot\".*?</svg>", html, re.S)
     assert len(svgs) == 3
+    shares = 0
     positions = []
     for svg in svgs:
         root = ET.fromstring(svg)
@@ -191,9 +192,11 @@ def test_trend_puts_each_run_at_one_x_and_shares_within_100_percent(tmp_path):
               ("middle", "start", "end") and t.text and t.text.startswith("a-")]
         positions.append([round(float(t.get("x")), 1) for t in xs])
         label = root.get("aria-label")
-        if label.endswith("accuracy (%)") or label.endswith("same top p (%)"):
+        if label.endswith("accuracy") or label.endswith("same top p"):
             yticks = [t.text for t in root.iter(f"{SVG}text") if t.get("class") == "tick" and t.text.endswith("%")]
             assert yticks[-1] == "100%" and all(float(v[:-1]) <= 100 for v in yticks), yticks
+            shares += 1
+    assert shares == 2                                                   # gsm8k accuracy, kld KLD same top p
     assert positions[0] == positions[1] == positions[2] and len(positions[0]) == 3, positions
 
 

@@ -146,7 +146,7 @@ def write_trend(runs: list[Path], out_dir: Path, order: str = "time") -> Path:
             warnings.append(f"{n}: measured in fewer than two of the runs; drawn anyway")
         share = is_share(n)
         figures.append((n, _svg(plots.line_plot(
-            [(n, xs, ys)], f"runs by {order_text}", f"{n} (%)" if share else n, y_zero=False, xfmt=tick,
+            [(n, xs, ys)], f"runs by {order_text}", n, y_zero=False, xfmt=tick,
             x_range=(0.5, len(rows) + 0.5), xticks=xs, y_range=(0.0, 1.0) if share else None,
             yfmt=plots.fmt_percent_tick if share else plots.fmt_tick))))
     html = _environment().get_template("report.html").render(
