@@ -252,3 +252,23 @@ def test_rerun_onto_an_unfinished_out_says_so_on_its_first_line(tmp_path, data_d
     head = again.stderr.splitlines()[0]
     assert head.startswith(f"continuing the unfinished run in {out} (status failed, ")
     assert "its label 'a' becomes 'b'" in head, head
+
+
+def test_items_progress_is_plain_lines_off_a_terminal_and_startup_lines_can_be_quiet():
+    """In a CI log (no terminal) item progress is whole lines at each quarter, never carriage returns;
+    the start-up log says nothing when quiet (the API's quiet runs)."""
+    import io
+    from moebench.progress import Progress, StartupLog
+    out = io.StringIO()
+    p = Progress("gsm8k", 8, stream=out, every_s=1e9)
+    for _ in range(8):
+        p.advance()
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue()
+    assert [ln.split(" in ")[0] for ln in lines] == ["gsm8k: 1/8 (12%)", "gsm8k: 2/8 (25%)", "gsm8k: 4/8 (50%)",
+                                                     "gsm8k: 6/8 (75%)", "gsm8k: 8/8 (100%)"], lines
+    quiet, loud = io.StringIO(), io.StringIO()
+    StartupLog(quiet=True, stream=quiet)("loading")
+    StartupLog(stream=loud)("loading")
+    assert quiet.getvalue() == "" and loud.getvalue().endswith("s] loading\n")
