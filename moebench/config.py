@@ -5,6 +5,7 @@ task or runner kind can declare its own keys next to its code.
 """
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import sys
@@ -70,8 +71,7 @@ def _bound_problem(value: Any, spec: Field) -> str | None:
 
 
 def did_you_mean(word: str, known: Any) -> str:
-    """" (did you mean 'x'?)" naming the nearest known word, or "" where none is close."""
-    import difflib
+    """The text ` (did you mean 'x'?)` naming the nearest known word, or "" where none is close."""
     close = difflib.get_close_matches(word, [str(k) for k in known], n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 

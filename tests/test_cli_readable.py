@@ -252,6 +252,8 @@ def test_rerun_onto_an_unfinished_out_says_so_on_its_first_line(tmp_path, data_d
     head = again.stderr.splitlines()[0]
     assert head.startswith(f"continuing the unfinished run in {out} (status failed, ")
     assert "its label 'a' becomes 'b'" in head, head
+    import json
+    assert json.loads((out / "manifest.json").read_text())["label"] == "b"      # what the line said
 
 
 def test_items_progress_is_plain_lines_off_a_terminal_and_startup_lines_can_be_quiet():
