@@ -30,6 +30,26 @@ if [ "$MODE" = demo ]; then
   exit 0
 fi
 
+# Chromium and a CJK font for the report's browser test (tests/test_report_browser.py), from the
+# distribution: only where apt-get exists and we are root or have passwordless sudo. Never fatal: without
+# them that test skips and says why.
+step "chromium for the report's browser test (optional)"
+if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then
+  echo "chromium present"
+elif command -v apt-get >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi
+  if [ "$SUDO" = none ]; then
+    echo "not root and no passwordless sudo: the browser test will skip (apt-get install chromium to run it)"
+  else
+    { $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium fonts-wqy-microhei \
+        || { $SUDO apt-get update -q && $SUDO env DEBIAN_FRONTEND=noninteractive \
+             apt-get install -y -q chromium fonts-wqy-microhei; }; } >/dev/null \
+      || echo "apt-get could not install chromium: the browser test will skip"
+  fi
+else
+  echo "no apt-get: the browser test will skip (install Chromium to run it)"
+fi
+
 step "llama.cpp tools (b11434, cached)"
 "$PY" -m moebench.cli tools build-llamacpp
 

@@ -20,7 +20,7 @@ from moebench.config import MAX_ITEMS, RunnerProfile, SuiteProfile, load_runner,
 from moebench.data_check import check_before_run
 from moebench.errors import UsageError
 from moebench.datasets import data_dir
-from moebench.progress import Progress
+from moebench.progress import Progress, StartupLog
 from moebench.runners import make_runner, runner_schemas
 from moebench.runners.base import CapabilityError, Runner, Unreachable, check_capabilities
 from moebench.runners.responses import describe
@@ -303,6 +303,7 @@ def os_error_line(e: OSError) -> str:
 
 def run(opts: RunOptions) -> tuple[Path, int]:
     """Run a suite against a runner into a run directory. Returns (run dir, exit code)."""
+    say = StartupLog(quiet=opts.quiet)
     suite, runner_p = load_profiles(opts.suite, opts.runner)
     label = opts.label or runner_p.name
     run_dir = _run_dir(opts, suite, label)
@@ -311,7 +312,7 @@ def run(opts: RunOptions) -> tuple[Path, int]:
     # The lock comes first: a second writer is refused before it reads or touches anything.
     lock = RunLock(run_dir).acquire()
     try:
-        store, tasks, runner, items, ctx = _prepare(opts, suite, runner_p, label, run_dir, lock)
+        store, tasks, runner, items, ctx = _prepare(opts, suite, runner_p, label, run_dir, lock, say)
     except BaseException as e:
         if isinstance(e, OSError) and not created:
             _note_failed_resume(run_dir, e)
@@ -319,7 +320,7 @@ def run(opts: RunOptions) -> tuple[Path, int]:
         if created:                 # refused before anything was written: leave no empty folder behind
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    return run_dir, _execute(opts, suite, store, tasks, runner, items, ctx)
+    return run_dir, _execute(opts, suite, store, tasks, runner, items, ctx, say)
 
 
 def _make_run_dir(run_dir: Path, named: str) -> None:
@@ -362,12 +363,30 @@ def _check_kld_role(opts: RunOptions, suite: SuiteProfile, tasks: list[Task]) ->
           file=sys.stderr)
 
 
+def _continuing_line(run_dir: Path, old: dict, label: str) -> str:
+    """What a run onto an unfinished run directory does, said before anything else."""
+    try:
+        with (run_dir / "items.jsonl").open("rb") as f:
+            recorded = sum(1 for line in f if line.strip())
+    except OSError:
+        recorded = 0
+    old_label = old.get("label")
+    relabel = f"; its label {old_label!r} becomes {label!r}" if old_label and old_label != label else ""
+    return (f"continuing the unfinished run in {run_dir} (status {old.get('status')}, {recorded} item "
+            f"record(s) kept; errored and missing items run again{relabel})")
+
+
 def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, label: str, run_dir: Path,
-             lock: RunLock) -> tuple[RunStore, list[Task], Runner, dict[str, list], TaskContext]:
+             lock: RunLock, say: StartupLog | None = None
+             ) -> tuple[RunStore, list[Task], Runner, dict[str, list], TaskContext]:
+    say = say or StartupLog(quiet=True)
     if opts.baseline and opts.as_baseline:
         raise UsageError("--baseline and --as-baseline exclude each other: a run is either measured against a "
                          "baseline or is one")
-    opts = _kld_role_of_resumed(opts, _check_resumable(run_dir, suite, runner_p), run_dir)
+    old = _check_resumable(run_dir, suite, runner_p)
+    if old is not None:         # --resume or an --out that holds one: never silently
+        print(_continuing_line(run_dir, old, label), file=sys.stderr, flush=True)
+    opts = _kld_role_of_resumed(opts, old, run_dir)
     baseline = Path(opts.baseline) if opts.baseline else None
     if baseline is not None and not (baseline / "manifest.json").is_file():
         raise UsageError(f"--baseline {baseline}: not a moebench run (no manifest.json)")
@@ -388,6 +407,9 @@ def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, lab
     verification, notes = check_before_run(ctx.data_dir, ctx.data_files, opts.allow_modified_data)
     for line in notes:
         print(line, file=sys.stderr)
+    # said once the checks before any work passed (a refusal stays the one line it is)
+    say(f"suite {suite.name}, runner {runner_p.name} ({runner_p.kind}), run directory {run_dir}: runner, items "
+        "and data files checked")
 
     manifest = new_manifest(label, redact(suite.to_dict()), runner_p.redacted(), ctx.data_dir,
                             data_files=ctx.data_files, data_verification=verification,
@@ -397,8 +419,9 @@ def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, lab
 
 
 def _execute(opts: RunOptions, suite: SuiteProfile, store: RunStore, tasks: list[Task], runner: Runner,
-             items: dict[str, list], ctx: TaskContext) -> int:
+             items: dict[str, list], ctx: TaskContext, say: StartupLog | None = None) -> int:
     """Run the tasks into an open store and finish its manifest whatever happens. Returns the exit code."""
+    say = say or StartupLog(quiet=True)
     run_dir = store.path
     previous_status = store.previous_status
     status, exit_code = "failed", 1
@@ -425,7 +448,9 @@ def _execute(opts: RunOptions, suite: SuiteProfile, store: RunStore, tasks: list
                 probe.start(run_dir, idle_s=0)
                 probe.mark("load")
             try:
+                say(runner.startup_note(str(run_dir)))
                 await runner.start(str(run_dir))
+                say(f"{runner.kind} runner ready; warming up")
                 record_runner_identity(store, runner)
                 # Idle is measured loaded and warm, before the first task: the draw the tasks' energy
                 # is net of (before the load, the card idles at another level).
@@ -433,7 +458,11 @@ def _execute(opts: RunOptions, suite: SuiteProfile, store: RunStore, tasks: list
                     probe.mark("warmup")
                 await runner.warmup()
                 if probe is not None:
-                    await asyncio.to_thread(probe.measure_idle, float(suite.probes.get("idle_s", 5.0)))
+                    idle_s = float(suite.probes.get("idle_s", 5.0))
+                    say(f"warm; measuring the GPU's idle draw for {idle_s:g} s")
+                    await asyncio.to_thread(probe.measure_idle, idle_s)
+                n_items = sum(len(v) for v in items.values())
+                say(f"starting {len(tasks)} task(s), {n_items} item(s): {', '.join(t.name for t in tasks)}")
                 try:
                     return await _evaluate_all(tasks, items, runner, store, opts.quiet, counts, probe)
                 finally:

@@ -1,6 +1,7 @@
 """moebench: benchmark and evaluate compressed Mixture-of-Experts runtimes (a thin shell over moebench.api).
 
-Exit codes: 0 ok, 1 a failed gate or a failed run, 2 bad usage or bad input.
+Exit codes: 0 ok, 1 a failed gate or a failed run, 2 bad usage or bad input, 3 a gate with
+inconclusive rules and no failure.
 """
 from __future__ import annotations
 
@@ -52,7 +53,10 @@ RUNNER_HELP = "runner profile: a name under runners/ (engine-bf16, http) or a pa
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moebench", description=__doc__.splitlines()[0], formatter_class=_HelpFormatter,
-                                epilog="examples:\n  moebench demo\n  moebench run smoke --runner http --label cand\n"
+                                epilog="examples:\n  moebench demo\n"
+                                       "  moebench serve --runner engine-bf16 --port 8000 &   # then, from "
+                                       "another shell:\n"
+                                       "  moebench run smoke --runner serve --label served\n"
                                        "  moebench <command> --help")
     p.add_argument("--version", action="version", version=f"moebench {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -110,7 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("path", help="a run directory (manifest.json) or a compare directory (compare.json)")
     rp.add_argument("--out", help="output HTML file (default: report.html inside the directory)")
 
-    g = _command(sub, "gate", "check a compare directory against rules; exit 0 pass, 1 a rule failed, 2 bad input",
+    g = _command(sub, "gate", "check a compare directory against rules; exit 0 pass, 1 a rule failed, 2 bad input, "
+                              "3 inconclusive (no rule failed, one could not be judged: too few samples, an "
+                              "interval straddling the limit; [gate] on_inconclusive maps it to 0 or 1)",
                  "moebench gate results/cmp --rules gates/example.toml\n"
                  "moebench gate results/cmp --rules gates/example.toml --json")
     g.add_argument("compare_dir", help="compare directory (compare.json); summary.md and junit.xml are written there")
@@ -236,10 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     from moebench.config import ProfileError
     from moebench.datasets import DatasetError
     from moebench.runners.base import CapabilityError
+    from moebench.scoring.kld_runs import KldError
     from moebench.store import StoreError
     try:
         return _dispatch(args)
-    except (api.UsageError, ProfileError, DatasetError, StoreError, CapabilityError, FileNotFoundError) as e:
+    except (api.UsageError, ProfileError, DatasetError, StoreError, CapabilityError, KldError,
+            FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:
@@ -402,22 +410,28 @@ def _print_run_summary(run_dir: Path) -> None:
 def _summary_line(task: str, s: dict, m: dict) -> str:
     """One line per task; KLD has no accuracy, so its line gives what it measured (or recorded)."""
     if s.get("role") in ("baseline", "candidate"):
-        head = f"{task}: n={s.get('n')} chunks={s.get('n_chunks')} errors={s.get('n_errors')}"
+        head = (f"{task}: n={_shown(s.get('n'))} chunks={_shown(s.get('n_chunks'))} "
+                f"errors={_shown(s.get('n_errors'))}")
         if s["role"] == "baseline":
             ppl = s.get("ppl")
             return (f"{head} role=baseline (recorded for candidates to measure against; no KLD measured) "
-                    f"tokens={s.get('n_tokens')} ppl={'-' if ppl is None else f'{ppl:.6g}'}")
+                    f"tokens={_shown(s.get('n_tokens'))} ppl={'-' if ppl is None else f'{ppl:.6g}'}")
         k = s.get("kld") if isinstance(s.get("kld"), dict) else {}
         fig = lambda key: "-" if not isinstance(k.get(key), (int, float)) else f"{k[key]:.6g}"  # noqa: E731
         est = k.get("estimate") if isinstance(k.get("estimate"), dict) else {}
         bound = f" (a top-{est.get('k')} lower bound)" if est.get("lower_bound") else ""
-        return (f"{head} role=candidate against {m.get('baseline_run')}: tokens={k.get('n_tokens')} "
+        return (f"{head} role=candidate against {m.get('baseline_run')}: tokens={_shown(k.get('n_tokens'))} "
                 f"kld_mean={fig('mean')}{bound} p99={fig('p99')} max={fig('max')} same_top_p={fig('same_top_p')} "
                 f"ppl_ratio={fig('ppl_ratio')}" + (f" error={k['error']}" if k.get("error") else ""))
     acc = s.get("accuracy")
     acc_s = "-" if acc is None else f"{100 * acc:.1f}%"
-    return (f"{task}: n={s.get('n')} scored={s.get('n_scored')} correct={s.get('n_correct')} "
-            f"accuracy={acc_s} errors={s.get('n_errors')}")
+    return (f"{task}: n={_shown(s.get('n'))} scored={_shown(s.get('n_scored'))} "
+            f"correct={_shown(s.get('n_correct'))} accuracy={acc_s} errors={_shown(s.get('n_errors'))}")
+
+
+def _shown(v) -> str:
+    """A summary figure as text; one not measured is "-", never Python's None."""
+    return "-" if v is None else str(v)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ task or runner kind can declare its own keys next to its code.
 """
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import sys
@@ -40,6 +41,9 @@ class Field:
     low: float | None = None
     high: float | None = None
     low_open: bool = False                               # low itself not allowed (a timeout of 0)
+    # A local path (what it names, e.g. "GGUF file"): a relative one resolves against the profile's
+    # folder first (resolve_profile_paths); a required one that exists nowhere is refused naming each try.
+    path: str = ""
 
 
 def _num(x: float) -> str:
@@ -64,6 +68,12 @@ def _bound_problem(value: Any, spec: Field) -> str | None:
     too_low = spec.low is not None and (value <= spec.low if spec.low_open else value < spec.low)
     too_high = spec.high is not None and value > spec.high
     return f"must be {bounds_text(spec)}" if too_low or too_high else None
+
+
+def did_you_mean(word: str, known: Any) -> str:
+    """The text ` (did you mean 'x'?)` naming the nearest known word, or "" where none is close."""
+    close = difflib.get_close_matches(word, [str(k) for k in known], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _type_name(t: type | tuple[type, ...]) -> str:
@@ -93,7 +103,7 @@ def validate(table: dict[str, Any], schema: dict[str, Field], where: str) -> dic
     unknown = sorted(set(table) - set(schema))
     if unknown:
         raise ProfileError(
-            f"{where}: unknown key {unknown[0]!r}"
+            f"{where}: unknown key {unknown[0]!r}{did_you_mean(unknown[0], schema)}"
             + (f" (and {', '.join(map(repr, unknown[1:]))})" if len(unknown) > 1 else "")
             + f"; allowed keys: {', '.join(sorted(schema))}"
         )
@@ -119,6 +129,7 @@ def validate(table: dict[str, Any], schema: dict[str, Field], where: str) -> dic
         if spec.choices is not None and value not in spec.choices:
             raise ProfileError(
                 f"{where}: key {key!r} must be one of {', '.join(map(repr, spec.choices))}, got {value!r}"
+                + (did_you_mean(value, spec.choices) if isinstance(value, str) else "")
             )
         # A list's bound holds for each item; NaN and infinity are refused first, as no check
         # below is written for them (NaN > 0 is False, inf passes "positive").
@@ -184,9 +195,17 @@ def resolve_profile_path(name_or_path: str, folder: str) -> Path:
     for c in candidates:
         if c.is_file():
             return c
+    names = available_profiles(folder)
     raise ProfileError(
-        f"profile {name_or_path!r} not found (looked for {', '.join(str(c) for c in candidates)})"
+        f"profile {name_or_path!r} not found{did_you_mean(name_or_path, names)} (looked for "
+        f"{', '.join(str(c) for c in candidates)}); available {folder}: {', '.join(names) or 'none'}"
     )
+
+
+def available_profiles(folder: str) -> list[str]:
+    """The short names a bare profile name can take: ./<folder>/*.toml and the checkout's shipped ones."""
+    names = {p.stem for d in (Path(folder), repo_root() / folder) if d.is_dir() for p in d.glob("*.toml")}
+    return sorted(names)
 
 
 def repo_root() -> Path:
@@ -264,6 +283,7 @@ def load_suite(path: str | os.PathLike[str], task_schemas: dict[str, dict[str, F
         if kind not in task_schemas:
             raise ProfileError(
                 f"{where}: key 'task' must be one of {', '.join(map(repr, sorted(task_schemas)))}, got {kind!r}"
+                + (did_you_mean(kind, task_schemas) if isinstance(kind, str) else "")
             )
         tasks.append(validate(entry, {**COMMON_TASK_SCHEMA, **task_schemas[kind]}, where))
     names = [t.get("name", t["task"]) for t in tasks]
@@ -296,6 +316,43 @@ class RunnerProfile:
         return {"kind": self.kind, "name": self.name, "path": self.path, **redact(self.settings)}
 
 
+def path_bases(profile: Path) -> list[Path]:
+    """Where a relative path in a profile is looked for, in order: the profile's folder; for a profile
+    in a runners/ folder (the shipped ones, ./runners/NAME.toml) the folder above, whose paths the shipped
+    profiles are written against; then the working directory."""
+    folder = profile.resolve().parent
+    bases = [folder] + ([folder.parent] if folder.name == "runners" else []) + [Path.cwd()]
+    return list(dict.fromkeys(bases))
+
+
+def resolve_profile_paths(raw: dict[str, Any], schema: dict[str, Field], profile: Path) -> dict[str, Any]:
+    """`raw` with each relative path key (Field.path) pointing at the first base where it exists, so a
+    profile works from any working directory. A path that is also right from the working directory
+    keeps its text as written. A required path found nowhere is refused, naming every place tried;
+    an optional one (a binary name, a tokenizer) stays as written for its runner to look up."""
+    out = dict(raw)
+    for key, spec in schema.items():
+        value = raw.get(key)
+        if not spec.path or not isinstance(value, str) or not value:
+            continue
+        p = Path(value).expanduser()
+        if p.is_absolute():
+            continue
+        if key == "binary" and os.sep not in value:
+            continue                        # a bare name: the tool cache, then PATH
+        tried = [base / p for base in path_bases(profile)]
+        found = next((t for t in tried if t.exists()), None)
+        if found is not None:
+            same = (Path.cwd() / p).exists() and (Path.cwd() / p).resolve() == found.resolve()
+            out[key] = value if same else str(found)
+        elif spec.required:
+            raise ProfileError(f"{profile}: key {key!r} must name an existing {spec.path} (not found: tried "
+                               f"{', '.join(str(t) for t in tried)}; a relative path resolves against the "
+                               "profile's folder, the checkout for a profile in runners/, then the working "
+                               "directory)")
+    return out
+
+
 def load_runner(path: str | os.PathLike[str], runner_schemas: dict[str, dict[str, Field]]) -> RunnerProfile:
     p = Path(path)
     raw = load_toml(p)
@@ -303,6 +360,7 @@ def load_runner(path: str | os.PathLike[str], runner_schemas: dict[str, dict[str
     if kind not in runner_schemas:
         raise ProfileError(
             f"{p}: key 'kind' must be one of {', '.join(map(repr, sorted(runner_schemas)))}, got {kind!r}"
+            + (did_you_mean(kind, runner_schemas) if isinstance(kind, str) else "")
         )
     found = literal_secrets(raw)
     if found:
@@ -311,8 +369,8 @@ def load_runner(path: str | os.PathLike[str], runner_schemas: dict[str, dict[str
                            + ": secrets never live in files; put the value in an environment variable "
                            "(api_key_env = \"VARNAME\" for the HTTP runner's key; a llama-server inherits "
                            "moebench's environment)")
-    settings = validate(raw, {**COMMON_RUNNER_SCHEMA, **runner_schemas[kind]}, str(p))
-    # Relative model/binary paths in a profile are relative to the working directory (the repo root).
+    schema = {**COMMON_RUNNER_SCHEMA, **runner_schemas[kind]}
+    settings = validate(resolve_profile_paths(raw, schema, p), schema, str(p))
     name = settings.pop("name", None) or p.stem
     settings.pop("kind")
     return RunnerProfile(kind=kind, name=name, path=str(p), settings=settings)

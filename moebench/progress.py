@@ -56,3 +56,21 @@ class Progress:
 
     def close(self) -> None:
         self._show(final=True)
+
+
+class StartupLog:
+    """Lines on stderr while a run starts (loading a model, a server starting and its log, warm-up,
+    the idle window), each with the seconds since the run began: a start-up that takes tens of seconds
+    is never silent. Plain lines on a terminal and in CI logs alike."""
+
+    def __init__(self, quiet: bool = False, stream: TextIO | None = None):
+        self.t0 = time.monotonic()
+        self.quiet = quiet
+        self.stream = stream
+
+    def __call__(self, text: str) -> None:
+        if self.quiet:
+            return
+        stream = self.stream or sys.stderr
+        stream.write(f"[{time.monotonic() - self.t0:6.1f}s] {text}\n")
+        stream.flush()

@@ -22,7 +22,8 @@ line in the log, not a traceback.
 
 Streaming: `stream: true` sends text as the runner generates it (GenerateRequest.on_text), holding
 back only what could still be the start of a stop string; a completions request with several prompts
-or `echo` is sent after generation. Limits (the Runner contract's, documented in docs/lm-eval.md):
+or `echo` is sent after generation. `stream_options.include_usage` adds a last chunk with empty
+choices carrying the usage (every chunk before it has "usage": null), as OpenAI and vLLM do. Limits (the Runner contract's, documented in docs/lm-eval.md):
 prompt log-probs (`echo` with
 `logprobs`) need a runner with `prompt_logprobs` or `full_logits`; with only `top_logprobs`, a
 generated token's own log-prob is null when it is not among the returned alternatives.
@@ -230,6 +231,19 @@ def _get(body: dict[str, Any], key: str, types: type | tuple[type, ...], default
     if lo is not None and v < lo or hi is not None and v > hi:
         raise ApiError(400, f"'{key}' must be between {lo} and {hi}, got {v}", param=key)
     return v
+
+
+def _stream_usage(body: dict[str, Any], stream: bool) -> bool:
+    """`stream_options.include_usage`: a last chunk with empty choices carrying the usage, as OpenAI and
+    vLLM send it (serving benchmarks count tokens with it); every chunk before it has "usage": null."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+    if not stream:
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
+    return bool(_get(opts, "include_usage", bool, False))
 
 
 async def _as_label(token_id: int) -> str:
@@ -572,6 +586,7 @@ class Server:
         echo = _get(body, "echo", bool, False)
         as_ids = _get(body, "return_tokens_as_token_ids", bool, False)
         stream = _get(body, "stream", bool, False)
+        include_usage = _stream_usage(body, stream)
         if any(isinstance(p, list) for p in prompts):
             self._need(Capability.TOKEN_PROMPTS, "a token-id prompt")
         self._need(Capability.GENERATE, "completions")
@@ -588,7 +603,8 @@ class Server:
 
         def chunk(text: str, logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
             return {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                    "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+                    "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+                    **({"usage": None} if include_usage else {})}
         await self._admit()
         try:
             outs = []
@@ -625,11 +641,14 @@ class Server:
         usage = self._usage(outs)
         if live:
             await self._sse(resp, chunk("", choices[0]["logprobs"], choices[0]["finish_reason"]))
+            if include_usage:
+                await self._sse(resp, {**chunk(""), "choices": [], "usage": usage})
             await self._sse(resp, "[DONE]")
             await resp.write_eof()
             return resp
         if stream:
-            return await self._stream_completion(request, cid, created, choices, outs, echo, prompts)
+            return await self._stream_completion(request, cid, created, choices, outs, echo, prompts,
+                                                 usage if include_usage else None)
         return _json_response({"id": cid, "object": "text_completion", "created": created,
                                   "model": self.model_name, "choices": choices, "usage": usage})
 
@@ -729,8 +748,12 @@ class Server:
         await resp.write(f"data: {payload}\n\n".encode("utf-8"))
 
     async def _stream_completion(self, request: web.Request, cid: str, created: int, choices: list[dict],
-                                 outs: list[dict], echo: bool, prompts: list) -> web.StreamResponse:
+                                 outs: list[dict], echo: bool, prompts: list,
+                                 usage: dict[str, int] | None = None) -> web.StreamResponse:
+        """The SSE events of finished generations; `usage` given: every chunk has "usage": null and a
+        last chunk with empty choices carries it."""
         resp = await self._sse_start(request)
+        nulls = {"usage": None} if usage is not None else {}
         for ch, o, p in zip(choices, outs, prompts):
             head = ch["text"][: len(ch["text"]) - len(o["text"])] if echo else ""
             pieces = ([head] if head else []) + await self._pieces_of(o)
@@ -738,11 +761,14 @@ class Server:
                 await self._sse(resp, {"id": cid, "object": "text_completion", "created": created,
                                        "model": self.model_name, "choices": [
                                            {"index": ch["index"], "text": piece, "logprobs": None,
-                                            "finish_reason": None}]})
+                                            "finish_reason": None}], **nulls})
             await self._sse(resp, {"id": cid, "object": "text_completion", "created": created,
                                    "model": self.model_name, "choices": [
                                        {"index": ch["index"], "text": "", "logprobs": ch["logprobs"],
-                                        "finish_reason": ch["finish_reason"]}]})
+                                        "finish_reason": ch["finish_reason"]}], **nulls})
+        if usage is not None:
+            await self._sse(resp, {"id": cid, "object": "text_completion", "created": created,
+                                   "model": self.model_name, "choices": [], "usage": usage})
         await self._sse(resp, "[DONE]")
         await resp.write_eof()
         return resp
@@ -786,6 +812,7 @@ class Server:
         if top_n and not want_lp:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         stream = _get(body, "stream", bool, False)
+        include_usage = _stream_usage(body, stream)
         self._need(Capability.GENERATE, "chat completions")
         n_logprobs = top_n if want_lp else None
         self._check_logprob_request(n_logprobs, echo=False)
@@ -800,7 +827,8 @@ class Server:
                 o = await self._generate_one(prompt, **gen)
             else:
                 resp = await self._sse_start(request)
-                base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+                base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                        **({"usage": None} if include_usage else {})}
                 await self._sse(resp, {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                             "logprobs": None, "finish_reason": None}]})
 
@@ -829,6 +857,8 @@ class Server:
                 "usage": self._usage([o])})
         await self._sse(resp, {**base, "choices": [{"index": 0, "delta": {}, "logprobs": lp,
                                                     "finish_reason": finish}]})
+        if include_usage:
+            await self._sse(resp, {**base, "choices": [], "usage": self._usage([o])})
         await self._sse(resp, "[DONE]")
         await resp.write_eof()
         return resp
@@ -922,6 +952,8 @@ def serve(runner_profile_path: str, host: str = "127.0.0.1", port: int = 8000,
     from moebench.config import load_runner
     from moebench.runners import make_runner, runner_schemas
 
+    from moebench.progress import StartupLog
+    say = StartupLog()
     api_key = api_key_from_env(host, api_key_env)      # refused before any model is loaded
     profile = load_runner(runner_profile_path, runner_schemas())
     runner = make_runner(profile)
@@ -939,6 +971,7 @@ def serve(runner_profile_path: str, host: str = "127.0.0.1", port: int = 8000,
                 pass
         app_runner = None
         try:
+            say(runner.startup_note(None))          # a model load takes seconds: not in silence
             app_runner, url = await start_server(runner, options)
             print(f"serving {profile.name} ({profile.kind}) on {url}"
                   + (f" (bearer key from ${api_key_env} required)" if api_key else ""), flush=True)

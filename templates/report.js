@@ -1,5 +1,7 @@
 // Row filters for the item tables (works offline, no libraries): each table lists its rows with a
 // data-kind; a button's data-show names the kinds it shows ("*" for all).
+// With JavaScript the filters show (CSS hides them otherwise, leaving every row visible).
+document.documentElement.classList.add("js");
 document.querySelectorAll(".filters").forEach(function (bar) {
   var table = document.getElementById(bar.dataset.table);
   var counter = bar.querySelector(".shown");
@@ -17,6 +19,6 @@ document.querySelectorAll(".filters").forEach(function (bar) {
   bar.querySelectorAll("button").forEach(function (b) {
     b.addEventListener("click", function () { apply(b); });
   });
-  var first = bar.querySelector("button.active") || bar.querySelector("button");
+  var first = bar.querySelector("button[data-default]") || bar.querySelector("button");
   if (first) apply(first);
 });

@@ -484,3 +484,34 @@ def test_stream_over_the_real_engine_runner_matches_the_whole_answer(zoo):
                                         lambda c: c["delta"].get("content"))
         assert "".join(pieces) == cut["message"]["content"] and stop not in "".join(pieces)
         assert events[-1]["choices"][0]["finish_reason"] == cut["finish_reason"] == "stop"
+
+
+def test_stream_options_include_usage_over_the_real_engine_runner(zoo):
+    """`stream_options.include_usage` (what the official openai client and serving benchmarks use to
+    count tokens): every chunk carries "usage": null and a last chunk with empty choices carries the
+    same usage the non-streamed answer gives; without it no chunk has a usage key; without `stream`
+    it is a 400 naming the parameter."""
+    from moebench.runners.engine import EngineRunner
+    runner = EngineRunner({"model": str(zoo / "tiny-moe"), "dtype": "float32", "max_seq_len": 512}, "test")
+    with BackgroundServer(runner) as s:
+        cases = [("/chat/completions", {"messages": [{"role": "user", "content": "What is 2+2?"}]},
+                  lambda c: c["delta"].get("content")),
+                 ("/completions", {"prompt": "Natalia sold clips to"}, lambda c: c.get("text")),
+                 ("/completions", {"prompt": ["Natalia sold clips to", "Betty is saving money"]},
+                  lambda c: c.get("text"))]
+        for path, extra, field in cases:
+            body = {**extra, "max_tokens": 12, "temperature": 0}
+            whole = post(s.url + path, body).json()
+            pieces, _, events = _sse_pieces(s.url + path, {**body, "stream_options": {"include_usage": True}}, field)
+            assert pieces, path
+            assert all("usage" in e and e["usage"] is None for e in events[:-1]), path
+            last = events[-1]
+            assert last["choices"] == [] and last["usage"] == whole["usage"], (path, last, whole["usage"])
+            assert last["usage"]["completion_tokens"] > 0
+            _, _, plain = _sse_pieces(s.url + path, body, field)
+            assert plain and not any("usage" in e for e in plain), path
+        r = post(s.url + "/completions", {"prompt": "x", "max_tokens": 2, "stream_options": {"include_usage": True}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+        r = post(s.url + "/completions", {"prompt": "x", "max_tokens": 2, "stream": True,
+                                          "stream_options": {"include_usage": "yes"}})
+        assert r.status_code == 400 and "include_usage" in r.json()["error"]["message"]

@@ -13,11 +13,22 @@ from typing import Sequence
 BASELINE = "#7f7f7f"
 CANDIDATE = "#1f6fb4"
 SERIES_COLOURS = (BASELINE, CANDIDATE, "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
-PHASE_COLOURS = {"load": "#fde2b3", "prefill": "#cfe3f7", "decode": "#d4f0d0", "idle": "#eeeeee",
-                 "baseline_idle": "#e4e4e4"}
+# One light, distinct fill per phase (bands sit behind the lines); phases not named here take the
+# spares in order of appearance, so no two phases of one chart share a colour.
+PHASE_COLOURS = {"load": "#fde2b3", "warmup": "#f6c6de", "baseline_idle": "#d9d9d9", "prefill": "#cfe3f7",
+                 "decode": "#d4f0d0", "idle": "#f0f0f0", "baseline_idle_end": "#c9c9e8"}
+SPARE_PHASE_COLOURS = ("#e8d8f5", "#fbe3c9", "#d6f0ee", "#f3f0c1", "#f8d3d3", "#dfe8c8")
 
+# The one style every chart shares: sizes in px (the report's CSS sets the font family and colours
+# of the "tick" and "label" text classes). Text width is estimated from CHAR_W to keep labels inside.
 WIDTH = 640
-MARGIN_L, MARGIN_R, MARGIN_T, MARGIN_B = 64, 16, 12, 40
+MARGIN_L, MARGIN_R, MARGIN_T, MARGIN_B = 64, 28, 16, 40
+TICK_FONT_PX, LABEL_FONT_PX = 10, 11
+CHAR_W = 6.2                 # average width of a tick character at TICK_FONT_PX
+
+
+def text_width(text: str) -> float:
+    return CHAR_W * len(text)
 
 
 def _num(v: float) -> str:
@@ -36,6 +47,11 @@ def fmt_tick(v: float) -> str:
     if a < 1e-3:
         return f"{v:.0e}"
     return f"{v:.4g}"
+
+
+def fmt_percent_tick(v: float) -> str:
+    """A share on a 0-1 axis as the tables write it: 0.25 -> 25%."""
+    return f"{100 * v:.4g}%"
 
 
 def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
@@ -99,8 +115,13 @@ def _axes(f: _Frame, xticks, yticks, xlabel: str, ylabel: str, xfmt=fmt_tick, yf
         out.append(f'<text class="tick" x="{f.margin_l - 4}" y="{_num(y + 4)}" text-anchor="end">{escape(yfmt(t))}</text>')
     for t in xticks:
         x = f.px(t)
+        text = xfmt(t)
+        half = text_width(text) / 2
+        # a label at an edge is anchored there, so it is never cut by the chart's box
+        anchor, tx = (("end", f.width - 2) if x + half > f.width - 2 else
+                      ("start", 2) if x - half < 2 else ("middle", x))
         out.append(f'<line class="axis" x1="{_num(x)}" x2="{_num(x)}" y1="{bottom}" y2="{bottom + 4}"/>')
-        out.append(f'<text class="tick" x="{_num(x)}" y="{bottom + 16}" text-anchor="middle">{escape(xfmt(t))}</text>')
+        out.append(f'<text class="tick" x="{_num(tx)}" y="{bottom + 16}" text-anchor="{anchor}">{escape(text)}</text>')
     out.append(f'<line class="axis" x1="{f.margin_l}" x2="{f.width - MARGIN_R}" y1="{bottom}" y2="{bottom}"/>')
     out.append(f'<line class="axis" x1="{f.margin_l}" x2="{f.margin_l}" y1="{top}" y2="{bottom}"/>')
     if xlabel:
@@ -125,13 +146,30 @@ def _legend(names: Sequence[str], colours: Sequence[str], x: float, y: float = M
 LEGEND_H = 18
 
 
+def _legend_layout(names: Sequence[str], x0: float = MARGIN_L, width: int = WIDTH) -> list[tuple[float, int]]:
+    """(x, row) of each legend entry: entries run left to right and wrap before the chart's edge."""
+    x, row, out = x0, 0, []
+    for name in names:
+        w = 14 + text_width(str(name)) + 16
+        if x > x0 and x + w - 16 > width - 4:
+            x, row = x0, row + 1
+        out.append((x, row))
+        x += w
+    return out
+
+
+def legend_height(names: Sequence[str], x0: float = MARGIN_L) -> int:
+    rows = 1 + max((r for _, r in _legend_layout(names, x0)), default=0)
+    return LEGEND_H * rows
+
+
 def _legend_row(names: Sequence[str], colours: Sequence[str], y: float, x: float = MARGIN_L) -> list[str]:
-    """A horizontal legend under the plot, where it cannot cover data or phase bands."""
+    """A legend under the plot, where it cannot cover data or phase bands; wrapped to the chart's width."""
     out = []
-    for name, colour in zip(names, colours):
-        out.append(f'<rect x="{_num(x)}" y="{_num(y)}" width="10" height="10" fill="{colour}" stroke="#999" stroke-width="0.5"/>')
-        out.append(f'<text class="tick" x="{_num(x + 14)}" y="{_num(y + 9)}">{escape(str(name))}</text>')
-        x += 14 + 6.2 * len(str(name)) + 16
+    for name, colour, (xx, row) in zip(names, colours, _legend_layout(names, x)):
+        yy = y + row * LEGEND_H
+        out.append(f'<rect x="{_num(xx)}" y="{_num(yy)}" width="10" height="10" fill="{colour}" stroke="#999" stroke-width="0.5"/>')
+        out.append(f'<text class="tick" x="{_num(xx + 14)}" y="{_num(yy + 9)}">{escape(str(name))}</text>')
     return out
 
 
@@ -142,7 +180,8 @@ def empty_plot(message: str, height: int = 60) -> str:
     return "".join(out)
 
 
-def interval_plot(rows: Sequence[dict], x_min: float = 0.0, x_max: float = 1.0, xlabel: str = "accuracy") -> str:
+def interval_plot(rows: Sequence[dict], x_min: float = 0.0, x_max: float = 1.0, xlabel: str = "accuracy (%)",
+                  xfmt=fmt_percent_tick) -> str:
     """One dot with a horizontal interval per row: rows carry label, value, lo, hi, optional colour."""
     rows = [r for r in rows if isinstance(r.get("value"), (int, float))]
     if not rows:
@@ -151,15 +190,15 @@ def interval_plot(rows: Sequence[dict], x_min: float = 0.0, x_max: float = 1.0, 
     height = MARGIN_T + MARGIN_B + 18 * len(rows)
     f = _Frame(x_min, x_max, 0, len(rows), height, width=WIDTH, margin_l=label_w)
     out = _open(height, "accuracy with 95% confidence intervals")
-    out += _axes(f, nice_ticks(x_min, x_max), [], xlabel, "")
+    out += _axes(f, nice_ticks(x_min, x_max), [], xlabel, "", xfmt=xfmt)
     for i, r in enumerate(rows):
         y = MARGIN_T + 9 + 18 * i
         colour = r.get("colour", CANDIDATE)
         lo = r.get("lo", r["value"]) if isinstance(r.get("lo"), (int, float)) else r["value"]
         hi = r.get("hi", r["value"]) if isinstance(r.get("hi"), (int, float)) else r["value"]
-        tip = f'{r.get("label", "")}: {r["value"]:.4f} [{lo:.4f}, {hi:.4f}]'
+        tip = f'{r.get("label", "")}: {xfmt(r["value"])} [{xfmt(lo)}, {xfmt(hi)}]'
         out.append(f'<g><title>{escape(tip)}</title>')
-        out.append(f'<text class="tick" x="{label_w - 6}" y="{y + 4}" text-anchor="end">{escape(str(r.get("label", "")))}</text>')
+        out.append(f'<text class="label" x="{label_w - 6}" y="{y + 4}" text-anchor="end">{escape(str(r.get("label", "")))}</text>')
         out.append(f'<line x1="{_num(f.px(lo))}" x2="{_num(f.px(hi))}" y1="{y}" y2="{y}" stroke="{colour}" stroke-width="2"/>')
         for end in (lo, hi):
             out.append(f'<line x1="{_num(f.px(end))}" x2="{_num(f.px(end))}" y1="{y - 4}" y2="{y + 4}" stroke="{colour}" stroke-width="1.5"/>')
@@ -199,9 +238,13 @@ def histogram(edges: Sequence[float], counts: Sequence[float], xlabel: str, log_
 
 def line_plot(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], xlabel: str, ylabel: str,
               log_x: bool = False, height: int = 220, y_zero: bool = True,
-              colours: Sequence[str] | None = None, xfmt=fmt_tick) -> str:
+              colours: Sequence[str] | None = None, xfmt=fmt_tick, yfmt=fmt_tick,
+              x_range: tuple[float, float] | None = None, y_range: tuple[float, float] | None = None,
+              xticks: Sequence[float] | None = None) -> str:
     """Lines with markers; `series` is (name, xs, ys); points with a missing value are skipped.
 
+    x_range/y_range fix an axis (the trend page puts every run at the same x on every chart; a share
+    stays within 0-1); xticks fixes the tick positions. A single x value sits in the middle of its axis.
     Default colours: baseline grey and candidate blue for two series, blue for one.
     """
     pts_all = []
@@ -216,22 +259,36 @@ def line_plot(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], xl
         return empty_plot(f"{ylabel}: no values")
     xs = [p[0] for p in pts_all]
     ys = [p[1] for p in pts_all]
-    y_lo = min(0.0, min(ys)) if y_zero else min(ys)
-    y_hi = max(ys)
-    yt = nice_ticks(y_lo, y_hi)
-    f = _Frame(min(xs), max(xs), min(yt[0], y_lo), max(yt[-1], y_hi), height, log_x=log_x)
-    if log_x:
+    if y_range is not None:
+        yt = nice_ticks(*y_range)
+        yt = [t for t in yt if y_range[0] - 1e-12 <= t <= y_range[1] + 1e-12]
+        y_lo, y_hi = y_range
+    else:
+        y_lo = min(0.0, min(ys)) if y_zero else min(ys)
+        y_hi = max(ys)
+        if y_hi == y_lo:                          # a flat line: a band around it, not 0 to 2x
+            pad = abs(y_hi) * 0.1 or 1.0
+            y_lo, y_hi = (y_lo if y_zero else y_lo - pad), y_hi + pad
+        yt = nice_ticks(y_lo, y_hi)
+    x_lo, x_hi = x_range if x_range is not None else (min(xs), max(xs))
+    if x_range is None and x_lo == x_hi:          # one x: in the middle, not at the left edge
+        x_lo, x_hi = (x_lo / 2, x_hi * 2) if log_x else (x_lo - 1, x_hi + 1)
+    f = _Frame(x_lo, x_hi, min(yt[0], y_lo), max(yt[-1], y_hi), height, log_x=log_x)
+    if xticks is not None:
+        xt = list(xticks)
+    elif log_x:
         xt = sorted(set(xs)) if len(set(xs)) <= 10 else [10 ** k for k in range(
             int(math.floor(math.log10(min(xs)))), int(math.ceil(math.log10(max(xs)))) + 1)]
     else:
-        xt = nice_ticks(min(xs), max(xs))
+        xt = nice_ticks(min(xs), max(xs)) if len(set(xs)) > 1 else sorted(set(xs))
         if all(x.is_integer() for x in xs):      # layers, chunks: no fractional ticks
             xt = [t for t in xt if float(t).is_integer() and min(xs) <= t <= max(xs)] or sorted(set(xs))
     if colours is None:
         colours = (CANDIDATE,) if len(clean) == 1 else SERIES_COLOURS
     legend = len(clean) > 1
-    out = _open(height + (LEGEND_H if legend else 0), ylabel)
-    out += _axes(f, xt, yt, xlabel, ylabel, xfmt=xfmt)
+    names = [n for n, _ in clean]
+    out = _open(height + (legend_height(names) if legend else 0), ylabel)
+    out += _axes(f, xt, yt, xlabel, ylabel, xfmt=xfmt, yfmt=yfmt)
     for (name, pts), colour in zip(clean, colours):
         if not pts:
             continue
@@ -239,7 +296,7 @@ def line_plot(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], xl
         out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{path}"/>')
         for x, y in pts:
             out.append(f'<circle cx="{_num(f.px(x))}" cy="{_num(f.py(y))}" r="2.5" fill="{colour}">'
-                       f'<title>{escape(f"{name}: x={x:g}, y={y:.4g}")}</title></circle>')
+                       f'<title>{escape(f"{name}: {xfmt(x)}, {yfmt(y)}")}</title></circle>')
     if legend:
         out += _legend_row([n for n, _ in clean], colours, height + 2)
     out.append("</svg>")
@@ -247,25 +304,27 @@ def line_plot(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], xl
 
 
 def bar_plot(labels: Sequence[str], values: Sequence[float | None], ylabel: str,
-             y_max: float | None = None, height: int = 200, colour: str = CANDIDATE, xlabel: str = "") -> str:
+             y_max: float | None = None, height: int = 200, colour: str = CANDIDATE, xlabel: str = "",
+             yfmt=fmt_tick) -> str:
     """Vertical bars, one per label (e.g. router agreement per layer)."""
     vals = [float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None for v in values]
     ok = _finite(vals)
     if not ok:
         return empty_plot(f"{ylabel}: no values")
     top = y_max if y_max is not None else max(max(ok), 1e-12)
-    f = _Frame(0, len(vals), 0, top, height)
+    yt = [t for t in nice_ticks(0, top) if y_max is None or t <= y_max + 1e-12]
+    f = _Frame(0, len(vals), 0, max(top, yt[-1]), height)   # the top tick inside the frame, not above it
     step = max(1, len(vals) // 16)
     xt = [i + 0.5 for i in range(0, len(vals), step)]
     out = _open(height, ylabel)
-    out += _axes(f, xt, nice_ticks(0, top), xlabel, ylabel, xfmt=lambda i: str(labels[int(i)]))
+    out += _axes(f, xt, yt, xlabel, ylabel, xfmt=lambda i: str(labels[int(i)]), yfmt=yfmt)
     bw = f.px(1) - f.px(0)
     for i, v in enumerate(vals):
         if v is None:
             continue
         y = f.py(v)
         out.append(f'<rect x="{_num(f.px(i) + bw * 0.1)}" y="{_num(y)}" width="{_num(bw * 0.8)}" '
-                   f'height="{_num(f.py(0) - y)}" fill="{colour}"><title>{escape(f"{labels[i]}: {v:.4g}")}</title></rect>')
+                   f'height="{_num(f.py(0) - y)}" fill="{colour}"><title>{escape(f"{labels[i]}: {yfmt(v)}")}</title></rect>')
     out.append("</svg>")
     return "".join(out)
 
@@ -368,10 +427,14 @@ def timeline(series: Sequence[tuple[str, Sequence[float], Sequence[float]]],
     y_hi = max(p[1] for p in pts)
     yt = nice_ticks(0, y_hi)
     f = _Frame(x_lo, x_hi, 0, max(yt[-1], y_hi), height)
-    out = _open(height + LEGEND_H, ylabel)
+    phase_names = list(dict.fromkeys(str(b[2]) for b in bands))
+    spares = iter(SPARE_PHASE_COLOURS * (1 + len(phase_names) // len(SPARE_PHASE_COLOURS)))
+    phase_colour = {ph: PHASE_COLOURS.get(ph) or next(spares) for ph in phase_names}
+    series_names = [name for name, xs, ys in series]
+    out = _open(height + legend_height(series_names + phase_names), ylabel)
     seen = {}
     for start, end, phase in bands:
-        colour = PHASE_COLOURS.get(str(phase), "#f3e8fd")
+        colour = phase_colour[str(phase)]
         seen[str(phase)] = colour
         out.append(f'<rect x="{_num(f.px(start))}" y="{MARGIN_T}" width="{_num(max(f.px(end) - f.px(start), 0.5))}" '
                    f'height="{height - MARGIN_T - MARGIN_B}" fill="{colour}">'
@@ -408,7 +471,9 @@ def scatter(points: Sequence[dict], xlabel: str, ylabel: str, size_label: str, h
     pad_x = (max(xs) - min(xs)) * 0.08 or abs(xs[0]) * 0.1 or 1.0
     x_lo, x_hi = (min(xs) / 1.3, max(xs) * 1.3) if log_x else (min(xs) - pad_x, max(xs) + pad_x)
     yt = nice_ticks(min(0.0, min(ys)), max(ys) * 1.1 if max(ys) > 0 else 1.0)
-    xt = nice_ticks(x_lo, x_hi) if not log_x else sorted(set(xs))
+    # one point, or points close together: a tick at each point, not a crammed run of round values
+    xt = (sorted(set(xs)) if log_x or len(set(xs)) == 1 else
+          [t for t in nice_ticks(x_lo, x_hi, 4) if x_lo <= t <= x_hi] or sorted(set(xs)))
     f = _Frame(x_lo, x_hi, yt[0], yt[-1], height, log_x=log_x)
     sizes = [p.get("size") for p in ok]
     s_max = max((s for s in sizes if isinstance(s, (int, float)) and s > 0), default=None)

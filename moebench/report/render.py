@@ -212,6 +212,18 @@ def question_text(rec: dict[str, Any] | None, item_id: str) -> str:
     return item_id
 
 
+CODE_TASKS = ("humaneval",)       # prompts that are code: shown with their whitespace (pre)
+CODE_EXCERPT_LINES = 16
+
+
+def code_excerpt(task: str, text: str) -> str | None:
+    """The first lines of a code prompt with its indentation kept; None for a task that is not code."""
+    if task not in CODE_TASKS:
+        return None
+    lines = str(text).strip("\n").splitlines()
+    return "\n".join(lines[:CODE_EXCERPT_LINES]) + ("\n…" if len(lines) > CODE_EXCERPT_LINES else "")
+
+
 def excerpt(text: str, n: int = EXCERPT_CHARS) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= n else text[: n - 1] + "…"
@@ -261,7 +273,9 @@ def run_context(run_dir: Path) -> dict[str, Any]:
         kind = ("error" if rec.status == "error" else "correct" if rec.correct is True
                 else "wrong" if rec.correct is False else "unscored")
         rows.append({"kind": kind, "task": rec.task, "item_id": rec.item_id, "question": q,
-                     "question_excerpt": excerpt(q), "reference": rec.reference,
+                     "question_excerpt": excerpt(q),
+                     "question_code": code_excerpt(rec.task, q) if q != rec.item_id else None,
+                     "reference": rec.reference,
                      "answer": rec.answer, "output": cut_output(rec.output),
                      "error": rec.extra.get("error"), "status": rec.status})
     label = typed.label or run_dir.name
@@ -395,6 +409,7 @@ def _flip_rows(task: str, t: dict[str, Any], base: dict[str, Any], cand: dict[st
         b, c = b_recs.get(item_id), c_recs.get(item_id)
         q = question_text(b or c, item_id)
         rows.append({"kind": kind, "item_id": item_id, "question": q, "question_excerpt": excerpt(q),
+                     "question_code": code_excerpt(task, q) if q != item_id else None,
                      "reference": (b or c or {}).get("reference"),
                      "baseline_answer": (b or {}).get("answer"), "candidate_answer": (c or {}).get("answer"),
                      "baseline_output": cut_output((b or {}).get("output")),
@@ -423,22 +438,24 @@ def _kld_context(kld: Any) -> dict[str, Any] | None:
     hist = kld.get("histogram")
     if isinstance(hist, dict) and isinstance(hist.get("edges"), list) and isinstance(hist.get("counts"), list):
         ctx["plots"].append(("KLD histogram (per scored token)",
-                             _svg(plots.histogram(hist["edges"], hist["counts"], "KLD"))))
+                             _svg(plots.histogram(hist["edges"], hist["counts"], "KLD (nats)"))))
     chunks = kld.get("per_chunk")
     if isinstance(chunks, list) and chunks:
         ys = [c if not isinstance(c, dict) else next((c[k] for k in ("mean", "kld", "mean_kld", "kld_mean")
                                                       if k in c), None) for c in chunks]
         ctx["plots"].append(("Mean KLD per chunk", _svg(plots.line_plot(
-            [("mean KLD", list(range(len(ys))), ys)], "chunk", "mean KLD"))))
+            [("mean KLD", list(range(len(ys))), ys)], "chunk", "mean KLD (nats)"))))
     layers = kld.get("per_layer") if isinstance(kld.get("per_layer"), dict) else {}
-    for key, title, top in (("router_agreement", "Router agreement per layer (top-k set overlap)", 1.0),
-                            ("identical_set_share", "Share of tokens with identical expert sets per layer", 1.0),
-                            ("kld", "KLD per layer", None)):
+    for key, title, axis, top in (
+            ("router_agreement", "Router agreement per layer (top-k set overlap)", "top-k experts shared (%)", 1.0),
+            ("identical_set_share", "Share of tokens with identical expert sets per layer",
+             "tokens, same expert set (%)", 1.0),
+            ("kld", "KLD per layer", "mean KLD (nats)", None)):
         vals = layers.get(key)
         if isinstance(vals, list) and vals:
-            ctx["plots"].append((title, _svg(plots.bar_plot([str(i) for i in range(len(vals))],
-                                                            [number(v) for v in vals], key, y_max=top,
-                                                            xlabel="layer"))))
+            ctx["plots"].append((title, _svg(plots.bar_plot(
+                [str(i) for i in range(len(vals))], [number(v) for v in vals], axis, y_max=top, xlabel="layer",
+                yfmt=plots.fmt_percent_tick if top == 1.0 else plots.fmt_tick))))
     usage = kld.get("expert_usage") if isinstance(kld.get("expert_usage"), dict) else {}
     for role in ("baseline", "candidate"):
         m = usage.get(role)
@@ -460,7 +477,8 @@ def _kld_context(kld: Any) -> dict[str, Any] | None:
               for role in ("baseline", "candidate") if isinstance(skew.get(role), list) and skew[role]]
     if series:
         ctx["plots"].append(("Load skew per layer (share of routed tokens taken by the busiest 25% of experts)",
-                             _svg(plots.line_plot(series, "layer", "load skew"))))
+                             _svg(plots.line_plot(series, "layer", "tokens to the busiest 25% (%)",
+                                                  y_range=(0.0, 1.0), yfmt=plots.fmt_percent_tick))))
         ctx["skew_rows"] = [{"layer": i, **{role: (skew.get(role) or [None] * (i + 1))[i]
                                             if i < len(skew.get(role) or []) else None
                                             for role in ("baseline", "candidate")}}
@@ -527,6 +545,7 @@ def _speed_context(speed: Any) -> dict[str, Any] | None:
                                     "baseline": b or {}, "candidate": c or {}})
     sampling = speed.get("sampling") if isinstance(speed, dict) and isinstance(speed.get("sampling"), dict) else {}
     return {"rows": rows, "metrics": metrics, "plots": figs, "show_clients": len(client_counts) > 1,
+            "labels": dict(PERCENTILE_METRICS), "higher_better": ("decode_tok_s", "prefill_tok_s"),
             "geomean": [(k, v) for k, v in geo.items() if number(v) is not None], "percentiles": percentiles,
             "sampling": [(side, _sampling_text(sampling.get(side))) for side in ("baseline", "candidate")
                          if sampling.get(side)],
@@ -567,23 +586,65 @@ def _gate_context(directory: Path, warnings: list[str]) -> dict[str, Any] | None
     return data if isinstance(data, dict) and isinstance(data.get("checks"), list) else None
 
 
-def _verdict_context(tasks: list[dict[str, Any]], cmp: dict[str, Any]) -> dict[str, Any]:
-    """The opening table: what a reviewer needs to know whether the candidate regressed."""
+def reading(ratio: Any, higher_is_better: bool, more: str, less: str) -> str:
+    """Which way a candidate / baseline ratio went, in words with an arrow: "▼ 16.7% slower"."""
+    r = number(ratio)
+    if r is None:
+        return "–"
+    if abs(r - 1) < 5e-4:
+        return "= same"
+    word = more if r > 1 else less
+    better = (r > 1) == higher_is_better
+    return f"{'▲' if r > 1 else '▼'} {abs(r - 1) * 100:.1f}% {word} ({'better' if better else 'worse'})"
+
+
+def _verdict_context(tasks: list[dict[str, Any]], cmp: dict[str, Any], overall: dict[str, Any] | None,
+                     gate: dict[str, Any] | None, compare_dir: Path) -> dict[str, Any]:
+    """The opening tables: what a reviewer needs to know whether the candidate regressed. Each figure
+    with its baseline, candidate, the ratio and which way is better."""
     from moebench.compare.tables import matrix_row
     row = matrix_row(cmp)
-    figures = [("KLD mean", fmt_number(row["kld.mean"], 4)), ("KLD same top", fmt_percent(row["kld.same_top_p"], 2)),
-               ("decode ratio (geomean)", fmt_number(row["speed.decode_ratio"], 3)),
-               ("prefill ratio (geomean)", fmt_number(row["speed.prefill_ratio"], 3)),
-               ("peak GPU memory used", fmt_gib(row["memory.peak_used_bytes"])),
-               ("decode J/token", fmt_number(row["energy.decode_j_per_token"], 3))]
-    if row["speed_ab.rounds"]:
-        figures.append(("speed-ab rounds won by B", f"{row['speed_ab.rounds_won_b']} of {row['speed_ab.rounds']}"))
-    from moebench.compare.provenance import kld_notes
+    figures = []
     kld = cmp.get("kld") if isinstance(cmp.get("kld"), dict) else {}
+    if row["kld.mean"] is not None:
+        figures.append({"label": "KLD mean (nats; 0 = same distribution)", "baseline": "0",
+                        "candidate": fmt_number(row["kld.mean"], 4), "ratio": "", "reading": "lower is better"})
+    if row["kld.same_top_p"] is not None:
+        figures.append({"label": "same top token", "baseline": "100%", "candidate": fmt_percent(row["kld.same_top_p"], 2),
+                        "ratio": "", "reading": "higher is better"})
+    for key, label, higher, more, less in (("decode", "decode speed (tok/s, geomean ratio)", True, "faster", "slower"),
+                                           ("prefill", "prefill speed (tok/s, geomean ratio)", True, "faster", "slower"),
+                                           ("ttft", "time to first token (geomean ratio)", False, "longer", "shorter")):
+        r = row[f"speed.{key}_ratio"]
+        if r is not None:
+            figures.append({"label": label, "baseline": "", "candidate": "", "ratio": fmt_number(r, 3),
+                            "reading": reading(r, higher, more, less)})
+    memory = cmp.get("memory") if isinstance(cmp.get("memory"), dict) else {}
+    mb = (memory.get("baseline") or {}).get("peak_used_bytes") if isinstance(memory.get("baseline"), dict) else None
+    mc = row["memory.peak_used_bytes"]
+    if mc is not None:
+        r = _ratio(mb, mc)
+        figures.append({"label": "peak GPU memory used (GiB)", "baseline": fmt_gib_plain(mb),
+                        "candidate": fmt_gib_plain(mc), "ratio": fmt_number(r, 3),
+                        "reading": reading(r, False, "more", "less")})
+    energy = cmp.get("energy") if isinstance(cmp.get("energy"), dict) else {}
+    dec = ((energy.get("per_token") or {}).get("decode") or {}) if isinstance(energy.get("per_token"), dict) else {}
+    if number(dec.get("candidate_net_j_per_token")) is not None:
+        r = number(dec.get("net_ratio"))
+        figures.append({"label": "decode energy (J/token, net of idle)",
+                        "baseline": fmt_number(dec.get("baseline_net_j_per_token"), 3),
+                        "candidate": fmt_number(dec.get("candidate_net_j_per_token"), 3), "ratio": fmt_number(r, 3),
+                        "reading": reading(r, False, "more", "less")})
+    if row["speed_ab.rounds"]:
+        figures.append({"label": "speed-ab rounds won by B", "baseline": "", "candidate": "",
+                        "ratio": f"{row['speed_ab.rounds_won_b']} of {row['speed_ab.rounds']}", "reading": ""})
+    from moebench.compare.provenance import kld_notes
     missing = cmp.get("missing_sections") if isinstance(cmp.get("missing_sections"), dict) else {}
     # what the KLD figures mean (or why there are none) belongs beside them, not only in the warnings
     notes = kld_notes(kld) + [f"{k}: no figures: {v}" for k, v in missing.items()]
-    return {"tasks": tasks, "figures": [(k, v) for k, v in figures if v != "–"], "notes": notes}
+    return {"tasks": tasks, "overall": overall, "figures": figures, "notes": notes,
+            "no_gate": None if gate else f"No gate ran on this compare (moebench gate {compare_dir} --rules "
+                                         "GATES.toml judges it; gates/example.toml is a start)."}
 
 
 TIME_COLUMNS = ("t_s", "t", "time_s", "elapsed_s", "time", "timestamp", "ts")
@@ -675,8 +736,9 @@ def _memory_context(memory: Any, compare_dir: Path, sides: list[dict[str, Any]],
                     warnings: list[str]) -> dict[str, Any] | None:
     if not isinstance(memory, dict) or not memory:
         return None
-    names, values = per_side(memory, skip=("timeline", "timelines"))
-    ctx: dict[str, Any] = {"names": names, "values": values, "columns": list(values), "plots": []}
+    ctx: dict[str, Any] = {"rows": memory_rows(memory), "note": _unavailable(memory) or memory.get("source"),
+                           "available": memory.get("available") is not False, "plots": [],
+                           "raw": _raw(memory, skip=("timeline", "timelines"))}
     for side in sides:
         role = side["role"]
         ref = None
@@ -706,11 +768,98 @@ def _memory_context(memory: Any, compare_dir: Path, sides: list[dict[str, Any]],
     return ctx
 
 
+def _ratio(b: Any, c: Any) -> float | None:
+    b, c = number(b), number(c)
+    return c / b if b and c is not None else None
+
+
+def _unavailable(section: dict[str, Any]) -> str | None:
+    """One line on why a memory or energy section has no figures (NVML missing on a side)."""
+    if section.get("available") is not False:
+        return None
+    why = section.get("reason")
+    if isinstance(why, dict):
+        texts = {str(v) for v in why.values()}
+        if len(texts) == 1:
+            return f"No figures: {texts.pop()} (both runs)."
+        return "No figures: " + "; ".join(f"{side}: {v}" for side, v in why.items()) + "."
+    return f"No figures: {why}." if why else "No figures."
+
+
+def memory_rows(memory: dict[str, Any]) -> list[dict[str, Any]]:
+    """The memory table a person reads: a row per figure, baseline / candidate / ratio in GiB
+    (compare.json keeps the raw bytes)."""
+    b = memory.get("baseline") if isinstance(memory.get("baseline"), dict) else {}
+    c = memory.get("candidate") if isinstance(memory.get("candidate"), dict) else {}
+    rows = []
+    for key, label, better in (("peak_used_bytes", "peak used", "lower"), ("min_free_bytes", "least free", "higher"),
+                               ("reserved_bytes", "reserved by the driver", ""), ("total_bytes", "total", "")):
+        if number(b.get(key)) is None and number(c.get(key)) is None:
+            continue
+        rows.append({"label": label, "baseline": fmt_gib_plain(b.get(key)), "candidate": fmt_gib_plain(c.get(key)),
+                     "ratio": _ratio(b.get(key), c.get(key)), "better": better})
+    torch = {side: memory.get(f"torch_peak_allocated_bytes_{side}") for side in ("baseline", "candidate")}
+    if any(number(v) is not None for v in torch.values()):
+        rows.append({"label": "torch peak allocated", "baseline": fmt_gib_plain(torch["baseline"]),
+                     "candidate": fmt_gib_plain(torch["candidate"]),
+                     "ratio": _ratio(torch["baseline"], torch["candidate"]), "better": "lower"})
+    return rows
+
+
+def fmt_gib_plain(v: Any) -> str:
+    f = number(v)
+    return "–" if f is None else f"{f / 2**30:.2f}"
+
+
 def _energy_context(energy: Any) -> dict[str, Any] | None:
+    """Energy as tables a person reads: J/token per work phase, and per phase duration, energy, net
+    energy and mean power, each baseline / candidate / ratio; the idle baseline in a note."""
     if not isinstance(energy, dict) or not energy:
         return None
-    names, values = per_side(energy)
-    return {"names": names, "values": values, "columns": list(values)}
+    if energy.get("available") is False and not energy.get("phases"):
+        return {"available": False, "note": _unavailable(energy), "per_token": [], "phases": [], "idle": None,
+                "raw": None}
+    per_token = []
+    for phase, p in (energy.get("per_token") or {}).items():
+        if isinstance(p, dict):
+            for kind in ("net", "gross"):
+                per_token.append({"label": f"{phase}, {kind}", "baseline": p.get(f"baseline_{kind}_j_per_token"),
+                                  "candidate": p.get(f"candidate_{kind}_j_per_token"),
+                                  "ratio": p.get(f"{kind}_ratio")})
+    kwh = energy.get("kwh_per_million_tokens")
+    if isinstance(kwh, dict):
+        b, c = kwh.get("baseline") or {}, kwh.get("candidate") or {}
+        per_token.append({"label": "all work, net, kWh per million tokens", "baseline": b.get("net"),
+                          "candidate": c.get("net"), "ratio": kwh.get("net_ratio")})
+    phases = []
+    for phase, sides in (energy.get("phases") or {}).items():
+        if not isinstance(sides, dict):
+            continue
+        b, c = sides.get("baseline") or {}, sides.get("candidate") or {}
+        phases.append({"phase": phase, "b_s": b.get("duration_s"), "c_s": c.get("duration_s"),
+                       "b_j": b.get("energy_j"), "c_j": c.get("energy_j"), "j_ratio": _ratio(b.get("energy_j"),
+                                                                                         c.get("energy_j")),
+                       "b_net": b.get("net_j"), "c_net": c.get("net_j"),
+                       "b_w": b.get("mean_power_w"), "c_w": c.get("mean_power_w")})
+    whole = energy.get("whole_run") if isinstance(energy.get("whole_run"), dict) else {}
+    wb, wc = whole.get("baseline") or {}, whole.get("candidate") or {}
+    if wb or wc:
+        phases.append({"phase": "whole run (counter)", "b_s": wb.get("duration_s"), "c_s": wc.get("duration_s"),
+                       "b_j": wb.get("counter_j"), "c_j": wc.get("counter_j"),
+                       "j_ratio": _ratio(wb.get("counter_j"), wc.get("counter_j")), "b_net": None, "c_net": None,
+                       "b_w": None, "c_w": None})
+    idle = {side: energy.get(f"{side}_idle_power_w") for side in ("baseline", "candidate")}
+    return {"available": True, "note": None, "per_token": per_token, "phases": phases,
+            "idle": idle if any(number(v) is not None for v in idle.values()) else None, "raw": _raw(energy)}
+
+
+def _raw(section: dict[str, Any], skip: tuple[str, ...] = ()) -> dict[str, Any] | None:
+    """Every figure of a section under its flattened compare.json key, for a folded table (figures of
+    shapes the readable tables do not know stay visible there)."""
+    if section.get("available") is False:
+        return None
+    names, values = per_side(section, skip=skip)
+    return {"names": names, "values": values, "columns": list(values)} if names else None
 
 
 def compare_context(compare_dir: Path) -> dict[str, Any]:
@@ -746,6 +895,8 @@ def compare_context(compare_dir: Path) -> dict[str, Any]:
                       "subjects": [_task_summary(sub, v) for sub, v in subjects.items() if isinstance(v, dict)],
                       "counts": {k: sum(1 for r in rows if r["kind"] == k)
                                  for k in ("win", "loss", "same-right", "same-wrong")}})
+    overall = _overall(doc.section("overall"))
+    gate = _gate_context(compare_dir, warnings)
     return {
         "mode": "compare",
         "title": f"moebench compare: {base['label']} vs {cand['label']}",
@@ -754,7 +905,7 @@ def compare_context(compare_dir: Path) -> dict[str, Any]:
         "warnings": warnings,
         "tasks": tasks,
         "accuracy_svg": _svg(plots.interval_plot(dots)) if dots else None,
-        "overall": _overall(doc.section("overall")),
+        "overall": overall,
         "flips": flips,
         "kld": _kld_context(doc.section("kld")),
         "needle": _needle_context(doc.section("needle")),
@@ -764,8 +915,8 @@ def compare_context(compare_dir: Path) -> dict[str, Any]:
         "memory": _memory_context(doc.section("memory"), compare_dir, [base, cand], warnings),
         "energy": _energy_context(doc.section("energy")),
         "rig": rig_context(compare),
-        "gate": _gate_context(compare_dir, warnings),
-        "verdict": _verdict_context(tasks, compare),
+        "gate": gate,
+        "verdict": _verdict_context(tasks, compare, overall, gate, compare_dir),
     }
 
 

@@ -78,15 +78,17 @@ def _tier_plots(side: str, tiers: dict[str, Any]) -> list[tuple[str, Any]]:
     for name, values in picks:
         if any(v for v in values):
             out.append((f"{side}: expert picks per layer, {name}",
-                        plots.bar_plot(labels, values, "picks", xlabel="MoE layer")))
+                        plots.bar_plot(labels, values, "expert picks", xlabel="MoE layer")))
     rate = [number(layer.get("host_hit_rate")) for layer in layers]
     if any(v is not None for v in rate):
         out.append((f"{side}: host-tier picks served from GPU memory, per layer",
-                    plots.bar_plot(labels, rate, "host hit rate", y_max=1.0, xlabel="MoE layer")))
+                    plots.bar_plot(labels, rate, "host hit rate (%)", y_max=1.0, xlabel="MoE layer",
+                                   yfmt=plots.fmt_percent_tick)))
     moved = [number(layer.get("bytes_h2d")) for layer in layers]
     if any(v for v in moved):
         out.append((f"{side}: bytes copied host to device, per layer",
-                    plots.bar_plot(labels, moved, "bytes", xlabel="MoE layer")))
+                    plots.bar_plot(labels, [m / 2**20 if m is not None else None for m in moved], "MiB copied",
+                                   xlabel="MoE layer")))
     return out
 
 
@@ -109,7 +111,7 @@ def engine_context(engine: Any) -> dict[str, Any] | None:
     series = [(p["run"], [number(p.get("host_hit_rate"))], [number(p.get("decode_tok_s_median"))]) for p in points]
     if any(xs[0] is not None and ys[0] is not None for _, xs, ys in series):
         figs.append(("host hit rate against decode speed (median over the speed task)",
-                     plots.line_plot(series, "host hit rate", "decode tok/s")))
+                     plots.line_plot(series, "host hit rate (%)", "decode tok/s", xfmt=plots.fmt_percent_tick)))
     if not sides:
         return None
     return {"sides": sides, "plots": [(t, plots_markup(svg)) for t, svg in figs]}

@@ -101,6 +101,15 @@ def order_runs(items: list[tuple[dict[str, Any], dict[str, Any]]], order: str) -
     return sorted(items, key=lambda i: (i[0]["started_at"] or "", i[0]["label"])), "start time"
 
 
+def is_share(figure: str) -> bool:
+    """A figure that is a share of 0 to 1 (accuracy, same top p): drawn on a 0-100% axis."""
+    return figure.endswith((" accuracy", "same top p"))
+
+
+def _cut(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: max(n - 1, 1)] + "…"
+
+
 def write_trend(runs: list[Path], out_dir: Path, order: str = "time") -> Path:
     from moebench.report import plots
     from moebench.report.render import _environment, _svg
@@ -122,7 +131,10 @@ def write_trend(runs: list[Path], out_dir: Path, order: str = "time") -> Path:
         w.writerow({k: ("" if v is None else v) for k, v in r.items()})
     (out_dir / "trend.csv").write_text(buf.getvalue(), encoding="utf-8")
     xs = list(range(1, len(rows) + 1))
-    short = [str(r["label"])[:14] for r in rows]
+    # Every chart puts run i at the same x (half a slot of room each side) with its label under it,
+    # cut to the width of its slot (the run table above the charts has the whole label).
+    slot_chars = max(3, int((plots.WIDTH - plots.MARGIN_L - plots.MARGIN_R) / max(len(rows), 1) / plots.CHAR_W) - 1)
+    short = [_cut(str(r["label"]), min(14, slot_chars)) for r in rows]
 
     def tick(v: float) -> str:         # the run's label under its point
         i = int(round(v)) - 1
@@ -132,8 +144,11 @@ def write_trend(runs: list[Path], out_dir: Path, order: str = "time") -> Path:
         ys = [number(r.get(n)) for r in rows]
         if sum(y is not None for y in ys) < 2:
             warnings.append(f"{n}: measured in fewer than two of the runs; drawn anyway")
-        figures.append((n, _svg(plots.line_plot([(n, xs, ys)], f"runs by {order_text}", n, y_zero=False,
-                                                xfmt=tick))))
+        share = is_share(n)
+        figures.append((n, _svg(plots.line_plot(
+            [(n, xs, ys)], f"runs by {order_text}", n, y_zero=False, xfmt=tick,
+            x_range=(0.5, len(rows) + 0.5), xticks=xs, y_range=(0.0, 1.0) if share else None,
+            yfmt=plots.fmt_percent_tick if share else plots.fmt_tick))))
     html = _environment().get_template("report.html").render(
         mode="trend", title=f"moebench trend: {len(rows)} runs", trend_path=str(out_dir), order_by=order_text,
         warnings=warnings, runs=rows, figures=figures)

@@ -143,6 +143,8 @@ class Runner:
 
     kind: str = "base"
     capabilities: frozenset[str] = frozenset()
+    # capability -> the profile keys that add it (named in a CapabilityError); empty where none can
+    capability_keys: dict[str, str] = {}
 
     def __init__(self, profile: dict[str, Any], profile_path: str | None = None):
         self.profile = profile
@@ -196,6 +198,15 @@ class Runner:
         """Rows of the model's next-token distribution."""
         return None
 
+    def startup_note(self, run_dir: str | None) -> str:
+        """One line saying what start() is about to do (printed before it, as it may take a while)."""
+        return f"starting the {self.kind} runner"
+
+    def declared_vocab_size(self) -> int | None:
+        """The vocabulary size known before start() (from the model's files), for checks before any
+        work; None where only the running backend knows it."""
+        return None
+
     def bos_policy(self) -> tuple[bool, int | None]:
         """(whether the model's tokenizer adds BOS to a text, the BOS id)."""
         return False, None
@@ -233,8 +244,12 @@ def check_capabilities(runner: Runner, needs: dict[str, set[str]]) -> None:
             problems.append(f"task {task!r} needs {', '.join(missing)}")
     if problems:
         have = ", ".join(sorted(runner.capabilities)) or "nothing"
+        missing_all = sorted({c for required in needs.values() for c in set(required) - set(runner.capabilities)})
+        hints = [f"{c}: {runner.capability_keys[c]}" for c in missing_all if c in runner.capability_keys]
+        where = f" to {runner.profile_path}" if runner.profile_path else ""
         raise CapabilityError(
             f"runner kind {runner.kind!r} cannot serve this suite: " + "; ".join(problems)
             + f" (it offers: {have})"
+            + (f". Profile keys that would add them{where}: " + "; ".join(hints) if hints else "")
         )
 

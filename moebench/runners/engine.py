@@ -22,7 +22,8 @@ def _true_false_auto(value: Any) -> str | None:
 
 
 SCHEMA: dict[str, Field] = {
-    "model": Field(str, required=True, doc="a Hugging Face checkpoint directory or a packed tiered artifact"),
+    "model": Field(str, required=True, path="checkpoint directory",
+                   doc="a Hugging Face checkpoint directory or a packed tiered artifact"),
     "dtype": Field(str, default="bfloat16", choices=("auto", "float32", "bfloat16", "float16"),
                    doc="auto: float32 on the CPU (exact for bf16 weights, and faster there), bfloat16 on CUDA"),
     "device": Field(str, default="auto", doc="auto | cpu | cuda | cuda:N"),
@@ -337,6 +338,16 @@ class EngineRunner(Runner):
 
     def vocab_size(self) -> int | None:
         return self._eng().vocab_size
+
+    def startup_note(self, run_dir: str | None) -> str:
+        return f"loading the model {self.model_path} into the engine (device {self.device})"
+
+    def declared_vocab_size(self) -> int | None:
+        try:
+            v = json.loads((self.model_path / "config.json").read_text(encoding="utf-8")).get("vocab_size")
+        except (OSError, ValueError):
+            return None
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
 
     def num_experts(self) -> int | None:
         return getattr(self._eng().config, "num_experts", None)

@@ -89,7 +89,7 @@ SCHEMA: dict[str, Field] = {
                                 doc="hard cap on one response's size (the bound from max_tokens is usually lower)"),
     "tokenize": Field(str, default="none", choices=("none", "llama-server", "vllm"),
                       doc="the server's own /tokenize beside /v1: llama-server's {content} or vLLM's {prompt} form"),
-    "tokenizer": Field(str, doc="a local tokenizer (HF folder, tokenizer.json or GGUF) where the server has no "
+    "tokenizer": Field(str, path="tokenizer", doc="a local tokenizer (HF folder, tokenizer.json or GGUF) where the server has no "
                                 "usable /tokenize; also maps echoed token text to ids"),
     "prompt_logprobs": Field(str, default="none", choices=prompt_lp.MODES,
                              doc="how the server returns prompt log-probs (KLD): vLLM's prompt_logprobs field, "
@@ -109,6 +109,14 @@ SCHEMA: dict[str, Field] = {
 
 class HttpRunner(Runner):
     kind = "http"
+    capability_keys = {
+        Capability.PROMPT_LOGPROBS: 'prompt_logprobs = "vllm" | "echo" | "sglang" (the server\'s form; '
+                                    '`moebench serve` takes "echo")',
+        Capability.TOKENIZE: 'tokenize = "vllm" | "llama-server" (the server\'s /tokenize; `moebench serve` '
+                             'has the vllm form) or tokenizer = "PATH" (a local HF folder, tokenizer.json or GGUF)',
+        Capability.TOKEN_PROMPTS: "token_prompts = true (the server takes token-id prompts)",
+        Capability.PROMPT_LOGPROB_IDS: 'prompt_logprob_ids = true (with prompt_logprobs = "sglang")',
+    }
 
     def __init__(self, profile: dict[str, Any], profile_path: str | None = None):
         super().__init__(profile, profile_path)
@@ -462,6 +470,12 @@ class HttpRunner(Runner):
 
     def vocab_size(self) -> int | None:
         return self.local_tokenizer.vocab_size if self.local_tokenizer is not None else None
+
+    def startup_note(self, run_dir: str | None) -> str:
+        return f"connecting to {', '.join(self.base_urls)}"
+
+    def declared_vocab_size(self) -> int | None:
+        return self.vocab_size()
 
     def bos_policy(self) -> tuple[bool, int | None]:
         tok = self.local_tokenizer

@@ -68,9 +68,9 @@ def _env_problem(value: Any) -> str | None:
 
 
 SCHEMA: dict[str, Field] = {
-    "binary": Field(str, default="llama-server",
+    "binary": Field(str, default="llama-server", path="llama-server binary",
                     doc="a path, or a name found in the moebench tool cache or on PATH"),
-    "model": Field(str, required=True, check=_model_file_problem, doc="the GGUF file to serve"),
+    "model": Field(str, required=True, check=_model_file_problem, path="GGUF file", doc="the GGUF file to serve"),
     "args": Field(list, default=list, item_type=str, doc="extra llama-server arguments, e.g. ['-c', '8192']"),
     "host": Field(str, default="127.0.0.1"),
     "port": Field(int, default=0, check=non_negative, low=0, high=65_535, doc="0 picks a free port"),
@@ -327,6 +327,13 @@ class LlamaServerRunner(Runner):
             except llamacpp.ToolError as e:
                 raise RunnerError(str(e)) from None
         return self.binary
+
+    def startup_note(self, run_dir: str | None) -> str:
+        if self.needed is not None and set(self.needed) <= SERVERLESS:
+            return f"no llama-server needed (KLD by llama-perplexity on {self.model_path})"
+        log = Path(run_dir) / LOG_NAME if run_dir else "a temporary folder"
+        return (f"starting llama-server ({self.profile['binary']}; built first if missing) on {self.model_path}, "
+                f"waiting for /health; its log: {log}")
 
     async def start(self, run_dir: str | None = None) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -134,6 +134,24 @@ class KldTask(Task):
     def check(self, runner: Runner) -> None:
         if backend(runner) == BY_TOOL:
             runner.perplexity_plan()                # refuses unknown flags, a build without the tool
+        elif self.is_candidate:                     # before any work, not after the other tasks
+            self._check_vocab(read_meta(self.ctx.baseline_run, self.name), runner.declared_vocab_size(), runner)
+
+    def _check_vocab(self, base_meta: dict[str, Any], vocab: int | None, runner: Runner) -> None:
+        """KLD compares two distributions over one vocabulary: refuse sizes that differ, or a baseline
+        that recorded none while this runner knows its own (nothing would vouch they match)."""
+        base = base_meta.get("n_vocab")
+        if vocab is None:
+            return
+        if base is None:
+            kind = base_meta.get("runner_kind") or "its"
+            raise KldError(f"baseline {self.ctx.baseline_run} recorded no vocabulary size (its {kind} runner "
+                           f"knew none; for an http runner give its profile tokenizer = \"PATH\" and run the "
+                           f"baseline again); this {runner.kind} runner's model has {vocab:,} tokens, and KLD "
+                           "needs the same vocabulary on both sides")
+        if vocab != base:
+            raise KldError(f"vocabularies differ: baseline {self.ctx.baseline_run} has {base:,} tokens, this "
+                           f"runner's model {vocab:,}; KLD needs the same vocabulary")
 
     def items(self) -> list[Item]:
         path = data_file(self.ctx.data_dir, self.corpus)
@@ -158,10 +176,7 @@ class KldTask(Task):
             return
         if self.is_candidate:
             self._load_baseline()
-            vocab = runner.vocab_size()
-            if vocab is not None and vocab != self.base_meta["n_vocab"]:
-                raise KldError(f"vocabularies differ: baseline {self.ctx.baseline_run} has {self.base_meta['n_vocab']} "
-                               f"tokens, this runner's model {vocab}; KLD needs the same vocabulary")
+            self._check_vocab(self.base_meta, runner.vocab_size(), runner)
             return
         text = read_text(data_file(self.ctx.data_dir, self.corpus))
         ids = await runner.tokenize(text)
