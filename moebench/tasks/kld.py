@@ -85,10 +85,36 @@ class KldTask(Task):
                              doc="baseline chunks that also keep the whole distribution (exact KLD, llama.cpp export)"),
         "router": Field(bool, default=True, doc="store router traces where the runner offers them"),
         "threads": Field(int, check=positive, low=1, high=1_024, doc="llama-perplexity -t"),
+        "method": Field(str, default="teacher-forced", choices=("teacher-forced", "sampled"),
+                        doc="teacher-forced over the corpus, or sampled: Monte Carlo on the baseline's own "
+                            "samples from one log-prob per token (moebench.tasks.kld_sampled)"),
+        # method = "sampled" only (defaults in moebench.tasks.kld_sampled.DEFAULTS)
+        "prompts": Field(int, check=positive, low=1, high=1_000_000, doc="sampled: prompts taken from the corpus"),
+        "prompt_tokens": Field(int, check=positive, low=1, high=MAX_PROMPT_TOKENS, doc="sampled: tokens per prompt"),
+        "continuations": Field(int, check=positive, low=1, high=100_000,
+                               doc="sampled: continuations sampled per prompt"),
+        "tokens": Field(int, check=positive, low=1, high=MAX_PROMPT_TOKENS, doc="sampled: tokens per continuation"),
+        "seed": Field(int, check=non_negative, low=0, high=2**31 - 1,
+                      doc="sampled: continuation (prompt j, c) is sampled with seed + j * continuations + c"),
+        "estimator": Field(str, choices=("low-variance", "plain"),
+                           doc="sampled: the headline estimator, (r - 1) - log r or log p - log q"),
     }
+    SAMPLED_KEYS = ("prompts", "prompt_tokens", "continuations", "tokens", "seed", "estimator")
+
+    def __new__(cls, opts: dict[str, Any], ctx=None):
+        # One task kind, two methods: method = "sampled" is its own class (moebench.tasks.kld_sampled),
+        # which is not a KldTask, so KldTask.__init__ does not run on it.
+        if cls is KldTask and (opts or {}).get("method") == "sampled":
+            from moebench.tasks.kld_sampled import SampledKldTask
+            return SampledKldTask(opts, ctx)
+        return super().__new__(cls)
 
     def __init__(self, opts: dict[str, Any], ctx):
         super().__init__(opts, ctx)
+        given = [k for k in self.SAMPLED_KEYS if opts.get(k) is not None]
+        if given:
+            raise ValueError(f"kld: key {given[0]!r} is for method = \"sampled\"; this task is teacher-forced "
+                             "(set method = \"sampled\" or drop the key)")
         self.context: int = opts.get("context", 512)
         if self.context < 4 or self.context % 2:
             raise ValueError(f"kld: context must be an even number >= 4, got {self.context}")
