@@ -16,6 +16,10 @@ Repeats are grouped into runs of 1, 2 and 4 thousand tokens (1, 2 and 4 repeats)
 over independent seeded replicates. Writes benchmarks/results/kld_sampled_validation.json.
 
     python benchmarks/kld_sampled_validation.py [--repeats 100] [--prompts 16] [--continuations 2] [--tokens 32]
+
+Each repeat's sums are appended to <out>.partial-<start>.jsonl as it finishes; `--start/--stop` run a
+range of repeats (several processes may share the repeats), `--merge` only reads the partial files and
+writes the result. Repeat r is sampled with seed `seed + r` whichever process runs it.
 """
 from __future__ import annotations
 
@@ -100,6 +104,32 @@ def summarize(groups: list[dict[str, float]]) -> dict[str, float]:
     return row
 
 
+def sample_repeats(args, partial: Path) -> None:
+    """Sample repeats [start, stop) and append each one's per-sequence sums to `partial`."""
+    import torch
+    from moebench.engine import Engine
+    torch.set_num_threads(1)                        # a shared CPU: one thread per process
+    # max_batch: the continuations of a repeat decode as one batch (the default of 1 runs them in turn)
+    base = Engine.load(REPO / "models" / "zoo" / "tiny-moe", device="cpu", dtype="float32", max_batch=64)
+    cand = Engine.load(REPO / "models" / "zoo" / "tiny-moe-tiered", device="cpu", dtype="float32")
+    text = REPO.parent / "shared" / "datasets"
+    corpus = (text / "wikitext2" / "wiki.test.raw").read_text(encoding="utf-8").replace("\r\n", "\n")
+    ids = base.tokenize(corpus[:200_000])
+    stride = len(ids) // args.prompts                         # prompts spread over the corpus
+    prompts = [ids[j * stride:j * stride + args.prompt_tokens] for j in range(args.prompts)]
+    t0 = time.time()
+    for r in range(args.start, args.stop if args.stop is not None else args.repeats):
+        batch = [p for p in prompts for _ in range(args.continuations)]
+        outs = base.generate(batch, args.tokens, temperature=1.0, seed=args.seed + r, ignore_eos=True)
+        seqs = [sequence_sums(base, cand, p, list(o.token_ids)) for p, o in zip(batch, outs)]
+        with open(partial, "a") as f:
+            f.write(json.dumps({"repeat": r, "seqs": seqs}) + "\n")
+        n = sum(s["count"] for s in seqs)
+        print(f"repeat {r}: {int(n)} tokens, exact {sum(s['exact'] for s in seqs) / n:.5f}, sampled "
+              f"{sum(s['low-variance'] for s in seqs) / n:.5f}, top20 {sum(s['top20'] for s in seqs) / n:.5f} "
+              f"({time.time() - t0:.0f} s)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=100)
@@ -109,30 +139,25 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--groups", default="1,2,4", help="repeats pooled into one run, per level")
+    ap.add_argument("--start", type=int, default=0, help="first repeat this process samples")
+    ap.add_argument("--stop", type=int, default=None, help="repeat after the last one this process samples")
+    ap.add_argument("--merge", action="store_true", help="only merge the partial files into the result")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "kld_sampled_validation.json"))
     args = ap.parse_args()
-    from moebench.engine import Engine
-    # max_batch: the continuations of a repeat decode as one batch (the default of 1 runs them in turn)
-    base = Engine.load(REPO / "models" / "zoo" / "tiny-moe", device="cpu", dtype="float32", max_batch=64)
-    cand = Engine.load(REPO / "models" / "zoo" / "tiny-moe-tiered", device="cpu", dtype="float32")
-    text = (Path("/work/shared/datasets") if not (REPO.parent / "shared").is_dir() else REPO.parent / "shared" / "datasets")
-    corpus = (text / "wikitext2" / "wiki.test.raw").read_text(encoding="utf-8").replace("\r\n", "\n")
-    ids = base.tokenize(corpus[:200_000])
-    stride = len(ids) // args.prompts                         # prompts spread over the corpus
-    prompts = [ids[j * stride:j * stride + args.prompt_tokens] for j in range(args.prompts)]
+    out = Path(args.out)
     t0 = time.time()
-    per_repeat: list[list[dict[str, float]]] = []
-    for r in range(args.repeats):
-        batch = [p for p in prompts for _ in range(args.continuations)]
-        outs = base.generate(batch, args.tokens, temperature=1.0, seed=args.seed + r, ignore_eos=True)
-        seqs = [sequence_sums(base, cand, p, list(o.token_ids)) for p, o in zip(batch, outs)]
-        per_repeat.append(seqs)
-        with open(Path(args.out).with_suffix(".partial.jsonl"), "a") as f:     # kept if the run is cut short
-            f.write(json.dumps({"repeat": r, "seqs": seqs}) + "\n")
-        n = sum(s["count"] for s in seqs)
-        print(f"repeat {r}: {int(n)} tokens, exact {sum(s['exact'] for s in seqs) / n:.5f}, sampled "
-              f"{sum(s['low-variance'] for s in seqs) / n:.5f}, top20 {sum(s['top20'] for s in seqs) / n:.5f} "
-              f"({time.time() - t0:.0f} s)", flush=True)
+    if not args.merge:
+        sample_repeats(args, out.with_name(f"{out.stem}.partial-{args.start}.jsonl"))
+    done: dict[int, list[dict[str, float]]] = {}
+    for part in sorted(out.parent.glob(f"{out.stem}.partial*.jsonl")):
+        for line in part.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                done[rec["repeat"]] = rec["seqs"]
+    missing = [r for r in range(args.repeats) if r not in done]
+    if missing:
+        raise SystemExit(f"repeats not sampled yet: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+    per_repeat = [done[r] for r in range(args.repeats)]
     allseq = [s for rep in per_repeat for s in rep]
     reference = sum(s["exact"] for s in allseq) / sum(s["count"] for s in allseq)
     levels = {}
@@ -140,7 +165,7 @@ def main() -> None:
         groups = [group_figures([s for rep in per_repeat[i:i + g] for s in rep], reference, args.seed + i)
                   for i in range(0, args.repeats - g + 1, g)]
         levels[str(g)] = {**summarize(groups), "runs": groups}
-    vocab = base.config.vocab_size
+    vocab = 50257                                   # the zoo's GPT-2 vocabulary
     result = {
         "baseline": "engine, zoo tiny-moe BF16 weights, float32 compute on CPU (engine-bf16 profile)",
         "candidate": "engine, models/zoo/tiny-moe-tiered (the demo's tiered pack)",
@@ -153,10 +178,10 @@ def main() -> None:
         "bytes_note": "stored per scored token: sampled = token id (int32) + log p (float32); top-K = K x "
                       "(uint16 id + float16 log-prob) + rest + next-token log-prob (float32 each); full = "
                       "llama.cpp base-file row (uint16 per vocabulary entry)",
-        "levels": levels, "wall_s": round(time.time() - t0, 1),
+        "levels": levels,
         "command": "python benchmarks/kld_sampled_validation.py " + " ".join(sys.argv[1:]),
         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(json.dumps(result, indent=1) + "\n")
     for g, row in levels.items():
         print(json.dumps({k: v for k, v in row.items() if k != "runs"}))
 

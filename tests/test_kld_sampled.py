@@ -189,15 +189,14 @@ def test_serve_baseline_samples_the_same_ids_from_the_same_seeds(pair):
 
 
 def test_a_candidate_must_match_the_baseline_suite(pair):
-    """Different sampling keys would sample other tokens: refused naming the key. A teacher-forced
-    key given with method = "sampled" is unknown there and the other way round."""
+    """Different sampling keys would sample other tokens: refused naming the key; a sampled key in a
+    teacher-forced task is refused naming it."""
     other = pair["tmp"] / "other.toml"
     other.write_text(SUITE.replace("seed = 7", "seed = 8"))
-    run_dir, code = api.run(api.RunOptions(suite=str(other), runner=str(pair["cand"]), out=str(pair["tmp"] / "x"),
-                                           baseline=str(pair["base_run"]), quiet=True))
-    items = [json.loads(x) for x in (run_dir / "items.jsonl").read_text().splitlines() if x.strip()] \
-        if run_dir and (run_dir / "items.jsonl").is_file() else []
-    assert code != 0 and not any(r.get("status") == "ok" for r in items)
+    from moebench.scoring.kld_runs import KldError
+    with pytest.raises(KldError, match="used seed = 7, this suite 8: the sampled tokens would differ"):
+        api.run(api.RunOptions(suite=str(other), runner=str(pair["cand"]), out=str(pair["tmp"] / "x"),
+                               baseline=str(pair["base_run"]), quiet=True))
     tf = pair["tmp"] / "tf.toml"
     tf.write_text(SUITE.replace('method = "sampled"\n', ""))
     with pytest.raises(Exception, match="is for method = \"sampled\""):
@@ -220,3 +219,54 @@ def test_tampered_baseline_ids_are_caught_by_the_candidate_server(pair, tmp_path
     items = [json.loads(x) for x in (run_dir / "items.jsonl").read_text().splitlines() if x.strip()]
     err = [r for r in items if r["status"] != "ok"]
     assert err and "60000" in str(err[0].get("error")), err[:1]
+
+
+def test_llama_server_as_a_sampled_baseline_and_its_limit(pair):
+    """llama-server's OpenAI endpoint (b11434, the zoo's BF16 GGUF) through an http profile: the sampled
+    ids come back in `logprobs.content[].id` with log-probs that the engine (float32, the same BF16
+    weights) reproduces, and the same seed draws the same ids. Its limit: a sampled token ending inside
+    a multi-byte UTF-8 character gets no log-prob entry, and such an item is an error saying so; the
+    run is therefore not a usable baseline (docs/kld.md)."""
+    import asyncio
+    import torch
+    from moebench.engine import Engine
+    from moebench.runners.llama_server import LlamaServerRunner
+    gguf = REPO / "models" / "zoo" / "tiny-moe-bf16.gguf"
+    if not gguf.is_file():
+        pytest.skip("zoo GGUF not built (moebench zoo build)")
+    loop = asyncio.new_event_loop()
+    server = LlamaServerRunner({"model": str(gguf), "ctx_size": 1024, "startup_timeout_s": 120.0,
+                                "args": ["--threads", "1"]})
+    loop.run_until_complete(server.start(str(pair["tmp"])))
+    runs = []
+    try:
+        prof = pair["tmp"] / "llama-http.toml"
+        prof.write_text(f'kind = "http"\nbase_url = "{server.base_url}/v1"\nmodel = "zoo"\ntoken_prompts = true\n'
+                        f'tokenizer = "{pair["hf"]}"\ntimeout_s = 900\n')
+        for n in (1, 2):
+            run_dir, _ = api.run(api.RunOptions(suite=str(pair["suite"]), runner=str(prof),
+                                                out=str(pair["tmp"] / f"llama-base-{n}"), as_baseline=True, quiet=True))
+            runs.append((run_dir, [json.loads(x) for x in (run_dir / "items.jsonl").read_text().splitlines() if x]))
+    finally:
+        loop.run_until_complete(server.close())
+        loop.close()
+    (first, items), (again, _) = runs
+    ok = [r for r in items if r["status"] == "ok"]
+    bad = [r for r in items if r["status"] != "ok"]
+    assert ok, "no continuation came back whole"
+    assert all("multi-byte UTF-8" in str(r.get("error")) for r in bad), [r.get("error") for r in bad]
+    a, b = _seqs(first, "base"), _seqs(again, "base")
+    assert a.keys() == b.keys() and len(a) == len(ok)
+    eng = Engine.load(pair["hf"], device="cpu", dtype="float32")
+    prompts = np.load(first / "kld" / "kld" / "prompts.npy")
+    worst = 0.0
+    for r in ok:
+        d = a[Path(r["file"]).name]
+        assert d["ids"].tolist() == b[Path(r["file"]).name]["ids"].tolist()       # same seed, same ids
+        prompt = [int(t) for t in prompts[r["prompt"]]]
+        lp = torch.log_softmax(eng.logits(prompt + d["ids"].tolist())[len(prompt) - 1:-1].double(), -1)
+        lq = lp[torch.arange(d["ids"].size), torch.from_numpy(d["ids"].astype(np.int64))].numpy()
+        worst = max(worst, float(np.abs(lq - d["logp"]).max()))
+    print(f"\nllama-server: {len(ok)} of {len(items)} continuations whole, {len(bad)} refused (UTF-8); "
+          f"largest |log p(llama BF16) - log p(engine fp32)| {worst:.3g}")
+    assert worst < 0.2

@@ -16,7 +16,9 @@ from):
   `post_sampling_probs` false the sampled token's probability is the softmax of the raw logits over
   the whole vocabulary; top_k <= 0 disables it; it also needs min_p 0 (its default is 0.05),
   typical_p 1, repeat_penalty 1, dry_multiplier 0, xtc_probability 0, and answers `logprobs.content`
-  entries with an `id` (the llama-server runner uses its native /completion instead).
+  entries with an `id`. It leaves out the entry of a sampled token that ends inside a multi-byte
+  UTF-8 character (process_token adds probabilities only once the text is whole UTF-8): such a reply
+  is refused with that reason.
 Keys a server does not know are ignored by vLLM and llama-server.
 
 Parsing takes either shape: the legacy `logprobs.tokens` ("token_id:N") + `token_logprobs`, or
@@ -80,6 +82,12 @@ def parse(data: Any, max_tokens: int, where: str) -> tuple[list[int], list[float
             lps.append(_lp(v, f"{where} logprobs.token_logprobs[{i}]"))
     else:
         raise RunnerError(f"{where}: logprobs has neither 'content' nor 'tokens' + 'token_logprobs'")
+    if len(ids) < max_tokens and isinstance(lp.get("content"), list):
+        raise RunnerError(f"{where}: log-probs for {len(ids)} of {max_tokens} sampled tokens: llama-server "
+                          "leaves out the log-prob of a sampled token that ends inside a multi-byte UTF-8 "
+                          "character (b11434 tools/server/server-context.cpp process_token adds a token's "
+                          "probabilities only once the text is whole UTF-8), so it cannot give one log-prob "
+                          "per sampled token (docs/kld.md)")
     if len(ids) != max_tokens:
         raise RunnerError(f"{where}: {len(ids)} sampled tokens came back, asked for {max_tokens} with "
                           f"ignore_eos (finish_reason {choices[0].get('finish_reason')!r}): does the server "

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from moebench.config import MAX_PROMPT_TOKENS, MAX_VOCAB, Field, non_negative, positive
+from moebench.config import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, MAX_VOCAB, Field, non_negative, positive
 from moebench.datasets import data_file, read_text, register
 from moebench.runners.base import Capability, Runner, RunnerError
 from moebench.scoring import kld_stats as ks
@@ -93,8 +93,8 @@ class KldTask(Task):
         "prompt_tokens": Field(int, check=positive, low=1, high=MAX_PROMPT_TOKENS, doc="sampled: tokens per prompt"),
         "continuations": Field(int, check=positive, low=1, high=100_000,
                                doc="sampled: continuations sampled per prompt"),
-        "tokens": Field(int, check=positive, low=1, high=MAX_PROMPT_TOKENS, doc="sampled: tokens per continuation"),
-        "seed": Field(int, check=non_negative, low=0, high=2**31 - 1,
+        "tokens": Field(int, check=positive, low=1, high=MAX_NEW_TOKENS, doc="sampled: tokens per continuation"),
+        "seed": Field(int, check=non_negative, low=0, high=MAX_SEED,
                       doc="sampled: continuation (prompt j, c) is sampled with seed + j * continuations + c"),
         "estimator": Field(str, choices=("low-variance", "plain"),
                            doc="sampled: the headline estimator, (r - 1) - log r or log p - log q"),
