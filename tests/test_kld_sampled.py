@@ -270,3 +270,34 @@ def test_llama_server_as_a_sampled_baseline_and_its_limit(pair):
     print(f"\nllama-server: {len(ok)} of {len(items)} continuations whole, {len(bad)} refused (UTF-8); "
           f"largest |log p(llama BF16) - log p(engine fp32)| {worst:.3g}")
     assert worst < 0.2
+
+
+def test_shipped_suite_through_the_cli_with_a_serve_baseline(pair):
+    """Done-when: `moebench run suites/kld-sampled.toml` with `moebench serve` (over the float32 engine)
+    sampling the baseline, the tiered engine as the candidate, and `moebench compare` printing the
+    sampled KLD with its interval."""
+    from conftest import moebench_cli
+    from moebench.serve import BackgroundServer, ServeOptions
+    tmp = pair["tmp"] / "cli"
+    tmp.mkdir()
+    suite = REPO / "suites" / "kld-sampled.toml"
+    with BackgroundServer(_engine_runner(pair["hf"]), ServeOptions(port=0)) as srv:
+        prof = tmp / "serve.toml"
+        prof.write_text(f'kind = "http"\nbase_url = "{srv.url}"\nmodel = "zoo"\ntoken_prompts = true\n'
+                        f'tokenizer = "{pair["hf"]}"\ntimeout_s = 900\n')
+        base = moebench_cli("run", str(suite), "--runner", str(prof), "--out", str(tmp / "base"), "--as-baseline")
+    assert base.returncode == 0, base.stderr
+    assert "role=baseline (sampled continuations recorded" in base.stdout and "tokens=1024" in base.stdout
+    cand = moebench_cli("run", str(suite), "--runner", str(pair["cand"]), "--out", str(tmp / "cand"),
+                        "--baseline", str(tmp / "base"))
+    assert cand.returncode == 0, cand.stderr
+    assert "sampled tokens=1024 kld_mean=" in cand.stdout
+    cmp = moebench_cli("compare", str(tmp / "base"), str(tmp / "cand"), "--out", str(tmp / "cmp"))
+    assert cmp.returncode == 0, cmp.stderr
+    k = json.loads((tmp / "cmp" / "compare.json").read_text())["kld"]
+    lo, hi = k["interval"]
+    print(f"\nshipped suite, serve baseline, tiered candidate: {k['mean']:.5f} [{lo:.5f}, {hi:.5f}] "
+          f"({k['n_tokens']} tokens)")
+    assert k["method"] == "sampled" and k["n_tokens"] == 1024 and k["n_sequences"] == 32 and lo < k["mean"] < hi
+    assert f"kld (sampled, low-variance): mean={k['mean']:.6g} 95% interval=[{lo:.6g}, {hi:.6g}]" in cmp.stdout, \
+        cmp.stdout

@@ -133,7 +133,11 @@ class SampledKldTask(Task):
             save_npz(path, ids=np.asarray(ids, np.int32), logp=np.asarray(logp, np.float32))
             return {**rec, "role": "baseline", "n_tokens": len(ids), "prompt_hash": prompt_hash(prompt + list(ids)),
                     "nll_sum": float(-np.sum(logp)), "file": str(path.relative_to(self.ctx.run_dir))}
-        base = np.load(seq_file(task_dir(self.ctx.baseline_run, self.name) / "base", seq))
+        base_file = seq_file(task_dir(self.ctx.baseline_run, self.name) / "base", seq)
+        if not base_file.is_file():
+            raise KldError(f"{item.item_id}: the baseline run {self.ctx.baseline_run} has no sample for it "
+                           f"({base_file.name} missing: the item errored there)")
+        base = np.load(base_file)
         sample = [int(t) for t in base["ids"]]
         logq = await self._score(runner, prompt, sample, item.item_id)
         logp = base["logp"].astype(np.float64)
