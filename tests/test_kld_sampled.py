@@ -301,3 +301,22 @@ def test_shipped_suite_through_the_cli_with_a_serve_baseline(pair):
     assert k["method"] == "sampled" and k["n_tokens"] == 1024 and k["n_sequences"] == 32 and lo < k["mean"] < hi
     assert f"kld (sampled, low-variance): mean={k['mean']:.6g} 95% interval=[{lo:.6g}, {hi:.6g}]" in cmp.stdout, \
         cmp.stdout
+
+
+def test_teacher_forced_and_sampled_in_one_suite(pair):
+    """Beside a teacher-forced KLD the sampled one is compare.json["kld"]["sampled"], and the report shows
+    both blocks with the sentence on their different contexts."""
+    suite = pair["tmp"] / "both.toml"
+    suite.write_text('name = "kld-both"\n[[tasks]]\ntask = "kld"\ncontext = 64\nchunks = 2\ntop_k = 64\n'
+                     'full_chunks = 2\n[[tasks]]\ntask = "kld"\nname = "kld-sampled"\nmethod = "sampled"\n'
+                     'prompts = 4\nprompt_tokens = 16\ncontinuations = 2\ntokens = 8\n[probes]\nnvml = false\n')
+    base, _ = _run(suite, pair["base"], pair["tmp"] / "both-base")
+    cand, _ = _run(suite, pair["cand"], pair["tmp"] / "both-cand", base)
+    _, cmp = api.compare(str(base), str(cand), out=str(pair["tmp"] / "cmp-both"), write_report=True)
+    k = cmp["kld"]
+    assert k["method"] == "exact" and k["n_tokens"] == 2 * (64 - 1 - 32)
+    assert k["sampled"]["method"] == "sampled" and k["sampled"]["n_tokens"] == 4 * 2 * 8
+    assert "kld-sampled" not in cmp["tasks"] and "kld" not in cmp["tasks"]
+    html = (pair["tmp"] / "cmp-both" / "report.html").read_text()
+    assert "teacher-forced)</h2>" in html and "sampled from the baseline)</h2>" in html
+    assert "measure different contexts" in html
