@@ -142,6 +142,7 @@ def main() -> None:
     ap.add_argument("--start", type=int, default=0, help="first repeat this process samples")
     ap.add_argument("--stop", type=int, default=None, help="repeat after the last one this process samples")
     ap.add_argument("--merge", action="store_true", help="only merge the partial files into the result")
+    ap.add_argument("--note", default="", help="how the repeats were run (kept in the result)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "kld_sampled_validation.json"))
     args = ap.parse_args()
     out = Path(args.out)
@@ -178,8 +179,11 @@ def main() -> None:
         "bytes_note": "stored per scored token: sampled = token id (int32) + log p (float32); top-K = K x "
                       "(uint16 id + float16 log-prob) + rest + next-token log-prob (float32 each); full = "
                       "llama.cpp base-file row (uint16 per vocabulary entry)",
-        "levels": levels,
-        "command": "python benchmarks/kld_sampled_validation.py " + " ".join(sys.argv[1:]),
+        "levels": levels, "note": args.note,
+        # the sampling arguments only: --start/--stop/--merge split the same repeats over processes
+        "command": "python benchmarks/kld_sampled_validation.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+            if k in ("repeats", "prompts", "prompt_tokens", "continuations", "tokens", "seed", "groups")),
         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     out.write_text(json.dumps(result, indent=1) + "\n")
     for g, row in levels.items():
