@@ -26,6 +26,9 @@ How the log-probs are obtained is chosen from the runner's capabilities, never i
   (`prompt_logprobs_k`); exact when K covers the vocabulary on both sides, otherwise a lower bound
   (kld_stats.sparse_kld). Where the runner can score fixed ids (`prompt_logprob_ids`), a candidate
   asks for the baseline's top-K ids too, which tightens the bound.
+
+`method = "sampled"` (a Monte Carlo estimate on the baseline's own samples from one log-prob per token)
+is another class, moebench.tasks.kld_sampled.SampledKldTask, which KldTask(opts) returns for it.
 """
 from __future__ import annotations
 
