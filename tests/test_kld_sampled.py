@@ -76,6 +76,8 @@ def test_sampled_reply_parsing_names_what_is_wrong():
     with pytest.raises(RunnerError, match="ignored return_tokens_as_token_ids"):
         sl.parse(text, 1, "srv")
     with pytest.raises(RunnerError, match=r"1 sampled tokens came back, asked for 2"):
+        sl.parse({"choices": [{"logprobs": {"tokens": ["token_id:5"], "token_logprobs": [-1.0]}}]}, 2, "srv")
+    with pytest.raises(RunnerError, match=r"log-probs for 1 of 2 sampled tokens: llama-server leaves out .* UTF-8"):
         sl.parse(content, 2, "srv")
     body = sl.request("m", [1, 2], 4, 11)
     assert body["temperature"] == 1.0 and body["top_p"] == 1.0 and body["top_k"] == -1 and body["min_p"] == 0.0
