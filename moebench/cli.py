@@ -409,6 +409,8 @@ def _print_run_summary(run_dir: Path) -> None:
 
 def _summary_line(task: str, s: dict, m: dict) -> str:
     """One line per task; KLD has no accuracy, so its line gives what it measured (or recorded)."""
+    if s.get("method") == "sampled":
+        return _sampled_summary_line(task, s, m)
     if s.get("role") in ("baseline", "candidate"):
         head = (f"{task}: n={_shown(s.get('n'))} chunks={_shown(s.get('n_chunks'))} "
                 f"errors={_shown(s.get('n_errors'))}")
@@ -432,6 +434,21 @@ def _summary_line(task: str, s: dict, m: dict) -> str:
 def _shown(v) -> str:
     """A summary figure as text; one not measured is "-", never Python's None."""
     return "-" if v is None else str(v)
+
+
+
+def _sampled_summary_line(task: str, s: dict, m: dict) -> str:
+    """A sampled KLD (method = "sampled"): the baseline's sample count, or the estimate and its interval."""
+    head = f"{task}: n={s.get('n')} sequences={s.get('n_sequences')} errors={s.get('n_errors')}"
+    if s.get("role") == "baseline":
+        return (f"{head} role=baseline (sampled continuations recorded for candidates to score; no KLD "
+                f"measured) tokens={s.get('n_tokens')}")
+    k = s.get("kld") if isinstance(s.get("kld"), dict) else {}
+    lo, hi = (k.get("interval") or [None, None])[:2]
+    fig = lambda v: "-" if not isinstance(v, (int, float)) else f"{v:.6g}"  # noqa: E731
+    return (f"{head} role=candidate against {m.get('baseline_run')}: sampled tokens={k.get('n_tokens')} "
+            f"kld_mean={fig(k.get('mean'))} ({k.get('estimator')}) interval=[{fig(lo)}, {fig(hi)}]"
+            + (f" error={k['error']}" if k.get("error") else ""))
 
 
 if __name__ == "__main__":

@@ -291,8 +291,9 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     for key in ("presence_penalty", "frequency_penalty"):
         _get(body, key, (int, float), None, -2, 2)
     seed = _get(body, "seed", int, None, 0, MAX_SEED)
+    ignore_eos = _get(body, "ignore_eos", bool, False)     # vLLM's and llama-server's extension
     return {"temperature": temperature, "top_p": None if top_p is None else float(top_p),
-            "top_k": top_k if top_k is None or top_k > 0 else None, "seed": seed}
+            "top_k": top_k if top_k is None or top_k > 0 else None, "seed": seed, "ignore_eos": ignore_eos}
 
 
 def _json_depth_over(value: Any, limit: int) -> bool:
@@ -505,7 +506,8 @@ class Server:
     async def _generate_one(self, prompt: str | list[int], *, max_tokens: int, temperature: float,
                             stop: list[str], seed: int | None, n_logprobs: int | None,
                             echo_scores: bool, gone: threading.Event, top_p: float | None = None,
-                            top_k: int | None = None, on_text=None, as_ids: bool = False) -> dict[str, Any]:
+                            top_k: int | None = None, on_text=None, as_ids: bool = False,
+                            ignore_eos: bool = False) -> dict[str, Any]:
         """Generate for one prompt; with n_logprobs, per-token log-probs of the output (and, with
         echo_scores, of the prompt) as lists of (piece, logprob, {piece: logprob}). Once `gone` is set
         (the client disconnected), a runner that passes text to on_text as it generates (on its worker
@@ -522,7 +524,7 @@ class Server:
             res = await self.runner.generate(GenerateRequest(
                 prompt=prompt, max_tokens=max_tokens, stop=stop, temperature=temperature, seed=seed,
                 top_p=top_p, top_k=top_k, top_logprobs=n_top, stream=on_text is not None,
-                on_text=_stop_when_gone(gone, on_text)))
+                ignore_eos=ignore_eos, on_text=_stop_when_gone(gone, on_text)))
             out_text, finish = res.text, res.finish_reason or "stop"
             out_ids = list(res.token_ids) if res.token_ids is not None else (
                 await self.runner.tokenize(out_text) if Capability.TOKENIZE in caps else [])

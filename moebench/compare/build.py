@@ -25,6 +25,12 @@ def _records_of(records: list[dict[str, Any]], task: str) -> list[dict[str, Any]
     return [r for r in records if r.get("task") == task]
 
 
+def _kld_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records of every KLD task, whatever its suite name (a sampled one beside a teacher-forced one
+    needs a name of its own); KLD item ids start with "kld/"."""
+    return [r for r in records if r.get("task") == "kld" or str(r.get("item_id", "")).startswith("kld/")]
+
+
 def _side_info(run_dir: Path, m: dict[str, Any]) -> dict[str, Any]:
     model = m.get("model") if isinstance(m.get("model"), dict) else {}
     size = model.get("size_bytes", model.get("bytes"))
@@ -82,8 +88,8 @@ def build_compare(base_dir: str | Path, cand_dir: str | Path, speed_ab: str | Pa
         warnings += [f"{t}: {unverified_reason(sides)}" for t, sides in unvouched.items()]
 
     kld = _optional("moebench.compare.kld", "kld_compare")
-    if kld is not None and (any(r.get("task") == "kld" for r in crecs)):
-        section = kld(base_dir, cand_dir, bm, cm, _records_of(brecs, "kld"), _records_of(crecs, "kld"))
+    if kld is not None and _kld_records(crecs):
+        section = kld(base_dir, cand_dir, bm, cm, _kld_records(brecs), _kld_records(crecs))
         if section:
             out["kld"] = section
             warnings += kld_notes(section)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from moebench.scoring.kld_runs import (chunk_file, expert_usage, kld_section, load_skew, read_meta,
-                                       router_agreement, task_dir)
+                                       router_agreement, sampled_section, task_dir)
 
 
 def kld_compare(base_dir: Path, cand_dir: Path, base_manifest: dict[str, Any], cand_manifest: dict[str, Any],
@@ -33,9 +33,20 @@ def kld_compare(base_dir: Path, cand_dir: Path, base_manifest: dict[str, Any], c
                   and r["prompt_hash"] != base_hash[r["item_id"]]]
     if mismatched:
         out["token_mismatch"] = mismatched
-    out.update(kld_section(Path(cand_dir), cand_ok))
+    # A sampled KLD (method = "sampled") measures other contexts than a teacher-forced one: alone it
+    # is the section; beside a teacher-forced task it is the section's "sampled" entry.
+    sampled = [r for r in cand_ok if r.get("method") == "sampled"]
+    forced = [r for r in cand_ok if r.get("method") != "sampled"]
+    if forced:
+        out.update(kld_section(Path(cand_dir), forced))
+    if sampled:
+        section = sampled_section(Path(cand_dir), sampled)
+        if forced:
+            out["sampled"] = section
+        else:
+            out.update(section)
     out["excluded"] = sorted(r["item_id"] for r in cand_records if r.get("status") != "ok")
-    signals = moe_signals(Path(base_dir), Path(cand_dir), cand_ok)
+    signals = moe_signals(Path(base_dir), Path(cand_dir), forced) if forced else None
     if signals:
         out.update(signals)
     return out

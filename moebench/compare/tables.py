@@ -238,7 +238,8 @@ def text_table(cmps: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
         if cmp.get("tasks"):
             lines += _text(task_table(cmp))
         k = cmp.get("kld")
-        if isinstance(k, dict):
+        lines += sampled_kld_lines(k)
+        if isinstance(k, dict) and k.get("method") != "sampled":
             lines.append(f"kld: n_tokens={k.get('n_tokens')} mean={_n(k.get('mean'), 6)} median={_n(k.get('median'), 6)} "
                          f"p99={_n(k.get('p99'), 6)} max={_n(k.get('max'), 6)} same_top_p={_n(k.get('same_top_p'), 6)} "
                          f"ppl_ratio={_n(k.get('ppl_ratio'), 6)}")
@@ -253,3 +254,16 @@ def text_table(cmps: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
     if len(cmps) > 1:
         lines += ["", *(_text(headline_table(rows)))]
     return "\n".join(lines)
+
+
+def sampled_kld_lines(kld: Any) -> list[str]:
+    """The sampled KLD (method = "sampled") as one terminal line: estimate, interval, counts."""
+    if not isinstance(kld, dict):
+        return []
+    s = kld if kld.get("method") == "sampled" else kld.get("sampled")
+    if not isinstance(s, dict) or not s.get("n_tokens"):
+        return []
+    lo, hi = (s.get("interval") or [None, None])[:2]
+    return [f"kld (sampled, {s.get('estimator')}): mean={_n(s.get('mean'), 6)} "
+            f"{round(100 * (s.get('confidence') or 0))}% interval=[{_n(lo, 6)}, {_n(hi, 6)}] "
+            f"n_tokens={s.get('n_tokens')} sequences={s.get('n_sequences')}"]

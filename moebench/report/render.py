@@ -419,8 +419,8 @@ def _flip_rows(task: str, t: dict[str, Any], base: dict[str, Any], cand: dict[st
 
 
 def _kld_context(kld: Any) -> dict[str, Any] | None:
-    if not isinstance(kld, dict) or not kld:
-        return None
+    if not isinstance(kld, dict) or not kld or kld.get("method") == "sampled":
+        return None                       # a sampled KLD alone: _kld_sampled_context shows it
     order = [("n_tokens", "scored tokens"), ("mean", "mean KLD"), ("max", "maximum"), ("p999", "99.9%"),
              ("p99", "99%"), ("p95", "95%"), ("p90", "90%"), ("median", "median"), ("p10", "10%"),
              ("p5", "5%"), ("p1", "1%"), ("p01", "0.1%"), ("min", "minimum"),
@@ -484,6 +484,22 @@ def _kld_context(kld: Any) -> dict[str, Any] | None:
                                             for role in ("baseline", "candidate")}}
                             for i in range(max(len(s[1]) for s in series))]
     return ctx
+
+
+def _kld_sampled_context(kld: Any) -> dict[str, Any] | None:
+    """The sampled KLD (compare.json["kld"] with method "sampled", or its "sampled" entry beside a
+    teacher-forced KLD): estimate, interval, the other estimator and counts."""
+    if not isinstance(kld, dict):
+        return None
+    s = kld if kld.get("method") == "sampled" else kld.get("sampled")
+    if not isinstance(s, dict) or not s.get("n_tokens"):
+        return None
+    other = next((s[k] for k in ("plain", "low_variance") if isinstance(s.get(k), dict)), {})
+    other_name = "plain" if "plain" in s else "low-variance"
+    return {"mean": s.get("mean"), "interval": s.get("interval") or [None, None], "estimator": s.get("estimator"),
+            "confidence": s.get("confidence"), "n_tokens": s.get("n_tokens"), "n_sequences": s.get("n_sequences"),
+            "n_prompts": s.get("n_prompts"), "other_name": other_name, "other": other,
+            "beside_teacher_forced": s is not kld, "note": s.get("note")}
 
 
 def _needle_context(needle: Any) -> dict[str, Any] | None:
@@ -908,6 +924,7 @@ def compare_context(compare_dir: Path) -> dict[str, Any]:
         "overall": overall,
         "flips": flips,
         "kld": _kld_context(doc.section("kld")),
+        "kld_sampled": _kld_sampled_context(doc.section("kld")),
         "needle": _needle_context(doc.section("needle")),
         "speed": _speed_context(doc.section("speed")),
         "speed_ab": _speed_ab_context(doc.section("speed_ab")),

@@ -27,6 +27,9 @@ class Capability:
     ROUTER_TRACE = "router_trace"      # per-layer top-k expert ids and weights per token
     CHOICE_LOGPROBS = "choice_logprobs"  # next-token log-probs of given choice strings, none missed
     SAMPLING = "sampling"              # top_p and top_k truncation when sampling (temperature > 0)
+    # a seeded, untruncated temperature-1 sample after token ids with the log-prob of each sampled
+    # token (`runner.sampled_logprobs`): the sampled KLD's baseline
+    SAMPLED_LOGPROBS = "sampled_logprobs"
     # KLD by llama.cpp's llama-perplexity on the runner's own model, build and flags
     # (`runner.perplexity_plan()`); needs no server running.
     LLAMA_PERPLEXITY = "llama_perplexity"
@@ -192,6 +195,12 @@ class Runner:
 
     async def detokenize(self, token_ids: list[int]) -> str:
         raise CapabilityError(f"runner kind {self.kind!r} cannot detokenize")
+
+    async def sampled_logprobs(self, prompt_ids: list[int], max_tokens: int, seed: int) -> tuple[list[int], list[float]]:
+        """Exactly `max_tokens` token ids sampled after `prompt_ids` at temperature 1 without truncation
+        or penalties (EOS does not stop it), seeded by `seed`, and each sampled token's log-prob under the
+        distribution it was drawn from."""
+        raise CapabilityError(f"runner kind {self.kind!r} cannot sample with log-probs")
 
     # -- model facts a task may ask for (None where the runner does not know) --------------------
     def vocab_size(self) -> int | None:

@@ -176,7 +176,8 @@ class EngineRunner(Runner):
     kind = "engine"
     capabilities = frozenset({Capability.GENERATE, Capability.STREAM, Capability.TOP_LOGPROBS,
                               Capability.FULL_LOGITS, Capability.TOKENIZE, Capability.TOKEN_PROMPTS,
-                              Capability.ROUTER_TRACE, Capability.CHOICE_LOGPROBS})
+                              Capability.ROUTER_TRACE, Capability.CHOICE_LOGPROBS,
+                              Capability.SAMPLED_LOGPROBS})
 
     def __init__(self, profile: dict[str, Any], profile_path: str | None = None):
         super().__init__(profile, profile_path)
@@ -382,6 +383,22 @@ class EngineRunner(Runner):
             t = eng.tokenize(c)
             out[c] = dist.get(t[0]) if len(t) == 1 else None
         return out, "exact"
+
+    async def sampled_logprobs(self, prompt_ids: list[int], max_tokens: int, seed: int) -> tuple[list[int], list[float]]:
+        """Sampled by the engine's own seeded generator (temperature 1, no truncation, EOS ignored); the
+        log-probs from a teacher-forced pass over prompt + sample (the decode path's agree to ~5e-5)."""
+        import torch
+        eng = self._eng()
+        ids = [int(t) for t in prompt_ids]
+        try:
+            out = (await asyncio.to_thread(eng.generate, [ids], max_tokens, temperature=1.0, seed=seed,
+                                           ignore_eos=True))[0]
+        except ValueError as e:
+            raise RunnerError(str(e)) from None
+        sample = list(out.token_ids)
+        logits = await asyncio.to_thread(eng.logits, ids + sample)
+        lp = torch.log_softmax(logits[len(ids) - 1:len(ids) - 1 + len(sample)].double(), dim=-1)
+        return sample, lp[torch.arange(len(sample)), torch.tensor(sample)].tolist()
 
     async def logits(self, token_ids: list[int]):
         """[len, vocab] float32 next-token logits at every position (teacher forcing)."""

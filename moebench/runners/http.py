@@ -37,6 +37,7 @@ import httpx
 
 from moebench.config import MAX_RESPONSE_BYTES, MAX_SECONDS, MAX_VOCAB, Field, ProfileError, positive
 from moebench.runners import prompt_logprobs as prompt_lp
+from moebench.runners import sampled_logprobs as sampled_lp
 from moebench.runners import reply_checks
 from moebench.runners.base import (DEFAULT_REQUEST_DEADLINE_S, Capability, DeadlineExceeded, GenerateRequest,
                                    GenerateResult, Runner, RunnerError, Unreachable)
@@ -170,6 +171,8 @@ class HttpRunner(Runner):
                 caps.add(Capability.PROMPT_LOGPROB_IDS)
         if profile.get("token_prompts"):
             caps.add(Capability.TOKEN_PROMPTS)
+            if self.api == "completions":
+                caps.add(Capability.SAMPLED_LOGPROBS)   # ids in, ids and log-probs out
         self.capabilities = frozenset(caps)
         self.read_timeout_s = float(profile.get("timeout_s", 600.0))
         self.connect_timeout_s = float(profile.get("connect_timeout_s", 10.0))
@@ -520,6 +523,19 @@ class HttpRunner(Runner):
             return prompt_lp.parse_sglang(data, ids, where)
 
         return await self._with_retries(call, lambda url: (url[:-3] if url.endswith("/v1") else url) + path)
+
+    async def sampled_logprobs(self, prompt_ids: list[int], max_tokens: int, seed: int) -> tuple[list[int], list[float]]:
+        """A seeded temperature-1 sample without truncation and its log-probs (moebench.runners.sampled_logprobs)."""
+        if Capability.SAMPLED_LOGPROBS not in self.capabilities:
+            raise RunnerError("sampling with log-probs needs `token_prompts = true` and api = \"completions\"")
+        body = {**sampled_lp.request(self.model, prompt_ids, max_tokens, seed), **self.extra_body}
+        limit = response_limit(max_tokens, 1, self.max_response_bytes)
+
+        async def call(url: str) -> tuple[list[int], list[float]]:
+            data = _json(await self._post(url + "/completions", body, limit), url + "/completions")
+            return sampled_lp.parse(data, max_tokens, url + "/completions")
+
+        return await self._with_retries(call, lambda url: url + "/completions")
 
     async def tokenize(self, text: str) -> list[int]:
         if Capability.TOKENIZE not in self.capabilities:

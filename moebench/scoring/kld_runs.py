@@ -34,6 +34,11 @@ def chunk_file(folder: Path, chunk: int) -> Path:
     return folder / f"chunk_{chunk:05d}.npz"
 
 
+def seq_file(folder: Path, seq: int) -> Path:
+    """A sampled KLD item's arrays (method = "sampled")."""
+    return folder / f"seq_{seq:05d}.npz"
+
+
 def read_meta(run_dir: Path, name: str) -> dict[str, Any]:
     path = task_dir(run_dir, name) / "meta.json"
     if not path.is_file():
@@ -109,6 +114,27 @@ def kld_section(cand_dir: Path, cand_records: list[dict[str, Any]]) -> dict[str,
                                           "rel_err": float((est.mean() - exact.mean()) / exact.mean()) if exact.mean() else None,
                                           "max_token_abs_err": float(np.abs(est - exact).max())}
         out["topk_vs_exact"] = table
+    return out
+
+
+def sampled_section(cand_dir: Path, cand_records: list[dict[str, Any]]) -> dict[str, Any]:
+    """compare.json["kld"] of a sampled KLD (method = "sampled"): the estimate, its interval and counts."""
+    from moebench.scoring import kld_sampled as sk
+    recs = sorted((r for r in cand_records if r.get("status") == "ok" and r.get("role") == "candidate"
+                   and r.get("method") == "sampled"), key=lambda r: (r["prompt"], r["cont"]))
+    if not recs:
+        return {"method": "sampled", "n_tokens": 0}
+    seqs = []
+    for r in recs:
+        d = np.load(Path(cand_dir) / r["file"])
+        seqs.append((d["logp"], d["logq"]))
+    out = sk.estimate(seqs, estimator=recs[0].get("estimator", "low-variance"))
+    out["n_prompts"] = len({r["prompt"] for r in recs})
+    out["note"] = (f"sampled: mean {out['estimator']} estimate of KL(baseline || candidate) per token over "
+                   f"{out['n_sequences']} continuations sampled from the baseline (temperature 1, no truncation), "
+                   f"{out['confidence']:.0%} bootstrap interval over sequences; unbiased, but on the baseline's "
+                   "own generated contexts, not the teacher-forced corpus text, so it measures other contexts "
+                   "than a teacher-forced KLD")
     return out
 
 

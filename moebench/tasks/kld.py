@@ -26,6 +26,9 @@ How the log-probs are obtained is chosen from the runner's capabilities, never i
   (`prompt_logprobs_k`); exact when K covers the vocabulary on both sides, otherwise a lower bound
   (kld_stats.sparse_kld). Where the runner can score fixed ids (`prompt_logprob_ids`), a candidate
   asks for the baseline's top-K ids too, which tightens the bound.
+
+`method = "sampled"` (a Monte Carlo estimate on the baseline's own samples from one log-prob per token)
+is another class, moebench.tasks.kld_sampled.SampledKldTask, which KldTask(opts) returns for it.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from moebench.config import MAX_PROMPT_TOKENS, MAX_VOCAB, Field, non_negative, positive
+from moebench.config import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, MAX_VOCAB, Field, non_negative, positive
 from moebench.datasets import data_file, read_text, register
 from moebench.runners.base import Capability, Runner, RunnerError
 from moebench.scoring import kld_stats as ks
@@ -85,10 +88,36 @@ class KldTask(Task):
                              doc="baseline chunks that also keep the whole distribution (exact KLD, llama.cpp export)"),
         "router": Field(bool, default=True, doc="store router traces where the runner offers them"),
         "threads": Field(int, check=positive, low=1, high=1_024, doc="llama-perplexity -t"),
+        "method": Field(str, default="teacher-forced", choices=("teacher-forced", "sampled"),
+                        doc="teacher-forced over the corpus, or sampled: Monte Carlo on the baseline's own "
+                            "samples from one log-prob per token (moebench.tasks.kld_sampled)"),
+        # method = "sampled" only (defaults in moebench.tasks.kld_sampled.DEFAULTS)
+        "prompts": Field(int, check=positive, low=1, high=1_000_000, doc="sampled: prompts taken from the corpus"),
+        "prompt_tokens": Field(int, check=positive, low=1, high=MAX_PROMPT_TOKENS, doc="sampled: tokens per prompt"),
+        "continuations": Field(int, check=positive, low=1, high=100_000,
+                               doc="sampled: continuations sampled per prompt"),
+        "tokens": Field(int, check=positive, low=1, high=MAX_NEW_TOKENS, doc="sampled: tokens per continuation"),
+        "seed": Field(int, check=non_negative, low=0, high=MAX_SEED,
+                      doc="sampled: continuation (prompt j, c) is sampled with seed + j * continuations + c"),
+        "estimator": Field(str, choices=("low-variance", "plain"),
+                           doc="sampled: the headline estimator, (r - 1) - log r or log p - log q"),
     }
+    SAMPLED_KEYS = ("prompts", "prompt_tokens", "continuations", "tokens", "seed", "estimator")
+
+    def __new__(cls, opts: dict[str, Any], ctx=None):
+        # One task kind, two methods: method = "sampled" is its own class (moebench.tasks.kld_sampled),
+        # which is not a KldTask, so KldTask.__init__ does not run on it.
+        if cls is KldTask and (opts or {}).get("method") == "sampled":
+            from moebench.tasks.kld_sampled import SampledKldTask
+            return SampledKldTask(opts, ctx)
+        return super().__new__(cls)
 
     def __init__(self, opts: dict[str, Any], ctx):
         super().__init__(opts, ctx)
+        given = [k for k in self.SAMPLED_KEYS if opts.get(k) is not None]
+        if given:
+            raise ValueError(f"kld: key {given[0]!r} is for method = \"sampled\"; this task is teacher-forced "
+                             "(set method = \"sampled\" or drop the key)")
         self.context: int = opts.get("context", 512)
         if self.context < 4 or self.context % 2:
             raise ValueError(f"kld: context must be an even number >= 4, got {self.context}")

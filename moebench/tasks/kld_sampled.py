@@ -1,0 +1,187 @@
+"""KLD `method = "sampled"`: KL(baseline || candidate) estimated on the baseline's own samples, from one
+log-prob per token on each side (moebench.scoring.kld_sampled has the estimators and the interval).
+
+Prompts: `prompts` windows of `prompt_tokens` tokens spread evenly over the corpus (BOS in front where
+the model adds it). Items: `kld/<corpus stem>/p<prompt>/c<continuation>`, `continuations` per prompt,
+each seeded with `seed + prompt * continuations + continuation` (reproducible whatever the order or
+concurrency, where the server honours `seed`).
+
+- BASELINE run (no --baseline): `runner.sampled_logprobs` samples `tokens` tokens per continuation
+  (temperature 1, no truncation, EOS ignored) with each sampled token's log p. Written under
+  <run>/kld/<task>/: meta.json, prompts.npy [prompts, prompt_tokens (+1 with BOS)], and per item
+  base/seq_NNNNN.npz: `ids` (int32, the sampled ids) and `logp` (float32).
+- CANDIDATE run (--baseline BASE): scores prompt + the baseline's sampled ids, log q of each sampled
+  token: from full logits (the engine) or a server's prompt log-probs (K = 1: the actual token always
+  comes back); the prompt log-prob parsers check every position's token id against the ids sent (a
+  mismatch is an error naming the position). Per item cand/seq_NNNNN.npz: `logp`, `logq`.
+"""
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moebench.datasets import data_file, read_text, register
+from moebench.runners.base import Capability, Runner, RunnerError
+from moebench.scoring import kld_sampled as sk
+from moebench.scoring.kld_runs import KldError, read_meta, sampled_section, save_npz, seq_file, task_dir, write_json
+from moebench.store import write_bytes_atomic
+from moebench.tasks.base import Item, Task, prompt_hash
+
+# Suite keys of this method, with their defaults (KldTask.options holds the schema).
+DEFAULTS = {"prompts": 16, "prompt_tokens": 32, "continuations": 2, "tokens": 32, "seed": 0,
+            "estimator": "low-variance"}
+# Keys both sides must agree on: they decide which tokens exist.
+SAME_KEYS = ("corpus", "prompts", "prompt_tokens", "continuations", "tokens", "seed")
+
+
+class SampledKldTask(Task):
+    kind = "kld"
+    phase = "score"
+
+    def __init__(self, opts: dict[str, Any], ctx):
+        from moebench.tasks.kld import DEFAULT_CORPUS
+        super().__init__(opts, ctx)
+        self.conf = {k: opts.get(k) if opts.get(k) is not None else v for k, v in DEFAULTS.items()}
+        self.conf["corpus"] = opts.get("corpus", DEFAULT_CORPUS)
+        self.corpus: str = self.conf["corpus"]
+        self.n_prompts, self.n_cont = int(self.conf["prompts"]), int(self.conf["continuations"])
+        self.n_tokens, self.seed = int(self.conf["tokens"]), int(self.conf["seed"])
+        self.prompt_ids: np.ndarray | None = None
+        self.base_meta: dict[str, Any] | None = None
+
+    @property
+    def is_candidate(self) -> bool:
+        return self.ctx.baseline_run is not None
+
+    @property
+    def out_dir(self) -> Path:
+        if self.ctx.run_dir is None:
+            raise KldError("kld needs a run directory for its arrays")
+        return task_dir(self.ctx.run_dir, self.name)
+
+    def needs(self, runner: Runner) -> set[str]:
+        if not self.is_candidate:
+            return {Capability.SAMPLED_LOGPROBS, Capability.TOKENIZE}
+        if Capability.FULL_LOGITS in runner.capabilities:
+            return {Capability.FULL_LOGITS}
+        return {Capability.PROMPT_LOGPROBS}
+
+    def items(self) -> list[Item]:
+        path = data_file(self.ctx.data_dir, self.corpus)
+        register(self.ctx.data_files, self.ctx.data_dir, path)
+        n_prompts = self.n_prompts
+        if self.is_candidate:
+            meta = read_meta(self.ctx.baseline_run, self.name)
+            if meta.get("method") != "sampled":
+                raise KldError(f"baseline {self.ctx.baseline_run} task {self.name!r} is a teacher-forced KLD "
+                               "baseline; method = \"sampled\" needs a baseline run of a sampled suite")
+            for key in SAME_KEYS:
+                if meta.get(key) != self.conf[key]:
+                    raise KldError(f"baseline {self.ctx.baseline_run} used {key} = {meta.get(key)!r}, this suite "
+                                   f"{self.conf[key]!r}: the sampled tokens would differ")
+        stem = Path(self.corpus).stem
+        items = [Item(f"kld/{stem}/p{j}/c{c}", {"prompt": j, "cont": c, "seq": j * self.n_cont + c,
+                                                "seed": self.seed + j * self.n_cont + c})
+                 for j in range(n_prompts) for c in range(self.n_cont)]
+        return self._cut(items)
+
+    async def prepare(self, runner: Runner) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self.is_candidate:
+            self.base_meta = read_meta(self.ctx.baseline_run, self.name)
+            vocab = runner.vocab_size()
+            if vocab is not None and self.base_meta.get("n_vocab") not in (None, vocab):
+                raise KldError(f"vocabularies differ: baseline {self.ctx.baseline_run} has "
+                               f"{self.base_meta['n_vocab']} tokens, this runner's model {vocab}")
+            self.prompt_ids = np.load(task_dir(self.ctx.baseline_run, self.name) / "prompts.npy")
+            return
+        text = read_text(data_file(self.ctx.data_dir, self.corpus))
+        ids = await runner.tokenize(text)
+        width = int(self.conf["prompt_tokens"])
+        if len(ids) < self.n_prompts * width:
+            raise KldError(f"{self.corpus}: {len(ids)} tokens, need {self.n_prompts * width} for {self.n_prompts} "
+                           f"prompts of {width}")
+        stride = len(ids) // self.n_prompts                 # prompts spread over the corpus
+        prompts = np.asarray([ids[j * stride:j * stride + width] for j in range(self.n_prompts)], dtype=np.int32)
+        add_bos, bos = runner.bos_policy()
+        if add_bos:
+            prompts = np.concatenate([np.full((self.n_prompts, 1), bos, np.int32), prompts], axis=1)
+        self.prompt_ids = prompts
+        buf = io.BytesIO()
+        np.save(buf, prompts)
+        write_bytes_atomic(self.out_dir / "prompts.npy", buf.getvalue())
+        write_json(self.out_dir / "meta.json", {
+            "format": "sampled", "method": "sampled", **{k: self.conf[k] for k in SAME_KEYS},
+            "n_vocab": runner.vocab_size(), "add_bos": add_bos, "bos_token_id": bos, "runner_kind": runner.kind,
+            "sampling": "temperature 1, no top-p/top-k/min-p truncation, no penalties, EOS ignored"})
+
+    async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
+        prompt = [int(t) for t in self.prompt_ids[item.data["prompt"]]]
+        seq = item.data["seq"]
+        rec: dict[str, Any] = {"prompt": item.data["prompt"], "cont": item.data["cont"], "seed": item.data["seed"]}
+        if not self.is_candidate:
+            ids, logp = await runner.sampled_logprobs(prompt, self.n_tokens, item.data["seed"])
+            vocab = runner.vocab_size()
+            bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+            if bad:
+                raise RunnerError(f"{item.item_id}: sampled token id {bad[0]} is outside the vocabulary of {vocab}")
+            path = seq_file(self.out_dir / "base", seq)
+            save_npz(path, ids=np.asarray(ids, np.int32), logp=np.asarray(logp, np.float32))
+            return {**rec, "role": "baseline", "n_tokens": len(ids), "prompt_hash": prompt_hash(prompt + list(ids)),
+                    "nll_sum": float(-np.sum(logp)), "file": str(path.relative_to(self.ctx.run_dir))}
+        base_file = seq_file(task_dir(self.ctx.baseline_run, self.name) / "base", seq)
+        if not base_file.is_file():
+            raise KldError(f"{item.item_id}: the baseline run {self.ctx.baseline_run} has no sample for it "
+                           f"({base_file.name} missing: the item errored there)")
+        base = np.load(base_file)
+        sample = [int(t) for t in base["ids"]]
+        logq = await self._score(runner, prompt, sample, item.item_id)
+        logp = base["logp"].astype(np.float64)
+        path = seq_file(self.out_dir / "cand", seq)
+        save_npz(path, logp=logp.astype(np.float32), logq=logq.astype(np.float32))
+        est = self.conf["estimator"]
+        return {**rec, "role": "candidate", "method": "sampled", "estimator": est, "n_tokens": len(sample),
+                "prompt_hash": prompt_hash(prompt + sample), "file": str(path.relative_to(self.ctx.run_dir)),
+                "kld_sum": float(sk.per_token(logp, logq, est).sum()),
+                "kld_mean": float(sk.per_token(logp, logq, est).mean())}
+
+    async def _score(self, runner: Runner, prompt: list[int], sample: list[int], where: str) -> np.ndarray:
+        """log q of each sampled token, given the prompt and the tokens before it."""
+        ids = prompt + sample
+        first = len(prompt)
+        if Capability.FULL_LOGITS in runner.capabilities:
+            import torch
+            logits = await runner.logits(ids)
+            lq = torch.log_softmax(logits[first - 1:len(ids) - 1].double(), dim=-1)
+            return lq[torch.arange(len(sample)), torch.tensor(sample)].numpy()
+        rows = await runner.prompt_logprobs(ids, 1)
+        if len(rows) != len(ids):
+            raise RunnerError(f"{where}: prompt log-probs for {len(rows)} positions, sent {len(ids)} tokens")
+        out = np.empty(len(sample))
+        for i in range(len(sample)):
+            row = rows[first + i]
+            if row is None:
+                raise RunnerError(f"{where}: no log-prob at position {first + i}")
+            out[i] = float(row[0])
+        return out
+
+    def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        ok = [r for r in records if r.get("status") == "ok"]
+        out: dict[str, Any] = {"n": len(records), "n_scored": 0, "n_correct": 0, "accuracy": None, "method": "sampled",
+                               "n_errors": sum(1 for r in records if r.get("status") == "error"),
+                               "role": "candidate" if self.is_candidate else "baseline", "n_sequences": len(ok)}
+        if not ok or self.ctx.run_dir is None:
+            return out
+        n = sum(r["n_tokens"] for r in ok)
+        if not self.is_candidate:
+            out.update(n_tokens=n, nll_base=sum(r["nll_sum"] for r in ok) / n if n else None)
+            return out
+        try:
+            out["kld"] = sampled_section(self.ctx.run_dir, ok)
+        except (OSError, KeyError, ValueError) as e:
+            out["kld"] = {"error": f"{type(e).__name__}: {e}"}
+        return out
