@@ -295,6 +295,12 @@ class DecodeConfig:
         """Steps of up to this many tokens run the attention projections through the Triton GEMV."""
         return min(self.gemv_max_tokens or 0, self.fused_tokens)
 
+    @property
+    def is_resolved(self) -> bool:
+        """Whether the device-dependent defaults are filled in (fused_ops and gemv_max_tokens set):
+        `resolved` would return the config unchanged."""
+        return self.fused_ops is not None and self.gemv_max_tokens is not None
+
     def resolved(self, device_type: str) -> "DecodeConfig":
         """The config with its device-dependent defaults filled in (fused_ops, gemv_max_tokens)."""
         gemv = self.gemv_max_tokens
