@@ -36,7 +36,6 @@ import triton  # noqa: E402  (before moebench, so its kernels are compiled, not 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moebench.engine.decode_config import DEFAULT, DecodeMode  # noqa: E402
 from moebench.engine.kernels import moe_kernels  # noqa: E402
