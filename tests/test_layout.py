@@ -57,45 +57,44 @@ def _imports(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, st
     return out
 
 
-def package_graph(root: Path = ROOT) -> tuple[dict[str, set[str]], dict[tuple[str, str], list[str]]]:
-    """Edges between packages of `root` (a moebench source tree) and, per edge, where it comes from."""
-    top = root.name
+Graph = tuple[dict[str, set[str]], dict[tuple[str, str], list[str]]]
+
+
+def _graph(root: Path, node_of, target_of) -> Graph:
+    """Edges between nodes of `root`'s source and, per edge, where it comes from: node_of(module)
+    names a file's node, target_of(imported name, source node) the node it imports (None: no edge)."""
     edges: dict[str, set[str]] = {}
     where: dict[tuple[str, str], list[str]] = {}
     for path in sorted(root.rglob("*.py")):
         module = _module_name(path, root)
-        src = module.split(".")[1] if "." in module else "__init__"
+        src = node_of(module)
         edges.setdefault(src, set())
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         for line, name in _imports(tree, module, path.name == "__init__.py"):
-            parts = name.split(".")
-            if parts[0] != top or len(parts) < 2 or parts[1] in (src, "__version__"):
+            target = target_of(name, src) if name.split(".")[0] == root.name else None
+            if target is None:
                 continue
-            edges[src].add(parts[1])
-            at = where.setdefault((src, parts[1]), [])
+            edges[src].add(target)
+            at = where.setdefault((src, target), [])
             if f"{path.relative_to(root.parent)}:{line}" not in at:
                 at.append(f"{path.relative_to(root.parent)}:{line}")
     return edges, where
 
 
-def module_graph(root: Path = ROOT) -> tuple[dict[str, set[str]], dict[tuple[str, str], list[str]]]:
+def package_graph(root: Path = ROOT) -> Graph:
+    """Edges between packages of `root` (a moebench source tree) and, per edge, where it comes from."""
+    def package(name: str, src: str) -> str | None:
+        parts = name.split(".")
+        return None if len(parts) < 2 or parts[1] in (src, "__version__") else parts[1]
+    return _graph(root, lambda module: module.split(".")[1] if "." in module else "__init__", package)
+
+
+def module_graph(root: Path = ROOT) -> Graph:
     """Edges between the modules (files) of `root` and, per edge, where it comes from."""
-    top = root.name
-    edges: dict[str, set[str]] = {}
-    where: dict[tuple[str, str], list[str]] = {}
-    for path in sorted(root.rglob("*.py")):
-        module = _module_name(path, root)
-        edges.setdefault(module, set())
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        for line, name in _imports(tree, module, path.name == "__init__.py"):
-            if name.split(".")[0] != top:
-                continue
-            target = name if _is_module(name, root) else name.rsplit(".", 1)[0]
-            if target == module or not _is_module(target, root):
-                continue
-            edges[module].add(target)
-            where.setdefault((module, target), []).append(f"{path.relative_to(root.parent)}:{line}")
-    return edges, where
+    def module(name: str, src: str) -> str | None:
+        target = name if _is_module(name, root) else name.rsplit(".", 1)[0]
+        return None if target == src or not _is_module(target, root) else target
+    return _graph(root, lambda module: module, module)
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
