@@ -27,7 +27,6 @@ import torch
 
 from moebench.bench.reference_model import (QWEN3_30B_A3B, SMALL, active_bytes_per_token, build_transformers,
                                              copy_bandwidth, decode_rate, engine_sharing_weights)
-from moebench.engine import ModelConfig
 
 
 def main(argv=None) -> dict:

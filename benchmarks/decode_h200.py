@@ -22,14 +22,11 @@ the routing of the bf16 model on the greedy continuation of the prompt.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
 import time
-import traceback
 from dataclasses import replace
-from pathlib import Path
 from typing import Callable
 
 import torch

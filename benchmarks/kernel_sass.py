@@ -24,7 +24,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
