@@ -221,6 +221,16 @@ def architecture_gaps(root: Path = ROOT, doc: Path = ARCHITECTURE) -> tuple[list
     return missing, stale
 
 
+def test_every_package_ships_in_the_wheel() -> None:
+    """pyproject.toml lists its packages (the templates need a mapping): each folder of moebench/
+    with an __init__.py must be among them, or `pip install .` leaves it out."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT.parent / "pyproject.toml").read_text(encoding="utf-8"))
+                 ["tool"]["setuptools"]["packages"])
+    here = {_module_name(p, ROOT) for p in ROOT.rglob("__init__.py")}
+    assert here - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+
+
 def test_architecture_doc_names_every_module() -> None:
     missing, stale = architecture_gaps()
     assert not missing, f"{ARCHITECTURE.name} does not name these modules (by their path under moebench/): {missing}"
