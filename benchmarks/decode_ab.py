@@ -6,8 +6,10 @@
     python benchmarks/decode_ab.py --tree . --variants bf16 --option-sets '{"er": {"early_weights": ["router"]}}'
                                                                            # one tree, plain and under option sets
 
-The `moebench` package is imported from --tree; this script's helpers (decode_setup.py,
-decode_engine.py) are the same for both, and use only engine API both sides have. The model is
+The engine is --tree's: the script copies --tree's moebench package with this checkout's
+moebench/bench (the shared benchmark code) into a temporary folder and times it in a child process
+that imports moebench from there, so both sides run the same benchmark code, which uses only
+engine API both sides have. The model is
 benchmarks/decode_h200.py's: Qwen3-30B-A3B-shaped random weights with token-diverse, Zipf-skewed
 routing. Each variant is one function in VARIANTS; --variants picks some. Rates are the best of
 --reps runs of --tokens tokens on the engine's per-token clock, CUDA graphs on; the greedy tokens
@@ -18,7 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +61,7 @@ def variant(name: str):
 
 
 def _rate(ctx: Context, eng) -> dict:
-    from decode_setup import engine_rate
+    from moebench.bench.engine_setup import engine_rate
     r = engine_rate(eng, [ctx.prompt], max(2, ctx.tokens // 4), ctx.tokens, ctx.reps)
     return {"tok_s": r["tok_s"], "tokens": r["tokens"]}
 
@@ -64,16 +69,16 @@ def _rate(ctx: Context, eng) -> dict:
 @variant("bf16")
 def bf16(ctx: Context) -> dict:
     """The dense bf16 experts through the fused Triton kernels."""
-    from decode_setup import build_engine
+    from moebench.bench.engine_setup import build_engine
     return _rate(ctx, build_engine(ctx.hf, max_seq_len=ctx.max_seq, cuda_graphs=ctx.device.type == "cuda",
                                    experts_impl="triton", **ctx.options))
 
 
 def plan_rate(ctx: Context, name: str, prefetch_early: bool = False) -> dict:
-    """A tiered plan (decode_setup.expert_plans); "_a8" plans with int8 activations; prefetch_early:
+    """A tiered plan (engine_setup.expert_plans); "_a8" plans with int8 activations; prefetch_early:
     also the rate with each layer's host experts staged one layer early, guessed from the previous
     layer's attention input."""
-    from decode_setup import build_engine, tiered_experts
+    from moebench.bench.engine_setup import build_engine, tiered_experts
     precision, home = ctx.plans[name]
     experts = tiered_experts(ctx.hf, precision, home, ctx.device, ctx.dtype)
     opts = dict(max_seq_len=ctx.max_seq, cuda_graphs=ctx.device.type == "cuda", experts_impl="triton",
@@ -86,7 +91,7 @@ def plan_rate(ctx: Context, name: str, prefetch_early: bool = False) -> dict:
     if ctx.bandwidth and any(h == "host" for row in home for h in row):
         # the plan's tier-aware bound, as decode_h200 computes it: bytes per token from this engine's
         # routing of its own greedy continuation
-        from decode_probes import expert_bytes_per_token, tier_bound
+        from moebench.bench.measure import expert_bytes_per_token, tier_bound
         own = eng.trace(ctx.prompt + out["tokens"], router_logits=False)
         split = expert_bytes_per_token([ids[len(ctx.prompt):] for ids in own.topk_ids], precision, home,
                                        ctx.bandwidth["hidden"], ctx.bandwidth["inter"])
@@ -104,15 +109,27 @@ for _name, _early in (("int4", False), ("int8hot_ternarycold_gpu", False), ("int
     variant(_name)(lambda ctx, _name=_name, _early=_early: plan_rate(ctx, _name, _early))
 
 
+def timed_copy(tree: Path, work: Path) -> Path:
+    """A copy of `tree`'s moebench package under `work` with this checkout's moebench/bench in it:
+    each side of an A/B times its own engine through the same benchmark code (a tree from before
+    moebench/bench existed has none)."""
+    src = tree.resolve() / "moebench"
+    if not (src / "engine" / "engine.py").is_file():
+        raise SystemExit(f"decode_ab: --tree {tree}: {src} has no engine/engine.py")
+    dst = work / "moebench"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "weights"))
+    shutil.rmtree(dst / "bench", ignore_errors=True)
+    shutil.copytree(HERE.parent / "moebench" / "bench", dst / "bench", ignore=shutil.ignore_patterns("__pycache__"))
+    return work
+
+
 def run(args) -> dict:
-    sys.path.insert(0, str(Path(args.tree).resolve()))
     import moebench
-    if not Path(moebench.__file__).resolve().is_relative_to(Path(args.tree).resolve()):
-        raise SystemExit(f"moebench imported from {moebench.__file__}, not from --tree {args.tree}")
+    if not Path(moebench.__file__).resolve().is_relative_to(Path(args.timed_copy).resolve()):
+        raise SystemExit(f"moebench imported from {moebench.__file__}, not from the copy of --tree {args.tree}")
     import torch
-    sys.path.insert(1, str(HERE))
-    from decode_engine import QWEN3_30B_A3B, SMALL, build_transformers
-    from decode_setup import build_engine, expert_plans, hot_halves, realistic_routing
+    from moebench.bench.reference_model import QWEN3_30B_A3B, SMALL, build_transformers
+    from moebench.bench.engine_setup import build_engine, expert_plans, hot_halves, realistic_routing
     small = args.small or not torch.cuda.is_available()
     device = torch.device("cpu" if small else "cuda")
     dtype = torch.float32 if small else torch.bfloat16
@@ -134,8 +151,8 @@ def run(args) -> dict:
     ctx = Context(hf, device, dtype, prompt, args.tokens, args.reps,
                   expert_plans(cfg.num_hidden_layers, cfg.num_experts, hot_halves(counts)), options)
     if device.type == "cuda":
-        from decode_engine import active_bytes_per_token, copy_bandwidth, non_expert_bytes_per_token
-        from decode_probes import pinned_h2d_bandwidth
+        from moebench.bench.reference_model import active_bytes_per_token, copy_bandwidth, non_expert_bytes_per_token
+        from moebench.bench.measure import pinned_h2d_bandwidth
         from moebench.engine import ModelConfig
         mc = ModelConfig.from_dict(cfg.to_dict(), source="transformers config")
         elem = torch.finfo(dtype).bits // 8
@@ -219,12 +236,20 @@ def main(argv=None) -> None:
                          '\'{"rope": {"rope_in_attention": true}}\' gives "bf16+rope" beside "bf16"')
     ap.add_argument("--small", action="store_true", help="a small shape on the CPU (a smoke test of the script)")
     ap.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"), help="print the A/B table of two runs")
+    ap.add_argument("--timed-copy", default=None, help=argparse.SUPPRESS)     # set for the child by the parent
     args = ap.parse_args(argv)
     if args.compare:
         print("\n".join(compare(*args.compare)))
         return
-    if args.small:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.timed_copy is None:
+        # this process only copies: the timing runs in a child that imports moebench from the copy
+        with tempfile.TemporaryDirectory(prefix="decode_ab_tree_") as work:
+            timed_copy(Path(args.tree), Path(work))
+            argv = sys.argv[1:] if argv is None else list(argv)
+            env = {**os.environ, "PYTHONPATH": work}
+            if args.small:
+                env.setdefault("TRITON_INTERPRET", "1")
+            raise SystemExit(subprocess.run([sys.executable, __file__, *argv, "--timed-copy", work], env=env).returncode)
     run(args)
 
 

@@ -11,6 +11,7 @@
 # decode plans 360 s and the tier plans 225 s, without the route-tail-skip plan (not a goal).
 set -u
 : "${OUT:?set OUT to the output directory}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"    # the checkout's moebench (and moebench.bench), installed or not
 t0=$(date +%s)
 stamp() { echo "$1 rc $2 at $(( $(date +%s) - t0 )) s"; }
 if [ "${SKIP_TESTS:-0}" = 1 ]; then

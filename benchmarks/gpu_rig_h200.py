@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 SPEED_LENGTHS = (128, 512, 2048, 8192, 16384)        # suites/speed.toml
 SPEED_REPEATS, SPEED_SEED = 3, 1234                  # suites/speed.toml

@@ -15,20 +15,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+from moebench.bench.engine_setup import stacked_group  # noqa: E402
 from moebench.engine import kernels  # noqa: E402
 from moebench.engine.decode_config import DEFAULT, DecodeConfig, DecodeMode  # noqa: E402
-from quant_kernels_h200 import stacked_group  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -24,7 +24,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -36,7 +35,6 @@ import triton  # noqa: E402  (before moebench, so its kernels are compiled, not 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moebench.engine.decode_config import DEFAULT, DecodeMode  # noqa: E402
 from moebench.engine.kernels import moe_kernels  # noqa: E402

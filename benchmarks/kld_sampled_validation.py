@@ -25,17 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from moebench.scoring import kld_sampled as sk
+from moebench.scoring import kld_stats as ks
 
-from moebench.scoring import kld_sampled as sk  # noqa: E402
-from moebench.scoring import kld_stats as ks  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 K = 20
 FIELDS = ("exact", "low-variance", "plain", "top20", "top20_server")

@@ -25,7 +25,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moebench.datasets import data_dir  # noqa: E402
 from moebench.probes.nvml import NvmlProbe  # noqa: E402

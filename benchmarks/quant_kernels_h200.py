@@ -26,35 +26,16 @@ import torch
 if "--small" in sys.argv or not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from dataclasses import replace  # noqa: E402
 
+from moebench.bench.engine_setup import stacked_group  # noqa: E402
 from moebench.engine import kernels  # noqa: E402
 from moebench.engine.decode_config import DecodeConfig, DecodeMode  # noqa: E402
-from moebench.engine.quant import QuantizedTensor, quantize  # noqa: E402
 
 
 # (BN, BK, num_warps, num_stages); BK in bytes for the packed formats
 SWEEP = [(4, 512, 4, 3), (8, 1024, 8, 3), (4, 1024, 4, 2), (8, 512, 4, 3), (16, 256, 4, 3), (2, 1024, 4, 3),
          (4, 2048, 8, 2), (16, 512, 8, 2), (8, 128, 4, 3), (16, 128, 4, 2), (4, 256, 4, 3)]
-
-
-def stacked_group(E: int, H: int, I: int, fmt: str, device, gen, pin: bool = False) -> tuple[kernels.ExpertGroup, int]:
-    """One layer's experts in `fmt` (random weights), and the bytes of one expert; pin: in pinned
-    host memory (the host tier, read over PCIe by the kernels)."""
-    mats = []
-    for rows, cols in ((I, H), (I, H), (H, I)):
-        w = torch.randn(E * rows, cols, generator=gen) * 0.02
-        if fmt == "dense":
-            mats.append(kernels.PackedMatrix.dense(w.view(E, rows, cols).to(device, torch.bfloat16)))
-            continue
-        q = quantize(w, fmt)
-        parts = {k: v.reshape(E, rows, *v.shape[1:]) for k, v in q.parts.items()}
-        mats.append(kernels.PackedMatrix.stack(
-            [QuantizedTensor(q.fmt, (rows, cols), {k: v[e] for k, v in parts.items()}) for e in range(E)], device,
-            pin=pin))
-    return kernels.ExpertGroup(*mats, None, fmt), sum(m.nbytes_per_slot for m in mats)
 
 
 def kernel_times(fn, device, calls: int) -> dict[str, float]:

@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 
 EDITS = [
-    ("_ARRIVALS: dict[tuple[torch.device, int], Tensor] = {}\n",
-     "_ARRIVALS: dict[tuple[torch.device, int], Tensor] = {}\n_FIXED_ROUTES: dict = {}\n"),
+    ("MAIL_EMPTY = 0x7FBADBAD\n",
+     "MAIL_EMPTY = 0x7FBADBAD\n_FIXED_ROUTES: dict = {}\n"),
     ("QB: tl.constexpr, EARLY: tl.constexpr = False, mail_ptr=None,",
      "QB: tl.constexpr, EARLY: tl.constexpr = False, TAIL: tl.constexpr = 0, mail_ptr=None,"),
     ("""        else:

@@ -59,13 +59,12 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if "--small" in sys.argv or not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before anything imports triton
 
-import decode_h200  # noqa: E402  (its setup: the model, bandwidths, prompt, calibrated hot halves)
-from decode_probes import log  # noqa: E402
-from decode_setup import decode_rate, tiered_experts, write_ssd_pack  # noqa: E402
-
+from moebench.bench import decode_bench  # noqa: E402  (the model, bandwidths, prompt, calibrated hot halves)
+from moebench.bench.engine_setup import decode_rate, tiered_experts, write_ssd_pack  # noqa: E402
+from moebench.bench.measure import log  # noqa: E402
 from moebench.engine.decode_config import DecodeConfig  # noqa: E402
 from moebench.engine.placement import QuantizedExpert, counter_states, restore_counter_states  # noqa: E402
 from moebench.engine.quant import format_nbytes, quantize  # noqa: E402
@@ -449,7 +448,7 @@ def table(R: dict) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    decode_h200.common_args(ap, "tiny shape on the CPU (torch path), pack files in a tmp dir",
+    decode_bench.common_args(ap, "tiny shape on the CPU (torch path), pack files in a tmp dir",
                             "directory for tiers_h200.json / .txt", 48)
     ap.add_argument("--threads", default="1,2,4,8,16", help="disk_read's reader thread counts (queue depths)")
     ap.add_argument("--disk-gib", type=float, default=4.0, help="disk_read's pack file size")
@@ -469,20 +468,20 @@ def main(argv=None) -> dict:
     if args.small:
         args.tokens, args.prompt_len, args.reps = 8, 12, 1
         args.threads, args.disk_gib, args.disk_read_gib = "1,2,4", 0.016, 0.008
-    names = decode_h200.pick_variants(args, VARIANTS)
+    names = decode_bench.pick_variants(args, VARIANTS)
     tmp = tempfile.TemporaryDirectory(prefix="tiers_pack_") if args.small and not args.pack_dir else None
     pack_dir = Path(tmp.name if tmp else args.pack_dir or ".tiers_pack")
     pack_dir.mkdir(parents=True, exist_ok=True)
-    # decode_h200's setup: the model, copy and pinned H2D bandwidths, the prompt, bf16 routing and
-    # the calibrated hot halves (it writes nothing)
-    b = decode_h200.setup(args)
+    # decode_bench's setup (decode_h200.py's too): the model, copy and pinned H2D bandwidths, the prompt,
+    # bf16 routing and the calibrated hot halves (it writes nothing)
+    b = decode_bench.setup(args)
     R = b.R
     R.update(variants={}, errors={}, skipped=[n for n in VARIANTS if n not in names], pack_dir=str(pack_dir),
              run="cpu smoke (--small): tiny shape, torch path; not GPU figures" if args.small else "gpu",
              args=vars(args))
     ctx = {"pack_dir": pack_dir}
-    decode_h200.run_variants(b, names, {n: functools.partial(fn, ctx=ctx) for n, fn in VARIANTS.items()},
-                             "tiers_h200.json")
+    decode_bench.run_variants(b, names, {n: functools.partial(fn, ctx=ctx) for n, fn in VARIANTS.items()},
+                              "tiers_h200.json")
     text = table(R)
     (b.out_dir / "tiers_h200.txt").write_text(text + "\n")
     log("")

@@ -23,6 +23,9 @@ class DatasetError(FileNotFoundError):
     pass
 
 
+# The text KLD scores by default (teacher-forced windows, or the prompts of the sampled method).
+KLD_DEFAULT_CORPUS = "wikitext2/wiki.test.raw"
+
 def data_dir() -> Path:
     env = os.environ.get("MOEBENCH_DATA_DIR")
     if env:

@@ -77,6 +77,8 @@ def test_identity_is_json_and_resolves_device_defaults():
     assert ident["launch"]["router/dense"] == {"BN": 2, "BK": 2048, "num_warps": 1, "num_stages": 2}
     assert ident["attention"]["block_s"] == 32 and ident["decode_mode"] == "WORDS"
     assert DecodeConfig().resolved("cuda").gemv_tokens == 0         # no fused ops: no GEMV either
+    assert cpu.is_resolved and not DecodeConfig(experts_impl="triton").is_resolved
+    assert cpu.resolved("cuda") == cpu                               # resolving a resolved config changes nothing
 
 
 def test_both_experts_modules_implement_the_protocol():
@@ -111,6 +113,7 @@ def test_two_engines_in_one_process_decode_with_their_own_config(ckpt):
     other as it was."""
     path = ckpt
     gather = Engine.load(path, max_seq_len=64, decode=DecodeConfig(experts_impl="gather"))
+    assert gather.decode.is_resolved and gather.decode.fused_ops is False   # the engine resolves a config left open
     loop = Engine.load(path, max_seq_len=64, experts_impl="loop")
     assert gather.decode.experts_impl == "gather" and loop.decode.experts_impl == "loop"
     for eng in (gather, loop):
@@ -122,6 +125,8 @@ def test_two_engines_in_one_process_decode_with_their_own_config(ckpt):
     assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
     # reconfiguring one engine leaves the other as it was
     gather.reconfigure(dataclasses.replace(gather.decode, gather_max_tokens=0))
+    assert all(b.decode is gather.decode and layer.self_attn.decode is gather.decode
+               for b, layer in zip(gather.model.moe_blocks(), gather.model.layers))
     assert gather._graph_batch_limit() == 0 and loop.decode.experts_impl == "loop"
     assert torch.equal(loop.logits(prompt), b)
     with pytest.raises(EngineError, match="not both"):

@@ -1,5 +1,5 @@
-"""benchmarks/decode_goals.py over the committed H200 results: the goals table says which goal each
-figure meets, one SSD plan is enough, and missing figures count as missed."""
+"""moebench.bench.goals and benchmarks/decode_goals.py over the committed H200 results: the goals
+table says which goal each figure meets, one SSD plan is enough, and missing figures count as missed."""
 from __future__ import annotations
 
 import copy
@@ -8,13 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from moebench.bench.goals import goals
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from decode_goals import goals  # noqa: E402
-
-BF16_BYTES = 6_083_739_648      # decode_engine.active_bytes_per_token of the Qwen3-30B-A3B shape, bf16
+BF16_BYTES = 6_083_739_648      # reference_model.active_bytes_per_token of the Qwen3-30B-A3B shape, bf16
 
 
 def recorded() -> tuple[dict, dict]:

@@ -76,6 +76,8 @@ def test_identity_records_the_engine_decode_config(zoo, runner):
     assert quant["launch"]["gate_up/int4/a8"] == {"BN": 8, "BK": 1024, "num_warps": 4, "num_stages": 2}
     assert plain["decode_mode"] == "WORDS" and plain["pdl"] is True
     assert plain == runner.engine.identity()["decode"]          # the started engine decodes with it
+    # resolved once, by the runner: the engine holds the runner's own config object, not a re-resolved copy
+    assert runner.decode.is_resolved and runner.engine.decode is runner.decode
 
 
 @pytest.mark.parametrize("key", ["prefetch_host", "int8_activations"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from moebench.compare.speed import _stats, tpot
+from moebench.compare.latency import percentiles, tpot
 
 TAIL_CONFIDENCE = 0.99
 LOAD_METRICS = ("ttft_s", "tpot_s", "e2e_s")
@@ -49,7 +49,7 @@ def _key(r: dict[str, Any]) -> tuple[int, float] | None:
 
 
 def _tail_stats(values: list[float | None]) -> dict[str, Any] | None:
-    st = _stats([v for v in values if v is not None])
+    st = percentiles([v for v in values if v is not None])
     if st is None:
         return None
     for p, needed in TAIL_NEEDED.items():

@@ -13,8 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from moebench.compare.latency import percentiles, tpot
+from moebench.compare.load import load_compare
 from moebench.scoring.stats import bootstrap_ratio_ci
 
 METRICS = ("ttft_s", "prefill_tok_s", "decode_tok_s", "tpot_s", "e2e_s")
@@ -24,26 +24,6 @@ RATIO_NAMES = {"ttft_s": "ttft", "prefill_tok_s": "prefill", "decode_tok_s": "de
 # for these a larger candidate/baseline ratio is better; for the latencies a smaller one
 HIGHER_IS_BETTER = {"prefill_tok_s", "decode_tok_s"}
 TOKEN_TIMES_FILE = "speed_token_times.jsonl"
-
-
-def _stats(values: list[float]) -> dict[str, Any] | None:
-    """n, median, p25/p75/iqr, p50/p90/p99, min, max of the finite values (numpy's linear quantiles)."""
-    vals = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=np.float64)
-    if vals.size == 0:
-        return None
-    p25, p50, p75, p90, p99 = (float(x) for x in np.quantile(vals, [0.25, 0.5, 0.75, 0.9, 0.99]))
-    return {"n": int(vals.size), "median": p50, "p25": p25, "p75": p75, "iqr": p75 - p25,
-            "p50": p50, "p90": p90, "p99": p99, "min": float(vals.min()), "max": float(vals.max())}
-
-
-def tpot(r: dict[str, Any]) -> float | None:
-    """Seconds per output token after the first, from the record's own timing fields."""
-    n, ttft, e2e = r.get("output_tokens"), r.get("ttft_s"), r.get("e2e_s")
-    if not n or n < 2 or ttft is None or e2e is None:
-        dec = r.get("decode_tok_s")
-        return 1.0 / dec if dec else None
-    t = (e2e - ttft) / (n - 1)
-    return t if t > 0 else None
 
 
 def _value(r: dict[str, Any], metric: str) -> float | None:
@@ -94,11 +74,11 @@ def summarize_speed(records: list[dict[str, Any]],
     """
     out: dict[str, dict[str, Any]] = {}
     for (length, clients), recs in sorted(_groups(records).items()):
-        entry: dict[str, Any] = {m: _stats([_value(r, m) for r in recs]) for m in METRICS}
+        entry: dict[str, Any] = {m: percentiles([_value(r, m) for r in recs]) for m in METRICS}
         if token_times:
-            entry["itl_s"] = _stats([g for r in recs for g in _gaps(token_times.get(str(r.get("item_id"))))])
-        entry["prompt_tokens"] = _stats([r.get("prompt_tokens") for r in recs])
-        entry["output_tokens"] = _stats([r.get("output_tokens") for r in recs])
+            entry["itl_s"] = percentiles([g for r in recs for g in _gaps(token_times.get(str(r.get("item_id"))))])
+        entry["prompt_tokens"] = percentiles([r.get("prompt_tokens") for r in recs])
+        entry["output_tokens"] = percentiles([r.get("output_tokens") for r in recs])
         dec = entry["decode_tok_s"]
         entry["aggregate_decode_tok_s"] = dec["median"] * clients if dec else None
         draft = draft_summary(recs)
@@ -128,8 +108,8 @@ def draft_summary(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     accepted = sum(r.get("draft_n_accepted") or 0 for r in recs)
     return {"n": len(recs), "draft_n": drafted, "draft_n_accepted": accepted, "source": "per request",
             "acceptance_rate": accepted / drafted if drafted else None,
-            "acceptance_rate_stats": _stats([r.get("acceptance_rate") for r in recs]),
-            "tokens_per_step": _stats([r.get("tokens_per_step") for r in recs])}
+            "acceptance_rate_stats": percentiles([r.get("acceptance_rate") for r in recs]),
+            "tokens_per_step": percentiles([r.get("tokens_per_step") for r in recs])}
 
 
 def _from_id(r: dict[str, Any], part: int) -> int:
@@ -190,7 +170,6 @@ def speed_compare(base_records: list[dict[str, Any]], cand_records: list[dict[st
         return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
 
     only = sorted({f"{l}/{c}" for l in base for c in base[l]} ^ {f"{l}/{c}" for l in cand for c in cand[l]})
-    from moebench.compare.load import load_compare      # load imports this module's helpers
     load = load_compare(base_records, cand_records)
     return {"rows": rows, **({"load": load} if load is not None else {}),
             "sampling": {"baseline": _sampling(base_recs), "candidate": _sampling(cand_recs)},

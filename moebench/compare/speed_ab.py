@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from moebench.compare.speed import tpot
+from moebench.compare.latency import tpot
 from moebench.scoring.stats import bootstrap_paired_ratio_ci
 
 AB_METRICS = ("decode_tok_s", "prefill_tok_s", "ttft_s", "tpot_s")

@@ -184,7 +184,7 @@ class DecodeConfig:
         norm's launch.
     rope_in_attention: one-token steps do q/k norm, RoPE and the KV write inside the decode
         attention launch (kernels.RopeInputs), one launch per layer fewer. Off: on the H200 bf16
-        decoded 6.0% slower with it (benchmarks/results/decode_ab_table.txt).
+        decoded 6.0% slower with it (an H200 A/B of the defaults).
     early_weights: kernels, of EARLY_WEIGHT_KERNELS, whose programs load their first weight tiles
         before the PDL wait, so their DRAM latency overlaps the kernel before them: "router" (the
         fused norm + router's weight rows), "gemv" (the attention projections' first early_steps K
@@ -200,7 +200,7 @@ class DecodeConfig:
         early weights, while it waits and runs, a whole launch earlier than otherwise. The default
         (all of them, early_weights all three, early_steps 2) measured on the H200 against
         early_weights router + down alone: bf16 +1.2%, int4 +2.4%, the int8 / ternary2 a8 plan
-        +0.7% (two calls alike; decode_ab_table.txt). early_steps 4 made bf16 1.5% slower.
+        +0.7% (two H200 calls alike). early_steps 4 made bf16 1.5% slower.
     lm_head_gemv: decode steps (up to gemv_tokens rows) compute the logits with the Triton GEMV,
         stored as float32 by the kernel (MoETransformer.logits), instead of cuBLAS and a cast launch.
     router_max_tokens: most tokens one fused router call takes (size of its arrival counters and mailboxes).
@@ -294,6 +294,12 @@ class DecodeConfig:
     def gemv_tokens(self) -> int:
         """Steps of up to this many tokens run the attention projections through the Triton GEMV."""
         return min(self.gemv_max_tokens or 0, self.fused_tokens)
+
+    @property
+    def is_resolved(self) -> bool:
+        """Whether the device-dependent defaults are filled in (fused_ops and gemv_max_tokens set):
+        `resolved` would return the config unchanged."""
+        return self.fused_ops is not None and self.gemv_max_tokens is not None
 
     def resolved(self, device_type: str) -> "DecodeConfig":
         """The config with its device-dependent defaults filled in (fused_ops, gemv_max_tokens)."""

@@ -160,9 +160,12 @@ class Engine:
         self.reconfigure(decode)
 
     def reconfigure(self, decode: DecodeConfig) -> None:
-        """Decode with `decode` from now on (its device defaults resolved here); drops the captured
-        graphs, which hold the old config's launches."""
-        decode = decode.resolved(self.device.type)
+        """Decode with `decode` from now on; drops the captured graphs, which hold the old config's
+        launches. A resolved config (the engine runner resolves its own, once) is taken as it is;
+        one with device defaults still open (built by hand, or from keywords) is resolved here for
+        this engine's device."""
+        if not decode.is_resolved:
+            decode = decode.resolved(self.device.type)
         impl = decode.experts_impl
         if impl == "triton" or decode.fused_decode:
             from . import kernels

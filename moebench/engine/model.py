@@ -72,11 +72,17 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.num_kv_heads * d, cfg.rms_norm_eps)
         self.clip_qkv = cfg.clip_qkv
         self.eps = cfg.rms_norm_eps
-        self.decode: DecodeConfig = DEFAULT  # see MoETransformer.configure
+        self.decode: DecodeConfig = DEFAULT  # see configure
         self.qkv_weight: Tensor | None = None   # [q; k; v] rows, set by fuse_qkv (one GEMM in decode)
         self.qkv_bias: Tensor | None = None
         self.k_cache: Tensor | None = None   # [B, kv_heads, max_len, head_dim]
         self.v_cache: Tensor | None = None
+
+    def configure(self, cfg: DecodeConfig) -> None:
+        """Decode with `cfg`; fused decode steps (cfg.fused_tokens) read the [q; k; v] matrix."""
+        self.decode = cfg
+        if cfg.fused_tokens:
+            self.fuse_qkv()
 
     @torch.no_grad()
     def fuse_qkv(self) -> None:
@@ -333,7 +339,12 @@ class MoEBlock(nn.Module):
             self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.tracer: RouterTracer | None = None
-        self.decode: DecodeConfig = DEFAULT  # see MoETransformer.configure
+        self.decode: DecodeConfig = DEFAULT  # see configure
+
+    def configure(self, cfg: DecodeConfig) -> None:
+        """Decode with `cfg`, this block and its experts module (ExpertsModule.configure)."""
+        self.decode = cfg
+        self.experts.configure(cfg, self.top_k)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [N, H] -> (router logits [N, E], topk_ids [N, k], topk_w [N, k] float32)."""
@@ -464,12 +475,9 @@ class MoETransformer(nn.Module):
         write, attention, routing; larger steps (prefill) keep the torch ops."""
         self.decode = cfg
         for layer in self.layers:
-            layer.self_attn.decode = cfg
-            if cfg.fused_tokens:
-                layer.self_attn.fuse_qkv()
+            layer.self_attn.configure(cfg)
             if isinstance(layer.mlp, MoEBlock):
-                layer.mlp.decode = cfg
-                layer.mlp.experts.configure(cfg, layer.mlp.top_k)
+                layer.mlp.configure(cfg)
 
     def set_tracer(self, tracer: RouterTracer | None) -> None:
         for block in self.moe_blocks():

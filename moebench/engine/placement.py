@@ -29,14 +29,13 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from contextlib import nullcontext as _no_stream
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .decode_config import DEFAULT, DecodeConfig
-from .quant import QuantizedTensor
+from .quantized_expert import QuantizedExpert
+from .ssd_slots import SsdSlots
 
 HOMES = ("gpu", "host", "ssd")
 # Counted on the host by the per-expert path (prefill, no fused kernels) and the fused SSD path. calls counts Python
@@ -69,45 +68,6 @@ HOST_COUNTERS = ("calls", "tokens_gpu", "tokens_host_hit", "tokens_host_miss", "
 COUNTERS = HOST_COUNTERS + ("routed", "picks_gpu", "picks_host", "host_hits", "host_misses", "host_direct",
                             "prefetch_hits", "route_tail_skips", "stage_copies", "bytes_host_read", "copy_wait_s",
                             "picks_ssd")
-
-
-@dataclass
-class QuantizedExpert:
-    """The three SwiGLU matrices of one expert: gate [I, H], up [I, H], down [H, I]."""
-
-    gate: QuantizedTensor
-    up: QuantizedTensor
-    down: QuantizedTensor
-
-    @property
-    def fmt(self) -> str:
-        return self.gate.fmt
-
-    @property
-    def nbytes(self) -> int:
-        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
-
-    def to(self, device, non_blocking: bool = False) -> "QuantizedExpert":
-        return QuantizedExpert(self.gate.to(device, non_blocking), self.up.to(device, non_blocking),
-                               self.down.to(device, non_blocking))
-
-    def pin_memory(self) -> "QuantizedExpert":
-        return QuantizedExpert(self.gate.pin_memory(), self.up.pin_memory(), self.down.pin_memory())
-
-    def clone(self) -> "QuantizedExpert":
-        def c(q: QuantizedTensor) -> QuantizedTensor:
-            return QuantizedTensor(q.fmt, q.shape, {k: v.clone() for k, v in q.parts.items()})
-        return QuantizedExpert(c(self.gate), c(self.up), c(self.down))
-
-    def record_stream(self, stream) -> None:
-        for q in (self.gate, self.up, self.down):
-            for t in q.parts.values():
-                t.record_stream(stream)
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate x) * up x) for rows x [n, H], computed in x's dtype."""
-        wg, wu, wd = (q.dequantize(x.dtype) for q in (self.gate, self.up, self.down))
-        return (F.silu(x @ wg.T) * (x @ wu.T)) @ wd.T
 
 
 class TieredExperts(nn.Module):
@@ -182,9 +142,9 @@ class TieredExperts(nn.Module):
         self._dev_counts = None
         self._wait_events: list = []       # (before, after) CUDA timing events around cache-fill waits
         self._top_k = None                 # set by configure
-        self._ssd = None                   # the fused SSD path's state (_SsdSlots), set by use_fused_kernels
+        self._ssd = None                   # the fused SSD path's state (ssd_slots.SsdSlots), set by use_fused_kernels
         self._ssd_guess = False            # prefetch guesses ssd reads (configure: prefetch_host)
-        self._segments = None              # the segmented capture under way (segment_with)
+        self.segments = None               # the segmented capture under way (segment_with)
         self.reset_telemetry()
 
     def configure(self, cfg: DecodeConfig, top_k: int) -> None:
@@ -268,18 +228,18 @@ class TieredExperts(nn.Module):
                 slot_of = torch.full((E,), -1, dtype=torch.int32)
                 slot_of[members] = torch.arange(len(members), dtype=torch.int32)
                 slot_of = slot_of.to(self.device)
-            fused.append(kernels.ExpertGroup(*mats, slot_of, f"{fmt}@{home}", picks=self._counter(0)))
+            fused.append(kernels.ExpertGroup(*mats, slot_of, f"{fmt}@{home}", picks=self.device_counter(0)))
             for i, e in enumerate(members):
                 self._stores[e] = QuantizedExpert(*(pm.slot(i) for pm in mats))
         if self.has_ssd:
-            self._ssd = _SsdSlots(self, min(sum(h == "ssd" for h in self.homes), top_k + self.cache_slots))
+            self._ssd = SsdSlots(self, min(sum(h == "ssd" for h in self.homes), top_k + self.cache_slots))
             fused.append(self._ssd.group)
         self._cache.clear()
         self._fused_groups = fused
         self._cold_maps = self._host_maps          # the maps of the groups that read over PCIe now
         self._prefetch = []
 
-    def _counter(self, row: int) -> torch.Tensor | None:
+    def device_counter(self, row: int) -> torch.Tensor | None:
         """Row `row` of the device counters that fused groups count into (see _dev_counts), or None
         when decode.count_tier_picks is off."""
         if not self.decode.count_tier_picks:
@@ -314,7 +274,7 @@ class TieredExperts(nn.Module):
             stage_slot_of = torch.full_like(static, -1)
             stage = kernels.ExpertGroup(*(pm.empty_like(top_k, self.device) for pm in (g.gate, g.up, g.down)),
                                         stage_slot_of, g.label.replace("@host", "@stage"), host_lane=True,
-                                        picks=self._counter(1))
+                                        picks=self.device_counter(1))
             groups += [stage, dynamic]
             entries.append((static, dynamic, stage))
         self._fused_groups = groups
@@ -354,7 +314,7 @@ class TieredExperts(nn.Module):
                                             out=self._pf_out, cfg=self.decode)
             for static, dynamic, stage in self._prefetch:
                 kernels.stage_experts(ids[0], static, dynamic, stage, stage.slot_of, dynamic.slot_of, cfg=self.decode,
-                                      copies=self._counter(2))
+                                      copies=self.device_counter(2))
         self._pf_refs = h                   # kept alive until the main stream has joined the lane
         self._pf_pending = own_stream and stream is not None
 
@@ -370,7 +330,7 @@ class TieredExperts(nn.Module):
             self._pf_pending = False
         skip = None
         if self.skip_tail_from is not None and len(self._cold_maps):
-            skip = kernels.TailSkip(self.skip_tail_from, self._cold_maps, self._counter(3))
+            skip = kernels.TailSkip(self.skip_tail_from, self._cold_maps, self.device_counter(3))
         out = kernels.fused_moe(x, topk_ids, topk_w, self._fused_groups, cfg=self.decode,
                                 after_lane=self._pf_refs is not None, tail_skip=skip, **kw)
         self._pf_refs = None
@@ -396,7 +356,7 @@ class TieredExperts(nn.Module):
         """Capture into `segments` (None: stop): the engine's segmented decode graph, whose cut(fn)
         ends the graph being captured (fn runs on the host after that graph's replay, after a
         stream sync) and add_guess(slots) schedules a guess's reads after the current one's."""
-        self._segments = segments
+        self.segments = segments
 
     @property
     def prefetching(self) -> bool:
@@ -419,7 +379,7 @@ class TieredExperts(nn.Module):
 
     def telemetry(self) -> dict[str, int | float]:
         """This layer's counters (see COUNTERS). Reads the device counters: one host sync."""
-        c: dict[str, int | float] = dict(self._counters)
+        c: dict[str, int | float] = dict(self.counters)
         self._resolve_waits()
         picks = self._host_picks.clone()
         staged = copies = skipped = torch.zeros_like(picks)
@@ -445,7 +405,7 @@ class TieredExperts(nn.Module):
         return c
 
     def reset_telemetry(self) -> None:
-        self._counters = {k: 0 for k in HOST_COUNTERS}
+        self.counters = {k: 0 for k in HOST_COUNTERS}
         self._host_picks.zero_()
         if self._dev_counts is not None:
             self._dev_counts.zero_()
@@ -455,11 +415,11 @@ class TieredExperts(nn.Module):
     def counter_state(self) -> tuple:
         """A copy of every counter (Engine restores it around CUDA-graph warm-up and capture runs,
         which are not the user's work)."""
-        return (dict(self._counters), self._host_picks.clone(),
+        return (dict(self.counters), self._host_picks.clone(),
                 None if self._dev_counts is None else self._dev_counts.clone())
 
     def restore_counters(self, state: tuple) -> None:
-        self._counters, picks, dev = dict(state[0]), state[1], state[2]
+        self.counters, picks, dev = dict(state[0]), state[1], state[2]
         self._host_picks.copy_(picks)
         if dev is not None and self._dev_counts is not None:
             self._dev_counts.copy_(dev)
@@ -480,7 +440,7 @@ class TieredExperts(nn.Module):
         if src is not None and self._copy_stream is None:
             return src, None
         src = self._stores[expert_id] if src is None else src
-        self._counters["bytes_h2d"] += src.nbytes
+        self.counters["bytes_h2d"] += src.nbytes
         if self._copy_stream is None:
             t0 = time.perf_counter()          # on the CPU the copy is the wait
             dst = src.clone()
@@ -511,19 +471,19 @@ class TieredExperts(nn.Module):
         while len(self._cache) > self.cache_slots:
             self._cache.popitem(last=False)
 
-    def _count_read(self, nbytes: int, guess: bool = False) -> None:
+    def count_read(self, nbytes: int, guess: bool = False) -> None:
         """A read this layer started (nbytes > 0; 0: none was needed)."""
         if nbytes:
-            c = self._counters
+            c = self.counters
             c["ssd_reads"] += 1
             c["bytes_ssd_read"] += nbytes
             c["ssd_guess_reads"] += int(guess)
 
-    def _count_ssd_pick(self, e: int, n: int, from_file: bool) -> None:
+    def count_ssd_pick(self, e: int, n: int, from_file: bool) -> None:
         """n picks of ssd expert e served from a record in host RAM: just read on demand
         (from_file), or found in the host-RAM cache, where a record a guess read counts as from
         the file at its first use."""
-        c = self._counters
+        c = self.counters
         key = (self.layer, e)
         guessed = self.disk.first_use(key)
         if from_file or guessed:
@@ -550,12 +510,12 @@ class TieredExperts(nn.Module):
                          xq: torch.Tensor | None = None) -> torch.Tensor:
         """kernels.fused_moe(reduce=False): the float32 terms [T * k, H]; only where partials_ok.
         xq: x's int8 rows (see wants_quantized_x), or None."""
-        self._counters["calls"] += 1
+        self.counters["calls"] += 1
         return self._fused(x, topk_ids, topk_w, reduce=False, xq=xq)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         T, k = topk_ids.shape
-        c = self._counters
+        c = self.counters
         c["calls"] += 1
         if self.partials_ok(T):
             return self._fused(x, topk_ids, topk_w)
@@ -592,7 +552,7 @@ class TieredExperts(nn.Module):
                 if rec is not None:
                     ssd_ram.append((e, rec.expert))
                 else:
-                    self._count_read(self.disk.request((self.layer, e)))
+                    self.count_read(self.disk.request((self.layer, e)))
                     ssd_reads.append(e)
 
         contrib = x.new_zeros(T, k, x.shape[-1])
@@ -633,173 +593,18 @@ class TieredExperts(nn.Module):
             weights = self._finish_copy(*self._start_copy(e, weights))
             run(e, weights)
             self._remember(e, weights)
-            self._count_ssd_pick(e, counts[e], from_file=False)
+            self.count_ssd_pick(e, counts[e], from_file=False)
         for e in ssd_reads:
             rec, waited = self.disk.take((self.layer, e))
             c["ssd_wait_s"] += waited
             weights = self._finish_copy(*self._start_copy(e, rec.expert))
             run(e, weights)
             self._remember(e, weights)
-            self._count_ssd_pick(e, counts[e], from_file=True)
+            self.count_ssd_pick(e, counts[e], from_file=True)
 
         # Weighted sum in float32, as the dense Experts module does, so an all-bf16 tiered model
         # stays within rounding of the dense one.
         return (contrib.float() * topk_w.float()[..., None]).sum(dim=1).to(x.dtype)
-
-
-class _SsdSlots:
-    """The fused SSD path's state for one layer: a device stack of `n` record-sized slots (an LRU
-    over the layer's ssd experts) that one ExpertGroup views part by part, its expert -> slot map,
-    and the routing guesses (see TieredExperts.prefetch) whose reads DiskTier runs."""
-
-    def __init__(self, owner: TieredExperts, n: int):
-        from . import kernels
-        from .ssd import _DTYPES
-        self.owner = owner
-        self.slots_n = n
-        disk, layer = owner.disk, owner.layer
-        key = next((layer, e) for e, h in enumerate(owner.homes) if h == "ssd")
-        fmt, rb, _ = disk.pack.layout(key)
-        entry = disk.pack.entries[key]
-        device = owner.device
-        self.buf = torch.zeros(n, rb, dtype=torch.uint8, device=device)
-        pin = device.type == "cuda"
-        E = len(owner.homes)
-        self.map_host = torch.full((E,), -1, dtype=torch.int32, pin_memory=pin)
-        self.slot_of = torch.full((E,), -1, dtype=torch.int32, device=device)
-        self.lru: OrderedDict[int, int] = OrderedDict()      # expert -> slot, least recently used first
-        self.ids_host = torch.empty(owner.decode.router_max_tokens * 64, dtype=torch.int64, pin_memory=pin)
-
-        def view(name: str):
-            start, dtype, shape = entry["parts"][name]
-            dt = _DTYPES[dtype]
-            count = 1
-            for d in shape:
-                count *= int(d)
-            nbytes = count * torch.empty(0, dtype=dt).element_size()
-            return self.buf[:, start:start + nbytes].view(dt).view(n, *shape)
-
-        from .quant import parse_format
-        base, _ = parse_format(fmt)
-        mats = []
-        for mat in ("gate", "up", "down"):
-            rows, cols = entry["shapes"][mat]
-            names = {k.split(".", 1)[1] for k in entry["parts"] if k.startswith(mat + ".")}
-            if base == "bf16":
-                mats.append(kernels.PackedMatrix("dense", view(f"{mat}.w"), rows, cols))
-            else:
-                mats.append(kernels.PackedMatrix(base, view(f"{mat}.q"), rows, cols, view(f"{mat}.scale"),
-                                                 view(f"{mat}.min") if "min" in names else None))
-        self.group = kernels.ExpertGroup(*mats, self.slot_of, f"{fmt}@ssd", picks=owner._counter(0))
-        self.guess_out = None
-
-    def alloc_guess(self, E: int, top_k: int, device, router_max_tokens: int) -> None:
-        self.guess_out = (torch.empty(1, E, dtype=torch.float32, device=device),
-                          torch.empty(1, top_k, dtype=torch.long, device=device),
-                          torch.empty(1, top_k, dtype=torch.float32, device=device))
-        self.guess_arrivals = torch.zeros(router_max_tokens, dtype=torch.int32, device=device)
-        self.guess_host = torch.empty(top_k, dtype=torch.int64, pin_memory=device.type == "cuda")
-
-    def guess(self, h: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool) -> None:
-        """Route h [1, H] with this layer's router and queue the guess: its ids reach the host when
-        the next fill syncs (DiskTier.pending_guesses), which starts their reads."""
-        from . import kernels
-        owner = self.owner
-        _, ids, _ = kernels.router_topk(h, gate_weight, top_k, renormalize, arrivals=self.guess_arrivals,
-                                        out=self.guess_out, cfg=owner.decode)
-        if owner.device.type != "cuda":
-            self.guess_host.copy_(ids[0])
-        else:
-            self.guess_host.copy_(ids[0], non_blocking=True)
-            if owner._segments is not None:     # captured: the segment's replay acts on it after its sync
-                owner._segments.add_guess(self)
-                return
-        pending = owner.disk.pending_guesses
-        pending[:] = [p for p in pending if p[0] is not self]     # a newer guess replaces an unread one
-        event = None
-        if owner.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        pending.append((self, event))
-
-    def start_guessed_reads(self) -> None:
-        owner = self.owner
-        E = len(owner.homes)
-        for e in self.guess_host.tolist():
-            if 0 <= e < E and owner.homes[e] == "ssd" and e not in self.lru:
-                owner._count_read(owner.disk.request((owner.layer, e), guess=True), guess=True)
-
-    def fill(self, topk_ids: torch.Tensor) -> None:
-        """Put every ssd expert topk_ids picks into a slot and the map on the device (before the
-        call's launches, in stream order). Under a segmented capture (see segment_with) only the
-        routing's copy to the host is captured: the segment ends here and its replay runs the rest."""
-        owner, disk = self.owner, self.owner.disk
-        n = topk_ids.numel()
-        if owner.device.type != "cuda":
-            ids = topk_ids.reshape(-1).tolist()
-        else:
-            host = self.ids_host[:n]
-            host.copy_(topk_ids.reshape(-1), non_blocking=True)
-            if owner._segments is not None:
-                owner._segments.cut(lambda: self.fill_host(host.tolist()))
-                return
-            event = torch.cuda.Event()
-            event.record()
-            event.synchronize()      # the host sync; earlier guesses' ids are in too
-            ids = host.tolist()
-        pending, keep = disk.pending_guesses, []
-        for slots, ev in pending:
-            if ev is None or ev.query():
-                slots.start_guessed_reads()
-            else:
-                keep.append((slots, ev))
-        pending[:] = keep
-        self.fill_host(ids)
-
-    def fill_host(self, ids: list[int]) -> None:
-        """fill's host part, once the routing `ids` (flattened topk_ids) is on the host and the
-        guesses made before it have started their reads."""
-        owner, disk = self.owner, self.owner.disk
-        c = owner._counters
-        disk.harvest()
-        counts: dict[int, int] = {}
-        for e in ids:
-            if owner.homes[e] == "ssd":
-                counts[e] = counts.get(e, 0) + 1
-        load = []
-        for e, k in counts.items():
-            if e in self.lru:
-                self.lru.move_to_end(e)
-                c["ssd_hits"] += k
-                c["ssd_gpu_hits"] += k
-            else:
-                load.append(e)
-        if not load:
-            return
-        for e in load:      # reads first, so they run while the host-RAM hits are copied
-            if disk.cached_record((owner.layer, e)) is None:
-                owner._count_read(disk.request((owner.layer, e)))
-        load.sort(key=lambda e: disk.in_flight((owner.layer, e)))
-        for e in load:
-            key = (owner.layer, e)
-            rec = disk.cached_record(key) if not disk.in_flight(key) else None
-            from_file = rec is None
-            if from_file:
-                rec, waited = disk.take(key)
-                c["ssd_wait_s"] += waited
-            owner._count_ssd_pick(e, counts[e], from_file)
-            if len(self.lru) < self.slots_n:
-                slot = len(self.lru)
-            else:
-                victim = next(v for v in self.lru if v not in counts)
-                slot = self.lru.pop(victim)
-                self.map_host[victim] = -1
-            length = int(disk.pack.entries[key]["length"])
-            self.buf[slot, :length].copy_(rec.buf[:length], non_blocking=True)
-            c["bytes_h2d"] += length
-            self.lru[e] = slot
-            self.map_host[e] = slot
-        self.slot_of.copy_(self.map_host, non_blocking=True)
 
 
 def find_tiered(model: nn.Module) -> list[TieredExperts]:

@@ -47,8 +47,8 @@ from typing import Iterable
 
 import torch
 
-from .placement import QuantizedExpert
 from .quant import QuantizedTensor
+from .quantized_expert import PART_DTYPES, QuantizedExpert
 
 PACK_NAME = "experts.ssd"
 PACK_FORMAT = "moebench-expert-pack"
@@ -58,8 +58,7 @@ ALIGN = 4096            # record alignment: the logical block size O_DIRECT need
 PART_ALIGN = 64         # a tensor part's alignment inside its record
 _HEADER = struct.Struct("<8sIIQQ")
 MATRICES = ("gate", "up", "down")
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.uint8, torch.int8, torch.float16, torch.bfloat16,
-                                                       torch.float32, torch.int32, torch.int16)}
+
 
 
 class PackError(ValueError):
@@ -81,8 +80,8 @@ def _record(expert: QuantizedExpert) -> tuple[bytes, dict, dict]:
         for name, t in q.parts.items():
             t = t.detach().to("cpu").contiguous()
             dtype = str(t.dtype).removeprefix("torch.")
-            if dtype not in _DTYPES:
-                raise PackError(f"write_pack: part {mat}.{name} has dtype {t.dtype}; expected one of {sorted(_DTYPES)}")
+            if dtype not in PART_DTYPES:
+                raise PackError(f"write_pack: part {mat}.{name} has dtype {t.dtype}; expected one of {sorted(PART_DTYPES)}")
             start = _up(pos, PART_ALIGN)
             if start > pos:
                 chunks.append(b"\0" * (start - pos))
@@ -302,10 +301,10 @@ class ExpertPack:
             for name, (start, dtype, shape) in entry["parts"].items():
                 if not name.startswith(prefix):
                     continue
-                dt = _DTYPES.get(dtype)
+                dt = PART_DTYPES.get(dtype)
                 if dt is None:
                     raise PackError(f"{self.path}: layer {key[0]} expert {key[1]} part {name}: dtype {dtype!r}; "
-                                    f"expected one of {sorted(_DTYPES)}")
+                                    f"expected one of {sorted(PART_DTYPES)}")
                 count = 1
                 for s in shape:
                     count *= int(s)

@@ -29,8 +29,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .expert_names import parse_expert_name
-from .placement import HOMES, QuantizedExpert, TieredExperts
+from .placement import HOMES, TieredExperts
 from .quant import QuantizedTensor, format_nbytes, parse_format, quantize
+from .quantized_expert import QuantizedExpert
 
 __all__ = ["calibrate", "plan", "plan_hot_cold", "pack", "load_tiered", "open_disk_tier", "read_experts", "measure_errors",
            "weights_from_checkpoint", "expert_nbytes", "CalibrationStats", "Plan", "Budgets", "TieringError"]

@@ -205,6 +205,7 @@ class EngineRunner(Runner):
         if self.choices["prefetch_early"]["value"] and not self.choices["prefetch_host"]["value"]:
             raise ProfileError(f"{where}: key 'prefetch_early' needs prefetch_host = true "
                                f"(prefetch_host: {self.choices['prefetch_host']['why']})")
+        self.decode = self._decode_config()
 
     async def start(self, run_dir: str | None = None) -> None:
         if self.engine is not None:
@@ -216,7 +217,7 @@ class EngineRunner(Runner):
         kwargs = {k: self.profile[k] for k in ("max_seq_len", "max_batch", "prefill_chunk")
                   if self.profile.get(k)}
         kwargs["cuda_graphs"] = self.choices["cuda_graphs"]["value"]
-        kwargs["decode"] = self.decode_config()
+        kwargs["decode"] = self.decode
         t0 = time.perf_counter()
         self.engine = await asyncio.to_thread(Engine.load, self.model_path, device=self.device,
                                               dtype=self.choices["dtype"]["value"], **kwargs)
@@ -286,12 +287,13 @@ class EngineRunner(Runner):
         if self.profile.get("int8_activations") is True:        # changes the numbers: part of what was run
             build["int8_activations"] = True
         # every decode switch and launch table of the engine (moebench.engine.decode_config)
-        build["decode"] = self.decode_config().identity()
+        build["decode"] = self.decode.identity()
         return {"model": model, "build": build}
 
-    def decode_config(self):
+    def _decode_config(self):
         """The engine's DecodeConfig from the profile and the runner's choices, device defaults
-        resolved: what the engine decodes with and the manifest records."""
+        resolved, built once per choice of experts path (`self.decode`): what the engine decodes
+        with and the manifest records."""
         from moebench.engine.decode_config import DecodeConfig
         cfg = DecodeConfig(experts_impl=self.choices["experts_impl"]["value"],
                            int8_activations=self.profile.get("int8_activations") is True,

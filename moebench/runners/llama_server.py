@@ -44,6 +44,7 @@ from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, ConnectTimeo
                                         transport_error)
 from moebench.store import now_iso, open_append
 from moebench.tools import llama_args, llamacpp
+from moebench.tools.binary_probe import PROBE, ProbeError
 from moebench.tools.llama_perplexity import PerplexityPlan
 
 T = TypeVar("T")
@@ -94,11 +95,6 @@ SCHEMA: dict[str, Field] = {
 
 # --- process bookkeeping: no server outlives its Python process ----------------------------------
 
-_LIVE: dict[int, subprocess.Popen] = {}        # pid -> server process (all runners)
-_LIVE_LOCK = threading.RLock()       # re-entrant: the signal handler may interrupt a holder
-_HOOKS_INSTALLED = False
-
-
 def _die_with_parent() -> list[str]:
     """A launcher prefix that makes the server receive SIGKILL when the thread that spawned it dies
     (Linux PR_SET_PDEATHSIG, set by util-linux's setpriv before it execs the server): the signal
@@ -115,68 +111,84 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _stop_process_sync(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int | None:
-    """SIGTERM the group, wait up to `grace_s`, then SIGKILL it; return the exit code."""
-    if proc.poll() is None:
-        _signal_group(proc, signal.SIGTERM)
+class LiveServers:
+    """Every server process this Python process started and has not stopped yet (all runners), and
+    the exit hooks that stop them: atexit covers normal exits and Ctrl-C (KeyboardInterrupt unwinds,
+    then atexit runs); SIGTERM/SIGHUP would otherwise end the process without running atexit."""
+
+    def __init__(self) -> None:
+        self._procs: dict[int, subprocess.Popen] = {}        # pid -> server process
+        self._lock = threading.RLock()       # re-entrant: the signal handler may interrupt a holder
+        self._hooks_installed = False
+
+    def spawn(self, cmd: list[str], **popen: Any) -> subprocess.Popen:
+        """Start `cmd` in its own session, listed before any signal can find it unlisted."""
+        self.install_exit_hooks()
+        with self._lock:
+            proc = subprocess.Popen(_die_with_parent() + cmd, start_new_session=True, **popen)
+            self._procs[proc.pid] = proc
+        return proc
+
+    def stop(self, proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int | None:
+        """SIGTERM the group, wait up to `grace_s`, then SIGKILL it; return the exit code."""
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(proc, signal.SIGKILL)            # also reaps any helper the server forked
         try:
-            proc.wait(grace_s)
+            proc.wait(5)
         except subprocess.TimeoutExpired:
             pass
-    _signal_group(proc, signal.SIGKILL)            # also reaps any helper the server forked
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        pass
-    with _LIVE_LOCK:
-        _LIVE.pop(proc.pid, None)
-    return proc.returncode
+        with self._lock:
+            self._procs.pop(proc.pid, None)
+        return proc.returncode
 
+    def kill_all(self) -> None:
+        with self._lock:
+            procs = list(self._procs.values())
+        for proc in procs:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + 3.0
+        for proc in procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            self.stop(proc, grace_s=0.0)
 
-def _kill_all_servers() -> None:
-    with _LIVE_LOCK:
-        procs = list(_LIVE.values())
-    for proc in procs:
-        _signal_group(proc, signal.SIGTERM)
-    deadline = time.monotonic() + 3.0
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        _stop_process_sync(proc, grace_s=0.0)
+    def _chain_signal(self, sig: int) -> None:
+        """Stop the servers on `sig`, then do what the previous handler would have done."""
+        previous = signal.getsignal(sig)
 
+        def handler(signum: int, frame: Any) -> None:
+            self.kill_all()
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_IGN:
+                return
+            else:                                      # SIG_DFL: die of the same signal, as before
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
 
-def _chain_signal(sig: int) -> None:
-    """Stop the servers on `sig`, then do what the previous handler would have done."""
-    previous = signal.getsignal(sig)
+        signal.signal(sig, handler)
 
-    def handler(signum: int, frame: Any) -> None:
-        _kill_all_servers()
-        if callable(previous):
-            previous(signum, frame)
-        elif previous == signal.SIG_IGN:
+    def install_exit_hooks(self) -> None:
+        if self._hooks_installed:
             return
-        else:                                      # SIG_DFL: die of the same signal, as before
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        self._hooks_installed = True
+        atexit.register(self.kill_all)
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                self._chain_signal(sig)
+            if signal.getsignal(signal.SIGINT) in (signal.SIG_DFL, None):
+                self._chain_signal(signal.SIGINT)           # only where Python's KeyboardInterrupt is off
 
-    signal.signal(sig, handler)
 
-
-def _install_exit_hooks() -> None:
-    """atexit covers normal exits and Ctrl-C (KeyboardInterrupt unwinds, then atexit runs);
-    SIGTERM/SIGHUP would otherwise end the process without running atexit."""
-    global _HOOKS_INSTALLED
-    if _HOOKS_INSTALLED:
-        return
-    _HOOKS_INSTALLED = True
-    atexit.register(_kill_all_servers)
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            _chain_signal(sig)
-        if signal.getsignal(signal.SIGINT) in (signal.SIG_DFL, None):
-            _chain_signal(signal.SIGINT)           # only where Python's KeyboardInterrupt is off
+# The process's servers: one list, so the exit hooks stop every runner's server.
+SERVERS = LiveServers()
 
 
 def _free_port(host: str) -> int:
@@ -185,18 +197,14 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-_HELP_CACHE: dict[str, str] = {}
-
-
-def _help_text(binary: Path) -> str:
-    key = str(binary)
-    if key not in _HELP_CACHE:
-        try:
-            out = subprocess.run([key, "--help"], capture_output=True, text=True, timeout=30, errors="replace")
-            _HELP_CACHE[key] = out.stdout + out.stderr
-        except (OSError, subprocess.TimeoutExpired):
-            _HELP_CACHE[key] = ""
-    return _HELP_CACHE[key]
+def _lists_flag(binary: Path, flag: str) -> bool:
+    """Whether `binary --help` lists `flag`; a binary that cannot say (binary_probe.ProbeError) lists
+    nothing, and its start then fails with the server's own error."""
+    try:
+        text = PROBE.help_text(binary)
+    except ProbeError:
+        return False
+    return re.search(re.escape(flag) + r"(?![-\w])", text) is not None
 
 
 # --- model identity ------------------------------------------------------------------------------
@@ -358,7 +366,7 @@ class LlamaServerRunner(Runner):
                "-m", str(self.model_path), "--parallel", str(self.slots)]
         if self.profile.get("ctx_size"):
             cmd += ["-c", str(self.profile["ctx_size"])]
-        if re.search(r"--no-webui(?![-\w])", _help_text(self.binary)):
+        if _lists_flag(self.binary, "--no-webui"):
             cmd.append("--no-webui")
         return cmd + list(self.profile["args"])
 
@@ -369,16 +377,12 @@ class LlamaServerRunner(Runner):
         for attempt in range(3):           # a picked free port can be taken before the server binds it
             port = fixed_port or _free_port(self.profile["host"])
             cmd = self.command(port)
-            _install_exit_hooks()
             with open_append(self.log_path) as log:     # never through a link planted in the run
                 log_start = log.tell()
                 log.write(f"\n=== moebench {now_iso()}: {' '.join(cmd)}\n".encode())
                 log.flush()
                 env = {**os.environ, **self.profile["env"]}
-                with _LIVE_LOCK:           # registered before any signal can find it unlisted
-                    proc = subprocess.Popen(_die_with_parent() + cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
-                    _LIVE[proc.pid] = proc
+                proc = SERVERS.spawn(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
             self.proc, self.port = proc, port
             host = self.profile["host"]
             self.base_url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -387,7 +391,7 @@ class LlamaServerRunner(Runner):
                 self._new_client()
                 self._generation += 1
                 return
-            await asyncio.to_thread(_stop_process_sync, proc)
+            await asyncio.to_thread(SERVERS.stop, proc)
             with self.log_path.open("rb") as f:
                 f.seek(log_start)
                 bind_failed = b"couldn't bind HTTP server socket" in f.read()
@@ -445,7 +449,7 @@ class LlamaServerRunner(Runner):
     async def close(self) -> None:
         proc, self.proc = self.proc, None
         if proc is not None:
-            await asyncio.to_thread(_stop_process_sync, proc)
+            await asyncio.to_thread(SERVERS.stop, proc)
         clients = self._old_clients + ([self._client] if self._client else [])
         self._client, self._old_clients = None, []
         for c in clients:
@@ -479,7 +483,7 @@ class LlamaServerRunner(Runner):
                             return
                 except TransportError:
                     pass
-            exit_code = await asyncio.to_thread(_stop_process_sync, proc)
+            exit_code = await asyncio.to_thread(SERVERS.stop, proc)
             if self.restarts >= self.max_restarts:
                 self._gave_up = (f"llama-server died ({reason}; exit code {exit_code}) and max_restarts="
                                  f"{self.max_restarts} restarts are used up; log {self.log_path} ends with:\n"

@@ -32,6 +32,7 @@ It therefore imports only the standard library.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import selectors
@@ -119,9 +120,6 @@ class _Plan:
     missing: list[str]
 
 
-_PLAN: _Plan | None = None
-
-
 def _try(cmd: list[str]) -> tuple[bool, str]:
     try:
         p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=10,
@@ -182,11 +180,9 @@ def _own_cgroup_dirs() -> tuple[str | None, dict[str, Path]]:
     return None, {}
 
 
+@functools.cache
 def plan() -> _Plan:
     """Probe once which protections this machine allows (cached for the process)."""
-    global _PLAN
-    if _PLAN is not None:
-        return _PLAN
     missing: list[str] = []
     prefix, namespaces = _unshare_plan(missing)
     drop_to = None
@@ -202,8 +198,7 @@ def plan() -> _Plan:
         for c in ("pids", "memory"):
             if c not in parents:
                 missing.append(f"cgroup {c}: controller not writable here")
-    _PLAN = _Plan(prefix, namespaces, drop_to, kind, parents, missing)
-    return _PLAN
+    return _Plan(prefix, namespaces, drop_to, kind, parents, missing)
 
 
 # System library folders the interpreter and its extension modules load from; symlinks (merged /usr)

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from moebench.config import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, MAX_VOCAB, Field, non_negative, positive
-from moebench.datasets import data_file, read_text, register
+from moebench.datasets import KLD_DEFAULT_CORPUS, data_file, read_text, register
 from moebench.runners.base import Capability, Runner, RunnerError
 from moebench.scoring import kld_stats as ks
 from moebench.scoring.kld_runs import (TOPK_LADDER, KldError, chunk_file, id_dtype, kld_section, read_meta,
@@ -49,7 +49,7 @@ from moebench.scoring.kld_runs import (TOPK_LADDER, KldError, chunk_file, id_dty
 from moebench.store import write_bytes_atomic
 from moebench.tasks.base import Item, Task, prompt_hash
 
-DEFAULT_CORPUS = "wikitext2/wiki.test.raw"
+DEFAULT_CORPUS = KLD_DEFAULT_CORPUS
 
 # How the task gets log-probs, by capability (first match wins).
 BY_TOOL, BY_LOGITS, BY_PROMPT_LOGPROBS = "llama-perplexity", "full-logits", "prompt-logprobs"

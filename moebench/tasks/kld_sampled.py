@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from moebench.datasets import data_file, read_text, register
+from moebench.datasets import KLD_DEFAULT_CORPUS, data_file, read_text, register
 from moebench.runners.base import Capability, Runner, RunnerError
 from moebench.scoring import kld_sampled as sk
 from moebench.scoring.kld_runs import KldError, read_meta, sampled_section, save_npz, seq_file, task_dir, write_json
@@ -43,10 +43,9 @@ class SampledKldTask(Task):
     phase = "score"
 
     def __init__(self, opts: dict[str, Any], ctx):
-        from moebench.tasks.kld import DEFAULT_CORPUS
         super().__init__(opts, ctx)
         self.conf = {k: opts.get(k) if opts.get(k) is not None else v for k, v in DEFAULTS.items()}
-        self.conf["corpus"] = opts.get("corpus", DEFAULT_CORPUS)
+        self.conf["corpus"] = opts.get("corpus", KLD_DEFAULT_CORPUS)
         self.corpus: str = self.conf["corpus"]
         self.n_prompts, self.n_cont = int(self.conf["prompts"]), int(self.conf["continuations"])
         self.n_tokens, self.seed = int(self.conf["tokens"]), int(self.conf["seed"])

@@ -25,9 +25,10 @@ llama-perplexity accept them. So each flag of the profile's `args` is sorted int
 from __future__ import annotations
 
 import re
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from moebench.tools.binary_probe import PROBE, ProbeError
 
 # Exact names of flags that do not change the log-probs of a teacher-forced pass (llama.cpp b11434,
 # common/arg.cpp: the server-only options plus the common sampling/prompt/multimodal ones).
@@ -102,28 +103,21 @@ def parse_help(text: str) -> HelpFlags:
     return out
 
 
-_HELP_CACHE: dict[str, HelpFlags] = {}
-
-
 def help_flags(binary: str | Path) -> HelpFlags:
-    key = str(binary)
-    if key not in _HELP_CACHE:
-        try:
-            proc = subprocess.run([key, "--help"], capture_output=True, text=True, timeout=60, errors="replace")
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise ArgsError(f"{binary} --help failed: {e}") from None
-        _HELP_CACHE[key] = parse_help(proc.stdout + "\n" + proc.stderr)
-    return _HELP_CACHE[key]
+    """The flags `binary --help` lists (binary_probe.PROBE runs it once per binary file)."""
+    try:
+        return parse_help(PROBE.help_text(binary))
+    except ProbeError as e:
+        raise ArgsError(str(e)) from None
 
 
 def version_line(binary: str | Path) -> str:
     """The first `version: ...` line of `binary --version` (llama.cpp prints it on stderr)."""
     try:
-        proc = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60,
-                              errors="replace")
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"unknown ({type(e).__name__}: {e})"
-    lines = [ln.strip() for ln in (proc.stdout + "\n" + proc.stderr).splitlines() if ln.strip()]
+        proc = PROBE.version(binary)
+    except ProbeError as e:
+        return f"unknown ({e})"
+    lines = [ln.strip() for ln in proc.text.splitlines() if ln.strip()]
     for ln in lines:
         if ln.startswith("version:"):
             return ln

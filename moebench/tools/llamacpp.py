@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from moebench import jsonout
+from moebench.tools.binary_probe import PROBE, ProbeError
 
 BUILD_NUMBER = 11434
 BUILD_COMMIT = f"b{BUILD_NUMBER}"
@@ -325,29 +326,23 @@ def tool(name: str, build: bool = False) -> Path:
 
 # "version: 0.6.0-dev (build 11434, commit b11434)" now; "version: 11434 (b11434)" in older builds.
 _VERSION_RES = (re.compile(r"\(build (\d+), commit ([^)\s]+)\)"), re.compile(r"version:\s*(\d+)\s*\(([^)]*)\)"))
-_BUILD_INFO_CACHE: dict[tuple[str, float], dict[str, Any]] = {}
 
 
 def build_info(binary: str | os.PathLike[str]) -> dict[str, Any]:
     """{"build_number", "build_commit", "binary", "source"} from `BINARY --version`, else the stamp."""
     p = Path(binary)
     try:
-        key = (str(p.resolve()), p.stat().st_mtime)
-    except OSError as e:
-        raise ToolError(f"{p}: cannot read the binary: {e}") from None
-    if key in _BUILD_INFO_CACHE:
-        return dict(_BUILD_INFO_CACHE[key])
+        out = PROBE.version(p)
+    except ProbeError as e:
+        if not p.exists():
+            raise ToolError(str(e)) from None
+        out = None          # a binary that does not run: its stamp answers
     info: dict[str, Any] = {"binary": str(p.resolve())}
-    try:
-        out = subprocess.run([str(p), "--version"], capture_output=True, text=True, timeout=30,
-                             errors="replace")
-        text = out.stdout + out.stderr
-        m = next((m for m in (r.search(text) for r in _VERSION_RES) if m), None)
-        version = re.search(r"version:\s*(\S+)", text)
-    except (OSError, subprocess.TimeoutExpired):
-        m = None
+    text = out.text if out is not None else ""
+    m = next((m for m in (r.search(text) for r in _VERSION_RES) if m), None)
     if m:
         info.update(build_number=int(m.group(1)), build_commit=m.group(2), source="--version")
+        version = re.search(r"version:\s*(\S+)", text)
         if version:
             info["version"] = version.group(1)
         built_with = re.search(r"built with (.*)", text)
@@ -364,8 +359,7 @@ def build_info(binary: str | os.PathLike[str]) -> dict[str, Any]:
     if stamp:
         info["variant"] = stamp.get("variant")
         info["flags"] = stamp.get("flags")
-    _BUILD_INFO_CACHE[key] = info
-    return dict(info)
+    return info
 
 
 def gguf_reader_class() -> Any | None:

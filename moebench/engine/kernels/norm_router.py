@@ -13,6 +13,8 @@ where the torch code does, so they agree with it to within reduction order:
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -21,32 +23,32 @@ from ..quant import GROUP
 from .int8_activations import quant_pack, quant_row_len, store_quant  # noqa: F401 - used by the kernels
 from .runtime import KernelError, grid_dependency, next_pow2, pdl_launch, require, sm_count, sortable_bits, tl, triton  # noqa: F401
 
-# router_topk's per-token arrival counters, per (device, size): zero between calls (each call's last
-# program resets its token's counter). Buffers, not settings.
-_ARRIVALS: dict[tuple[torch.device, int], Tensor] = {}
-# add_rmsnorm_router's mailboxes under DecodeConfig.router_poll, per (device, tokens, experts): int32
-# [tokens, experts], MAIL_EMPTY between calls (each token's polling program empties its row).
-# MAIL_EMPTY is a NaN payload no logit has: a logit is rounded to the activation dtype first (bf16 or
-# fp16 leave its 13+ low bits zero), and a NaN computed in float32 is the canonical 0x7FFFFFFF.
 MAIL_EMPTY = 0x7FBADBAD
-_MAILBOXES: dict[tuple[torch.device, int, int], Tensor] = {}
 
 
 def shared_arrivals(device: torch.device, cfg: DecodeConfig) -> Tensor:
-    key = (device, cfg.router_max_tokens)
-    counts = _ARRIVALS.get(key)
-    if counts is None:
-        counts = _ARRIVALS[key] = torch.zeros(cfg.router_max_tokens, dtype=torch.int32, device=device)
-    return counts
+    return _arrivals(device, cfg.router_max_tokens)
 
 
 def shared_mailbox(device: torch.device, cfg: DecodeConfig, experts: int) -> Tensor:
-    key = (device, cfg.router_max_tokens, experts)
-    mail = _MAILBOXES.get(key)
-    if mail is None:
-        mail = _MAILBOXES[key] = torch.full((cfg.router_max_tokens, experts), MAIL_EMPTY, dtype=torch.int32,
-                                            device=device)
-    return mail
+    return _mailbox(device, cfg.router_max_tokens, experts)
+
+
+# Buffers, not settings: one per (device, size) for the process.
+@functools.lru_cache(maxsize=None)
+def _arrivals(device: torch.device, tokens: int) -> Tensor:
+    """router_topk's per-token arrival counters: zero between calls (each call's last program
+    resets its token's counter)."""
+    return torch.zeros(tokens, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _mailbox(device: torch.device, tokens: int, experts: int) -> Tensor:
+    """add_rmsnorm_router's mailboxes under DecodeConfig.router_poll: int32 [tokens, experts],
+    MAIL_EMPTY between calls (each token's polling program empties its row). MAIL_EMPTY is a NaN
+    payload no logit has: a logit is rounded to the activation dtype first (bf16 or fp16 leave its
+    13+ low bits zero), and a NaN computed in float32 is the canonical 0x7FFFFFFF."""
+    return torch.full((tokens, experts), MAIL_EMPTY, dtype=torch.int32, device=device)
 
 
 if triton is not None:

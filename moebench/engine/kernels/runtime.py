@@ -76,7 +76,17 @@ def sm_count(device: torch.device) -> int:
 # It saves the launch gap between two dependent kernels (~1.5 us each, a few hundred kernels per
 # step). Every program waits, whatever it does after: a kernel whose programs all exited without
 # waiting could finish before its predecessor, and the next kernel's wait would then not cover it.
-_PDL_OK: dict = {}
+@functools.lru_cache(maxsize=None)
+def pdl_supported(device: torch.device) -> bool:
+    """Whether PDL can work on a CUDA `device`: compute capability 9+ and a Triton that has
+    griddepcontrol and the launch option (asked once per device)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401 - presence check
+        return ("launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
+                and torch.cuda.get_device_capability(device)[0] >= 9)
+    except Exception:  # noqa: BLE001 - an older Triton: no PDL
+        return False
 
 
 def pdl_launch(device: torch.device, cfg: DecodeConfig, kernel: str | None = None) -> dict:
@@ -87,17 +97,7 @@ def pdl_launch(device: torch.device, cfg: DecodeConfig, kernel: str | None = Non
     constexpr), set when the config lists it."""
     if not cfg.pdl or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return {"PDL": False}
-    ok = _PDL_OK.get(device)
-    if ok is None:
-        try:
-            from triton.backends.nvidia.compiler import CUDAOptions
-            from triton.language.extra.cuda import gdc_wait  # noqa: F401 - presence check
-            ok = ("launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
-                  and torch.cuda.get_device_capability(device)[0] >= 9)
-        except Exception:  # noqa: BLE001 - an older Triton: no PDL
-            ok = False
-        _PDL_OK[device] = ok
-    if not ok:
+    if not pdl_supported(device):
         return {"PDL": False}
     if kernel is not None and kernel in cfg.early_launch:
         return {"PDL": True, "launch_pdl": True, "LAUNCH_FIRST": True}

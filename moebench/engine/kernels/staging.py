@@ -7,6 +7,8 @@ placement.TieredExperts.prefetch), the PCIe reads overlap the previous layer's w
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -14,19 +16,18 @@ from ..decode_config import DEFAULT, DecodeConfig
 from .packed import ExpertGroup
 from .runtime import grid_dependency, next_pow2, pdl_launch, require, tl, triton  # noqa: F401
 
-# Streams are per device and made on first use; they hold no setting, only CUDA stream handles.
-_SIDE_STREAMS: dict = {}
-
-
 def side_stream(device, key) -> "torch.cuda.Stream":
     """fused_moe's side stream `key` of a device, made on first use."""
     device = torch.device(device)
     if device.index is None:        # "cuda" and "cuda:0" must name one stream
         device = torch.device(device.type, torch.cuda.current_device())
-    side = _SIDE_STREAMS.get((device, key))
-    if side is None:
-        side = _SIDE_STREAMS[(device, key)] = torch.cuda.Stream(device)
-    return side
+    return _stream_of(device, key)
+
+
+@functools.lru_cache(maxsize=None)
+def _stream_of(device: torch.device, key) -> "torch.cuda.Stream":
+    """One stream per (device, key) for the process; streams hold no setting, only a CUDA handle."""
+    return torch.cuda.Stream(device)
 
 
 def host_lane(device) -> "torch.cuda.Stream":

@@ -1,5 +1,6 @@
-"""What the decode benchmarks share: engines aliasing a transformers model's weights, token-diverse
-routing for a random model, quantized tiered experts and the expert plans, and the decode rate.
+"""What the decode benchmarks build: engines aliasing a transformers model's weights, token-diverse
+routing for a random model, quantized tiered experts, SSD packs and the expert plans, stacked
+random expert groups for the kernel benchmarks, and the decode rate.
 
 Uses only the engine API that the code before and after the DecodeConfig redesign both have
 (Engine keyword options, TieredExperts.use_fused_kernels), so benchmarks/decode_ab.py can time two
@@ -190,3 +191,21 @@ def engine_rate(eng: Engine, prompts: list[list[int]], n_warm: int, n_tokens: in
         if rate > best:
             best, outs = rate, o
     return {"tok_s": best, "tokens": outs[0].token_ids}
+
+
+def stacked_group(E: int, H: int, I: int, fmt: str, device, gen, pin: bool = False) -> tuple["kernels.ExpertGroup", int]:
+    """One layer's experts in `fmt` (random weights), and the bytes of one expert; pin: in pinned
+    host memory (the host tier, read over PCIe by the kernels)."""
+    from moebench.engine import kernels
+    mats = []
+    for rows, cols in ((I, H), (I, H), (H, I)):
+        w = torch.randn(E * rows, cols, generator=gen) * 0.02
+        if fmt == "dense":
+            mats.append(kernels.PackedMatrix.dense(w.view(E, rows, cols).to(device, torch.bfloat16)))
+            continue
+        q = quantize(w, fmt)
+        parts = {k: v.reshape(E, rows, *v.shape[1:]) for k, v in q.parts.items()}
+        mats.append(kernels.PackedMatrix.stack(
+            [QuantizedTensor(q.fmt, (rows, cols), {k: v[e] for k, v in parts.items()}) for e in range(E)], device,
+            pin=pin))
+    return kernels.ExpertGroup(*mats, None, fmt), sum(m.nbytes_per_slot for m in mats)
