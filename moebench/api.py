@@ -579,7 +579,7 @@ def compare_many(baseline: str, candidates: list[str], out: str | None = None, r
                  ) -> tuple[Path, list[dict[str, Any]], list[dict[str, Any]]]:
     """Compare each candidate with the baseline. Returns (compare dir, compare.json objects, matrix rows).
 
-    One candidate: compare.json (DESIGN.md section 5) in the compare directory itself. Several: one
+    One candidate: compare.json (docs/design.md section 5) in the compare directory itself. Several: one
     complete two-run compare directory per candidate, `NN_<label>/` (compare.json, summary.md,
     report.html: each gate-able alone), and in the top directory matrix.json, matrix.csv, summary.md
     and report.html over all of them. Both layouts write matrix.csv/matrix.json (a row per candidate).

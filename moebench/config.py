@@ -1,4 +1,4 @@
-"""Suite and runner profiles (DESIGN.md section 2): TOML loading and validation.
+"""Suite and runner profiles (docs/design.md section 2): TOML loading and validation.
 
 Every error names the file, the key and what was expected. Schemas are small dicts of `Field`s so a
 task or runner kind can declare its own keys next to its code.

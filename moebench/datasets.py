@@ -1,4 +1,4 @@
-"""Datasets from the local mirror (DESIGN.md section 7).
+"""Datasets from the local mirror (docs/design.md section 7).
 
 The mirror is `MOEBENCH_DATA_DIR`, else `../shared/datasets` beside the checkout, else
 `./shared/datasets`, else a `data/` folder made by `moebench data fetch` (moebench/data_fetch.py). Every file a task reads is hashed (sha256) into the run manifest. There is no

@@ -19,7 +19,7 @@ import pandas as pd
 from moebench import jsonout
 from moebench import store
 
-# Columns that hold text in items.jsonl (DESIGN.md section 4): kept as str (or None), never parsed.
+# Columns that hold text in items.jsonl (docs/design.md section 4): kept as str (or None), never parsed.
 TEXT_COLUMNS = ("task", "item_id", "status", "answer", "reference", "output", "error", "prompt_hash")
 FIRST_COLUMNS = ("task", "item_id", "status", "correct", "answer", "reference", "output")
 

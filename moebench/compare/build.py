@@ -1,4 +1,4 @@
-"""Build compare.json (DESIGN.md section 5) from two run directories; reads only the store."""
+"""Build compare.json (docs/design.md section 5) from two run directories; reads only the store."""
 from __future__ import annotations
 
 import importlib

@@ -1,4 +1,4 @@
-"""Per-item pairing of two runs (DESIGN.md section 5): wins, losses, exclusions, McNemar, bootstrap."""
+"""Per-item pairing of two runs (docs/design.md section 5): wins, losses, exclusions, McNemar, bootstrap."""
 from __future__ import annotations
 
 import re

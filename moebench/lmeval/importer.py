@@ -11,7 +11,7 @@ becomes task `gsm8k` with item ids `gsm8k/test/<doc_id>` (the doc id is the line
 other filters keep their name (`gsm8k:flexible-extract`). Other tasks are `<task>` or, with several
 filters, `<task>:<filter>`, with item ids `<task>/<doc_id>`.
 
-Record fields (besides DESIGN.md section 4's): `prompt_hash` is lm-eval's own (sha256 of the first
+Record fields (besides docs/design.md section 4's): `prompt_hash` is lm-eval's own (sha256 of the first
 request's context; moebench's native hash is its first 16 hex digits, so compare checks the two), `lm_eval_filter`, `lm_eval_metrics` (every metric of the row), `doc_hash`,
 `target_hash`, and for multiple choice `choice_logprobs`.
 """

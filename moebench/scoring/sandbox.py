@@ -1,4 +1,4 @@
-"""Run untrusted (model-written) Python in a contained child process (DESIGN.md section 8).
+"""Run untrusted (model-written) Python in a contained child process (docs/design.md section 8).
 
 Layers, each applied where this machine allows it and named in `SandboxResult.isolation`
 (what could not be applied, and why, is in `SandboxResult.missing`):

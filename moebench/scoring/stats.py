@@ -1,4 +1,4 @@
-"""Paired statistics for per-item comparisons (DESIGN.md section 6)."""
+"""Paired statistics for per-item comparisons (docs/design.md section 6)."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""The run store (DESIGN.md section 4): a run is a directory.
+"""The run store (docs/design.md section 4): a run is a directory.
 
 - `manifest.json`: identity and status, replaced atomically (write a temp file, fsync, rename).
 - `items.jsonl`: one record per finished item, appended by one writer thread per open store with

@@ -1,4 +1,4 @@
-"""Typed, versioned forms of the store's three documents (DESIGN.md sections 4 and 5, docs/schema.md):
+"""Typed, versioned forms of the store's three documents (docs/design.md sections 4 and 5, docs/schema.md):
 one items.jsonl record (`ItemRecord`), manifest.json (`Manifest`) and compare.json (`CompareDoc`).
 
 `from_dict` checks the top-level structure and names the file, the key and the expected type on bad
@@ -74,7 +74,7 @@ _NUM = (int, float)
 
 @dataclass
 class ItemRecord:
-    """One line of items.jsonl: a scored item (DESIGN.md section 4).
+    """One line of items.jsonl: a scored item (docs/design.md section 4).
 
     Items carry no version of their own: the run's manifest `schema_version` covers them.
     """
@@ -117,7 +117,7 @@ class ItemRecord:
 
 @dataclass
 class Manifest:
-    """manifest.json: a run's identity and status (DESIGN.md section 4)."""
+    """manifest.json: a run's identity and status (docs/design.md section 4)."""
 
     schema_version: int
     """The run directory's format version (`store.SCHEMA_VERSION` when written by this moebench)."""
@@ -218,7 +218,7 @@ COMPARE_SECTIONS = ("overall", "warnings", "kld", "needle", "speed", "memory", "
 
 @dataclass
 class CompareDoc:
-    """compare.json: one candidate paired with the baseline item by item (DESIGN.md section 5)."""
+    """compare.json: one candidate paired with the baseline item by item (docs/design.md section 5)."""
 
     schema_version: int | None
     """COMPARE_SCHEMA_VERSION when written by this moebench; None in a hand-made file."""

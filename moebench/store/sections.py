@@ -1,6 +1,6 @@
 """Tolerant readers for the optional sections of compare.json (speed, needle, memory, energy).
 
-The per-task section is a contract (DESIGN.md section 5); the optional sections are written by
+The per-task section is a contract (docs/design.md section 5); the optional sections are written by
 helpers that may nest per-side figures either as `{"baseline": {...}, "candidate": {...}}` or as
 `{"metric": {"baseline": x, "candidate": y}}` or as `baseline_<metric>` keys. The report and the gate
 read them through these functions so both agree on one interpretation and neither crashes on a

@@ -23,7 +23,7 @@ FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 
 def new_manifest(label: str, suite: dict[str, Any], runner: dict[str, Any], data_dir: str | os.PathLike[str],
                  **fields: Any) -> dict[str, Any]:
-    """The identity every run's manifest starts with (DESIGN.md section 4), plus the entry point's
+    """The identity every run's manifest starts with (docs/design.md section 4), plus the entry point's
     own `fields`; `suite` and `runner` come already redacted."""
     return {"run_id": uuid.uuid4().hex[:12], "label": label, "suite": suite, "runner": runner,
             "moebench": moebench_identity(), "host": host_identity(), "data_dir": str(data_dir), **fields}

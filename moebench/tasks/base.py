@@ -10,7 +10,7 @@ A task kind is a `Task` subclass with:
 - `summarize(records)`: optional task-level figures for the manifest and compare.
 
 A record is a dict with at least: task, item_id, status ("ok" | "error"), correct (bool or None),
-answer, reference, output (DESIGN.md section 4). `evaluate` raising any exception yields an `error`
+answer, reference, output (docs/design.md section 4). `evaluate` raising any exception yields an `error`
 record carrying the message; errors are retried on resume and never counted as wrong.
 """
 from __future__ import annotations

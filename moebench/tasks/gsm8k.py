@@ -1,4 +1,4 @@
-"""GSM8K: few-shot "Question: ...\\nAnswer:" prompts, greedy, answers after `####` (DESIGN.md section 7).
+"""GSM8K: few-shot "Question: ...\\nAnswer:" prompts, greedy, answers after `####` (docs/design.md section 7).
 
 The prompt format is lm-eval's gsm8k task (doc_to_text "Question: {{question}}\\nAnswer:", target
 delimiter " ", few-shot delimiter "\\n\\n"), with the first `shots` train items as exemplars so the

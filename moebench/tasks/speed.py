@@ -13,7 +13,7 @@ preemptions) goes into each of its records as `group.server`. Every request has 
 prefix, then haystack text) and `cache_prompt=False`, so no prompt cache hides prefill; generation
 goes on past EOS where the backend allows (`ignore_eos`), for a fixed number of output tokens.
 
-Per measurement (DESIGN.md section 6):
+Per measurement (docs/design.md section 6):
   ttft_s        = arrival of the first output token (from the runner's `token_times`)
   prefill_tok_s = prompt tokens / ttft_s
   decode_tok_s  = (n_out - 1) / (t_last - t_first)
