@@ -35,10 +35,13 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Iterator
 
-from moebench.jsonout import NonFiniteValue, document, document_text, dumps, non_finite_values, standard
+from moebench.jsonout import (NonFiniteValue, document, document_text, dumper, dumps, non_finite_values,
+                              standard)
 from moebench.secrets import scrub
 
 SCHEMA_VERSION = 1
+# An item record's line (standard JSON; `default=str` for anything else a task puts in a record)
+_record_text = dumper(ensure_ascii=False, default=str)
 MANIFEST = "manifest.json"
 ITEMS = "items.jsonl"
 
@@ -495,10 +498,10 @@ class RunStore:
             if key not in record:
                 raise ValueError(f"record lacks {key!r}: {record!r}")
         try:
-            text = dumps(record, ensure_ascii=False, default=str)
+            text = _record_text(record)
         except NonFiniteValue:              # rare: the walk over every field runs only then
             record = finite_record(record)
-            text = dumps(record, ensure_ascii=False, default=str)
+            text = _record_text(record)
         line = (scrub(text, self.secrets) if self.secrets else text).encode("utf-8") + b"\n"
         return record, line
 
