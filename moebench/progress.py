@@ -28,15 +28,13 @@ class Progress:
         self._show()
 
     def _show(self, final: bool = False) -> None:
+        # Called once per item: whether to print is decided first, the line is built only when it is.
         now = time.monotonic()
-        elapsed = now - self.t0
-        rate = self.done / elapsed if elapsed > 0 else 0.0
-        eta = (self.total - self.done) / rate if rate > 0 else float("nan")
-        err = f" errors={self.errors}" if self.errors else ""
         if self.tty:
             if not final and now - self._last < TTY_REDRAW_S and self.done != self.total:
                 return                  # a redraw per item would cost more than the item itself
             self._last = now
+            elapsed, eta, err = self._figures(now)
             width = 30
             filled = int(width * self.done / self.total) if self.total else width
             bar = "#" * filled + "." * (width - filled)
@@ -51,8 +49,16 @@ class Progress:
             return                     # the last line already said it
         if final or now - self._last >= self.every_s or (pct // 25 != self._last_pct // 25):
             self._last, self._last_pct, self._printed_done = now, pct, self.done
+            elapsed, _, err = self._figures(now)
             self.stream.write(f"{self.label}: {self.done}/{self.total} ({pct}%){err} in {elapsed:.0f}s\n")
             self.stream.flush()
+
+    def _figures(self, now: float) -> tuple[float, float, str]:
+        """(seconds elapsed, seconds left at the rate so far, the errors note) for a line."""
+        elapsed = now - self.t0
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - self.done) / rate if rate > 0 else float("nan")
+        return elapsed, eta, f" errors={self.errors}" if self.errors else ""
 
     def close(self) -> None:
         self._show(final=True)

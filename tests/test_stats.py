@@ -1,7 +1,8 @@
 
 import pytest
 
-from moebench.scoring.answers import extract_gsm8k, gsm8k_reference, normalize_number, numbers_equal
+from moebench.scoring.answers import (cut_at_stop, extract_gsm8k, first_stop, gsm8k_reference, normalize_number,
+                                      numbers_equal)
 from moebench.scoring.stats import mcnemar_exact_p, paired_bootstrap_ci, wilson_ci
 
 
@@ -37,6 +38,19 @@ def test_wilson_ci():
 ])
 def test_gsm8k_extraction(text, expected):
     assert extract_gsm8k(text)[0] == expected
+
+
+@pytest.mark.parametrize("text,stops,expected", [
+    ("abcQuestion:x</s>", ["Question:", "</s>"], 3),
+    ("ab</s>Question:", ["Question:", "</s>"], 2),      # the earliest hit, whatever the stops' order
+    ("Question:", ["Question:"], 0),
+    ("abc", [], None),
+    ("abc", [""], None),                                # an empty stop never matches
+    ("abc", ["zz", "", "c"], 2),
+])
+def test_first_stop_is_the_earliest_hit(text, stops, expected):
+    assert first_stop(text, stops) == expected
+    assert cut_at_stop(text, stops) == (text if expected is None else text[:expected])
 
 
 def test_number_normalisation():

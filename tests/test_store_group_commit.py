@@ -154,3 +154,68 @@ def test_sigkill_during_group_commits_leaves_no_torn_or_duplicated_line(tmp_path
         start += 100000                         # the next writer resumes (cutting any torn tail)
     assert len(acked) > 0
     assert sum(1 for _ in iter_records(run / "items.jsonl")) > len(acked) / 2
+
+
+def test_records_of_one_loop_pass_reach_the_writer_together(tmp_path, monkeypatch):
+    store = _store(tmp_path / "run")
+    fd = store._items_file.fileno()
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def counting(f):
+        real_fsync(f)
+        if f == fd:
+            synced.append(os.fstat(fd).st_size)
+
+    monkeypatch.setattr(os, "fsync", counting)
+
+    async def go():
+        # 50 appends with no await between them: one pass of the loop, so one batch and one fsync
+        futures = [store.append_async({"task": "t", "item_id": str(i), "status": "ok"}) for i in range(50)]
+        assert synced == []                 # nothing handed over before the pass ends
+        return await asyncio.gather(*futures)
+
+    try:
+        recs = asyncio.run(go())
+    finally:
+        store.close()
+    assert [r["item_id"] for r in recs] == [str(i) for i in range(50)]
+    assert synced == [os.path.getsize(tmp_path / "run" / "items.jsonl")]
+    assert [r["item_id"] for r in iter_records(tmp_path / "run" / "items.jsonl")] == [str(i) for i in range(50)]
+
+
+def test_a_blocking_append_or_close_on_the_loop_writes_what_the_loop_holds_first(tmp_path):
+    store = _store(tmp_path / "run")
+
+    async def go():
+        held = store.append_async({"task": "t", "item_id": "a", "status": "ok"})
+        store.append({"task": "t", "item_id": "b", "status": "ok"})         # durable on return, after "a"
+        last = store.append_async({"task": "t", "item_id": "c", "status": "ok"})
+        store.close()                                                      # "c" is written before the end
+        return await held, await last
+
+    a, c = asyncio.run(go())
+    assert (a["item_id"], c["item_id"]) == ("a", "c")
+    assert [r["item_id"] for r in iter_records(tmp_path / "run" / "items.jsonl")] == ["a", "b", "c"]
+
+
+def test_append_async_after_a_failed_write_raises_at_once(tmp_path, monkeypatch):
+    store = _store(tmp_path / "run")
+
+    def full(f):
+        raise OSError(28, "No space left on device")
+
+    async def go():
+        first = store.append_async({"task": "t", "item_id": "1", "status": "ok"})
+        with pytest.raises(OSError) as e:
+            await first                     # its batch failed: its future carries the error
+        assert e.value.errno == 28
+        with pytest.raises(OSError):        # and every later append fails where it is made
+            store.append_async({"task": "t", "item_id": "2", "status": "ok"})
+
+    monkeypatch.setattr(os, "fsync", full)
+    try:
+        asyncio.run(go())
+    finally:
+        store.close()
+    assert "2" not in [r["item_id"] for r in iter_records(tmp_path / "run" / "items.jsonl")]

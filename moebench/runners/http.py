@@ -48,6 +48,10 @@ from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, ConnectError
                                         transport_error)
 
 
+# asyncio.timeout (Python 3.11+): a deadline on the running task; None on 3.10
+_TIMEOUT = getattr(asyncio, "timeout", None)
+
+
 def finite_positive(value: Any) -> str | None:
     return None if math.isfinite(value) and value > 0 else "must be a finite number of seconds above 0"
 
@@ -253,7 +257,7 @@ class HttpRunner(Runner):
         all within `request_deadline_s`; `target(base_url)` names the URL asked, for the deadline's error."""
         await self._session()
         asked: list[str] = []
-        timeout = getattr(asyncio, "timeout", None)
+        timeout = _TIMEOUT
         if timeout is None:             # Python 3.10: wait_for runs the attempts as a task of their own
             try:
                 return await asyncio.wait_for(self._attempts(call, asked), self.request_deadline_s)
@@ -302,11 +306,19 @@ class HttpRunner(Runner):
         raise error(f"gave up after {self.retries + 1} attempts: {last}")
 
     async def _post(self, url: str, body: dict[str, Any], limit: int) -> bytes:
-        """POST and read the whole reply within `limit` bytes; HttpStatus for an HTTP error status."""
-        async with self._open("POST", url, body) as resp:
-            raw = await read_bounded(resp, limit, url)
-            if not 200 <= resp.status < 300:            # only a 2xx reply is an answer
-                raise HttpStatus.of(url, resp, raw)
+        """POST and read the whole reply within `limit` bytes; HttpStatus for an HTTP error status.
+        What `_open` does, written out: this is every non-streamed request's path, and the context
+        manager's generator would cost more than the rest of this function."""
+        client = await self._session()
+        proxy, proxy_auth = self._proxy(url)
+        try:
+            async with client.request("POST", url, json=body, allow_redirects=False, proxy=proxy,
+                                      proxy_auth=proxy_auth) as resp:
+                raw = await read_bounded(resp, limit, url)
+                if not 200 <= resp.status < 300:            # only a 2xx reply is an answer
+                    raise HttpStatus.of(url, resp, raw)
+        except aiohttp.ClientError as e:
+            raise transport_error(e, "POST", url, self.connect_timeout_s, self.read_timeout_s) from None
         return raw
 
     def _body(self, req: GenerateRequest) -> dict[str, Any]:

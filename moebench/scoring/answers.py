@@ -7,6 +7,7 @@ from decimal import Decimal, InvalidOperation
 # lm-eval's gsm8k filters: "strict-match" and "flexible-extract" (last match).
 STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
 FLEXIBLE_RE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
+DIGIT_RE = re.compile(r"[0-9]")
 
 
 def normalize_number(text: str) -> str:
@@ -33,7 +34,7 @@ def extract_gsm8k(output: str) -> tuple[str | None, str | None]:
     for groups in reversed(found):
         cand = next((g for g in groups if g), "")
         norm = normalize_number(cand)
-        if re.search(r"[0-9]", norm):
+        if DIGIT_RE.search(norm):
             return norm, "flexible"
     return None, None
 
@@ -57,9 +58,14 @@ def numbers_equal(a: str | None, b: str | None) -> bool:
 
 
 def first_stop(text: str, stops: list[str]) -> int | None:
-    """Index of the earliest stop sequence in `text`, or None."""
-    hits = [i for i in (text.find(s) for s in stops if s) if i != -1]
-    return min(hits) if hits else None
+    """Index of the earliest stop sequence in `text`, or None (empty stop strings never match)."""
+    first = None
+    for s in stops:
+        if s:
+            i = text.find(s)
+            if i != -1 and (first is None or i < first):
+                first = i
+    return first
 
 
 def cut_at_stop(text: str, stops: list[str]) -> str:

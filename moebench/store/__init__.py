@@ -4,7 +4,9 @@
 - `items.jsonl`: one record per finished item, appended by one writer thread per open store with
   group commit: the records that arrive while an fsync runs are written together and made durable by
   the next fsync, which starts as soon as the previous one ends (no timer: a record waits at most for
-  the fsync in progress and its own). A record is acknowledged (`append` returns, `append_async`'s
+  the fsync in progress and its own). `append_async` hands the records of one pass of the event loop
+  to the writer together at the end of that pass: one lock and at most one wake-up of the writer per
+  pass, not per record. A record is acknowledged (`append` returns, `append_async`'s
   future resolves) only once its fsync has returned, so a crash loses only records not yet
   acknowledged. Lines are only ever appended whole, in one write per batch: a torn last line (a
   crash mid-write) is ignored on read and cut off on resume; nothing else is ever rewritten, and a
@@ -33,10 +35,13 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Iterator
 
-from moebench.jsonout import NonFiniteValue, document, document_text, dumps, non_finite_values, standard
+from moebench.jsonout import (NonFiniteValue, document, document_text, dumper, dumps, non_finite_values,
+                              standard)
 from moebench.secrets import scrub
 
 SCHEMA_VERSION = 1
+# An item record's line (standard JSON; `default=str` for anything else a task puts in a record)
+_record_text = dumper(ensure_ascii=False, default=str)
 MANIFEST = "manifest.json"
 ITEMS = "items.jsonl"
 
@@ -308,6 +313,9 @@ class RunStore:
         self._writer: threading.Thread | None = None
         self._stopping = False
         self._failed: BaseException | None = None
+        # append_async's records not yet handed to the writer, per event loop: only that loop's thread
+        # touches its list, and hands it over at the end of the loop's pass (_hand_over)
+        self._held: dict[Any, list[_Pending]] = {}
         self.lock: RunLock | None = None
         # Values of the environment variables the profile names (API keys): never written, wherever
         # they turn up (a server echoing the key in an error message).
@@ -420,6 +428,7 @@ class RunStore:
         An OSError (naming items.jsonl) when the write or its fsync failed."""
         record, line = self._line(record)
         future: Future = Future()
+        self._hand_over_running_loop()
         self._submit(_Pending(line, record, future))
         return future.result()
 
@@ -427,6 +436,7 @@ class RunStore:
         """`append` for records that are all at hand (an import): handed to the writer together, so
         they share a few fsyncs; durable on return. Returns the records as written."""
         futures = []
+        self._hand_over_running_loop()
         for record in records:
             record, line = self._line(record)
             future: Future = Future()
@@ -438,13 +448,49 @@ class RunStore:
         """`append` for a caller on a running event loop: returns an asyncio future that resolves to
         the record as written once it is durable (or fails with the OSError of its write). The record
         is checked and serialised here; the write and the fsync happen on the writer thread, batched
-        with the records of other items."""
+        with the records of other items. The records appended during one pass of the loop reach the
+        writer together, when that pass ends (`_hand_over`). A store that is not open for writing, or
+        whose writes failed, raises here."""
         import asyncio
         loop = asyncio.get_running_loop()
         record, line = self._line(record)
+        self._check_writable()
         future = loop.create_future()
-        self._submit(_Pending(line, record, future, loop))
+        pending = _Pending(line, record, future, loop)
+        held = self._held.get(loop)
+        if held is None:
+            self._held[loop] = [pending]
+            loop.call_soon(self._hand_over, loop)
+        else:
+            held.append(pending)
         return future
+
+    def _hand_over(self, loop: Any) -> None:
+        """On `loop`'s thread: the records that loop's append_async calls hold, to the writer in one
+        go; a store that can no longer write fails their futures instead."""
+        batch = self._held.pop(loop, None)
+        if not batch:
+            return
+        try:
+            self._submit(*batch)
+        except BaseException as e:
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(e)
+
+    def _hand_over_running_loop(self) -> None:
+        """Called on an event loop's thread (a blocking append, a close): what that loop holds goes to
+        the writer first, so records keep the order in which they were appended."""
+        asyncio = sys.modules.get("asyncio")       # not imported: no loop holds anything
+        if self._held and asyncio is not None:
+            loop = asyncio._get_running_loop()
+            if loop is not None:
+                self._hand_over(loop)
+
+    def _check_writable(self) -> None:
+        assert self._items_file is not None and not self._stopping, "store not opened for writing"
+        if self._failed is not None:
+            raise self._failed
 
     def _line(self, record: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         """The record as it will be written and its line (standard JSON, secrets scrubbed)."""
@@ -452,19 +498,17 @@ class RunStore:
             if key not in record:
                 raise ValueError(f"record lacks {key!r}: {record!r}")
         try:
-            text = dumps(record, ensure_ascii=False, default=str)
+            text = _record_text(record)
         except NonFiniteValue:              # rare: the walk over every field runs only then
             record = finite_record(record)
-            text = dumps(record, ensure_ascii=False, default=str)
+            text = _record_text(record)
         line = (scrub(text, self.secrets) if self.secrets else text).encode("utf-8") + b"\n"
         return record, line
 
-    def _submit(self, pending: _Pending) -> None:
+    def _submit(self, *pending: _Pending) -> None:
         with self._cond:
-            assert self._items_file is not None and not self._stopping, "store not opened for writing"
-            if self._failed is not None:
-                raise self._failed
-            self._queue.append(pending)
+            self._check_writable()
+            self._queue.extend(pending)
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write_loop, name="moebench-items-writer", daemon=True)
                 self._writer.start()
@@ -517,6 +561,7 @@ class RunStore:
     def _stop_writer(self) -> None:
         """Wait until every record appended so far is written (or its write failed) and end the
         writer thread (on close: no append may run meanwhile)."""
+        self._hand_over_running_loop()
         with self._cond:
             writer = self._writer
             self._stopping = True

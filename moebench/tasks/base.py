@@ -110,3 +110,16 @@ def prompt_hash(prompt: str | list[int]) -> str:
     else:
         data = (",".join(map(str, prompt))).encode("ascii")
     return hashlib.sha256(data).hexdigest()[:16]
+
+
+class PrefixHash:
+    """`prompt_hash` of text prompts that all start with one `prefix` (a few-shot block): the prefix is
+    hashed once, and each prompt costs only its own tail (`of_tail(tail) == prompt_hash(prefix + tail)`)."""
+
+    def __init__(self, prefix: str):
+        self._prefix = hashlib.sha256(prefix.encode("utf-8"))
+
+    def of_tail(self, tail: str) -> str:
+        h = self._prefix.copy()
+        h.update(tail.encode("utf-8"))
+        return h.hexdigest()[:16]

@@ -10,10 +10,10 @@ from typing import Any
 
 from moebench.config import MAX_NEW_TOKENS, Field, non_negative, positive
 from moebench.datasets import data_file, read_jsonl, register
-from moebench.prompts import gsm8k_prompt
+from moebench.prompts import gsm8k_fewshot_prefix, gsm8k_question
 from moebench.runners.base import Capability, GenerateRequest, Runner
 from moebench.scoring.answers import cut_at_stop, extract_gsm8k, gsm8k_reference, numbers_equal
-from moebench.tasks.base import Item, Task, prompt_hash
+from moebench.tasks.base import Item, PrefixHash, Task, prompt_hash
 
 DEFAULT_STOP = ["Question:", "</s>", "<|im_end|>"]
 # 64 exemplars already make a prompt of about 10k tokens; more only grows every prompt.
@@ -43,13 +43,19 @@ class Gsm8kTask(Task):
             train_path = data_file(root, "gsm8k/train.jsonl")
             register(self.ctx.data_files, root, train_path)
             exemplars = read_jsonl(train_path)[: self.opts["shots"]]
+        # Every prompt is the same few-shot prefix and its own question (moebench.prompts.gsm8k_prompt):
+        # the prefix is built and hashed once, and each item's prompt hash is taken here, not per request.
+        prefix = gsm8k_fewshot_prefix(exemplars)
+        hasher = PrefixHash(prefix)
         items = []
         for n, row in enumerate(rows):
             for key in ("question", "answer"):
                 if key not in row:
                     raise ValueError(f"{test_path}: line {n + 1} has no {key!r}")
+            question = gsm8k_question(row["question"])
             items.append(Item(f"gsm8k/{self.opts['split']}/{n}", {
-                "prompt": gsm8k_prompt(exemplars, row["question"]),
+                "prompt": prefix + question,
+                "prompt_hash": hasher.of_tail(question),
                 "question": row["question"],
                 "reference": gsm8k_reference(row["answer"]),
             }))
@@ -69,5 +75,5 @@ class Gsm8kTask(Task):
             "reference": item.data["reference"],
             "correct": numbers_equal(answer, item.data["reference"]),
             "question": item.data["question"],
-            "prompt_hash": prompt_hash(prompt),
+            "prompt_hash": item.data.get("prompt_hash") or prompt_hash(prompt),
         }
