@@ -16,12 +16,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from moebench.config import MAX_ITEMS, RunnerProfile, SuiteProfile, load_runner, load_suite, resolve_profile_path
+from moebench.config import MAX_ITEMS, RunnerProfile, SuiteProfile, load_suite, resolve_profile_path
 from moebench.data_check import check_before_run
 from moebench.errors import UsageError
 from moebench.datasets import data_dir
 from moebench.progress import Progress, StartupLog
-from moebench.runners import make_runner, runner_schemas
+from moebench.runners import load_runner_profile, make_runner
 from moebench.runners.base import CapabilityError, Runner, Unreachable, check_capabilities
 from moebench.runners.responses import describe
 from moebench.secrets import redact
@@ -58,7 +58,7 @@ class RunOptions:
 
 def load_profiles(suite: str, runner: str) -> tuple[SuiteProfile, RunnerProfile]:
     suite_p = load_suite(resolve_profile_path(suite, "suites"), task_schemas())
-    runner_p = load_runner(resolve_profile_path(runner, "runners"), runner_schemas())
+    runner_p = load_runner_profile(resolve_profile_path(runner, "runners"))
     return suite_p, runner_p
 
 

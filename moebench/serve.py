@@ -951,13 +951,12 @@ def serve(runner_profile_path: str, host: str = "127.0.0.1", port: int = 8000,
     """Serve a runner profile until interrupted (Ctrl-C / SIGTERM). Prints the base URL when ready."""
     import signal
 
-    from moebench.config import load_runner
-    from moebench.runners import make_runner, runner_schemas
+    from moebench.runners import load_runner_profile, make_runner
 
     from moebench.progress import StartupLog
     say = StartupLog()
     api_key = api_key_from_env(host, api_key_env)      # refused before any model is loaded
-    profile = load_runner(runner_profile_path, runner_schemas())
+    profile = load_runner_profile(runner_profile_path)
     runner = make_runner(profile)
     options = ServeOptions(host=host, port=port, max_body_bytes=max_body_bytes, max_concurrency=max_concurrency,
                            max_queue=max_queue, model_name=profile.name, api_key=api_key,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import time
 import traceback
@@ -17,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from moebench import jsonout
 from moebench.engine import Engine, ModelConfig
 from moebench.engine.decode_config import DecodeConfig
 
@@ -179,7 +179,7 @@ def run_variants(b: Bench, names: list[str], variants: dict, out_name: str = "de
             b.R["errors"][name] = f"{type(e).__name__}: {e}"
             log(f"[{name}] FAILED: {type(e).__name__}: {e}")
             traceback.print_exc(limit=4)
-        out_file.write_text(json.dumps(b.R, indent=2, default=str))
+        out_file.write_text(jsonout.document_text(b.R, indent=2, default=str))
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from moebench import jsonout
 from moebench.engine import Engine, kernels
 from moebench.engine.decode_config import DecodeConfig, DecodeMode
 from moebench.engine.model import RouterTracer
@@ -301,5 +302,5 @@ def step_timeline(eng: Engine, prompt: list[int], path: Path, steps: int = 6) ->
     t0, t1 = ks[i]["ts"], ks[j]["ts"]
     step = ks[i:j]
     busy = sum(min(b, t1) - a for a, b in _union([(e["ts"], e["ts"] + e["dur"]) for e in step]))
-    path.write_text(json.dumps([[e["name"][:48], round(e["ts"] - t0, 2), round(e["dur"], 2)] for e in step]))
+    path.write_text(jsonout.dumps([[e["name"][:48], round(e["ts"] - t0, 2), round(e["dur"], 2)] for e in step]))
     return {"period_us": t1 - t0, "kernels": len(step), "busy_us": busy, "idle_us": (t1 - t0) - busy}

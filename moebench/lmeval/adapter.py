@@ -349,9 +349,8 @@ def run_lm_eval(runner_profile_path: str | os.PathLike[str], tasks: list[str], l
     The shipped gsm8k and cmmlu tasks read the local data mirror; any other lm-eval task name works
     where its data can be loaded (see docs/lm-eval.md).
     """
-    from moebench.config import load_runner
-    from moebench.runners import make_runner, runner_schemas
+    from moebench.runners import load_runner_profile, make_runner
 
-    profile = load_runner(runner_profile_path, runner_schemas())
+    profile = load_runner_profile(runner_profile_path)
     return evaluate_runner(make_runner(profile), tasks, limit, Path(out_dir), runner_profile=profile,
                            options=options, label=label)

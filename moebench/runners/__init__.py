@@ -5,6 +5,8 @@ Modules load lazily so a suite on the HTTP runner never imports torch.
 from __future__ import annotations
 
 import importlib
+import os
+from pathlib import Path
 from typing import Any
 
 from moebench.config import Field, RunnerProfile
@@ -35,16 +37,31 @@ KIND_NEEDS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
-def make_runner(profile: RunnerProfile) -> Any:
+def check_kind_installed(kind: str, where: str) -> None:
+    """ProfileError naming the extra to install when `kind` needs packages this install lacks."""
     import importlib.util
 
     from moebench.config import ProfileError
 
-    needs, extra = KIND_NEEDS.get(profile.kind, ((), ""))
+    needs, extra = KIND_NEEDS.get(kind, ((), ""))
     missing = [m for m in needs if importlib.util.find_spec(m) is None]
     if missing:
-        raise ProfileError(f"{profile.path or profile.name}: kind {profile.kind!r} needs {', '.join(missing)}, "
+        raise ProfileError(f"{where}: kind {kind!r} needs {', '.join(missing)}, "
                            f"not installed here: pip install 'moebench[{extra}]'")
+
+
+def load_runner_profile(path: str | os.PathLike[str]) -> RunnerProfile:
+    """A runner profile, validated; a kind this install cannot run is refused first, naming its extra
+    (before its keys are checked: a missing engine says so rather than that a model path is wrong)."""
+    from moebench.config import load_runner, load_toml
+    kind = load_toml(Path(path)).get("kind")
+    if isinstance(kind, str):
+        check_kind_installed(kind, str(path))
+    return load_runner(path, runner_schemas())
+
+
+def make_runner(profile: RunnerProfile) -> Any:
+    check_kind_installed(profile.kind, profile.path or profile.name)
     module, cls = RUNNER_KINDS[profile.kind]
     runner_cls = getattr(importlib.import_module(module), cls)
     return runner_cls({**profile.settings, "name": profile.name}, profile.path)

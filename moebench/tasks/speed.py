@@ -539,11 +539,11 @@ def _count_tokens(ctx: TaskContext, prefill: int, decode: int) -> None:
 # --- A/B mode: fresh processes, interleaved ----------------------------------------------------------
 
 async def _measure_in_process(runner_path: str, options: dict[str, Any], data_dir: str) -> dict[str, Any]:
-    from moebench.config import load_runner, resolve_profile_path
-    from moebench.runners import make_runner, runner_schemas
+    from moebench.config import resolve_profile_path
+    from moebench.runners import load_runner_profile, make_runner
     from moebench.config import validate, COMMON_TASK_SCHEMA
 
-    profile = load_runner(resolve_profile_path(runner_path, "runners"), runner_schemas())
+    profile = load_runner_profile(resolve_profile_path(runner_path, "runners"))
     opts = validate({"task": "speed", **options}, {**COMMON_TASK_SCHEMA, **SpeedTask.options}, "speed options")
     task = SpeedTask(opts, TaskContext(data_dir=Path(data_dir), runner_profile=profile))
     runner = make_runner(profile)
