@@ -62,6 +62,16 @@ def zoo() -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def zoo_tiered(zoo) -> Path:
+    """The zoo with the demo's tiered candidate (models/zoo/tiny-moe-tiered) packed, as `moebench demo`
+    packs it; the shipped runners/engine-tiered.toml names it."""
+    if not (zoo / "tiny-moe-tiered" / "plan.json").is_file():
+        from moebench.demo import pack_tiered
+        pack_tiered(zoo / "tiny-moe", zoo / "tiny-moe-tiered")
+    return zoo
+
+
 def haystack_bpe(chars: int, prefer_zoo: bool = False):
     """A real byte-level BPE (GPT-2 style pre-tokenizer, 2,000 entries) trained on the first `chars`
     characters of the haystack novel; with `prefer_zoo`, the zoo's own tokenizer where it is built."""

@@ -13,7 +13,7 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
     return p
 
 
-def test_shipped_profiles_load(zoo):
+def test_shipped_profiles_load(zoo_tiered):
     """Every shipped suite and runner profile validates (runner profiles name the zoo's models)."""
     root = Path(__file__).resolve().parent.parent
     for suite in sorted((root / "suites").glob("*.toml")):

@@ -123,11 +123,9 @@ def fake_nvml(monkeypatch):
     return nv
 
 
-def test_tiered_run_records_telemetry_idle_after_load_and_work_phases(tmp_path, zoo, data_dir, fake_nvml):
+def test_tiered_run_records_telemetry_idle_after_load_and_work_phases(tmp_path, zoo_tiered, data_dir, fake_nvml):
     from moebench.api import RunOptions, run
-    if not (zoo / "tiny-moe-tiered" / "plan.json").is_file():   # the demo's candidate, as test_matrix_e2e does
-        from moebench.demo import pack_tiered
-        pack_tiered(zoo / "tiny-moe", zoo / "tiny-moe-tiered")
+    zoo = zoo_tiered
     suite = tmp_path / "rig.toml"
     suite.write_text('''name = "rig"
 [[tasks]]

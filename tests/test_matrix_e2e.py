@@ -11,7 +11,6 @@ import re
 
 from conftest import moebench_cli, read_items
 
-from moebench.demo import pack_tiered
 
 # smoke.toml's tasks with small limits (CMMLU: the first three subjects), plus enough timed requests
 # per side for the speed rules' default min_samples.
@@ -47,9 +46,7 @@ nvml = true
 """
 
 
-def test_three_candidates_compare_report_csv_gate_and_trend(zoo, tmp_path):
-    if not (zoo / "tiny-moe-tiered" / "plan.json").is_file():
-        pack_tiered(zoo / "tiny-moe", zoo / "tiny-moe-tiered")
+def test_three_candidates_compare_report_csv_gate_and_trend(zoo_tiered, tmp_path):
     suite = tmp_path / "smoke-matrix.toml"
     suite.write_text(SUITE)
     base = tmp_path / "llama-bf16"

@@ -220,12 +220,11 @@ class ServeProcess:
         self.log.close()
 
 
-def test_poisson_load_against_moebench_serve_two_builds(tmp_path):
+def test_poisson_load_against_moebench_serve_two_builds(tmp_path, zoo_tiered):
     """The serving-load shape (poisson, two rates, SLOs) against `moebench serve` over the in-repo engine:
     the zoo's BF16 model and its tiered build as two builds. Both runs read moebench serve's /metrics
     (queue length, running requests); the compare gives goodput ratios with intervals per rate and both
     builds' server state."""
-    from conftest import REPO
     suite = tmp_path / "load.toml"
     suite.write_text('name = "serving-load-serve"\n[[tasks]]\ntask = "speed"\narrival = "poisson"\n'
                      'rates = [1.0, 6.0]\nrequests = 8\nprompt_lengths = [64]\noutput_tokens = 8\n'
@@ -233,7 +232,7 @@ def test_poisson_load_against_moebench_serve_two_builds(tmp_path):
     runs = {}
     for build, model in (("bf16", "tiny-moe"), ("tiered", "tiny-moe-tiered")):
         engine = tmp_path / f"engine-{build}.toml"
-        engine.write_text(f'kind = "engine"\nmodel = "{REPO / "models" / "zoo" / model}"\ndtype = "float32"\n'
+        engine.write_text(f'kind = "engine"\nmodel = "{zoo_tiered / model}"\ndtype = "float32"\n'
                           f'device = "cpu"\nmax_seq_len = 512\n')
         with ServeProcess(engine, tmp_path / f"serve-{build}.log") as srv:
             client = tmp_path / f"http-{build}.toml"
