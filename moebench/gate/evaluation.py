@@ -114,6 +114,7 @@ def _unverified_data(compare: CompareDoc, section: str) -> str | None:
 
 def evaluate(compare: CompareDoc, rules: list[RuleTable],
              correction: str = "holm") -> list[RuleResult]:
+    """A RuleResult for every rule of every table, in the rules file's order."""
     checks: list[RuleResult] = []
     tasks = compare.tasks
     holm = _holm(compare, rules, correction)
