@@ -7,6 +7,7 @@ import asyncio
 import datetime as _dt
 import errno
 import json
+import os
 import re
 import shutil
 import signal
@@ -660,7 +661,18 @@ def report(path: str, out: str | None = None) -> Path:
 
 def gate(compare_dir: str, rules: str, as_json: bool = False) -> int:
     from moebench.gate import run_gate
-    return run_gate(compare_dir, rules, as_json=as_json)
+    return run_gate(compare_dir, _rules_file(rules), as_json=as_json)
+
+
+def _rules_file(rules: str) -> str:
+    """`--rules NAME`: a bare name that is no file is ./gates/NAME.toml, else the shipped gates/NAME.toml
+    (moebench.shipped); anything else, or a name found in neither, goes to the gate as given, which
+    names what it could not read."""
+    from moebench.shipped import shipped_dir
+    if Path(rules).exists() or Path(rules).suffix == ".toml" or os.sep in rules:
+        return rules
+    found = [c for c in (Path("gates") / f"{rules}.toml", shipped_dir("gates") / f"{rules}.toml") if c.is_file()]
+    return str(found[0]) if found else rules
 
 
 # --- the other commands ----------------------------------------------------------------------------
@@ -677,8 +689,8 @@ def demo(out: str | Path | None = None, log=print) -> Path:
     the zoo's tiny MoE, packs a tiered candidate, runs the smoke suite on the BF16 baseline and on the
     candidate with the engine runner, compares them; returns the report's path."""
     from moebench.compare.build import format_table
-    from moebench.config import repo_root
     from moebench.demo import ZOO, pack_tiered
+    from moebench.shipped import shipped_dir
     from moebench.zoo.build import build_zoo
     out = Path(out) if out else Path("results") / "demo"
     out.mkdir(parents=True, exist_ok=True)
@@ -686,8 +698,8 @@ def demo(out: str | Path | None = None, log=print) -> Path:
     build_zoo(str(ZOO), gguf=False)     # the engine reads the HF checkpoint: no llama.cpp needed
     checkpoint = ZOO / "tiny-moe"
     pack_tiered(checkpoint, ZOO / "tiny-moe-tiered", log=log)
-    smoke = str(repo_root() / "suites" / "smoke.toml")
-    runners = repo_root() / "runners"
+    smoke = str(shipped_dir("suites") / "smoke.toml")
+    runners = shipped_dir("runners")
     base_dir, code = run(RunOptions(suite=smoke, runner=str(runners / "engine-bf16.toml"),
                                     out=str(_fresh(out / "engine-bf16")), label="engine-bf16", as_baseline=True))
     if code != 0:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moebench.secrets import literal_secrets, redact
+from moebench.shipped import is_installed_profile, shipped_dir
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -184,14 +185,15 @@ def load_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
 def resolve_profile_path(name_or_path: str, folder: str) -> Path:
     """Accept a path ("runners/http.toml") or a bare name ("http") looked up in `folder`.
 
-    Bare names are looked up in ./<folder>/ first, then in the repository's shipped <folder>/.
+    Bare names are looked up in ./<folder>/ first, then in the shipped <folder>/ (the checkout's, else
+    the installed package's: moebench.shipped).
     """
     p = Path(name_or_path)
     if p.suffix == ".toml" or os.sep in name_or_path or p.exists():
         if not p.is_file():
             raise ProfileError(f"{p}: file not found")
         return p
-    candidates = [Path(folder) / f"{name_or_path}.toml", repo_root() / folder / f"{name_or_path}.toml"]
+    candidates = [Path(folder) / f"{name_or_path}.toml", shipped_dir(folder) / f"{name_or_path}.toml"]
     for c in candidates:
         if c.is_file():
             return c
@@ -203,8 +205,8 @@ def resolve_profile_path(name_or_path: str, folder: str) -> Path:
 
 
 def available_profiles(folder: str) -> list[str]:
-    """The short names a bare profile name can take: ./<folder>/*.toml and the checkout's shipped ones."""
-    names = {p.stem for d in (Path(folder), repo_root() / folder) if d.is_dir() for p in d.glob("*.toml")}
+    """The short names a bare profile name can take: ./<folder>/*.toml and the shipped ones."""
+    names = {p.stem for d in (Path(folder), shipped_dir(folder)) if d.is_dir() for p in d.glob("*.toml")}
     return sorted(names)
 
 
@@ -316,12 +318,20 @@ class RunnerProfile:
         return {"kind": self.kind, "name": self.name, "path": self.path, **redact(self.settings)}
 
 
+# said where a shipped profile of an installed moebench names a path the working directory lacks
+INSTALLED_PATHS_HINT = (". This profile ships inside the installed moebench package, so its relative paths "
+                        "mean the working directory: run from the folder that holds them (where `moebench zoo "
+                        "build` wrote models/zoo), or copy the profile and give absolute paths")
+
+
 def path_bases(profile: Path) -> list[Path]:
     """Where a relative path in a profile is looked for, in order: the profile's folder; for a profile
     in a runners/ folder (the shipped ones, ./runners/NAME.toml) the folder above, whose paths the shipped
-    profiles are written against; then the working directory."""
+    profiles are written against; then the working directory. A profile shipped inside the installed
+    package has no checkout above it: its paths mean the working directory."""
     folder = profile.resolve().parent
-    bases = [folder] + ([folder.parent] if folder.name == "runners" else []) + [Path.cwd()]
+    above = folder.name == "runners" and not is_installed_profile(profile)
+    bases = [folder] + ([folder.parent] if above else []) + [Path.cwd()]
     return list(dict.fromkeys(bases))
 
 
@@ -349,7 +359,7 @@ def resolve_profile_paths(raw: dict[str, Any], schema: dict[str, Field], profile
             raise ProfileError(f"{profile}: key {key!r} must name an existing {spec.path} (not found: tried "
                                f"{', '.join(str(t) for t in tried)}; a relative path resolves against the "
                                "profile's folder, the checkout for a profile in runners/, then the working "
-                               "directory)")
+                               "directory)" + (INSTALLED_PATHS_HINT if is_installed_profile(profile) else ""))
     return out
 
 
