@@ -325,7 +325,7 @@ class Server:
     def __init__(self, runner: Runner, options: ServeOptions):
         self.runner = runner
         self.options = options
-        self.model_name = options.model_name or str(runner.profile.get("name") or runner.kind)
+        self.model_name = options.model_name or str(runner.name or runner.kind)
         limit = options.max_concurrency or max(1, int(getattr(runner, "concurrency", 1)))
         self.slots = asyncio.Semaphore(limit)
         self.max_concurrency = limit
