@@ -31,8 +31,9 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
+from moebench.probes.energy import Tariffs, cards_summary
 from moebench.store import write_bytes_atomic, write_json_atomic
 
 FI_POWER_INSTANT = 186    # NVML_FI_DEV_POWER_INSTANT
@@ -158,12 +159,12 @@ class NvmlProbe:
     NVML (tests). nvml: a module with pynvml's API in place of pynvml (tests: a fake of N cards)."""
 
     def __init__(self, interval_ms: int = 100, gpu_index: int = 0, idle_s: float = 1.0,
-                 tariffs: dict[str, Any] | None = None,
+                 tariffs: Tariffs | Mapping[str, Any] | None = None,
                  reader: Callable[[], Any] | None = None, gpu_indices: Any = None, nvml: Any = None):
         self.interval_s = max(0.001, interval_ms / 1000.0)
         self.gpu_index = gpu_index
         self.idle_s = idle_s
-        self.tariffs = tariffs
+        self.tariffs = Tariffs.of(tariffs)
         self.available = False
         self.reason: str | None = None
         self.device: dict[str, Any] = {}
@@ -260,7 +261,7 @@ class NvmlProbe:
                 self.tokens["decode"] += int(decode)
 
     def stop(self, tokens: dict[str, int] | None = None,
-             tariffs: dict[str, Any] | None = None) -> dict[str, Any]:
+             tariffs: Tariffs | Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Stop, write the samples and marks, return {available, files, n_samples, summary, ...}."""
         if not self.available:
             return {"available": False, "reason": self.reason}
@@ -291,9 +292,8 @@ class NvmlProbe:
                                "tokens": dict(tokens or self.tokens)}
         if self.run_dir is not None:
             out.update(write_samples(self.run_dir, samples, phases))
-        from moebench.probes.energy import cards_summary
         out["summary"] = cards_summary(samples, phases, tokens=tokens or self.tokens,
-                                       tariffs=tariffs or self.tariffs)
+                                       tariffs=Tariffs.of(tariffs) or self.tariffs)
         return out
 
 

@@ -193,7 +193,7 @@ class EngineRunner(Runner):
     settings_class = EngineSettings
     settings: EngineSettings
 
-    def __init__(self, settings: EngineSettings | dict[str, Any], profile_path: str | None = None,
+    def __init__(self, settings: EngineSettings | Mapping[str, Any], profile_path: str | None = None,
                  name: str | None = None):
         super().__init__(settings, profile_path, name)
         self.model_path = Path(self.settings.model)

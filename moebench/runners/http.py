@@ -31,7 +31,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Mapping
 
 import aiohttp
 import httpx
@@ -45,6 +45,7 @@ from moebench.runners.base import (DEFAULT_REQUEST_DEADLINE_S, Capability, Deadl
                                    GenerateResult, Runner, RunnerError, Unreachable)
 from moebench.scoring.answers import first_stop
 from moebench.runners.metrics import parse_prometheus
+from moebench.runners.wire import CompletionBody
 from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, ConnectError, ConnectTimeout, TransportError,
                                         bounded_lines, describe, read_bounded, response_limit, retry_after_s,
                                         transport_error)
@@ -137,7 +138,7 @@ class HttpRunner(Runner):
     settings_class = HttpSettings
     settings: HttpSettings
 
-    def __init__(self, settings: HttpSettings | dict[str, Any], profile_path: str | None = None,
+    def __init__(self, settings: HttpSettings | Mapping[str, Any], profile_path: str | None = None,
                  name: str | None = None):
         super().__init__(settings, profile_path, name)
         s = self.settings
@@ -337,45 +338,17 @@ class HttpRunner(Runner):
             raise transport_error(e, "POST", url, self.connect_timeout_s, self.read_timeout_s) from None
         return raw
 
-    def _body(self, req: GenerateRequest) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": req.max_tokens, "temperature": req.temperature}
-        if req.seed is not None:
-            body["seed"] = req.seed
-        if req.top_p is not None:
-            body["top_p"] = req.top_p
-        if req.top_k is not None:
-            body["top_k"] = req.top_k           # vLLM, SGLang and llama-server accept it
-        if req.stop:
-            body["stop"] = req.stop[: self.max_stop]    # the rest: cut client-side (_apply_stops)
-        if self.api == "chat":
-            if not isinstance(req.prompt, str):
-                raise RunnerError("the chat API takes text prompts only")
-            body["messages"] = [{"role": "user", "content": req.prompt}]
-            if req.top_logprobs:
-                body["logprobs"] = True
-                body["top_logprobs"] = req.top_logprobs
-        else:
-            body["prompt"] = req.prompt
-            if req.top_logprobs:
-                body["logprobs"] = req.top_logprobs
-        if req.ignore_eos:
-            body["ignore_eos"] = True          # vLLM and llama-server both accept it
-        if not req.cache_prompt:
-            body["cache_prompt"] = False        # llama-server; others ignore unknown keys
-        body.update(self.extra_body)
-        return body
-
     # -- requests --------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        path = "/chat/completions" if self.api == "chat" else "/completions"
-        body = self._body(request)
+        wire = CompletionBody.of(request, model=self.model, api=self.api, max_stop=self.max_stop,
+                                 extra_body=self.extra_body)
+        path = wire.path
+        body = wire.to_json()
         limit = response_limit(request.max_tokens, request.top_logprobs, self.max_response_bytes)
 
         async def call(url: str) -> GenerateResult:
             if request.stream:
-                return await self._stream(url + path, {**body, "stream": True,
-                                                       "stream_options": {"include_usage": True}},
-                                          url, request.on_text, limit)
+                return await self._stream(url + path, body, url, request.on_text, limit)
             t0 = time.perf_counter()
             raw = await self._post(url + path, body, limit)
             result = parse_response(_json(raw, url + path), self.api, url + path)

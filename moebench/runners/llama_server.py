@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
 
 import contextlib
 
@@ -43,6 +43,7 @@ from moebench.runners.base import (DEFAULT_REQUEST_DEADLINE_S, SERVERLESS, Capab
 from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, ConnectTimeout, ReadTimeout, RemoteProtocolError,
                                         TransportError, bounded_lines, describe, read_bounded, response_limit,
                                         transport_error)
+from moebench.runners.wire import LlamaCompletionBody
 from moebench.store import now_iso, open_append
 from moebench.tools import llama_args, llamacpp
 from moebench.tools.binary_probe import PROBE, ProbeError
@@ -299,7 +300,7 @@ class LlamaServerRunner(Runner):
     settings_class = LlamaServerSettings
     settings: LlamaServerSettings
 
-    def __init__(self, settings: LlamaServerSettings | dict[str, Any], profile_path: str | None = None,
+    def __init__(self, settings: LlamaServerSettings | Mapping[str, Any], profile_path: str | None = None,
                  name: str | None = None):
         super().__init__(settings, profile_path, name)
         # A profile that names its binary is a candidate build: its KLD uses that build's tools.
@@ -573,29 +574,6 @@ class LlamaServerRunner(Runner):
         raise RunnerError(f"llama-server {r.url} answered {r.status}{moved}: {msg}")
 
     # -- requests ---------------------------------------------------------------------------------
-    def _payload(self, request: GenerateRequest) -> dict[str, Any]:
-        payload: dict[str, Any] = {
-            "prompt": request.prompt,         # a list of ints is sent as token ids (no BOS added)
-            "n_predict": request.max_tokens,
-            "temperature": request.temperature,   # the server's default is 0.8: always send it
-            "stop": list(request.stop),
-            "cache_prompt": request.cache_prompt,
-            "return_tokens": True,
-            "ignore_eos": request.ignore_eos,
-            "stream": request.stream,
-        }
-        if request.seed is not None:
-            payload["seed"] = request.seed
-        if request.top_p is not None:
-            payload["top_p"] = request.top_p
-        if request.top_k is not None:
-            payload["top_k"] = request.top_k
-        if request.top_logprobs:
-            payload["n_probs"] = request.top_logprobs
-        if request.stream:
-            payload["timings_per_token"] = True
-        return payload
-
     @staticmethod
     def _top_logprobs(probs: Any, where: str) -> list[dict[str, float]]:
         if not isinstance(probs, list):
@@ -658,7 +636,7 @@ class LlamaServerRunner(Runner):
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         if isinstance(request.prompt, list) and not all(isinstance(t, int) for t in request.prompt):
             raise RunnerError("a token prompt must be a list of ints")
-        payload = self._payload(request)
+        payload = LlamaCompletionBody.of(request).to_json()
         if request.stream:
             return await self._with_restarts(lambda: self._generate_stream(payload, request))
         return await self._with_restarts(lambda: self._generate_once(payload, request))
