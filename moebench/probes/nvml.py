@@ -30,6 +30,7 @@ import json
 import math
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -151,6 +152,17 @@ class NvmlReader:
             pass
 
 
+@dataclass(frozen=True)
+class PhaseMark:
+    """The work entered `phase` at `t` seconds after the probe started (nvml_phases.json's rows)."""
+
+    phase: str
+    t: float
+
+    def to_json(self) -> dict[str, str | float]:
+        return {"phase": self.phase, "t": self.t}
+
+
 class NvmlProbe:
     """Background sampler with phase marks. Times are seconds since `start()` (perf_counter based).
 
@@ -184,7 +196,7 @@ class NvmlProbe:
                 return
         self.available = True
         self.samples: list[dict[str, Any]] = []
-        self.phases: list[dict[str, Any]] = []
+        self.phases: list[PhaseMark] = []
         self.tokens = {"prefill": 0, "decode": 0}
         self.read_errors = 0
         self.run_dir: Path | None = None
@@ -251,7 +263,7 @@ class NvmlProbe:
             return
         t = (time.perf_counter() if at is None else at) - self._t0
         with self._lock:
-            self.phases.append({"phase": str(phase), "t": t})
+            self.phases.append(PhaseMark(str(phase), t))
 
     def count_tokens(self, prefill: int = 0, decode: int = 0) -> None:
         """Tokens processed inside marked prefill/decode phases (for J/token)."""
@@ -281,9 +293,9 @@ class NvmlProbe:
         with self._lock:
             if final is not None:
                 self.samples.extend(self._samples_of(final, time.perf_counter() - (self._t0 or 0.0)))
-            self.phases.append({"phase": "end", "t": end})
+            self.phases.append(PhaseMark("end", end))
             samples = list(self.samples)
-            phases = sorted(self.phases, key=lambda p: p["t"])
+            phases = [m.to_json() for m in sorted(self.phases, key=lambda m: m.t)]
         if self._reader_obj is not None:
             self._reader_obj.close()
         cards = sorted({int(s["gpu"]) for s in samples if s.get("gpu") is not None})

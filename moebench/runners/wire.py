@@ -14,6 +14,13 @@ from typing import Any
 from moebench.runners.base import GenerateRequest, RunnerError
 
 
+def _put_set(body: dict[str, Any], **fields: Any) -> None:
+    """Add each field that is set, in order: one left None is not sent (the server's default applies)."""
+    for key, value in fields.items():
+        if value is not None:
+            body[key] = value
+
+
 @dataclass(frozen=True, slots=True)
 class CompletionBody:
     """One OpenAI-style completion request: `api` "completions" sends `prompt`, "chat" one user message."""
@@ -50,12 +57,7 @@ class CompletionBody:
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens, "temperature": self.temperature}
-        if self.seed is not None:
-            body["seed"] = self.seed
-        if self.top_p is not None:
-            body["top_p"] = self.top_p
-        if self.top_k is not None:
-            body["top_k"] = self.top_k
+        _put_set(body, seed=self.seed, top_p=self.top_p, top_k=self.top_k)
         if self.stop:
             body["stop"] = list(self.stop)
         if self.api == "chat":
@@ -112,12 +114,7 @@ class LlamaCompletionBody:
             "ignore_eos": self.ignore_eos,
             "stream": self.stream,
         }
-        if self.seed is not None:
-            payload["seed"] = self.seed
-        if self.top_p is not None:
-            payload["top_p"] = self.top_p
-        if self.top_k is not None:
-            payload["top_k"] = self.top_k
+        _put_set(payload, seed=self.seed, top_p=self.top_p, top_k=self.top_k)
         if self.n_probs:
             payload["n_probs"] = self.n_probs
         if self.stream:
