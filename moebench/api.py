@@ -416,7 +416,7 @@ def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, lab
                             data_files=ctx.data_files, data_verification=verification,
                             baseline_run=str(baseline) if baseline else None, as_baseline=opts.as_baseline,
                             limit=opts.limit)
-    return open_store(run_dir, manifest, runner_p.settings, lock=lock), tasks, runner, items, ctx
+    return open_store(run_dir, manifest, runner_p.settings.to_json(), lock=lock), tasks, runner, items, ctx
 
 
 def _execute(opts: RunOptions, suite: SuiteProfile, store: RunStore, tasks: list[Task], runner: Runner,

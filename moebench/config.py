@@ -5,13 +5,14 @@ task or runner kind can declare its own keys next to its code.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, TypeVar
 
 from moebench.secrets import literal_secrets, redact
 from moebench.shipped import is_installed_profile, shipped_dir
@@ -297,7 +298,7 @@ def load_suite(path: str | os.PathLike[str], task_schemas: dict[str, dict[str, F
                         description=top["description"])
 
 
-# --- runners ----------------------------------------------------------------------------------
+# --- runners ---------------------------------------------------------------------------------
 
 COMMON_RUNNER_SCHEMA: dict[str, Field] = {
     "kind": Field(str, required=True),
@@ -305,17 +306,83 @@ COMMON_RUNNER_SCHEMA: dict[str, Field] = {
     "concurrency": Field(int, default=1, check=positive, low=1, high=MAX_CLIENTS),
 }
 
+
+def setting(types: type | tuple[type, ...], **spec: Any) -> Any:
+    """A settings dataclass field declared by its profile `Field`: the key's type, bounds and default
+    are written here once; the kind's SCHEMA is read back from the class (`RunnerSettings.schema`)."""
+    return setting_from(Field(types, **spec))
+
+
+def setting_from(spec: Field) -> Any:
+    """A settings dataclass field for an existing `Field` (a required key's attribute defaults to None:
+    validation refuses a profile without it before a settings object is made)."""
+    meta = {"profile_field": spec}
+    if callable(spec.default):                      # a mutable default (list, dict): a fresh one each time
+        return dataclasses.field(default_factory=spec.default, metadata=meta)
+    return dataclasses.field(default=spec.default, metadata=meta)
+
+
+class RunnerSchema(dict):
+    """A runner kind's profile keys (name -> Field), and the settings class a validated profile becomes."""
+
+    def __init__(self, fields: dict[str, Field], settings_class: type["RunnerSettings"]):
+        super().__init__(fields)
+        self.settings_class = settings_class
+
+
+_S = TypeVar("_S", bound="RunnerSettings")
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """A runner profile's settings, typed: each kind subclasses it with its own keys (`setting`).
+
+    `given` holds the keys the profile set or validation filled with a default (what the runner
+    was handed), which a runner may ask about (`llama-server`: whether a binary was named)."""
+
+    concurrency: int = setting_from(COMMON_RUNNER_SCHEMA["concurrency"])
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+
+    @classmethod
+    def schema(cls) -> RunnerSchema:
+        """The kind's own profile keys in declaration order (the common keys live in COMMON_RUNNER_SCHEMA)."""
+        common = {f.name for f in dataclasses.fields(RunnerSettings)}
+        return RunnerSchema({f.name: f.metadata["profile_field"] for f in dataclasses.fields(cls)
+                             if "profile_field" in f.metadata and f.name not in common}, cls)
+
+    @classmethod
+    def of(cls: type[_S], table: "_S | Mapping[str, Any]") -> _S:
+        """Settings from a validated table (load_runner) or a hand-written one (tests, benchmarks):
+        keys it does not know (kind, name) are ignored, and missing ones take their defaults."""
+        if isinstance(table, cls):
+            return table
+        if isinstance(table, RunnerSettings):
+            table = table.to_json()
+        known = {f.name for f in dataclasses.fields(cls) if "profile_field" in f.metadata}
+        return cls(**{k: v for k, v in table.items() if k in known}, given=frozenset(table))
+
+    def to_json(self) -> dict[str, Any]:
+        """The settings table as validation returned it (docs/schema.md: the manifest's runner keys):
+        every key set or defaulted, in schema order; an unset optional key is absent."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if "profile_field" in f.metadata and value is not None:
+                out[f.name] = value
+        return out
+
+
 @dataclass
 class RunnerProfile:
     kind: str
     name: str
     path: str | None
-    settings: dict[str, Any] = field(default_factory=dict)
+    settings: RunnerSettings = field(default_factory=RunnerSettings)
 
     def redacted(self) -> dict[str, Any]:
         """Settings safe to write into a run: secret-named values and secret-shaped text replaced,
         at every depth."""
-        return {"kind": self.kind, "name": self.name, "path": self.path, **redact(self.settings)}
+        return {"kind": self.kind, "name": self.name, "path": self.path, **redact(self.settings.to_json())}
 
 
 # said where a shipped profile of an installed moebench names a path the working directory lacks
@@ -363,7 +430,8 @@ def resolve_profile_paths(raw: dict[str, Any], schema: dict[str, Field], profile
     return out
 
 
-def load_runner(path: str | os.PathLike[str], runner_schemas: dict[str, dict[str, Field]]) -> RunnerProfile:
+def load_runner(path: str | os.PathLike[str], runner_schemas: dict[str, RunnerSchema]) -> RunnerProfile:
+    """A runner profile, validated against its kind's schema, its settings that kind's settings class."""
     p = Path(path)
     raw = load_toml(p)
     kind = raw.get("kind")
@@ -380,7 +448,7 @@ def load_runner(path: str | os.PathLike[str], runner_schemas: dict[str, dict[str
                            "(api_key_env = \"VARNAME\" for the HTTP runner's key; a llama-server inherits "
                            "moebench's environment)")
     schema = {**COMMON_RUNNER_SCHEMA, **runner_schemas[kind]}
-    settings = validate(resolve_profile_paths(raw, schema, p), schema, str(p))
-    name = settings.pop("name", None) or p.stem
-    settings.pop("kind")
-    return RunnerProfile(kind=kind, name=name, path=str(p), settings=settings)
+    table = validate(resolve_profile_paths(raw, schema, p), schema, str(p))
+    name = table.pop("name", None) or p.stem
+    table.pop("kind")
+    return RunnerProfile(kind=kind, name=name, path=str(p), settings=runner_schemas[kind].settings_class.of(table))

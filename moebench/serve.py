@@ -280,7 +280,33 @@ def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
                         "integers) or a list of such lists, and not empty", param="prompt")
 
 
-def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Sampling:
+    """How a request asks to sample: checked from its body (`_sampling`), handed to the runner."""
+
+    temperature: float
+    top_p: float | None          # None: the runner's default
+    top_k: int | None            # None: the runner's default (0 and -1 in a request mean "off")
+    seed: int | None
+    ignore_eos: bool             # vLLM's and llama-server's extension
+
+
+@dataclass
+class Generation:
+    """One prompt's generation, from which the endpoints build their answers."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int | None
+    prompt_ids: list[int] | None
+    # asked with logprobs: the token id of each scored position, and its (piece, log-prob,
+    # {piece: log-prob} of the alternatives)
+    entry_ids: list[int] | None = None
+    logprob_entries: list[tuple[str, float | None, dict[str, float] | None]] | None = None
+
+
+def _sampling(body: dict[str, Any]) -> Sampling:
     """temperature, top_p, top_k and seed, checked (a 400 naming the parameter); the OpenAI penalties
     are checked too, though no runner applies them."""
     temperature = float(_get(body, "temperature", (int, float), 1.0, 0, 100))
@@ -291,9 +317,9 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     for key in ("presence_penalty", "frequency_penalty"):
         _get(body, key, (int, float), None, -2, 2)
     seed = _get(body, "seed", int, None, 0, MAX_SEED)
-    ignore_eos = _get(body, "ignore_eos", bool, False)     # vLLM's and llama-server's extension
-    return {"temperature": temperature, "top_p": None if top_p is None else float(top_p),
-            "top_k": top_k if top_k is None or top_k > 0 else None, "seed": seed, "ignore_eos": ignore_eos}
+    ignore_eos = _get(body, "ignore_eos", bool, False)
+    return Sampling(temperature=temperature, top_p=None if top_p is None else float(top_p),
+                    top_k=top_k if top_k is None or top_k > 0 else None, seed=seed, ignore_eos=ignore_eos)
 
 
 def _json_depth_over(value: Any, limit: int) -> bool:
@@ -325,7 +351,7 @@ class Server:
     def __init__(self, runner: Runner, options: ServeOptions):
         self.runner = runner
         self.options = options
-        self.model_name = options.model_name or str(runner.profile.get("name") or runner.kind)
+        self.model_name = options.model_name or str(runner.name or runner.kind)
         limit = options.max_concurrency or max(1, int(getattr(runner, "concurrency", 1)))
         self.slots = asyncio.Semaphore(limit)
         self.max_concurrency = limit
@@ -503,11 +529,9 @@ class Server:
         return _json_response({"prompt": text, "content": text})
 
     # -- generation core --------------------------------------------------------------------------
-    async def _generate_one(self, prompt: str | list[int], *, max_tokens: int, temperature: float,
-                            stop: list[str], seed: int | None, n_logprobs: int | None,
-                            echo_scores: bool, gone: threading.Event, top_p: float | None = None,
-                            top_k: int | None = None, on_text=None, as_ids: bool = False,
-                            ignore_eos: bool = False) -> dict[str, Any]:
+    async def _generate_one(self, prompt: str | list[int], *, max_tokens: int, sampling: Sampling,
+                            stop: list[str], n_logprobs: int | None, echo_scores: bool, gone: threading.Event,
+                            on_text=None, as_ids: bool = False) -> Generation:
         """Generate for one prompt; with n_logprobs, per-token log-probs of the output (and, with
         echo_scores, of the prompt) as lists of (piece, logprob, {piece: logprob}). Once `gone` is set
         (the client disconnected), a runner that passes text to on_text as it generates (on its worker
@@ -522,16 +546,16 @@ class Server:
             # Without one-pass scoring, the output's log-probs come from the generation's alternatives.
             n_top = max(n_logprobs, 1) if n_logprobs is not None and scoring is None else 0
             res = await self.runner.generate(GenerateRequest(
-                prompt=prompt, max_tokens=max_tokens, stop=stop, temperature=temperature, seed=seed,
-                top_p=top_p, top_k=top_k, top_logprobs=n_top, stream=on_text is not None,
-                ignore_eos=ignore_eos, on_text=_stop_when_gone(gone, on_text)))
+                prompt=prompt, max_tokens=max_tokens, stop=stop, temperature=sampling.temperature,
+                seed=sampling.seed, top_p=sampling.top_p, top_k=sampling.top_k, top_logprobs=n_top,
+                stream=on_text is not None, ignore_eos=sampling.ignore_eos, on_text=_stop_when_gone(gone, on_text)))
             out_text, finish = res.text, res.finish_reason or "stop"
             out_ids = list(res.token_ids) if res.token_ids is not None else (
                 await self.runner.tokenize(out_text) if Capability.TOKENIZE in caps else [])
-        result: dict[str, Any] = {"text": out_text, "token_ids": out_ids, "finish_reason": finish,
-                                  "prompt_tokens": (res.prompt_tokens if res and res.prompt_tokens is not None
-                                                    else (len(prompt_ids) if prompt_ids is not None else None)),
-                                  "prompt_ids": prompt_ids}
+        result = Generation(text=out_text, token_ids=out_ids, finish_reason=finish,
+                            prompt_tokens=(res.prompt_tokens if res and res.prompt_tokens is not None
+                                           else (len(prompt_ids) if prompt_ids is not None else None)),
+                            prompt_ids=prompt_ids)
         if n_logprobs is None:
             return result
         k = max(1, n_logprobs)
@@ -543,7 +567,7 @@ class Server:
             ids = list(prompt_ids if prompt_ids is not None else await self.runner.tokenize(prompt))
             scores = await score_tokens(self.runner, ids + out_ids, top_k=k)
             first = 0 if echo_scores else len(ids)
-            result["entry_ids"] = (ids + out_ids)[first:]
+            result.entry_ids = (ids + out_ids)[first:]
             for pos in range(first, len(ids) + len(out_ids)):
                 s: TokenScore | None = scores[pos]
                 piece = await label((ids + out_ids)[pos])
@@ -554,13 +578,13 @@ class Server:
                     entries.append((piece, s.logprob, top))
         else:
             tops = (res.top_logprobs or []) if res else []
-            result["entry_ids"] = list(out_ids)
+            result.entry_ids = list(out_ids)
             for i, tid in enumerate(out_ids):
                 piece = await self._piece(tid)
                 top = tops[i] if i < len(tops) else {}
                 # The chosen token's own log-prob is known only when it is among the alternatives.
                 entries.append((piece, top.get(piece), dict(list(top.items())[:n_logprobs]) if n_logprobs else {}))
-        result["logprob_entries"] = entries
+        result.logprob_entries = entries
         return result
 
     def _check_logprob_request(self, n_logprobs: int | None, echo: bool) -> None:
@@ -599,7 +623,7 @@ class Server:
         await self._check_prompts(prompts, "prompt", several, max_tokens)
         created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex[:24]}"
         gone = threading.Event()
-        gen = dict(max_tokens=max_tokens, stop=stop, n_logprobs=n_logprobs, **sampling,
+        gen = dict(max_tokens=max_tokens, stop=stop, n_logprobs=n_logprobs, sampling=sampling,
                    echo_scores=echo and n_logprobs is not None, as_ids=as_ids, gone=gone)
         live = stream and len(prompts) == 1 and not echo     # else the SSE events follow generation
 
@@ -628,18 +652,18 @@ class Server:
         choices = []
         for i, (p, o) in enumerate(zip(prompts, outs)):
             prompt_text = p if isinstance(p, str) else await self.runner.detokenize(p)
-            text = (prompt_text + o["text"]) if echo else o["text"]
+            text = (prompt_text + o.text) if echo else o.text
             lp = None
             if n_logprobs is not None:
-                entries = o["logprob_entries"]
+                entries = o.logprob_entries or []
                 offset = 0 if echo else len(prompt_text)
                 offsets = []
-                for tid, (piece, _, _) in zip(o.get("entry_ids") or [None] * len(entries), entries):
+                for tid, (piece, _, _) in zip(o.entry_ids or [None] * len(entries), entries):
                     offsets.append(offset)
                     offset += len(await self._piece(tid) if gen["as_ids"] and tid is not None else piece)
                 lp = {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
                       "top_logprobs": [e[2] for e in entries], "text_offset": offsets}
-            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": o["finish_reason"]})
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": o.finish_reason})
         usage = self._usage(outs)
         if live:
             await self._sse(resp, chunk("", choices[0]["logprobs"], choices[0]["finish_reason"]))
@@ -654,15 +678,15 @@ class Server:
         return _json_response({"id": cid, "object": "text_completion", "created": created,
                                   "model": self.model_name, "choices": choices, "usage": usage})
 
-    def _usage(self, outs: list[dict[str, Any]]) -> dict[str, int]:
-        pt = sum(o["prompt_tokens"] or 0 for o in outs)
-        ct = sum(len(o["token_ids"]) for o in outs)
+    def _usage(self, outs: list[Generation]) -> dict[str, int]:
+        pt = sum(o.prompt_tokens or 0 for o in outs)
+        ct = sum(len(o.token_ids) for o in outs)
         return {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct}
 
-    async def _pieces_of(self, out: dict[str, Any]) -> list[str]:
+    async def _pieces_of(self, out: Generation) -> list[str]:
         """The output text split at token boundaries (decoded incrementally, so multi-byte
         characters are never split); the pieces join to exactly the output text."""
-        ids, text, pieces, prev = out["token_ids"], out["text"], [], ""
+        ids, text, pieces, prev = out.token_ids, out.text, [], ""
         for n in range(1, len(ids) + 1):
             cur = await self.runner.detokenize(ids[:n]) if Capability.TOKENIZE in self.runner.capabilities else text
             cur = cur[: len(text)]
@@ -675,7 +699,7 @@ class Server:
                 pieces = [text]
         return pieces
 
-    async def _generate_live(self, prompt: str | list[int], send, **gen: Any) -> dict[str, Any]:
+    async def _generate_live(self, prompt: str | list[int], send, **gen: Any) -> Generation:
         """_generate_one, sending the output text to `send(piece)` (a coroutine function) while it is
         generated. Text that could still be the start of a stop string is held back (at most the
         longest stop string less one character); at the end the rest of the final text is sent, so
@@ -717,9 +741,9 @@ class Server:
         if not sent:                                    # a runner that does not stream: token pieces now
             for piece in await self._pieces_of(out):
                 await send(piece)
-        elif out["text"].startswith(sent) and len(out["text"]) > len(sent):
-            await send(out["text"][len(sent):])
-        elif not out["text"].startswith(sent):          # a runner restart re-generated differently
+        elif out.text.startswith(sent) and len(out.text) > len(sent):
+            await send(out.text[len(sent):])
+        elif not out.text.startswith(sent):          # a runner restart re-generated differently
             log.warning("streamed text is not a prefix of the final text (a backend restart?)")
         return out
 
@@ -750,14 +774,14 @@ class Server:
         await resp.write(f"data: {payload}\n\n".encode("utf-8"))
 
     async def _stream_completion(self, request: web.Request, cid: str, created: int, choices: list[dict],
-                                 outs: list[dict], echo: bool, prompts: list,
+                                 outs: list[Generation], echo: bool, prompts: list,
                                  usage: dict[str, int] | None = None) -> web.StreamResponse:
         """The SSE events of finished generations; `usage` given: every chunk has "usage": null and a
         last chunk with empty choices carries it."""
         resp = await self._sse_start(request)
         nulls = {"usage": None} if usage is not None else {}
         for ch, o, p in zip(choices, outs, prompts):
-            head = ch["text"][: len(ch["text"]) - len(o["text"])] if echo else ""
+            head = ch["text"][: len(ch["text"]) - len(o.text)] if echo else ""
             pieces = ([head] if head else []) + await self._pieces_of(o)
             for piece in pieces:
                 await self._sse(resp, {"id": cid, "object": "text_completion", "created": created,
@@ -821,7 +845,7 @@ class Server:
         await self._check_prompts([prompt], "messages", False, max_tokens)
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:24]}"
         gone = threading.Event()
-        gen = dict(max_tokens=max_tokens, stop=stop, n_logprobs=n_logprobs, **sampling, echo_scores=False,
+        gen = dict(max_tokens=max_tokens, stop=stop, n_logprobs=n_logprobs, sampling=sampling, echo_scores=False,
                    gone=gone)
         await self._admit()
         try:
@@ -849,12 +873,12 @@ class Server:
             lp = {"content": [{"token": piece, "logprob": v, "bytes": list(piece.encode("utf-8")),
                                "top_logprobs": [{"token": t, "logprob": x, "bytes": list(t.encode("utf-8"))}
                                                 for t, x in list((top or {}).items())[:top_n]]}
-                              for piece, v, top in o["logprob_entries"]]}
-        finish = o["finish_reason"]
+                              for piece, v, top in o.logprob_entries or []]}
+        finish = o.finish_reason
         if not stream:
             return _json_response({
                 "id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": o["text"]},
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": o.text},
                              "logprobs": lp, "finish_reason": finish}],
                 "usage": self._usage([o])})
         await self._sse(resp, {**base, "choices": [{"index": 0, "delta": {}, "logprobs": lp,

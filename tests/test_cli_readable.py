@@ -119,11 +119,11 @@ def test_relative_paths_resolve_against_the_profile_folder_and_name_every_try(tm
     os.chdir(elsewhere)
     try:
         r = load_runner(prof, runner_schemas())
-        assert Path(r.settings["model"]) == tmp_path / "profiles" / ".." / "models" / "tiny-moe"
-        assert (Path(r.settings["model"]) / "config.json").is_file()
+        assert Path(r.settings.model) == tmp_path / "profiles" / ".." / "models" / "tiny-moe"
+        assert (Path(r.settings.model) / "config.json").is_file()
         # shipped llama-server profile: the GGUF resolves against the checkout
         r = load_runner(REPO / "runners" / "llama-q4_0.toml", runner_schemas())
-        assert Path(r.settings["model"]).resolve() == (REPO / "models" / "zoo" / "tiny-moe-q4_0.gguf").resolve()
+        assert Path(r.settings.model).resolve() == (REPO / "models" / "zoo" / "tiny-moe-q4_0.gguf").resolve()
         prof.write_text('kind = "engine"\nmodel = "models/zoo/nope"\n')
         with pytest.raises(ProfileError) as e:
             load_runner(prof, runner_schemas())
@@ -136,7 +136,7 @@ def test_relative_paths_resolve_against_the_profile_folder_and_name_every_try(tm
         os.chdir(old)
     # from the checkout the text stays as written (the manifest keeps what the profile says)
     r = load_runner(REPO / "runners" / "engine-bf16.toml", runner_schemas())
-    assert r.settings["model"] == "models/zoo/tiny-moe"
+    assert r.settings.model == "models/zoo/tiny-moe"
 
 
 def test_http_profile_names_the_keys_that_add_a_missing_capability(tmp_path):

@@ -125,7 +125,7 @@ def test_request_deadline_default_is_documented_and_loaded(tmp_path: Path):
     p = tmp_path / "r.toml"
     p.write_text('kind = "http"\nbase_url = "http://127.0.0.1:8080/v1"\n')
     prof = load_runner(p, runner_schemas())
-    assert prof.settings["request_deadline_s"] == 1800.0
+    assert prof.settings.request_deadline_s == 1800.0
     assert HttpRunner(prof.settings, str(p)).request_deadline_s == 1800.0
     assert "request_deadline_s" in (REPO / "docs" / "robustness.md").read_text()
 
@@ -500,4 +500,4 @@ def test_llama_server_request_deadline_is_a_bounded_profile_key(tmp_path: Path):
         load_runner(p, runner_schemas())
     assert str(p) in str(e.value) and "request_deadline_s" in str(e.value), e.value
     p.write_text(f'kind = "llama-server"\nmodel = "{gguf}"\n')
-    assert load_runner(p, runner_schemas()).settings["request_deadline_s"] == 1800.0
+    assert load_runner(p, runner_schemas()).settings.request_deadline_s == 1800.0

@@ -510,4 +510,4 @@ def test_shipped_profiles_load(tmp_path: Path):
         lines = [f'model = "{fake}"' if ln.startswith("model =") else ln for ln in text.splitlines()]
         (tmp_path / f"{name}.toml").write_text("\n".join(lines) + "\n")
         prof = load_runner(tmp_path / f"{name}.toml", schemas)
-        assert prof.kind == "llama-server" and prof.settings["concurrency"] >= 1
+        assert prof.kind == "llama-server" and prof.settings.concurrency >= 1

@@ -110,7 +110,7 @@ def test_values_at_the_bounds_load(tmp_path):
     s = load_suite(p, task_schemas())
     assert s.tasks[0]["clients"] == [1, 1024] and s.tasks[1]["shots"] == 64 and s.tasks[2]["subjects"] == ["agronomy"]
     r = load_runner(_runner(tmp_path, extra="timeout_s = 86400\nretries = 0\nconcurrency = 1024"), runner_schemas())
-    assert r.settings["timeout_s"] == 86400 and r.settings["concurrency"] == 1024
+    assert r.settings.timeout_s == 86400 and r.settings.concurrency == 1024
 
 
 @pytest.mark.parametrize("body,key", [

@@ -299,7 +299,7 @@ def evaluate_runner(runner: Runner, tasks: list[str], limit: int | None, out_dir
         lm_eval={"version": getattr(lm_eval, "__version__", None), "tasks": tasks,
                  "include_path": str(include), "include_defaults": include_defaults},
         adapter=asdict(options or AdapterOptions()))
-    store = open_store(out_dir, manifest, runner_profile.settings if runner_profile is not None else None)
+    store = open_store(out_dir, manifest, runner_profile.settings.to_json() if runner_profile is not None else None)
     loop = LoopThread()
     lm = None
     status = "failed"

@@ -9,7 +9,8 @@ gross and net figures are reported.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
 
 JOULES_PER_KWH = 3.6e6
 POWER_COLUMNS = ("power_instant_w", "power_usage_w", "power_w", "power_avg_w")   # preference order
@@ -114,16 +115,37 @@ def memory_summary(samples: Any) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class Tariffs:
+    """Electricity prices per kWh by day and by night (either may be unset) and their currency: what
+    the cost per million tokens is priced with."""
+
+    day: float | None = None
+    night: float | None = None
+    currency: str = "EUR"
+
+    @classmethod
+    def of(cls, value: "Tariffs | Mapping[str, Any] | None") -> "Tariffs | None":
+        """Tariffs from a table {"day", "night", "currency"} (tests, benchmarks); None for none or an
+        empty table."""
+        if value is None or isinstance(value, Tariffs):
+            return value
+        if not value:
+            return None
+        return cls(day=value.get("day"), night=value.get("night"), currency=value.get("currency", "EUR"))
+
+
 def energy_summary(samples: Any, phases: Iterable[dict[str, Any]],
                    tokens: dict[str, int] | None = None,
-                   tariffs: dict[str, Any] | None = None) -> dict[str, Any]:
+                   tariffs: Tariffs | Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Memory and energy figures of one sampled run.
 
     samples: rows with t (s) and any of mem_*_bytes, energy_mj, power_instant_w / power_usage_w / power_w.
     phases: [{"phase": name, "t": start_s}], each lasting until the next mark ("end" closes the last).
     tokens: {"prefill": n, "decode": m} processed inside those phases (for J/token).
-    tariffs: {"day": price per kWh, "night": price per kWh, "currency": "EUR"}.
+    tariffs: the prices per kWh, or a table {"day": price, "night": price, "currency": "EUR"}.
     """
+    prices = Tariffs.of(tariffs)
     rows = _rows(samples)
     out: dict[str, Any] = {"memory": memory_summary(rows)}
     if not rows:
@@ -203,10 +225,9 @@ def energy_summary(samples: Any, phases: Iterable[dict[str, Any]],
                          "net": work_net / work_tokens * 1e6 / JOULES_PER_KWH if net_ok else None}
     energy["per_token"] = per_token
     energy["kwh_per_million_tokens"] = kwh_pm
-    if tariffs and kwh_pm:
-        cost: dict[str, Any] = {"currency": tariffs.get("currency", "EUR")}
-        for when in ("day", "night"):
-            price = tariffs.get(when)
+    if prices is not None and kwh_pm:
+        cost: dict[str, Any] = {"currency": prices.currency}
+        for when, price in (("day", prices.day), ("night", prices.night)):
             if price is None:
                 continue
             cost[when] = {ph: {k: (v * float(price) if v is not None else None) for k, v in figs.items()}
@@ -250,7 +271,7 @@ def _card_brief(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def cards_summary(samples: Any, phases: Iterable[dict[str, Any]], tokens: dict[str, int] | None = None,
-                  tariffs: dict[str, Any] | None = None) -> dict[str, Any]:
+                  tariffs: Tariffs | Mapping[str, Any] | None = None) -> dict[str, Any]:
     """energy_summary over one or several cards (samples with a `gpu` column, one row per card and tick).
 
     The headline "memory"/"energy" are the one card's, or with several cards those of their per-tick
@@ -284,12 +305,12 @@ def tokens_from_records(records: Iterable[dict[str, Any]], tasks: tuple[str, ...
     return {"prefill": pre, "decode": dec}
 
 
-def tariffs_from_probes(probes: dict[str, Any]) -> dict[str, Any] | None:
+def tariffs_from_probes(probes: dict[str, Any]) -> Tariffs | None:
     """The suite's [probes] tariff keys as energy_summary's `tariffs` (None when none is set)."""
     day, night = probes.get("tariff_day_per_kwh"), probes.get("tariff_night_per_kwh")
     if day is None and night is None:
         return None
-    return {"day": day, "night": night, "currency": probes.get("currency", "EUR")}
+    return Tariffs(day=day, night=night, currency=probes.get("currency", "EUR"))
 
 
 def _summary_of(manifest: dict[str, Any]) -> dict[str, Any] | None:

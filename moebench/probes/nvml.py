@@ -30,9 +30,11 @@ import json
 import math
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
+from moebench.probes.energy import Tariffs, cards_summary
 from moebench.store import write_bytes_atomic, write_json_atomic
 
 FI_POWER_INSTANT = 186    # NVML_FI_DEV_POWER_INSTANT
@@ -150,6 +152,17 @@ class NvmlReader:
             pass
 
 
+@dataclass(frozen=True)
+class PhaseMark:
+    """The work entered `phase` at `t` seconds after the probe started (nvml_phases.json's rows)."""
+
+    phase: str
+    t: float
+
+    def to_json(self) -> dict[str, str | float]:
+        return {"phase": self.phase, "t": self.t}
+
+
 class NvmlProbe:
     """Background sampler with phase marks. Times are seconds since `start()` (perf_counter based).
 
@@ -158,12 +171,12 @@ class NvmlProbe:
     NVML (tests). nvml: a module with pynvml's API in place of pynvml (tests: a fake of N cards)."""
 
     def __init__(self, interval_ms: int = 100, gpu_index: int = 0, idle_s: float = 1.0,
-                 tariffs: dict[str, Any] | None = None,
+                 tariffs: Tariffs | Mapping[str, Any] | None = None,
                  reader: Callable[[], Any] | None = None, gpu_indices: Any = None, nvml: Any = None):
         self.interval_s = max(0.001, interval_ms / 1000.0)
         self.gpu_index = gpu_index
         self.idle_s = idle_s
-        self.tariffs = tariffs
+        self.tariffs = Tariffs.of(tariffs)
         self.available = False
         self.reason: str | None = None
         self.device: dict[str, Any] = {}
@@ -183,7 +196,7 @@ class NvmlProbe:
                 return
         self.available = True
         self.samples: list[dict[str, Any]] = []
-        self.phases: list[dict[str, Any]] = []
+        self.phases: list[PhaseMark] = []
         self.tokens = {"prefill": 0, "decode": 0}
         self.read_errors = 0
         self.run_dir: Path | None = None
@@ -250,7 +263,7 @@ class NvmlProbe:
             return
         t = (time.perf_counter() if at is None else at) - self._t0
         with self._lock:
-            self.phases.append({"phase": str(phase), "t": t})
+            self.phases.append(PhaseMark(str(phase), t))
 
     def count_tokens(self, prefill: int = 0, decode: int = 0) -> None:
         """Tokens processed inside marked prefill/decode phases (for J/token)."""
@@ -260,7 +273,7 @@ class NvmlProbe:
                 self.tokens["decode"] += int(decode)
 
     def stop(self, tokens: dict[str, int] | None = None,
-             tariffs: dict[str, Any] | None = None) -> dict[str, Any]:
+             tariffs: Tariffs | Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Stop, write the samples and marks, return {available, files, n_samples, summary, ...}."""
         if not self.available:
             return {"available": False, "reason": self.reason}
@@ -280,9 +293,9 @@ class NvmlProbe:
         with self._lock:
             if final is not None:
                 self.samples.extend(self._samples_of(final, time.perf_counter() - (self._t0 or 0.0)))
-            self.phases.append({"phase": "end", "t": end})
+            self.phases.append(PhaseMark("end", end))
             samples = list(self.samples)
-            phases = sorted(self.phases, key=lambda p: p["t"])
+            phases = [m.to_json() for m in sorted(self.phases, key=lambda m: m.t)]
         if self._reader_obj is not None:
             self._reader_obj.close()
         cards = sorted({int(s["gpu"]) for s in samples if s.get("gpu") is not None})
@@ -291,9 +304,8 @@ class NvmlProbe:
                                "tokens": dict(tokens or self.tokens)}
         if self.run_dir is not None:
             out.update(write_samples(self.run_dir, samples, phases))
-        from moebench.probes.energy import cards_summary
         out["summary"] = cards_summary(samples, phases, tokens=tokens or self.tokens,
-                                       tariffs=tariffs or self.tariffs)
+                                       tariffs=Tariffs.of(tariffs) or self.tariffs)
         return out
 
 

@@ -1,4 +1,5 @@
-"""Runner kinds. Each module defines `SCHEMA` (its profile keys) and a `Runner` subclass.
+"""Runner kinds. Each module defines a settings class (its profile keys, typed: moebench.config.setting),
+`SCHEMA` read from it, and a `Runner` subclass.
 
 Modules load lazily so a suite on the HTTP runner never imports torch.
 """
@@ -9,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from moebench.config import Field, RunnerProfile
+from moebench.config import RunnerProfile, RunnerSchema
 
 # kind -> (module, class name)
 RUNNER_KINDS: dict[str, tuple[str, str]] = {
@@ -19,7 +20,8 @@ RUNNER_KINDS: dict[str, tuple[str, str]] = {
 }
 
 
-def runner_schemas() -> dict[str, dict[str, Field]]:
+def runner_schemas() -> dict[str, RunnerSchema]:
+    """Each installed kind's profile keys, which carry its settings class."""
     out = {}
     for kind, (module, _) in RUNNER_KINDS.items():
         try:
@@ -64,4 +66,4 @@ def make_runner(profile: RunnerProfile) -> Any:
     check_kind_installed(profile.kind, profile.path or profile.name)
     module, cls = RUNNER_KINDS[profile.kind]
     runner_cls = getattr(importlib.import_module(module), cls)
-    return runner_cls({**profile.settings, "name": profile.name}, profile.path)
+    return runner_cls(profile.settings, profile.path, name=profile.name)

@@ -10,7 +10,9 @@ task executor through `Runner.concurrency`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
+
+from moebench.config import RunnerSettings
 
 
 class Capability:
@@ -148,11 +150,17 @@ class Runner:
     capabilities: frozenset[str] = frozenset()
     # capability -> the profile keys that add it (named in a CapabilityError); empty where none can
     capability_keys: dict[str, str] = {}
+    # the kind's typed profile settings (each kind subclasses RunnerSettings with its keys)
+    settings_class: type[RunnerSettings] = RunnerSettings
 
-    def __init__(self, profile: dict[str, Any], profile_path: str | None = None):
-        self.profile = profile
+    def __init__(self, settings: RunnerSettings | Mapping[str, Any], profile_path: str | None = None,
+                 name: str | None = None):
+        """`settings`: the kind's settings, or a table of its keys (missing ones take their defaults);
+        `name`: the profile's label (a table may carry it as "name")."""
+        self.settings = self.settings_class.of(settings)
+        self.name = name or (settings.get("name") if isinstance(settings, Mapping) else None)
         self.profile_path = profile_path
-        self.concurrency: int = int(profile.get("concurrency", 1))
+        self.concurrency: int = self.settings.concurrency
         # Things that happened to the backend during the run (restarts, ...), copied into the manifest.
         self.events: list[dict[str, Any]] = []
         # What the suite needs, set by the run before start(): a runner may skip starting what no
@@ -178,7 +186,7 @@ class Runner:
     # -- identity -------------------------------------------------------------------------------
     def identity(self) -> dict[str, Any]:
         """Model and build identity for the manifest: {"model": {...}, "build": {...}}."""
-        return {"model": {"name": self.profile.get("model")}, "build": {}}
+        return {"model": {"name": getattr(self.settings, "model", None)}, "build": {}}
 
     # -- requests -------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateResult:

@@ -10,10 +10,11 @@ import asyncio
 import hashlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
-from moebench.config import MAX_CLIENTS, MAX_PROMPT_TOKENS, Field, ProfileError, positive
+from moebench.config import MAX_CLIENTS, MAX_PROMPT_TOKENS, ProfileError, RunnerSettings, positive, setting
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
 from moebench.scoring.answers import first_stop
 
@@ -21,32 +22,40 @@ def _true_false_auto(value: Any) -> str | None:
     return None if value in (True, False, "auto") else 'must be true, false or "auto"'
 
 
-SCHEMA: dict[str, Field] = {
-    "model": Field(str, required=True, path="checkpoint directory",
-                   doc="a Hugging Face checkpoint directory or a packed tiered artifact"),
-    "dtype": Field(str, default="bfloat16", choices=("auto", "float32", "bfloat16", "float16"),
-                   doc="auto: float32 on the CPU (exact for bf16 weights, and faster there), bfloat16 on CUDA"),
-    "device": Field(str, default="auto", doc="auto | cpu | cuda | cuda:N"),
-    "max_seq_len": Field(int, check=positive, low=1, high=MAX_PROMPT_TOKENS,
-                         doc="KV cache length (default: the model's, capped)"),
-    "max_batch": Field(int, default=1, check=positive, low=1, high=MAX_CLIENTS),
-    "prefill_chunk": Field(int, default=512, check=positive, low=1, high=MAX_PROMPT_TOKENS),
-    "experts_impl": Field(str, default="auto", doc="auto | gather | loop | grouped_mm | triton (see engine docs); "
-                          "auto on CUDA: triton (the fused kernels) where Triton runs"),
-    "cuda_graphs": Field((bool, str), default="auto", check=_true_false_auto,
-                         doc="replay decode steps as CUDA graphs; auto: on with CUDA"),
-    "prefetch_host": Field((bool, str), default="auto", check=_true_false_auto,
-                           doc="tiered artifacts with experts_impl = triton: stage each layer's predicted host "
-                           "experts in GPU memory one layer early; auto: on with CUDA, the fused kernels and an "
-                           "artifact with host or ssd experts (measured faster there), else off"),
-    "prefetch_early": Field((bool, str), default="auto", check=_true_false_auto,
-                            doc="with prefetch_host: guess each layer's host experts from the previous layer's "
-                            "attention input instead of its MoE input (a longer copy window, an older guess); "
-                            "auto: on wherever prefetch_host is on with CUDA"),
-    "int8_activations": Field(bool, default=False, doc="tiered artifacts with experts_impl = triton: the int8 and "
-                              "int4 experts' decode rounds its activations to int8 per 64 columns and multiplies "
-                              "with dp4a (W8A8 / W4A8: faster on the GPU, slightly different numbers)"),
-}
+@dataclass(frozen=True)
+class EngineSettings(RunnerSettings):
+    """A `kind = "engine"` profile's keys (docs/profiles.md), each with its one default."""
+
+    model: str = setting(str, required=True, path="checkpoint directory",
+                         doc="a Hugging Face checkpoint directory or a packed tiered artifact")
+    dtype: str = setting(str, default="bfloat16", choices=("auto", "float32", "bfloat16", "float16"),
+                         doc="auto: float32 on the CPU (exact for bf16 weights, and faster there), bfloat16 on CUDA")
+    device: str = setting(str, default="auto", doc="auto | cpu | cuda | cuda:N")
+    max_seq_len: int | None = setting(int, check=positive, low=1, high=MAX_PROMPT_TOKENS,
+                                      doc="KV cache length (default: the model's, capped)")
+    max_batch: int = setting(int, default=1, check=positive, low=1, high=MAX_CLIENTS)
+    prefill_chunk: int = setting(int, default=512, check=positive, low=1, high=MAX_PROMPT_TOKENS)
+    experts_impl: str = setting(str, default="auto", doc="auto | gather | loop | grouped_mm | triton (see engine "
+                                "docs); auto on CUDA: triton (the fused kernels) where Triton runs")
+    cuda_graphs: bool | str = setting((bool, str), default="auto", check=_true_false_auto,
+                                      doc="replay decode steps as CUDA graphs; auto: on with CUDA")
+    prefetch_host: bool | str = setting((bool, str), default="auto", check=_true_false_auto,
+                                        doc="tiered artifacts with experts_impl = triton: stage each layer's "
+                                        "predicted host experts in GPU memory one layer early; auto: on with "
+                                        "CUDA, the fused kernels and an artifact with host or ssd experts "
+                                        "(measured faster there), else off")
+    prefetch_early: bool | str = setting((bool, str), default="auto", check=_true_false_auto,
+                                         doc="with prefetch_host: guess each layer's host experts from the "
+                                         "previous layer's attention input instead of its MoE input (a longer "
+                                         "copy window, an older guess); auto: on wherever prefetch_host is on "
+                                         "with CUDA")
+    int8_activations: bool = setting(bool, default=False, doc="tiered artifacts with experts_impl = triton: the "
+                                     "int8 and int4 experts' decode rounds its activations to int8 per 64 columns "
+                                     "and multiplies with dp4a (W8A8 / W4A8: faster on the GPU, slightly "
+                                     "different numbers)")
+
+
+SCHEMA = EngineSettings.schema()
 
 
 def _resolve_device(name: str) -> str:
@@ -56,16 +65,17 @@ def _resolve_device(name: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def decode_choices(profile: dict[str, Any], device: str) -> dict[str, dict[str, Any]]:
+def decode_choices(profile: EngineSettings | Mapping[str, Any], device: str) -> dict[str, dict[str, Any]]:
     """The decode path for this profile on this device: each choice's value and why. The fast path
     is the default where the device has it (CUDA: bf16, fused Triton kernels, CUDA graphs,
     decode-ahead; prefetch for tiered artifacts, prefetch_choices); a key set in the profile wins."""
+    settings = EngineSettings.of(profile)
     cuda = device.startswith("cuda")
     out: dict[str, dict[str, Any]] = {}
-    dtype = profile.get("dtype", "bfloat16")
+    dtype = settings.dtype
     out["dtype"] = ({"value": "bfloat16" if cuda else "float32", "why": f"auto on {'CUDA' if cuda else 'the CPU'}"}
                     if dtype == "auto" else {"value": dtype, "why": "profile"})
-    impl = profile.get("experts_impl", "auto")
+    impl = settings.experts_impl
     if impl == "auto" and cuda:
         from moebench.engine import kernels
         ok = kernels.available()
@@ -76,7 +86,7 @@ def decode_choices(profile: dict[str, Any], device: str) -> dict[str, dict[str, 
         out["experts_impl"] = {"value": "auto", "why": "auto on the CPU: torch's experts path"}
     else:
         out["experts_impl"] = {"value": impl, "why": "profile"}
-    graphs = profile.get("cuda_graphs", "auto")
+    graphs = settings.cuda_graphs
     out["cuda_graphs"] = ({"value": cuda, "why": f"auto on {'CUDA' if cuda else 'the CPU (no graphs)'}"}
                           if graphs == "auto" else {"value": bool(graphs) and cuda, "why": "profile"})
     return out
@@ -92,7 +102,7 @@ def offloaded_homes(model_path: str | Path) -> list[str]:
     return sorted({h for row in Plan.load(plan).home for h in row} - {"gpu"})
 
 
-def prefetch_choices(profile: dict[str, Any], device: str, experts_impl: str,
+def prefetch_choices(profile: EngineSettings | Mapping[str, Any], device: str, experts_impl: str,
                      offloaded: list[str]) -> dict[str, dict[str, Any]]:
     """prefetch_host and prefetch_early, each value and why. "auto" (the default) turns both on where
     prefetch from the attention input measured faster than no prefetch: CUDA, the fused Triton
@@ -105,9 +115,10 @@ def prefetch_choices(profile: dict[str, Any], device: str, experts_impl: str,
     (51.52 against 46.49 tok/s in the last), the wasted reads costing the disk time it is bound by.
     Elsewhere auto is off. A value set in the profile is kept (the runner checks it against
     experts_impl)."""
+    settings = EngineSettings.of(profile)
     cuda = device.startswith("cuda")
     out: dict[str, dict[str, Any]] = {}
-    host = profile.get("prefetch_host", "auto")
+    host = settings.prefetch_host
     if host != "auto":
         out["prefetch_host"] = {"value": bool(host), "why": "profile"}
     elif not cuda:
@@ -123,7 +134,7 @@ def prefetch_choices(profile: dict[str, Any], device: str, experts_impl: str,
     else:
         out["prefetch_host"] = {"value": True, "why": f"auto on CUDA with the fused kernels and {' and '.join(offloaded)} "
                                 f"experts: on (measured faster, with prefetch_early)"}
-    early = profile.get("prefetch_early", "auto")
+    early = settings.prefetch_early
     if early != "auto":
         out["prefetch_early"] = {"value": bool(early), "why": "profile"}
     elif not out["prefetch_host"]["value"]:
@@ -179,14 +190,18 @@ class EngineRunner(Runner):
                               Capability.ROUTER_TRACE, Capability.CHOICE_LOGPROBS,
                               Capability.SAMPLED_LOGPROBS})
 
-    def __init__(self, profile: dict[str, Any], profile_path: str | None = None):
-        super().__init__(profile, profile_path)
-        self.model_path = Path(profile["model"])
+    settings_class = EngineSettings
+    settings: EngineSettings
+
+    def __init__(self, settings: EngineSettings | Mapping[str, Any], profile_path: str | None = None,
+                 name: str | None = None):
+        super().__init__(settings, profile_path, name)
+        self.model_path = Path(self.settings.model)
         if not self.model_path.is_dir() or not (self.model_path / "config.json").is_file():
             raise ProfileError(f"{profile_path or 'runner profile'}: key 'model': {self.model_path} is not a "
                                "checkpoint directory with config.json (build the zoo with `moebench zoo build`)")
-        self.device = _resolve_device(profile.get("device", "auto"))
-        self.choices = decode_choices(profile, self.device)
+        self.device = _resolve_device(self.settings.device)
+        self.choices = decode_choices(self.settings, self.device)
         self.offloaded = offloaded_homes(self.model_path)
         self._choose_prefetch()
         self.concurrency = 1          # one engine, one request at a time (it holds a lock anyway)
@@ -198,10 +213,10 @@ class EngineRunner(Runner):
         where = self.profile_path or "runner profile"
         impl = self.choices["experts_impl"]["value"]
         for key in ("prefetch_host", "int8_activations"):
-            if self.profile.get(key) is True and impl != "triton":
+            if getattr(self.settings, key) is True and impl != "triton":
                 raise ProfileError(f"{where}: key '{key}' needs experts_impl = \"triton\" (the fused kernels; "
                                    f"auto picks them on CUDA), got {impl!r}")
-        self.choices.update(prefetch_choices(self.profile, self.device, impl, self.offloaded))
+        self.choices.update(prefetch_choices(self.settings, self.device, impl, self.offloaded))
         if self.choices["prefetch_early"]["value"] and not self.choices["prefetch_host"]["value"]:
             raise ProfileError(f"{where}: key 'prefetch_early' needs prefetch_host = true "
                                f"(prefetch_host: {self.choices['prefetch_host']['why']})")
@@ -214,8 +229,8 @@ class EngineRunner(Runner):
 
     async def _load(self) -> None:
         from moebench.engine import Engine
-        kwargs = {k: self.profile[k] for k in ("max_seq_len", "max_batch", "prefill_chunk")
-                  if self.profile.get(k)}
+        kwargs = {k: getattr(self.settings, k) for k in ("max_seq_len", "max_batch", "prefill_chunk")
+                  if getattr(self.settings, k)}
         kwargs["cuda_graphs"] = self.choices["cuda_graphs"]["value"]
         kwargs["decode"] = self.decode
         t0 = time.perf_counter()
@@ -246,7 +261,7 @@ class EngineRunner(Runner):
             chosen = self.choices["experts_impl"]
             if not (chosen["value"] == "triton" and chosen["why"].startswith("auto")):
                 raise
-            if any(self.profile.get(k) is True for k in ("prefetch_host", "int8_activations")):
+            if self.settings.prefetch_host is True or self.settings.int8_activations is True:
                 raise       # the profile asked for options of the fused kernels: no silent fallback
             # the fused kernels were our choice, not the user's: fall back to the plain path, and say so
             self.choices["experts_impl"] = {"value": "auto", "why": f"the fused kernels failed in the warm-up "
@@ -284,7 +299,7 @@ class EngineRunner(Runner):
             pass
         build = {"engine": "moebench", "torch": torch.__version__, "device": self.device,
                  "dtype": self.choices["dtype"]["value"], "choices": self.choices}
-        if self.profile.get("int8_activations") is True:        # changes the numbers: part of what was run
+        if self.settings.int8_activations is True:        # changes the numbers: part of what was run
             build["int8_activations"] = True
         # every decode switch and launch table of the engine (moebench.engine.decode_config)
         build["decode"] = self.decode.identity()
@@ -296,7 +311,7 @@ class EngineRunner(Runner):
         with and the manifest records."""
         from moebench.engine.decode_config import DecodeConfig
         cfg = DecodeConfig(experts_impl=self.choices["experts_impl"]["value"],
-                           int8_activations=self.profile.get("int8_activations") is True,
+                           int8_activations=self.settings.int8_activations is True,
                            prefetch_host=self.choices["prefetch_host"]["value"],
                            prefetch_early=self.choices["prefetch_early"]["value"])
         return cfg.resolved("cuda" if self.device.startswith("cuda") else "cpu")

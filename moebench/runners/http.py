@@ -30,12 +30,14 @@ import math
 import os
 import random
 import time
-from typing import Any, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Mapping
 
 import aiohttp
 import httpx
 
-from moebench.config import MAX_RESPONSE_BYTES, MAX_SECONDS, MAX_VOCAB, Field, ProfileError, positive
+from moebench.config import (MAX_RESPONSE_BYTES, MAX_SECONDS, MAX_VOCAB, ProfileError, RunnerSettings, positive,
+                             setting)
 from moebench.runners import prompt_logprobs as prompt_lp
 from moebench.runners import sampled_logprobs as sampled_lp
 from moebench.runners import reply_checks
@@ -43,6 +45,7 @@ from moebench.runners.base import (DEFAULT_REQUEST_DEADLINE_S, Capability, Deadl
                                    GenerateResult, Runner, RunnerError, Unreachable)
 from moebench.scoring.answers import first_stop
 from moebench.runners.metrics import parse_prometheus
+from moebench.runners.wire import CompletionBody
 from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, ConnectError, ConnectTimeout, TransportError,
                                         bounded_lines, describe, read_bounded, response_limit, retry_after_s,
                                         transport_error)
@@ -73,43 +76,52 @@ def url_problem(value: Any) -> str | None:
     return None
 
 
-SCHEMA: dict[str, Field] = {
-    "base_url": Field(str, check=url_problem, doc="e.g. http://127.0.0.1:8080/v1"),
-    "base_urls": Field(list, item_type=str, check=url_problem, doc="several servers sharing the items"),
-    "model": Field(str, default="default"),
-    "api": Field(str, default="completions", choices=("completions", "chat")),
-    "api_key_env": Field(str, doc="name of the environment variable holding the API key"),
-    "timeout_s": Field(float, default=600.0, check=positive, low=0, low_open=True, high=MAX_SECONDS),
-    "connect_timeout_s": Field(float, default=10.0, check=positive, low=0, low_open=True, high=MAX_SECONDS),
-    "retries": Field(int, default=3, low=0, high=100),
-    "backoff_s": Field(float, default=0.5, low=0, high=MAX_SECONDS),
-    "request_deadline_s": Field(float, default=DEFAULT_REQUEST_DEADLINE_S, check=finite_positive, low=0,
-                                low_open=True, high=MAX_SECONDS,
-                                doc="longest one request may take, every retry and wait included; timeout_s "
-                                    "bounds each read only"),
-    "max_retry_wait_s": Field(float, default=120.0, check=positive, low=0, low_open=True, high=MAX_SECONDS,
-                              doc="longest wait a 429/503 Retry-After may ask for before the next attempt"),
-    "max_response_bytes": Field(int, default=DEFAULT_MAX_RESPONSE_BYTES, check=positive, low=1,
-                                high=MAX_RESPONSE_BYTES,
-                                doc="hard cap on one response's size (the bound from max_tokens is usually lower)"),
-    "tokenize": Field(str, default="none", choices=("none", "llama-server", "vllm"),
-                      doc="the server's own /tokenize beside /v1: llama-server's {content} or vLLM's {prompt} form"),
-    "tokenizer": Field(str, path="tokenizer", doc="a local tokenizer (HF folder, tokenizer.json or GGUF) where the server has no "
-                                "usable /tokenize; also maps echoed token text to ids"),
-    "prompt_logprobs": Field(str, default="none", choices=prompt_lp.MODES,
-                             doc="how the server returns prompt log-probs (KLD): vLLM's prompt_logprobs field, "
-                                 "legacy echo + logprobs, or SGLang's /generate"),
-    "prompt_logprobs_k": Field(int, default=20, check=positive, low=1, high=MAX_VOCAB,
-                               doc="top K prompt log-probs asked per position"),
-    "prompt_logprob_ids": Field(bool, default=False,
-                                doc="the server also scores given token ids at each position (SGLang's "
-                                    "token_ids_logprob): a candidate asks for the baseline's top-K ids"),
-    "token_prompts": Field(bool, default=False, doc="the server accepts token-id prompts"),
-    "extra_body": Field(dict, default=dict, doc="extra JSON fields sent with every request"),
-    "max_stop": Field(int, default=4, check=positive, low=1, high=1_024,
-                      doc="stop strings the server accepts per request (OpenAI and vLLM: 4); the rest "
-                          "are applied to the returned text"),
-}
+@dataclass(frozen=True)
+class HttpSettings(RunnerSettings):
+    """A `kind = "http"` profile's keys (docs/profiles.md), each with its one default."""
+
+    base_url: str | None = setting(str, check=url_problem, doc="e.g. http://127.0.0.1:8080/v1")
+    base_urls: list[str] | None = setting(list, item_type=str, check=url_problem,
+                                          doc="several servers sharing the items")
+    model: str = setting(str, default="default")
+    api: str = setting(str, default="completions", choices=("completions", "chat"))
+    api_key_env: str | None = setting(str, doc="name of the environment variable holding the API key")
+    timeout_s: float = setting(float, default=600.0, check=positive, low=0, low_open=True, high=MAX_SECONDS)
+    connect_timeout_s: float = setting(float, default=10.0, check=positive, low=0, low_open=True, high=MAX_SECONDS)
+    retries: int = setting(int, default=3, low=0, high=100)
+    backoff_s: float = setting(float, default=0.5, low=0, high=MAX_SECONDS)
+    request_deadline_s: float = setting(float, default=DEFAULT_REQUEST_DEADLINE_S, check=finite_positive, low=0,
+                                        low_open=True, high=MAX_SECONDS,
+                                        doc="longest one request may take, every retry and wait included; "
+                                            "timeout_s bounds each read only")
+    max_retry_wait_s: float = setting(float, default=120.0, check=positive, low=0, low_open=True, high=MAX_SECONDS,
+                                      doc="longest wait a 429/503 Retry-After may ask for before the next attempt")
+    max_response_bytes: int = setting(int, default=DEFAULT_MAX_RESPONSE_BYTES, check=positive, low=1,
+                                      high=MAX_RESPONSE_BYTES,
+                                      doc="hard cap on one response's size (the bound from max_tokens is "
+                                          "usually lower)")
+    tokenize: str = setting(str, default="none", choices=("none", "llama-server", "vllm"),
+                            doc="the server's own /tokenize beside /v1: llama-server's {content} or vLLM's "
+                                "{prompt} form")
+    tokenizer: str | None = setting(str, path="tokenizer",
+                                    doc="a local tokenizer (HF folder, tokenizer.json or GGUF) where the server "
+                                        "has no usable /tokenize; also maps echoed token text to ids")
+    prompt_logprobs: str = setting(str, default="none", choices=prompt_lp.MODES,
+                                   doc="how the server returns prompt log-probs (KLD): vLLM's prompt_logprobs "
+                                       "field, legacy echo + logprobs, or SGLang's /generate")
+    prompt_logprobs_k: int = setting(int, default=20, check=positive, low=1, high=MAX_VOCAB,
+                                     doc="top K prompt log-probs asked per position")
+    prompt_logprob_ids: bool = setting(bool, default=False,
+                                       doc="the server also scores given token ids at each position (SGLang's "
+                                           "token_ids_logprob): a candidate asks for the baseline's top-K ids")
+    token_prompts: bool = setting(bool, default=False, doc="the server accepts token-id prompts")
+    extra_body: dict[str, Any] = setting(dict, default=dict, doc="extra JSON fields sent with every request")
+    max_stop: int = setting(int, default=4, check=positive, low=1, high=1_024,
+                            doc="stop strings the server accepts per request (OpenAI and vLLM: 4); the rest "
+                                "are applied to the returned text")
+
+
+SCHEMA = HttpSettings.schema()
 
 
 class HttpRunner(Runner):
@@ -123,63 +135,68 @@ class HttpRunner(Runner):
         Capability.PROMPT_LOGPROB_IDS: 'prompt_logprob_ids = true (with prompt_logprobs = "sglang")',
     }
 
-    def __init__(self, profile: dict[str, Any], profile_path: str | None = None):
-        super().__init__(profile, profile_path)
+    settings_class = HttpSettings
+    settings: HttpSettings
+
+    def __init__(self, settings: HttpSettings | Mapping[str, Any], profile_path: str | None = None,
+                 name: str | None = None):
+        super().__init__(settings, profile_path, name)
+        s = self.settings
         where = profile_path or "runner profile"
-        urls = list(profile.get("base_urls") or [])
-        if profile.get("base_url"):
-            urls.insert(0, profile["base_url"])
+        urls = list(s.base_urls or [])
+        if s.base_url:
+            urls.insert(0, s.base_url)
         if not urls:
             raise ProfileError(f"{where}: needs key 'base_url' or 'base_urls' (e.g. \"http://127.0.0.1:8080/v1\")")
         problem = url_problem(urls)
         if problem:
-            key = "base_url" if profile.get("base_url") else "base_urls"
+            key = "base_url" if s.base_url else "base_urls"
             raise ProfileError(f"{where}: key {key!r} {problem}, got {urls!r}")
         self.base_urls = [u.rstrip("/") for u in urls]
-        self.api = profile.get("api", "completions")
-        self.model = profile.get("model", "default")
-        self.per_endpoint = int(profile.get("concurrency", 1))
+        self.api = s.api
+        self.model = s.model
+        self.per_endpoint = s.concurrency
         self.concurrency = self.per_endpoint * len(self.base_urls)
-        self.retries = int(profile.get("retries", 3))
-        self.backoff_s = float(profile.get("backoff_s", 0.5))
-        self.max_retry_wait_s = float(profile.get("max_retry_wait_s", 120.0))
-        self.request_deadline_s = float(profile.get("request_deadline_s", DEFAULT_REQUEST_DEADLINE_S))
-        self.max_response_bytes = int(profile.get("max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES))
-        self.extra_body = dict(profile.get("extra_body") or {})
-        self.max_stop = int(profile.get("max_stop", 4))
+        self.retries = s.retries
+        self.backoff_s = float(s.backoff_s)
+        self.max_retry_wait_s = float(s.max_retry_wait_s)
+        self.request_deadline_s = float(s.request_deadline_s)
+        self.max_response_bytes = s.max_response_bytes
+        self.extra_body = dict(s.extra_body)
+        self.max_stop = s.max_stop
         self.in_flight = {u: 0 for u in self.base_urls}
-        key_env = profile.get("api_key_env")
         self.headers = {}
-        if key_env:
-            key = os.environ.get(key_env)
+        if s.api_key_env:
+            key = os.environ.get(s.api_key_env)
             if not key:
-                raise ProfileError(f"{where}: key 'api_key_env' names {key_env!r}, which is not set in the environment")
+                raise ProfileError(f"{where}: key 'api_key_env' names {s.api_key_env!r}, which is not set in the "
+                                   "environment")
             self.headers["Authorization"] = f"Bearer {key}"
         caps = {Capability.GENERATE, Capability.STREAM, Capability.TOP_LOGPROBS, Capability.SAMPLING}
-        self.tokenize_form = profile.get("tokenize", "none")
+        self.tokenize_form = s.tokenize
         self.local_tokenizer = None
-        if profile.get("tokenizer"):
+        if s.tokenizer:
             from moebench.runners.local_tokenizer import load_tokenizer
-            self.local_tokenizer = load_tokenizer(profile["tokenizer"], where)
+            self.local_tokenizer = load_tokenizer(s.tokenizer, where)
         if self.tokenize_form != "none" or self.local_tokenizer is not None:
             caps.add(Capability.TOKENIZE)
-        self.prompt_logprobs_mode = profile.get("prompt_logprobs", "none")
-        self.prompt_logprobs_k = int(profile.get("prompt_logprobs_k", 20))
+        self.prompt_logprobs_mode = s.prompt_logprobs
+        self.prompt_logprobs_k = s.prompt_logprobs_k
         if self.prompt_logprobs_mode != "none":
             caps.add(Capability.PROMPT_LOGPROBS)
-            if profile.get("prompt_logprob_ids"):
+            if s.prompt_logprob_ids:
                 if self.prompt_logprobs_mode != "sglang":
                     raise ProfileError(f"{where}: key 'prompt_logprob_ids' needs prompt_logprobs = \"sglang\" "
                                        "(vLLM's OpenAI server does not take prompt_logprob_token_ids; "
                                        "docs/kld.md)")
                 caps.add(Capability.PROMPT_LOGPROB_IDS)
-        if profile.get("token_prompts"):
+        if s.token_prompts:
             caps.add(Capability.TOKEN_PROMPTS)
             if self.api == "completions":
                 caps.add(Capability.SAMPLED_LOGPROBS)   # ids in, ids and log-probs out
         self.capabilities = frozenset(caps)
-        self.read_timeout_s = float(profile.get("timeout_s", 600.0))
-        self.connect_timeout_s = float(profile.get("connect_timeout_s", 10.0))
+        self.read_timeout_s = float(s.timeout_s)          # TOML may give an integer
+        self.connect_timeout_s = float(s.connect_timeout_s)
         # timeout_s bounds the wait for each read and connect_timeout_s the socket connect;
         # request_deadline_s bounds the whole request, retries included.
         self.timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.connect_timeout_s,
@@ -321,45 +338,17 @@ class HttpRunner(Runner):
             raise transport_error(e, "POST", url, self.connect_timeout_s, self.read_timeout_s) from None
         return raw
 
-    def _body(self, req: GenerateRequest) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": req.max_tokens, "temperature": req.temperature}
-        if req.seed is not None:
-            body["seed"] = req.seed
-        if req.top_p is not None:
-            body["top_p"] = req.top_p
-        if req.top_k is not None:
-            body["top_k"] = req.top_k           # vLLM, SGLang and llama-server accept it
-        if req.stop:
-            body["stop"] = req.stop[: self.max_stop]    # the rest: cut client-side (_apply_stops)
-        if self.api == "chat":
-            if not isinstance(req.prompt, str):
-                raise RunnerError("the chat API takes text prompts only")
-            body["messages"] = [{"role": "user", "content": req.prompt}]
-            if req.top_logprobs:
-                body["logprobs"] = True
-                body["top_logprobs"] = req.top_logprobs
-        else:
-            body["prompt"] = req.prompt
-            if req.top_logprobs:
-                body["logprobs"] = req.top_logprobs
-        if req.ignore_eos:
-            body["ignore_eos"] = True          # vLLM and llama-server both accept it
-        if not req.cache_prompt:
-            body["cache_prompt"] = False        # llama-server; others ignore unknown keys
-        body.update(self.extra_body)
-        return body
-
     # -- requests --------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        path = "/chat/completions" if self.api == "chat" else "/completions"
-        body = self._body(request)
+        wire = CompletionBody.of(request, model=self.model, api=self.api, max_stop=self.max_stop,
+                                 extra_body=self.extra_body)
+        path = wire.path
+        body = wire.to_json()
         limit = response_limit(request.max_tokens, request.top_logprobs, self.max_response_bytes)
 
         async def call(url: str) -> GenerateResult:
             if request.stream:
-                return await self._stream(url + path, {**body, "stream": True,
-                                                       "stream_options": {"include_usage": True}},
-                                          url, request.on_text, limit)
+                return await self._stream(url + path, body, url, request.on_text, limit)
             t0 = time.perf_counter()
             raw = await self._post(url + path, body, limit)
             result = parse_response(_json(raw, url + path), self.api, url + path)

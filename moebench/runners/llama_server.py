@@ -26,15 +26,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
 
 import contextlib
 
 import aiohttp
 
 from moebench import jsonout
-from moebench.config import (MAX_CLIENTS, MAX_PROMPT_TOKENS, MAX_RESPONSE_BYTES, MAX_SECONDS, Field,
-                             ProfileError, non_negative, positive)
+from moebench.config import (MAX_CLIENTS, MAX_PROMPT_TOKENS, MAX_RESPONSE_BYTES, MAX_SECONDS, ProfileError,
+                             RunnerSettings, non_negative, positive, setting)
 from moebench.gguf_header import FILE_TYPE_NAMES, GgufFormatError, read_gguf
 from moebench.runners import reply_checks
 from moebench.runners.base import (DEFAULT_REQUEST_DEADLINE_S, SERVERLESS, Capability, DeadlineExceeded,
@@ -42,6 +43,7 @@ from moebench.runners.base import (DEFAULT_REQUEST_DEADLINE_S, SERVERLESS, Capab
 from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, ConnectTimeout, ReadTimeout, RemoteProtocolError,
                                         TransportError, bounded_lines, describe, read_bounded, response_limit,
                                         transport_error)
+from moebench.runners.wire import LlamaCompletionBody
 from moebench.store import now_iso, open_append
 from moebench.tools import llama_args, llamacpp
 from moebench.tools.binary_probe import PROBE, ProbeError
@@ -68,29 +70,37 @@ def _env_problem(value: Any) -> str | None:
     return f"values must be strings (bad: {', '.join(bad)})" if bad else None
 
 
-SCHEMA: dict[str, Field] = {
-    "binary": Field(str, default="llama-server", path="llama-server binary",
-                    doc="a path, or a name found in the moebench tool cache or on PATH"),
-    "model": Field(str, required=True, check=_model_file_problem, path="GGUF file", doc="the GGUF file to serve"),
-    "args": Field(list, default=list, item_type=str, doc="extra llama-server arguments, e.g. ['-c', '8192']"),
-    "host": Field(str, default="127.0.0.1"),
-    "port": Field(int, default=0, check=non_negative, low=0, high=65_535, doc="0 picks a free port"),
-    "startup_timeout_s": Field(float, default=300.0, check=positive, low=0, low_open=True, high=MAX_SECONDS),
-    "request_timeout_s": Field(float, default=600.0, check=positive, low=0, low_open=True, high=MAX_SECONDS,
-                               doc="read timeout: the longest wait for the next bytes of a reply"),
-    "request_deadline_s": Field(float, default=DEFAULT_REQUEST_DEADLINE_S, check=positive, low=0, low_open=True,
-                                high=MAX_SECONDS,
-                                doc="longest one request may take from being sent to its whole reply"),
-    "max_restarts": Field(int, default=3, check=non_negative, low=0, high=100),
-    "parallel": Field(int, check=positive, low=1, high=MAX_CLIENTS,
-                      doc="server slots (--parallel); defaults to concurrency"),
-    "ctx_size": Field(int, check=positive, low=1, high=16 * MAX_PROMPT_TOKENS,
-                      doc="-c: total context, shared by the slots"),
-    "env": Field(dict, default=dict, check=_env_problem, doc="extra environment for the server"),
-    "max_response_bytes": Field(int, default=DEFAULT_MAX_RESPONSE_BYTES, check=positive, low=1,
-                                high=MAX_RESPONSE_BYTES,
-                                doc="hard cap on one response's size (the bound from max_tokens is usually lower)"),
-}
+@dataclass(frozen=True)
+class LlamaServerSettings(RunnerSettings):
+    """A `kind = "llama-server"` profile's keys (docs/profiles.md), each with its one default."""
+
+    binary: str = setting(str, default="llama-server", path="llama-server binary",
+                          doc="a path, or a name found in the moebench tool cache or on PATH")
+    model: str = setting(str, required=True, check=_model_file_problem, path="GGUF file",
+                         doc="the GGUF file to serve")
+    args: list[str] = setting(list, default=list, item_type=str,
+                              doc="extra llama-server arguments, e.g. ['-c', '8192']")
+    host: str = setting(str, default="127.0.0.1")
+    port: int = setting(int, default=0, check=non_negative, low=0, high=65_535, doc="0 picks a free port")
+    startup_timeout_s: float = setting(float, default=300.0, check=positive, low=0, low_open=True, high=MAX_SECONDS)
+    request_timeout_s: float = setting(float, default=600.0, check=positive, low=0, low_open=True, high=MAX_SECONDS,
+                                       doc="read timeout: the longest wait for the next bytes of a reply")
+    request_deadline_s: float = setting(float, default=DEFAULT_REQUEST_DEADLINE_S, check=positive, low=0,
+                                        low_open=True, high=MAX_SECONDS,
+                                        doc="longest one request may take from being sent to its whole reply")
+    max_restarts: int = setting(int, default=3, check=non_negative, low=0, high=100)
+    parallel: int | None = setting(int, check=positive, low=1, high=MAX_CLIENTS,
+                                   doc="server slots (--parallel); defaults to concurrency")
+    ctx_size: int | None = setting(int, check=positive, low=1, high=16 * MAX_PROMPT_TOKENS,
+                                   doc="-c: total context, shared by the slots")
+    env: dict[str, str] = setting(dict, default=dict, check=_env_problem, doc="extra environment for the server")
+    max_response_bytes: int = setting(int, default=DEFAULT_MAX_RESPONSE_BYTES, check=positive, low=1,
+                                      high=MAX_RESPONSE_BYTES,
+                                      doc="hard cap on one response's size (the bound from max_tokens is "
+                                          "usually lower)")
+
+
+SCHEMA = LlamaServerSettings.schema()
 
 
 # --- process bookkeeping: no server outlives its Python process ----------------------------------
@@ -287,16 +297,18 @@ class LlamaServerRunner(Runner):
                               Capability.CHOICE_LOGPROBS, Capability.SAMPLING, Capability.LLAMA_PERPLEXITY,
                               Capability.TOKENIZE, Capability.TOKEN_PROMPTS})
 
-    def __init__(self, profile: dict[str, Any], profile_path: str | None = None):
-        defaults = {k: (f.default() if callable(f.default) else f.default)
-                    for k, f in SCHEMA.items() if f.default is not None}
-        super().__init__({**defaults, **profile}, profile_path)
+    settings_class = LlamaServerSettings
+    settings: LlamaServerSettings
+
+    def __init__(self, settings: LlamaServerSettings | Mapping[str, Any], profile_path: str | None = None,
+                 name: str | None = None):
+        super().__init__(settings, profile_path, name)
         # A profile that names its binary is a candidate build: its KLD uses that build's tools.
-        self.binary_named = "binary" in profile
+        self.binary_named = "binary" in self.settings.given
         where = profile_path or "llama-server runner profile"
-        if "model" not in self.profile:
+        if self.settings.model is None:
             raise ProfileError(f"{where}: missing required key 'model' (a GGUF file path)")
-        self.model_path = Path(self.profile["model"]).expanduser()
+        self.model_path = Path(self.settings.model).expanduser()
         if not self.model_path.is_file():
             raise ProfileError(f"{where}: key 'model': GGUF file not found: {self.model_path} "
                                f"(resolved from {Path.cwd()})")
@@ -304,13 +316,13 @@ class LlamaServerRunner(Runner):
             if f.read(4) != b"GGUF":
                 raise ProfileError(f"{where}: key 'model': {self.model_path} is not a GGUF file "
                                    f"(no GGUF magic at its start)")
-        args = self.profile["args"]
+        args = self.settings.args
         clash = sorted(a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in OWNED_FLAGS)
         if clash:
             raise ProfileError(f"{where}: key 'args' must not set {', '.join(clash)}: the runner sets "
                                f"host, port, model and parallel itself (use the keys of the same names)")
-        self.slots = int(self.profile.get("parallel") or self.concurrency)
-        self.max_restarts = int(self.profile["max_restarts"])
+        self.slots = int(self.settings.parallel or self.concurrency)
+        self.max_restarts = self.settings.max_restarts
         self.restarts = 0
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
@@ -331,7 +343,7 @@ class LlamaServerRunner(Runner):
     def _resolve_binary(self) -> Path:
         if self.binary is None:
             try:
-                self.binary = llamacpp.tool(self.profile["binary"], True)
+                self.binary = llamacpp.tool(self.settings.binary, True)
             except llamacpp.ToolError as e:
                 raise RunnerError(str(e)) from None
         return self.binary
@@ -340,7 +352,7 @@ class LlamaServerRunner(Runner):
         if self.needed is not None and set(self.needed) <= SERVERLESS:
             return f"no llama-server needed (KLD by llama-perplexity on {self.model_path})"
         log = Path(run_dir) / LOG_NAME if run_dir else "a temporary folder"
-        return (f"starting llama-server ({self.profile['binary']}; built first if missing) on {self.model_path}, "
+        return (f"starting llama-server ({self.settings.binary}; built first if missing) on {self.model_path}, "
                 f"waiting for /health; its log: {log}")
 
     async def start(self, run_dir: str | None = None) -> None:
@@ -348,7 +360,7 @@ class LlamaServerRunner(Runner):
             return
         try:
             # Built on first use (minutes); in a thread so the event loop stays responsive.
-            self.binary = await asyncio.to_thread(llamacpp.tool, self.profile["binary"], True)
+            self.binary = await asyncio.to_thread(llamacpp.tool, self.settings.binary, True)
         except llamacpp.ToolError as e:
             raise RunnerError(str(e)) from None
         if self.needed is not None and set(self.needed) <= SERVERLESS:
@@ -362,29 +374,29 @@ class LlamaServerRunner(Runner):
     def command(self, port: int) -> list[str]:
         """The server command line for `port` (the profile's args go last so they can add anything)."""
         assert self.binary is not None
-        cmd = [str(self.binary), "--host", self.profile["host"], "--port", str(port),
+        cmd = [str(self.binary), "--host", self.settings.host, "--port", str(port),
                "-m", str(self.model_path), "--parallel", str(self.slots)]
-        if self.profile.get("ctx_size"):
-            cmd += ["-c", str(self.profile["ctx_size"])]
+        if self.settings.ctx_size:
+            cmd += ["-c", str(self.settings.ctx_size)]
         if _lists_flag(self.binary, "--no-webui"):
             cmd.append("--no-webui")
-        return cmd + list(self.profile["args"])
+        return cmd + list(self.settings.args)
 
     async def _spawn_and_wait(self) -> None:
         """Spawn the server and wait until /health answers 200; on failure stop it and raise."""
         assert self.log_path is not None
-        fixed_port = int(self.profile["port"])
+        fixed_port = int(self.settings.port)
         for attempt in range(3):           # a picked free port can be taken before the server binds it
-            port = fixed_port or _free_port(self.profile["host"])
+            port = fixed_port or _free_port(self.settings.host)
             cmd = self.command(port)
             with open_append(self.log_path) as log:     # never through a link planted in the run
                 log_start = log.tell()
                 log.write(f"\n=== moebench {now_iso()}: {' '.join(cmd)}\n".encode())
                 log.flush()
-                env = {**os.environ, **self.profile["env"]}
+                env = {**os.environ, **self.settings.env}
                 proc = SERVERS.spawn(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
             self.proc, self.port = proc, port
-            host = self.profile["host"]
+            host = self.settings.host
             self.base_url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
             problem = await self._wait_healthy(proc)
             if problem is None:
@@ -402,7 +414,7 @@ class LlamaServerRunner(Runner):
 
     async def _wait_healthy(self, proc: subprocess.Popen) -> str | None:
         """None once GET /health is 200; otherwise why not (exited, timed out)."""
-        deadline = time.monotonic() + float(self.profile["startup_timeout_s"])
+        deadline = time.monotonic() + float(self.settings.startup_timeout_s)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as client:
             while time.monotonic() < deadline:
                 if proc.poll() is not None:
@@ -414,7 +426,7 @@ class LlamaServerRunner(Runner):
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     pass                    # not listening yet
                 await asyncio.sleep(0.1)
-        return f"/health not 200 after {self.profile['startup_timeout_s']} s"
+        return f"/health not 200 after {self.settings.startup_timeout_s} s"
 
     def _new_client(self) -> None:
         if self._client is not None:
@@ -423,7 +435,7 @@ class LlamaServerRunner(Runner):
         # request_timeout_s between bytes (its whole length is bounded by request_deadline_s).
         connector = aiohttp.TCPConnector(limit=max(self.slots, self.concurrency) + 4, limit_per_host=0)
         self._client = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(
-            total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=float(self.profile["request_timeout_s"])))
+            total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=float(self.settings.request_timeout_s)))
         try:
             self._client_loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -516,12 +528,12 @@ class LlamaServerRunner(Runner):
                                                        **({"timeout": timeout} if timeout else {})) as resp:
                 yield resp
         except aiohttp.ClientError as e:
-            raise transport_error(e, method, url, CONNECT_TIMEOUT_S, float(self.profile["request_timeout_s"])) from None
+            raise transport_error(e, method, url, CONNECT_TIMEOUT_S, float(self.settings.request_timeout_s)) from None
 
     async def _post_json(self, path: str, body: dict[str, Any]) -> Any:
         """POST a small request and read its JSON reply (bounded), after checking the status."""
         async with self._open("POST", path, body) as r:
-            raw = await read_bounded(r, int(self.profile["max_response_bytes"]), f"llama-server {path}")
+            raw = await read_bounded(r, int(self.settings.max_response_bytes), f"llama-server {path}")
         self._check_status(r, raw)
         return _json_object(raw, f"{self.base_url}{path}")
 
@@ -529,7 +541,7 @@ class LlamaServerRunner(Runner):
         """Run `call`, restarting the server and asking again when the connection is lost. Each attempt
         ends by `request_deadline_s` (a server that drips bytes inside the read timeout holds no item
         for hours); a restart's own wait is bounded by `startup_timeout_s` and `max_restarts`."""
-        deadline_s = float(self.profile["request_deadline_s"])
+        deadline_s = float(self.settings.request_deadline_s)
         for _ in range(self.max_restarts + 4):
             if self._gave_up:
                 raise RunnerError(self._gave_up)
@@ -539,7 +551,7 @@ class LlamaServerRunner(Runner):
             except (ReadTimeout, ConnectTimeout) as e:
                 if self.proc is not None and self.proc.poll() is None:
                     raise RunnerError(f"llama-server request timed out after "
-                                      f"{self.profile['request_timeout_s']} s ({type(e).__name__})") from None
+                                      f"{self.settings.request_timeout_s} s ({type(e).__name__})") from None
                 await self._recover(generation, f"timeout, process gone: {type(e).__name__}")
             except TransportError as e:     # refused, reset, disconnected mid-response
                 await self._recover(generation, describe(e))
@@ -562,29 +574,6 @@ class LlamaServerRunner(Runner):
         raise RunnerError(f"llama-server {r.url} answered {r.status}{moved}: {msg}")
 
     # -- requests ---------------------------------------------------------------------------------
-    def _payload(self, request: GenerateRequest) -> dict[str, Any]:
-        payload: dict[str, Any] = {
-            "prompt": request.prompt,         # a list of ints is sent as token ids (no BOS added)
-            "n_predict": request.max_tokens,
-            "temperature": request.temperature,   # the server's default is 0.8: always send it
-            "stop": list(request.stop),
-            "cache_prompt": request.cache_prompt,
-            "return_tokens": True,
-            "ignore_eos": request.ignore_eos,
-            "stream": request.stream,
-        }
-        if request.seed is not None:
-            payload["seed"] = request.seed
-        if request.top_p is not None:
-            payload["top_p"] = request.top_p
-        if request.top_k is not None:
-            payload["top_k"] = request.top_k
-        if request.top_logprobs:
-            payload["n_probs"] = request.top_logprobs
-        if request.stream:
-            payload["timings_per_token"] = True
-        return payload
-
     @staticmethod
     def _top_logprobs(probs: Any, where: str) -> list[dict[str, float]]:
         if not isinstance(probs, list):
@@ -642,12 +631,12 @@ class LlamaServerRunner(Runner):
         return {"eos": "stop", "word": "stop", "limit": "length"}.get(stop_type or "", stop_type)
 
     def _limit(self, request: GenerateRequest) -> int:
-        return response_limit(request.max_tokens, request.top_logprobs, int(self.profile["max_response_bytes"]))
+        return response_limit(request.max_tokens, request.top_logprobs, int(self.settings.max_response_bytes))
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         if isinstance(request.prompt, list) and not all(isinstance(t, int) for t in request.prompt):
             raise RunnerError("a token prompt must be a list of ints")
-        payload = self._payload(request)
+        payload = LlamaCompletionBody.of(request).to_json()
         if request.stream:
             return await self._with_restarts(lambda: self._generate_stream(payload, request))
         return await self._with_restarts(lambda: self._generate_once(payload, request))
@@ -806,7 +795,7 @@ class LlamaServerRunner(Runner):
                 raise ProfileError(f"{where}: no llama-perplexity for KLD: {e}") from None
             source = "moebench's built llama.cpp tools (the profile names no binary)"
         try:
-            sorted_args = llama_args.perplexity_args(self.profile["args"], ppl, where)
+            sorted_args = llama_args.perplexity_args(self.settings.args, ppl, where)
         except llama_args.ArgsError as e:
             raise ProfileError(str(e)) from None
         self._plan = PerplexityPlan(binary=str(ppl), version=llama_args.version_line(ppl), source=source,
@@ -824,7 +813,7 @@ class LlamaServerRunner(Runner):
             if meta is not None:
                 model["gguf"] = meta
             try:
-                binary = self.binary or llamacpp.tool(self.profile["binary"])
+                binary = self.binary or llamacpp.tool(self.settings.binary)
                 build = {"kind": "llama.cpp", **llamacpp.build_info(binary)}
             except llamacpp.ToolError as e:
                 build = {"kind": "llama.cpp", "error": str(e)}

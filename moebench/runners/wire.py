@@ -1,0 +1,122 @@
+"""The completion requests the HTTP runners send, typed: each is built from a `GenerateRequest` and
+the runner's settings, and becomes JSON once, at the wire (`to_json`).
+
+- `CompletionBody`: OpenAI's `/v1/completions` and `/v1/chat/completions` (runners/http.py).
+- `LlamaCompletionBody`: llama-server's native `/completion` (runners/llama_server.py).
+
+An optional field left None is not sent, so the server's own default applies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from moebench.runners.base import GenerateRequest, RunnerError
+
+
+def _put_set(body: dict[str, Any], **fields: Any) -> None:
+    """Add each field that is set, in order: one left None is not sent (the server's default applies)."""
+    for key, value in fields.items():
+        if value is not None:
+            body[key] = value
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionBody:
+    """One OpenAI-style completion request: `api` "completions" sends `prompt`, "chat" one user message."""
+
+    model: str
+    api: str
+    prompt: str | list[int]
+    max_tokens: int
+    temperature: float
+    seed: int | None = None
+    top_p: float | None = None
+    top_k: int | None = None               # vLLM, SGLang and llama-server accept it
+    stop: tuple[str, ...] = ()             # at most the server's max_stop; the rest is cut client-side
+    top_logprobs: int = 0
+    ignore_eos: bool = False               # vLLM and llama-server both accept it
+    cache_prompt: bool = True              # False is sent (llama-server's key; others ignore unknown keys)
+    stream: bool = False
+    extra_body: dict[str, Any] = field(default_factory=dict)   # the profile's, sent with every request
+
+    @classmethod
+    def of(cls, req: GenerateRequest, *, model: str, api: str, max_stop: int,
+           extra_body: dict[str, Any]) -> "CompletionBody":
+        if api == "chat" and not isinstance(req.prompt, str):
+            raise RunnerError("the chat API takes text prompts only")
+        return cls(model=model, api=api, prompt=req.prompt, max_tokens=req.max_tokens,
+                   temperature=req.temperature, seed=req.seed, top_p=req.top_p, top_k=req.top_k,
+                   stop=tuple(req.stop[:max_stop]), top_logprobs=req.top_logprobs, ignore_eos=req.ignore_eos,
+                   cache_prompt=req.cache_prompt, stream=req.stream, extra_body=extra_body)
+
+    @property
+    def path(self) -> str:
+        """The endpoint below the base URL's /v1."""
+        return "/chat/completions" if self.api == "chat" else "/completions"
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens, "temperature": self.temperature}
+        _put_set(body, seed=self.seed, top_p=self.top_p, top_k=self.top_k)
+        if self.stop:
+            body["stop"] = list(self.stop)
+        if self.api == "chat":
+            body["messages"] = [{"role": "user", "content": self.prompt}]
+            if self.top_logprobs:
+                body["logprobs"] = True
+                body["top_logprobs"] = self.top_logprobs
+        else:
+            body["prompt"] = self.prompt
+            if self.top_logprobs:
+                body["logprobs"] = self.top_logprobs
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        if not self.cache_prompt:
+            body["cache_prompt"] = False
+        body.update(self.extra_body)
+        if self.stream:                        # after extra_body: the runner reads the stream it asked for
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaCompletionBody:
+    """One llama-server `/completion` request (a list of ints as `prompt` is sent as token ids, no BOS
+    added). Temperature is always sent: the server's default is 0.8."""
+
+    prompt: str | list[int]
+    n_predict: int
+    temperature: float
+    stop: tuple[str, ...] = ()
+    cache_prompt: bool = True
+    ignore_eos: bool = False
+    stream: bool = False
+    seed: int | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n_probs: int = 0                       # top log-probs per generated token (0: none asked)
+
+    @classmethod
+    def of(cls, req: GenerateRequest) -> "LlamaCompletionBody":
+        return cls(prompt=req.prompt, n_predict=req.max_tokens, temperature=req.temperature, stop=tuple(req.stop),
+                   cache_prompt=req.cache_prompt, ignore_eos=req.ignore_eos, stream=req.stream, seed=req.seed,
+                   top_p=req.top_p, top_k=req.top_k, n_probs=req.top_logprobs)
+
+    def to_json(self) -> dict[str, Any]:
+        payload: dict[str, Any] = {
+            "prompt": self.prompt,
+            "n_predict": self.n_predict,
+            "temperature": self.temperature,
+            "stop": list(self.stop),
+            "cache_prompt": self.cache_prompt,
+            "return_tokens": True,
+            "ignore_eos": self.ignore_eos,
+            "stream": self.stream,
+        }
+        _put_set(payload, seed=self.seed, top_p=self.top_p, top_k=self.top_k)
+        if self.n_probs:
+            payload["n_probs"] = self.n_probs
+        if self.stream:
+            payload["timings_per_token"] = True
+        return payload

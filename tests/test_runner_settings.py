@@ -1,0 +1,81 @@
+"""Typed runner settings (moebench.config.RunnerSettings) and the typed request bodies (runners/wire.py):
+a profile's settings keep the manifest's JSON, a hand-written table takes the schema's defaults, and
+a body is serialized as the server expects."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from moebench.config import (COMMON_RUNNER_SCHEMA, RunnerSettings, load_runner, load_toml, resolve_profile_paths,
+                             validate)
+from moebench.runners import runner_schemas
+from moebench.runners.base import GenerateRequest, RunnerError
+from moebench.runners.wire import CompletionBody, LlamaCompletionBody
+
+
+def _shipped() -> list[Path]:
+    return sorted((REPO / "runners").glob("*.toml"))
+
+
+@pytest.mark.parametrize("profile", _shipped(), ids=lambda p: p.stem)
+def test_settings_json_is_the_validated_table_key_for_key_in_order(profile):
+    """The manifest's runner keys (docs/schema.md) come from to_json: the table validation returns,
+    with its keys in the same order, no key added or lost."""
+    schemas = runner_schemas()
+    raw = load_toml(profile)
+    if raw["kind"] not in schemas:
+        pytest.skip(f"kind {raw['kind']!r} is not installed here")
+    schema = {**COMMON_RUNNER_SCHEMA, **schemas[raw["kind"]]}
+    table = validate(resolve_profile_paths(raw, schema, profile), schema, str(profile))
+    table.pop("kind")
+    table.pop("name", None)
+    settings = load_runner(profile, schemas).settings
+    assert type(settings) is schemas[raw["kind"]].settings_class
+    assert list(settings.to_json().items()) == list(table.items())
+
+
+def test_a_hand_written_table_takes_every_default_of_its_schema():
+    checked = 0
+    for kind, schema in runner_schemas().items():
+        settings = schema.settings_class.of({"kind": kind, "name": "x"})     # keys it does not know: ignored
+        for key, spec in {**schema, "concurrency": COMMON_RUNNER_SCHEMA["concurrency"]}.items():
+            want = spec.default() if callable(spec.default) else spec.default
+            assert getattr(settings, key) == want, (kind, key)
+            checked += 1
+    assert checked >= 40
+
+
+def test_settings_are_frozen_and_keep_a_given_value():
+    settings = runner_schemas()["http"].settings_class.of({"base_url": "http://127.0.0.1:1/v1", "retries": 0})
+    assert settings.retries == 0 and settings.base_url == "http://127.0.0.1:1/v1"
+    assert settings.given == frozenset({"base_url", "retries"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.retries = 5                                             # type: ignore[misc]
+    assert isinstance(settings, RunnerSettings)
+
+
+def test_completion_body_streams_whatever_extra_body_says_and_cuts_stops():
+    req = GenerateRequest(prompt="hi", max_tokens=5, stop=["a", "b", "c"], stream=True, cache_prompt=False)
+    body = CompletionBody.of(req, model="m", api="completions", max_stop=2,
+                             extra_body={"stream": False, "min_p": 0.1}).to_json()
+    assert body == {"model": "m", "max_tokens": 5, "temperature": 0.0, "seed": 0, "stop": ["a", "b"],
+                    "prompt": "hi", "cache_prompt": False, "min_p": 0.1, "stream": True,
+                    "stream_options": {"include_usage": True}}
+    chat = CompletionBody.of(GenerateRequest(prompt="hi", top_logprobs=3, seed=None), model="m", api="chat",
+                             max_stop=4, extra_body={})
+    assert chat.path == "/chat/completions"
+    assert chat.to_json() == {"model": "m", "max_tokens": 256, "temperature": 0.0,
+                              "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 3}
+    with pytest.raises(RunnerError, match="the chat API takes text prompts only"):
+        CompletionBody.of(GenerateRequest(prompt=[1, 2]), model="m", api="chat", max_stop=4, extra_body={})
+
+
+def test_llama_completion_body_always_sends_temperature_and_asks_for_token_ids():
+    body = LlamaCompletionBody.of(GenerateRequest(prompt=[1, 2, 3], max_tokens=7, top_logprobs=2, top_k=40,
+                                                  stream=True)).to_json()
+    assert body == {"prompt": [1, 2, 3], "n_predict": 7, "temperature": 0.0, "stop": [], "cache_prompt": True,
+                    "return_tokens": True, "ignore_eos": False, "stream": True, "seed": 0, "top_k": 40,
+                    "n_probs": 2, "timings_per_token": True}
