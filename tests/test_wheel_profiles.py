@@ -96,7 +96,7 @@ def test_installed_cli_lists_the_shipped_names_and_gates_by_name(installed, tmp_
 
 def test_installed_runner_profile_paths_mean_the_working_directory(installed, tmp_path):
     probe = ("from moebench.runners import load_runner_profile\nfrom moebench.config import resolve_profile_path\n"
-             "p = load_runner_profile(resolve_profile_path('engine-bf16', 'runners'))\nprint(p.settings['model'])")
+             "p = load_runner_profile(resolve_profile_path('engine-bf16', 'runners'))\nprint(p.settings.model)")
     bare = tmp_path / "bare"
     bare.mkdir()
     proc = _run(["-c", probe], bare, installed)
