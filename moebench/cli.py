@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     from moebench.config import ProfileError
     from moebench.datasets import DatasetError
     from moebench.runners.base import CapabilityError
-    from moebench.scoring.kld_runs import KldError
+    from moebench.kld.runs import KldError
     from moebench.store import StoreError
     try:
         return _dispatch(args)
@@ -326,7 +326,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(api.lm_eval(args.runner, args.tasks, args.limit, args.out))
         return 0
     if args.command == "speed-ab":
-        from moebench.compare.speed_ab import format_rounds
+        from moebench.speed.ab_compare import format_rounds
         result = api.speed_ab(args.profile_a, args.profile_b, args.out, suite=args.suite, order=args.order)
         print(format_rounds(result["speed_ab"]))
         outs = result.get("outputs", {})

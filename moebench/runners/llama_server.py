@@ -45,7 +45,7 @@ from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, ConnectTimeo
 from moebench.store import now_iso, open_append
 from moebench.tools import llama_args, llamacpp
 from moebench.tools.binary_probe import PROBE, ProbeError
-from moebench.tools.llama_perplexity import PerplexityPlan
+from moebench.tools.llama_args import PerplexityPlan
 
 T = TypeVar("T")
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from moebench.compare.latency import tpot
 from moebench.scoring.stats import bootstrap_paired_ratio_ci
+from moebench.speed.latency import tpot
 
 AB_METRICS = ("decode_tok_s", "prefill_tok_s", "ttft_s", "tpot_s")
 # the figure that decides a round; higher is faster

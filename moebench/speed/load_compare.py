@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from moebench.compare.latency import percentiles, tpot
+from moebench.speed.latency import percentiles, tpot
 
 TAIL_CONFIDENCE = 0.99
 LOAD_METRICS = ("ttft_s", "tpot_s", "e2e_s")

@@ -1,5 +1,5 @@
 """KLD arrays in a run directory: where they live, how to read them, and the statistics
-compare.json["kld"] is made of. The KLD task (moebench.tasks.kld) writes them; compare and the
+compare.json["kld"] is made of. The KLD task (moebench.kld.task) writes them; compare and the
 task's own summary read them through this module, so neither imports the other.
 
 Layout under <run>/kld/<task name>/: meta.json, tokens.npy [n_chunk, c], base/chunk_NNNNN.npz (a
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from moebench.scoring import kld_stats as ks
+from moebench.kld import stats as ks
 from moebench.store import write_bytes_atomic, write_json_atomic
 
 TOPK_LADDER = (5, 16, 20, 64, 100, 256)   # K values at which the top-K estimate is checked against exact
@@ -119,7 +119,7 @@ def kld_section(cand_dir: Path, cand_records: list[dict[str, Any]]) -> dict[str,
 
 def sampled_section(cand_dir: Path, cand_records: list[dict[str, Any]]) -> dict[str, Any]:
     """compare.json["kld"] of a sampled KLD (method = "sampled"): the estimate, its interval and counts."""
-    from moebench.scoring import kld_sampled as sk
+    from moebench.kld import sampled_stats as sk
     recs = sorted((r for r in cand_records if r.get("status") == "ok" and r.get("role") == "candidate"
                    and r.get("method") == "sampled"), key=lambda r: (r["prompt"], r["cont"]))
     if not recs:

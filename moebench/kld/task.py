@@ -1,5 +1,5 @@
 """KLD versus a baseline run: teacher-forced next-token distributions over a corpus, chunked as
-llama.cpp's `llama-perplexity` does, with its statistics (moebench.scoring.kld_stats).
+llama.cpp's `llama-perplexity` does, with its statistics (moebench.kld.stats).
 
 Chunking: the corpus (CRLF -> LF) is tokenized once; chunk j is tokens[j*c : (j+1)*c]; if the model
 adds BOS, the chunk's first token is replaced by BOS (the stream also starts with BOS, as
@@ -7,7 +7,7 @@ llama-perplexity tokenizes with add_special); positions c/2 ... c-2 are scored (
 token). Items are chunks, `kld/<corpus stem>/<chunk>`.
 
 Two roles, chosen by `--baseline`:
-- BASELINE run (no --baseline) writes, under <run>/kld/<task name>/ (layout: moebench.scoring.kld_runs):
+- BASELINE run (no --baseline) writes, under <run>/kld/<task name>/ (layout: moebench.kld.runs):
   meta.json, tokens.npy [n_chunk, c] (the exact ids every candidate must use), and per chunk
   base/chunk_NNNNN.npz with, per scored position, the top-K token ids and float16 log-probs, the
   float32 log of the remaining mass, the float32 log-prob of the actual next token, and for the first
@@ -24,11 +24,11 @@ How the log-probs are obtained is chosen from the runner's capabilities, never i
 - `full_logits`: the whole distribution at every position (the engine): exact KLD.
 - `prompt_logprobs`: a server's top-K prompt log-probs (`runner.prompt_logprobs`), K from the runner
   (`prompt_logprobs_k`); exact when K covers the vocabulary on both sides, otherwise a lower bound
-  (kld_stats.sparse_kld). Where the runner can score fixed ids (`prompt_logprob_ids`), a candidate
+  (stats.sparse_kld). Where the runner can score fixed ids (`prompt_logprob_ids`), a candidate
   asks for the baseline's top-K ids too, which tightens the bound.
 
 `method = "sampled"` (a Monte Carlo estimate on the baseline's own samples from one log-prob per token)
-is another class, moebench.tasks.kld_sampled.SampledKldTask, which KldTask(opts) returns for it.
+is another class, moebench.kld.sampled_task.SampledKldTask, which KldTask(opts) returns for it.
 """
 from __future__ import annotations
 
@@ -42,10 +42,10 @@ import numpy as np
 
 from moebench.config import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, MAX_VOCAB, Field, non_negative, positive
 from moebench.datasets import KLD_DEFAULT_CORPUS, data_file, read_text, register
+from moebench.kld import stats as ks
+from moebench.kld.runs import (TOPK_LADDER, KldError, chunk_file, id_dtype, kld_section, read_meta,
+                               router_agreement, save_npz, task_dir, write_json)
 from moebench.runners.base import Capability, Runner, RunnerError
-from moebench.scoring import kld_stats as ks
-from moebench.scoring.kld_runs import (TOPK_LADDER, KldError, chunk_file, id_dtype, kld_section, read_meta,
-                                       router_agreement, save_npz, task_dir, write_json)
 from moebench.store import write_bytes_atomic
 from moebench.tasks.base import Item, Task, prompt_hash
 
@@ -90,8 +90,8 @@ class KldTask(Task):
         "threads": Field(int, check=positive, low=1, high=1_024, doc="llama-perplexity -t"),
         "method": Field(str, default="teacher-forced", choices=("teacher-forced", "sampled"),
                         doc="teacher-forced over the corpus, or sampled: Monte Carlo on the baseline's own "
-                            "samples from one log-prob per token (moebench.tasks.kld_sampled)"),
-        # method = "sampled" only (defaults in moebench.tasks.kld_sampled.DEFAULTS)
+                            "samples from one log-prob per token (moebench.kld.sampled_task)"),
+        # method = "sampled" only (defaults in moebench.kld.sampled_task.DEFAULTS)
         "prompts": Field(int, check=positive, low=1, high=1_000_000, doc="sampled: prompts taken from the corpus"),
         "prompt_tokens": Field(int, check=positive, low=1, high=MAX_PROMPT_TOKENS, doc="sampled: tokens per prompt"),
         "continuations": Field(int, check=positive, low=1, high=100_000,
@@ -105,10 +105,10 @@ class KldTask(Task):
     SAMPLED_KEYS = ("prompts", "prompt_tokens", "continuations", "tokens", "seed", "estimator")
 
     def __new__(cls, opts: dict[str, Any], ctx=None):
-        # One task kind, two methods: method = "sampled" is its own class (moebench.tasks.kld_sampled),
+        # One task kind, two methods: method = "sampled" is its own class (moebench.kld.sampled_task),
         # which is not a KldTask, so KldTask.__init__ does not run on it.
         if cls is KldTask and (opts or {}).get("method") == "sampled":
-            from moebench.tasks.kld_sampled import SampledKldTask
+            from moebench.kld.sampled_task import SampledKldTask
             return SampledKldTask(opts, ctx)
         return super().__new__(cls)
 
@@ -230,7 +230,7 @@ class KldTask(Task):
     def _load_baseline(self) -> None:
         self.base_meta = read_meta(self.ctx.baseline_run, self.name)
         if self.base_meta["format"] == "llama":
-            from moebench.tools.llama_perplexity import read_base_file
+            from moebench.kld.perplexity_tool import read_base_file
             self._bf = read_base_file(self.base_dir / "base.kld")
             self.tokens = self._bf.tokens
         else:
@@ -445,7 +445,7 @@ class KldTask(Task):
 
     # ---- llama-server: llama-perplexity does the forward passes -----------------------------------
     def _prepare_llama(self, runner: Runner) -> None:
-        from moebench.tools import llama_perplexity as lp
+        from moebench.kld import perplexity_tool as lp
         plan = runner.perplexity_plan()
         model = plan.model
         threads = self.opts.get("threads")
@@ -522,7 +522,7 @@ class KldTask(Task):
 
 def export_base_file(base_run: Path, name: str, out: Path) -> Path:
     """Write a llama-perplexity base file from an engine baseline that kept full distributions."""
-    from moebench.tools.llama_perplexity import BaseFileWriter
+    from moebench.kld.perplexity_tool import BaseFileWriter
     meta = read_meta(base_run, name)
     folder = task_dir(base_run, name)
     if meta.get("full_chunks", 0) < meta["n_chunk"]:

@@ -1,5 +1,5 @@
 """KLD `method = "sampled"`: KL(baseline || candidate) estimated on the baseline's own samples, from one
-log-prob per token on each side (moebench.scoring.kld_sampled has the estimators and the interval).
+log-prob per token on each side (moebench.kld.sampled_stats has the estimators and the interval).
 
 Prompts: `prompts` windows of `prompt_tokens` tokens spread evenly over the corpus (BOS in front where
 the model adds it). Items: `kld/<corpus stem>/p<prompt>/c<continuation>`, `continuations` per prompt,
@@ -17,7 +17,6 @@ concurrency, where the server honours `seed`).
 """
 from __future__ import annotations
 
-import asyncio
 import io
 from pathlib import Path
 from typing import Any
@@ -25,9 +24,9 @@ from typing import Any
 import numpy as np
 
 from moebench.datasets import KLD_DEFAULT_CORPUS, data_file, read_text, register
+from moebench.kld import sampled_stats as sk
+from moebench.kld.runs import KldError, read_meta, sampled_section, save_npz, seq_file, task_dir, write_json
 from moebench.runners.base import Capability, Runner, RunnerError
-from moebench.scoring import kld_sampled as sk
-from moebench.scoring.kld_runs import KldError, read_meta, sampled_section, save_npz, seq_file, task_dir, write_json
 from moebench.store import write_bytes_atomic
 from moebench.tasks.base import Item, Task, prompt_hash
 

@@ -1,6 +1,6 @@
 """Per-request latency figures every speed reader shares: the percentile summary of a list of values
-and a record's time per output token. A leaf: compare.speed (closed-loop speed) and compare.load
-(open-loop serving load) both build on it.
+and a record's time per output token. A leaf of the speed wing: speed/compare.py (closed-loop speed),
+speed/load_compare.py (open-loop serving load), speed/ab_compare.py and speed/open_loop.py build on it.
 """
 from __future__ import annotations
 
