@@ -22,7 +22,7 @@ from moebench.datasets import data_dir
 from moebench.runners import load_runner_profile, make_runner
 from moebench.runners.base import RunnerError
 from moebench.runners.responses import describe
-from moebench.speed.ab_compare import ab_section
+from moebench.speed.ab_compare import AbPass, ab_section
 from moebench.speed.compare import speed_compare, summarize_speed
 from moebench.speed.task import SpeedTask
 from moebench.store import write_json_atomic
@@ -76,7 +76,7 @@ def run_ab(profile_a_path: str, profile_b_path: str, suite_options: dict[str, An
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     profiles = {"A": str(profile_a_path), "B": str(profile_b_path)}
-    passes: list[dict[str, Any]] = []
+    passes: list[AbPass] = []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     for i, which in enumerate(order):
@@ -89,17 +89,15 @@ def run_ab(profile_a_path: str, profile_b_path: str, suite_options: dict[str, An
             raise RunnerError(f"A/B pass {i} ({which}, {profiles[which]}) failed with exit code "
                               f"{proc.returncode}: {proc.stderr.strip()[-1500:]}")
         data = json.loads(path.read_text())
-        data.update(which=which, pass_index=i, process_s=time.perf_counter() - t0)
-        passes.append(data)
+        passes.append(AbPass(which=which, index=i, pid=data["pid"], load_s=data["load_s"],
+                             process_s=time.perf_counter() - t0, records=data["records"], summary=data["summary"]))
 
-    pooled = {w: [r for p in passes if p["which"] == w for r in p["records"]] for w in "AB"}
+    pooled = {w: [r for p in passes if p.which == w for r in p.records] for w in "AB"}
     section = ab_section(passes, order, profiles)
     result = {
         "order": order,
         "profiles": profiles,
-        "passes": [{"pass": p["pass_index"], "which": p["which"], "pid": p["pid"], "load_s": p["load_s"],
-                    "process_s": p["process_s"], "n_ok": p["summary"]["n_ok"], "n_errors": p["summary"]["n_errors"]}
-                   for p in passes],
+        "passes": [p.to_json() for p in passes],
         "summary": {w: summarize_speed(pooled[w]) for w in "AB"},
         "speed_b_vs_a": speed_compare(pooled["A"], pooled["B"]),
         "outputs": section["identity"],

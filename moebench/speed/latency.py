@@ -5,19 +5,44 @@ speed/load_compare.py (open-loop serving load), speed/ab_compare.py and speed/op
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 
-def percentiles(values: list[float]) -> dict[str, Any] | None:
-    """n, median, p25/p75/iqr, p50/p90/p99, min, max of the finite values (numpy's linear quantiles)."""
-    vals = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=np.float64)
-    if vals.size == 0:
-        return None
-    p25, p50, p75, p90, p99 = (float(x) for x in np.quantile(vals, [0.25, 0.5, 0.75, 0.9, 0.99]))
-    return {"n": int(vals.size), "median": p50, "p25": p25, "p75": p75, "iqr": p75 - p25,
-            "p50": p50, "p90": p90, "p99": p99, "min": float(vals.min()), "max": float(vals.max())}
+@dataclass(frozen=True)
+class Percentiles:
+    """The spread of one figure over a group of requests (numpy's linear quantiles)."""
+
+    n: int
+    p25: float
+    p50: float
+    p75: float
+    p90: float
+    p99: float
+    min: float
+    max: float
+
+    @staticmethod
+    def of(values: list[float | None]) -> Percentiles | None:
+        """Over the finite values; None where there are none."""
+        vals = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=np.float64)
+        if vals.size == 0:
+            return None
+        p25, p50, p75, p90, p99 = (float(x) for x in np.quantile(vals, [0.25, 0.5, 0.75, 0.9, 0.99]))
+        return Percentiles(int(vals.size), p25, p50, p75, p90, p99, float(vals.min()), float(vals.max()))
+
+    def to_json(self) -> dict[str, float]:
+        """As compare.json writes a figure's spread: n, median, p25/p75/iqr, p50/p90/p99, min, max."""
+        return {"n": self.n, "median": self.p50, "p25": self.p25, "p75": self.p75, "iqr": self.p75 - self.p25,
+                "p50": self.p50, "p90": self.p90, "p99": self.p99, "min": self.min, "max": self.max}
+
+
+def percentiles(values: list[float | None]) -> dict[str, float] | None:
+    """Percentiles.of(values) as compare.json writes it, or None."""
+    st = Percentiles.of(values)
+    return st.to_json() if st is not None else None
 
 
 def tpot(r: dict[str, Any]) -> float | None:
