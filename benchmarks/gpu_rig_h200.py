@@ -144,12 +144,12 @@ def load_like_runner(profile_path: Path):
 
 def suite_prompts(eng, length: int, repeats: int = SPEED_REPEATS, seed: int = SPEED_SEED) -> list[list[int]]:
     """The speed suite's one-client prompts for this length: the same unique opening per repeat
-    (tasks.speed.measurement_prefix), then the haystack's prose, cut to `length` tokens. The tiered
+    (speed.task.measurement_prefix), then the haystack's prose, cut to `length` tokens. The tiered
     model's speed depends on which experts the text routes to the host tier, so the loop must see
     the suite's text."""
     from moebench.datasets import data_dir
     from moebench.tasks.needle import load_haystack
-    from moebench.tasks.speed import measurement_prefix
+    from moebench.speed.task import measurement_prefix
     text = load_haystack(data_dir() / "haystack" / "war_and_peace.txt")[: length * 8]
     out = []
     for rep in range(repeats):

@@ -8,8 +8,8 @@ prompts (temperature 1, no truncation, EOS ignored: what `method = "sampled"` as
 the very contexts that were sampled computes with the engine's full distributions:
 - the exact per-position KL(p || q) over the whole vocabulary;
 - the sampled estimates (low-variance and plain) from log p(x_t) and log q(x_t) alone, with the
-  bootstrap interval over sequences (moebench.scoring.kld_sampled, the code the KLD task uses);
-- the top-20 lower bound (moebench.scoring.kld_stats): baseline top 20 + lumped rest, with the
+  bootstrap interval over sequences (moebench.kld.sampled_stats, the code the KLD task uses);
+- the top-20 lower bound (moebench.kld.stats): baseline top 20 + lumped rest, with the
   candidate's exact log-probs of those ids (`topk_kld`, the tightest top-20 figure), and with the
   candidate's own top 20 + the actual token only (`sparse_kld`, what a vLLM-style server returns).
 Repeats are grouped into runs of 1, 2 and 4 thousand tokens (1, 2 and 4 repeats), so every figure is
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moebench.scoring import kld_sampled as sk
-from moebench.scoring import kld_stats as ks
+from moebench.kld import sampled_stats as sk
+from moebench.kld import stats as ks
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -30,7 +30,8 @@ from moebench.datasets import data_dir  # noqa: E402
 from moebench.probes.nvml import NvmlProbe  # noqa: E402
 from moebench.tasks.base import TaskContext  # noqa: E402
 from moebench.tasks.needle import HAYSTACK_FILE, NeedleTask  # noqa: E402
-from moebench.tasks.speed import SpeedTask, summarize_speed  # noqa: E402
+from moebench.speed.compare import summarize_speed  # noqa: E402
+from moebench.speed.task import SpeedTask  # noqa: E402
 
 ENERGY_AGREEMENT = 0.05
 

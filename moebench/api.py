@@ -802,7 +802,7 @@ def lm_eval(runner: str, tasks: str | list[str], limit: int | None = None, out: 
 def speed_ab(profile_a: str, profile_b: str, out: str, suite: str = "speed", order: str = "ABBA") -> dict[str, Any]:
     """`moebench speed-ab`: two runner profiles' speed passes interleaved in fresh processes, written
     to `out` (ab.json, compare.json, report.html); returns the A/B result."""
-    from moebench.tasks.speed import run_ab
+    from moebench.speed.ab import run_ab
     suite_p = load_suite(resolve_profile_path(suite, "suites"), task_schemas())
     speed = [t for t in suite_p.tasks if t["task"] == "speed"]
     if not speed:

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from moebench.config import ProfileError
     from moebench.datasets import DatasetError
     from moebench.runners.base import CapabilityError
-    from moebench.scoring.kld_runs import KldError
+    from moebench.kld.runs import KldError
     from moebench.store import StoreError
     try:
         return args.handler(args)

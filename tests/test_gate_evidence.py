@@ -134,7 +134,7 @@ def test_gate_on_matrix_inside_the_folder_still_gates_every_candidate(runs, tmp_
 
 
 def _kld_compare(d: Path, **kld) -> Path:
-    """A compare.json whose kld section is as moebench.compare.kld writes it (KLD needs model runs:
+    """A compare.json whose kld section is as moebench.kld.compare writes it (KLD needs model runs:
     tests/test_kld.py makes real ones; the gate reads only these keys)."""
     d.mkdir()
     doc = {"schema_version": 2, "baseline": {"run": "/r/base", "label": "base"},

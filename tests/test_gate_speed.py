@@ -123,7 +123,7 @@ def test_significant_loss_over_several_tasks_is_holm_adjusted(tmp_path):
 def test_compare_folds_in_speed_ab_rounds(paced, tmp_path):
     """`compare BASE CAND --speed-ab DIR`: the A/B rounds join the runs' compare, summary and gate."""
     from conftest import moebench_cli
-    from moebench.tasks.speed import run_ab
+    from moebench.speed.ab import run_ab
     a, b = paced(first_ms=20, every_ms=60), paced(first_ms=20, every_ms=30)
     base, cand = speed_run(tmp_path, "a", a.url, 5), speed_run(tmp_path, "b", b.url, 5)
     pa, pb = _runner_profile(tmp_path, "pa", a.url), _runner_profile(tmp_path, "pb", b.url)

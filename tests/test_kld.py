@@ -15,8 +15,8 @@ import pytest
 from moebench import api
 from moebench.datasets import data_dir, read_text
 from moebench.runners.base import CapabilityError
-from moebench.scoring import kld_stats as ks
-from moebench.tools import llama_perplexity as lp
+from moebench.kld import stats as ks
+from moebench.kld import perplexity_tool as lp
 
 CONTEXT = 256
 

@@ -106,7 +106,7 @@ def test_compare_carries_the_other_baseline_warning_everywhere(kld_runs, tmp_pat
 
 def test_kld_notes_name_a_lower_bound_beside_the_exact_figure():
     """The top-K lower bound comes from a prompt-logprobs server (tests/test_http_kld.py runs one);
-    here the note is read off the section as kld_runs.kld_section writes it."""
+    here the note is read off the section as kld.runs.kld_section writes it."""
     from moebench.compare.provenance import kld_notes
     section = {"mean": 0.0123, "estimate": {"k": 20, "lower_bound": True},
                "topk_vs_exact": {"n_tokens": 255, "exact_mean": 0.0187}}

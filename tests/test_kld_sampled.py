@@ -16,7 +16,7 @@ import pytest
 
 from moebench import api
 from moebench.runners.base import RunnerError
-from moebench.scoring import kld_sampled as sk
+from moebench.kld import sampled_stats as sk
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS, CONTS, TOKENS = 4, 2, 16
@@ -195,7 +195,7 @@ def test_a_candidate_must_match_the_baseline_suite(pair):
     teacher-forced task is refused naming it."""
     other = pair["tmp"] / "other.toml"
     other.write_text(SUITE.replace("seed = 7", "seed = 8"))
-    from moebench.scoring.kld_runs import KldError
+    from moebench.kld.runs import KldError
     with pytest.raises(KldError, match="used seed = 7, this suite 8: the sampled tokens would differ"):
         api.run(api.RunOptions(suite=str(other), runner=str(pair["cand"]), out=str(pair["tmp"] / "x"),
                                baseline=str(pair["base_run"]), quiet=True))

@@ -11,9 +11,10 @@ from moebench.config import ProfileError, validate, COMMON_TASK_SCHEMA
 from moebench.datasets import data_dir
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner
 from moebench.tasks.base import TaskContext
+from moebench.compare.needle import needle_compare
 from moebench.tasks.needle import (HAYSTACK_FILE, NEEDLE_TEMPLATE, NeedleError, NeedleTask, QUESTION,
                                    build_index, build_needle_prompt, load_haystack, needle_code,
-                                   needle_compare, score_answer)
+                                   score_answer)
 
 DATA = data_dir()
 HAYSTACK = DATA / HAYSTACK_FILE

@@ -167,7 +167,7 @@ def test_kld_base_file_refuses_a_link_and_leaves_its_target_whole(tmp_path):
     """base.kld is written chunk by chunk into the run: never through a link planted there."""
     import numpy as np
     from moebench.store import StoreError
-    from moebench.tools.llama_perplexity import BaseFileWriter
+    from moebench.kld.perplexity_tool import BaseFileWriter
     victim = tmp_path / "victim.bin"
     victim.write_bytes(b"precious")
     (tmp_path / "base.kld").symlink_to(victim)

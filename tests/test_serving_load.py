@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from moebench import api
-from moebench.compare.load import TAIL_NEEDED, tail_samples_needed
+from moebench.speed.load_compare import TAIL_NEEDED, tail_samples_needed
 from moebench.config import COMMON_TASK_SCHEMA, ProfileError, validate
 from moebench.datasets import data_dir
 from moebench.tasks.base import TaskContext
-from moebench.tasks.load import arrival_offsets
-from moebench.tasks.speed import SpeedTask
+from moebench.speed.open_loop import arrival_offsets
+from moebench.speed.task import SpeedTask
 from serving_standin import StandIn
 
 
@@ -335,7 +335,7 @@ def test_poisson_load_against_llama_server_with_metrics(tmp_path):
 def test_goodput_interval_holds_the_ratio_when_a_side_met_none_or_all():
     """Haldane's half-request correction moves the interval's centre; it must still hold the measured
     ratio: 0 where the candidate met no SLO, 2 where it met all against half."""
-    from moebench.compare.load import goodput_ratio_ci
+    from moebench.speed.load_compare import goodput_ratio_ci
     base = {"duration_s": 2.0, "n_sent": 8, "slo_met_share": 0.5}
     lo, hi = goodput_ratio_ci(base, {"duration_s": 2.0, "n_sent": 8, "slo_met_share": 0.0})
     assert lo == 0.0 and hi > 0.5

@@ -24,7 +24,9 @@ from moebench.config import COMMON_TASK_SCHEMA, ProfileError, validate
 from moebench.datasets import data_dir
 from moebench.tasks.base import TaskContext, prompt_hash
 from moebench.tasks.needle import HAYSTACK_FILE
-from moebench.tasks.speed import SpeedTask, run_ab, speed_compare, summarize_speed, timing_fields
+from moebench.speed.ab import run_ab
+from moebench.speed.compare import speed_compare, summarize_speed
+from moebench.speed.task import SpeedTask, timing_fields
 
 http_runner = pytest.importorskip("moebench.runners.http", reason="the HTTP runner is not in the tree yet")
 DATA = data_dir()

@@ -157,7 +157,7 @@ def test_top_p_on_a_runner_without_sampling_is_refused_before_any_work(tmp_path,
     from moebench.config import COMMON_TASK_SCHEMA, validate
     from moebench.runners.base import check_capabilities
     from moebench.tasks.base import TaskContext
-    from moebench.tasks.speed import SpeedTask
+    from moebench.speed.task import SpeedTask
     opts = validate({"task": "speed", "temperature": 0.7, "top_p": 0.9}, {**COMMON_TASK_SCHEMA, **SpeedTask.options}, "t")
     task = SpeedTask(opts, TaskContext(data_dir=data_dir))
     with pytest.raises(CapabilityError, match="needs sampling"):

@@ -8,7 +8,7 @@ import torch
 from moebench.datasets import data_dir, read_text
 from moebench.demo import calibrate_zoo, pack_tiered
 from moebench.engine import Engine
-from moebench.scoring.kld_stats import full_kld
+from moebench.kld.stats import full_kld
 
 
 def _mean_kld(base_logits: torch.Tensor, cand: Engine, ids: list[int]) -> float:

@@ -19,7 +19,7 @@ def add_args(sub: argparse._SubParsersAction) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     from moebench import api
-    from moebench.compare.speed_ab import format_rounds
+    from moebench.speed.ab_compare import format_rounds
     result = api.speed_ab(args.profile_a, args.profile_b, args.out, suite=args.suite, order=args.order)
     print(format_rounds(result["speed_ab"]))
     outs = result.get("outputs", {})

@@ -87,7 +87,7 @@ def build_compare(base_dir: str | Path, cand_dir: str | Path, speed_ab: str | Pa
         out["data_unverified"] = unvouched
         warnings += [f"{t}: {unverified_reason(sides)}" for t, sides in unvouched.items()]
 
-    kld = _optional("moebench.compare.kld", "kld_compare")
+    kld = _optional("moebench.kld.compare", "kld_compare")
     if kld is not None and _kld_records(crecs):
         section = kld(base_dir, cand_dir, bm, cm, _kld_records(brecs), _kld_records(crecs))
         if section:
@@ -103,7 +103,7 @@ def build_compare(base_dir: str | Path, cand_dir: str | Path, speed_ab: str | Pa
     if needle is not None and any(r.get("task") == "needle" for r in brecs + crecs):
         out["needle"] = needle(_records_of(brecs, "needle"), _records_of(crecs, "needle"))
     if any(r.get("task") == "speed" for r in brecs + crecs):
-        from moebench.compare.speed import read_token_times, speed_compare
+        from moebench.speed.compare import read_token_times, speed_compare
         out["speed"] = speed_compare(_records_of(brecs, "speed"), _records_of(crecs, "speed"),
                                      read_token_times(base_dir), read_token_times(cand_dir))
     mem = _optional("moebench.probes.energy", "memory_energy_compare")

@@ -164,7 +164,7 @@ def _speed_ab_lines(cmp: dict[str, Any]) -> list[str]:
     ab = cmp.get("speed_ab")
     if not isinstance(ab, dict):
         return []
-    from moebench.compare.speed_ab import format_rounds
+    from moebench.speed.ab_compare import format_rounds
     return ["speed-ab (A,B,B,A order kept):"] + format_rounds(ab).splitlines()
 
 
@@ -173,7 +173,7 @@ def _load_lines(cmp: dict[str, Any]) -> list[str]:
     load = sp.get("load") if isinstance(sp, dict) else None
     if not isinstance(load, dict) or not load.get("rows"):
         return []
-    from moebench.compare.load import format_load
+    from moebench.speed.load_compare import format_load
     return format_load(load)
 
 

@@ -47,7 +47,7 @@ from moebench.runners.wire import LlamaCompletionBody
 from moebench.store import now_iso, open_append
 from moebench.tools import llama_args, llamacpp
 from moebench.tools.binary_probe import PROBE, ProbeError
-from moebench.tools.llama_perplexity import PerplexityPlan
+from moebench.tools.llama_args import PerplexityPlan
 
 T = TypeVar("T")
 

@@ -9,9 +9,9 @@ TASK_KINDS: dict[str, tuple[str, str]] = {
     "gsm8k": ("moebench.tasks.gsm8k", "Gsm8kTask"),
     "cmmlu": ("moebench.tasks.cmmlu", "CmmluTask"),
     "humaneval": ("moebench.tasks.humaneval", "HumanEvalTask"),
-    "kld": ("moebench.tasks.kld", "KldTask"),
+    "kld": ("moebench.kld.task", "KldTask"),
     "needle": ("moebench.tasks.needle", "NeedleTask"),
-    "speed": ("moebench.tasks.speed", "SpeedTask"),
+    "speed": ("moebench.speed.task", "SpeedTask"),
 }
 
 

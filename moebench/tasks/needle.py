@@ -24,7 +24,6 @@ from typing import Any, Awaitable, Callable
 from moebench.config import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, Field, positive
 from moebench.datasets import data_file, register
 from moebench.runners.base import Capability, GenerateRequest, Runner
-from moebench.compare.needle import needle_compare  # noqa: F401 (re-exported for callers of the task module)
 from moebench.tasks.base import Item, Task, prompt_hash, count_flagged, prompt_tokens_check
 
 HAYSTACK_FILE = "haystack/war_and_peace.txt"

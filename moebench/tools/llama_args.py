@@ -27,6 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from moebench.tools.binary_probe import PROBE, ProbeError
 
@@ -199,3 +200,20 @@ def perplexity_args(args: list[str], perplexity_binary: str | Path, where: str) 
         raise ArgsError(f"{where}: key 'args': " + "; ".join(parts)
                         + " (docs/kld.md lists which flags pass to llama-perplexity)")
     return out
+
+
+@dataclass
+class PerplexityPlan:
+    """How KLD runs llama-perplexity for one llama-server candidate: its build, its model, its flags."""
+
+    binary: str                   # the llama-perplexity that runs
+    version: str                  # its `--version` line
+    source: str                   # why this binary: beside the profile's `binary`, or the built tools
+    model: str                    # the profile's GGUF
+    args: list[str]               # the profile's placement/numerics flags passed through
+    dropped: list[str]            # the profile's flags left out (server-only, sampling, context)
+    server_binary: str | None = None
+
+    def as_record(self) -> dict[str, Any]:
+        return {"binary": self.binary, "version": self.version, "source": self.source, "model": self.model,
+                "args": list(self.args), "dropped_args": list(self.dropped), "server_binary": self.server_binary}

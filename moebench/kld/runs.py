@@ -1,5 +1,5 @@
 """KLD arrays in a run directory: where they live, how to read them, and the statistics
-compare.json["kld"] is made of. The KLD task (moebench.tasks.kld) writes them; compare and the
+compare.json["kld"] is made of. The KLD task (moebench.kld.task) writes them; compare and the
 task's own summary read them through this module, so neither imports the other.
 
 Layout under <run>/kld/<task name>/: meta.json, tokens.npy [n_chunk, c], base/chunk_NNNNN.npz (a
@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from moebench.scoring import kld_stats as ks
+from moebench.kld import stats as ks
+from moebench.datasets import data_file, register
 from moebench.store import write_bytes_atomic, write_json_atomic
 
 TOPK_LADDER = (5, 16, 20, 64, 100, 256)   # K values at which the top-K estimate is checked against exact
@@ -28,6 +29,35 @@ class KldError(RuntimeError):
 
 def task_dir(run_dir: Path, name: str) -> Path:
     return Path(run_dir) / "kld" / name
+
+
+class KldFolders:
+    """The role, folders and corpus of a KLD task, shared by both KLD task classes: a run made with
+    --baseline is a candidate; its arrays go under <run>/kld/<task>/, the baseline's are read from
+    the same place in the baseline run. Mixed into a tasks.base.Task, whose `ctx`, `name` and `corpus`
+    it reads."""
+
+    @property
+    def is_candidate(self) -> bool:
+        return self.ctx.baseline_run is not None
+
+    @property
+    def out_dir(self) -> Path:
+        if self.ctx.run_dir is None:
+            raise KldError("kld needs a run directory for its arrays")
+        return task_dir(self.ctx.run_dir, self.name)
+
+    @property
+    def base_dir(self) -> Path:
+        return task_dir(self.ctx.baseline_run, self.name)
+
+    def register_corpus(self) -> None:
+        """Record the corpus file among the run's data files (its hash goes into the manifest)."""
+        register(self.ctx.data_files, self.ctx.data_dir, data_file(self.ctx.data_dir, self.corpus))
+
+    def baseline_meta(self) -> dict[str, Any]:
+        """The baseline run's meta.json for this task (a candidate's)."""
+        return read_meta(self.ctx.baseline_run, self.name)
 
 
 def chunk_file(folder: Path, chunk: int) -> Path:
@@ -119,7 +149,7 @@ def kld_section(cand_dir: Path, cand_records: list[dict[str, Any]]) -> dict[str,
 
 def sampled_section(cand_dir: Path, cand_records: list[dict[str, Any]]) -> dict[str, Any]:
     """compare.json["kld"] of a sampled KLD (method = "sampled"): the estimate, its interval and counts."""
-    from moebench.scoring import kld_sampled as sk
+    from moebench.kld import sampled_stats as sk
     recs = sorted((r for r in cand_records if r.get("status") == "ok" and r.get("role") == "candidate"
                    and r.get("method") == "sampled"), key=lambda r: (r["prompt"], r["cont"]))
     if not recs:

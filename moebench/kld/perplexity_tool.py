@@ -3,7 +3,7 @@
 Base file (tools/perplexity/perplexity.cpp, b11434): "_logits_", uint32 n_ctx, int32 n_vocab,
 int32 n_chunk, int32 tokens[n_ctx * n_chunk] (the text's tokens, BOS NOT substituted), then per
 chunk and per scored position (n_ctx - 1 - n_ctx/2 of them) one row of `row_width(n_vocab)` uint16
-(see moebench.scoring.kld_stats.encode_logprobs). Rows are read lazily, one chunk at a time.
+(see moebench.kld.stats.encode_logprobs). Rows are read lazily, one chunk at a time.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from moebench.scoring.kld_stats import decode_logprobs, row_width
+from moebench.kld.stats import decode_logprobs, row_width
 from moebench.store import open_append, open_fd, write_bytes_atomic
 
 MAGIC = b"_logits_"
@@ -121,23 +121,6 @@ class BaseFileWriter:
 
 # ---- running llama-perplexity -----------------------------------------------------------------------
 
-@dataclass
-class PerplexityPlan:
-    """How KLD runs llama-perplexity for one llama-server candidate: its build, its model, its flags."""
-
-    binary: str                   # the llama-perplexity that runs
-    version: str                  # its `--version` line
-    source: str                   # why this binary: beside the profile's `binary`, or the built tools
-    model: str                    # the profile's GGUF
-    args: list[str]               # the profile's placement/numerics flags passed through
-    dropped: list[str]            # the profile's flags left out (server-only, sampling, context)
-    server_binary: str | None = None
-
-    def as_record(self) -> dict[str, Any]:
-        return {"binary": self.binary, "version": self.version, "source": self.source, "model": self.model,
-                "args": list(self.args), "dropped_args": list(self.dropped), "server_binary": self.server_binary}
-
-
 def _binary() -> str:
     from moebench.tools.llamacpp import tool
     return str(tool("llama-perplexity", build=True))
@@ -223,7 +206,7 @@ _CHUNK_LINE = re.compile(r"^\s*(\d+)\s+" + r"\s+".join([_PM] * 3) + r"\s+" + _PM
 
 
 def parse_kld_output(stdout: str) -> dict[str, Any]:
-    """llama-perplexity --kl-divergence stdout -> the same keys as kld_stats.summarize (fractions, not %).
+    """llama-perplexity --kl-divergence stdout -> the same keys as stats.summarize (fractions, not %).
 
     Also `per_chunk_cumulative`: each chunk line's running figures (llama prints cumulative means), and
     `per_chunk`: each chunk's own mean KLD, recovered from the running means (chunks are equal-sized).

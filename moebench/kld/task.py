@@ -1,5 +1,5 @@
 """KLD versus a baseline run: teacher-forced next-token distributions over a corpus, chunked as
-llama.cpp's `llama-perplexity` does, with its statistics (moebench.scoring.kld_stats).
+llama.cpp's `llama-perplexity` does, with its statistics (moebench.kld.stats).
 
 Chunking: the corpus (CRLF -> LF) is tokenized once; chunk j is tokens[j*c : (j+1)*c]; if the model
 adds BOS, the chunk's first token is replaced by BOS (the stream also starts with BOS, as
@@ -7,7 +7,7 @@ llama-perplexity tokenizes with add_special); positions c/2 ... c-2 are scored (
 token). Items are chunks, `kld/<corpus stem>/<chunk>`.
 
 Two roles, chosen by `--baseline`:
-- BASELINE run (no --baseline) writes, under <run>/kld/<task name>/ (layout: moebench.scoring.kld_runs):
+- BASELINE run (no --baseline) writes, under <run>/kld/<task name>/ (layout: moebench.kld.runs):
   meta.json, tokens.npy [n_chunk, c] (the exact ids every candidate must use), and per chunk
   base/chunk_NNNNN.npz with, per scored position, the top-K token ids and float16 log-probs, the
   float32 log of the remaining mass, the float32 log-prob of the actual next token, and for the first
@@ -24,11 +24,11 @@ How the log-probs are obtained is chosen from the runner's capabilities, never i
 - `full_logits`: the whole distribution at every position (the engine): exact KLD.
 - `prompt_logprobs`: a server's top-K prompt log-probs (`runner.prompt_logprobs`), K from the runner
   (`prompt_logprobs_k`); exact when K covers the vocabulary on both sides, otherwise a lower bound
-  (kld_stats.sparse_kld). Where the runner can score fixed ids (`prompt_logprob_ids`), a candidate
+  (stats.sparse_kld). Where the runner can score fixed ids (`prompt_logprob_ids`), a candidate
   asks for the baseline's top-K ids too, which tightens the bound.
 
 `method = "sampled"` (a Monte Carlo estimate on the baseline's own samples from one log-prob per token)
-is another class, moebench.tasks.kld_sampled.SampledKldTask, which KldTask(opts) returns for it.
+is another class, moebench.kld.sampled_task.SampledKldTask, which KldTask(opts) returns for it.
 """
 from __future__ import annotations
 
@@ -41,11 +41,12 @@ from typing import Any
 import numpy as np
 
 from moebench.config import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, MAX_VOCAB, Field, non_negative, positive
-from moebench.datasets import KLD_DEFAULT_CORPUS, data_file, read_text, register
+from moebench.datasets import KLD_DEFAULT_CORPUS, data_file, read_text
+from moebench.kld import stats as ks
+from moebench.kld.chunk_records import BaselineChunk, CandidateChunk, KldEstimate
+from moebench.kld.runs import (TOPK_LADDER, KldError, KldFolders, chunk_file, id_dtype, kld_section,
+                               read_meta, router_agreement, save_npz, task_dir, write_json)
 from moebench.runners.base import Capability, Runner, RunnerError
-from moebench.scoring import kld_stats as ks
-from moebench.scoring.kld_runs import (TOPK_LADDER, KldError, chunk_file, id_dtype, kld_section, read_meta,
-                                       router_agreement, save_npz, task_dir, write_json)
 from moebench.store import write_bytes_atomic
 from moebench.tasks.base import Item, Task, prompt_hash
 
@@ -72,7 +73,7 @@ def _corpus_problem(value: str) -> str | None:
     return None
 
 
-class KldTask(Task):
+class KldTask(KldFolders, Task):
     kind = "kld"
     phase = "score"
     options = {
@@ -90,8 +91,8 @@ class KldTask(Task):
         "threads": Field(int, check=positive, low=1, high=1_024, doc="llama-perplexity -t"),
         "method": Field(str, default="teacher-forced", choices=("teacher-forced", "sampled"),
                         doc="teacher-forced over the corpus, or sampled: Monte Carlo on the baseline's own "
-                            "samples from one log-prob per token (moebench.tasks.kld_sampled)"),
-        # method = "sampled" only (defaults in moebench.tasks.kld_sampled.DEFAULTS)
+                            "samples from one log-prob per token (moebench.kld.sampled_task)"),
+        # method = "sampled" only (defaults in moebench.kld.sampled_task.DEFAULTS)
         "prompts": Field(int, check=positive, low=1, high=1_000_000, doc="sampled: prompts taken from the corpus"),
         "prompt_tokens": Field(int, check=positive, low=1, high=MAX_PROMPT_TOKENS, doc="sampled: tokens per prompt"),
         "continuations": Field(int, check=positive, low=1, high=100_000,
@@ -105,10 +106,10 @@ class KldTask(Task):
     SAMPLED_KEYS = ("prompts", "prompt_tokens", "continuations", "tokens", "seed", "estimator")
 
     def __new__(cls, opts: dict[str, Any], ctx=None):
-        # One task kind, two methods: method = "sampled" is its own class (moebench.tasks.kld_sampled),
+        # One task kind, two methods: method = "sampled" is its own class (moebench.kld.sampled_task),
         # which is not a KldTask, so KldTask.__init__ does not run on it.
         if cls is KldTask and (opts or {}).get("method") == "sampled":
-            from moebench.tasks.kld_sampled import SampledKldTask
+            from moebench.kld.sampled_task import SampledKldTask
             return SampledKldTask(opts, ctx)
         return super().__new__(cls)
 
@@ -135,21 +136,6 @@ class KldTask(Task):
         self._bf = None                     # llama base file of the baseline, when it is one
         self.how: str | None = None         # BY_TOOL | BY_LOGITS | BY_PROMPT_LOGPROBS, set in prepare
 
-    # ---- folders -------------------------------------------------------------------------------
-    @property
-    def is_candidate(self) -> bool:
-        return self.ctx.baseline_run is not None
-
-    @property
-    def out_dir(self) -> Path:
-        if self.ctx.run_dir is None:
-            raise KldError("kld needs a run directory for its arrays")
-        return task_dir(self.ctx.run_dir, self.name)
-
-    @property
-    def base_dir(self) -> Path:
-        return task_dir(self.ctx.baseline_run, self.name)
-
     # ---- contract ------------------------------------------------------------------------------
     def needs(self, runner: Runner) -> set[str]:
         how = backend(runner)
@@ -164,7 +150,7 @@ class KldTask(Task):
         if backend(runner) == BY_TOOL:
             runner.perplexity_plan()                # refuses unknown flags, a build without the tool
         elif self.is_candidate:                     # before any work, not after the other tasks
-            self._check_vocab(read_meta(self.ctx.baseline_run, self.name), runner.declared_vocab_size(), runner)
+            self._check_vocab(self.baseline_meta(), runner.declared_vocab_size(), runner)
 
     def _check_vocab(self, base_meta: dict[str, Any], vocab: int | None, runner: Runner) -> None:
         """KLD compares two distributions over one vocabulary: refuse sizes that differ, or a baseline
@@ -183,11 +169,10 @@ class KldTask(Task):
                            f"runner's model {vocab:,}; KLD needs the same vocabulary")
 
     def items(self) -> list[Item]:
-        path = data_file(self.ctx.data_dir, self.corpus)
-        register(self.ctx.data_files, self.ctx.data_dir, path)
+        self.register_corpus()
         n = self.n_chunks
         if self.is_candidate:
-            meta = read_meta(self.ctx.baseline_run, self.name)
+            meta = self.baseline_meta()
             if meta["context"] != self.context:
                 raise KldError(f"baseline {self.ctx.baseline_run} used context {meta['context']}, this suite "
                                f"{self.context}: the chunks would differ")
@@ -228,9 +213,9 @@ class KldTask(Task):
             "num_experts": runner.num_experts(), "runner_kind": runner.kind, "how": self.how})
 
     def _load_baseline(self) -> None:
-        self.base_meta = read_meta(self.ctx.baseline_run, self.name)
+        self.base_meta = self.baseline_meta()
         if self.base_meta["format"] == "llama":
-            from moebench.tools.llama_perplexity import read_base_file
+            from moebench.kld.perplexity_tool import read_base_file
             self._bf = read_base_file(self.base_dir / "base.kld")
             self.tokens = self._bf.tokens
         else:
@@ -278,22 +263,26 @@ class KldTask(Task):
         arrays = {"top_ids": top_ids.numpy().astype(id_dtype(lp.shape[1])),
                   "top_logp": top_lp.numpy().astype(np.float16), "tail_logp": tail.numpy().astype(np.float32),
                   "next_logp": next_lp.astype(np.float32)}
-        topk_bytes = sum(a.nbytes for a in arrays.values()) / nxt.size
-        if j < self.full_chunks:
-            arrays["full_rows"] = ks.encode_logprobs(scored)
+        full_rows = ks.encode_logprobs(scored) if j < self.full_chunks else None
+        return self._save_baseline(j, arrays, next_lp, full_rows, routes).to_json(rec)
+
+    def _save_baseline(self, j: int, arrays: dict[str, np.ndarray], next_lp: np.ndarray,
+                       full_rows: np.ndarray | None, routes: np.ndarray | None) -> BaselineChunk:
+        """A baseline chunk's top-K arrays, with its whole distributions and router ids where given."""
+        topk_bytes = sum(a.nbytes for a in arrays.values()) / next_lp.size
+        if full_rows is not None:
+            arrays["full_rows"] = full_rows
         if routes is not None:
-            arrays["routes"] = routes.astype(np.uint8 if routes.max() < 256 else np.int16)
+            arrays["routes"] = _route_ids(routes)
         path = chunk_file(self.out_dir / "base", j)
         save_npz(path, **arrays)
-        nll = -next_lp
-        return {**rec, "role": "baseline", "file": str(path.relative_to(self.ctx.run_dir)),
-                "nll_sum": float(nll.sum()), "ppl_base": float(np.exp(nll.mean())),
-                "topk_bytes_per_token": topk_bytes, "has_full": j < self.full_chunks}
+        return BaselineChunk(file=str(path.relative_to(self.ctx.run_dir)), next_logp=next_lp,
+                             topk_bytes_per_token=topk_bytes, has_full=full_rows is not None)
 
     # ---- candidate ------------------------------------------------------------------------------
     def _candidate_chunk(self, j, scored, nxt, routes, rec) -> dict[str, Any]:
         meta = self.base_meta
-        extra: dict[str, Any] = {}
+        extra: dict[str, np.ndarray] = {}
         if meta["format"] == "llama":
             ts = ks.full_kld(self._bf.logprobs(j), scored, nxt)
             method = "exact"
@@ -313,24 +302,29 @@ class KldTask(Task):
             all_full = meta.get("full_chunks", 0) >= meta["n_chunk"]
             ts, method = (exact, "exact") if (all_full and exact is not None) else (topk, "topk-lower-bound")
             b_routes = b["routes"] if "routes" in b.files else None
+        file = self._save_candidate(j, ts, extra, routes)
+        base_k = int(meta.get("top_k") or 0)
+        estimate = None if method == "exact" else KldEstimate(k=base_k, baseline_k=base_k, fixed_ids=False,
+                                                              lower_bound=True, candidate="full distribution")
+        topk_vs_exact = None
+        if "kld_exact" in extra:
+            topk_vs_exact = {"exact_mean": float(extra["kld_exact"].mean()),
+                             **{f"top{kk}_mean": float(extra[f"kld_top{kk}"].mean())
+                                for kk in TOPK_LADDER if f"kld_top{kk}" in extra}}
+        agreement = None
+        if routes is not None and b_routes is not None:
+            agreement = router_agreement(b_routes, routes)["router_agreement"]
+        return CandidateChunk(method, file, ts, estimate, topk_vs_exact, agreement).to_json(rec)
+
+    def _save_candidate(self, j: int, ts: ks.TokenStats, extra: dict[str, np.ndarray],
+                        routes: np.ndarray | None) -> str:
+        """A candidate chunk's per-token statistics (and its router ids) into cand/; the file, run-relative."""
         arrays = {**ts.arrays(), **extra}
         if routes is not None:
-            arrays["routes"] = routes.astype(np.uint8 if routes.max() < 256 else np.int16)
+            arrays["routes"] = _route_ids(routes)
         path = chunk_file(self.out_dir / "cand", j)
         save_npz(path, **arrays)
-        out = {**rec, "role": "candidate", "method": method, "file": str(path.relative_to(self.ctx.run_dir)),
-               "kld_mean": float(ts.kld.mean()), "same_top_p": float(ts.same_top.mean()),
-               "ln_ppl_ratio": float(ts.nll.mean() - ts.nll_base.mean()), "sums": ts.sums()}
-        if method != "exact":
-            out["estimate"] = {"k": int(self.base_meta.get("top_k") or 0), "baseline_k": int(self.base_meta.get("top_k") or 0),
-                               "fixed_ids": False, "lower_bound": True, "candidate": "full distribution"}
-        if "kld_exact" in extra:
-            out["topk_vs_exact"] = {"exact_mean": float(extra["kld_exact"].mean()),
-                                    **{f"top{kk}_mean": float(extra[f"kld_top{kk}"].mean())
-                                       for kk in TOPK_LADDER if f"kld_top{kk}" in extra}}
-        if routes is not None and b_routes is not None:
-            out["router_agreement"] = router_agreement(b_routes, routes)["router_agreement"]
-        return out
+        return str(path.relative_to(self.ctx.run_dir))
 
     # ---- prompt log-probs from a server --------------------------------------------------------
     async def _evaluate_prompt_logprobs(self, j: int, ids: list[int], runner: Runner) -> dict[str, Any]:
@@ -388,16 +382,8 @@ class KldTask(Task):
         arrays = {"top_ids": top_ids.astype(id_dtype(int(n_vocab or top_ids.max() + 1))),
                   "top_logp": top_lp.astype(np.float16), "tail_logp": tail.astype(np.float32),
                   "next_logp": next_lp.astype(np.float32)}
-        topk_bytes = sum(a.nbytes for a in arrays.values()) / n
-        has_full = complete and j < self.full_chunks
-        if has_full:
-            arrays["full_rows"] = ks.encode_logprobs(self._dense(dists, n_vocab))
-        path = chunk_file(self.out_dir / "base", j)
-        save_npz(path, **arrays)
-        nll = -next_lp
-        return {**rec, "role": "baseline", "file": str(path.relative_to(self.ctx.run_dir)),
-                "nll_sum": float(nll.sum()), "ppl_base": float(np.exp(nll.mean())),
-                "topk_bytes_per_token": topk_bytes, "has_full": has_full}
+        full_rows = ks.encode_logprobs(self._dense(dists, n_vocab)) if complete and j < self.full_chunks else None
+        return self._save_baseline(j, arrays, next_lp, full_rows, None).to_json(rec)
 
     def _base_topk(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The baseline's (top ids, top log-probs, log rest mass, log-prob of the actual token) of chunk j."""
@@ -421,7 +407,7 @@ class KldTask(Task):
     def _candidate_sparse(self, j, dists, next_lp, nxt, n_vocab, complete, rec) -> dict[str, Any]:
         base_full = self._base_full(j)
         all_full = self.base_meta["format"] == "llama" or self.base_meta.get("full_chunks", 0) >= self.base_meta["n_chunk"]
-        extra: dict[str, Any] = {}
+        extra: dict[str, np.ndarray] = {}
         b_ids, b_lp, b_tail, b_next = self._base_topk(j)
         bound = ks.sparse_kld(b_ids, b_lp, b_tail, b_next, dists, next_lp)
         if complete and base_full is not None:
@@ -431,21 +417,18 @@ class KldTask(Task):
             ts, method = (exact, "exact") if all_full else (bound, "topk-lower-bound")
         else:
             ts, method = bound, "topk-lower-bound"
-        path = chunk_file(self.out_dir / "cand", j)
-        save_npz(path, **ts.arrays(), **extra)
-        out = {**rec, "role": "candidate", "method": method, "file": str(path.relative_to(self.ctx.run_dir)),
-               "kld_mean": float(ts.kld.mean()), "same_top_p": float(ts.same_top.mean()),
-               "ln_ppl_ratio": float(ts.nll.mean() - ts.nll_base.mean()), "sums": ts.sums(),
-               "estimate": {"k": rec["k"], "baseline_k": int(b_ids.shape[1]), "fixed_ids": rec["fixed_ids"],
-                            "lower_bound": method != "exact"}}
+        file = self._save_candidate(j, ts, extra, None)
+        estimate = KldEstimate(k=rec["k"], baseline_k=int(b_ids.shape[1]), fixed_ids=rec["fixed_ids"],
+                               lower_bound=method != "exact")
+        topk_vs_exact = None
         if "kld_exact" in extra:
-            out["topk_vs_exact"] = {"exact_mean": float(extra["kld_exact"].mean()),
-                                    f"top{rec['k']}_mean": float(extra["kld_topk"].mean())}
-        return out
+            topk_vs_exact = {"exact_mean": float(extra["kld_exact"].mean()),
+                             f"top{rec['k']}_mean": float(extra["kld_topk"].mean())}
+        return CandidateChunk(method, file, ts, estimate, topk_vs_exact).to_json(rec)
 
     # ---- llama-server: llama-perplexity does the forward passes -----------------------------------
     def _prepare_llama(self, runner: Runner) -> None:
-        from moebench.tools import llama_perplexity as lp
+        from moebench.kld import perplexity_tool as lp
         plan = runner.perplexity_plan()
         model = plan.model
         threads = self.opts.get("threads")
@@ -473,7 +456,7 @@ class KldTask(Task):
                 "n_scored": self.n_scored, "runner_kind": "llama-server", "how": BY_TOOL, "base_file": "base.kld",
                 "bytes_per_token": bf.bytes_per_token})
             return
-        meta = read_meta(self.ctx.baseline_run, self.name)
+        meta = self.baseline_meta()
         base_file = self.base_dir / "base.kld"
         if meta["format"] != "llama":
             base_file = self.out_dir / "baseline-converted.kld"
@@ -522,7 +505,7 @@ class KldTask(Task):
 
 def export_base_file(base_run: Path, name: str, out: Path) -> Path:
     """Write a llama-perplexity base file from an engine baseline that kept full distributions."""
-    from moebench.tools.llama_perplexity import BaseFileWriter
+    from moebench.kld.perplexity_tool import BaseFileWriter
     meta = read_meta(base_run, name)
     folder = task_dir(base_run, name)
     if meta.get("full_chunks", 0) < meta["n_chunk"]:
@@ -534,6 +517,11 @@ def export_base_file(base_run: Path, name: str, out: Path) -> Path:
     for j in range(meta["n_chunk"]):
         w.append_chunk(np.load(chunk_file(folder / "base", j))["full_rows"])
     return out
+
+
+def _route_ids(routes: np.ndarray) -> np.ndarray:
+    """Router expert ids stored in the narrowest type that holds them."""
+    return routes.astype(np.uint8 if routes.max() < 256 else np.int16)
 
 
 def _runner_k(runner: Runner, default: int) -> int:

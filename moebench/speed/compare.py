@@ -13,9 +13,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from moebench.compare.latency import percentiles, tpot
-from moebench.compare.load import load_compare
 from moebench.scoring.stats import bootstrap_ratio_ci
+from moebench.speed.latency import percentiles, tpot
+from moebench.speed.load_compare import load_compare
 
 METRICS = ("ttft_s", "prefill_tok_s", "decode_tok_s", "tpot_s", "e2e_s")
 # compare row name of each metric: rows keep the short names of compare.json's first version
@@ -59,7 +59,7 @@ def _groups(records: list[dict[str, Any]]) -> dict[tuple[int, int], list[dict[st
     groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for r in records:
         if r.get("status", "ok") != "ok" or r.get("ttft_s") is None or r.get("rate") is not None:
-            continue             # open-loop records (a request rate) are compare.load's
+            continue             # open-loop records (a request rate) are load_compare.py's
         key = (int(r.get("prompt_length") or _from_id(r, 1)), int(r.get("clients") or _from_id(r, 2)))
         groups.setdefault(key, []).append(r)
     return groups

@@ -5,7 +5,7 @@ Closed loop (`arrival = "closed"`, the default): for each prompt length and clie
 (each sends its next request when the previous one finishes) make `repeats` requests each.
 Open loop (`arrival = "poisson"` or `"gamma"`): for each prompt length and each rate in `rates` (or
 `rate`, or the geometric steps of `sweep`), `requests` requests are sent on a random schedule at that
-rate (moebench/tasks/load.py), whether or not earlier ones finished; a sweep stops after the first
+rate (moebench/speed/open_loop.py), whether or not earlier ones finished; a sweep stops after the first
 step that breaks its stop rule. With SLOs set (`slo_ttft_s`, `slo_tpot_s`, `slo_e2e_s`), every record
 says which it met. While a group runs, the server's Prometheus /metrics page (where it has one) is read
 every `metrics_interval_s`; the group's summary (KV-cache usage, queue length, prefix-cache hit rate,
@@ -26,18 +26,12 @@ verification step yields its accepted drafts plus one token of its own). Where t
 on its Prometheus /metrics page instead (vLLM), the counters are read before and after each group and
 every record of the group carries the difference as `group_spec_decode`.
 
-A/B mode (`run_ab`) runs two runner profiles interleaved (ABBA), each pass in a FRESH process
-(`python -m moebench.tasks.speed --runner PROFILE ...`), and counts outputs that differ between A and B.
+A/B mode (two runner profiles interleaved, each pass in a fresh process) is moebench/speed/ab.py.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -48,15 +42,12 @@ from moebench.config import (MAX_CLIENTS, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX
 from moebench.datasets import data_file, register
 from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
 from moebench.runners.metrics import serving_summary, spec_decode_delta
-from moebench.runners.responses import describe
-from moebench.compare.speed import read_token_times, speed_compare, summarize_speed  # noqa: F401 (speed_compare re-exported)
-from moebench.compare.load import summarize_load
-from moebench.compare.speed_ab import ab_section, output_identity  # noqa: F401 (output_identity re-exported)
-from moebench.store import open_append, write_json_atomic
-from moebench.store.session import ask_item
+from moebench.speed.compare import read_token_times, summarize_speed
+from moebench.speed.load_compare import summarize_load
+from moebench.speed.open_loop import (ARRIVALS, MetricsSampler, arrival_offsets, slo_fields, sweep_rates,
+                                      sweep_stop)
+from moebench.store import open_append
 from moebench.tasks.base import Item, Task, TaskContext, count_flagged, prompt_hash, prompt_tokens_check
-from moebench.tasks.load import (ARRIVALS, MetricsSampler, arrival_offsets, slo_fields, sweep_rates,
-                                 sweep_stop)
 from moebench.tasks.needle import HAYSTACK_FILE, HaystackIndex, build_index, fit_haystack, load_haystack
 
 DEFAULT_PROMPT_LENGTHS = [128, 512, 2048, 8192, 16384]
@@ -160,7 +151,7 @@ class SpeedTask(Task):
                        doc="nucleus sampling; unset = the backend's default"),
         "top_k": Field(int, check=_non_negative, low=0, high=MAX_VOCAB,
                        doc="top-k sampling; unset = the backend's default"),
-        # serving load (moebench/tasks/load.py; docs/serving-load.md)
+        # serving load (moebench/speed/open_loop.py; docs/serving-load.md)
         "arrival": Field(str, default="closed", choices=ARRIVALS,
                          doc="closed: `clients` closed-loop clients; poisson or gamma: requests at `rate`"),
         "rate": Field(float, check=positive, low=0.0, low_open=True, high=MAX_RATE,
@@ -534,105 +525,3 @@ def _count_tokens(ctx: TaskContext, prefill: int, decode: int) -> None:
     count = getattr(ctx.probe, "count_tokens", None)
     if count is not None:
         count(prefill=prefill, decode=decode)
-
-
-# --- A/B mode: fresh processes, interleaved ----------------------------------------------------------
-
-async def _measure_in_process(runner_path: str, options: dict[str, Any], data_dir: str) -> dict[str, Any]:
-    from moebench.config import resolve_profile_path
-    from moebench.runners import load_runner_profile, make_runner
-    from moebench.config import validate, COMMON_TASK_SCHEMA
-
-    profile = load_runner_profile(resolve_profile_path(runner_path, "runners"))
-    opts = validate({"task": "speed", **options}, {**COMMON_TASK_SCHEMA, **SpeedTask.options}, "speed options")
-    task = SpeedTask(opts, TaskContext(data_dir=Path(data_dir), runner_profile=profile))
-    runner = make_runner(profile)
-    t0 = time.perf_counter()
-    await runner.start()
-    load_s = time.perf_counter() - t0
-    try:
-        await task.prepare(runner)
-        records = [await ask_item(task.name, it.item_id, lambda it=it: task.evaluate(it, runner), describe)
-                   for it in task.items()]
-    finally:
-        await runner.close()
-    return {"runner": profile.redacted(), "pid": os.getpid(), "load_s": load_s,
-            "records": records, "summary": task.summarize(records)}
-
-
-def _main(argv: list[str] | None = None) -> int:
-    """One A/B pass: `python -m moebench.tasks.speed --runner PROFILE --options JSON --out FILE`."""
-    ap = argparse.ArgumentParser(prog="python -m moebench.tasks.speed")
-    ap.add_argument("--runner", required=True, help="runner profile (path or name)")
-    ap.add_argument("--options", default="{}", help="speed task options as JSON")
-    ap.add_argument("--out", required=True, help="JSON file to write")
-    ap.add_argument("--data-dir", default=None)
-    args = ap.parse_args(argv)
-    from moebench.datasets import data_dir
-    result = asyncio.run(_measure_in_process(args.runner, json.loads(args.options),
-                                             args.data_dir or str(data_dir())))
-    Path(args.out).write_text(jsonout.document_text(result, default=str))
-    return 0
-
-
-def run_ab(profile_a_path: str, profile_b_path: str, suite_options: dict[str, Any], out_dir: str,
-           order: str = "ABBA", timeout_s: float = 3600.0) -> dict[str, Any]:
-    """Interleave passes of two runner profiles (default A, B, B, A), each in a fresh process.
-
-    Returns (and writes to out_dir/ab.json): per profile the pooled speed summary, the B/A
-    `speed_compare`, and output identity: for every measurement present in a pass of A and of B,
-    whether the outputs (token ids where the runner returns them, else text) are identical.
-    """
-    if not order or set(order) - {"A", "B"} or "A" not in order or "B" not in order:
-        raise ValueError(f"run_ab: order must be a string of A and B holding both, got {order!r}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    profiles = {"A": str(profile_a_path), "B": str(profile_b_path)}
-    passes: list[dict[str, Any]] = []
-    from moebench.datasets import data_dir
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    for i, which in enumerate(order):
-        path = out / f"pass{i}_{which}.json"
-        cmd = [sys.executable, "-m", "moebench.tasks.speed", "--runner", profiles[which],
-               "--options", jsonout.dumps(suite_options), "--out", str(path), "--data-dir", str(data_dir())]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-        if proc.returncode != 0 or not path.is_file():
-            raise RunnerError(f"A/B pass {i} ({which}, {profiles[which]}) failed with exit code "
-                              f"{proc.returncode}: {proc.stderr.strip()[-1500:]}")
-        data = json.loads(path.read_text())
-        data.update(which=which, pass_index=i, process_s=time.perf_counter() - t0)
-        passes.append(data)
-
-    pooled = {w: [r for p in passes if p["which"] == w for r in p["records"]] for w in "AB"}
-    section = ab_section(passes, order, profiles)
-    result = {
-        "order": order,
-        "profiles": profiles,
-        "passes": [{"pass": p["pass_index"], "which": p["which"], "pid": p["pid"], "load_s": p["load_s"],
-                    "process_s": p["process_s"], "n_ok": p["summary"]["n_ok"], "n_errors": p["summary"]["n_errors"]}
-                   for p in passes],
-        "summary": {w: summarize_speed(pooled[w]) for w in "AB"},
-        "speed_b_vs_a": speed_compare(pooled["A"], pooled["B"]),
-        "outputs": section["identity"],
-        "speed_ab": section,
-    }
-    (out / "ab.json").write_text(jsonout.document_text(result, indent=2, default=str))
-    write_json_atomic(out / "compare.json", ab_compare(result))
-    return result
-
-
-def ab_compare(result: dict[str, Any]) -> dict[str, Any]:
-    """A compare.json for an A/B directory (A the baseline, B the candidate), so that `moebench report`
-    and `moebench gate` read it like any other compare."""
-    from moebench.compare.build import COMPARE_SCHEMA_VERSION
-    profiles = result["profiles"]
-    return {"schema_version": COMPARE_SCHEMA_VERSION,
-            "baseline": {"run": None, "label": f"A: {Path(profiles['A']).stem}", "profile": profiles["A"]},
-            "candidate": {"run": None, "label": f"B: {Path(profiles['B']).stem}", "profile": profiles["B"]},
-            "tasks": {}, "overall": None, "speed": result["speed_b_vs_a"], "speed_ab": result["speed_ab"]}
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

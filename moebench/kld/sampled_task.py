@@ -1,5 +1,5 @@
 """KLD `method = "sampled"`: KL(baseline || candidate) estimated on the baseline's own samples, from one
-log-prob per token on each side (moebench.scoring.kld_sampled has the estimators and the interval).
+log-prob per token on each side (moebench.kld.sampled_stats has the estimators and the interval).
 
 Prompts: `prompts` windows of `prompt_tokens` tokens spread evenly over the corpus (BOS in front where
 the model adds it). Items: `kld/<corpus stem>/p<prompt>/c<continuation>`, `continuations` per prompt,
@@ -17,17 +17,16 @@ concurrency, where the server honours `seed`).
 """
 from __future__ import annotations
 
-import asyncio
 import io
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from moebench.datasets import KLD_DEFAULT_CORPUS, data_file, read_text, register
+from moebench.datasets import KLD_DEFAULT_CORPUS, data_file, read_text
+from moebench.kld import sampled_stats as sk
+from moebench.kld.runs import KldError, KldFolders, sampled_section, save_npz, seq_file, write_json
 from moebench.runners.base import Capability, Runner, RunnerError
-from moebench.scoring import kld_sampled as sk
-from moebench.scoring.kld_runs import KldError, read_meta, sampled_section, save_npz, seq_file, task_dir, write_json
 from moebench.store import write_bytes_atomic
 from moebench.tasks.base import Item, Task, prompt_hash
 
@@ -38,7 +37,7 @@ DEFAULTS = {"prompts": 16, "prompt_tokens": 32, "continuations": 2, "tokens": 32
 SAME_KEYS = ("corpus", "prompts", "prompt_tokens", "continuations", "tokens", "seed")
 
 
-class SampledKldTask(Task):
+class SampledKldTask(KldFolders, Task):
     kind = "kld"
     phase = "score"
 
@@ -52,16 +51,6 @@ class SampledKldTask(Task):
         self.prompt_ids: np.ndarray | None = None
         self.base_meta: dict[str, Any] | None = None
 
-    @property
-    def is_candidate(self) -> bool:
-        return self.ctx.baseline_run is not None
-
-    @property
-    def out_dir(self) -> Path:
-        if self.ctx.run_dir is None:
-            raise KldError("kld needs a run directory for its arrays")
-        return task_dir(self.ctx.run_dir, self.name)
-
     def needs(self, runner: Runner) -> set[str]:
         if not self.is_candidate:
             return {Capability.SAMPLED_LOGPROBS, Capability.TOKENIZE}
@@ -70,11 +59,10 @@ class SampledKldTask(Task):
         return {Capability.PROMPT_LOGPROBS}
 
     def items(self) -> list[Item]:
-        path = data_file(self.ctx.data_dir, self.corpus)
-        register(self.ctx.data_files, self.ctx.data_dir, path)
+        self.register_corpus()
         n_prompts = self.n_prompts
         if self.is_candidate:
-            meta = read_meta(self.ctx.baseline_run, self.name)
+            meta = self.baseline_meta()
             if meta.get("method") != "sampled":
                 raise KldError(f"baseline {self.ctx.baseline_run} task {self.name!r} is a teacher-forced KLD "
                                "baseline; method = \"sampled\" needs a baseline run of a sampled suite")
@@ -91,12 +79,12 @@ class SampledKldTask(Task):
     async def prepare(self, runner: Runner) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if self.is_candidate:
-            self.base_meta = read_meta(self.ctx.baseline_run, self.name)
+            self.base_meta = self.baseline_meta()
             vocab = runner.vocab_size()
             if vocab is not None and self.base_meta.get("n_vocab") not in (None, vocab):
                 raise KldError(f"vocabularies differ: baseline {self.ctx.baseline_run} has "
                                f"{self.base_meta['n_vocab']} tokens, this runner's model {vocab}")
-            self.prompt_ids = np.load(task_dir(self.ctx.baseline_run, self.name) / "prompts.npy")
+            self.prompt_ids = np.load(self.base_dir / "prompts.npy")
             return
         text = read_text(data_file(self.ctx.data_dir, self.corpus))
         ids = await runner.tokenize(text)
@@ -132,7 +120,7 @@ class SampledKldTask(Task):
             save_npz(path, ids=np.asarray(ids, np.int32), logp=np.asarray(logp, np.float32))
             return {**rec, "role": "baseline", "n_tokens": len(ids), "prompt_hash": prompt_hash(prompt + list(ids)),
                     "nll_sum": float(-np.sum(logp)), "file": str(path.relative_to(self.ctx.run_dir))}
-        base_file = seq_file(task_dir(self.ctx.baseline_run, self.name) / "base", seq)
+        base_file = seq_file(self.base_dir / "base", seq)
         if not base_file.is_file():
             raise KldError(f"{item.item_id}: the baseline run {self.ctx.baseline_run} has no sample for it "
                            f"({base_file.name} missing: the item errored there)")

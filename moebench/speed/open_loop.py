@@ -38,8 +38,8 @@ def slo_fields(rec: dict[str, Any], slos: dict[str, float]) -> dict[str, Any]:
     """Which SLOs a measured request met: `slo_met` is True only when it met every one that is set.
 
     slos: {"ttft_s": limit, "tpot_s": limit, "e2e_s": limit} (those set). TPOT is seconds per output
-    token after the first, as compare.latency.tpot."""
-    from moebench.compare.latency import tpot
+    token after the first, as latency.tpot."""
+    from moebench.speed.latency import tpot
     values = {"ttft_s": rec.get("ttft_s"), "tpot_s": tpot(rec), "e2e_s": rec.get("e2e_s")}
     met = {k: (values[k] is not None and values[k] <= limit) for k, limit in slos.items()}
     return {"slo": {f"{k}_met": v for k, v in met.items()}, "slo_met": all(met.values())}

@@ -19,7 +19,7 @@ estimate of KLD used when a baseline keeps only its K most likely tokens.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -112,15 +112,40 @@ class TokenStats:
                           np.asarray(d["same_top"], bool), np.asarray(d["nll"], np.float64),
                           np.asarray(d["nll_base"], np.float64))
 
-    def sums(self) -> dict[str, float]:
-        """llama.cpp's running sums (kl_divergence_result), mergeable by adding."""
+    def sums(self) -> "TokenSums":
+        """llama.cpp's running sums (kl_divergence_result)."""
         k, d, a, b = self.kld, self.p_diff, self.nll, self.nll_base
-        return {"count": self.n, "sum_kld": float(k.sum()), "sum_kld2": float((k * k).sum()),
-                "sum_p_diff": float(d.sum()), "sum_p_diff2": float((d * d).sum()),
-                "sum_p_diff4": float((d ** 4).sum()), "max_p_diff": float(np.abs(d).max()) if self.n else 0.0,
-                "n_same_top": int(self.same_top.sum()), "sum_nll": float(a.sum()), "sum_nll2": float((a * a).sum()),
-                "sum_nll_base": float(b.sum()), "sum_nll_base2": float((b * b).sum()),
-                "sum_nll_nll_base": float((a * b).sum())}
+        return TokenSums(count=self.n, sum_kld=float(k.sum()), sum_kld2=float((k * k).sum()),
+                         sum_p_diff=float(d.sum()), sum_p_diff2=float((d * d).sum()),
+                         sum_p_diff4=float((d ** 4).sum()),
+                         max_p_diff=float(np.abs(d).max()) if self.n else 0.0,
+                         n_same_top=int(self.same_top.sum()), sum_nll=float(a.sum()), sum_nll2=float((a * a).sum()),
+                         sum_nll_base=float(b.sum()), sum_nll_base2=float((b * b).sum()),
+                         sum_nll_nll_base=float((a * b).sum()))
+
+
+@dataclass(frozen=True)
+class TokenSums:
+    """llama.cpp's running sums over a set of tokens (kl_divergence_result in perplexity.cpp): all the
+    means and uncertainties it prints follow from them. A chunk record keeps them as `sums`."""
+
+    count: int
+    sum_kld: float
+    sum_kld2: float
+    sum_p_diff: float
+    sum_p_diff2: float
+    sum_p_diff4: float
+    max_p_diff: float
+    n_same_top: int
+    sum_nll: float
+    sum_nll2: float
+    sum_nll_base: float
+    sum_nll_base2: float
+    sum_nll_nll_base: float
+
+    def to_json(self) -> dict[str, float]:
+        """The record's `sums` object, keys in this order."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def full_kld(base_logp: np.ndarray, cand_logits: np.ndarray, next_tokens: np.ndarray,
@@ -265,22 +290,22 @@ def _ladder(values: np.ndarray, ladder) -> dict[str, float]:
     return {name: (_median(v) if frac is None else percentile(v, frac)) for name, frac in ladder}
 
 
-def summary_from_sums(s: dict[str, Any]) -> dict[str, Any]:
-    """The means and uncertainties llama.cpp prints, from its running sums (see TokenStats.sums)."""
-    n = int(s["count"])
+def summary_from_sums(s: TokenSums) -> dict[str, Any]:
+    """The means and uncertainties llama.cpp prints, from its running sums."""
+    n = int(s.count)
     out: dict[str, Any] = {"n_tokens": n}
     if n == 0:
         return out
-    log_ppl = mean_and_uncertainty(s["sum_nll"], s["sum_nll2"], n)
-    log_ppl_base = mean_and_uncertainty(s["sum_nll_base"], s["sum_nll_base2"], n)
-    cov = _covariance(s["sum_nll"], s["sum_nll_base"], s["sum_nll_nll_base"], n)
+    log_ppl = mean_and_uncertainty(s.sum_nll, s.sum_nll2, n)
+    log_ppl_base = mean_and_uncertainty(s.sum_nll_base, s.sum_nll_base2, n)
+    cov = _covariance(s.sum_nll, s.sum_nll_base, s.sum_nll_nll_base, n)
     ratio = log_ppl[0] - log_ppl_base[0]
     ratio_unc = math.sqrt(max(0.0, log_ppl[1] ** 2 + log_ppl_base[1] ** 2 - 2 * cov))
-    kl = mean_and_uncertainty(s["sum_kld"], s["sum_kld2"], n)
-    dp = mean_and_uncertainty(s["sum_p_diff"], s["sum_p_diff2"], n)
-    mse = mean_and_uncertainty(s["sum_p_diff2"], s["sum_p_diff4"], n)
+    kl = mean_and_uncertainty(s.sum_kld, s.sum_kld2, n)
+    dp = mean_and_uncertainty(s.sum_p_diff, s.sum_p_diff2, n)
+    mse = mean_and_uncertainty(s.sum_p_diff2, s.sum_p_diff4, n)
     rms = math.sqrt(mse[0])
-    same = s["n_same_top"] / n
+    same = s.n_same_top / n
     ppl, ppl_base = math.exp(log_ppl[0]), math.exp(log_ppl_base[0])
     out.update({
         "mean": kl[0], "mean_err": kl[1],
@@ -291,7 +316,7 @@ def summary_from_sums(s: dict[str, Any]) -> dict[str, Any]:
         "ppl_diff": ppl - ppl_base,
         "cor_ln_ppl": (cov / (log_ppl[1] * log_ppl_base[1])) if log_ppl[1] and log_ppl_base[1] else None,
         "delta_p": {"mean": dp[0], "mean_err": dp[1], "rms": rms,
-                    "rms_err": (0.5 / rms * mse[1]) if rms > 0 else 0.0, "max_abs": s["max_p_diff"]},
+                    "rms_err": (0.5 / rms * mse[1]) if rms > 0 else 0.0, "max_abs": s.max_p_diff},
     })
     return out
 

@@ -1,7 +1,7 @@
 """compare.json["kld"]: KLD statistics of a candidate run measured against its baseline, plus MoE signals.
 
 The candidate run already measured itself against the baseline (it was made with --baseline), so this
-reads its per-token arrays (layout: moebench.scoring.kld_runs) and, for the MoE signals, both runs' router traces.
+reads its per-token arrays (layout: moebench.kld.runs) and, for the MoE signals, both runs' router traces.
 """
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from moebench.scoring.kld_runs import (chunk_file, expert_usage, kld_section, load_skew, read_meta,
-                                       router_agreement, sampled_section, task_dir)
+from moebench.kld.runs import (chunk_file, expert_usage, kld_section, load_skew, read_meta,
+                               router_agreement, sampled_section, task_dir)
 
 
 def kld_compare(base_dir: Path, cand_dir: Path, base_manifest: dict[str, Any], cand_manifest: dict[str, Any],

@@ -10,10 +10,11 @@ bootstrap interval (prompts resampled).
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
-from moebench.compare.latency import tpot
 from moebench.scoring.stats import bootstrap_paired_ratio_ci
+from moebench.speed.latency import tpot
 
 AB_METRICS = ("decode_tok_s", "prefill_tok_s", "ttft_s", "tpot_s")
 # the figure that decides a round; higher is faster
@@ -25,23 +26,42 @@ def _value(r: dict[str, Any], metric: str) -> float | None:
     return float(v) if isinstance(v, (int, float)) and v > 0 else None
 
 
-def _ok(p: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {r["item_id"]: r for r in p.get("records", []) if r.get("status") == "ok"}
+@dataclass(frozen=True)
+class AbPass:
+    """One A/B pass: which side, where it stood in the order, its process, and the speed records and
+    summary that process wrote."""
+
+    which: str                        # "A" or "B"
+    index: int                        # its place in the order, from 0
+    pid: int
+    load_s: float                     # the runner's start-up
+    process_s: float                  # the whole process, start-up included
+    records: list[dict[str, Any]]
+    summary: dict[str, Any]           # SpeedTask.summarize over its records
+
+    def ok(self) -> dict[str, dict[str, Any]]:
+        """The ok records by item id (a measurement pairs by item id across passes)."""
+        return {r["item_id"]: r for r in self.records if r.get("status") == "ok"}
+
+    def to_json(self) -> dict[str, Any]:
+        """The pass as ab.json lists it."""
+        return {"pass": self.index, "which": self.which, "pid": self.pid, "load_s": self.load_s,
+                "process_s": self.process_s, "n_ok": self.summary["n_ok"], "n_errors": self.summary["n_errors"]}
 
 
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def rounds(passes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def rounds(passes: list[AbPass]) -> list[dict[str, Any]]:
     """One entry per round, in the order the passes ran."""
-    a = [p for p in passes if p["which"] == "A"]
-    b = [p for p in passes if p["which"] == "B"]
+    a = [p for p in passes if p.which == "A"]
+    b = [p for p in passes if p.which == "B"]
     out = []
     for k, (pa, pb) in enumerate(zip(a, b), start=1):
-        ra, rb = _ok(pa), _ok(pb)
+        ra, rb = pa.ok(), pb.ok()
         common = sorted(set(ra) & set(rb))
-        entry: dict[str, Any] = {"round": k, "a_pass": pa["pass_index"], "b_pass": pb["pass_index"],
+        entry: dict[str, Any] = {"round": k, "a_pass": pa.index, "b_pass": pb.index,
                                  "n_pairs": len(common)}
         for m in AB_METRICS:
             ratios = [vb / va for i in common
@@ -55,15 +75,15 @@ def rounds(passes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def paired_ratios(passes: list[dict[str, Any]], n_boot: int = 2000) -> dict[str, dict[str, Any]]:
+def paired_ratios(passes: list[AbPass], n_boot: int = 2000) -> dict[str, dict[str, Any]]:
     """Per metric: the median B/A ratio over every prompt of every round, its interval and count."""
-    a = [p for p in passes if p["which"] == "A"]
-    b = [p for p in passes if p["which"] == "B"]
+    a = [p for p in passes if p.which == "A"]
+    b = [p for p in passes if p.which == "B"]
     out: dict[str, dict[str, Any]] = {}
     for m in AB_METRICS:
         ratios: list[float] = []
         for pa, pb in zip(a, b):
-            ra, rb = _ok(pa), _ok(pb)
+            ra, rb = pa.ok(), pb.ok()
             for i in sorted(set(ra) & set(rb)):
                 va, vb = _value(ra[i], m), _value(rb[i], m)
                 if va is not None and vb is not None:
@@ -78,14 +98,14 @@ def _output_key(r: dict[str, Any]) -> tuple[str, Any]:
     return ("token_ids", tuple(ids)) if ids else ("text", r.get("output"))
 
 
-def output_identity(a_passes: list[dict[str, Any]], b_passes: list[dict[str, Any]]) -> dict[str, Any]:
+def output_identity(a_passes: list[AbPass], b_passes: list[AbPass]) -> dict[str, Any]:
     """Outputs for the same prompts compared over EVERY A pass against EVERY B pass, and each side with itself.
 
     `n_differ` (= `n_differ_any`) counts prompts whose outputs differ in at least one A/B pair;
     `n_compared` the prompts present in every pass compared.
     """
-    def diff(x: dict[str, Any], y: dict[str, Any]) -> tuple[set[str], set[str], set[str]]:
-        a, b = _ok(x), _ok(y)
+    def diff(x: AbPass, y: AbPass) -> tuple[set[str], set[str], set[str]]:
+        a, b = x.ok(), y.ok()
         common = set(a) & set(b)
         differ = {i for i in common if _output_key(a[i]) != _output_key(b[i])}
         return common, differ, {_output_key(a[i])[0] for i in common}
@@ -95,7 +115,7 @@ def output_identity(a_passes: list[dict[str, Any]], b_passes: list[dict[str, Any
     for pa in a_passes:
         for pb in b_passes:
             common, differ, kinds = diff(pa, pb)
-            pairs.append({"a_pass": pa.get("pass_index"), "b_pass": pb.get("pass_index"),
+            pairs.append({"a_pass": pa.index, "b_pass": pb.index,
                           "n_compared": len(common), "n_differ": len(differ)})
             differ_any |= differ
             basis |= kinds
@@ -115,7 +135,7 @@ def output_identity(a_passes: list[dict[str, Any]], b_passes: list[dict[str, Any
     return out
 
 
-def ab_section(passes: list[dict[str, Any]], order: str, profiles: dict[str, str], n_boot: int = 2000) -> dict[str, Any]:
+def ab_section(passes: list[AbPass], order: str, profiles: dict[str, str], n_boot: int = 2000) -> dict[str, Any]:
     rs = rounds(passes)
     won = {side: sum(1 for r in rs if r["winner"] == side) for side in ("A", "B", "tie")}
     return {
@@ -125,8 +145,8 @@ def ab_section(passes: list[dict[str, Any]], order: str, profiles: dict[str, str
         "rounds": rs,
         "rounds_won": won,
         "paired": paired_ratios(passes, n_boot=n_boot),
-        "identity": output_identity([p for p in passes if p["which"] == "A"],
-                                    [p for p in passes if p["which"] == "B"]),
+        "identity": output_identity([p for p in passes if p.which == "A"],
+                                    [p for p in passes if p.which == "B"]),
         "meaning": "B (candidate) / A (baseline); a round is the k-th A pass with the k-th B pass; "
                    "the faster decode wins it",
     }

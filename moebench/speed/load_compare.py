@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from moebench.compare.latency import percentiles, tpot
+from moebench.speed.latency import Percentiles, tpot
 
 TAIL_CONFIDENCE = 0.99
 LOAD_METRICS = ("ttft_s", "tpot_s", "e2e_s")
@@ -49,13 +49,14 @@ def _key(r: dict[str, Any]) -> tuple[int, float] | None:
 
 
 def _tail_stats(values: list[float | None]) -> dict[str, Any] | None:
-    st = percentiles([v for v in values if v is not None])
+    st = Percentiles.of(values)
     if st is None:
         return None
+    out: dict[str, Any] = st.to_json()
     for p, needed in TAIL_NEEDED.items():
-        st[f"{p}_needs_n"] = needed
-        st[f"{p}_indicative"] = st["n"] < needed
-    return st
+        out[f"{p}_needs_n"] = needed
+        out[f"{p}_indicative"] = st.n < needed
+    return out
 
 
 def _met(r: dict[str, Any]) -> int:

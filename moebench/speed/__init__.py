@@ -1,0 +1,31 @@
+"""The speed wing: how fast a runner answers, closed loop (clients in turn) and open loop (requests at a
+rate, goodput under SLOs), one runner at a time or two interleaved (A/B).
+
+Modules (each readable alone; arrows are imports inside the wing):
+- `task.py`: `SpeedTask`, the task kind `speed`: per prompt length and client count (closed loop) or
+  rate (open loop) it streams requests with unique prompts and records TTFT, prefill and decode
+  throughput, sampling, draft counters and the server's /metrics state per group.
+- `open_loop.py`: arrival schedules (poisson, gamma), SLO checks per record, the /metrics sampler
+  that runs beside a group, the rate sweep and its stop rule.
+- `latency.py`: the percentile summary (`Percentiles`) and a record's time per output token (a leaf).
+- `compare.py`: compare.json["speed"]: percentiles per prompt length and client count, the
+  candidate/baseline ratios with bootstrap intervals, inter-token latency from
+  speed_token_times.jsonl; its "load" part comes from `load_compare.py` (goodput, SLO shares, tail
+  sample counts, the goodput ratio's interval).
+- `ab.py`: `run_ab` (`moebench speed-ab`): passes of two runner profiles interleaved (ABBA), each in a
+  fresh process (`python -m moebench.speed.ab`), written as ab.json and a compare.json.
+- `ab_compare.py`: compare.json["speed_ab"] from the passes (`AbPass`): rounds, paired ratios,
+  output identity of A and B.
+
+task -> open_loop, compare, load_compare; compare -> load_compare; open_loop, load_compare,
+ab_compare -> latency; ab -> task, compare, ab_compare. Outside the wing: the task registry names
+`moebench.speed.task`, compare/build.py and compare/tables.py read the sections through `compare.py`,
+`load_compare.py` and `ab_compare.py`, api.speed_ab calls `ab.run_ab`; the report's serving-load
+part is report/load.py (it draws with the report's plots, so it stays in report/). The speed task
+borrows the needle task's haystack for prompt text (tasks/needle.py).
+
+A run's flow: `moebench run` with `task = "speed"` -> SpeedTask.items (one per measurement) ->
+evaluate streams a request and times its tokens -> records in items.jsonl, token times in
+speed_token_times.jsonl -> `moebench compare` -> speed_compare -> compare.json["speed"] -> report,
+gate. docs/needle-speed-energy.md and docs/serving-load.md are the user's pages.
+"""

@@ -1,0 +1,122 @@
+"""Speed A/B: two runner profiles measured interleaved (default A, B, B, A), each pass in a FRESH
+process (`python -m moebench.speed.ab --runner PROFILE --options JSON --out FILE`), so that neither
+side inherits the other's warm caches or allocator; then the pooled speed of each side, B against A,
+and whether the outputs of A and B are identical (moebench/speed/ab_compare.py). `moebench speed-ab`
+calls `run_ab`; the directory it writes has an ab.json and a compare.json that report and gate read.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from moebench import jsonout
+from moebench.config import COMMON_TASK_SCHEMA, resolve_profile_path, validate
+from moebench.datasets import data_dir
+from moebench.runners import load_runner_profile, make_runner
+from moebench.runners.base import RunnerError
+from moebench.runners.responses import describe
+from moebench.speed.ab_compare import AbPass, ab_section
+from moebench.speed.compare import speed_compare, summarize_speed
+from moebench.speed.task import SpeedTask
+from moebench.store import write_json_atomic
+from moebench.store.records import COMPARE_SCHEMA_VERSION
+from moebench.store.session import ask_item
+from moebench.tasks.base import TaskContext
+
+
+async def _measure_in_process(runner_path: str, options: dict[str, Any], data_dir: str) -> dict[str, Any]:
+    profile = load_runner_profile(resolve_profile_path(runner_path, "runners"))
+    opts = validate({"task": "speed", **options}, {**COMMON_TASK_SCHEMA, **SpeedTask.options}, "speed options")
+    task = SpeedTask(opts, TaskContext(data_dir=Path(data_dir), runner_profile=profile))
+    runner = make_runner(profile)
+    t0 = time.perf_counter()
+    await runner.start()
+    load_s = time.perf_counter() - t0
+    try:
+        await task.prepare(runner)
+        records = [await ask_item(task.name, it.item_id, lambda it=it: task.evaluate(it, runner), describe)
+                   for it in task.items()]
+    finally:
+        await runner.close()
+    return {"runner": profile.redacted(), "pid": os.getpid(), "load_s": load_s,
+            "records": records, "summary": task.summarize(records)}
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """One A/B pass: `python -m moebench.speed.ab --runner PROFILE --options JSON --out FILE`."""
+    ap = argparse.ArgumentParser(prog="python -m moebench.speed.ab")
+    ap.add_argument("--runner", required=True, help="runner profile (path or name)")
+    ap.add_argument("--options", default="{}", help="speed task options as JSON")
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--data-dir", default=None)
+    args = ap.parse_args(argv)
+    result = asyncio.run(_measure_in_process(args.runner, json.loads(args.options),
+                                             args.data_dir or str(data_dir())))
+    Path(args.out).write_text(jsonout.document_text(result, default=str))
+    return 0
+
+
+def run_ab(profile_a_path: str, profile_b_path: str, suite_options: dict[str, Any], out_dir: str,
+           order: str = "ABBA", timeout_s: float = 3600.0) -> dict[str, Any]:
+    """Interleave passes of two runner profiles (default A, B, B, A), each in a fresh process.
+
+    Returns (and writes to out_dir/ab.json): per profile the pooled speed summary, the B/A
+    `speed_compare`, and output identity: for every measurement present in a pass of A and of B,
+    whether the outputs (token ids where the runner returns them, else text) are identical.
+    """
+    if not order or set(order) - {"A", "B"} or "A" not in order or "B" not in order:
+        raise ValueError(f"run_ab: order must be a string of A and B holding both, got {order!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    profiles = {"A": str(profile_a_path), "B": str(profile_b_path)}
+    passes: list[AbPass] = []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    for i, which in enumerate(order):
+        path = out / f"pass{i}_{which}.json"
+        cmd = [sys.executable, "-m", "moebench.speed.ab", "--runner", profiles[which],
+               "--options", jsonout.dumps(suite_options), "--out", str(path), "--data-dir", str(data_dir())]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        if proc.returncode != 0 or not path.is_file():
+            raise RunnerError(f"A/B pass {i} ({which}, {profiles[which]}) failed with exit code "
+                              f"{proc.returncode}: {proc.stderr.strip()[-1500:]}")
+        data = json.loads(path.read_text())
+        passes.append(AbPass(which=which, index=i, pid=data["pid"], load_s=data["load_s"],
+                             process_s=time.perf_counter() - t0, records=data["records"], summary=data["summary"]))
+
+    pooled = {w: [r for p in passes if p.which == w for r in p.records] for w in "AB"}
+    section = ab_section(passes, order, profiles)
+    result = {
+        "order": order,
+        "profiles": profiles,
+        "passes": [p.to_json() for p in passes],
+        "summary": {w: summarize_speed(pooled[w]) for w in "AB"},
+        "speed_b_vs_a": speed_compare(pooled["A"], pooled["B"]),
+        "outputs": section["identity"],
+        "speed_ab": section,
+    }
+    (out / "ab.json").write_text(jsonout.document_text(result, indent=2, default=str))
+    write_json_atomic(out / "compare.json", ab_compare(result))
+    return result
+
+
+def ab_compare(result: dict[str, Any]) -> dict[str, Any]:
+    """A compare.json for an A/B directory (A the baseline, B the candidate), so that `moebench report`
+    and `moebench gate` read it like any other compare."""
+    profiles = result["profiles"]
+    return {"schema_version": COMPARE_SCHEMA_VERSION,
+            "baseline": {"run": None, "label": f"A: {Path(profiles['A']).stem}", "profile": profiles["A"]},
+            "candidate": {"run": None, "label": f"B: {Path(profiles['B']).stem}", "profile": profiles["B"]},
+            "tasks": {}, "overall": None, "speed": result["speed_b_vs_a"], "speed_ab": result["speed_ab"]}
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
