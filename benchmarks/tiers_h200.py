@@ -467,7 +467,7 @@ def table(R: dict) -> str:
             lines.append(f"{q:>8s} {d['sequential'][q]['Bps'] / 1e9:9.2f} {d['random'][q]['Bps'] / 1e9:10.2f} "
                          + (f"{one['Bps'] / 1e9:34.2f}" if one else f"{'-':>34s}"))
     lines.append("bound: HBM + PCIe + disk times added; overlap: the slowest tier's time alone (tok/s)")
-    lines.append(f"{'plan':26s} {'tok/s':>8s} {'bound':>8s} {'% bound':>8s} {'overlap':>8s} {'gpu %':>6s} {'host %':>7s} "
+    lines.append(f"{'plan':30s} {'tok/s':>8s} {'bound':>8s} {'% bound':>8s} {'overlap':>8s} {'gpu %':>6s} {'host %':>7s} "
                  f"{'host@gpu %':>10s} {'skipped %':>9s} {'ssd %':>6s} {'ssd@gpu %':>9s} {'ssd@ram %':>9s} "
                  f"{'ssd@disk %':>10s} {'(guessed) %':>11s} {'unseen tok/s':>12s} {'% its bound':>11s}")
 
@@ -483,7 +483,7 @@ def table(R: dict) -> str:
         if not name.startswith("plan_"):
             continue
         hr = r["hit_rates"]
-        lines.append(f"{name:26s} {r['tok_s']:8.2f} {r['bound']['tok_s'] or float('nan'):8.1f} "
+        lines.append(f"{name:30s} {r['tok_s']:8.2f} {r['bound']['tok_s'] or float('nan'):8.1f} "
                      f"{(r['pct_of_bound'] or float('nan')):8.1f} {r['bound'].get('tok_s_overlapped') or float('nan'):8.1f} "
                      f"{pct(hr['gpu']['share_of_picks']):>6s} "
                      f"{pct(hr['host']['share_of_picks']):>7s} {pct(hr['host']['served_from_gpu_memory']):>10s} "
@@ -493,13 +493,14 @@ def table(R: dict) -> str:
                      f"{pct(hr['ssd']['read_early_for_a_guess']):>11s}" + unseen(r))
     ssd = {n: r for n, r in R["variants"].items() if n.startswith("plan_") and "ssd" in r}
     if ssd:
-        lines.append("SSD plans: reader threads x read chunk (0: whole records), the disk's best random-read rate "
+        lines.append("SSD plans: reader threads x read chunk (whole: one read per record), the disk's best random-read rate "
                      "in this call, tok/s, % of bound; unseen prompt (page cache dropped)")
         lines.append(f"{'plan':30s} {'read path':>13s} {'disk GB/s':>9s} {'tok/s':>7s} {'bound':>6s} {'% bound':>7s} "
                      f"{'unseen tok/s':>12s} {'% bound':>7s}")
         for name, r in ssd.items():
             u = r.get("unseen_prompt") or {}
-            path = f"{r['ssd']['read_threads']}x{r['ssd']['read_chunk_bytes'] >> 10}K"
+            chunk = r["ssd"]["read_chunk_bytes"]
+            path = f"{r['ssd']['read_threads']} x {f'{chunk >> 10} KiB' if chunk else 'whole'}"
             lines.append(f"{name:30s} {path:>13s} {(r.get('disk_random_Bps') or float('nan')) / 1e9:9.2f} "
                          f"{r['tok_s']:7.2f} {r['bound']['tok_s'] or float('nan'):6.1f} "
                          f"{(r['pct_of_bound'] or float('nan')):7.1f} {u.get('tok_s', float('nan')):12.2f} "

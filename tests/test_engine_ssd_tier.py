@@ -297,7 +297,7 @@ def test_parallel_reader_reads_the_files_bytes(tmp_path, threads, chunk):
         assert tier.request(keys[guessed], guess=True) == 0 if guessed < 2 else True
         for k in keys:                   # every record in flight at once; guessed ones move up the queue
             tier.request(k)
-        assert all(not tier._inflight[k].guess for k in keys[:guessed] if k in tier._inflight)
+        assert all(not tier._inflight[k].guess for k in keys[:guessed])
         for k in reversed(keys):
             rec, waited = tier.take(k)
             entry = tier.pack.entries[k]
@@ -308,6 +308,33 @@ def test_parallel_reader_reads_the_files_bytes(tmp_path, threads, chunk):
         assert st["read_threads"] == threads and st["read_chunk_bytes"] == chunk and st["guess_reads"] == guessed
     finally:
         tier.close()
+
+
+def test_reader_pool_runs_on_demand_reads_first_and_promotes_a_guess():
+    import functools
+    import threading
+    from moebench.engine.ssd import ReaderPool
+    order, gate = [], threading.Event()
+
+    class Owner:
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, i):
+            order.append((self.name, i))
+    a, b, c = Owner("a"), Owner("b"), Owner("c")
+    pool = ReaderPool(1)
+    pool.put([gate.wait])                               # the one thread is busy until the gate opens
+    pool.put([functools.partial(a.run, i) for i in range(2)], urgent=False)
+    pool.put([functools.partial(c.run, i) for i in range(2)], urgent=False)
+    pool.put([functools.partial(b.run, 0)])
+    pool.promote(c)                                     # c's guess is asked for on demand
+    done = threading.Event()
+    pool.put([done.set], urgent=False)                  # queued last: runs after every job above
+    gate.set()
+    assert done.wait(10)
+    assert pool.close() == []
+    assert order == [("b", 0), ("c", 0), ("c", 1), ("a", 0), ("a", 1)]
 
 
 def test_parallel_reader_errors_name_the_file_and_offset(tmp_path, monkeypatch):
