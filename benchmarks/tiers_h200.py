@@ -3,8 +3,10 @@ call:
 
 1. disk_read: sequential and random reads of a pack file of expert-sized records (ssd.write_pack),
    4 KiB-aligned, O_DIRECT where the filesystem allows it, by the engine's own reader
-   (ssd.DiskTier: ExpertPack.read on its reader threads) at queue depths 1..N (one read in flight
-   per thread).
+   (ssd.DiskTier: ExpertPack.read on its reader threads) at queue depths 1..N (one whole-record
+   read in flight per thread); and "one record": random records read one at a time the way the
+   SSD tier reads a lone miss (DiskTier.request/take: the record split into --ssd-chunk-kib chunks
+   read by N threads at once).
 2. The Qwen3-30B-A3B-shaped random model of decode_h200.py (token-diverse, Zipf-skewed routing;
    the hot half of each layer calibrated on the bf16 model's routing) as three tier plans:
    - plan_gpu_only: int8 hot half / ternary2 cold half, all in HBM;
@@ -17,7 +19,10 @@ call:
    - plan_gpu_host_ssd_guess: the same with the prefetch's guesses (prefetch_host and
      prefetch_early: disk reads also started from the guess one layer ahead);
    - plan_gpu_host_ssd_ahead: the same with guesses from --ssd-lookahead layers ahead
-     (DecodeConfig.ssd_lookahead).
+     (DecodeConfig.ssd_lookahead);
+   - plan_gpu_host_ssd*_whole: each SSD plan with whole-record reads (chunk_bytes 0) on
+     --whole-threads reader threads (4): one read per record, one record per thread, so a comparison
+     of the chunked read path against whole-record reads runs in the same call.
 3. Each plan decodes with the default settings, the engine runner's choices for the device
    (runners/engine.py decode_choices + prefetch_choices: on CUDA the fused kernels, CUDA graphs where
    every layer is sync-free, decode-ahead, prefetch from the attention input for host or ssd experts),
@@ -35,6 +40,8 @@ call:
 4. The SSD plans also decode one prompt no earlier pass decoded, once, with the page cache dropped
    and decode-ahead off, against that pass's own bound ("unseen_prompt"; the table's last columns):
    the best-of-reps rate repeats one prompt, so their host-RAM cache has seen it before.
+   Each SSD plan's row also gives the disk's random-read rate measured in this call (disk_read's
+   best, the bound's figure), so calls on different disks can be compared.
 
     python benchmarks/tiers_h200.py --out $OUT                 # H200 (estimated ~5 min)
     python benchmarks/tiers_h200.py --small --out /tmp/tiers   # CPU smoke run: tiny shape, torch path, tmp pack
@@ -68,7 +75,7 @@ from moebench.bench.measure import log  # noqa: E402
 from moebench.engine.decode_config import DecodeConfig  # noqa: E402
 from moebench.engine.placement import QuantizedExpert, counter_states, restore_counter_states  # noqa: E402
 from moebench.engine.quant import format_nbytes, quantize  # noqa: E402
-from moebench.engine.ssd import DiskTier, write_pack  # noqa: E402
+from moebench.engine.ssd import READ_CHUNK_BYTES, READ_THREADS, DiskTier, write_pack  # noqa: E402
 from moebench.runners.engine import decode_choices, prefetch_choices  # noqa: E402
 
 HOT, COLD = "int8", "ternary2"
@@ -122,6 +129,21 @@ def read_pack(path: Path, keys: list, threads: int, pin: bool) -> dict:
         tier.close()
 
 
+def read_records_chunked(path: Path, keys: list, threads: int, chunk_bytes: int, pin: bool) -> dict:
+    """Read `keys` one record at a time the way the SSD tier reads a lone miss (DiskTier.request,
+    then take: the record in chunk_bytes chunks on `threads` threads at once); bytes/s."""
+    tier = DiskTier.open(path, cache_bytes=0, threads=threads, pin=pin, chunk_bytes=chunk_bytes)
+    try:
+        nbytes, t0 = 0, time.perf_counter()
+        for key in keys:
+            nbytes += tier.request(key)
+            tier.take(key)
+        seconds = time.perf_counter() - t0
+        return {"bytes": nbytes, "seconds": seconds, "Bps": nbytes / seconds, "chunk_bytes": chunk_bytes}
+    finally:
+        tier.close()
+
+
 @variant("disk_read")
 def disk_read(b, ctx: dict) -> dict:
     """Sequential and random record reads of a pack file of expert-sized records at 1..N threads."""
@@ -142,15 +164,18 @@ def disk_read(b, ctx: dict) -> dict:
     pin = b.device.type == "cuda"          # the engine's setting: pinned buffers on CUDA
     out = {"file_bytes": path.stat().st_size, "records": n, "record_bytes": record, "expert_bytes": one.nbytes,
            "format": COLD, "write_s": write_s, "page_cache_dropped": dropped, "pinned_buffers": pin,
-           "records_per_run": per_run, "sequential": {}, "random": {}}
+           "records_per_run": per_run, "sequential": {}, "random": {}, "one_record": {},
+           "chunk_bytes": args.ssd_chunk_kib << 10}
     rng = random.Random(5)
     for q in [int(x) for x in args.threads.split(",") if x]:
         start = rng.randrange(0, n - per_run + 1)
         seq = read_pack(path, keys[start:start + per_run], q, pin)
         rand = read_pack(path, rng.sample(keys, per_run), q, pin)
-        out["sequential"][str(q)], out["random"][str(q)] = seq, rand
+        one = read_records_chunked(path, rng.sample(keys, max(4, per_run // 4)), q, args.ssd_chunk_kib << 10, pin)
+        out["sequential"][str(q)], out["random"][str(q)], out["one_record"][str(q)] = seq, rand, one
         log(f"disk read, {record / 1e6:.2f} MB records, {q} threads: sequential {seq['Bps'] / 1e9:.2f} GB/s, "
-            f"random {rand['Bps'] / 1e9:.2f} GB/s ({'O_DIRECT' if seq['o_direct'] else seq['o_direct_reason']})")
+            f"random {rand['Bps'] / 1e9:.2f} GB/s, one record at a time in {args.ssd_chunk_kib} KiB chunks "
+            f"{one['Bps'] / 1e9:.2f} GB/s ({'O_DIRECT' if seq['o_direct'] else seq['o_direct_reason']})")
     path.unlink()
     ctx["disk"] = out
     return out
@@ -361,19 +386,22 @@ def unseen_prompt_pass(b, ctx: dict, eng, path: Path) -> dict:
     return out
 
 
-def run_ssd_plan(b, ctx: dict, name: str, **decode_changes) -> dict:
+def run_ssd_plan(b, ctx: dict, name: str, whole: bool = False, **decode_changes) -> dict:
     """The hot half in HBM; the cold half in a pack file on disk behind a host-RAM cache of
-    --ssd-cache-fraction of the cold records (a fresh, empty cache per variant); then
-    unseen_prompt_pass (under "unseen_prompt")."""
+    --ssd-cache-fraction of the cold records (a fresh, empty cache per variant), read on
+    --ssd-threads threads in --ssd-chunk-kib chunks (whole: on --whole-threads threads, one read per
+    record); then unseen_prompt_pass (under "unseen_prompt")."""
     precision, _ = b.plans["int8hot_ternary2cold_host"]
     home = [["gpu" if e in b.hot[l] else "ssd" for e in range(b.cfg.num_experts)] for l in range(b.cfg.num_layers)]
     path, info = ssd_pack(b, ctx, home)
     cache = int(b.args.ssd_cache_fraction * info["cold_record_bytes"])
-    disk = DiskTier.open(path, cache_bytes=cache, threads=b.args.ssd_threads, pin=b.device.type == "cuda")
+    threads, chunk = (b.args.whole_threads, 0) if whole else (b.args.ssd_threads, b.args.ssd_chunk_kib << 10)
+    disk = DiskTier.open(path, cache_bytes=cache, threads=threads, pin=b.device.type == "cuda", chunk_bytes=chunk)
     try:
         r = run_plan(b, ctx, name, precision, home, disk=disk,
                      after=lambda eng: {"unseen_prompt": unseen_prompt_pass(b, ctx, eng, path)}, **decode_changes)
         r["ssd"] = {**info, "host_cache_fraction": b.args.ssd_cache_fraction, **disk.stats()}
+        r["disk_random_Bps"], _ = disk_bandwidth(ctx)
     finally:
         disk.close()
     return r
@@ -384,6 +412,12 @@ def plan_gpu_host_ssd(b, ctx: dict) -> dict:
     """The SSD plan with the runner's default choices (on CUDA: the fused SSD path; no guesses, so
     every read starts when its layer's routing is on the host)."""
     return run_ssd_plan(b, ctx, "plan_gpu_host_ssd")
+
+
+@variant("plan_gpu_host_ssd_whole")
+def plan_gpu_host_ssd_whole(b, ctx: dict) -> dict:
+    """plan_gpu_host_ssd with whole-record reads on --whole-threads threads."""
+    return run_ssd_plan(b, ctx, "plan_gpu_host_ssd_whole", whole=True)
 
 
 def guesses(b) -> dict:
@@ -398,10 +432,23 @@ def plan_gpu_host_ssd_guess(b, ctx: dict) -> dict:
     return run_ssd_plan(b, ctx, "plan_gpu_host_ssd_guess", **guesses(b))
 
 
+@variant("plan_gpu_host_ssd_guess_whole")
+def plan_gpu_host_ssd_guess_whole(b, ctx: dict) -> dict:
+    """plan_gpu_host_ssd_guess with whole-record reads on --whole-threads threads."""
+    return run_ssd_plan(b, ctx, "plan_gpu_host_ssd_guess_whole", whole=True, **guesses(b))
+
+
 @variant("plan_gpu_host_ssd_ahead")
 def plan_gpu_host_ssd_ahead(b, ctx: dict) -> dict:
     """The SSD plan with guesses from each of the --ssd-lookahead layers before a layer."""
     return run_ssd_plan(b, ctx, "plan_gpu_host_ssd_ahead", **guesses(b), ssd_lookahead=b.args.ssd_lookahead)
+
+
+@variant("plan_gpu_host_ssd_ahead_whole")
+def plan_gpu_host_ssd_ahead_whole(b, ctx: dict) -> dict:
+    """plan_gpu_host_ssd_ahead with whole-record reads on --whole-threads threads."""
+    return run_ssd_plan(b, ctx, "plan_gpu_host_ssd_ahead_whole", whole=True, **guesses(b),
+                        ssd_lookahead=b.args.ssd_lookahead)
 
 
 # ---- the run ----------------------------------------------------------------------------------------
@@ -413,11 +460,14 @@ def table(R: dict) -> str:
         qs = list(d["sequential"])
         lines.append(f"disk: {d['records']} records of {d['record_bytes'] / 1e6:.2f} MB "
                      f"({'O_DIRECT' if d['sequential'][qs[0]]['o_direct'] else d['sequential'][qs[0]]['o_direct_reason']})")
-        lines.append(f"{'threads':>8s} {'seq GB/s':>9s} {'rand GB/s':>10s}")
+        lines.append(f"{'threads':>8s} {'seq GB/s':>9s} {'rand GB/s':>10s} "
+                     f"{'one record in ' + str(d['chunk_bytes'] >> 10) + ' KiB chunks GB/s':>34s}")
         for q in qs:
-            lines.append(f"{q:>8s} {d['sequential'][q]['Bps'] / 1e9:9.2f} {d['random'][q]['Bps'] / 1e9:10.2f}")
+            one = d.get("one_record", {}).get(q)
+            lines.append(f"{q:>8s} {d['sequential'][q]['Bps'] / 1e9:9.2f} {d['random'][q]['Bps'] / 1e9:10.2f} "
+                         + (f"{one['Bps'] / 1e9:34.2f}" if one else f"{'-':>34s}"))
     lines.append("bound: HBM + PCIe + disk times added; overlap: the slowest tier's time alone (tok/s)")
-    lines.append(f"{'plan':26s} {'tok/s':>8s} {'bound':>8s} {'% bound':>8s} {'overlap':>8s} {'gpu %':>6s} {'host %':>7s} "
+    lines.append(f"{'plan':30s} {'tok/s':>8s} {'bound':>8s} {'% bound':>8s} {'overlap':>8s} {'gpu %':>6s} {'host %':>7s} "
                  f"{'host@gpu %':>10s} {'skipped %':>9s} {'ssd %':>6s} {'ssd@gpu %':>9s} {'ssd@ram %':>9s} "
                  f"{'ssd@disk %':>10s} {'(guessed) %':>11s} {'unseen tok/s':>12s} {'% its bound':>11s}")
 
@@ -433,7 +483,7 @@ def table(R: dict) -> str:
         if not name.startswith("plan_"):
             continue
         hr = r["hit_rates"]
-        lines.append(f"{name:26s} {r['tok_s']:8.2f} {r['bound']['tok_s'] or float('nan'):8.1f} "
+        lines.append(f"{name:30s} {r['tok_s']:8.2f} {r['bound']['tok_s'] or float('nan'):8.1f} "
                      f"{(r['pct_of_bound'] or float('nan')):8.1f} {r['bound'].get('tok_s_overlapped') or float('nan'):8.1f} "
                      f"{pct(hr['gpu']['share_of_picks']):>6s} "
                      f"{pct(hr['host']['share_of_picks']):>7s} {pct(hr['host']['served_from_gpu_memory']):>10s} "
@@ -441,6 +491,20 @@ def table(R: dict) -> str:
                      f"{pct(hr['ssd']['share_of_picks']):>6s} {pct(hr['ssd']['gpu_cache_hits']):>9s} "
                      f"{pct(hr['ssd']['host_ram_cache_hits']):>9s} {pct(hr['ssd']['read_from_disk']):>10s} "
                      f"{pct(hr['ssd']['read_early_for_a_guess']):>11s}" + unseen(r))
+    ssd = {n: r for n, r in R["variants"].items() if n.startswith("plan_") and "ssd" in r}
+    if ssd:
+        lines.append("SSD plans: reader threads x read chunk (whole: one read per record), the disk's best random-read rate "
+                     "in this call, tok/s, % of bound; unseen prompt (page cache dropped)")
+        lines.append(f"{'plan':30s} {'read path':>13s} {'disk GB/s':>9s} {'tok/s':>7s} {'bound':>6s} {'% bound':>7s} "
+                     f"{'unseen tok/s':>12s} {'% bound':>7s}")
+        for name, r in ssd.items():
+            u = r.get("unseen_prompt") or {}
+            chunk = r["ssd"]["read_chunk_bytes"]
+            path = f"{r['ssd']['read_threads']} x {f'{chunk >> 10} KiB' if chunk else 'whole'}"
+            lines.append(f"{name:30s} {path:>13s} {(r.get('disk_random_Bps') or float('nan')) / 1e9:9.2f} "
+                         f"{r['tok_s']:7.2f} {r['bound']['tok_s'] or float('nan'):6.1f} "
+                         f"{(r['pct_of_bound'] or float('nan')):7.1f} {u.get('tok_s', float('nan')):12.2f} "
+                         f"{(u.get('pct_of_bound') or float('nan')):7.1f}")
     for name, err in R["errors"].items():
         lines.append(f"FAILED {name}: {err}")
     return "\n".join(lines)
@@ -455,7 +519,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--disk-read-gib", type=float, default=1.0, help="bytes read per disk_read run")
     ap.add_argument("--ssd-cache-fraction", type=float, default=0.5,
                     help="plan_gpu_host_ssd: host-RAM cache size as a share of the cold records' bytes")
-    ap.add_argument("--ssd-threads", type=int, default=4, help="plan_gpu_host_ssd*: the SSD tier's reader threads")
+    ap.add_argument("--ssd-threads", type=int, default=READ_THREADS,
+                    help="plan_gpu_host_ssd*: the SSD tier's reader threads (the engine's default)")
+    ap.add_argument("--ssd-chunk-kib", type=int, default=READ_CHUNK_BYTES >> 10,
+                    help="plan_gpu_host_ssd* and disk_read's one-record reads: the read chunk in KiB (the engine's default)")
+    ap.add_argument("--whole-threads", type=int, default=4,
+                    help="plan_gpu_host_ssd*_whole: reader threads for whole-record reads (one read per record)")
     ap.add_argument("--ssd-lookahead", type=int, default=3,
                     help="plan_gpu_host_ssd_ahead: DecodeConfig.ssd_lookahead (layers ahead a guess starts reads)")
     ap.add_argument("--skip-tail-from", type=int, default=None,

@@ -21,7 +21,8 @@ if not torch.cuda.is_available():
 
 from moebench.engine import Engine  # noqa: E402
 from moebench.engine.placement import collect_telemetry, find_tiered  # noqa: E402
-from moebench.engine.ssd import ALIGN, MAGIC, DiskTier, ExpertPack, HostCache, PackError, write_pack  # noqa: E402
+from moebench.engine.ssd import (ALIGN, MAGIC, READ_CHUNK_BYTES, READ_THREADS, DiskTier, ExpertPack,  # noqa: E402
+                                 HostCache, PackError, chunk_ranges, write_pack)
 from moebench.engine.tiering import (Budgets, Plan, TieringError, calibrate, expert_nbytes, pack, plan,  # noqa: E402
                                      plan_hot_cold, read_experts)
 
@@ -126,14 +127,17 @@ def test_pack_layout_and_plan_file(artifacts, stats):
             assert all(torch.equal(a.parts[k], b.parts[k]) for k in a.parts)
 
 
-@pytest.mark.parametrize("direct", [None, False])
-def test_ssd_tier_gives_the_same_logits_and_counts_every_pick(artifacts, batches, direct, tmp_path):
+@pytest.mark.parametrize("direct, chunk", [(None, None), (False, None), (None, ALIGN)])
+def test_ssd_tier_gives_the_same_logits_and_counts_every_pick(artifacts, batches, direct, chunk, tmp_path):
     split, resident, split_plan = artifacts
-    if direct is False:              # buffered reads: the same artifact with ssd_direct = false
-        copy = tmp_path / "buffered"
+    if direct is False or chunk:     # buffered reads (ssd_direct = false) or one-page chunks on 3 threads
+        copy = tmp_path / "changed"
         shutil.copytree(split, copy)
         data = json.loads((copy / "plan.json").read_text())
-        data["runtime"]["ssd_direct"] = False
+        if direct is False:
+            data["runtime"]["ssd_direct"] = False
+        if chunk:
+            data["runtime"].update(ssd_chunk_bytes=chunk, ssd_threads=3)
         (copy / "plan.json").write_text(json.dumps(data))
         split = copy
     e_ssd = Engine.load(split, device="cpu", dtype="float32")
@@ -143,6 +147,9 @@ def test_ssd_tier_gives_the_same_logits_and_counts_every_pick(artifacts, batches
     assert disk is not None and all(m.disk is disk for m in mods)
     if direct is False:
         assert disk.pack.direct is False
+    if chunk:                                 # some records really are read in several chunks
+        assert disk.chunk_bytes == chunk and disk.threads == 3
+        assert max(disk.pack.read_bytes(k) for k in disk.pack.entries) > chunk
     prompt, new = batches[0][:48], 10
     a = _logits_of_generate(e_ssd, prompt, new)
     b = _logits_of_generate(e_res, prompt, new)
@@ -254,6 +261,115 @@ def test_host_cache_lru_respects_its_byte_budget(artifacts):
     tier.close()
 
 
+def test_chunk_ranges_cover_a_record_in_aligned_pieces():
+    for nbytes in (ALIGN, 3 * ALIGN, 325 * ALIGN, 1 << 20):
+        for chunk in (0, 1, ALIGN, 5 * ALIGN, 64 << 10, 256 << 10, 2 << 20):
+            r = chunk_ranges(nbytes, chunk)
+            assert r[0][0] == 0 and r[-1][1] == nbytes
+            assert all(a[1] == b[0] for a, b in zip(r, r[1:])) and all(s % ALIGN == 0 and e > s for s, e in r)
+            if chunk <= 0 or chunk >= nbytes:
+                assert r == [(0, nbytes)]
+            else:
+                assert all(e - s <= -(-chunk // ALIGN) * ALIGN + ALIGN for s, e in r)
+
+
+def _big_pack(path, n=6):
+    """A pack of n int8 records of about 300 KB (many chunks each)."""
+    from moebench.engine.quant import quantize
+    from moebench.engine.quantized_expert import QuantizedExpert
+    g = torch.Generator().manual_seed(1)
+    experts = [(0, i, QuantizedExpert(*(quantize(torch.randn(*s, generator=g), "int8")
+                                       for s in ((384, 256), (384, 256), (256, 384))))) for i in range(n)]
+    write_pack(path, experts)
+    return [(0, i) for i in range(n)]
+
+
+@pytest.mark.parametrize("threads, chunk", [(1, 0), (4, ALIGN), (3, 5 * ALIGN), (8, 64 << 10)])
+def test_parallel_reader_reads_the_files_bytes(tmp_path, threads, chunk):
+    path = tmp_path / "big.ssd"
+    keys = _big_pack(path)
+    raw = path.read_bytes()
+    tier = DiskTier.open(path, cache_bytes=1 << 30, threads=threads, chunk_bytes=chunk, verify=True)
+    try:
+        assert tier.pack.read_bytes(keys[0]) > 16 * ALIGN
+        guessed = min(2, threads - 1)    # guessed reads in flight are kept below the thread count
+        assert all(tier.request(k, guess=True) > 0 for k in keys[:guessed])
+        assert tier.request(keys[guessed], guess=True) == 0 if guessed < 2 else True
+        for k in keys:                   # every record in flight at once; guessed ones move up the queue
+            tier.request(k)
+        assert all(not tier._inflight[k].guess for k in keys[:guessed])
+        for k in reversed(keys):
+            rec, waited = tier.take(k)
+            entry = tier.pack.entries[k]
+            assert waited >= 0 and bytes(rec.buf.numpy()) == raw[entry["offset"]:entry["offset"] + entry["read_bytes"]]
+            assert k in tier.cache
+        assert tier.request(keys[0]) == 0              # now a host-RAM cache hit: no read
+        st = tier.stats()
+        assert st["read_threads"] == threads and st["read_chunk_bytes"] == chunk and st["guess_reads"] == guessed
+    finally:
+        tier.close()
+
+
+def test_reader_pool_runs_on_demand_reads_first_and_promotes_a_guess():
+    import functools
+    import threading
+    from moebench.engine.ssd import ReaderPool
+    order, gate = [], threading.Event()
+
+    class Owner:
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, i):
+            order.append((self.name, i))
+    a, b, c = Owner("a"), Owner("b"), Owner("c")
+    pool = ReaderPool(1)
+    pool.put([gate.wait])                               # the one thread is busy until the gate opens
+    pool.put([functools.partial(a.run, i) for i in range(2)], urgent=False)
+    pool.put([functools.partial(c.run, i) for i in range(2)], urgent=False)
+    pool.put([functools.partial(b.run, 0)])
+    pool.promote(c)                                     # c's guess is asked for on demand
+    done = threading.Event()
+    pool.put([done.set], urgent=False)                  # queued last: runs after every job above
+    gate.set()
+    assert done.wait(10)
+    assert pool.close() == []
+    assert order == [("b", 0), ("c", 0), ("c", 1), ("a", 0), ("a", 1)]
+
+
+def test_parallel_reader_errors_name_the_file_and_offset(tmp_path, monkeypatch):
+    path = tmp_path / "big.ssd"
+    keys = _big_pack(path, n=3)
+    tier = DiskTier.open(path, threads=4, chunk_bytes=ALIGN, direct=False)
+    last = max(tier.pack.entries.values(), key=lambda x: x["offset"])
+    with open(path, "r+b") as f:                       # the file shrinks after it was opened
+        f.truncate(last["offset"] + 2 * ALIGN)
+    key = (last["layer"], last["expert"])
+    tier.request(key)
+    with pytest.raises(PackError, match=r"big\.ssd: read at \d+ returned 0 bytes") as info:
+        tier.take(key)                                 # the first chunk past the end that failed
+    at = int(str(info.value).split(" read at ")[1].split()[0])
+    assert at % ALIGN == 0 and last["offset"] + 2 * ALIGN <= at < last["offset"] + last["read_bytes"]
+    assert not tier.in_flight(key) and key not in tier.cache
+    first = min(tier.pack.entries.values(), key=lambda x: x["offset"])
+    real = os.preadv
+
+    def failing(fd, bufs, offset):
+        if offset == first["offset"] + ALIGN:
+            raise OSError(5, "Input/output error")
+        return real(fd, bufs, offset)
+    monkeypatch.setattr(os, "preadv", failing)
+    key = (first["layer"], first["expert"])
+    tier.request(key)
+    with pytest.raises(PackError, match=rf"big\.ssd: reading layer 0 expert {first['expert']} at "
+                                        rf"{first['offset'] + ALIGN} \(\+{ALIGN} bytes\) failed .*Input/output error"):
+        tier.take(key)
+    monkeypatch.setattr(os, "preadv", real)
+    for k in keys[:2]:
+        tier.request(k)
+    tier.close()                                       # reads still queued are dropped, not waited for
+
+
 def test_damaged_pack_files_are_refused_with_the_file_named(artifacts, tmp_path):
     split, _, _ = artifacts
     good = (split / "experts.ssd").read_bytes()
@@ -317,10 +433,12 @@ def test_greedy_planner_puts_the_coldest_on_disk(stats, ckpt, tmp_path):
     old.save(tmp_path / "old.json")
     saved = json.loads((tmp_path / "old.json").read_text())
     assert saved["runtime"] == {"cache_slots": 2, "skip_tail_from": None}
-    p.ssd_cache_bytes = 12345
+    assert p.ssd_threads == READ_THREADS and p.ssd_chunk_bytes == READ_CHUNK_BYTES
+    p.ssd_cache_bytes, p.ssd_threads, p.ssd_chunk_bytes = 12345, 3, 8192
     p.save(tmp_path / "p.json")
     back = Plan.load(tmp_path / "p.json")
-    assert back.home == p.home and back.ssd_cache_bytes == 12345 and back.ssd_threads == 4
+    assert back.home == p.home and back.ssd_cache_bytes == 12345 and back.ssd_threads == 3
+    assert back.ssd_chunk_bytes == 8192
     data = json.loads((tmp_path / "p.json").read_text())
     data["runtime"]["ssd_cache_bytes"] = -1
     (tmp_path / "bad.json").write_text(json.dumps(data))

@@ -23,25 +23,28 @@ read fails with EINVAL and the pack falls back to buffered reads, recorded in `E
 and `direct_reason`. preadv rather than os.pread: pread returns a new, unaligned bytes object,
 which O_DIRECT rejects and which would need one more copy. Both release the GIL while they read, so
 the reader threads overlap the engine's compute; several threads keep several requests in flight
-(NVMe drives need a queue depth above one for their bandwidth).
+(NVMe drives need a queue depth above one for their bandwidth). A record is read in chunks
+(`chunk_ranges`, DiskTier's chunk_bytes) that several reader threads (`ReaderPool`) read at once,
+so even a layer that misses one record keeps the disk's queue deep.
 
 `HostCache` is an LRU over whole expert records, sized in bytes (the records' read sizes). It is
 touched only by the thread that runs the model; reader threads only fill buffers. `DiskTier` keeps
-one read in flight per record, whoever asked for it: a layer's routing (on demand) or a guess of it
+one read in flight per record (a `RecordRead`), whoever asked for it: a layer's routing (on demand) or a guess of it
 from an earlier hidden state (placement's fused SSD path), and says which reads guesses made and
 whether a pick used them.
 """
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import struct
 import threading
 import time
 import zlib
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import OrderedDict, deque
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Iterable
 
@@ -58,6 +61,8 @@ ALIGN = 4096            # record alignment: the logical block size O_DIRECT need
 PART_ALIGN = 64         # a tensor part's alignment inside its record
 _HEADER = struct.Struct("<8sIIQQ")
 MATRICES = ("gate", "up", "down")
+READ_THREADS = 8             # DiskTier's reader threads by default
+READ_CHUNK_BYTES = 256 << 10  # DiskTier's read size by default: a 1.3 MB record is read as 6 chunks at once
 
 
 
@@ -258,19 +263,33 @@ class ExpertPack:
         return self._expert(key, self.entries[key], buf)
 
     def read_raw(self, key: tuple[int, int], pin: bool = False) -> tuple[torch.Tensor, int]:
-        """Read one record into a new aligned buffer (uint8 [read_bytes]); returns it and the bytes
-        read. The least Python a reader thread can run: it holds the GIL the model's thread needs."""
+        """Read one record into a new aligned buffer (uint8 [read_bytes]) with one read; returns it
+        and the bytes read. The least Python a reader thread can run: it holds the GIL the model's
+        thread needs."""
+        entry = self._entry(key)
+        rb = int(entry["read_bytes"])
+        buf = aligned_buffer(rb, pin)
+        self.read_into(key, memoryview(buf.numpy()).cast("B"), 0)
+        self.check(key, buf)
+        return buf, rb
+
+    def _entry(self, key: tuple[int, int]) -> dict:
         entry = self.entries.get(key)
         if entry is None:
             raise PackError(f"{self.path}: no record for layer {key[0]} expert {key[1]}")
-        rb, off = int(entry["read_bytes"]), int(entry["offset"])
-        buf = aligned_buffer(rb, pin)
-        view = memoryview(buf.numpy()).cast("B")
+        return entry
+
+    def read_into(self, key: tuple[int, int], view: memoryview, start: int) -> None:
+        """Read bytes [start, start + len(view)) of a record into `view` (aligned, as are `start`
+        and the length unless the read ends the record): one chunk of a record read by several
+        threads (DiskTier), or the whole record. Errors name the file, record and offset."""
+        off = int(self._entry(key)["offset"]) + start
         try:
             self._pread_into(view, off)
         except OSError as err:
             if not (self.direct and err.errno == errno.EINVAL):
-                raise PackError(f"{self.path}: reading layer {key[0]} expert {key[1]} at {off} failed ({err})") from None
+                raise PackError(f"{self.path}: reading layer {key[0]} expert {key[1]} at {off} "
+                                f"(+{len(view)} bytes) failed ({err})") from None
             # the open accepted O_DIRECT but the read did not: reopen buffered, once, for everyone
             with self._fd_lock:
                 if self.direct:
@@ -278,13 +297,17 @@ class ExpertPack:
                     self._fd = os.open(self.path, os.O_RDONLY)
                     self.direct, self.direct_reason = False, f"the filesystem refused O_DIRECT reads ({err.strerror})"
             self._pread_into(view, off)
+
+    def check(self, key: tuple[int, int], buf: torch.Tensor) -> None:
+        """With verify: the CRC-32 of a whole record read into buf, against the index's."""
+        if not self.verify:
+            return
+        entry = self.entries[key]
         n = int(entry["length"])
-        if self.verify:
-            crc = zlib.crc32(view[:n])
-            if crc != int(entry["crc32"]):
-                raise PackError(f"{self.path}: layer {key[0]} expert {key[1]}: CRC-32 {crc:#010x} of its {n} bytes "
-                                f"at {off}; the index expects {int(entry['crc32']):#010x} (corrupt file)")
-        return buf, rb
+        crc = zlib.crc32(memoryview(buf.numpy()).cast("B")[:n])
+        if crc != int(entry["crc32"]):
+            raise PackError(f"{self.path}: layer {key[0]} expert {key[1]}: CRC-32 {crc:#010x} of its {n} bytes "
+                            f"at {int(entry['offset'])}; the index expects {int(entry['crc32']):#010x} (corrupt file)")
 
     def layout(self, key: tuple[int, int]) -> tuple:
         """What fixes where a record's parts sit: (format, read_bytes, parts). Records of equal
@@ -393,35 +416,163 @@ class Record:
         return self._expert
 
 
+def chunk_ranges(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Split a record of nbytes (a multiple of ALIGN) into about equal [start, end) chunks of at
+    most chunk_bytes (rounded up to ALIGN), each starting on an ALIGN boundary; chunk_bytes 0: one
+    chunk, the whole record."""
+    if chunk_bytes <= 0 or nbytes <= chunk_bytes:
+        return [(0, nbytes)]
+    n = -(-nbytes // _up(chunk_bytes, ALIGN))
+    step = _up(-(-nbytes // n), ALIGN)
+    return [(s, min(s + step, nbytes)) for s in range(0, nbytes, step)]
+
+
+class RecordRead:
+    """One record being read into its aligned buffer, in chunks that reader threads take one by
+    one; the thread that ends the last chunk checks the CRC (when the pack verifies) and sets `done`."""
+
+    __slots__ = ("pack", "key", "buf", "view", "chunks", "left", "error", "done", "t0", "seconds", "lock", "guess")
+
+    def __init__(self, pack: ExpertPack, key: tuple[int, int], chunk_bytes: int, pin: bool, guess: bool):
+        rb = int(pack._entry(key)["read_bytes"])
+        self.pack, self.key, self.guess = pack, key, guess
+        self.buf = aligned_buffer(rb, pin)
+        self.view = memoryview(self.buf.numpy()).cast("B")
+        self.chunks = chunk_ranges(rb, chunk_bytes)
+        self.left = len(self.chunks)
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.lock = threading.Lock()
+        self.t0 = time.perf_counter()
+        self.seconds = 0.0
+
+    def run(self, i: int) -> None:
+        """Read chunk i (on a reader thread)."""
+        start, end = self.chunks[i]
+        try:
+            if self.error is None:
+                self.pack.read_into(self.key, self.view[start:end], start)
+        except BaseException as err:     # noqa: BLE001 - handed to the waiting thread
+            self.error = self.error or err
+        with self.lock:
+            self.left -= 1
+            last = self.left == 0
+        if last:
+            try:
+                if self.error is None:
+                    self.pack.check(self.key, self.buf)
+            except BaseException as err:  # noqa: BLE001
+                self.error = err
+            self.seconds = time.perf_counter() - self.t0
+            self.done.set()
+
+    def cancel(self, why: str) -> None:
+        """Chunks that will never run (the pool closed): wake whoever waits, with an error."""
+        self.error = self.error or PackError(f"{self.pack.path}: read of layer {self.key[0]} expert "
+                                             f"{self.key[1]} cancelled ({why})")
+        self.done.set()
+
+    def result(self) -> torch.Tensor:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.buf
+
+
+class ReaderPool:
+    """Reader threads taking jobs (callables) from two FIFO queues: reads a decode waits for first,
+    then reads for guesses. A guessed record asked for on demand moves its queued chunks to the
+    first queue (promote), so an on-demand read waits behind at most the chunks already running."""
+
+    def __init__(self, threads: int, name: str = "moebench-ssd"):
+        self._cv = threading.Condition()
+        self._urgent: deque = deque()
+        self._guess: deque = deque()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def put(self, jobs: list, urgent: bool = True) -> None:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("ReaderPool: closed")
+            (self._urgent if urgent else self._guess).extend(jobs)
+            self._cv.notify(len(jobs))
+
+    def promote(self, owner) -> None:
+        """Move the queued guess jobs of `owner` (a job's __self__, the RecordRead) to the first queue."""
+        def of(job) -> bool:
+            return getattr(getattr(job, "func", None), "__self__", None) is owner
+        with self._cv:
+            mine = [j for j in self._guess if of(j)]
+            if mine:
+                rest = [j for j in self._guess if not of(j)]
+                self._guess.clear()
+                self._guess.extend(rest)
+                self._urgent.extend(mine)
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._urgent and not self._guess and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                job = self._urgent.popleft() if self._urgent else self._guess.popleft()
+            job()
+
+    def close(self, join: bool = True) -> list:
+        """Stop the threads after the jobs now running (join: wait for them); returns the jobs
+        that never ran."""
+        with self._cv:
+            self._closed = True
+            left = list(self._urgent) + list(self._guess)
+            self._urgent.clear()
+            self._guess.clear()
+            self._cv.notify_all()
+        if join:
+            for t in self._threads:
+                t.join()
+        return left
+
+
 class DiskTier:
     """One artifact's SSD tier: the pack, the host-RAM cache in front of it and the reader threads.
     Shared by every layer's TieredExperts (keys are (layer, expert)).
 
     Reads go through `request` (on demand, or from a routing guess: `guess=True`), which keeps one
-    read in flight per record; `take` waits for one and puts it in the host-RAM cache; `harvest`
-    moves finished reads there without waiting. Guessed reads are kept to `threads - 1` in flight,
-    so a read asked for on demand always finds a reader thread free. A record a guess read and no
-    pick has used yet is in `guessed`: its first use counts as a guessed read used
-    (`guess_used`); one evicted unused is wasted. Every method is for the model's thread; the
+    read in flight per record and splits it into chunks of `chunk_bytes` (0: one read per record)
+    that the `threads` reader threads run in parallel, so a lone record read keeps several requests
+    in flight on the disk; every record a layer misses is requested before any is waited for, so a
+    layer's misses are all in the disk's queue at once. `take` waits for one and puts it in the
+    host-RAM cache; `harvest` moves finished reads there without waiting. On-demand chunks run
+    before guessed ones (ReaderPool); guessed records are kept to `threads - 1` in flight. A record
+    a guess read and no pick has used yet is in `guessed`: its first use counts as a guessed read
+    used (`guess_used`); one evicted unused is wasted. Every method is for the model's thread; the
     reader threads only fill buffers."""
 
-    def __init__(self, pack: ExpertPack, cache_bytes: int = 0, threads: int = 4, pin: bool = False):
+    def __init__(self, pack: ExpertPack, cache_bytes: int = 0, threads: int = READ_THREADS, pin: bool = False,
+                 chunk_bytes: int = READ_CHUNK_BYTES):
         if threads < 1:
             raise ValueError(f"DiskTier: threads must be >= 1, got {threads}")
+        if chunk_bytes < 0:
+            raise ValueError(f"DiskTier: chunk_bytes must be >= 0 (0: whole records), got {chunk_bytes}")
         self.pack = pack
         self.cache = HostCache(cache_bytes)
         self.pin = pin
         self.threads = threads
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moebench-ssd")
-        self._inflight: dict[tuple[int, int], tuple[Future, bool]] = {}
+        self.chunk_bytes = chunk_bytes
+        self._pool = ReaderPool(threads)
+        self._inflight: dict[tuple[int, int], RecordRead] = {}
         self.guessed: set[tuple[int, int]] = set()
         self.guess_reads = self.guess_used = self.guess_dropped = 0
         self.pending_guesses: list = []    # (TieredExperts, host ids, event): placement's guesses to act on
 
     @classmethod
-    def open(cls, path: str | Path, cache_bytes: int = 0, threads: int = 4, pin: bool = False,
-             direct: bool | None = None, verify: bool = False) -> "DiskTier":
-        return cls(ExpertPack(path, direct=direct, verify=verify), cache_bytes, threads, pin)
+    def open(cls, path: str | Path, cache_bytes: int = 0, threads: int = READ_THREADS, pin: bool = False,
+             direct: bool | None = None, verify: bool = False, chunk_bytes: int = READ_CHUNK_BYTES) -> "DiskTier":
+        return cls(ExpertPack(path, direct=direct, verify=verify), cache_bytes, threads, pin, chunk_bytes)
 
     def nbytes(self, key: tuple[int, int]) -> int:
         """The expert's stored bytes (its parts; the record read is padded to ALIGN)."""
@@ -437,12 +588,20 @@ class DiskTier:
         return self.cache.get(key)
 
     def submit(self, key: tuple[int, int]) -> Future:
-        """Queue a read of `key` on the reader threads; the future gives (expert, bytes read, seconds)."""
+        """Queue one whole-record read of `key` on the reader threads, outside the host-RAM cache
+        and the in-flight reads; the future gives (expert, bytes read, seconds)."""
+        fut: Future = Future()
+
         def job():
             t0 = time.perf_counter()
-            expert, n = self.pack.read(key, pin=self.pin)
-            return expert, n, time.perf_counter() - t0
-        return self._pool.submit(job)
+            try:
+                expert, n = self.pack.read(key, pin=self.pin)
+            except BaseException as err:  # noqa: BLE001 - handed to the future
+                fut.set_exception(err)
+            else:
+                fut.set_result((expert, n, time.perf_counter() - t0))
+        self._pool.put([job])
+        return fut
 
     def keep(self, key: tuple[int, int], expert, nbytes: int) -> None:
         """Put a record just read into the host-RAM cache (the model's thread only): an expert
@@ -463,39 +622,45 @@ class DiskTier:
 
     def request(self, key: tuple[int, int], guess: bool = False) -> int:
         """Make sure a read of `key` is under way unless it is in the host-RAM cache or already in
-        flight; returns the bytes of the read started (0: none). A guess finding `threads - 1`
-        guessed reads in flight is dropped (counted in guess_dropped)."""
-        if key in self._inflight or key in self.cache:
+        flight (a guessed read asked for on demand moves up the readers' queue); returns the bytes
+        of the read started (0: none). A guess finding `threads - 1` guessed reads in flight is
+        dropped (counted in guess_dropped)."""
+        read = self._inflight.get(key)
+        if read is not None:
+            if read.guess and not guess:
+                read.guess = False
+                self._pool.promote(read)
+            return 0
+        if key in self.cache:
             return 0
         if guess:
-            if sum(g for _, g in self._inflight.values()) >= self.threads - 1:
+            if sum(r.guess for r in self._inflight.values()) >= self.threads - 1:
                 self.guess_dropped += 1
                 return 0
             self.guess_reads += 1
             self.guessed.add(key)
-
-        def job():
-            t0 = time.perf_counter()
-            buf, n = self.pack.read_raw(key, pin=self.pin)
-            return buf, n, time.perf_counter() - t0
-        self._inflight[key] = (self._pool.submit(job), guess)
+        read = RecordRead(self.pack, key, self.chunk_bytes, self.pin, guess)
+        self._inflight[key] = read
+        self._pool.put([functools.partial(read.run, i) for i in range(len(read.chunks))], urgent=not guess)
         return self.pack.read_bytes(key)
 
     def take(self, key: tuple[int, int]) -> tuple[Record, float]:
         """Wait for the read of `key` (request it first), keep it in the host-RAM cache; returns the
-        record and the seconds waited."""
-        fut, _ = self._inflight[key]
+        record and the seconds waited. A failed read raises its PackError (file, record, offset)."""
+        read = self._inflight[key]
         t0 = time.perf_counter()
-        buf, n, _ = fut.result()
+        try:
+            buf = read.result()
+        finally:
+            del self._inflight[key]
         waited = time.perf_counter() - t0
-        del self._inflight[key]
         rec = Record(buf, self.pack, key)
-        self._put(key, rec, n)
+        self._put(key, rec, self.pack.read_bytes(key))
         return rec, waited
 
     def harvest(self) -> None:
         """Move every finished read into the host-RAM cache (no waiting)."""
-        for key in [k for k, (f, _) in self._inflight.items() if f.done()]:
+        for key in [k for k, r in self._inflight.items() if r.done.is_set()]:
             self.take(key)
 
     def first_use(self, key: tuple[int, int]) -> bool:
@@ -511,6 +676,7 @@ class DiskTier:
         c = self.cache
         return {"file": str(self.pack.path), "records": len(self.pack.entries), "o_direct": self.pack.direct,
                 "o_direct_reason": self.pack.direct_reason, "verify": self.pack.verify, "read_threads": self.threads,
+                "read_chunk_bytes": self.chunk_bytes,
                 "cache_capacity_bytes": c.capacity, "cache_resident_bytes": c.resident, "cache_peak_bytes": c.peak,
                 "cache_records": len(c), "cache_inserts": c.inserts, "cache_evictions": c.evictions,
                 "guess_reads": self.guess_reads, "guess_used": self.guess_used,
@@ -518,8 +684,13 @@ class DiskTier:
                 "guess_wasted": self.guess_reads - self.guess_used - len(self.guessed)}
 
     def close(self) -> None:
-        for fut, _ in self._inflight.values():
-            fut.cancel()
-        self._pool.shutdown(wait=True)
+        self._pool.close()
+        for read in self._inflight.values():
+            read.cancel("the tier closed")
         self._inflight.clear()
         self.pack.close()
+
+    def __del__(self):  # noqa: D105 - a tier dropped unclosed lets its reader threads end
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.close(join=False)

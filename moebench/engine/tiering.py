@@ -32,6 +32,7 @@ from .expert_names import parse_expert_name
 from .placement import HOMES, TieredExperts
 from .quant import QuantizedTensor, format_nbytes, parse_format, quantize
 from .quantized_expert import QuantizedExpert
+from .ssd import READ_CHUNK_BYTES, READ_THREADS
 
 __all__ = ["calibrate", "plan", "plan_hot_cold", "pack", "load_tiered", "open_disk_tier", "read_experts", "measure_errors",
            "weights_from_checkpoint", "expert_nbytes", "CalibrationStats", "Plan", "Budgets", "TieringError"]
@@ -286,8 +287,9 @@ class Plan:
     cache_slots / skip_tail_from are the runtime settings TieredExperts gets by default.
     The SSD tier's runtime settings (written to plan.json only when some expert is on ssd):
     ssd_cache_bytes: the host-RAM LRU cache in front of the pack file, in bytes; ssd_threads: reader
-    threads; ssd_direct: O_DIRECT reads (None: where the filesystem allows, else buffered);
-    ssd_verify: check every record's CRC-32 as it is read.
+    threads; ssd_chunk_bytes: the size a record's read is split into, read by several threads at
+    once (0: one read per record); ssd_direct: O_DIRECT reads (None: where the filesystem allows,
+    else buffered); ssd_verify: check every record's CRC-32 as it is read.
     info: what the planner knew and decided (budgets, ladder, bytes per tier, expected error).
     """
 
@@ -298,9 +300,10 @@ class Plan:
     skip_tail_from: int | None = None
     info: dict[str, Any] = field(default_factory=dict)
     ssd_cache_bytes: int = 0
-    ssd_threads: int = 4
+    ssd_threads: int = READ_THREADS
     ssd_direct: bool | None = None
     ssd_verify: bool = False
+    ssd_chunk_bytes: int = READ_CHUNK_BYTES
 
     @property
     def has_ssd(self) -> bool:
@@ -310,6 +313,7 @@ class Plan:
         runtime: dict[str, Any] = {"cache_slots": self.cache_slots, "skip_tail_from": self.skip_tail_from}
         if self.has_ssd:
             runtime.update(ssd_cache_bytes=self.ssd_cache_bytes, ssd_threads=self.ssd_threads,
+                           ssd_chunk_bytes=self.ssd_chunk_bytes,
                            ssd_direct=self.ssd_direct, ssd_verify=self.ssd_verify)
         return {"format": PLAN_FORMAT, "version": PLAN_VERSION,
                 "runtime": runtime,
@@ -368,18 +372,23 @@ class Plan:
         if skip is not None and (not isinstance(skip, int) or skip < 1):
             raise TieringError(f"{source}: runtime.skip_tail_from is {skip!r}; expected null or an integer >= 1")
         cache_bytes = runtime.get("ssd_cache_bytes", 0)
-        threads = runtime.get("ssd_threads", 4)
+        threads = runtime.get("ssd_threads", READ_THREADS)
+        chunk = runtime.get("ssd_chunk_bytes", READ_CHUNK_BYTES)
         direct = runtime.get("ssd_direct")
         verify = runtime.get("ssd_verify", False)
         if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 0:
             raise TieringError(f"{source}: runtime.ssd_cache_bytes is {cache_bytes!r}; expected an integer >= 0")
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
             raise TieringError(f"{source}: runtime.ssd_threads is {threads!r}; expected an integer >= 1")
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+            raise TieringError(f"{source}: runtime.ssd_chunk_bytes is {chunk!r}; expected an integer >= 0 "
+                               f"(0: one read per record)")
         if direct is not None and not isinstance(direct, bool):
             raise TieringError(f"{source}: runtime.ssd_direct is {direct!r}; expected true, false or null")
         if not isinstance(verify, bool):
             raise TieringError(f"{source}: runtime.ssd_verify is {verify!r}; expected true or false")
-        return cls(layers, precision, home, slots, skip, data.get("info", {}), cache_bytes, threads, direct, verify)
+        return cls(layers, precision, home, slots, skip, data.get("info", {}), cache_bytes, threads, direct, verify,
+                   chunk)
 
     def count(self) -> dict[str, int]:
         """How many experts have each precision and each home."""
@@ -739,7 +748,7 @@ def open_disk_tier(path: str | Path, plan: Plan, shapes: dict | None, device, ss
     try:
         disk = DiskTier.open(file, cache_bytes=plan.ssd_cache_bytes if ssd_cache_bytes is None else ssd_cache_bytes,
                              threads=plan.ssd_threads, pin=torch.device(device).type == "cuda",
-                             direct=plan.ssd_direct, verify=plan.ssd_verify)
+                             direct=plan.ssd_direct, verify=plan.ssd_verify, chunk_bytes=plan.ssd_chunk_bytes)
     except PackError as err:
         raise TieringError(str(err)) from None
     want = {(l, e): plan.precision[i][e] for i, l in enumerate(plan.layers)
