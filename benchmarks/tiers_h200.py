@@ -519,10 +519,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--disk-read-gib", type=float, default=1.0, help="bytes read per disk_read run")
     ap.add_argument("--ssd-cache-fraction", type=float, default=0.5,
                     help="plan_gpu_host_ssd: host-RAM cache size as a share of the cold records' bytes")
-    ap.add_argument("--ssd-threads", type=int, default=READ_THREADS,
-                    help="plan_gpu_host_ssd*: the SSD tier's reader threads (the engine's default)")
-    ap.add_argument("--ssd-chunk-kib", type=int, default=READ_CHUNK_BYTES >> 10,
-                    help="plan_gpu_host_ssd* and disk_read's one-record reads: the read chunk in KiB (the engine's default)")
+    ap.add_argument("--ssd-threads", type=int, default=8,
+                    help="plan_gpu_host_ssd*: the SSD tier's reader threads (the chunked candidate; the engine's "
+                         f"default is {READ_THREADS})")
+    ap.add_argument("--ssd-chunk-kib", type=int, default=256,
+                    help="plan_gpu_host_ssd* and disk_read's one-record reads: the read chunk in KiB (the chunked "
+                         f"candidate; the engine's default is {READ_CHUNK_BYTES >> 10}: one read per record)")
     ap.add_argument("--whole-threads", type=int, default=4,
                     help="plan_gpu_host_ssd*_whole: reader threads for whole-record reads (one read per record)")
     ap.add_argument("--ssd-lookahead", type=int, default=3,

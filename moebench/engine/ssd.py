@@ -61,8 +61,11 @@ ALIGN = 4096            # record alignment: the logical block size O_DIRECT need
 PART_ALIGN = 64         # a tensor part's alignment inside its record
 _HEADER = struct.Struct("<8sIIQQ")
 MATRICES = ("gate", "up", "down")
-READ_THREADS = 8             # DiskTier's reader threads by default
-READ_CHUNK_BYTES = 256 << 10  # DiskTier's read size by default: a 1.3 MB record is read as 6 chunks at once
+# DiskTier's defaults: whole-record reads on 4 threads, the read path of the H200 figures of record;
+# chunked reads (e.g. 256 KiB on 8 threads: a 1.3 MB record as 6 reads at once) are opt-in until
+# benchmarks/tiers_h200.py times them against it on the H200.
+READ_THREADS = 4
+READ_CHUNK_BYTES = 0
 
 
 
