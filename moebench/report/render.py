@@ -19,7 +19,7 @@ from moebench import store
 from moebench.report import plots
 from moebench.report.load import load_context
 from moebench.report.rig import rig_context, run_rig_context
-from moebench.store.records import CompareDoc, CompareSide, ItemRecord, Manifest, RecordError
+from moebench.store.records import CompareDoc, CompareSide, ItemRecord, Manifest, RecordError, typed_run
 from moebench.store.sections import (SPEED_METRICS, needle_cells, needle_counts, number, per_side,
                                       speed_rows)
 
@@ -245,10 +245,7 @@ def _record_task(rec: dict[str, Any]) -> str:
 def run_context(run_dir: Path) -> dict[str, Any]:
     try:
         manifest, raw_records = store.load_run(run_dir)
-        typed = Manifest.from_dict(manifest, str(run_dir / store.MANIFEST))
-        items = run_dir / store.ITEMS
-        records = [ItemRecord.from_dict(r, f"{items} (item {r.get('item_id')!r})" if isinstance(r, dict) else str(items))
-                   for r in raw_records]
+        typed, records = typed_run(run_dir, manifest, raw_records)
     except store.StoreError as e:
         raise ReportError(str(e)) from None
     tasks: dict[str, list[ItemRecord]] = {}
@@ -288,7 +285,7 @@ def run_context(run_dir: Path) -> dict[str, Any]:
         "accuracy_svg": _svg(plots.interval_plot(dots)) if dots else None,
         "rows": rows,
         "counts": {k: sum(1 for r in rows if r["kind"] == k) for k in ("correct", "wrong", "error", "unscored")},
-        "rig": run_rig_context(manifest, raw_records),
+        "rig": run_rig_context(typed, records),
     }
 
 

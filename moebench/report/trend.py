@@ -10,49 +10,69 @@ from __future__ import annotations
 import csv
 import io
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from moebench import store
+from moebench.store.records import ItemRecord, Manifest, load_typed_run
 from moebench.store.sections import number
 
 ORDERS = ("time", "build", "given")
 
 
-def build_id(m: dict[str, Any]) -> str:
+def build_id(m: Manifest) -> str:
     """A short name for the build a run measured: llama.cpp's build number, else moebench's git revision."""
-    b = m.get("build") if isinstance(m.get("build"), dict) else {}
+    b = m.build or {}
     if b.get("build_number") is not None:
         commit = b.get("build_commit")
         return f"b{b['build_number']}" + (f" ({commit})" if commit and commit != f"b{b['build_number']}" else "")
-    mb = m.get("moebench") if isinstance(m.get("moebench"), dict) else {}
+    mb = m.moebench or {}
     rev = mb.get("git_revision")
     if rev:
         return f"moebench {str(rev)[:10]}{' dirty' if mb.get('dirty') else ''}"
     return str(mb.get("version") or "?")
 
 
-def _build_number(m: dict[str, Any]) -> int | None:
-    b = m.get("build") if isinstance(m.get("build"), dict) else {}
-    v = b.get("build_number")
+def _build_number(m: Manifest) -> int | None:
+    v = (m.build or {}).get("build_number")
     return v if isinstance(v, int) else None
 
 
-def run_figures(run_dir: Path) -> tuple[dict[str, Any], dict[str, float | None]]:
+@dataclass
+class TrendRun:
+    """trend.json runs[]: which run, its build and when it started (the figures follow in the row)."""
+
+    run: str
+    label: str
+    run_id: str | None
+    started_at: str | None
+    build: str
+    build_number: int | None
+    status: str
+
+    def to_json(self) -> dict[str, str | int | None]:
+        return {"run": self.run, "label": self.label, "run_id": self.run_id, "started_at": self.started_at,
+                "build": self.build, "build_number": self.build_number, "status": self.status}
+
+
+Figures = dict[str, float | None]
+
+
+def run_figures(run_dir: Path) -> tuple[TrendRun, Figures]:
     """(identity, {figure name: value}) for one run."""
-    manifest, records = store.load_run(run_dir)
-    ident = {"run": str(run_dir.resolve()), "label": manifest.get("label") or run_dir.name,
-             "run_id": manifest.get("run_id"), "started_at": manifest.get("started_at"),
-             "build": build_id(manifest), "build_number": _build_number(manifest), "status": manifest.get("status")}
-    figs: dict[str, float | None] = {}
-    by_task: dict[str, list[dict[str, Any]]] = {}
+    manifest, records = load_typed_run(run_dir)
+    ident = TrendRun(run=str(run_dir.resolve()), label=manifest.label or run_dir.name, run_id=manifest.run_id,
+                     started_at=manifest.started_at, build=build_id(manifest),
+                     build_number=_build_number(manifest), status=manifest.status)
+    figs: Figures = {}
+    by_task: dict[str, list[ItemRecord]] = {}
     for r in records:
-        by_task.setdefault(str(r.get("task")), []).append(r)
+        by_task.setdefault(r.task, []).append(r)
     for task, recs in by_task.items():
-        scored = [r for r in recs if r.get("status") == "ok" and r.get("correct") is not None]
+        scored = [r for r in recs if r.status == "ok" and r.correct is not None]
         if scored:
-            figs[f"{task} accuracy"] = sum(1 for r in scored if r["correct"] is True) / len(scored)
-    summary = manifest.get("summary") if isinstance(manifest.get("summary"), dict) else {}
+            figs[f"{task} accuracy"] = sum(1 for r in scored if r.correct is True) / len(scored)
+    summary = manifest.summary or {}
     for task, s in summary.items():
         if not isinstance(s, dict):
             continue
@@ -73,7 +93,7 @@ def run_figures(run_dir: Path) -> tuple[dict[str, Any], dict[str, float | None]]
                     st = g.get(metric)
                     if isinstance(st, dict):
                         figs[f"{label} at {where}"] = number(st.get("median"))
-    nv = ((manifest.get("probes") or {}).get("nvml") or {})
+    nv = (manifest.probes or {}).get("nvml") or {}
     ps = nv.get("summary") if isinstance(nv.get("summary"), dict) else {}
     mem = ps.get("memory") if isinstance(ps.get("memory"), dict) else {}
     if number(mem.get("peak_used_bytes")) is not None:
@@ -83,22 +103,22 @@ def run_figures(run_dir: Path) -> tuple[dict[str, Any], dict[str, float | None]]
         p = per_token.get(ph)
         if isinstance(p, dict) and number(p.get("net_j_per_token")) is not None:
             figs[f"{ph} J/token"] = number(p.get("net_j_per_token"))
-    model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
+    model = manifest.model or {}
     size = model.get("size_bytes", model.get("bytes"))
     if isinstance(size, int):
         figs["model size (MiB)"] = size / 2**20
     return ident, figs
 
 
-def order_runs(items: list[tuple[dict[str, Any], dict[str, Any]]], order: str) -> tuple[list, str]:
+def order_runs(items: list[tuple[TrendRun, Figures]], order: str) -> tuple[list[tuple[TrendRun, Figures]], str]:
     """Runs sorted by start time, by build number (where every run has one), or as given."""
     if order == "given":
         return items, "the order given"
     if order == "build":
-        if all(i[0]["build_number"] is not None for i in items):
-            return sorted(items, key=lambda i: (i[0]["build_number"], i[0]["started_at"] or "")), "build number"
+        if all(i[0].build_number is not None for i in items):
+            return sorted(items, key=lambda i: (i[0].build_number, i[0].started_at or "")), "build number"
         order = "time"
-    return sorted(items, key=lambda i: (i[0]["started_at"] or "", i[0]["label"])), "start time"
+    return sorted(items, key=lambda i: (i[0].started_at or "", i[0].label)), "start time"
 
 
 def is_share(figure: str) -> bool:
@@ -120,7 +140,7 @@ def write_trend(runs: list[Path], out_dir: Path, order: str = "time") -> Path:
     for _, figs in items:
         names += [n for n in figs if n not in names]
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = [{**ident, **{n: figs.get(n) for n in names}} for ident, figs in items]
+    rows = [{**ident.to_json(), **{n: figs.get(n) for n in names}} for ident, figs in items]
     store.write_json_atomic(out_dir / "trend.json", {"schema_version": 1, "order": order_text,
                                                      "figures": names, "runs": rows})
     buf = io.StringIO()
