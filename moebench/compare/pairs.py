@@ -40,8 +40,9 @@ class SubjectPairing:
 
 
 @dataclass
-class TaskPairing:
-    """compare.json tasks.<task>: one task's records paired by item id (docs/schema.md)."""
+class PairedAccuracy:
+    """What a task's pairing and the overall block both open with: pairs, correct answers per side,
+    accuracies (None with nothing paired) and their Wilson 95% intervals."""
 
     n_paired: int
     baseline_correct: int
@@ -50,6 +51,18 @@ class TaskPairing:
     candidate_accuracy: float | None
     baseline_ci95: list[float]
     candidate_ci95: list[float]
+
+    def _accuracy_json(self) -> Section:
+        return {"n_paired": self.n_paired, "baseline_correct": self.baseline_correct,
+                "candidate_correct": self.candidate_correct, "baseline_accuracy": self.baseline_accuracy,
+                "candidate_accuracy": self.candidate_accuracy, "baseline_ci95": self.baseline_ci95,
+                "candidate_ci95": self.candidate_ci95}
+
+
+@dataclass
+class TaskPairing(PairedAccuracy):
+    """compare.json tasks.<task>: one task's records paired by item id (docs/schema.md)."""
+
     wins: list[str]
     losses: list[str]
     excluded: list[str]
@@ -65,12 +78,9 @@ class TaskPairing:
     """The files both runs read under one path with different contents: path -> side -> sha256."""
 
     def to_json(self) -> Section:
-        out: Section = {"n_paired": self.n_paired, "baseline_correct": self.baseline_correct,
-                        "candidate_correct": self.candidate_correct, "baseline_accuracy": self.baseline_accuracy,
-                        "candidate_accuracy": self.candidate_accuracy, "baseline_ci95": self.baseline_ci95,
-                        "candidate_ci95": self.candidate_ci95, "wins": self.wins, "losses": self.losses,
-                        "excluded": self.excluded, "excluded_reasons": self.excluded_reasons,
-                        "flip_rate": self.flip_rate, "mcnemar_p": self.mcnemar_p, "delta_ci95": self.delta_ci95}
+        out = {**self._accuracy_json(), "wins": self.wins, "losses": self.losses, "excluded": self.excluded,
+               "excluded_reasons": self.excluded_reasons, "flip_rate": self.flip_rate, "mcnemar_p": self.mcnemar_p,
+               "delta_ci95": self.delta_ci95}
         if self.unpaired_reason is not None:
             out["unpaired_reason"] = self.unpaired_reason
         if self.per_subject is not None:
@@ -81,16 +91,9 @@ class TaskPairing:
 
 
 @dataclass
-class OverallPairing:
+class OverallPairing(PairedAccuracy):
     """compare.json "overall": every scored item of every task paired at once; counts, not id lists."""
 
-    n_paired: int
-    baseline_correct: int
-    candidate_correct: int
-    baseline_accuracy: float | None
-    candidate_accuracy: float | None
-    baseline_ci95: list[float]
-    candidate_ci95: list[float]
     flip_rate: float
     mcnemar_p: float
     delta_ci95: list[float]
@@ -107,10 +110,7 @@ class OverallPairing:
                    n_excluded=len(t.excluded))
 
     def to_json(self) -> Section:
-        return {"n_paired": self.n_paired, "baseline_correct": self.baseline_correct,
-                "candidate_correct": self.candidate_correct, "baseline_accuracy": self.baseline_accuracy,
-                "candidate_accuracy": self.candidate_accuracy, "baseline_ci95": self.baseline_ci95,
-                "candidate_ci95": self.candidate_ci95, "flip_rate": self.flip_rate, "mcnemar_p": self.mcnemar_p,
+        return {**self._accuracy_json(), "flip_rate": self.flip_rate, "mcnemar_p": self.mcnemar_p,
                 "delta_ci95": self.delta_ci95, "n_wins": self.n_wins, "n_losses": self.n_losses,
                 "n_excluded": self.n_excluded}
 

@@ -14,27 +14,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moebench import store
-from moebench.store.records import ItemRecord, Manifest, load_typed_run
+from moebench.store.records import ItemRecord, Section, typed_records
 from moebench.store.sections import number
 
 ORDERS = ("time", "build", "given")
 
 
-def build_id(m: Manifest) -> str:
-    """A short name for the build a run measured: llama.cpp's build number, else moebench's git revision."""
-    b = m.build or {}
+def build_id(m: Section) -> str:
+    """A short name for the build a run measured (from its manifest): llama.cpp's build number, else
+    moebench's git revision."""
+    b = m.get("build") if isinstance(m.get("build"), dict) else {}
     if b.get("build_number") is not None:
         commit = b.get("build_commit")
         return f"b{b['build_number']}" + (f" ({commit})" if commit and commit != f"b{b['build_number']}" else "")
-    mb = m.moebench or {}
+    mb = m.get("moebench") if isinstance(m.get("moebench"), dict) else {}
     rev = mb.get("git_revision")
     if rev:
         return f"moebench {str(rev)[:10]}{' dirty' if mb.get('dirty') else ''}"
     return str(mb.get("version") or "?")
 
 
-def _build_number(m: Manifest) -> int | None:
-    v = (m.build or {}).get("build_number")
+def _build_number(m: Section) -> int | None:
+    b = m.get("build") if isinstance(m.get("build"), dict) else {}
+    v = b.get("build_number")
     return v if isinstance(v, int) else None
 
 
@@ -48,7 +50,7 @@ class TrendRun:
     started_at: str | None
     build: str
     build_number: int | None
-    status: str
+    status: str | None
 
     def to_json(self) -> dict[str, str | int | None]:
         return {"run": self.run, "label": self.label, "run_id": self.run_id, "started_at": self.started_at,
@@ -59,11 +61,13 @@ Figures = dict[str, float | None]
 
 
 def run_figures(run_dir: Path) -> tuple[TrendRun, Figures]:
-    """(identity, {figure name: value}) for one run."""
-    manifest, records = load_typed_run(run_dir)
-    ident = TrendRun(run=str(run_dir.resolve()), label=manifest.label or run_dir.name, run_id=manifest.run_id,
-                     started_at=manifest.started_at, build=build_id(manifest),
-                     build_number=_build_number(manifest), status=manifest.status)
+    """(identity, {figure name: value}) for one run. The manifest is read as written (a hand-made one
+    may lack the keys `Manifest` requires); its records typed."""
+    manifest, raw_records = store.load_run(run_dir)
+    records = typed_records(run_dir, raw_records)
+    ident = TrendRun(run=str(run_dir.resolve()), label=manifest.get("label") or run_dir.name,
+                     run_id=manifest.get("run_id"), started_at=manifest.get("started_at"), build=build_id(manifest),
+                     build_number=_build_number(manifest), status=manifest.get("status"))
     figs: Figures = {}
     by_task: dict[str, list[ItemRecord]] = {}
     for r in records:
@@ -72,7 +76,7 @@ def run_figures(run_dir: Path) -> tuple[TrendRun, Figures]:
         scored = [r for r in recs if r.status == "ok" and r.correct is not None]
         if scored:
             figs[f"{task} accuracy"] = sum(1 for r in scored if r.correct is True) / len(scored)
-    summary = manifest.summary or {}
+    summary = manifest.get("summary") if isinstance(manifest.get("summary"), dict) else {}
     for task, s in summary.items():
         if not isinstance(s, dict):
             continue
@@ -93,7 +97,7 @@ def run_figures(run_dir: Path) -> tuple[TrendRun, Figures]:
                     st = g.get(metric)
                     if isinstance(st, dict):
                         figs[f"{label} at {where}"] = number(st.get("median"))
-    nv = (manifest.probes or {}).get("nvml") or {}
+    nv = ((manifest.get("probes") or {}).get("nvml") or {})
     ps = nv.get("summary") if isinstance(nv.get("summary"), dict) else {}
     mem = ps.get("memory") if isinstance(ps.get("memory"), dict) else {}
     if number(mem.get("peak_used_bytes")) is not None:
@@ -103,7 +107,7 @@ def run_figures(run_dir: Path) -> tuple[TrendRun, Figures]:
         p = per_token.get(ph)
         if isinstance(p, dict) and number(p.get("net_j_per_token")) is not None:
             figs[f"{ph} J/token"] = number(p.get("net_j_per_token"))
-    model = manifest.model or {}
+    model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
     size = model.get("size_bytes", model.get("bytes"))
     if isinstance(size, int):
         figs["model size (MiB)"] = size / 2**20

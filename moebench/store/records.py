@@ -224,11 +224,15 @@ def typed_run(run_dir: str | os.PathLike[str], manifest: Section,
               records: list[Section]) -> tuple[Manifest, list[ItemRecord]]:
     """A run's manifest and latest records, as `store.load_run` read them, in their typed forms; a
     document off the contract is a RecordError naming the file (and the item)."""
-    run_dir = Path(run_dir)
-    items = run_dir / ITEMS
-    return (Manifest.from_dict(manifest, str(run_dir / MANIFEST)),
-            [ItemRecord.from_dict(r, f"{items} (item {r.get('item_id')!r})" if isinstance(r, dict) else str(items))
-             for r in records])
+    return Manifest.from_dict(manifest, str(Path(run_dir) / MANIFEST)), typed_records(run_dir, records)
+
+
+def typed_records(run_dir: str | os.PathLike[str], records: list[Section]) -> list[ItemRecord]:
+    """A run's records, as `store.load_run` read them, typed; one off the contract is a RecordError
+    naming items.jsonl and the item."""
+    items = Path(run_dir) / ITEMS
+    return [ItemRecord.from_dict(r, f"{items} (item {r.get('item_id')!r})" if isinstance(r, dict) else str(items))
+            for r in records]
 
 
 def load_typed_run(run_dir: str | os.PathLike[str]) -> tuple[Manifest, list[ItemRecord]]:

@@ -107,7 +107,7 @@ def runner_fields(result: GenerateResult) -> Section:
     return fields
 
 
-def prompt_tokens_check(fitted: int | None, reported: int | None) -> dict[str, Any]:
+def prompt_tokens_check(fitted: int | None, reported: int | None) -> dict[str, float | bool]:
     """The server-reported prompt length beside the fitted one: relative disagreement and a flag."""
     if not fitted or reported is None:
         return {}
