@@ -109,7 +109,8 @@ class CmmluTask(Task):
     async def evaluate(self, item: Item, runner: Runner) -> ItemRecord:
         prompt = item.data["prompt"]
         reference = item.data["reference"]
-        common = {"question": item.data["question"], "subject": item.data["subject"], "prompt_hash": prompt_hash(prompt)}
+        common = {"question": item.data["question"], "subject": item.data["subject"],
+                  "prompt_hash": prompt_hash(prompt)}
         if self.opts["scoring"] != "generate" and Capability.CHOICE_LOGPROBS in runner.capabilities:
             # Exact ranking of the four letters whatever their rank in the vocabulary (the engine: the
             # whole next-token distribution; llama-server: a grammar over the letters).
@@ -142,7 +143,8 @@ class CmmluTask(Task):
                                    extra={**runner_fields(result), **common, "scoring": "logprobs",
                                           "choice_logprobs": choice_lp, "abstained": True,
                                           "abstain_reason": f"none of A-D among the next token's top "
-                                                            f"{self.opts['top_logprobs']} log-probs: their ranking is unknown"})
+                                                            f"{self.opts['top_logprobs']} log-probs: "
+                                                            "their ranking is unknown"})
             answer = max(ranked)[1]
             return self.record(item, correct=answer == reference, answer=answer, reference=reference,
                                output=result.text,
