@@ -143,7 +143,7 @@ async def main_async(a: argparse.Namespace, out: Path, report: dict[str, Any], p
         await task.prepare(runner)
         item = task.items()[0]
         prep_s = time.perf_counter() - t0
-        rec = await task.evaluate(item, runner)
+        rec = (await task.evaluate(item, runner)).to_dict()
         report["needle"] = {k: rec.get(k) for k in ("prompt_tokens", "length", "depth", "needle_token_position",
                                                      "needle_position_exact", "ttft_s", "prefill_tok_s", "correct",
                                                      "answer", "reference", "wall_s", "fit_iterations")}

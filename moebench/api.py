@@ -27,7 +27,8 @@ from moebench.runners.base import CapabilityError, Runner, Unreachable, check_ca
 from moebench.runners.responses import describe
 from moebench.secrets import redact
 from moebench.store import RunLock, RunStore, StoreError, now_iso, write_json_atomic
-from moebench.store.session import (ask_item, common_errors, finish_run, new_manifest, open_store,
+from moebench.store.records import ItemRecord
+from moebench.store.session import (ask_record, common_errors, finish_run, new_manifest, open_store,
                                     record_runner_identity)
 from moebench.tasks import task_class, task_schemas
 from moebench.tasks.base import Task, TaskContext
@@ -256,7 +257,7 @@ async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runne
             for item in queue:
                 if stopped.done():
                     return
-                rec = await ask_item(task.name, item.item_id, lambda: task.evaluate(item, runner), describe,
+                rec = await ask_record(task.name, item.item_id, lambda: task.evaluate(item, runner), describe,
                                      passthrough=(CapabilityError,))
                 fut = store.append_async(rec)
                 unwritten.add(fut)
@@ -527,7 +528,7 @@ def _execute(opts: RunOptions, suite: SuiteProfile, store: RunStore, tasks: list
             if probe_summary is not None:
                 probes["nvml"] = {**probes.get("nvml", {}), **probe_summary}
             finish_run(store, status, runner, summary, counts=counts, probes=probes, data_files=ctx.data_files,
-                       error_causes=common_errors(records))
+                       error_causes=[c.to_json() for c in common_errors([ItemRecord.from_dict(r) for r in records])])
         except OSError as e:         # the manifest keeps its last whole version; say why once
             if not reported:
                 print(os_error_line(e), file=sys.stderr)

@@ -78,11 +78,13 @@ def load_compare(directory: str | Path) -> pd.DataFrame:
         cand = (cmp.get("candidate") or {}).get("label")
         base = (cmp.get("baseline") or {}).get("label")
         for name, t in (cmp.get("tasks") or {}).items():
-            rows.append({"baseline": base, "candidate": cand, "task": name, **task_figures(t)})
+            rows.append({"baseline": base, "candidate": cand, "task": name, **task_figures(t).to_json()})
             for subject, st in (t.get("per_subject") or {}).items():
-                rows.append({"baseline": base, "candidate": cand, "task": f"{name}/{subject}", **task_figures(st)})
+                rows.append({"baseline": base, "candidate": cand, "task": f"{name}/{subject}",
+                             **task_figures(st).to_json()})
         if isinstance(cmp.get("overall"), dict):
-            rows.append({"baseline": base, "candidate": cand, "task": "overall", **task_figures(cmp["overall"])})
+            rows.append({"baseline": base, "candidate": cand, "task": "overall",
+                         **task_figures(cmp["overall"]).to_json()})
     return pd.DataFrame.from_records(rows)
 
 

@@ -5,16 +5,23 @@ from __future__ import annotations
 from conftest import moebench_cli
 from moebench.compare.pairs import pair_runs
 from moebench.store import RunStore
+from moebench.store.records import ItemRecord
 
 
 def _rec(task: str, item_id: str, status: str = "ok", correct: bool | None = True, **kw) -> dict:
     return {"task": task, "item_id": item_id, "status": status, "correct": correct, **kw}
 
 
+def _tasks(base: list[dict], cand: list[dict]) -> dict:
+    """compare.json's "tasks" of the two runs' records."""
+    typed = lambda recs: [ItemRecord.from_dict(r) for r in recs]  # noqa: E731
+    return pair_runs(typed(base), typed(cand)).to_json()["tasks"]
+
+
 def test_only_one_side_has_the_task_names_the_near_twin():
     base = [_rec("gsm8k", f"gsm8k/test/{i}") for i in range(3)]
     cand = [_rec("gsm8k:strict-match", f"gsm8k/{i}") for i in range(3)]
-    t = pair_runs(base, cand)["tasks"]
+    t = _tasks(base, cand)
     assert t["gsm8k"]["n_paired"] == 0 and t["gsm8k:strict-match"]["n_paired"] == 0
     assert t["gsm8k"]["unpaired_reason"] == (
         "task 'gsm8k' is only in the baseline run; the candidate has 'gsm8k:strict-match': the same task under "
@@ -31,7 +38,7 @@ def test_no_common_ids_and_all_excluded_are_told_apart():
         _rec("gsm8k", "gsm8k/test/2", correct=None),
         _rec("gsm8k", "gsm8k/test/3", prompt_hash="aaaa")]
     base[-1]["prompt_hash"] = "bbbb"
-    t = pair_runs(base, cand)["tasks"]
+    t = _tasks(base, cand)
     assert t["cmmlu"]["unpaired_reason"] == (
         "no item ids in common: the baseline has e.g. 'cmmlu/anatomy/0', the candidate e.g. 'cmmlu_anatomy/0' "
         "(different datasets, splits or id schemes)")
@@ -41,7 +48,7 @@ def test_no_common_ids_and_all_excluded_are_told_apart():
 
 def test_a_task_that_pairs_is_not_given_a_reason():
     recs = [_rec("gsm8k", "gsm8k/test/0")]
-    assert "unpaired_reason" not in pair_runs(recs, recs)["tasks"]["gsm8k"]
+    assert "unpaired_reason" not in _tasks(recs, recs)["gsm8k"]
 
 
 def test_report_on_a_corrupt_line_is_a_clear_error_exit_2(tmp_path):

@@ -50,7 +50,7 @@ def test_the_record_carries_the_items_prompt_hash(data_dir):
     runner = Answers()
 
     async def go():
-        return [await task.evaluate(item, runner) for item in task.items()]
+        return [(await task.evaluate(item, runner)).to_dict() for item in task.items()]
 
     recs = asyncio.run(go())
     assert [r["prompt_hash"] for r in recs] == [prompt_hash(p) for p in runner.asked]

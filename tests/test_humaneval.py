@@ -91,7 +91,7 @@ def test_evaluate_pass_fail_and_hostile(items):
     }
     runner = PlantedRunner(planted)
 
-    rec = asyncio.run(task.evaluate(items[0], runner))
+    rec = asyncio.run(task.evaluate(items[0], runner)).to_dict()
     assert rec["correct"] is True
     assert rec["answer"] == p0["canonical_solution"]
     assert rec["output"] == planted[p0["prompt"]]
@@ -103,17 +103,17 @@ def test_evaluate_pass_fail_and_hostile(items):
     req = runner.requests[0]
     assert req.temperature == 0 and req.max_tokens == 512 and req.stop == DEFAULT_STOP
 
-    rec = asyncio.run(task.evaluate(items[1], runner))
+    rec = asyncio.run(task.evaluate(items[1], runner)).to_dict()
     assert rec["correct"] is False
     assert rec["sandbox"]["status"] == "failed" and rec["sandbox"]["reason"] == "AssertionError"
 
-    rec = asyncio.run(task.evaluate(items[2], runner))    # a fork bomb: times out twice, then a loss
+    rec = asyncio.run(task.evaluate(items[2], runner)).to_dict()    # a fork bomb: times out twice, then a loss
     assert rec["correct"] is False
     assert rec["sandbox"]["attempts"] == ["timeout", "timeout"]
     assert "timeout" in rec["sandbox"]["reason"]
     bomb = {**rec, "task": "humaneval", "item_id": items[2].item_id, "status": "ok"}
     # the harness is fine: the next item still evaluates
-    ok = asyncio.run(task.evaluate(items[0], runner))
+    ok = asyncio.run(task.evaluate(items[0], runner)).to_dict()
     assert ok["correct"] is True
     summary = task.summarize([bomb, {**ok, "task": "humaneval", "item_id": items[0].item_id, "status": "ok"}])
     assert summary["n_scored"] == 2 and summary["n_correct"] == 1

@@ -311,7 +311,7 @@ def _moebench_gsm8k(url: str, data_dir: Path) -> list[dict]:
     async def go():
         await runner.start()
         try:
-            return [await task.evaluate(item, runner) for item in task.items()]
+            return [(await task.evaluate(item, runner)).to_dict() for item in task.items()]
         finally:
             await runner.close()
     return asyncio.run(go())

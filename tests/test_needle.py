@@ -10,6 +10,7 @@ from conftest import haystack_bpe
 from moebench.config import ProfileError, validate, COMMON_TASK_SCHEMA
 from moebench.datasets import data_dir
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner
+from moebench.store.records import ItemRecord
 from moebench.tasks.base import TaskContext
 from moebench.compare.needle import needle_compare
 from moebench.tasks.needle import (HAYSTACK_FILE, NEEDLE_TEMPLATE, NeedleError, NeedleTask, QUESTION,
@@ -119,7 +120,7 @@ def test_evaluate_records_and_scoring_end_to_end():
 
     async def go():
         await task.prepare(runner)
-        return [{"task": "needle", "item_id": it.item_id, "status": "ok", **await task.evaluate(it, runner)}
+        return [{"task": "needle", "item_id": it.item_id, "status": "ok", **(await task.evaluate(it, runner)).to_dict()}
                 for it in task.items()]
 
     records = asyncio.run(go())
@@ -132,8 +133,9 @@ def test_evaluate_records_and_scoring_end_to_end():
     summary = task.summarize(records)
     assert summary["by_length"]["2048"]["found"] == 3 and summary["by_length"]["4096"]["found"] < 3
 
-    cmp = needle_compare(records, [{**r, "correct": True} if r["item_id"] != "needle/2048/0" else
-                                   {**r, "status": "error", "correct": None} for r in records])
+    cand = [{**r, "correct": True} if r["item_id"] != "needle/2048/0" else {**r, "status": "error", "correct": None}
+            for r in records]
+    cmp = needle_compare([ItemRecord.from_dict(r) for r in records], [ItemRecord.from_dict(r) for r in cand]).to_json()
     assert cmp["n_paired"] == 5 and cmp["excluded"] == ["needle/2048/0"]
     assert cmp["found_candidate"] == 5 and cmp["lost"] == [] and len(cmp["gained"]) == 5 - cmp["found_baseline"]
     assert {"length", "depth", "prompt_tokens", "found_baseline", "found_candidate"} <= set(cmp["cells"][0])

@@ -135,3 +135,46 @@ def test_single_run_report_reads_items_typed_and_names_a_bad_record(compared, tm
     with pytest.raises(ReportError, match=rf"items\.jsonl \(item '{bad['item_id']}'\): key 'status' is 'skipped', "
                                           r"expected one of 'ok', 'error'"):
         render(run)
+
+
+def test_the_writer_takes_item_records_and_writes_the_lines_the_run_loop_always_wrote(tmp_path):
+    """What a task hands the run loop (an ItemRecord, the JSON fields kld and speed return, or a
+    failure) is written with the contract's keys first, then status, then the task's own, wall_s last;
+    an ItemRecord and its JSON object give the same bytes."""
+    import asyncio
+    from moebench.store.session import ask_record
+
+    async def typed():
+        return ItemRecord(task="gsm8k", item_id="?", status="ok", correct=True, answer="18", reference="18",
+                          output="so #### 18", extra={"extraction": "####", "prompt_hash": "ab12"})
+
+    async def fields():
+        return {"kld_mean": 0.25, "output": None, "role": "candidate"}
+
+    async def failing():
+        raise ConnectionError("refused")
+
+    async def ask():
+        return [await ask_record("gsm8k", "gsm8k/test/0", typed, str),
+                await ask_record("kld", "kld/0", fields, str),
+                await ask_record("gsm8k", "gsm8k/test/1", failing, lambda e: f"{type(e).__name__}: {e}")]
+
+    recs = asyncio.run(ask())
+    lines = {}
+    for name, as_given in (("typed", recs), ("json", [r.to_dict() for r in recs])):
+        store = RunStore.create_or_resume(tmp_path / name, {"label": name, "suite": {"name": "s"}})
+        written = [store.append(r) for r in as_given]
+        store.close()
+        assert written == [r.to_dict() for r in recs]
+        lines[name] = (tmp_path / name / "items.jsonl").read_bytes()
+    assert lines["typed"] == lines["json"]
+    got = [json.loads(ln) for ln in lines["typed"].decode("utf-8").splitlines()]
+    head = ["task", "item_id", "correct", "answer", "reference", "output", "status"]
+    assert [list(g) for g in got] == [head + ["extraction", "prompt_hash", "wall_s"],
+                                      head + ["kld_mean", "role", "wall_s"], head + ["error", "error_type", "wall_s"]]
+    assert got[0]["item_id"] == "gsm8k/test/0" and got[0]["correct"] is True and got[0]["answer"] == "18"
+    assert (got[1]["status"], got[1]["correct"], got[1]["kld_mean"]) == ("ok", None, 0.25)
+    assert (got[2]["status"], got[2]["correct"], got[2]["error"], got[2]["error_type"]) == (
+        "error", None, "ConnectionError: refused", "ConnectionError")
+    assert all(isinstance(g["wall_s"], float) for g in got)
+    assert [ItemRecord.from_dict(g) for g in got] == recs

@@ -4,15 +4,17 @@ of host-tier picks served from GPU memory beside the run's decode speed.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from statistics import median
-from typing import Any
+
+from moebench.store.records import ItemRecord, Manifest, Section
 
 SIDES = ("baseline", "candidate")
 LAYER_KEYS = ("routed", "picks_gpu", "picks_host", "host_hits", "host_misses", "host_direct", "prefetch_hits",
               "route_tail_skips", "stage_copies", "bytes_h2d", "bytes_host_read", "copy_wait_s")
 
 
-def tier_rates(counters: dict[str, Any]) -> dict[str, float | None]:
+def tier_rates(counters: Section) -> dict[str, float | None]:
     """Shares from one layer's (or the total's) counters.
 
     gpu_pick_share: picks whose expert lives on the GPU tier; host_hit_rate: host-tier picks served
@@ -23,40 +25,77 @@ def tier_rates(counters: dict[str, Any]) -> dict[str, float | None]:
             "host_hit_rate": served / host if host else None}
 
 
-def _decode_median(records: list[dict[str, Any]]) -> float | None:
-    vals = [r["decode_tok_s"] for r in records
-            if r.get("task") == "speed" and r.get("status") == "ok" and isinstance(r.get("decode_tok_s"), (int, float))]
+def _counters(counters: Section) -> dict[str, float | None]:
+    """LAYER_KEYS as recorded (None where absent), then the shares."""
+    return {**{k: counters.get(k) for k in LAYER_KEYS}, **tier_rates(counters)}
+
+
+def _decode_median(records: list[ItemRecord]) -> float | None:
+    vals = [r.extra["decode_tok_s"] for r in records
+            if r.task == "speed" and r.status == "ok" and isinstance(r.extra.get("decode_tok_s"), (int, float))]
     return median(vals) if vals else None
 
 
-def _side(manifest: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any] | None:
-    eng = manifest.get("engine")
+@dataclass
+class EngineSide:
+    """One run's engine telemetry (manifest["engine"]) as compare.json shows it."""
+
+    choices: dict[str, object]
+    """Each decode choice's value (the manifest also records why)."""
+    decode_steps: int | None
+    torch_memory: Section | None
+    """manifest["engine"]["torch_memory"] as recorded (docs/schema.md)."""
+    decode_tok_s_median: float | None
+    total: dict[str, float | None] | None = None
+    """Tiered models: the summed counters and shares; None for a model without tiers."""
+    layers: list[dict[str, float | None]] | None = None
+    """Tiered models: per MoE layer, `layer` (its index) then the counters and shares."""
+
+    def to_json(self) -> Section:
+        out: Section = {"choices": self.choices, "decode_steps": self.decode_steps,
+                        "torch_memory": self.torch_memory, "decode_tok_s_median": self.decode_tok_s_median}
+        if self.total is not None:
+            out["tiers"] = {"total": self.total, "layers": self.layers or []}
+        return out
+
+
+def _side(manifest: Manifest | None, records: list[ItemRecord]) -> EngineSide | None:
+    eng = manifest.extra.get("engine") if manifest is not None else None
     if not isinstance(eng, dict):
         return None
-    out: dict[str, Any] = {"choices": {k: (v.get("value") if isinstance(v, dict) else v)
-                                       for k, v in (eng.get("choices") or {}).items()},
-                           "decode_steps": eng.get("decode_steps"), "torch_memory": eng.get("torch_memory"),
-                           "decode_tok_s_median": _decode_median(records)}
+    side = EngineSide(choices={k: (v.get("value") if isinstance(v, dict) else v)
+                               for k, v in (eng.get("choices") or {}).items()},
+                      decode_steps=eng.get("decode_steps"), torch_memory=eng.get("torch_memory"),
+                      decode_tok_s_median=_decode_median(records))
     tiers = eng.get("tiers")
     if isinstance(tiers, dict):
-        total = tiers.get("total") or {}
-        out["tiers"] = {"total": {**{k: total.get(k) for k in LAYER_KEYS}, **tier_rates(total)},
-                        "layers": [{"layer": i, **{k: layer.get(k) for k in LAYER_KEYS}, **tier_rates(layer)}
-                                   for i, layer in enumerate(tiers.get("layers") or [])]}
-    return out
+        side.total = _counters(tiers.get("total") or {})
+        side.layers = [{"layer": i, **_counters(layer)} for i, layer in enumerate(tiers.get("layers") or [])]
+    return side
 
 
-def engine_compare(base_manifest: dict[str, Any], cand_manifest: dict[str, Any],
-                   base_records: list[dict[str, Any]], cand_records: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """{"baseline": ..., "candidate": ..., "hit_rate_vs_speed": [...]} or None when neither run is an
-    engine run. A side without engine telemetry is None."""
-    sides = {"baseline": _side(base_manifest, base_records), "candidate": _side(cand_manifest, cand_records)}
-    if not any(sides.values()):
-        return None
-    points = []
-    for name, s in sides.items():
-        if s and s.get("tiers"):
-            points.append({"run": name, "host_hit_rate": s["tiers"]["total"]["host_hit_rate"],
-                           "gpu_pick_share": s["tiers"]["total"]["gpu_pick_share"],
-                           "decode_tok_s_median": s["decode_tok_s_median"]})
-    return {**sides, "hit_rate_vs_speed": points}
+@dataclass
+class EngineCompare:
+    """compare.json["engine"]: each side's telemetry (None without any), and per tiered side its hit
+    rate beside its decode speed."""
+
+    baseline: EngineSide | None
+    candidate: EngineSide | None
+
+    def hit_rate_vs_speed(self) -> list[Section]:
+        return [{"run": name, "host_hit_rate": s.total["host_hit_rate"], "gpu_pick_share": s.total["gpu_pick_share"],
+                 "decode_tok_s_median": s.decode_tok_s_median}
+                for name, s in (("baseline", self.baseline), ("candidate", self.candidate))
+                if s is not None and s.total is not None]
+
+    def to_json(self) -> Section:
+        return {"baseline": self.baseline.to_json() if self.baseline else None,
+                "candidate": self.candidate.to_json() if self.candidate else None,
+                "hit_rate_vs_speed": self.hit_rate_vs_speed()}
+
+
+def engine_compare(base_manifest: Manifest | None, cand_manifest: Manifest | None,
+                   base_records: list[ItemRecord], cand_records: list[ItemRecord]) -> EngineCompare | None:
+    """Both sides' engine telemetry, or None when neither run is an engine run."""
+    cmp = EngineCompare(baseline=_side(base_manifest, base_records), candidate=_side(cand_manifest, cand_records))
+    return cmp if cmp.baseline or cmp.candidate else None

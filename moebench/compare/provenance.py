@@ -8,7 +8,8 @@ that differ (the figures are of different experiments), and a candidate given as
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+
+from moebench.store.records import ItemRecord, Manifest, Section
 
 # A task's files live in the mirror folder named after its kind, except these.
 DATA_FOLDERS = {"needle": ("haystack",), "speed": ("haystack",)}
@@ -21,8 +22,9 @@ LLAMA_SAMPLING_FLAGS = {"--temp": "temperature", "--top-p": "top_p", "--top-k": 
                         "--frequency-penalty": "frequency_penalty"}
 
 
-def _suite_tasks(m: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    suite = m.get("suite") if isinstance(m.get("suite"), dict) else {}
+def _suite_tasks(m: Manifest) -> dict[str, Section]:
+    """The suite's task entries (docs/schema.md manifest `suite.tasks`) by their name in the suite."""
+    suite = m.suite or {}
     out = {}
     for t in suite.get("tasks") or []:
         if isinstance(t, dict) and t.get("task"):
@@ -30,9 +32,9 @@ def _suite_tasks(m: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def task_data_files(m: dict[str, Any], task: str) -> dict[str, str]:
+def task_data_files(m: Manifest, task: str) -> dict[str, str]:
     """The data files (path in the mirror -> sha256) a run's task read, from its manifest."""
-    files = m.get("data_files") if isinstance(m.get("data_files"), dict) else {}
+    files = m.extra.get("data_files") if isinstance(m.extra.get("data_files"), dict) else {}
     entry = _suite_tasks(m).get(task, {})
     kind = str(entry.get("task") or task.split(":", 1)[0])
     folders = DATA_FOLDERS.get(kind, (kind,))
@@ -40,17 +42,17 @@ def task_data_files(m: dict[str, Any], task: str) -> dict[str, str]:
     return {p: h for p, h in files.items() if p.split("/", 1)[0] in folders or p in named}
 
 
-def data_mismatch(bm: dict[str, Any], cm: dict[str, Any], task: str) -> dict[str, dict[str, str]]:
+def data_mismatch(bm: Manifest, cm: Manifest, task: str) -> dict[str, dict[str, str]]:
     """The files both runs' task read under the same path but with different contents."""
     b, c = task_data_files(bm, task), task_data_files(cm, task)
     return {p: {"baseline": b[p], "candidate": c[p]} for p in sorted(set(b) & set(c)) if b[p] != c[p]}
 
 
-def unverified_data(m: dict[str, Any], task: str) -> dict[str, str]:
+def unverified_data(m: Manifest, task: str) -> dict[str, str]:
     """The files a run's task read that no SHA256SUMS vouched for: path -> `modified` (run with
     --allow-modified-data) or `unverified` (no list named the file). A run made before data
     verification existed carries no statuses and gives none here."""
-    ver = m.get("data_verification") if isinstance(m.get("data_verification"), dict) else {}
+    ver = m.extra.get("data_verification") if isinstance(m.extra.get("data_verification"), dict) else {}
     files = ver.get("files") if isinstance(ver.get("files"), dict) else {}
     read = task_data_files(m, task)
     return {p: str(e.get("status")) for p, e in sorted(files.items())
@@ -82,9 +84,9 @@ def data_mismatch_reason(files: dict[str, dict[str, str]], paired: bool = True) 
     return f"the runs read different data ({shown}{more}): {then}"
 
 
-def _runner_sampling(m: dict[str, Any]) -> dict[str, Any]:
+def _runner_sampling(m: Manifest) -> dict[str, object]:
     """Sampling settings a runner profile fixes: top-level keys, extra_body, llama-server args."""
-    r = m.get("runner") if isinstance(m.get("runner"), dict) else {}
+    r = m.runner or {}
     out = {k: r[k] for k in SAMPLING_KEYS if k in r}
     body = r.get("extra_body") if isinstance(r.get("extra_body"), dict) else {}
     out.update({f"extra_body.{k}": body[k] for k in SAMPLING_KEYS if k in body})
@@ -97,11 +99,10 @@ def _runner_sampling(m: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def setup_differences(bm: dict[str, Any], cm: dict[str, Any]) -> list[str]:
+def setup_differences(bm: Manifest, cm: Manifest) -> list[str]:
     """One line per difference in what the two runs asked: suite, task settings, runner sampling."""
     out = []
-    bs = bm.get("suite") if isinstance(bm.get("suite"), dict) else {}
-    cs = cm.get("suite") if isinstance(cm.get("suite"), dict) else {}
+    bs, cs = bm.suite or {}, cm.suite or {}
     if bs.get("name") != cs.get("name"):
         out.append(f"different suites: the baseline ran {bs.get('name')!r}, the candidate {cs.get('name')!r}")
     bt, ct = _suite_tasks(bm), _suite_tasks(cm)
@@ -119,25 +120,26 @@ def setup_differences(bm: dict[str, Any], cm: dict[str, Any]) -> list[str]:
     return out
 
 
-def _same_run(a: Any, b: Path) -> bool:
+def _same_run(a: object, b: Path) -> bool:
     try:
         return bool(a) and Path(str(a)).resolve() == b.resolve()
     except OSError:
         return False
 
 
-def reversed_pair(base_dir: Path, cand_dir: Path, bm: dict[str, Any]) -> str | None:
+def reversed_pair(base_dir: Path, cand_dir: Path, bm: Manifest) -> str | None:
     """Why the two runs look given the wrong way round: the run given as the baseline measured
     itself against the run given as the candidate (`run --baseline`)."""
-    if _same_run(bm.get("baseline_run"), cand_dir):
+    if _same_run(bm.extra.get("baseline_run"), cand_dir):
         return (f"the runs look swapped: {base_dir}, given as the baseline, was run with --baseline {cand_dir} "
                 f"(the run given as the candidate); compare takes BASELINE then CANDIDATE: "
                 f"`moebench compare {cand_dir} {base_dir}`")
     return None
 
 
-def kld_notes(kld: dict[str, Any]) -> list[str]:
-    """What a reader of the KLD figures must know beside them (another baseline, a lower bound)."""
+def kld_notes(kld: Section) -> list[str]:
+    """What a reader of compare.json's kld section must know beside its figures (another baseline, a
+    lower bound)."""
     out = []
     if kld.get("warning"):
         out.append(f"kld: {kld['warning']}")
@@ -151,14 +153,14 @@ def kld_notes(kld: dict[str, Any]) -> list[str]:
     return out
 
 
-def kld_absent_reason(cand_records: list[dict[str, Any]], cm: dict[str, Any]) -> str | None:
+def kld_absent_reason(cand_records: list[ItemRecord], cm: Manifest) -> str | None:
     """Why compare has no kld section although the candidate ran a KLD task, else None."""
-    kld = [r for r in cand_records if r.get("task") == "kld" or str(r.get("item_id", "")).startswith("kld/")]
+    kld = [r for r in cand_records if r.task == "kld" or r.item_id.startswith("kld/")]
     if not kld:
         return None
-    if not cm.get("baseline_run"):
+    if not cm.extra.get("baseline_run"):
         return ("the candidate ran KLD without --baseline: it recorded a KLD baseline and measured nothing; "
                 "run it again with --baseline BASE")
-    if not any(r.get("status") == "ok" for r in kld):
+    if not any(r.status == "ok" for r in kld):
         return "every KLD chunk of the candidate errored"
     return "the candidate has no KLD chunk measured against a baseline"

@@ -5,8 +5,10 @@ from __future__ import annotations
 import csv
 import io
 import math
+from dataclasses import dataclass
 from typing import Any
 
+from moebench.store.records import Section
 from moebench.store.sections import memory_value, number
 
 # Headline columns after the identity ones; task columns follow as <task>.<field>.
@@ -18,13 +20,42 @@ TASK_FIELDS = ("n_paired", "baseline_accuracy", "candidate_accuracy", "delta", "
                "wins", "losses", "flip_rate", "mcnemar_p", "excluded")
 
 
+# One flat row of matrix.csv / matrix.json: column -> a number, a label or path, or None (not measured).
+Row = dict[str, str | float | None]
+
+
 def _geomean(vals: list[float | None]) -> float | None:
     xs = [v for v in vals if v is not None and v > 0]
     return math.exp(sum(math.log(v) for v in xs) / len(xs)) if xs else None
 
 
-def task_figures(t: dict[str, Any]) -> dict[str, Any]:
-    """The per-task figures of a row: accuracies, delta with its interval, flips, McNemar."""
+@dataclass
+class TaskFigures:
+    """One task's (or subject's, or the overall block's) figures as a row shows them: TASK_FIELDS."""
+
+    n_paired: int | None
+    baseline_accuracy: float | None
+    candidate_accuracy: float | None
+    delta: float | None
+    delta_ci_low: float | None
+    delta_ci_high: float | None
+    wins: int | None
+    losses: int | None
+    flip_rate: float | None
+    mcnemar_p: float | None
+    excluded: int | None
+
+    def to_json(self) -> dict[str, float | None]:
+        return {"n_paired": self.n_paired, "baseline_accuracy": self.baseline_accuracy,
+                "candidate_accuracy": self.candidate_accuracy, "delta": self.delta,
+                "delta_ci_low": self.delta_ci_low, "delta_ci_high": self.delta_ci_high, "wins": self.wins,
+                "losses": self.losses, "flip_rate": self.flip_rate, "mcnemar_p": self.mcnemar_p,
+                "excluded": self.excluded}
+
+
+def task_figures(t: Section) -> TaskFigures:
+    """The per-task figures of a row from compare.json's tasks.<task> (or a per_subject entry, or
+    "overall", which counts instead of listing): accuracies, delta with its interval, flips, McNemar."""
     n = number(t.get("n_paired"))
     b, c = number(t.get("baseline_accuracy")), number(t.get("candidate_accuracy"))
     if b is None and n:
@@ -33,26 +64,27 @@ def task_figures(t: dict[str, Any]) -> dict[str, Any]:
         c = (number(t.get("candidate_correct")) or 0) / n
     ci = t.get("delta_ci95") if isinstance(t.get("delta_ci95"), list) else [None, None]
     count = lambda k, alt: len(t[k]) if isinstance(t.get(k), list) else t.get(alt)  # noqa: E731
-    return {"n_paired": int(n) if n is not None else None, "baseline_accuracy": b, "candidate_accuracy": c,
-            "delta": (c - b) if b is not None and c is not None else None,
-            "delta_ci_low": number(ci[0]) if ci else None, "delta_ci_high": number(ci[1]) if len(ci) > 1 else None,
-            "wins": count("wins", "n_wins"), "losses": count("losses", "n_losses"),
-            "flip_rate": number(t.get("flip_rate")), "mcnemar_p": number(t.get("mcnemar_p")),
-            "excluded": count("excluded", "n_excluded")}
+    return TaskFigures(n_paired=int(n) if n is not None else None, baseline_accuracy=b, candidate_accuracy=c,
+                       delta=(c - b) if b is not None and c is not None else None,
+                       delta_ci_low=number(ci[0]) if ci else None,
+                       delta_ci_high=number(ci[1]) if len(ci) > 1 else None,
+                       wins=count("wins", "n_wins"), losses=count("losses", "n_losses"),
+                       flip_rate=number(t.get("flip_rate")), mcnemar_p=number(t.get("mcnemar_p")),
+                       excluded=count("excluded", "n_excluded"))
 
 
-def matrix_row(cmp: dict[str, Any], compare_dir: str | None = None) -> dict[str, Any]:
+def matrix_row(cmp: dict[str, Any], compare_dir: str | None = None) -> Row:
     """One flat row for a candidate: identity, model bytes, per-task figures, KLD, speed, memory, energy."""
     cand = cmp.get("candidate") if isinstance(cmp.get("candidate"), dict) else {}
     model = cand.get("model") if isinstance(cand.get("model"), dict) else {}
-    row: dict[str, Any] = {"candidate": cand.get("label"), "run": cand.get("run"), "run_id": cand.get("run_id"),
+    row: Row = {"candidate": cand.get("label"), "run": cand.get("run"), "run_id": cand.get("run_id"),
                            "runner": cand.get("runner"), "compare_dir": compare_dir,
                            "model_bytes": model.get("bytes")}
     for name, t in (cmp.get("tasks") or {}).items():
         if isinstance(t, dict):
-            row.update({f"{name}.{k}": v for k, v in task_figures(t).items()})
+            row.update({f"{name}.{k}": v for k, v in task_figures(t).to_json().items()})
     if isinstance(cmp.get("overall"), dict):
-        row.update({f"overall.{k}": v for k, v in task_figures(cmp["overall"]).items()})
+        row.update({f"overall.{k}": v for k, v in task_figures(cmp["overall"]).to_json().items()})
     kld = cmp.get("kld") if isinstance(cmp.get("kld"), dict) else {}
     row["kld.mean"], row["kld.p99"], row["kld.same_top_p"] = (number(kld.get(k)) for k in ("mean", "p99", "same_top_p"))
     speed = cmp.get("speed") if isinstance(cmp.get("speed"), dict) else {}
@@ -77,7 +109,7 @@ def matrix_row(cmp: dict[str, Any], compare_dir: str | None = None) -> dict[str,
     return row
 
 
-def columns(rows: list[dict[str, Any]]) -> list[str]:
+def columns(rows: list[Row]) -> list[str]:
     """Identity columns, then the tasks' columns in first-seen task order, then the headline figures."""
     ident = ["candidate", "run", "run_id", "runner", "compare_dir", "model_bytes"]
     tasks: list[str] = []
@@ -91,7 +123,7 @@ def columns(rows: list[dict[str, Any]]) -> list[str]:
     return ident + task_cols + list(HEADLINE)
 
 
-def to_csv(rows: list[dict[str, Any]]) -> str:
+def to_csv(rows: list[Row]) -> str:
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=columns(rows), extrasaction="ignore", lineterminator="\n")
     w.writeheader()
@@ -133,13 +165,13 @@ def task_table(cmp: dict[str, Any]) -> list[list[str]]:
         items.append(("overall", cmp["overall"]))
     for name, t in items:
         f = task_figures(t)
-        rows.append([name, _n(f["n_paired"]), _pct(f["baseline_accuracy"]), _pct(f["candidate_accuracy"]),
-                     _pct(f["delta"], signed=True), _ci(f["delta_ci_low"], f["delta_ci_high"]),
-                     str(f["wins"]), str(f["losses"]), _n(f["mcnemar_p"], 3)])
+        rows.append([name, _n(f.n_paired), _pct(f.baseline_accuracy), _pct(f.candidate_accuracy),
+                     _pct(f.delta, signed=True), _ci(f.delta_ci_low, f.delta_ci_high),
+                     str(f.wins), str(f.losses), _n(f.mcnemar_p, 3)])
     return rows
 
 
-def headline_table(rows: list[dict[str, Any]]) -> list[list[str]]:
+def headline_table(rows: list[Row]) -> list[list[str]]:
     out = [["candidate", "model", "KLD mean", "KLD p99", "same top", "decode ratio", "prefill ratio",
             "peak used", "decode J/token"]]
     for r in rows:
@@ -177,7 +209,7 @@ def _load_lines(cmp: dict[str, Any]) -> list[str]:
     return format_load(load)
 
 
-def summary_markdown(cmps: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
+def summary_markdown(cmps: list[dict[str, Any]], rows: list[Row]) -> str:
     """summary.md of a compare: headline table over the candidates, then each candidate's task table."""
     base = (cmps[0].get("baseline") or {}).get("label") if cmps else None
     lines = [f"## moebench compare: {len(cmps)} candidate{'s' if len(cmps) != 1 else ''} against `{base}`", ""]
@@ -226,7 +258,7 @@ def _per_subject_lines(cmp: dict[str, Any], markdown: bool) -> list[str]:
     return out
 
 
-def text_table(cmps: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
+def text_table(cmps: list[dict[str, Any]], rows: list[Row]) -> str:
     """What `moebench compare` prints by default."""
     lines: list[str] = []
     for cmp, row in zip(cmps, rows):       # different experiments: said before any figure

@@ -19,7 +19,8 @@ from moebench import store
 from moebench.report import plots
 from moebench.report.load import load_context
 from moebench.report.rig import rig_context, run_rig_context
-from moebench.store.records import CompareDoc, CompareSide, ItemRecord, Manifest, RecordError
+from moebench.store.records import (CompareDoc, CompareSide, ItemRecord, Manifest, RecordError, load_typed_run,
+                                    typed_run)
 from moebench.store.sections import (SPEED_METRICS, needle_cells, needle_counts, number, per_side,
                                       speed_rows)
 
@@ -145,24 +146,23 @@ def wilson(correct: int, n: int, z: float = 1.959964) -> tuple[float, float] | N
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def identity(manifest: dict[str, Any]) -> list[tuple[str, str]]:
+def identity(manifest: Manifest) -> list[tuple[str, str]]:
     """The manifest's identity fields as (key, text) pairs for the report header."""
     pairs: list[tuple[str, str]] = []
     for key in ("label", "run_id", "status", "started_at", "ended_at"):
-        if manifest.get(key) is not None:
-            pairs.append((key, str(manifest[key])))
-    suite = manifest.get("suite")
-    if isinstance(suite, dict) and suite.get("name"):
-        pairs.append(("suite", str(suite["name"])))
-    runner = manifest.get("runner")
-    if isinstance(runner, dict):
+        if getattr(manifest, key) is not None:
+            pairs.append((key, str(getattr(manifest, key))))
+    if manifest.suite_name:
+        pairs.append(("suite", str(manifest.suite_name)))
+    runner = manifest.runner
+    if runner is not None:
         pairs.append(("runner", " / ".join(str(runner[k]) for k in ("kind", "name") if runner.get(k))))
-    data = data_line(manifest.get("data_verification"))
+    data = data_line(manifest.extra.get("data_verification"))
     if data:
         pairs.append(("data", data))
     for section in ("model", "build", "host"):
-        value = manifest.get(section)
-        if isinstance(value, dict):
+        value = getattr(manifest, section)
+        if value is not None:
             for k, v in value.items():
                 if isinstance(v, (str, int, float, bool)) or v is None:
                     pairs.append((f"{section}.{k}", fmt_number(v) if not isinstance(v, str) else v))
@@ -175,8 +175,6 @@ def identity(manifest: dict[str, Any]) -> list[tuple[str, str]]:
                     small = {kk: vv for kk, vv in v.items() if isinstance(vv, (str, int, float, bool))}
                     if small:
                         pairs.append((f"{section}.{k}", ", ".join(f"{kk}={vv}" for kk, vv in small.items())))
-        elif value is not None:
-            pairs.append((section, str(value)))
     return [(k, v if len(v) <= 300 else v[:300] + "…") for k, v in pairs]
 
 
@@ -203,10 +201,11 @@ def data_line(verification: Any) -> str | None:
     return "; ".join(parts)
 
 
-def question_text(rec: dict[str, Any] | None, item_id: str) -> str:
+def question_text(rec: ItemRecord | None, item_id: str) -> str:
+    """The item's question as the task recorded it (its `question` or `prompt` field), else its id."""
     if rec:
         for key in QUESTION_KEYS:
-            v = rec.get(key)
+            v = rec.extra.get(key)
             if isinstance(v, str) and v.strip():
                 return v
     return item_id
@@ -236,19 +235,12 @@ def cut_output(text: Any) -> str:
     return s if len(s) <= OUTPUT_CHARS else s[:OUTPUT_CHARS] + f"\n… [{len(s) - OUTPUT_CHARS:,} more characters in items.jsonl]"
 
 
-def _record_task(rec: dict[str, Any]) -> str:
-    return str(rec.get("task"))
-
-
 # --- single run -------------------------------------------------------------------------------
 
 def run_context(run_dir: Path) -> dict[str, Any]:
     try:
         manifest, raw_records = store.load_run(run_dir)
-        typed = Manifest.from_dict(manifest, str(run_dir / store.MANIFEST))
-        items = run_dir / store.ITEMS
-        records = [ItemRecord.from_dict(r, f"{items} (item {r.get('item_id')!r})" if isinstance(r, dict) else str(items))
-                   for r in raw_records]
+        typed, records = typed_run(run_dir, manifest, raw_records)
     except store.StoreError as e:
         raise ReportError(str(e)) from None
     tasks: dict[str, list[ItemRecord]] = {}
@@ -269,7 +261,7 @@ def run_context(run_dir: Path) -> dict[str, Any]:
             dots.append({"label": name, "value": acc, "lo": ci[0], "hi": ci[1], "colour": plots.CANDIDATE})
     rows = []
     for rec in records:
-        q = question_text(rec.extra, rec.item_id)
+        q = question_text(rec, rec.item_id)
         kind = ("error" if rec.status == "error" else "correct" if rec.correct is True
                 else "wrong" if rec.correct is False else "unscored")
         rows.append({"kind": kind, "task": rec.task, "item_id": rec.item_id, "question": q,
@@ -283,12 +275,12 @@ def run_context(run_dir: Path) -> dict[str, Any]:
         "mode": "run",
         "title": f"moebench run: {label}",
         "run_path": str(run_dir),
-        "identity": identity(manifest),
+        "identity": identity(typed),
         "summaries": summaries,
         "accuracy_svg": _svg(plots.interval_plot(dots)) if dots else None,
         "rows": rows,
         "counts": {k: sum(1 for r in rows if r["kind"] == k) for k in ("correct", "wrong", "error", "unscored")},
-        "rig": run_rig_context(manifest, raw_records),
+        "rig": run_rig_context(typed, records),
     }
 
 
@@ -319,13 +311,12 @@ def _side(info: CompareSide, role: str, compare_dir: Path, warnings: list[str]) 
                         f"and {Path.cwd()}): answers and outputs are not shown")
         return side
     try:
-        manifest, records = store.load_run(run_dir)
-        label = Manifest.from_dict(manifest, str(run_dir / store.MANIFEST)).label
+        manifest, records = load_typed_run(run_dir)
     except store.StoreError as e:
         warnings.append(f"{role} run unreadable: {e}")
         return side
-    side.update(found=True, identity=identity(manifest), label=info.label or label or role,
-                records={(_record_task(r), str(r.get("item_id"))): r for r in records})
+    side.update(found=True, identity=identity(manifest), label=info.label or manifest.label or role,
+                records={r.key: r for r in records})
     return side
 
 
@@ -372,7 +363,7 @@ def _overall(o: Any) -> dict[str, Any] | None:
     return _task_summary("overall (all tasks)", t)
 
 
-def _task_records(side: dict[str, Any], task: str, ids: list[str]) -> dict[str, dict[str, Any]]:
+def _task_records(side: dict[str, Any], task: str, ids: list[str]) -> dict[str, ItemRecord]:
     """item_id -> record for one task (records whose task field or id prefix names it).
 
     Flipped ids not found that way are looked up by id alone (a suite may name a task differently).
@@ -403,17 +394,17 @@ def _flip_rows(task: str, t: dict[str, Any], base: dict[str, Any], cand: dict[st
         notes.append(f"{task}: {len(same):,} unchanged items; only the first {MAX_ALL_ROWS:,} are listed under 'all'")
         same = same[:MAX_ALL_ROWS]
     for i in same:
-        kinds[i] = "same-right" if b_recs[i].get("correct") is True else "same-wrong"
+        kinds[i] = "same-right" if b_recs[i].correct is True else "same-wrong"
     rows = []
     for item_id, kind in kinds.items():
         b, c = b_recs.get(item_id), c_recs.get(item_id)
         q = question_text(b or c, item_id)
         rows.append({"kind": kind, "item_id": item_id, "question": q, "question_excerpt": excerpt(q),
                      "question_code": code_excerpt(task, q) if q != item_id else None,
-                     "reference": (b or c or {}).get("reference"),
-                     "baseline_answer": (b or {}).get("answer"), "candidate_answer": (c or {}).get("answer"),
-                     "baseline_output": cut_output((b or {}).get("output")),
-                     "candidate_output": cut_output((c or {}).get("output")),
+                     "reference": (b or c).reference if (b or c) else None,
+                     "baseline_answer": b.answer if b else None, "candidate_answer": c.answer if c else None,
+                     "baseline_output": cut_output(b.output if b else None),
+                     "candidate_output": cut_output(c.output if c else None),
                      "missing": [s for s, r in (("baseline", b), ("candidate", c)) if r is None]})
     return rows
 
@@ -939,6 +930,10 @@ def compare_context(compare_dir: Path) -> dict[str, Any]:
 
 # --- several candidates -------------------------------------------------------------------------
 
+def _manifest(run_dir: Path) -> Manifest:
+    return Manifest.from_dict(store.load_run(run_dir)[0], str(run_dir / store.MANIFEST))
+
+
 def matrix_context(matrix_dir: Path) -> dict[str, Any]:
     """One report over several candidates: the headline table, per-task deltas, the size/KLD/speed
     scatter, and links to each candidate's own report."""
@@ -975,12 +970,12 @@ def matrix_context(matrix_dir: Path) -> dict[str, Any]:
     manifests = []
     if base_dir is not None:
         manifests.append({"role": "baseline", "label": base.get("label"), "run": base.get("run"),
-                          "identity": identity(store.load_run(base_dir)[0])})
+                          "identity": identity(_manifest(base_dir))})
     for r in rows:
         d = resolve_run(r.get("run"), matrix_dir)
         if d is not None:
             manifests.append({"role": "candidate", "label": r.get("candidate"), "run": r.get("run"),
-                              "identity": identity(store.load_run(d)[0])})
+                              "identity": identity(_manifest(d))})
     return {"mode": "matrix", "title": f"moebench compare: {len(rows)} candidates against {base.get('label')}",
             "compare_path": str(matrix_dir), "warnings": warnings, "candidates": cands, "tasks": tasks,
             "scatter": scatter, "manifests": manifests}

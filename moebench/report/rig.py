@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from moebench.report import plots
+from moebench.store.records import ItemRecord, Manifest
 from moebench.store.sections import number
 
 SIDES = ("baseline", "candidate")
@@ -144,16 +145,17 @@ def _one_side(d: Any) -> Any:
     return d
 
 
-def run_rig_context(manifest: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any] | None:
+def run_rig_context(manifest: Manifest, records: list[ItemRecord]) -> dict[str, Any] | None:
     """The rig sections for a single run: its probe summary and engine telemetry, laid out as the
     candidate side of a compare."""
     from moebench.compare.engine import engine_compare
     from moebench.probes.energy import memory_energy_compare
-    section = memory_energy_compare(manifest, manifest)
+    raw = manifest.to_dict()
+    section = memory_energy_compare(raw, raw)
     compare = {k: _one_side(v) for k, v in section.items() if isinstance(v, dict) and v.get("available")}
-    engine = engine_compare({}, manifest, [], records)
+    engine = engine_compare(None, manifest, [], records)
     if engine:
-        compare["engine"] = _one_side(engine)
-        compare["engine"]["hit_rate_vs_speed"] = engine["hit_rate_vs_speed"]
+        compare["engine"] = _one_side(engine.to_json())
+        compare["engine"]["hit_rate_vs_speed"] = engine.hit_rate_vs_speed()
     return rig_context(compare)
 

@@ -10,17 +10,19 @@ from __future__ import annotations
 import csv
 import io
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from moebench import store
+from moebench.store.records import ItemRecord, Section, typed_records
 from moebench.store.sections import number
 
 ORDERS = ("time", "build", "given")
 
 
-def build_id(m: dict[str, Any]) -> str:
-    """A short name for the build a run measured: llama.cpp's build number, else moebench's git revision."""
+def build_id(m: Section) -> str:
+    """A short name for the build a run measured (from its manifest): llama.cpp's build number, else
+    moebench's git revision."""
     b = m.get("build") if isinstance(m.get("build"), dict) else {}
     if b.get("build_number") is not None:
         commit = b.get("build_commit")
@@ -32,26 +34,48 @@ def build_id(m: dict[str, Any]) -> str:
     return str(mb.get("version") or "?")
 
 
-def _build_number(m: dict[str, Any]) -> int | None:
+def _build_number(m: Section) -> int | None:
     b = m.get("build") if isinstance(m.get("build"), dict) else {}
     v = b.get("build_number")
     return v if isinstance(v, int) else None
 
 
-def run_figures(run_dir: Path) -> tuple[dict[str, Any], dict[str, float | None]]:
-    """(identity, {figure name: value}) for one run."""
-    manifest, records = store.load_run(run_dir)
-    ident = {"run": str(run_dir.resolve()), "label": manifest.get("label") or run_dir.name,
-             "run_id": manifest.get("run_id"), "started_at": manifest.get("started_at"),
-             "build": build_id(manifest), "build_number": _build_number(manifest), "status": manifest.get("status")}
-    figs: dict[str, float | None] = {}
-    by_task: dict[str, list[dict[str, Any]]] = {}
+@dataclass
+class TrendRun:
+    """trend.json runs[]: which run, its build and when it started (the figures follow in the row)."""
+
+    run: str
+    label: str
+    run_id: str | None
+    started_at: str | None
+    build: str
+    build_number: int | None
+    status: str | None
+
+    def to_json(self) -> dict[str, str | int | None]:
+        return {"run": self.run, "label": self.label, "run_id": self.run_id, "started_at": self.started_at,
+                "build": self.build, "build_number": self.build_number, "status": self.status}
+
+
+Figures = dict[str, float | None]
+
+
+def run_figures(run_dir: Path) -> tuple[TrendRun, Figures]:
+    """(identity, {figure name: value}) for one run. The manifest is read as written (a hand-made one
+    may lack the keys `Manifest` requires); its records typed."""
+    manifest, raw_records = store.load_run(run_dir)
+    records = typed_records(run_dir, raw_records)
+    ident = TrendRun(run=str(run_dir.resolve()), label=manifest.get("label") or run_dir.name,
+                     run_id=manifest.get("run_id"), started_at=manifest.get("started_at"), build=build_id(manifest),
+                     build_number=_build_number(manifest), status=manifest.get("status"))
+    figs: Figures = {}
+    by_task: dict[str, list[ItemRecord]] = {}
     for r in records:
-        by_task.setdefault(str(r.get("task")), []).append(r)
+        by_task.setdefault(r.task, []).append(r)
     for task, recs in by_task.items():
-        scored = [r for r in recs if r.get("status") == "ok" and r.get("correct") is not None]
+        scored = [r for r in recs if r.status == "ok" and r.correct is not None]
         if scored:
-            figs[f"{task} accuracy"] = sum(1 for r in scored if r["correct"] is True) / len(scored)
+            figs[f"{task} accuracy"] = sum(1 for r in scored if r.correct is True) / len(scored)
     summary = manifest.get("summary") if isinstance(manifest.get("summary"), dict) else {}
     for task, s in summary.items():
         if not isinstance(s, dict):
@@ -90,15 +114,15 @@ def run_figures(run_dir: Path) -> tuple[dict[str, Any], dict[str, float | None]]
     return ident, figs
 
 
-def order_runs(items: list[tuple[dict[str, Any], dict[str, Any]]], order: str) -> tuple[list, str]:
+def order_runs(items: list[tuple[TrendRun, Figures]], order: str) -> tuple[list[tuple[TrendRun, Figures]], str]:
     """Runs sorted by start time, by build number (where every run has one), or as given."""
     if order == "given":
         return items, "the order given"
     if order == "build":
-        if all(i[0]["build_number"] is not None for i in items):
-            return sorted(items, key=lambda i: (i[0]["build_number"], i[0]["started_at"] or "")), "build number"
+        if all(i[0].build_number is not None for i in items):
+            return sorted(items, key=lambda i: (i[0].build_number, i[0].started_at or "")), "build number"
         order = "time"
-    return sorted(items, key=lambda i: (i[0]["started_at"] or "", i[0]["label"])), "start time"
+    return sorted(items, key=lambda i: (i[0].started_at or "", i[0].label)), "start time"
 
 
 def is_share(figure: str) -> bool:
@@ -120,7 +144,7 @@ def write_trend(runs: list[Path], out_dir: Path, order: str = "time") -> Path:
     for _, figs in items:
         names += [n for n in figs if n not in names]
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = [{**ident, **{n: figs.get(n) for n in names}} for ident, figs in items]
+    rows = [{**ident.to_json(), **{n: figs.get(n) for n in names}} for ident, figs in items]
     store.write_json_atomic(out_dir / "trend.json", {"schema_version": 1, "order": order_text,
                                                      "figures": names, "runs": rows})
     buf = io.StringIO()

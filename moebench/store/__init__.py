@@ -33,7 +33,7 @@ import sys
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 from moebench.jsonout import (NonFiniteValue, document, document_text, dumper, dumps, non_finite_values,
                               standard)
@@ -265,6 +265,13 @@ def finite_record(record: dict[str, Any]) -> dict[str, Any]:
     return clean
 
 
+class TypedRecord(Protocol):
+    """A typed item record (`store.records.ItemRecord`): the writer takes it or its JSON object (tasks
+    that still hand their records as JSON)."""
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
 def record_key(rec: dict[str, Any]) -> tuple[str, str]:
     return (str(rec.get("task")), str(rec.get("item_id")))
 
@@ -421,7 +428,7 @@ class RunStore:
         self.update_manifest(status=status, ended_at=now_iso(), **fields)
 
     # -- items ----------------------------------------------------------------------------------
-    def append(self, record: dict[str, Any]) -> dict[str, Any]:
+    def append(self, record: dict[str, Any] | TypedRecord) -> dict[str, Any]:
         """Append one finished item; durable on return. Returns the record as written: one holding a
         non-finite number (NaN, Infinity) is written as an error record naming the field, the number
         as null and its spelling under `non_finite`, so the file stays standard JSON and nothing is lost.
@@ -432,7 +439,7 @@ class RunStore:
         self._submit(_Pending(line, record, future))
         return future.result()
 
-    def append_many(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def append_many(self, records: list[dict[str, Any] | TypedRecord]) -> list[dict[str, Any]]:
         """`append` for records that are all at hand (an import): handed to the writer together, so
         they share a few fsyncs; durable on return. Returns the records as written."""
         futures = []
@@ -444,7 +451,7 @@ class RunStore:
             futures.append(future)
         return [f.result() for f in futures]
 
-    def append_async(self, record: dict[str, Any]) -> "Any":
+    def append_async(self, record: dict[str, Any] | TypedRecord) -> "Any":
         """`append` for a caller on a running event loop: returns an asyncio future that resolves to
         the record as written once it is durable (or fails with the OSError of its write). The record
         is checked and serialised here; the write and the fsync happen on the writer thread, batched
@@ -492,8 +499,10 @@ class RunStore:
         if self._failed is not None:
             raise self._failed
 
-    def _line(self, record: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    def _line(self, record: dict[str, Any] | TypedRecord) -> tuple[dict[str, Any], bytes]:
         """The record as it will be written and its line (standard JSON, secrets scrubbed)."""
+        if not isinstance(record, dict):
+            record = record.to_dict()
         for key in ("task", "item_id", "status"):
             if key not in record:
                 raise ValueError(f"record lacks {key!r}: {record!r}")

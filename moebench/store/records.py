@@ -10,11 +10,13 @@ energy sections) stay JSON objects, typed as `Section`; docs/schema.md describes
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
+from moebench.store import ITEMS, MANIFEST, STATUSES, StoreError, load_run
 from moebench.store import SCHEMA_VERSION as MANIFEST_SCHEMA_VERSION
-from moebench.store import STATUSES, StoreError
 
 # A nested JSON object whose keys docs/schema.md documents.
 Section = dict[str, Any]
@@ -72,6 +74,10 @@ _OPT_OBJ = (dict, type(None))
 _NUM = (int, float)
 
 
+# The keys ItemRecord holds as fields; every other key of a line travels in `extra`.
+_RECORD_KEYS = ("task", "item_id", "status", "correct", "answer", "reference", "output")
+
+
 @dataclass
 class ItemRecord:
     """One line of items.jsonl: a scored item (docs/design.md section 4).
@@ -106,9 +112,32 @@ class ItemRecord:
                    answer=d.get("answer"), reference=d.get("reference"),
                    output=_take(d, "output", _OPT_STR, source), extra=_extra(d, cls))
 
+    @classmethod
+    def from_fields(cls, task: str, item_id: str, fields: Section) -> "ItemRecord":
+        """The record of a task that hands its fields as a JSON object (the contract's keys and its own,
+        in its order); `status` is "ok" unless the fields say otherwise."""
+        return cls(task=task, item_id=item_id, status=fields.get("status", "ok"), correct=fields.get("correct"),
+                   answer=fields.get("answer"), reference=fields.get("reference"), output=fields.get("output"),
+                   extra={k: v for k, v in fields.items() if k not in _RECORD_KEYS})
+
+    @classmethod
+    def failed(cls, task: str, item_id: str, message: str, error_type: str | None = None) -> "ItemRecord":
+        """An errored item: retried on resume, never counted as a wrong answer. `error_type` is the
+        exception's class name (`Unreachable`: the server never answered)."""
+        extra: dict[str, Any] = {"error": message}
+        if error_type is not None:
+            extra["error_type"] = error_type
+        return cls(task=task, item_id=item_id, status="error", extra=extra)
+
     def to_dict(self) -> dict[str, Any]:
-        return {"task": self.task, "item_id": self.item_id, "status": self.status, "correct": self.correct,
-                "answer": self.answer, "reference": self.reference, "output": self.output, **self.extra}
+        """The line of items.jsonl, keys in the order the run writes them (the contract's, then the task's)."""
+        return {"task": self.task, "item_id": self.item_id, "correct": self.correct, "answer": self.answer,
+                "reference": self.reference, "output": self.output, "status": self.status, **self.extra}
+
+    @property
+    def error(self) -> str | None:
+        """An errored record's `Type: message`; None for an ok one."""
+        return self.extra.get("error")
 
     @property
     def key(self) -> tuple[str, str]:
@@ -191,6 +220,26 @@ class Manifest:
         return (self.suite or {}).get("name")
 
 
+def typed_run(run_dir: str | os.PathLike[str], manifest: Section,
+              records: list[Section]) -> tuple[Manifest, list[ItemRecord]]:
+    """A run's manifest and latest records, as `store.load_run` read them, in their typed forms; a
+    document off the contract is a RecordError naming the file (and the item)."""
+    return Manifest.from_dict(manifest, str(Path(run_dir) / MANIFEST)), typed_records(run_dir, records)
+
+
+def typed_records(run_dir: str | os.PathLike[str], records: list[Section]) -> list[ItemRecord]:
+    """A run's records, as `store.load_run` read them, typed; one off the contract is a RecordError
+    naming items.jsonl and the item."""
+    items = Path(run_dir) / ITEMS
+    return [ItemRecord.from_dict(r, f"{items} (item {r.get('item_id')!r})" if isinstance(r, dict) else str(items))
+            for r in records]
+
+
+def load_typed_run(run_dir: str | os.PathLike[str]) -> tuple[Manifest, list[ItemRecord]]:
+    """`store.load_run`, typed: (manifest, latest record per item in file order)."""
+    return typed_run(run_dir, *load_run(run_dir))
+
+
 @dataclass
 class CompareSide:
     """compare.json's "baseline" or "candidate": which run it is."""
@@ -212,8 +261,12 @@ class CompareSide:
         return {"run": self.run, "label": self.label, **self.extra}
 
 
-# The optional sections of compare.json, in the order the builder writes them.
+# The optional sections of compare.json.
 COMPARE_SECTIONS = ("overall", "warnings", "kld", "needle", "speed", "memory", "energy", "engine", "speed_ab")
+# compare.json's keys after "tasks" in the order the builder writes them (sections and the top-level
+# keys kept in `extra`); `to_dict` follows it, so a built document reads the same as the files before it.
+COMPARE_KEY_ORDER = ("overall", "setup_differences", "data_unverified", "kld", "missing_sections", "warnings",
+                     "needle", "speed", "memory", "energy", "engine", "speed_ab")
 
 
 @dataclass
@@ -270,5 +323,6 @@ class CompareDoc:
         if self.schema_version is not None:
             out["schema_version"] = self.schema_version
         out.update(baseline=self.baseline.to_dict(), candidate=self.candidate.to_dict(), tasks=self.tasks)
-        out.update(self.sections)
-        return {**out, **self.extra}
+        rest = {**self.sections, **self.extra}
+        out.update((k, rest.pop(k)) for k in COMPARE_KEY_ORDER if k in rest)
+        return {**out, **rest}

@@ -9,12 +9,14 @@ import errno
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from moebench.identity import host_identity, moebench_identity
 from moebench.secrets import env_secret_values
 from moebench.store import RunLock, RunStore
+from moebench.store.records import ItemRecord, Section
 
 # OS errors that mean the run cannot go on (a full disk, a read-only or failing filesystem): they end
 # the run instead of becoming one error record per remaining item.
@@ -36,56 +38,62 @@ def open_store(run_dir: str | os.PathLike[str], manifest: dict[str, Any], runner
     return RunStore.create_or_resume(Path(run_dir), manifest, lock=lock, secrets=secrets)
 
 
-def item_base(task: str, item_id: str) -> dict[str, Any]:
-    """The contract's keys of an item record before the task fills them."""
-    return {"task": task, "item_id": item_id, "correct": None, "answer": None, "reference": None, "output": None}
-
-
-def error_fields(message: str, error_type: str | None = None) -> dict[str, Any]:
-    """An errored item: retried on resume, never counted as a wrong answer. `error_type` is the
-    exception's class name (`Unreachable`: the server never answered)."""
-    fields: dict[str, Any] = {"status": "error", "correct": None, "error": message}
-    if error_type is not None:
-        fields["error_type"] = error_type
-    return fields
-
-
-async def ask_item(task: str, item_id: str, evaluate: Callable[[], Awaitable[dict[str, Any]]],
-                   describe: Callable[[BaseException], str],
-                   passthrough: tuple[type[BaseException], ...] = ()) -> dict[str, Any]:
-    """One item's record: the task's fields on success, an error record on any failure but
-    `passthrough` exceptions and fatal OS errors (both re-raised). `wall_s` is the time it took."""
+async def ask_record(task: str, item_id: str, evaluate: Callable[[], Awaitable[ItemRecord | Section]],
+                     describe: Callable[[BaseException], str],
+                     passthrough: tuple[type[BaseException], ...] = ()) -> ItemRecord:
+    """One item's record: the task's on success (an ItemRecord, or its fields as a JSON object), an
+    error record on any failure but `passthrough` exceptions and fatal OS errors (both re-raised).
+    `wall_s` is the time it took."""
     t0 = time.perf_counter()
-    base = item_base(task, item_id)
     try:
-        rec = {**base, "status": "ok", **(await evaluate())}
+        got = await evaluate()
+        rec = got if isinstance(got, ItemRecord) else ItemRecord.from_fields(task, item_id, got)
     except passthrough:
         raise
     except OSError as e:
         if e.errno in FATAL_ERRNOS:
             raise
-        rec = {**base, **error_fields(describe(e), type(e).__name__)}
+        rec = ItemRecord.failed(task, item_id, describe(e), type(e).__name__)
     except Exception as e:
-        rec = {**base, **error_fields(describe(e), type(e).__name__)}
-    rec["task"], rec["item_id"] = task, item_id
-    rec["wall_s"] = round(time.perf_counter() - t0, 4)
+        rec = ItemRecord.failed(task, item_id, describe(e), type(e).__name__)
+    rec.task, rec.item_id = task, item_id
+    rec.extra["wall_s"] = round(time.perf_counter() - t0, 4)
     return rec
+
+
+async def ask_item(task: str, item_id: str, evaluate: Callable[[], Awaitable[ItemRecord | Section]],
+                   describe: Callable[[BaseException], str],
+                   passthrough: tuple[type[BaseException], ...] = ()) -> Section:
+    """`ask_record` as the JSON object items.jsonl holds, for callers that keep records as JSON (the
+    speed A/B pass writes them into its own file)."""
+    return (await ask_record(task, item_id, evaluate, describe, passthrough)).to_dict()
 
 
 COMMON_ERRORS = 3            # the error causes a run's manifest and printout name, most frequent first
 ERROR_CAUSE_CHARS = 300      # a cause is the error message, cut to this length
 
 
-def common_errors(records: list[dict[str, Any]], top: int = COMMON_ERRORS) -> list[dict[str, Any]]:
-    """The most common error messages among the (latest) records, most frequent first:
-    [{"error": message, "count": n}, ...]; ties keep the order of first appearance."""
+@dataclass
+class ErrorCause:
+    """manifest.json `error_causes[]`: one error message and how many of the latest records carry it."""
+
+    error: str
+    count: int
+
+    def to_json(self) -> Section:
+        return {"error": self.error, "count": self.count}
+
+
+def common_errors(records: list[ItemRecord], top: int = COMMON_ERRORS) -> list[ErrorCause]:
+    """The most common error messages among the (latest) records, most frequent first; ties keep the
+    order of first appearance."""
     counts: dict[str, int] = {}
     for rec in records:
-        if rec.get("status") == "error":
-            cause = str(rec.get("error") or "no message")[:ERROR_CAUSE_CHARS]
+        if rec.status == "error":
+            cause = str(rec.error or "no message")[:ERROR_CAUSE_CHARS]
             counts[cause] = counts.get(cause, 0) + 1
     ranked = sorted(counts.items(), key=lambda kv: -kv[1])
-    return [{"error": cause, "count": n} for cause, n in ranked[:top]]
+    return [ErrorCause(cause, n) for cause, n in ranked[:top]]
 
 
 def record_runner_identity(store: RunStore, runner: Any) -> None:
@@ -94,7 +102,7 @@ def record_runner_identity(store: RunStore, runner: Any) -> None:
     store.update_manifest(model=ident.get("model"), build=ident.get("build"))
 
 
-def finish_run(store: RunStore, status: str, runner: Any, summary: dict[str, Any], **fields: Any) -> None:
+def finish_run(store: RunStore, status: str, runner: Any, summary: dict[str, Section], **fields: Any) -> None:
     """The closing manifest: status, end time, summary, the run's events followed by the runner's."""
     events = store.manifest.get("events", []) + list(getattr(runner, "events", []))
     store.finish(status, summary=summary, events=events, **fields)

@@ -6,12 +6,13 @@ A task kind is a `Task` subclass with:
 - `needs(runner)`: the runner capabilities it requires, checked before any work starts;
 - `check(runner)`: optional further checks of the runner's set-up, also before any work;
 - `items()`: the items in the dataset's own order (already cut to `limit`), ids stable across runs;
-- `evaluate(item, runner)`: ask and score one item, return the record's fields;
+- `evaluate(item, runner)`: ask and score one item, return its record (`store.records.ItemRecord`;
+  the kld and speed tasks hand the record's fields as a JSON object);
 - `summarize(records)`: optional task-level figures for the manifest and compare.
 
-A record is a dict with at least: task, item_id, status ("ok" | "error"), correct (bool or None),
-answer, reference, output (docs/design.md section 4). `evaluate` raising any exception yields an `error`
-record carrying the message; errors are retried on resume and never counted as wrong.
+A record has: task, item_id, status ("ok" | "error"), correct (bool or None), answer, reference,
+output (docs/design.md section 4), and what the task adds. `evaluate` raising any exception yields an
+`error` record carrying the message; errors are retried on resume and never counted as wrong.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from moebench.config import Field
-from moebench.runners.base import Capability, Runner
+from moebench.runners.base import Capability, GenerateResult, Runner
+from moebench.store.records import ItemRecord, Section
 
 
 @dataclass
@@ -69,8 +71,14 @@ class Task:
     def items(self) -> list[Item]:
         raise NotImplementedError
 
-    async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
+    async def evaluate(self, item: Item, runner: Runner) -> ItemRecord | Section:
         raise NotImplementedError
+
+    def record(self, item: Item, correct: bool | None, answer: str | None, reference: str | None,
+               output: str | None, extra: Section) -> ItemRecord:
+        """An answered item's record; `extra` holds what the task adds (docs/schema.md, per task)."""
+        return ItemRecord(task=self.name, item_id=item.item_id, status="ok", correct=correct, answer=answer,
+                          reference=reference, output=output, extra=extra)
 
     def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         scored = [r for r in records if r.get("status") == "ok" and r.get("correct") is not None]
@@ -91,7 +99,15 @@ class Task:
 PROMPT_TOKENS_TOLERANCE = 0.005
 
 
-def prompt_tokens_check(fitted: int | None, reported: int | None) -> dict[str, Any]:
+def runner_fields(result: GenerateResult) -> Section:
+    """What the runner reported for a record's `extra` (token ids and counts, finish reason, timings):
+    `to_record_fields` without the output text, which is the record's own field."""
+    fields = result.to_record_fields()
+    del fields["output"]
+    return fields
+
+
+def prompt_tokens_check(fitted: int | None, reported: int | None) -> dict[str, float | bool]:
     """The server-reported prompt length beside the fitted one: relative disagreement and a flag."""
     if not fitted or reported is None:
         return {}

@@ -28,7 +28,8 @@ from moebench.lmeval.scoring import score_tokens
 from moebench.prompts import cmmlu_prefix, cmmlu_question
 from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
 from moebench.scoring.answers import first_choice_letter
-from moebench.tasks.base import Item, Task, prompt_hash
+from moebench.store.records import ItemRecord
+from moebench.tasks.base import Item, Task, prompt_hash, runner_fields
 
 LETTERS = ("A", "B", "C", "D")
 COLUMNS = ("Question", "A", "B", "C", "D", "Answer")
@@ -105,10 +106,11 @@ class CmmluTask(Task):
                     "reference": ref, "subject": subject}))
         return self._cut(items)
 
-    async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
+    async def evaluate(self, item: Item, runner: Runner) -> ItemRecord:
         prompt = item.data["prompt"]
-        common = {"reference": item.data["reference"], "question": item.data["question"],
-                  "subject": item.data["subject"], "prompt_hash": prompt_hash(prompt)}
+        reference = item.data["reference"]
+        common = {"question": item.data["question"], "subject": item.data["subject"],
+                  "prompt_hash": prompt_hash(prompt)}
         if self.opts["scoring"] != "generate" and Capability.CHOICE_LOGPROBS in runner.capabilities:
             # Exact ranking of the four letters whatever their rank in the vocabulary (the engine: the
             # whole next-token distribution; llama-server: a grammar over the letters).
@@ -120,14 +122,15 @@ class CmmluTask(Task):
                 choice_lp[letter] = max(vals) if vals else None
             ranked = [(lp, letter) for letter, lp in choice_lp.items() if lp is not None]
             answer = max(ranked)[1] if ranked else None
-            return {**common, "scoring": f"choice_logprobs:{kind}", "choice_logprobs": choice_lp,
-                    "answer": answer, "output": answer or "", "correct": answer == item.data["reference"]}
+            return self.record(item, correct=answer == reference, answer=answer, reference=reference,
+                               output=answer or "",
+                               extra={**common, "scoring": f"choice_logprobs:{kind}", "choice_logprobs": choice_lp})
         if (self.opts["scoring"] != "generate" and Capability.PROMPT_LOGPROBS in runner.capabilities
                 and Capability.TOKENIZE in runner.capabilities):
             choice_lp = await continuation_logprobs(runner, prompt)
             answer = max((lp, letter) for letter, lp in choice_lp.items())[1]
-            return {**common, "scoring": "prompt_logprobs", "choice_logprobs": choice_lp, "answer": answer,
-                    "output": answer, "correct": answer == item.data["reference"]}
+            return self.record(item, correct=answer == reference, answer=answer, reference=reference, output=answer,
+                               extra={**common, "scoring": "prompt_logprobs", "choice_logprobs": choice_lp})
         if self._use_logprobs(runner):
             result = await runner.generate(GenerateRequest(
                 prompt=prompt, max_tokens=1, temperature=0.0, top_logprobs=self.opts["top_logprobs"]))
@@ -136,19 +139,22 @@ class CmmluTask(Task):
             choice_lp = choice_logprobs(result.top_logprobs[0])
             ranked = [(lp, letter) for letter, lp in choice_lp.items() if lp is not None]
             if not ranked:                 # unknown is not wrong: abstain, counted apart
-                return {**result.to_record_fields(), **common, "scoring": "logprobs", "choice_logprobs": choice_lp,
-                        "answer": None, "correct": None, "abstained": True,
-                        "abstain_reason": f"none of A-D among the next token's top {self.opts['top_logprobs']} "
-                                          "log-probs: their ranking is unknown"}
+                return self.record(item, correct=None, answer=None, reference=reference, output=result.text,
+                                   extra={**runner_fields(result), **common, "scoring": "logprobs",
+                                          "choice_logprobs": choice_lp, "abstained": True,
+                                          "abstain_reason": f"none of A-D among the next token's top "
+                                                            f"{self.opts['top_logprobs']} log-probs: "
+                                                            "their ranking is unknown"})
             answer = max(ranked)[1]
-            return {**result.to_record_fields(), **common, "scoring": "logprobs",
-                    "choice_logprobs": choice_lp, "answer": answer,
-                    "correct": answer == item.data["reference"]}
+            return self.record(item, correct=answer == reference, answer=answer, reference=reference,
+                               output=result.text,
+                               extra={**runner_fields(result), **common, "scoring": "logprobs",
+                                      "choice_logprobs": choice_lp})
         result = await runner.generate(GenerateRequest(
             prompt=prompt, max_tokens=self.opts["max_tokens"], temperature=0.0, stop=["\n"]))
         answer = first_choice_letter(result.text)
-        return {**result.to_record_fields(), **common, "scoring": "generate",
-                "choice_logprobs": None, "answer": answer, "correct": answer == item.data["reference"]}
+        return self.record(item, correct=answer == reference, answer=answer, reference=reference, output=result.text,
+                           extra={**runner_fields(result), **common, "scoring": "generate", "choice_logprobs": None})
 
 
     def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:

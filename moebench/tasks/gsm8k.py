@@ -13,7 +13,8 @@ from moebench.datasets import data_file, read_jsonl, register
 from moebench.prompts import gsm8k_fewshot_prefix, gsm8k_question
 from moebench.runners.base import Capability, GenerateRequest, Runner
 from moebench.scoring.answers import cut_at_stop, extract_gsm8k, gsm8k_reference, numbers_equal
-from moebench.tasks.base import Item, PrefixHash, Task, prompt_hash
+from moebench.store.records import ItemRecord
+from moebench.tasks.base import Item, PrefixHash, Task, prompt_hash, runner_fields
 
 DEFAULT_STOP = ["Question:", "</s>", "<|im_end|>"]
 # 64 exemplars already make a prompt of about 10k tokens; more only grows every prompt.
@@ -61,19 +62,13 @@ class Gsm8kTask(Task):
             }))
         return self._cut(items)
 
-    async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
+    async def evaluate(self, item: Item, runner: Runner) -> ItemRecord:
         prompt = item.data["prompt"]
         result = await runner.generate(GenerateRequest(
             prompt=prompt, max_tokens=self.opts["max_tokens"], stop=self.opts["stop"], temperature=0.0))
         text = cut_at_stop(result.text, self.opts["stop"])
         answer, method = extract_gsm8k(text)
-        return {
-            **result.to_record_fields(),
-            "output": result.text,
-            "answer": answer,
-            "extraction": method,
-            "reference": item.data["reference"],
-            "correct": numbers_equal(answer, item.data["reference"]),
-            "question": item.data["question"],
-            "prompt_hash": item.data.get("prompt_hash") or prompt_hash(prompt),
-        }
+        return self.record(item, correct=numbers_equal(answer, item.data["reference"]), answer=answer,
+                           reference=item.data["reference"], output=result.text,
+                           extra={**runner_fields(result), "extraction": method, "question": item.data["question"],
+                                  "prompt_hash": item.data.get("prompt_hash") or prompt_hash(prompt)})

@@ -20,7 +20,8 @@ from moebench.datasets import DatasetError, data_file, read_jsonl, register
 from moebench.runners.base import Capability, GenerateRequest, Runner
 from moebench.scoring.answers import cut_at_stop
 from moebench.scoring.sandbox import SandboxError, SandboxResult, run_untrusted
-from moebench.tasks.base import Item, Task, prompt_hash
+from moebench.store.records import ItemRecord
+from moebench.tasks.base import Item, Task, prompt_hash, runner_fields
 
 DATA_FILE = "humaneval/HumanEval.jsonl.gz"
 # Codex paper (Chen et al. 2021) and lm-eval 0.4.13 tasks/humaneval/humaneval.yaml `until`.
@@ -78,7 +79,7 @@ class HumanEvalTask(Task):
         items = [Item(row["task_id"], {k: row[k] for k in REQUIRED_KEYS}) for row in load_problems(path)]
         return self._cut(items)
 
-    async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
+    async def evaluate(self, item: Item, runner: Runner) -> ItemRecord:
         d = item.data
         prompt = d["prompt"]
         stop = list(self.opts.get("stop", DEFAULT_STOP))
@@ -88,16 +89,11 @@ class HumanEvalTask(Task):
         program = check_program(prompt, completion, d["test"], d["entry_point"])
         # The sandbox blocks (a child process): keep the event loop free for other requests.
         check, statuses = await asyncio.to_thread(run_check, program, float(self.opts.get("timeout_s", 10.0)))
-        return {
-            **result.to_record_fields(),
-            "output": result.text,
-            "answer": completion,
-            "reference": d["canonical_solution"],
-            "correct": check.passed,
-            "prompt_hash": prompt_hash(prompt),
-            "sandbox": {**check.summary(), "attempts": statuses,
-                        **({"missing": check.missing} if check.missing else {})},
-        }
+        return self.record(item, correct=check.passed, answer=completion, reference=d["canonical_solution"],
+                           output=result.text,
+                           extra={**runner_fields(result), "prompt_hash": prompt_hash(prompt),
+                                  "sandbox": {**check.summary(), "attempts": statuses,
+                                              **({"missing": check.missing} if check.missing else {})}})
 
     def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """The base accuracy figures plus how many checks ended in a timeout (after the re-run)."""

@@ -24,7 +24,8 @@ from typing import Any, Awaitable, Callable
 from moebench.config import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, Field, positive
 from moebench.datasets import data_file, register
 from moebench.runners.base import Capability, GenerateRequest, Runner
-from moebench.tasks.base import Item, Task, prompt_hash, count_flagged, prompt_tokens_check
+from moebench.store.records import ItemRecord
+from moebench.tasks.base import Item, Task, prompt_hash, count_flagged, prompt_tokens_check, runner_fields
 
 HAYSTACK_FILE = "haystack/war_and_peace.txt"
 DEFAULT_LENGTHS = [4096, 16384, 65536, 131072, 173000]
@@ -333,7 +334,7 @@ class NeedleTask(Task):
         # margin: the fit may overshoot the estimate by a few percent before correcting
         self.index = await build_index(runner, text, int(longest * 1.05) + 1024)
 
-    async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
+    async def evaluate(self, item: Item, runner: Runner) -> ItemRecord:
         if self.index is None:
             await self.prepare(runner)
         assert self.index is not None
@@ -357,9 +358,8 @@ class NeedleTask(Task):
                 probe.count_tokens(prefill=built.prompt_tokens, decode=len(result.token_times))
             self.ctx.mark("idle")
         correct, answer = score_answer(result.text, code)
-        record = {
-            **result.to_record_fields(),
-            "correct": correct, "answer": answer, "reference": code,
+        extra = {
+            **runner_fields(result),
             "prompt_hash": prompt_hash(built.prompt),
             "prompt_tokens": built.prompt_tokens,          # our exact count, runner's tokenizer
             "runner_prompt_tokens": result.prompt_tokens,  # what the backend reported, if anything
@@ -373,12 +373,12 @@ class NeedleTask(Task):
         }
         if result.token_times:
             ttft = result.token_times[0]
-            record["ttft_s"] = ttft
-            record["prefill_tok_s"] = built.prompt_tokens / ttft if ttft > 0 else None
+            extra["ttft_s"] = ttft
+            extra["prefill_tok_s"] = built.prompt_tokens / ttft if ttft > 0 else None
         for key in ("prompt_ms", "prompt_per_second"):      # llama-server style timings, when given
             if key in (result.timings or {}):
-                record[key] = result.timings[key]
-        return record
+                extra[key] = result.timings[key]
+        return self.record(item, correct=correct, answer=answer, reference=code, output=result.text, extra=extra)
 
     def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         out = super().summarize(records)
