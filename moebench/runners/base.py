@@ -91,6 +91,29 @@ class GenerateRequest:
     on_text: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
 
 
+# A server's `timings` object as checked (moebench.runners.reply_checks.timings): its own keys
+# (llama-server's prompt_n, predicted_ms, draft_n, ... and whatever else a server adds), each a
+# finite number or null; runners add their clock figures (wall_s, first_content_s, ...), and the
+# llama-server runner the reply's stop_type (text).
+ServerTimings = dict[str, float | str | None]
+
+
+@dataclass(frozen=True)
+class CountMismatch:
+    """A server's output count beyond the tolerance around the client's: the record's
+    `server_count_mismatch`."""
+
+    field: str                      # the reply field the server's count came from
+    server: int
+    client: int | None
+    client_source: str              # OutputCount.source
+    allowed: tuple[int, int]        # the range the server's count had to lie in
+
+    def to_json(self) -> dict[str, str | int | list[int] | None]:
+        return {"field": self.field, "server": self.server, "client": self.client,
+                "client_source": self.client_source, "allowed": list(self.allowed)}
+
+
 @dataclass
 class GenerateResult:
     """What came back for one request.
@@ -107,7 +130,7 @@ class GenerateResult:
     finish_reason: str | None = None
     top_logprobs: list[dict[str, float]] | None = None
     token_times: list[float] | None = None
-    timings: dict[str, Any] = field(default_factory=dict)
+    timings: ServerTimings = field(default_factory=dict)
     endpoint: str | None = None
     # Chat models that think first: their reasoning text, kept apart from `text` (the answer), and
     # its token count where the server reports one.
@@ -118,7 +141,7 @@ class GenerateResult:
     # (moebench.runners.reply_checks); None where the runner does not say.
     output_tokens_source: str | None = None
     # The server's output count and the client's, where they disagree beyond the tolerance.
-    server_count_mismatch: dict[str, Any] | None = None
+    server_count_mismatch: CountMismatch | None = None
 
     def to_record_fields(self) -> dict[str, Any]:
         """The fields every task copies into its record."""
@@ -139,7 +162,7 @@ class GenerateResult:
         if self.output_tokens_source is not None:
             out["output_tokens_source"] = self.output_tokens_source
         if self.server_count_mismatch is not None:
-            out["server_count_mismatch"] = self.server_count_mismatch
+            out["server_count_mismatch"] = self.server_count_mismatch.to_json()
         return out
 
 
