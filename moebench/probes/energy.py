@@ -12,12 +12,20 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping
 
+from moebench.store.records import Section
+
 JOULES_PER_KWH = 3.6e6
 POWER_COLUMNS = ("power_instant_w", "power_usage_w", "power_w", "power_avg_w")   # preference order
 WORK_PHASES = ("prefill", "decode")
 
+# One sample row: t (seconds), gpu (the card's NVML index; "sum" in a per-tick sum) and the counters
+# (moebench.probes.nvml.SAMPLE_COLUMNS), None or NaN where the card did not answer.
+Sample = dict[str, float | str | None]
+# A phase mark {"phase": name, "t": start_s} (moebench.probes.nvml.PhaseMark.to_json, nvml_phases.json).
+PhaseRow = Mapping[str, str | float]
 
-def _rows(samples: Any) -> list[dict[str, Any]]:
+
+def _rows(samples: Any) -> list[Sample]:
     """Samples as a list of dicts sorted by t (accepts a DataFrame, a list of dicts, or a dict of columns)."""
     if hasattr(samples, "to_dict"):
         rows = samples.to_dict("records")
@@ -37,7 +45,7 @@ def _num(v: Any) -> bool:
     return v is not None and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
 
 
-def _series(rows: list[dict[str, Any]], col: str) -> tuple[list[float], list[float]]:
+def _series(rows: list[Sample], col: str) -> tuple[list[float], list[float]]:
     ts, ys = [], []
     for r in rows:
         v = r.get(col)
@@ -47,7 +55,7 @@ def _series(rows: list[dict[str, Any]], col: str) -> tuple[list[float], list[flo
     return ts, ys
 
 
-def phase_windows(phases: Iterable[dict[str, Any]], t_end: float) -> list[tuple[str, float, float]]:
+def phase_windows(phases: Iterable[PhaseRow], t_end: float) -> list[tuple[str, float, float]]:
     """[(phase, start, end)]: each mark lasts until the next; "end" closes the last one."""
     marks = sorted(({"phase": str(p["phase"]), "t": float(p["t"])} for p in phases), key=lambda p: p["t"])
     out = []
@@ -252,14 +260,14 @@ class Tariffs:
         return cls(day=value.get("day"), night=value.get("night"), currency=value.get("currency", "EUR"))
 
 
-def energy_summary(samples: Any, phases: Iterable[dict[str, Any]],
+def energy_summary(samples: Any, phases: Iterable[PhaseRow],
                    tokens: dict[str, int] | None = None,
                    tariffs: Tariffs | Mapping[str, Any] | None = None) -> dict[str, Any]:
     """summarize(...) as the JSON the manifest's probe summary holds."""
     return summarize(samples, phases, tokens=tokens, tariffs=tariffs).to_json()
 
 
-def summarize(samples: Any, phases: Iterable[dict[str, Any]],
+def summarize(samples: Any, phases: Iterable[PhaseRow],
               tokens: dict[str, int] | None = None,
               tariffs: Tariffs | Mapping[str, Any] | None = None) -> EnergySummary:
     """Memory and energy figures of one sampled run.
@@ -357,16 +365,16 @@ SUMMED_COLUMNS = ("mem_total_bytes", "mem_used_bytes", "mem_free_bytes", "mem_re
                   "energy_mj") + POWER_COLUMNS
 
 
-def summed_rows(rows: list[dict[str, Any]], cards: list[Any]) -> list[dict[str, Any]]:
+def summed_rows(rows: list[Sample], cards: list[int | str]) -> list[Sample]:
     """One row per tick holding the sum over `cards` of each counter; a counter is summed only at
     ticks where every card answered it (else that tick leaves it out, never a partial sum)."""
-    by_t: dict[float, dict[Any, dict[str, Any]]] = {}
+    by_t: dict[float, dict[float | str | None, Sample]] = {}
     for r in rows:
         by_t.setdefault(float(r["t"]), {})[r.get("gpu")] = r
     out = []
     for t in sorted(by_t):
         tick = by_t[t]
-        s: dict[str, Any] = {"t": t, "gpu": "sum"}
+        s: Sample = {"t": t, "gpu": "sum"}
         for col in SUMMED_COLUMNS:
             vals = [tick[c].get(col) for c in cards if c in tick]
             if len(vals) == len(cards) and all(_num(v) for v in vals):
@@ -408,13 +416,13 @@ class CardsSummary(EnergySummary):
                 "gpus": [g.to_json() for g in self.gpus]}
 
 
-def cards_summary(samples: Any, phases: Iterable[dict[str, Any]], tokens: dict[str, int] | None = None,
+def cards_summary(samples: Any, phases: Iterable[PhaseRow], tokens: dict[str, int] | None = None,
                   tariffs: Tariffs | Mapping[str, Any] | None = None) -> dict[str, Any]:
     """summarize_cards(...) as the JSON the manifest's probe summary holds."""
     return summarize_cards(samples, phases, tokens=tokens, tariffs=tariffs).to_json()
 
 
-def summarize_cards(samples: Any, phases: Iterable[dict[str, Any]], tokens: dict[str, int] | None = None,
+def summarize_cards(samples: Any, phases: Iterable[PhaseRow], tokens: dict[str, int] | None = None,
                     tariffs: Tariffs | Mapping[str, Any] | None = None) -> CardsSummary:
     """summarize over one or several cards (samples with a `gpu` column, one row per card and tick).
 
@@ -438,7 +446,7 @@ def summarize_cards(samples: Any, phases: Iterable[dict[str, Any]], tokens: dict
                         gpus=gpus)
 
 
-def tokens_from_records(records: Iterable[dict[str, Any]], tasks: tuple[str, ...] = ("speed", "needle")) -> dict[str, int]:
+def tokens_from_records(records: Iterable[Section], tasks: tuple[str, ...] = ("speed", "needle")) -> dict[str, int]:
     """Prefill and decode token totals of ok records (prompt_tokens, output_tokens) of the given tasks."""
     pre = dec = 0
     for r in records:
@@ -456,14 +464,15 @@ def tariffs_from_probes(probes: dict[str, Any]) -> Tariffs | None:
     return Tariffs(day=day, night=night, currency=probes.get("currency", "EUR"))
 
 
-def _summary_of(manifest: dict[str, Any]) -> dict[str, Any] | None:
+def _summary_of(manifest: Section) -> Section | None:
     """Where a run keeps the probe's summary: manifest["probes"]["nvml"]["summary"]."""
     nv = ((manifest or {}).get("probes") or {}).get("nvml") or {}
     return nv.get("summary") if nv.get("available") else None
 
 
-def memory_energy_compare(base_manifest: dict[str, Any], cand_manifest: dict[str, Any]) -> dict[str, Any]:
-    """{"memory": ..., "energy": ...} for compare.json: both sides' figures and candidate/baseline ratios."""
+def memory_energy_compare(base_manifest: Section, cand_manifest: Section) -> dict[str, Section]:
+    """{"memory": ..., "energy": ...} for compare.json (its memory and energy sections) from two
+    manifest.json documents: both sides' figures and candidate/baseline ratios."""
     b, c = _summary_of(base_manifest), _summary_of(cand_manifest)
     why = {}
     for side, s, m in (("baseline", b, base_manifest), ("candidate", c, cand_manifest)):
@@ -477,7 +486,7 @@ def memory_energy_compare(base_manifest: dict[str, Any], cand_manifest: dict[str
         return (y / x) if x and y is not None else None
 
     bm, cm = b["memory"], c["memory"]
-    memory = {"available": True, "source": bm.get("source"), "baseline": bm, "candidate": cm}
+    memory: Section = {"available": True, "source": bm.get("source"), "baseline": bm, "candidate": cm}
     for k in ("peak_used_bytes", "min_free_bytes", "reserved_bytes"):
         memory[f"{k}_delta"] = (cm.get(k) - bm.get(k)) if cm.get(k) is not None and bm.get(k) is not None else None
     memory["peak_used_ratio"] = ratio(bm.get("peak_used_bytes"), cm.get("peak_used_bytes"))
@@ -487,8 +496,8 @@ def memory_energy_compare(base_manifest: dict[str, Any], cand_manifest: dict[str
             memory[f"torch_peak_allocated_bytes_{side}"] = torch_peak
 
     be, ce = b.get("energy") or {}, c.get("energy") or {}
-    energy: dict[str, Any] = {"available": bool(be and ce), "baseline_idle_power_w": be.get("idle_power_w"),
-                              "candidate_idle_power_w": ce.get("idle_power_w"), "per_token": {}}
+    energy: Section = {"available": bool(be and ce), "baseline_idle_power_w": be.get("idle_power_w"),
+                       "candidate_idle_power_w": ce.get("idle_power_w"), "per_token": {}}
     for ph in WORK_PHASES:
         bp, cp = (be.get("per_token") or {}).get(ph), (ce.get("per_token") or {}).get(ph)
         if bp and cp:
@@ -505,7 +514,7 @@ def memory_energy_compare(base_manifest: dict[str, Any], cand_manifest: dict[str
     for side, e in (("baseline", be), ("candidate", ce)):
         if e.get("cost_per_million_tokens"):
             energy[f"cost_per_million_tokens_{side}"] = e["cost_per_million_tokens"]
-    phases: dict[str, Any] = {}
+    phases: dict[str, dict[str, Section]] = {}          # phase -> side -> figures
     for side, e in (("baseline", be), ("candidate", ce)):
         for name, ph in (e.get("phases") or {}).items():
             phases.setdefault(name, {})[side] = {k: ph.get(k) for k in ("duration_s", "energy_j", "net_j",
@@ -525,11 +534,11 @@ def memory_energy_compare(base_manifest: dict[str, Any], cand_manifest: dict[str
 MEMORY_KEYS = ("peak_used_bytes", "min_free_bytes", "reserved_bytes", "total_bytes", "n_samples")
 
 
-def _cards_compare(b: dict[str, Any], c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _cards_compare(b: Section, c: Section) -> tuple[dict[str, dict[str, Section]], dict[str, dict[str, Section]]]:
     """Per-card memory and energy of both runs, keyed "gpuN" (a card only one run sampled has one
     side), plus "sum": the headline figures (the sum over cards, or the one card)."""
-    memory: dict[str, Any] = {}
-    energy: dict[str, Any] = {}
+    memory: dict[str, dict[str, Section]] = {}          # card key -> side -> figures
+    energy: dict[str, dict[str, Section]] = {}
     for side, s in (("baseline", b), ("candidate", c)):
         cards = [(f"gpu{g.get('index')}", g) for g in s.get("gpus") or []]
         cards.append(("sum", {"memory": s.get("memory"), "energy": s.get("energy")}))
