@@ -10,7 +10,7 @@ task executor through `Runner.concurrency`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NotRequired, TypedDict
 
 from moebench.config import RunnerSettings
 
@@ -96,6 +96,22 @@ class GenerateRequest:
 # finite number or null; runners add their clock figures (wall_s, first_content_s, ...), and the
 # llama-server runner the reply's stop_type (text).
 ServerTimings = dict[str, float | str | None]
+
+
+class RunnerEvent(TypedDict):
+    """Something that happened to the backend during the run: the llama-server runner's "restart",
+    "restart_failed" and "gave_up" (why, the exit code, when, restarts so far, the pids), the engine
+    runner's "fallback" (`what` it gave up and the error)."""
+
+    event: str
+    reason: NotRequired[str]
+    exit_code: NotRequired[int | None]
+    time: NotRequired[str]
+    restarts: NotRequired[int]
+    old_pid: NotRequired[int]
+    new_pid: NotRequired[int | None]
+    what: NotRequired[str]
+    error: NotRequired[str]
 
 
 @dataclass(frozen=True)
@@ -184,8 +200,9 @@ class Runner:
         self.name = name or (settings.get("name") if isinstance(settings, Mapping) else None)
         self.profile_path = profile_path
         self.concurrency: int = self.settings.concurrency
-        # Things that happened to the backend during the run (restarts, ...), copied into the manifest.
-        self.events: list[dict[str, Any]] = []
+        # Things that happened to the backend during the run (restarts, ...). Nothing copies them into the
+        # manifest yet: they stay on the runner.
+        self.events: list[RunnerEvent] = []
         # What the suite needs, set by the run before start(): a runner may skip starting what no
         # task needs (a llama-server runner starts no server for a KLD-only suite). None = everything.
         self.needed: set[str] | None = None
