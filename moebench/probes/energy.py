@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping
 
+from moebench.config import ProbeKeys
 from moebench.store.records import Section
 
 JOULES_PER_KWH = 3.6e6
@@ -456,7 +457,7 @@ def tokens_from_records(records: Iterable[Section], tasks: tuple[str, ...] = ("s
     return {"prefill": pre, "decode": dec}
 
 
-def tariffs_from_probes(probes: dict[str, Any]) -> Tariffs | None:
+def tariffs_from_probes(probes: ProbeKeys) -> Tariffs | None:
     """The suite's [probes] tariff keys as energy_summary's `tariffs` (None when none is set)."""
     day, night = probes.get("tariff_day_per_kwh"), probes.get("tariff_night_per_kwh")
     if day is None and night is None:
