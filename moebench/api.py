@@ -414,7 +414,7 @@ def _prepare(opts: RunOptions, suite: SuiteProfile, runner_p: RunnerProfile, lab
         "and data files checked")
 
     manifest = new_manifest(label, redact(suite.to_dict()), runner_p.redacted(), ctx.data_dir,
-                            data_files=ctx.data_files, data_verification=verification,
+                            data_files=ctx.data_files, data_verification=verification.to_json(),
                             baseline_run=str(baseline) if baseline else None, as_baseline=opts.as_baseline,
                             limit=opts.limit)
     return open_store(run_dir, manifest, runner_p.settings.to_json(), lock=lock), tasks, runner, items, ctx

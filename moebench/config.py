@@ -12,7 +12,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, TypedDict, TypeVar, cast
 
 from moebench.secrets import literal_secrets, redact
 from moebench.shipped import is_installed_profile, shipped_dir
@@ -244,6 +244,21 @@ PROBES_SCHEMA: dict[str, Field] = {
     "currency": Field(str, default="EUR"),
 }
 
+class ProbeKeys(TypedDict, total=False):
+    """A suite's [probes] table as load_suite gives it: PROBES_SCHEMA's keys, checked, those with a
+    default filled in."""
+
+    nvml: bool
+    interval_ms: int
+    gpu_index: int
+    gpu_indices: list[int] | str
+    idle_s: float
+    idle_end_s: float
+    tariff_day_per_kwh: float
+    tariff_night_per_kwh: float
+    currency: str
+
+
 SUITE_SCHEMA: dict[str, Field] = {
     "name": Field(str, required=True),
     "description": Field(str, default=""),
@@ -264,7 +279,7 @@ class SuiteProfile:
     name: str
     path: str
     tasks: list[dict[str, Any]]
-    probes: dict[str, Any]
+    probes: ProbeKeys
     description: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -293,7 +308,7 @@ def load_suite(path: str | os.PathLike[str], task_schemas: dict[str, dict[str, F
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise ProfileError(f"{p}: task {sorted(dup)[0]!r} appears twice; give each a distinct 'name'")
-    probes = validate(top["probes"], PROBES_SCHEMA, f"{p} [probes]")
+    probes = cast(ProbeKeys, validate(top["probes"], PROBES_SCHEMA, f"{p} [probes]"))
     return SuiteProfile(name=top["name"], path=str(p), tasks=tasks, probes=probes,
                         description=top["description"])
 

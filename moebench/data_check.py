@@ -14,8 +14,8 @@ The result is the manifest's `data_verification` (docs/schema.md).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from moebench.datasets import DatasetError
 
@@ -43,15 +43,53 @@ def _project_sums() -> dict[str, str]:
     return {f.path: f.sha256 for f in mirror_files()}
 
 
-def verify_data_files(root: Path, data_files: dict[str, str]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class FileCheck:
+    """One used file: its sha256 and status; `against` the list that vouched for it or not (verified,
+    modified), `expected` the sha256 that list holds (modified), `reason` why unverified."""
+
+    sha256: str
+    status: str
+    against: str | None = None
+    expected: str | None = None
+    reason: str | None = None
+
+    def to_json(self) -> dict[str, str]:
+        out = {"sha256": self.sha256, "status": self.status}
+        for key in ("reason", "against", "expected"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+@dataclass
+class DataVerification:
+    """The manifest's `data_verification`: the list used (`sums_file`, None where the folder has
+    none), each used file's check, and whether modified data was allowed (set by check_before_run)."""
+
+    sums_file: str | None
+    files: dict[str, FileCheck]
+    allow_modified: bool | None = None
+
+    def with_status(self, status: str) -> list[str]:
+        return [rel for rel, e in self.files.items() if e.status == status]
+
+    def to_json(self) -> dict[str, str | bool | None | dict[str, dict[str, str]]]:
+        out: dict[str, str | bool | None | dict[str, dict[str, str]]] = {
+            "sums_file": self.sums_file, "files": {rel: e.to_json() for rel, e in self.files.items()}}
+        if self.allow_modified is not None:
+            out["allow_modified"] = self.allow_modified
+        return out
+
+
+def verify_data_files(root: Path, data_files: dict[str, str]) -> DataVerification:
     """Each used file's sha256 and status (verified / modified / unverified) against `root`'s
     SHA256SUMS and the project's own list; `sums_file` names the list used, or None."""
     sums_path = Path(root) / SUMS
     listed = read_sums(sums_path) if sums_path.is_file() else None
     project = _project_sums()
-    files: dict[str, dict[str, Any]] = {}
+    files: dict[str, FileCheck] = {}
     for rel, digest in sorted(data_files.items()):
-        entry: dict[str, Any] = {"sha256": digest}
         if listed is not None and rel in listed:
             expected, against = listed[rel], str(sums_path)
             if expected == digest and rel in project and project[rel] != digest:
@@ -59,42 +97,35 @@ def verify_data_files(root: Path, data_files: dict[str, str]) -> dict[str, Any]:
         elif rel in project and project[rel] == digest:
             expected, against = digest, PROJECT_SUMS
         else:
-            entry.update(status=UNVERIFIED, reason=f"no {SUMS} in {root}" if listed is None
-                         else f"not listed in {sums_path}")
-            files[rel] = entry
+            files[rel] = FileCheck(digest, UNVERIFIED, reason=f"no {SUMS} in {root}" if listed is None
+                                   else f"not listed in {sums_path}")
             continue
-        entry.update(status=VERIFIED if expected == digest else MODIFIED, against=against)
-        if expected != digest:
-            entry["expected"] = expected
-        files[rel] = entry
-    return {"sums_file": str(sums_path) if listed is not None else None, "files": files}
+        files[rel] = (FileCheck(digest, VERIFIED, against=against) if expected == digest
+                      else FileCheck(digest, MODIFIED, against=against, expected=expected))
+    return DataVerification(str(sums_path) if listed is not None else None, files)
 
 
-def with_status(verification: dict[str, Any], status: str) -> list[str]:
-    return [rel for rel, e in verification["files"].items() if e.get("status") == status]
-
-
-def modified_error(root: Path, verification: dict[str, Any]) -> str:
+def modified_error(root: Path, verification: DataVerification) -> str:
     """The refusal: which file differs from which list, and the two ways on."""
-    rel = with_status(verification, MODIFIED)[0]
-    e = verification["files"][rel]
-    more = len(with_status(verification, MODIFIED)) - 1
-    return (f"data file {Path(root) / rel} differs from {e['against']} (sha256 {e['sha256']}, expected "
-            f"{e['expected']})" + (f" and {more} more file(s) differ" if more else "")
+    modified = verification.with_status(MODIFIED)
+    e = verification.files[modified[0]]
+    more = len(modified) - 1
+    return (f"data file {Path(root) / modified[0]} differs from {e.against} (sha256 {e.sha256}, expected "
+            f"{e.expected})" + (f" and {more} more file(s) differ" if more else "")
             + ": it is not the mirror's data; restore it (`moebench data fetch`) or pass "
               "--allow-modified-data to run on it, recorded in the manifest and the report")
 
 
-def notes(root: Path, verification: dict[str, Any]) -> list[str]:
+def notes(root: Path, verification: DataVerification) -> list[str]:
     """One line each for files run unverified and (allowed) modified files; none when all verified."""
     out = []
-    unverified = with_status(verification, UNVERIFIED)
+    unverified = verification.with_status(UNVERIFIED)
     if unverified:
-        why = (f"{root} has no {SUMS}" if verification["sums_file"] is None
-               else f"not listed in {verification['sums_file']}")
+        why = (f"{root} has no {SUMS}" if verification.sums_file is None
+               else f"not listed in {verification.sums_file}")
         out.append(f"note: data not verified ({why}): {', '.join(unverified)}; "
                    "the manifest records them as unverified")
-    modified = with_status(verification, MODIFIED)
+    modified = verification.with_status(MODIFIED)
     if modified:
         out.append(f"warning: running on modified data (--allow-modified-data): {', '.join(modified)} "
                    f"{'differs' if len(modified) == 1 else 'differ'} from SHA256SUMS; the manifest and the "
@@ -102,12 +133,13 @@ def notes(root: Path, verification: dict[str, Any]) -> list[str]:
     return out
 
 
-def check_before_run(root: Path, data_files: dict[str, str], allow_modified: bool) -> tuple[dict[str, Any], list[str]]:
+def check_before_run(root: Path, data_files: dict[str, str],
+                     allow_modified: bool) -> tuple[DataVerification, list[str]]:
     """The manifest's `data_verification` and the lines to print, or UsageError (exit 2) when a
     file differs from SHA256SUMS and `allow_modified` is off."""
     from moebench.errors import UsageError
     verification = verify_data_files(root, data_files)
-    if with_status(verification, MODIFIED) and not allow_modified:
+    if verification.with_status(MODIFIED) and not allow_modified:
         raise UsageError(modified_error(root, verification))
-    verification["allow_modified"] = bool(allow_modified)
+    verification.allow_modified = bool(allow_modified)
     return verification, notes(root, verification)

@@ -6,7 +6,7 @@ import platform
 import socket
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from moebench import __version__
 from moebench.config import repo_root
@@ -20,7 +20,38 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def moebench_identity() -> dict[str, Any]:
+class MoebenchIdentity(TypedDict):
+    """The manifest's `moebench` (JSON)."""
+
+    version: str
+    git_revision: str | None
+    dirty: bool | None          # uncommitted changes to tracked files; None outside a git checkout
+
+
+class HostGpu(TypedDict):
+    index: int
+    name: str
+    memory_total_bytes: int
+
+
+class GpuInventory(TypedDict):
+    gpus: list[HostGpu]
+    driver: str | None
+    nvml: str                   # "ok", or why NVML gave no answer
+
+
+class HostIdentity(GpuInventory):
+    """The manifest's `host` (JSON)."""
+
+    hostname: str
+    platform: str
+    python: str
+    cpu: str
+    cpu_count: int | None
+    ram_bytes: int | None
+
+
+def moebench_identity() -> MoebenchIdentity:
     rev = _git("rev-parse", "HEAD")
     dirty = None
     if rev is not None:
@@ -46,7 +77,7 @@ def _ram_bytes() -> int | None:
         return None
 
 
-def _gpus() -> dict[str, Any]:
+def _gpus() -> GpuInventory:
     """GPU names and driver through NVML where present; empty otherwise (never fails)."""
     try:
         import pynvml
@@ -58,7 +89,7 @@ def _gpus() -> dict[str, Any]:
         return {"gpus": [], "driver": None, "nvml": f"unavailable: {e}"}
     try:
         n = pynvml.nvmlDeviceGetCount()
-        gpus = []
+        gpus: list[HostGpu] = []
         for i in range(n):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
             name = pynvml.nvmlDeviceGetName(h)
@@ -71,7 +102,7 @@ def _gpus() -> dict[str, Any]:
         pynvml.nvmlShutdown()
 
 
-def host_identity() -> dict[str, Any]:
+def host_identity() -> HostIdentity:
     return {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),

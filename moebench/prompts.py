@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Mapping
 
 
 def gsm8k_question(question: str) -> str:
@@ -16,12 +16,12 @@ def gsm8k_question(question: str) -> str:
     return f"Question: {question}\nAnswer:"
 
 
-def gsm8k_fewshot_prefix(exemplars: list[dict[str, Any]]) -> str:
+def gsm8k_fewshot_prefix(exemplars: list[Mapping[str, str]]) -> str:
     """The exemplars as question, " " + worked answer, then the few-shot delimiter "\\n\\n"."""
     return "".join(f"{gsm8k_question(e['question'])} {e['answer']}\n\n" for e in exemplars)
 
 
-def gsm8k_prompt(exemplars: list[dict[str, Any]], question: str) -> str:
+def gsm8k_prompt(exemplars: list[Mapping[str, str]], question: str) -> str:
     """The whole prompt of one GSM8K item: the few-shot prefix, then the question."""
     return gsm8k_fewshot_prefix(exemplars) + gsm8k_question(question)
 

@@ -9,15 +9,24 @@ gross and net figures are reported.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping
+
+from moebench.config import ProbeKeys
+from moebench.store.records import Section
 
 JOULES_PER_KWH = 3.6e6
 POWER_COLUMNS = ("power_instant_w", "power_usage_w", "power_w", "power_avg_w")   # preference order
 WORK_PHASES = ("prefill", "decode")
 
+# One sample row: t (seconds), gpu (the card's NVML index; "sum" in a per-tick sum) and the counters
+# (moebench.probes.nvml.SAMPLE_COLUMNS), None or NaN where the card did not answer.
+Sample = dict[str, float | str | None]
+# A phase mark {"phase": name, "t": start_s} (moebench.probes.nvml.PhaseMark.to_json, nvml_phases.json).
+PhaseRow = Mapping[str, str | float]
 
-def _rows(samples: Any) -> list[dict[str, Any]]:
+
+def _rows(samples: Any) -> list[Sample]:
     """Samples as a list of dicts sorted by t (accepts a DataFrame, a list of dicts, or a dict of columns)."""
     if hasattr(samples, "to_dict"):
         rows = samples.to_dict("records")
@@ -37,7 +46,7 @@ def _num(v: Any) -> bool:
     return v is not None and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
 
 
-def _series(rows: list[dict[str, Any]], col: str) -> tuple[list[float], list[float]]:
+def _series(rows: list[Sample], col: str) -> tuple[list[float], list[float]]:
     ts, ys = [], []
     for r in rows:
         v = r.get(col)
@@ -47,7 +56,7 @@ def _series(rows: list[dict[str, Any]], col: str) -> tuple[list[float], list[flo
     return ts, ys
 
 
-def phase_windows(phases: Iterable[dict[str, Any]], t_end: float) -> list[tuple[str, float, float]]:
+def phase_windows(phases: Iterable[PhaseRow], t_end: float) -> list[tuple[str, float, float]]:
     """[(phase, start, end)]: each mark lasts until the next; "end" closes the last one."""
     marks = sorted(({"phase": str(p["phase"]), "t": float(p["t"])} for p in phases), key=lambda p: p["t"])
     out = []
@@ -96,7 +105,23 @@ def _rel(a: float | None, b: float | None) -> float | None:
     return (a - b) / b if a is not None and b else None
 
 
-def memory_summary(samples: Any) -> dict[str, Any]:
+@dataclass
+class MemorySummary:
+    """Device memory over a sampled run (bytes; None where no sample had the figure)."""
+
+    source: str
+    n_samples: int
+    interval_s_median: float | None
+    peak_used_bytes: int | None
+    min_free_bytes: int | None
+    reserved_bytes: int | None
+    total_bytes: int | None
+
+    def to_json(self) -> dict[str, str | int | float | None]:
+        return asdict(self)
+
+
+def memory_summary(samples: Any) -> MemorySummary:
     rows = _rows(samples)
     used = [float(r["mem_used_bytes"]) for r in rows if _num(r.get("mem_used_bytes"))]
     free = [float(r["mem_free_bytes"]) for r in rows if _num(r.get("mem_free_bytes"))]
@@ -104,15 +129,116 @@ def memory_summary(samples: Any) -> dict[str, Any]:
     total = [float(r["mem_total_bytes"]) for r in rows if _num(r.get("mem_total_bytes"))]
     ts = [float(r["t"]) for r in rows]
     gaps = sorted(b - a for a, b in zip(ts, ts[1:]))
-    return {
-        "source": "NVML nvmlDeviceGetMemoryInfo v2 (used excludes driver-reserved memory)",
-        "n_samples": len(rows),
-        "interval_s_median": gaps[len(gaps) // 2] if gaps else None,
-        "peak_used_bytes": int(max(used)) if used else None,
-        "min_free_bytes": int(min(free)) if free else None,
-        "reserved_bytes": int(max(reserved)) if reserved else None,
-        "total_bytes": int(max(total)) if total else None,
-    }
+    return MemorySummary(
+        source="NVML nvmlDeviceGetMemoryInfo v2 (used excludes driver-reserved memory)",
+        n_samples=len(rows),
+        interval_s_median=gaps[len(gaps) // 2] if gaps else None,
+        peak_used_bytes=int(max(used)) if used else None,
+        min_free_bytes=int(min(free)) if free else None,
+        reserved_bytes=int(max(reserved)) if reserved else None,
+        total_bytes=int(max(total)) if total else None,
+    )
+
+
+@dataclass
+class PhaseEnergy:
+    """One phase's energy, summed over its windows (joules; None where the run had no such series):
+    the counter's, the power integral's, the one used (`energy_j`: the counter's where present),
+    and net of the idle draw."""
+
+    windows: int = 0
+    duration_s: float = 0.0
+    counter_j: float | None = 0.0
+    integral_j: float | None = 0.0
+    energy_j: float | None = None
+    rel_diff_integral_vs_counter: float | None = None
+    mean_power_w: float | None = None
+    idle_j: float | None = None
+    net_j: float | None = None
+
+
+@dataclass(frozen=True)
+class WholeRun:
+    """Energy from the first sample to the last."""
+
+    duration_s: float
+    counter_j: float | None
+    integral_j: float | None
+    rel_diff_integral_vs_counter: float | None
+
+
+@dataclass(frozen=True)
+class TokenEnergy:
+    """Joules per token of one work phase."""
+
+    tokens: int
+    gross_j_per_token: float
+    net_j_per_token: float | None
+
+
+@dataclass(frozen=True)
+class GrossNet:
+    """A figure gross and net of the idle draw (kWh or money per million tokens)."""
+
+    gross: float
+    net: float | None
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Money per million tokens at the day and the night tariff (each None where unset), by phase."""
+
+    currency: str
+    day: dict[str, GrossNet] | None
+    night: dict[str, GrossNet] | None
+
+    def to_json(self) -> dict[str, str | dict[str, dict[str, float | None]]]:
+        out: dict[str, str | dict[str, dict[str, float | None]]] = {"currency": self.currency}
+        for when, figs in (("day", self.day), ("night", self.night)):
+            if figs is not None:
+                out[when] = {ph: asdict(g) for ph, g in figs.items()}
+        return out
+
+
+@dataclass
+class EnergyFigures:
+    """The energy of a sampled run: per phase, whole run, per token and priced."""
+
+    source: str
+    energy_source: str | None               # "counter", "integral" or None (neither series)
+    power_column: str | None
+    idle_power_w: float | None
+    idle_phase: str | None
+    negative_deltas_rejected: int
+    phases: dict[str, PhaseEnergy]
+    whole_run: WholeRun
+    per_token: dict[str, TokenEnergy] = field(default_factory=dict)
+    kwh_per_million_tokens: dict[str, GrossNet] = field(default_factory=dict)
+    cost_per_million_tokens: Cost | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "source": self.source, "energy_source": self.energy_source, "power_column": self.power_column,
+            "idle_power_w": self.idle_power_w, "idle_phase": self.idle_phase,
+            "negative_deltas_rejected": self.negative_deltas_rejected}
+        out["phases"] = {name: asdict(e) for name, e in self.phases.items()}
+        out["whole_run"] = asdict(self.whole_run)
+        out["per_token"] = {ph: asdict(t) for ph, t in self.per_token.items()}
+        out["kwh_per_million_tokens"] = {ph: asdict(g) for ph, g in self.kwh_per_million_tokens.items()}
+        if self.cost_per_million_tokens is not None:
+            out["cost_per_million_tokens"] = self.cost_per_million_tokens.to_json()
+        return out
+
+
+@dataclass
+class EnergySummary:
+    """Memory and energy figures of one sampled run (energy None where there were no samples)."""
+
+    memory: MemorySummary
+    energy: EnergyFigures | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"memory": self.memory.to_json(), "energy": self.energy.to_json() if self.energy else None}
 
 
 @dataclass(frozen=True)
@@ -135,9 +261,16 @@ class Tariffs:
         return cls(day=value.get("day"), night=value.get("night"), currency=value.get("currency", "EUR"))
 
 
-def energy_summary(samples: Any, phases: Iterable[dict[str, Any]],
+def energy_summary(samples: Any, phases: Iterable[PhaseRow],
                    tokens: dict[str, int] | None = None,
                    tariffs: Tariffs | Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """summarize(...) as the JSON the manifest's probe summary holds."""
+    return summarize(samples, phases, tokens=tokens, tariffs=tariffs).to_json()
+
+
+def summarize(samples: Any, phases: Iterable[PhaseRow],
+              tokens: dict[str, int] | None = None,
+              tariffs: Tariffs | Mapping[str, Any] | None = None) -> EnergySummary:
     """Memory and energy figures of one sampled run.
 
     samples: rows with t (s) and any of mem_*_bytes, energy_mj, power_instant_w / power_usage_w / power_w.
@@ -147,110 +280,102 @@ def energy_summary(samples: Any, phases: Iterable[dict[str, Any]],
     """
     prices = Tariffs.of(tariffs)
     rows = _rows(samples)
-    out: dict[str, Any] = {"memory": memory_summary(rows)}
+    memory = memory_summary(rows)
     if not rows:
-        out["energy"] = None
-        return out
+        return EnergySummary(memory, None)
     t_end = float(rows[-1]["t"])
     windows = phase_windows(phases, t_end)
     et, emj = _series(rows, "energy_mj")
     power_col = next((c for c in POWER_COLUMNS if len(_series(rows, c)[0]) >= 2), None)
     pt, pw = _series(rows, power_col) if power_col else ([], [])
+    has_counter, has_power = len(et) >= 2, len(pt) >= 2
 
-    per_phase: dict[str, dict[str, Any]] = {}
+    per_phase: dict[str, PhaseEnergy] = {}
     rejected = 0
     for name, a, b in windows:
-        e = per_phase.setdefault(name, {"windows": 0, "duration_s": 0.0, "counter_j": 0.0, "integral_j": 0.0})
-        e["windows"] += 1
-        e["duration_s"] += b - a
-        if len(et) >= 2:
+        e = per_phase.setdefault(name, PhaseEnergy())
+        e.windows += 1
+        e.duration_s += b - a
+        if has_counter:
             j, rej = counter_energy_j(et, emj, a, b)
-            e["counter_j"] += j
+            e.counter_j = (e.counter_j or 0.0) + j
             rejected += rej
-        if len(pt) >= 2:
-            e["integral_j"] += integrated_energy_j(pt, pw, a, b)
-    has_counter, has_power = len(et) >= 2, len(pt) >= 2
+        if has_power:
+            e.integral_j = (e.integral_j or 0.0) + integrated_energy_j(pt, pw, a, b)
     for e in per_phase.values():
         if not has_counter:
-            e["counter_j"] = None
+            e.counter_j = None
         if not has_power:
-            e["integral_j"] = None
-        e["energy_j"] = e["counter_j"] if e["counter_j"] is not None else e["integral_j"]
-        e["rel_diff_integral_vs_counter"] = _rel(e["integral_j"], e["counter_j"])
-        e["mean_power_w"] = e["energy_j"] / e["duration_s"] if e["energy_j"] is not None and e["duration_s"] else None
+            e.integral_j = None
+        e.energy_j = e.counter_j if e.counter_j is not None else e.integral_j
+        e.rel_diff_integral_vs_counter = _rel(e.integral_j, e.counter_j)
+        e.mean_power_w = e.energy_j / e.duration_s if e.energy_j is not None and e.duration_s else None
 
     idle_name = "baseline_idle" if "baseline_idle" in per_phase else ("idle" if "idle" in per_phase else None)
-    idle_w = per_phase[idle_name]["mean_power_w"] if idle_name else None
+    idle_w = per_phase[idle_name].mean_power_w if idle_name else None
     for e in per_phase.values():
-        e["idle_j"] = idle_w * e["duration_s"] if idle_w is not None else None
-        e["net_j"] = e["energy_j"] - e["idle_j"] if e["energy_j"] is not None and e["idle_j"] is not None else None
+        e.idle_j = idle_w * e.duration_s if idle_w is not None else None
+        e.net_j = e.energy_j - e.idle_j if e.energy_j is not None and e.idle_j is not None else None
 
-    whole = {"duration_s": t_end - float(rows[0]["t"]),
-             "counter_j": counter_energy_j(et, emj, float(rows[0]["t"]), t_end)[0] if has_counter else None,
-             "integral_j": integrated_energy_j(pt, pw, float(rows[0]["t"]), t_end) if has_power else None}
-    whole["rel_diff_integral_vs_counter"] = _rel(whole["integral_j"], whole["counter_j"])
+    t0 = float(rows[0]["t"])
+    counter_whole = counter_energy_j(et, emj, t0, t_end)[0] if has_counter else None
+    integral_whole = integrated_energy_j(pt, pw, t0, t_end) if has_power else None
+    whole = WholeRun(duration_s=t_end - t0, counter_j=counter_whole, integral_j=integral_whole,
+                     rel_diff_integral_vs_counter=_rel(integral_whole, counter_whole))
 
-    energy: dict[str, Any] = {
-        "source": "NVML total-energy counter (mJ), cross-checked by the trapezoid integral of " + str(power_col),
-        "energy_source": "counter" if has_counter else ("integral" if has_power else None),
-        "power_column": power_col,
-        "idle_power_w": idle_w, "idle_phase": idle_name,
-        "negative_deltas_rejected": rejected,
-        "phases": per_phase, "whole_run": whole,
-    }
+    energy = EnergyFigures(
+        source="NVML total-energy counter (mJ), cross-checked by the trapezoid integral of " + str(power_col),
+        energy_source="counter" if has_counter else ("integral" if has_power else None),
+        power_column=power_col, idle_power_w=idle_w, idle_phase=idle_name,
+        negative_deltas_rejected=rejected, phases=per_phase, whole_run=whole)
     tokens = {k: int(v) for k, v in (tokens or {}).items()}
-    per_token: dict[str, Any] = {}
-    kwh_pm: dict[str, Any] = {}
     work_gross = work_net = 0.0
     work_tokens = 0
     net_ok = True
     for ph in WORK_PHASES:
         n = tokens.get(ph, 0)
-        e = per_phase.get(ph)
-        if not n or not e or e["energy_j"] is None:
+        pe = per_phase.get(ph)
+        if not n or pe is None or pe.energy_j is None:
             continue
-        gross, net = e["energy_j"], e["net_j"]
-        per_token[ph] = {"tokens": n, "gross_j_per_token": gross / n,
-                         "net_j_per_token": net / n if net is not None else None}
-        kwh_pm[ph] = {"gross": gross / n * 1e6 / JOULES_PER_KWH,
-                      "net": net / n * 1e6 / JOULES_PER_KWH if net is not None else None}
+        gross, net = pe.energy_j, pe.net_j
+        energy.per_token[ph] = TokenEnergy(tokens=n, gross_j_per_token=gross / n,
+                                           net_j_per_token=net / n if net is not None else None)
+        energy.kwh_per_million_tokens[ph] = GrossNet(gross=gross / n * 1e6 / JOULES_PER_KWH,
+                                                     net=net / n * 1e6 / JOULES_PER_KWH if net is not None else None)
         work_gross += gross
         work_tokens += n
         if net is None:
             net_ok = False
         else:
             work_net += net
+    kwh_pm = energy.kwh_per_million_tokens
     if work_tokens:
-        kwh_pm["all"] = {"gross": work_gross / work_tokens * 1e6 / JOULES_PER_KWH,
-                         "net": work_net / work_tokens * 1e6 / JOULES_PER_KWH if net_ok else None}
-    energy["per_token"] = per_token
-    energy["kwh_per_million_tokens"] = kwh_pm
+        kwh_pm["all"] = GrossNet(gross=work_gross / work_tokens * 1e6 / JOULES_PER_KWH,
+                                 net=work_net / work_tokens * 1e6 / JOULES_PER_KWH if net_ok else None)
     if prices is not None and kwh_pm:
-        cost: dict[str, Any] = {"currency": prices.currency}
-        for when, price in (("day", prices.day), ("night", prices.night)):
+        def priced(price: float | None) -> dict[str, GrossNet] | None:
             if price is None:
-                continue
-            cost[when] = {ph: {k: (v * float(price) if v is not None else None) for k, v in figs.items()}
-                          for ph, figs in kwh_pm.items()}
-        energy["cost_per_million_tokens"] = cost
-    out["energy"] = energy
-    return out
+                return None
+            return {ph: GrossNet(g.gross * float(price), g.net * float(price) if g.net is not None else None)
+                    for ph, g in kwh_pm.items()}
+        energy.cost_per_million_tokens = Cost(prices.currency, priced(prices.day), priced(prices.night))
+    return EnergySummary(memory, energy)
 
 
 SUMMED_COLUMNS = ("mem_total_bytes", "mem_used_bytes", "mem_free_bytes", "mem_reserved_bytes",
                   "energy_mj") + POWER_COLUMNS
 
 
-def summed_rows(rows: list[dict[str, Any]], cards: list[Any]) -> list[dict[str, Any]]:
+def summed_rows(rows: list[Sample], cards: list[int | str]) -> list[Sample]:
     """One row per tick holding the sum over `cards` of each counter; a counter is summed only at
     ticks where every card answered it (else that tick leaves it out, never a partial sum)."""
-    by_t: dict[float, dict[Any, dict[str, Any]]] = {}
+    by_t: dict[float, dict[float | str | None, Sample]] = {}
     for r in rows:
         by_t.setdefault(float(r["t"]), {})[r.get("gpu")] = r
     out = []
     for t in sorted(by_t):
         tick = by_t[t]
-        s: dict[str, Any] = {"t": t, "gpu": "sum"}
+        s: Sample = {"t": t, "gpu": "sum"}
         for col in SUMMED_COLUMNS:
             vals = [tick[c].get(col) for c in cards if c in tick]
             if len(vals) == len(cards) and all(_num(v) for v in vals):
@@ -259,43 +384,70 @@ def summed_rows(rows: list[dict[str, Any]], cards: list[Any]) -> list[dict[str, 
     return out
 
 
-def _card_brief(summary: dict[str, Any]) -> dict[str, Any]:
+CARD_PHASE_KEYS = ("duration_s", "energy_j", "counter_j", "integral_j", "net_j", "mean_power_w")
+
+
+@dataclass(frozen=True)
+class CardBrief:
     """A card's figures for the manifest: its memory, idle power, whole run and per-phase energy."""
-    e = summary.get("energy") or {}
-    phases = {name: {k: ph.get(k) for k in ("duration_s", "energy_j", "counter_j", "integral_j", "net_j",
-                                               "mean_power_w")}
-              for name, ph in (e.get("phases") or {}).items()}
-    return {"memory": summary["memory"], "energy": {
-        "idle_power_w": e.get("idle_power_w"), "power_column": e.get("power_column"),
-        "whole_run": e.get("whole_run"), "phases": phases} if e else None}
+
+    index: int | str | None
+    memory: MemorySummary
+    energy: EnergyFigures | None
+
+    def to_json(self) -> dict[str, Any]:
+        e = self.energy
+        return {"index": self.index, "memory": self.memory.to_json(), "energy": {
+            "idle_power_w": e.idle_power_w, "power_column": e.power_column, "whole_run": asdict(e.whole_run),
+            "phases": {name: {k: getattr(ph, k) for k in CARD_PHASE_KEYS} for name, ph in e.phases.items()},
+        } if e is not None else None}
 
 
-def cards_summary(samples: Any, phases: Iterable[dict[str, Any]], tokens: dict[str, int] | None = None,
+@dataclass
+class CardsSummary(EnergySummary):
+    """EnergySummary of the headline (the one card, or the per-tick sum of several), how many cards,
+    what the headline is, and each card's brief."""
+
+    cards: int = 1
+    headline: str = "GPU"
+    gpus: list[CardBrief] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**super().to_json(), "cards": self.cards, "headline": self.headline,
+                "gpus": [g.to_json() for g in self.gpus]}
+
+
+def cards_summary(samples: Any, phases: Iterable[PhaseRow], tokens: dict[str, int] | None = None,
                   tariffs: Tariffs | Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """energy_summary over one or several cards (samples with a `gpu` column, one row per card and tick).
+    """summarize_cards(...) as the JSON the manifest's probe summary holds."""
+    return summarize_cards(samples, phases, tokens=tokens, tariffs=tariffs).to_json()
 
-    The headline "memory"/"energy" are the one card's, or with several cards those of their per-tick
+
+def summarize_cards(samples: Any, phases: Iterable[PhaseRow], tokens: dict[str, int] | None = None,
+                    tariffs: Tariffs | Mapping[str, Any] | None = None) -> CardsSummary:
+    """summarize over one or several cards (samples with a `gpu` column, one row per card and tick).
+
+    The headline memory and energy are the one card's, or with several cards those of their per-tick
     sum (peak memory used by all cards at once; energy, idle power and J/token of the whole rig).
-    "gpus": each card's memory and energy by phase; "cards": how many."""
+    `gpus`: each card's memory and energy by phase; `cards`: how many."""
     phases = list(phases)
     rows = _rows(samples)
     cards = sorted({r.get("gpu") for r in rows if r.get("gpu") is not None}, key=str)
     if len(cards) <= 1:
-        out = energy_summary(rows, phases, tokens=tokens, tariffs=tariffs)
-        out["cards"] = 1
-        out["headline"] = f"GPU {cards[0]}" if cards else "GPU"
-        out["gpus"] = [{"index": cards[0] if cards else None, **_card_brief(out)}]
-        return out
-    out = energy_summary(summed_rows(rows, cards), phases, tokens=tokens, tariffs=tariffs)
-    out["memory"]["source"] += f"; summed over GPUs {', '.join(map(str, cards))} at each tick"
-    out["cards"] = len(cards)
-    out["headline"] = f"sum of GPUs {', '.join(map(str, cards))}"
-    out["gpus"] = [{"index": c, **_card_brief(energy_summary([r for r in rows if r.get("gpu") == c], phases))}
-                   for c in cards]
-    return out
+        one = summarize(rows, phases, tokens=tokens, tariffs=tariffs)
+        return CardsSummary(one.memory, one.energy, cards=1, headline=f"GPU {cards[0]}" if cards else "GPU",
+                            gpus=[CardBrief(cards[0] if cards else None, one.memory, one.energy)])
+    rig = summarize(summed_rows(rows, cards), phases, tokens=tokens, tariffs=tariffs)
+    rig.memory.source += f"; summed over GPUs {', '.join(map(str, cards))} at each tick"
+    gpus = []
+    for c in cards:
+        card = summarize([r for r in rows if r.get("gpu") == c], phases)
+        gpus.append(CardBrief(c, card.memory, card.energy))
+    return CardsSummary(rig.memory, rig.energy, cards=len(cards), headline=f"sum of GPUs {', '.join(map(str, cards))}",
+                        gpus=gpus)
 
 
-def tokens_from_records(records: Iterable[dict[str, Any]], tasks: tuple[str, ...] = ("speed", "needle")) -> dict[str, int]:
+def tokens_from_records(records: Iterable[Section], tasks: tuple[str, ...] = ("speed", "needle")) -> dict[str, int]:
     """Prefill and decode token totals of ok records (prompt_tokens, output_tokens) of the given tasks."""
     pre = dec = 0
     for r in records:
@@ -305,7 +457,7 @@ def tokens_from_records(records: Iterable[dict[str, Any]], tasks: tuple[str, ...
     return {"prefill": pre, "decode": dec}
 
 
-def tariffs_from_probes(probes: dict[str, Any]) -> Tariffs | None:
+def tariffs_from_probes(probes: ProbeKeys) -> Tariffs | None:
     """The suite's [probes] tariff keys as energy_summary's `tariffs` (None when none is set)."""
     day, night = probes.get("tariff_day_per_kwh"), probes.get("tariff_night_per_kwh")
     if day is None and night is None:
@@ -313,14 +465,15 @@ def tariffs_from_probes(probes: dict[str, Any]) -> Tariffs | None:
     return Tariffs(day=day, night=night, currency=probes.get("currency", "EUR"))
 
 
-def _summary_of(manifest: dict[str, Any]) -> dict[str, Any] | None:
+def _summary_of(manifest: Section) -> Section | None:
     """Where a run keeps the probe's summary: manifest["probes"]["nvml"]["summary"]."""
     nv = ((manifest or {}).get("probes") or {}).get("nvml") or {}
     return nv.get("summary") if nv.get("available") else None
 
 
-def memory_energy_compare(base_manifest: dict[str, Any], cand_manifest: dict[str, Any]) -> dict[str, Any]:
-    """{"memory": ..., "energy": ...} for compare.json: both sides' figures and candidate/baseline ratios."""
+def memory_energy_compare(base_manifest: Section, cand_manifest: Section) -> dict[str, Section]:
+    """{"memory": ..., "energy": ...} for compare.json (its memory and energy sections) from two
+    manifest.json documents: both sides' figures and candidate/baseline ratios."""
     b, c = _summary_of(base_manifest), _summary_of(cand_manifest)
     why = {}
     for side, s, m in (("baseline", b, base_manifest), ("candidate", c, cand_manifest)):
@@ -334,7 +487,7 @@ def memory_energy_compare(base_manifest: dict[str, Any], cand_manifest: dict[str
         return (y / x) if x and y is not None else None
 
     bm, cm = b["memory"], c["memory"]
-    memory = {"available": True, "source": bm.get("source"), "baseline": bm, "candidate": cm}
+    memory: Section = {"available": True, "source": bm.get("source"), "baseline": bm, "candidate": cm}
     for k in ("peak_used_bytes", "min_free_bytes", "reserved_bytes"):
         memory[f"{k}_delta"] = (cm.get(k) - bm.get(k)) if cm.get(k) is not None and bm.get(k) is not None else None
     memory["peak_used_ratio"] = ratio(bm.get("peak_used_bytes"), cm.get("peak_used_bytes"))
@@ -344,8 +497,8 @@ def memory_energy_compare(base_manifest: dict[str, Any], cand_manifest: dict[str
             memory[f"torch_peak_allocated_bytes_{side}"] = torch_peak
 
     be, ce = b.get("energy") or {}, c.get("energy") or {}
-    energy: dict[str, Any] = {"available": bool(be and ce), "baseline_idle_power_w": be.get("idle_power_w"),
-                              "candidate_idle_power_w": ce.get("idle_power_w"), "per_token": {}}
+    energy: Section = {"available": bool(be and ce), "baseline_idle_power_w": be.get("idle_power_w"),
+                       "candidate_idle_power_w": ce.get("idle_power_w"), "per_token": {}}
     for ph in WORK_PHASES:
         bp, cp = (be.get("per_token") or {}).get(ph), (ce.get("per_token") or {}).get(ph)
         if bp and cp:
@@ -362,7 +515,7 @@ def memory_energy_compare(base_manifest: dict[str, Any], cand_manifest: dict[str
     for side, e in (("baseline", be), ("candidate", ce)):
         if e.get("cost_per_million_tokens"):
             energy[f"cost_per_million_tokens_{side}"] = e["cost_per_million_tokens"]
-    phases: dict[str, Any] = {}
+    phases: dict[str, dict[str, Section]] = {}          # phase -> side -> figures
     for side, e in (("baseline", be), ("candidate", ce)):
         for name, ph in (e.get("phases") or {}).items():
             phases.setdefault(name, {})[side] = {k: ph.get(k) for k in ("duration_s", "energy_j", "net_j",
@@ -382,11 +535,11 @@ def memory_energy_compare(base_manifest: dict[str, Any], cand_manifest: dict[str
 MEMORY_KEYS = ("peak_used_bytes", "min_free_bytes", "reserved_bytes", "total_bytes", "n_samples")
 
 
-def _cards_compare(b: dict[str, Any], c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _cards_compare(b: Section, c: Section) -> tuple[dict[str, dict[str, Section]], dict[str, dict[str, Section]]]:
     """Per-card memory and energy of both runs, keyed "gpuN" (a card only one run sampled has one
     side), plus "sum": the headline figures (the sum over cards, or the one card)."""
-    memory: dict[str, Any] = {}
-    energy: dict[str, Any] = {}
+    memory: dict[str, dict[str, Section]] = {}          # card key -> side -> figures
+    energy: dict[str, dict[str, Section]] = {}
     for side, s in (("baseline", b), ("candidate", c)):
         cards = [(f"gpu{g.get('index')}", g) for g in s.get("gpus") or []]
         cards.append(("sum", {"memory": s.get("memory"), "energy": s.get("energy")}))

@@ -32,9 +32,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypedDict
 
-from moebench.probes.energy import Tariffs, cards_summary
+from moebench.probes.energy import CardsSummary, Sample, Tariffs, summarize_cards
 from moebench.store import write_bytes_atomic, write_json_atomic
 
 FI_POWER_INSTANT = 186    # NVML_FI_DEV_POWER_INSTANT
@@ -72,6 +72,19 @@ def resolve_gpu_indices(spec: Any, count: int, where: str = "gpu_indices") -> li
     return list(items)
 
 
+class GpuName(TypedDict):
+    index: int
+    name: str
+
+
+class NvmlIdentity(TypedDict):
+    """The sampled cards as the manifest's probes.nvml names them (JSON: spread into stop()'s report)."""
+
+    gpu_name: str               # the first card's
+    driver: str
+    gpus: list[GpuName]
+
+
 def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
@@ -97,12 +110,12 @@ class NvmlReader:
         self.has_fields = [True] * len(self.handles)
         self.has_memory_v2 = [True] * len(self.handles)
 
-    def read(self) -> list[dict[str, Any]]:
+    def read(self) -> list[Sample]:
         return [self._read_card(c) for c in range(len(self.handles))]
 
-    def _read_card(self, c: int) -> dict[str, Any]:
+    def _read_card(self, c: int) -> Sample:
         nv, h = self.nv, self.handles[c]
-        s: dict[str, Any] = {"gpu": self.indices[c]}
+        s: Sample = {"gpu": self.indices[c]}
         try:
             if self.has_memory_v2[c]:
                 m = nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2)
@@ -141,7 +154,7 @@ class NvmlReader:
                 pass
         return s
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self) -> NvmlIdentity:
         return {"gpu_name": self.names[0], "driver": self.driver,
                 "gpus": [{"index": i, "name": n} for i, n in zip(self.indices, self.names)]}
 
@@ -179,7 +192,7 @@ class NvmlProbe:
         self.tariffs = Tariffs.of(tariffs)
         self.available = False
         self.reason: str | None = None
-        self.device: dict[str, Any] = {}
+        self.device: NvmlIdentity | None = None     # None where a `reader` stands in for NVML
         self._reader_obj: NvmlReader | None = None
         self._read = reader
         if reader is None:
@@ -195,7 +208,7 @@ class NvmlProbe:
                 self.reason = f"NVML unavailable: {type(e).__name__}: {e}"
                 return
         self.available = True
-        self.samples: list[dict[str, Any]] = []
+        self.samples: list[Sample] = []
         self.phases: list[PhaseMark] = []
         self.tokens = {"prefill": 0, "decode": 0}
         self.read_errors = 0
@@ -227,7 +240,7 @@ class NvmlProbe:
         time.sleep(seconds)
         self.mark(then)
 
-    def _samples_of(self, got: Any, now: float) -> list[dict[str, Any]]:
+    def _samples_of(self, got: Any, now: float) -> list[Sample]:
         rows = got if isinstance(got, list) else [got]
         out = []
         for r in rows:
@@ -299,17 +312,37 @@ class NvmlProbe:
         if self._reader_obj is not None:
             self._reader_obj.close()
         cards = sorted({int(s["gpu"]) for s in samples if s.get("gpu") is not None})
-        out: dict[str, Any] = {"available": True, "interval_ms": self.interval_s * 1000.0, **self.device,
-                               "gpu_indices": cards, "n_samples": len(samples), "read_errors": self.read_errors,
-                               "tokens": dict(tokens or self.tokens)}
-        if self.run_dir is not None:
-            out.update(write_samples(self.run_dir, samples, phases))
-        out["summary"] = cards_summary(samples, phases, tokens=tokens or self.tokens,
-                                       tariffs=Tariffs.of(tariffs) or self.tariffs)
+        files = write_samples(self.run_dir, samples, phases) if self.run_dir is not None else None
+        return NvmlReport(
+            interval_ms=self.interval_s * 1000.0, device=self.device, gpu_indices=cards, n_samples=len(samples),
+            read_errors=self.read_errors, tokens=dict(tokens or self.tokens), files=files,
+            summary=summarize_cards(samples, phases, tokens=tokens or self.tokens,
+                                    tariffs=Tariffs.of(tariffs) or self.tariffs)).to_json()
+
+
+@dataclass(frozen=True)
+class NvmlReport:
+    """What a probe that sampled reports at stop() (the manifest's probes.nvml)."""
+
+    interval_ms: float
+    device: NvmlIdentity | None
+    gpu_indices: list[int]
+    n_samples: int
+    read_errors: int
+    tokens: dict[str, int]                  # prefill and decode tokens, for J/token
+    files: dict[str, str] | None            # samples_file, phases_file (in the run directory)
+    summary: CardsSummary
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"available": True, "interval_ms": self.interval_ms, **(self.device or {}),
+                               "gpu_indices": self.gpu_indices, "n_samples": self.n_samples,
+                               "read_errors": self.read_errors, "tokens": self.tokens}
+        out.update(self.files or {})
+        out["summary"] = self.summary.to_json()
         return out
 
 
-def write_samples(run_dir: Path, samples: list[dict[str, Any]], phases: list[dict[str, Any]]) -> dict[str, str]:
+def write_samples(run_dir: Path, samples: list[Sample], phases: list[dict[str, str | float]]) -> dict[str, str]:
     """nvml_samples.parquet (csv where pyarrow is missing) and nvml_phases.json into run_dir."""
     import pandas as pd
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -332,7 +365,7 @@ def write_samples(run_dir: Path, samples: list[dict[str, Any]], phases: list[dic
     return {"samples_file": path.name, "phases_file": phases_path.name}
 
 
-def read_samples(run_dir: str | Path) -> tuple[Any, list[dict[str, Any]]]:
+def read_samples(run_dir: str | Path) -> tuple[Any, list[dict[str, str | float]]]:
     """(samples DataFrame, phases) of a run directory, for re-summarising later (column `gpu`: the
     card of each row; one row per card and tick)."""
     import pandas as pd

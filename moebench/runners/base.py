@@ -10,7 +10,7 @@ task executor through `Runner.concurrency`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NotRequired, TypedDict
 
 from moebench.config import RunnerSettings
 
@@ -91,6 +91,45 @@ class GenerateRequest:
     on_text: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
 
 
+# A server's `timings` object as checked (moebench.runners.reply_checks.timings): its own keys
+# (llama-server's prompt_n, predicted_ms, draft_n, ... and whatever else a server adds), each a
+# finite number or null; runners add their clock figures (wall_s, first_content_s, ...), and the
+# llama-server runner the reply's stop_type (text).
+ServerTimings = dict[str, float | str | None]
+
+
+class RunnerEvent(TypedDict):
+    """Something that happened to the backend during the run: the llama-server runner's "restart",
+    "restart_failed" and "gave_up" (why, the exit code, when, restarts so far, the pids), the engine
+    runner's "fallback" (`what` it gave up and the error)."""
+
+    event: str
+    reason: NotRequired[str]
+    exit_code: NotRequired[int | None]
+    time: NotRequired[str]
+    restarts: NotRequired[int]
+    old_pid: NotRequired[int]
+    new_pid: NotRequired[int | None]
+    what: NotRequired[str]
+    error: NotRequired[str]
+
+
+@dataclass(frozen=True)
+class CountMismatch:
+    """A server's output count beyond the tolerance around the client's: the record's
+    `server_count_mismatch`."""
+
+    field: str                      # the reply field the server's count came from
+    server: int
+    client: int | None
+    client_source: str              # OutputCount.source
+    allowed: tuple[int, int]        # the range the server's count had to lie in
+
+    def to_json(self) -> dict[str, str | int | list[int] | None]:
+        return {"field": self.field, "server": self.server, "client": self.client,
+                "client_source": self.client_source, "allowed": list(self.allowed)}
+
+
 @dataclass
 class GenerateResult:
     """What came back for one request.
@@ -107,7 +146,7 @@ class GenerateResult:
     finish_reason: str | None = None
     top_logprobs: list[dict[str, float]] | None = None
     token_times: list[float] | None = None
-    timings: dict[str, Any] = field(default_factory=dict)
+    timings: ServerTimings = field(default_factory=dict)
     endpoint: str | None = None
     # Chat models that think first: their reasoning text, kept apart from `text` (the answer), and
     # its token count where the server reports one.
@@ -118,7 +157,7 @@ class GenerateResult:
     # (moebench.runners.reply_checks); None where the runner does not say.
     output_tokens_source: str | None = None
     # The server's output count and the client's, where they disagree beyond the tolerance.
-    server_count_mismatch: dict[str, Any] | None = None
+    server_count_mismatch: CountMismatch | None = None
 
     def to_record_fields(self) -> dict[str, Any]:
         """The fields every task copies into its record."""
@@ -139,7 +178,7 @@ class GenerateResult:
         if self.output_tokens_source is not None:
             out["output_tokens_source"] = self.output_tokens_source
         if self.server_count_mismatch is not None:
-            out["server_count_mismatch"] = self.server_count_mismatch
+            out["server_count_mismatch"] = self.server_count_mismatch.to_json()
         return out
 
 
@@ -161,8 +200,9 @@ class Runner:
         self.name = name or (settings.get("name") if isinstance(settings, Mapping) else None)
         self.profile_path = profile_path
         self.concurrency: int = self.settings.concurrency
-        # Things that happened to the backend during the run (restarts, ...), copied into the manifest.
-        self.events: list[dict[str, Any]] = []
+        # Things that happened to the backend during the run (restarts, ...). Nothing copies them into the
+        # manifest yet: they stay on the runner.
+        self.events: list[RunnerEvent] = []
         # What the suite needs, set by the run before start(): a runner may skip starting what no
         # task needs (a llama-server runner starts no server for a KLD-only suite). None = everything.
         self.needed: set[str] | None = None

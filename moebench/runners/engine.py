@@ -12,7 +12,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NotRequired, TypedDict
 
 from moebench.config import MAX_CLIENTS, MAX_PROMPT_TOKENS, ProfileError, RunnerSettings, positive, setting
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
@@ -65,13 +65,23 @@ def _resolve_device(name: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def decode_choices(profile: EngineSettings | Mapping[str, Any], device: str) -> dict[str, dict[str, Any]]:
+class DecodeChoice(TypedDict):
+    """One decode choice of the engine runner as the manifest records it (build.choices): a JSON
+    object, so it is a TypedDict; `runs` and `mode` are added once the engine is loaded."""
+
+    value: bool | str
+    why: str
+    runs: NotRequired[bool]             # cuda_graphs, prefetch_host: whether the loaded engine does it
+    mode: NotRequired[str | None]       # cuda_graphs: the engine's graph mode (None: no graphs)
+
+
+def decode_choices(profile: EngineSettings | Mapping[str, Any], device: str) -> dict[str, DecodeChoice]:
     """The decode path for this profile on this device: each choice's value and why. The fast path
     is the default where the device has it (CUDA: bf16, fused Triton kernels, CUDA graphs,
     decode-ahead; prefetch for tiered artifacts, prefetch_choices); a key set in the profile wins."""
     settings = EngineSettings.of(profile)
     cuda = device.startswith("cuda")
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, DecodeChoice] = {}
     dtype = settings.dtype
     out["dtype"] = ({"value": "bfloat16" if cuda else "float32", "why": f"auto on {'CUDA' if cuda else 'the CPU'}"}
                     if dtype == "auto" else {"value": dtype, "why": "profile"})
@@ -103,7 +113,7 @@ def offloaded_homes(model_path: str | Path) -> list[str]:
 
 
 def prefetch_choices(profile: EngineSettings | Mapping[str, Any], device: str, experts_impl: str,
-                     offloaded: list[str]) -> dict[str, dict[str, Any]]:
+                     offloaded: list[str]) -> dict[str, DecodeChoice]:
     """prefetch_host and prefetch_early, each value and why. "auto" (the default) turns both on where
     prefetch from the attention input measured faster than no prefetch: CUDA, the fused Triton
     experts (`experts_impl`, as chosen) and an artifact with experts off the GPU (`offloaded`, from
@@ -117,7 +127,7 @@ def prefetch_choices(profile: EngineSettings | Mapping[str, Any], device: str, e
     experts_impl)."""
     settings = EngineSettings.of(profile)
     cuda = device.startswith("cuda")
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, DecodeChoice] = {}
     host = settings.prefetch_host
     if host != "auto":
         out["prefetch_host"] = {"value": bool(host), "why": "profile"}

@@ -42,7 +42,7 @@ from moebench.runners import prompt_logprobs as prompt_lp
 from moebench.runners import sampled_logprobs as sampled_lp
 from moebench.runners import reply_checks
 from moebench.runners.base import (DEFAULT_REQUEST_DEADLINE_S, Capability, DeadlineExceeded, GenerateRequest,
-                                   GenerateResult, Runner, RunnerError, Unreachable)
+                                   GenerateResult, Runner, RunnerError, ServerTimings, Unreachable)
 from moebench.scoring.answers import first_stop
 from moebench.runners.metrics import parse_prometheus
 from moebench.runners.wire import CompletionBody
@@ -392,8 +392,8 @@ class HttpRunner(Runner):
         top: list[dict[str, float]] = []
         finish = None
         ended = False
-        usage: dict[str, Any] = {}
-        server_timings: dict[str, Any] = {}
+        usage = reply_checks.Usage()
+        server_timings: ServerTimings = {}
         event = "message"
         async with self._open("POST", url, body) as resp:
             if not 200 <= resp.status < 300:
@@ -457,15 +457,15 @@ class HttpRunner(Runner):
         if not ended and finish is None:
             raise RunnerError(f"{url}: the stream ended after {len(times)} pieces without [DONE] or a "
                               f"finish_reason (the server stopped mid-answer)")
-        timings: dict[str, Any] = {**server_timings, "wall_s": time.perf_counter() - t0, **first}
+        timings: ServerTimings = {**server_timings, "wall_s": time.perf_counter() - t0, **first}
         if reasoning:
             timings["reasoning_pieces"] = len(reasoning)
         return GenerateResult(
-            text="".join(texts), output_tokens=usage.get("completion_tokens"),
-            prompt_tokens=usage.get("prompt_tokens"), finish_reason=finish,
+            text="".join(texts), output_tokens=usage.completion_tokens,
+            prompt_tokens=usage.prompt_tokens, finish_reason=finish,
             top_logprobs=top or None, token_times=times, endpoint=base,
             reasoning="".join(reasoning) or None,
-            reasoning_tokens=_reasoning_tokens(usage) if reasoning else None,
+            reasoning_tokens=usage.reasoning_tokens if reasoning else None,
             timings=timings)
 
     # -- tokens and prompt log-probs (KLD, fitted prompt lengths) ----------------------------------
@@ -602,12 +602,6 @@ class HttpStatus(Exception):
         return cls(url, resp.status, body, resp.headers.get("retry-after"), resp.headers.get("location"))
 
 
-def _reasoning_tokens(usage: dict[str, Any]) -> int | None:
-    """Reasoning token count where the server reports it (OpenAI-style usage details, checked by
-    reply_checks.usage)."""
-    return usage.get("reasoning_tokens")
-
-
 def _token_id(entry: Any, field: str, where: str) -> int:
     """A token id from /tokenize: a bare id (llama-server, vLLM) or {"id": ...} (llama-server with pieces)."""
     tid = reply_checks.count(entry.get("id") if isinstance(entry, dict) else entry, field, where)
@@ -664,8 +658,8 @@ def parse_response(data: Any, api: str, where: str = "response") -> GenerateResu
         raise RunnerError(f"response choice has no text: {str(c)[:200]}")
     usage = reply_checks.usage(data.get("usage"), where)
     timings = reply_checks.timings(data.get("timings"), where)     # llama-server adds its own timings
-    return GenerateResult(text=text, prompt_tokens=usage.get("prompt_tokens"),
-                          output_tokens=usage.get("completion_tokens"), finish_reason=c.get("finish_reason"),
+    return GenerateResult(text=text, prompt_tokens=usage.prompt_tokens,
+                          output_tokens=usage.completion_tokens, finish_reason=c.get("finish_reason"),
                           top_logprobs=_top_logprobs(c.get("logprobs"), where), timings=timings,
                           reasoning=reasoning if isinstance(reasoning, str) else None,
-                          reasoning_tokens=_reasoning_tokens(usage) if reasoning else None)
+                          reasoning_tokens=usage.reasoning_tokens if reasoning else None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import TypedDict
 
 # (drafted, accepted) counter names, in the order tried; vLLM's V0 and V1 engines both use these.
 SPEC_COUNTERS = (("vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"),
@@ -35,7 +35,16 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
-def spec_decode_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+class SpecDecodeDelta(TypedDict):
+    """Speculative decoding counters over a span (JSON: the speed records' fields)."""
+
+    draft_n: int
+    draft_n_accepted: int
+    acceptance_rate: float | None
+    source: str
+
+
+def spec_decode_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> SpecDecodeDelta | None:
     """Drafted and accepted tokens between two readings; None where the server keeps no such counters."""
     if not before or not after:
         return None
@@ -88,7 +97,27 @@ def _first(reading: dict[str, float], names: tuple[str, ...]) -> str | None:
     return next((n for n in names if n in reading), None)
 
 
-def serving_summary(samples: list[tuple[float, dict[str, float]]], interval_s: float) -> dict[str, Any] | None:
+class GaugeStats(TypedDict):
+    mean: float
+    max: float
+
+
+class ServingSummary(TypedDict):
+    """One load group's server state (JSON: the speed section's `server`); each figure None where the
+    server exports no such name, `names` the metric each figure came from."""
+
+    source: str | None
+    n_samples: int
+    interval_s: float
+    names: dict[str, str]
+    kv_cache_usage: GaugeStats | None
+    queue_length: GaugeStats | None
+    running: GaugeStats | None
+    prefix_cache_hit_rate: float | None
+    preemptions: int | None
+
+
+def serving_summary(samples: list[tuple[float, dict[str, float]]], interval_s: float) -> ServingSummary | None:
     """One group's server state from readings of /metrics taken every `interval_s` while it ran
     (the first just before its first request, the last just after its last reply).
 
@@ -100,17 +129,20 @@ def serving_summary(samples: list[tuple[float, dict[str, float]]], interval_s: f
     if not readings:
         return None
     names = set().union(*readings)
-    out: dict[str, Any] = {"source": _family(names), "n_samples": len(readings), "interval_s": interval_s,
-                           "names": {}}
+    names_used: dict[str, str] = {}
+    gauges: dict[str, GaugeStats | None] = {}
     known = False
     for key, candidates in GAUGES.items():
         name = next((n for n in candidates if any(n in r for r in readings)), None)
         vals = [r[name] for r in readings if name is not None and name in r]
-        out[key] = {"mean": sum(vals) / len(vals), "max": max(vals)} if vals else None
+        gauges[key] = {"mean": sum(vals) / len(vals), "max": max(vals)} if vals else None
         if name:
-            out["names"][key], known = name, True
+            names_used[key], known = name, True
+    out: ServingSummary = {"source": _family(names), "n_samples": len(readings), "interval_s": interval_s,
+                           "names": names_used, "kv_cache_usage": gauges["kv_cache_usage"],
+                           "queue_length": gauges["queue_length"], "running": gauges["running"],
+                           "prefix_cache_hit_rate": None, "preemptions": None}
     first, last = readings[0], readings[-1]
-    out["prefix_cache_hit_rate"] = None
     for hits, denom, adds in HIT_COUNTERS:
         if all(n in first and n in last for n in (hits, denom)):
             dh, dd = last[hits] - first[hits], last[denom] - first[denom]

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from moebench.runners.base import RunnerError
+from moebench.runners.base import CountMismatch, RunnerError, ServerTimings
 
 LOGPROB_TOLERANCE = 1e-4
 # A server's output count may differ from the client's by this many tokens, or this fraction of the
@@ -40,20 +40,30 @@ def count(value: Any, field: str, where: str) -> int | None:
     return value
 
 
-def usage(value: Any, where: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Usage:
+    """The checked counts of an OpenAI-style `usage` object; each None where the server gave none."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    total_tokens: int | None = None
+    reasoning_tokens: int | None = None     # from `completion_tokens_details`
+
+
+def usage(value: Any, where: str) -> Usage:
     """The checked counts of an OpenAI-style `usage` object (reasoning tokens from its
-    `completion_tokens_details`); {} when absent."""
+    `completion_tokens_details`); all None when absent."""
     if value is None:
-        return {}
+        return Usage()
     if not isinstance(value, dict):
         raise RunnerError(f"{where}: field 'usage' is {_shown(value)}, expected an object")
-    out = {key: count(value.get(key), f"usage.{key}", where)
-           for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
     details = value.get("completion_tokens_details")
-    out["reasoning_tokens"] = (count(details.get("reasoning_tokens"),
-                                     "usage.completion_tokens_details.reasoning_tokens", where)
-                               if isinstance(details, dict) else None)
-    return out
+    return Usage(prompt_tokens=count(value.get("prompt_tokens"), "usage.prompt_tokens", where),
+                 completion_tokens=count(value.get("completion_tokens"), "usage.completion_tokens", where),
+                 total_tokens=count(value.get("total_tokens"), "usage.total_tokens", where),
+                 reasoning_tokens=(count(details.get("reasoning_tokens"),
+                                         "usage.completion_tokens_details.reasoning_tokens", where)
+                                   if isinstance(details, dict) else None))
 
 
 def logprob(value: Any, field: str, where: str) -> float:
@@ -75,13 +85,13 @@ def probability(value: Any, field: str, where: str) -> float:
     return float(value)
 
 
-def timings(value: Any, where: str) -> dict[str, Any]:
+def timings(value: Any, where: str) -> ServerTimings:
     """A server's `timings` object, checked value by value; {} when absent."""
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise RunnerError(f"{where}: field 'timings' is {_shown(value)}, expected an object of numbers")
-    out: dict[str, Any] = {}
+    out: ServerTimings = {}
     for key, v in value.items():
         field = f"timings.{key}"
         if v is None:                       # llama-server writes a rate over a zero duration as null
@@ -109,7 +119,7 @@ class OutputCount:
 
 
 def reconcile(server: int | None, field: str, client: OutputCount, text: str,
-              max_tokens: int | None) -> tuple[int | None, dict[str, Any] | None]:
+              max_tokens: int | None) -> tuple[int | None, CountMismatch | None]:
     """(the output token count to use, a `server_count_mismatch` flag or None).
 
     The server's count is used where it lies within the allowed range around the client's count;
@@ -129,8 +139,7 @@ def reconcile(server: int | None, field: str, client: OutputCount, text: str,
         return client.value, None
     if lower <= server <= upper:
         return server, None
-    return client.value, {"field": field, "server": server, "client": client.value, "client_source": client.source,
-                          "allowed": [lower, upper]}
+    return client.value, CountMismatch(field, server, client.value, client.source, (lower, upper))
 
 
 def _shown(value: Any) -> str:

@@ -25,9 +25,10 @@ import tarfile
 import time
 import urllib.parse
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NotRequired, TypedDict
 
 from moebench import jsonout
+from moebench.store.records import Section
 from moebench.tools.binary_probe import PROBE, ProbeError
 
 BUILD_NUMBER = 11434
@@ -219,7 +220,8 @@ def build_flags(cuda: bool = False) -> list[str]:
     return list(CMAKE_FLAGS) + (list(CUDA_FLAGS) if cuda else [])
 
 
-def read_stamp(folder: Path) -> dict[str, Any] | None:
+def read_stamp(folder: Path) -> Section | None:
+    """The stamp a moebench build of llama.cpp leaves beside its binaries (JSON), None where absent."""
     p = folder / STAMP
     try:
         return json.loads(p.read_text())
@@ -328,7 +330,20 @@ def tool(name: str, build: bool = False) -> Path:
 _VERSION_RES = (re.compile(r"\(build (\d+), commit ([^)\s]+)\)"), re.compile(r"version:\s*(\d+)\s*\(([^)]*)\)"))
 
 
-def build_info(binary: str | os.PathLike[str]) -> dict[str, Any]:
+class BuildInfo(TypedDict):
+    """A llama.cpp binary's build, as the llama-server runner's identity records it."""
+
+    binary: str
+    build_number: int | None
+    build_commit: str | None
+    source: str                         # "--version", the stamp file's path, or "unknown"
+    version: NotRequired[str]           # from --version
+    built_with: NotRequired[str]        # from --version
+    variant: NotRequired[str | None]    # from the stamp of a build moebench made
+    flags: NotRequired[list[str] | None]
+
+
+def build_info(binary: str | os.PathLike[str]) -> BuildInfo:
     """{"build_number", "build_commit", "binary", "source"} from `BINARY --version`, else the stamp."""
     p = Path(binary)
     try:
@@ -337,11 +352,11 @@ def build_info(binary: str | os.PathLike[str]) -> dict[str, Any]:
         if not p.exists():
             raise ToolError(str(e)) from None
         out = None          # a binary that does not run: its stamp answers
-    info: dict[str, Any] = {"binary": str(p.resolve())}
     text = out.text if out is not None else ""
     m = next((m for m in (r.search(text) for r in _VERSION_RES) if m), None)
     if m:
-        info.update(build_number=int(m.group(1)), build_commit=m.group(2), source="--version")
+        info: BuildInfo = {"binary": str(p.resolve()), "build_number": int(m.group(1)),
+                           "build_commit": m.group(2), "source": "--version"}
         version = re.search(r"version:\s*(\S+)", text)
         if version:
             info["version"] = version.group(1)
@@ -350,11 +365,9 @@ def build_info(binary: str | os.PathLike[str]) -> dict[str, Any]:
             info["built_with"] = built_with.group(1).strip()
     else:
         stamp = read_stamp(p.parent)
-        if stamp:
-            info.update(build_number=stamp.get("build_number"), build_commit=stamp.get("build_commit"),
-                        source=str(p.parent / STAMP))
-        else:
-            info.update(build_number=None, build_commit=None, source="unknown")
+        info = ({"binary": str(p.resolve()), "build_number": stamp.get("build_number"),
+                 "build_commit": stamp.get("build_commit"), "source": str(p.parent / STAMP)} if stamp else
+                {"binary": str(p.resolve()), "build_number": None, "build_commit": None, "source": "unknown"})
     stamp = read_stamp(p.parent)
     if stamp:
         info["variant"] = stamp.get("variant")

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -139,7 +140,30 @@ def quantize(binary: Path, src_gguf: Path, out: Path, qtype: str) -> str:
     return log
 
 
-def _gguf_metadata(path: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class GgufEntry:
+    """One GGUF of the zoo as zoo.json's `gguf` lists it."""
+
+    file: str
+    sha256: str
+    built_from: str                 # the sha256 of what it was made from (the HF files' digest, or the bf16 GGUF)
+    bytes: int
+    metadata: dict[str, str | int | bool]       # _gguf_metadata's keys
+    tensor_types: list[str]
+
+    @classmethod
+    def of(cls, value: Any) -> "GgufEntry | None":
+        """An entry of an earlier zoo.json; None where it is not one of this shape (that GGUF is built again)."""
+        names = {f.name for f in fields(cls)}
+        if not isinstance(value, dict) or set(value) != names:
+            return None
+        return cls(**value)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _gguf_metadata(path: Path) -> dict[str, str | int | bool]:
     meta = read_gguf(path).metadata
     keep = ("general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.add_bos_token",
             "qwen3moe.expert_count", "qwen3moe.expert_used_count", "qwen3moe.block_count",
@@ -178,7 +202,7 @@ def build_zoo(out_dir: str | os.PathLike[str] = "models/zoo", retrain: bool = Fa
         old = json.loads(old_path.read_text())
     except (OSError, ValueError):
         old = {}
-    old_gguf = old.get("gguf", {}) if old.get("schema") == SCHEMA_VERSION else {}
+    old_gguf = _entries(old.get("gguf")) if old.get("schema") == SCHEMA_VERSION else {}
 
     hf_dir = out / HF_DIRNAME
     hf_hashes = write_hf_dir(hf_dir, weights_dir)
@@ -186,13 +210,13 @@ def build_zoo(out_dir: str | os.PathLike[str] = "models/zoo", retrain: bool = Fa
     if not gguf:
         return _finish_hf_only(out, hf_dir, hf_hashes, inputs, old_gguf, training, started, log)
     src = Path(llamacpp.source_dir())
-    built: dict[str, Any] = {}
+    built: dict[str, GgufEntry] = {}
     for kind, name in GGUF_NAMES.items():
         path = out / name
         if kind != "bf16":
-            inputs[kind] = built["bf16"]["sha256"]
-        prev = old_gguf.get(kind, {})
-        if path.is_file() and prev.get("built_from") == inputs[kind] and prev.get("sha256") == _sha256(path):
+            inputs[kind] = built["bf16"].sha256
+        prev = old_gguf.get(kind)
+        if prev is not None and path.is_file() and prev.built_from == inputs[kind] and prev.sha256 == _sha256(path):
             built[kind] = prev
             continue
         t0 = time.monotonic()
@@ -203,10 +227,10 @@ def build_zoo(out_dir: str | os.PathLike[str] = "models/zoo", retrain: bool = Fa
             quantize(llamacpp.tool("llama-quantize", build=True), out / GGUF_NAMES["bf16"], path, check)
             check_quant_types(path, check)
         log(f"zoo: built {name} in {time.monotonic() - t0:.1f}s")
-        built[kind] = {"file": name, "sha256": _sha256(path), "built_from": inputs[kind],
-                      "bytes": path.stat().st_size, "metadata": _gguf_metadata(path),
-                      "tensor_types": sorted(set(gguf_tensor_types(path).values()))}
-    meta = built["bf16"]["metadata"]
+        built[kind] = GgufEntry(file=name, sha256=_sha256(path), built_from=inputs[kind],
+                                bytes=path.stat().st_size, metadata=_gguf_metadata(path),
+                                tensor_types=sorted(set(gguf_tensor_types(path).values())))
+    meta = built["bf16"].metadata
     if meta.get("tokenizer.ggml.pre") != "gpt-2" or meta.get("general.architecture") != "qwen3moe":
         raise ZooBuildError(f"{out / GGUF_NAMES['bf16']}: expected qwen3moe with pre-tokenizer 'gpt-2', got {meta}")
 
@@ -217,7 +241,15 @@ def build_zoo(out_dir: str | os.PathLike[str] = "models/zoo", retrain: bool = Fa
                              **{k: str(out / n) for k, n in GGUF_NAMES.items()}}}
 
 
-def _zoo_doc(hf_hashes: dict[str, str], gguf: dict[str, Any], training: dict[str, Any]) -> dict[str, Any]:
+def _entries(value: Any) -> dict[str, GgufEntry]:
+    """An earlier zoo.json's `gguf` entries that have this build's shape."""
+    if not isinstance(value, dict):
+        return {}
+    entries = {kind: GgufEntry.of(v) for kind, v in value.items()}
+    return {kind: e for kind, e in entries.items() if e is not None}
+
+
+def _zoo_doc(hf_hashes: dict[str, str], gguf: dict[str, GgufEntry], training: dict[str, Any]) -> dict[str, Any]:
     """zoo.json's content."""
     from moebench.tools import llamacpp
 
@@ -225,7 +257,7 @@ def _zoo_doc(hf_hashes: dict[str, str], gguf: dict[str, Any], training: dict[str
         "schema": SCHEMA_VERSION,
         "hf_dir": HF_DIRNAME,
         "hf_files": hf_hashes,
-        "gguf": gguf,
+        "gguf": {kind: e.to_json() for kind, e in gguf.items()},
         "config": training["hf_config"],
         "training": {k: v for k, v in training.items() if k not in ("hf_config",)},
         "llama_cpp": {"build": llamacpp.BUILD_COMMIT, "converter": "convert_hf_to_gguf.py --outtype bf16",
@@ -234,12 +266,14 @@ def _zoo_doc(hf_hashes: dict[str, str], gguf: dict[str, Any], training: dict[str
 
 
 def _finish_hf_only(out: Path, hf_dir: Path, hf_hashes: dict[str, str], inputs: dict[str, str],
-                    old_gguf: dict[str, Any], training: dict[str, Any], started: float, log) -> dict[str, Any]:
+                    old_gguf: dict[str, GgufEntry], training: dict[str, Any], started: float, log) -> dict[str, Any]:
     """zoo.json for an HF-only build: GGUFs on disk that were built from these weights stay listed."""
-    kept: dict[str, Any] = {}
+    kept: dict[str, GgufEntry] = {}
     for kind, name in GGUF_NAMES.items():
-        prev, want = old_gguf.get(kind, {}), inputs["bf16"] if kind == "bf16" else kept.get("bf16", {}).get("sha256")
-        if want and prev.get("built_from") == want and (out / name).is_file() and prev.get("sha256") == _sha256(out / name):
+        prev = old_gguf.get(kind)
+        want = inputs["bf16"] if kind == "bf16" else (kept["bf16"].sha256 if "bf16" in kept else None)
+        if want and prev is not None and prev.built_from == want and (out / name).is_file() \
+                and prev.sha256 == _sha256(out / name):
             kept[kind] = prev
     doc = _zoo_doc(hf_hashes, kept, training)
     _write_if_changed(out / "zoo.json", (jsonout.dumps(doc, indent=2) + "\n").encode())

@@ -12,9 +12,10 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from moebench import jsonout
+from moebench.zoo.train import LoadSkew
 
 _FLOAT = r"([-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)"
 _PATTERNS = {
@@ -55,7 +56,7 @@ def _grab(text: str, *keys: str) -> dict[str, float]:
     return got
 
 
-def expert_load_skew(hf_dir: Path, n_seqs: int = 16, seq_len: int = 512) -> dict[str, Any]:
+def expert_load_skew(hf_dir: Path, n_seqs: int = 16, seq_len: int = 512) -> LoadSkew:
     """Busiest-25%-of-experts share on the first n_seqs x seq_len tokens of the training text."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -72,7 +73,20 @@ def expert_load_skew(hf_dir: Path, n_seqs: int = 16, seq_len: int = 512) -> dict
     return load_skew(route_counts(model, batch))
 
 
-def measure_zoo(zoo_dir: Path, ctx: int = 512, chunks: int = 8, skew_seqs: int = 16) -> dict[str, Any]:
+class ZooFigures(TypedDict):
+    """The zoo model's figures: llama-perplexity's over wikitext2 for each GGUF (the quantized ones
+    against bf16's logits) and the expert load on the training text."""
+
+    ctx: int
+    chunks: int
+    corpus: str
+    bf16: dict[str, float]      # ppl, ppl_unc
+    q8_0: dict[str, float]      # mean_kld, same_top_p_pct, ... (each with _unc where the tool gives one)
+    q4_0: dict[str, float]
+    expert_load_training_text: LoadSkew
+
+
+def measure_zoo(zoo_dir: Path, ctx: int = 512, chunks: int = 8, skew_seqs: int = 16) -> ZooFigures:
     from moebench.datasets import data_dir, data_file, read_text
     from moebench.zoo.build import GGUF_NAMES, HF_DIRNAME
 
@@ -81,21 +95,22 @@ def measure_zoo(zoo_dir: Path, ctx: int = 512, chunks: int = 8, skew_seqs: int =
         if not (zoo_dir / name).is_file():
             raise FiguresError(f"{zoo_dir / name} missing: run `moebench zoo build --out {zoo_dir}` first")
     wiki = data_file(data_dir(), "wikitext2/wiki.test.raw")
-    figures: dict[str, Any] = {"ctx": ctx, "chunks": chunks, "corpus": "wikitext2/wiki.test.raw (CRLF -> LF)"}
+    grabbed: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "wiki.test.lf.txt"
         text.write_text(read_text(wiki), encoding="utf-8")
         base = Path(tmp) / "bf16.kld"
         out = _perplexity(["-m", str(zoo_dir / GGUF_NAMES["bf16"]), "-f", str(text), "-c", str(ctx),
                            "--chunks", str(chunks), "--kl-divergence-base", str(base)])
-        figures["bf16"] = _grab(out, "ppl")
+        grabbed["bf16"] = _grab(out, "ppl")
         for kind in ("q8_0", "q4_0"):
             out = _perplexity(["-m", str(zoo_dir / GGUF_NAMES[kind]), "--kl-divergence-base", str(base),
                                "--kl-divergence", "-c", str(ctx)])
-            figures[kind] = _grab(out, "mean_kld", "same_top_p_pct", "mean_ppl_q", "mean_ln_ppl_ratio",
+            grabbed[kind] = _grab(out, "mean_kld", "same_top_p_pct", "mean_ppl_q", "mean_ln_ppl_ratio",
                                   "max_kld", "median_kld")
-    figures["expert_load_training_text"] = expert_load_skew(zoo_dir / HF_DIRNAME, n_seqs=skew_seqs)
-    return figures
+    return {"ctx": ctx, "chunks": chunks, "corpus": "wikitext2/wiki.test.raw (CRLF -> LF)",
+            "bf16": grabbed["bf16"], "q8_0": grabbed["q8_0"], "q4_0": grabbed["q4_0"],
+            "expert_load_training_text": expert_load_skew(zoo_dir / HF_DIRNAME, n_seqs=skew_seqs)}
 
 
 def main(argv: list[str] | None = None) -> int:

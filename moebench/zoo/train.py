@@ -15,7 +15,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from moebench import jsonout
 
@@ -111,8 +111,24 @@ def _read_training_text(root: Path, rel: str) -> str:
     return read_text(path)
 
 
+class TextSource(TypedDict):
+    """One training text as training.json's provenance lists it."""
+
+    file: str                   # relative to the data folder
+    sha256: str
+    tokens: int
+
+
+class LoadSkew(TypedDict):
+    """How unevenly the router spreads tokens over the experts (training.json, the zoo figures)."""
+
+    busiest_25pct_share_per_layer: list[float]
+    busiest_25pct_share_mean: float
+    counts_per_layer: list[list[int]]
+
+
 def load_training_ids(tokenizer_dir: Path, texts: tuple[str, ...] = TRAIN_TEXTS,
-                      heldout_fraction: float = 0.05) -> tuple[list[int], list[int], list[dict[str, Any]]]:
+                      heldout_fraction: float = 0.05) -> tuple[list[int], list[int], list[TextSource]]:
     """(train ids, held-out ids, provenance) of the training texts; the tail of each text is held out."""
     from transformers import AutoTokenizer
 
@@ -124,7 +140,7 @@ def load_training_ids(tokenizer_dir: Path, texts: tuple[str, ...] = TRAIN_TEXTS,
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     train_ids: list[int] = []
     held_ids: list[int] = []
-    sources = []
+    sources: list[TextSource] = []
     for rel in texts:
         ids = tok.encode(_read_training_text(root, rel), add_special_tokens=False)
         split = int(len(ids) * (1 - heldout_fraction))
@@ -172,7 +188,7 @@ def route_counts(model, ids) -> "Any":
     return counts
 
 
-def load_skew(counts) -> dict[str, Any]:
+def load_skew(counts) -> LoadSkew:
     """Share of routed tokens taken by the busiest 25% of experts, per layer and overall (mean)."""
     n_exp = counts.shape[1]
     top = max(1, n_exp // 4)
