@@ -59,7 +59,7 @@ def moe_signals(base_dir: Path, cand_dir: Path, cand_records: list[dict[str, Any
         meta = read_meta(base_dir, name)
     except Exception:
         return None
-    if meta.get("format") != "npz":
+    if meta.format != "npz":
         return None
     b_routes, c_routes = [], []
     for r in sorted(cand_records, key=lambda r: r["chunk"]):
@@ -76,7 +76,7 @@ def moe_signals(base_dir: Path, cand_dir: Path, cand_records: list[dict[str, Any
     if not b_routes:
         return None
     bcat, ccat = np.concatenate(b_routes, axis=1), np.concatenate(c_routes, axis=1)
-    n_exp = meta.get("num_experts") or int(max(bcat.max(), ccat.max())) + 1
+    n_exp = meta.num_experts or int(max(bcat.max(), ccat.max())) + 1
     ub, uc = expert_usage(b_routes, n_exp), expert_usage(c_routes, n_exp)
     return {"per_layer": {**router_agreement(bcat, ccat), "n_positions": int(bcat.shape[1])},
             "expert_usage": {"baseline": ub.tolist(), "candidate": uc.tolist()},

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from moebench.speed.compare import read_token_times, summarize_speed
 from moebench.speed.load_compare import summarize_load
 from moebench.speed.open_loop import (ARRIVALS, MetricsSampler, arrival_offsets, slo_fields, sweep_rates,
                                       sweep_stop)
+from moebench.speed.records import ClosedGroup, DraftFigures, Goodput, RateGroup, SweepStep, Timing
 from moebench.store import open_append
 from moebench.tasks.base import Item, Task, TaskContext, count_flagged, prompt_hash, prompt_tokens_check
 from moebench.tasks.needle import HAYSTACK_FILE, HaystackIndex, build_index, fit_haystack, load_haystack
@@ -87,19 +89,6 @@ MAX_RATE = 100_000            # requests per second
 MAX_LOAD_REQUESTS = 100_000   # requests per rate
 
 
-def draft_fields(timings: dict[str, Any] | None, output_tokens: int | None) -> dict[str, Any]:
-    """Speculative decoding figures from the backend's draft counters; {} where it reports none."""
-    t = timings or {}
-    drafted, accepted = t.get("draft_n"), t.get("draft_n_accepted")
-    if not isinstance(drafted, int) or not isinstance(accepted, int) or isinstance(drafted, bool):
-        return {}
-    out: dict[str, Any] = {"draft_n": drafted, "draft_n_accepted": accepted,
-                           "acceptance_rate": accepted / drafted if drafted > 0 else None}
-    n = output_tokens or 0
-    out["tokens_per_step"] = n / (n - accepted) if n > accepted >= 0 else None
-    return out
-
-
 def measurement_prefix(seed: int, prompt_len: int, clients: int, repeat: int, client: int) -> str:
     """A unique, reproducible opening: differs per measurement, identical across processes (A/B)."""
     rng = random.Random(f"speed:{seed}:{prompt_len}:{clients}:{repeat}:{client}")
@@ -111,24 +100,6 @@ def load_prefix(seed: int, prompt_len: int, rate: float, request: int) -> str:
     """A unique opening per open-loop request (differs across rates too: no prefix cache between steps)."""
     rng = random.Random(f"load:{seed}:{prompt_len}:{rate!r}:{request}")
     return f"Request {rng.getrandbits(32):08x} {rng.getrandbits(32):08x}. Continue the story.\n\n"
-
-
-def timing_fields(token_times: list[float] | None, prompt_tokens: int | None,
-                  output_tokens: int | None) -> dict[str, Any]:
-    """TTFT, prefill tok/s and decode tok/s from token arrival times (seconds from the request start)."""
-    if not token_times:
-        raise RunnerError("the runner returned no token_times: streaming is needed to time a request")
-    n_out = int(output_tokens or len(token_times))
-    ttft = float(token_times[0])
-    window = float(token_times[-1]) - ttft
-    return {
-        "ttft_s": ttft,
-        "prefill_tok_s": (prompt_tokens / ttft) if prompt_tokens and ttft > 0 else None,
-        "decode_tok_s": ((n_out - 1) / window) if n_out > 1 and window > 0 else None,
-        "decode_window_s": window,
-        "e2e_s": float(token_times[-1]),
-        "n_chunks": len(token_times),
-    }
 
 
 class SpeedTask(Task):
@@ -205,7 +176,7 @@ class SpeedTask(Task):
         self.slos = {k: float(opts[f"slo_{k}"]) for k in ("ttft_s", "tpot_s", "e2e_s")
                      if opts.get(f"slo_{k}") is not None}
         self.metrics_interval_s = float(opts["metrics_interval_s"])
-        self._sweep_state: dict[int, dict[str, Any]] = {}      # prompt length -> first median, stop
+        self._sweep_state: dict[int, _SweepState] = {}      # per prompt length
         self.index: HaystackIndex | None = None
         self._text: str | None = None
         self._groups: dict[tuple, asyncio.Task] = {}
@@ -286,12 +257,13 @@ class SpeedTask(Task):
         result = await runner.generate(request)
         t_end = time.perf_counter()
         real_prompt_tokens = prompt_tokens or result.prompt_tokens
-        fields = timing_fields(result.token_times, real_prompt_tokens, result.output_tokens)
+        fields = Timing.of(result.token_times, real_prompt_tokens, result.output_tokens)
         if not concurrent:          # phases are only meaningful with one request in flight
             _mark(self.ctx, "prefill", t_start)
-            _mark(self.ctx, "decode", t_start + fields["ttft_s"])
+            _mark(self.ctx, "decode", t_start + fields.ttft_s)
             _mark(self.ctx, "idle", t_end)
             _count_tokens(self.ctx, real_prompt_tokens or 0, result.output_tokens or len(result.token_times or []))
+        draft = DraftFigures.of(result.timings, result.output_tokens or len(result.token_times or []))
         return {
             **result.to_record_fields(),
             "prompt_hash": prompt_hash(prompt),
@@ -303,8 +275,8 @@ class SpeedTask(Task):
             "output_tokens_requested": self.output_tokens,
             "stopped_early": (result.output_tokens or 0) < self.output_tokens,
             "sampling": dict(self.sampling),
-            **draft_fields(result.timings, result.output_tokens or len(result.token_times or [])),
-            **fields,
+            **(draft.to_json() if draft else {}),
+            **fields.to_json(),
             "_token_times": result.token_times,
         }
 
@@ -339,7 +311,7 @@ class SpeedTask(Task):
                     rec = await self.measure(runner, prompt, n, concurrent=clients > 1)
                     rec.update(prompt_length=length, clients=clients, repeat=rep, client=c)
                     if self.slos:
-                        rec.update(slo_fields(rec, self.slos))
+                        rec.update(slo_fields(rec, self.slos).to_json())
                     results[item_id] = rec
                 except Exception as e:
                     results[item_id] = e
@@ -352,8 +324,8 @@ class SpeedTask(Task):
         duration = time.perf_counter() - t0
         _mark(self.ctx, "idle", time.perf_counter())
         group_spec = spec_decode_delta(before, await runner.server_metrics() if before else None)
-        group = {"arrival": "closed", "clients": clients, "duration_s": duration, "n_sent": len(results),
-                 **_goodput_fields(results, duration), "server": serving_summary(sampler.samples, self.metrics_interval_s)}
+        group = ClosedGroup(clients, duration, len(results), _goodput(results, duration),
+                            serving_summary(sampler.samples, self.metrics_interval_s)).to_json()
         for rec in results.values():
             if isinstance(rec, dict):
                 rec["group"] = group
@@ -369,11 +341,11 @@ class SpeedTask(Task):
         The clock of the schedule starts after the prompts are built and the warm-up is done. A sweep
         step after the one that met the stop rule is not sent: its records say `sweep_skipped`."""
         ids = [f"speed/{length}/r{rate:g}/{i}" for i in range(self.requests)]
-        state = self._sweep_state.setdefault(length, {})
+        state = self._sweep_state.setdefault(length, _SweepState())
         step = self.rates.index(rate)
-        if self.sweep and state.get("stopped"):
+        if self.sweep and state.stopped:
             skipped = {"prompt_length": length, "arrival": self.arrival, "rate": rate, "sweep_step": step,
-                       "sweep_skipped": True, "sweep_stopped_at": state["stopped"]}
+                       "sweep_skipped": True, "sweep_stopped_at": state.stopped}
             return {i: {**skipped, "request": n} for n, i in enumerate(ids)}
         _mark(self.ctx, "prepare", time.perf_counter())
         prompts = [await self.build_prompt(runner, load_prefix(self.seed, length, rate, i), length)
@@ -404,7 +376,7 @@ class SpeedTask(Task):
                 if self.sweep:
                     rec["sweep_step"] = step
                 if self.slos:
-                    rec.update(slo_fields(rec, self.slos))
+                    rec.update(slo_fields(rec, self.slos).to_json())
                 results[ids[i]] = rec
             except Exception as e:
                 results[ids[i]] = e
@@ -417,20 +389,21 @@ class SpeedTask(Task):
             await asyncio.gather(*(one(i) for i in range(self.requests)))
             duration = time.perf_counter() - t0
         _mark(self.ctx, "idle", time.perf_counter())
-        group: dict[str, Any] = {
-            "arrival": self.arrival, "rate": rate, "burstiness": self.burstiness if self.arrival == "gamma" else None,
-            "duration_s": duration, "n_sent": self.requests, "last_send_s": offsets[-1],
-            "max_in_flight": flight["max"], "client_concurrency": getattr(runner, "concurrency", None),
-            "slos": dict(self.slos), **_goodput_fields(results, duration),
-            "server": serving_summary(sampler.samples, self.metrics_interval_s)}
+        sweep = None
         if self.sweep:
             ok = [r for r in results.values() if isinstance(r, dict)]
-            reason, figures = sweep_stop(ok, self.requests, state.get("first_ttft_median"), **self.sweep_rule)
+            reason, figures = sweep_stop(ok, self.requests, state.first_ttft_median, **self.sweep_rule)
             if step == 0:
-                state["first_ttft_median"] = figures["ttft_median_s"]
+                state.first_ttft_median = figures.ttft_median_s
             if reason:
-                state["stopped"] = f"rate {rate:g}: {reason}"
-            group["sweep"] = {"step": step, **figures, "stop": reason, "rule": dict(self.sweep_rule)}
+                state.stopped = f"rate {rate:g}: {reason}"
+            sweep = SweepStep(step, figures, reason, self.sweep_rule)
+        group = RateGroup(
+            arrival=self.arrival, rate=rate, burstiness=self.burstiness if self.arrival == "gamma" else None,
+            duration_s=duration, n_sent=self.requests, last_send_s=offsets[-1], max_in_flight=flight["max"],
+            client_concurrency=getattr(runner, "concurrency", None), slos=self.slos,
+            goodput=_goodput(results, duration), server=serving_summary(sampler.samples, self.metrics_interval_s),
+            sweep=sweep).to_json()
         for rec in results.values():
             if isinstance(rec, dict):
                 rec["group"] = group
@@ -500,12 +473,19 @@ class SpeedTask(Task):
                 **({"load": summarize_load(records)} if self.rates else {})}
 
 
-def _goodput_fields(results: dict[str, Any], duration: float) -> dict[str, Any]:
-    """The group's goodput as measured (requests that finished within every SLO per second of its wall
-    time; without SLOs every finished request counts) and the share of requests sent that made it."""
+@dataclass
+class _SweepState:
+    """A sweep's progress at one prompt length: the first step's median TTFT (the queueing delay's zero)
+    and, once a step met the stop rule, why (later steps are not sent)."""
+
+    first_ttft_median: float | None = None
+    stopped: str | None = None
+
+
+def _goodput(results: dict[str, dict[str, Any] | BaseException], duration: float) -> Goodput:
+    """Requests that finished within every SLO (without SLOs every finished request counts)."""
     met = sum(1 for r in results.values() if isinstance(r, dict) and r.get("slo_met", True))
-    return {"goodput": met / duration if duration > 0 else None,
-            "slo_met_share": met / len(results) if results else None}
+    return Goodput.of(met, len(results), duration)
 
 
 # --- probe plumbing -------------------------------------------------------------------------------
