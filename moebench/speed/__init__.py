@@ -5,8 +5,9 @@ Modules (each readable alone; arrows are imports inside the wing):
 - `task.py`: `SpeedTask`, the task kind `speed`: per prompt length and client count (closed loop) or
   rate (open loop) it streams requests with unique prompts and records TTFT, prefill and decode
   throughput, sampling, draft counters and the server's /metrics state per group.
-- `records.py`: the figures the task writes into each record, typed (`Timing`, `DraftFigures`,
-  the group summaries `ClosedGroup` and `RateGroup` with `Goodput` and `SweepStep`), each with the
+- `records.py`: the task's item records, typed: `SpeedRecord` (a `Measurement` with its `Timing` and
+  `DraftFigures`, where it stood: `ClosedPlace` or `OpenPlace`, the SLOs it met, its group's summary
+  `ClosedGroup` or `RateGroup` with `Goodput` and `SweepStep`) and `SkippedStep`, each with the
   `to_json` items.jsonl holds.
 - `open_loop.py`: arrival schedules (poisson, gamma), SLO checks per record, the /metrics sampler
   that runs beside a group, the rate sweep and its stop rule.

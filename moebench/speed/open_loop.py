@@ -118,17 +118,17 @@ class SweepFigures:
                 "queue_delay_s": self.queue_delay_s}
 
 
-def sweep_stop(step_records: list[dict[str, Any]], n_sent: int, first_ttft_median: float | None,
+def sweep_stop(ttfts: list[float], n_sent: int, first_ttft_median: float | None,
                max_error_rate: float, max_queue_delay_s: float) -> tuple[str | None, SweepFigures]:
-    """The sweep's stop rule for one finished step: (reason or None, the figures it judged).
+    """The sweep's stop rule for one finished step, from the TTFTs of its requests that were measured (the
+    rest of the `n_sent` errored): (reason or None, the figures it judged).
 
     Stop when the step's error rate (errors / requests sent) passes `max_error_rate`, or when its
     queueing delay, the median TTFT at this rate minus the median TTFT of the sweep's first (lowest)
     rate, passes `max_queue_delay_s`: waiting in the server's queue shows up in TTFT."""
-    ok = [r for r in step_records if r.get("ttft_s") is not None]
-    errors = n_sent - len(ok)
+    errors = n_sent - len(ttfts)
     error_rate = errors / n_sent if n_sent else 0.0
-    median = statistics.median(r["ttft_s"] for r in ok) if ok else None
+    median = statistics.median(ttfts) if ttfts else None
     delay = (median - first_ttft_median) if median is not None and first_ttft_median is not None else None
     figures = SweepFigures(error_rate, median, delay)
     if error_rate > max_error_rate:

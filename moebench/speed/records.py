@@ -1,8 +1,9 @@
-"""The figures the speed task writes into its items.jsonl records, typed: a request's timing
-(`Timing`), its speculative-decoding counters (`DraftFigures`), and the summary of the group it ran in
-(`ClosedGroup`, `RateGroup` with `Goodput` and a sweep step's `SweepStep`). Each `to_json` gives the
-record's JSON exactly as items.jsonl holds it (keys, order, values); docs/schema.md and
-docs/serving-load.md name the keys. Readers of stored records (speed/compare.py, speed/load_compare.py)
+"""The speed task's items.jsonl records, typed: a measured request (`SpeedRecord`: its `Measurement`
+with the `Timing` and speculative-decoding counters `DraftFigures`, where it stood, `ClosedPlace` or
+`OpenPlace`, the SLOs it met, and the summary of the group it ran in, `ClosedGroup` or `RateGroup` with
+`Goodput` and a sweep step's `SweepStep`) and a request of a sweep step not sent (`SkippedStep`). Each
+`to_json` gives the record's JSON exactly as items.jsonl holds it (keys, order, values);
+docs/schema.md and docs/serving-load.md name the keys. Readers of stored records (speed/compare.py, speed/load_compare.py)
 read that JSON, not these classes.
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moebench.runners.base import RunnerError
-from moebench.speed.open_loop import SweepFigures
+from moebench.speed.open_loop import SloCheck, SweepFigures
 
 
 @dataclass(frozen=True)
@@ -139,3 +140,112 @@ class RateGroup:
         if self.sweep is not None:
             out["sweep"] = self.sweep.to_json()
         return out
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One timed request as the task measured it, before it knows its group."""
+
+    result_fields: dict[str, Any]    # GenerateResult.to_record_fields(): output, token ids, counts, timings
+    prompt_hash: str
+    prompt_tokens: int | None        # the fitted count, else the server's
+    prompt_tokens_source: str | None  # "tokenizer", "server" or None
+    runner_prompt_tokens: int | None
+    prompt_tokens_check: dict[str, Any]  # tasks.base.prompt_tokens_check: {} or disagreement and flag
+    output_tokens: int
+    output_tokens_requested: int
+    stopped_early: bool
+    sampling: dict[str, Any]         # temperature, top_p, top_k, seed
+    draft: DraftFigures | None
+    timing: Timing
+    token_times: list[float]         # written beside items.jsonl (speed_token_times.jsonl), not in the record
+
+    def to_json(self) -> dict[str, Any]:
+        # result_fields first: a key it shares (prompt_tokens, output_tokens) keeps its place, takes the new value
+        return {
+            **self.result_fields,
+            "prompt_hash": self.prompt_hash,
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_source": self.prompt_tokens_source,
+            "runner_prompt_tokens": self.runner_prompt_tokens,
+            **self.prompt_tokens_check,
+            "output_tokens": self.output_tokens,
+            "output_tokens_requested": self.output_tokens_requested,
+            "stopped_early": self.stopped_early,
+            "sampling": dict(self.sampling),
+            **(self.draft.to_json() if self.draft else {}),
+            **self.timing.to_json(),
+        }
+
+
+@dataclass(frozen=True)
+class ClosedPlace:
+    """Where a closed-loop measurement stood: its group (prompt length, clients) and turn."""
+
+    prompt_length: int
+    clients: int
+    repeat: int
+    client: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt_length": self.prompt_length, "clients": self.clients, "repeat": self.repeat,
+                "client": self.client}
+
+
+@dataclass(frozen=True)
+class OpenPlace:
+    """Where an open-loop request stood: its group (prompt length, rate), schedule and the load it met."""
+
+    prompt_length: int
+    arrival: str
+    rate: float
+    request: int
+    scheduled_s: float               # its send time on the schedule, from the group's start
+    sent_s: float                    # when it was sent
+    in_flight_at_send: int
+    sweep_step: int | None = None    # a sweep's step; None outside a sweep
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"prompt_length": self.prompt_length, "arrival": self.arrival, "rate": self.rate,
+                               "request": self.request, "scheduled_s": self.scheduled_s, "sent_s": self.sent_s,
+                               "in_flight_at_send": self.in_flight_at_send}
+        if self.sweep_step is not None:
+            out["sweep_step"] = self.sweep_step
+        return out
+
+
+@dataclass
+class SpeedRecord:
+    """A measured request's item record: the measurement, where it stood, the SLOs it met, its group's
+    summary (set once the whole group has run) and the server's draft counters over the group (vLLM)."""
+
+    measurement: Measurement
+    place: ClosedPlace | OpenPlace
+    slo: SloCheck | None = None
+    group: ClosedGroup | RateGroup | None = None
+    group_spec_decode: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {**self.measurement.to_json(), **self.place.to_json(), **(self.slo.to_json() if self.slo else {})}
+        if self.group is not None:
+            out["group"] = self.group.to_json()
+        if self.group_spec_decode is not None:
+            out["group_spec_decode"] = self.group_spec_decode
+        return out
+
+
+@dataclass(frozen=True)
+class SkippedStep:
+    """The record of a request of a sweep step not sent: an earlier step met the stop rule."""
+
+    prompt_length: int
+    arrival: str
+    rate: float
+    sweep_step: int
+    stopped_at: str                  # "rate R: why"
+    request: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt_length": self.prompt_length, "arrival": self.arrival, "rate": self.rate,
+                "sweep_step": self.sweep_step, "sweep_skipped": True, "sweep_stopped_at": self.stopped_at,
+                "request": self.request}

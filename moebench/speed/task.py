@@ -45,9 +45,10 @@ from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerErr
 from moebench.runners.metrics import serving_summary, spec_decode_delta
 from moebench.speed.compare import read_token_times, summarize_speed
 from moebench.speed.load_compare import summarize_load
-from moebench.speed.open_loop import (ARRIVALS, MetricsSampler, arrival_offsets, slo_fields, sweep_rates,
-                                      sweep_stop)
-from moebench.speed.records import ClosedGroup, DraftFigures, Goodput, RateGroup, SweepStep, Timing
+from moebench.speed.open_loop import (ARRIVALS, MetricsSampler, SloCheck, arrival_offsets, slo_fields,
+                                      sweep_rates, sweep_stop)
+from moebench.speed.records import (ClosedGroup, ClosedPlace, DraftFigures, Goodput, Measurement, OpenPlace,
+                                    RateGroup, SkippedStep, SpeedRecord, SweepStep, Timing)
 from moebench.store import open_append
 from moebench.tasks.base import Item, Task, TaskContext, count_flagged, prompt_hash, prompt_tokens_check
 from moebench.tasks.needle import HAYSTACK_FILE, HaystackIndex, build_index, fit_haystack, load_haystack
@@ -248,7 +249,7 @@ class SpeedTask(Task):
 
     # -- measuring -------------------------------------------------------------------------------
     async def measure(self, runner: Runner, prompt: str, prompt_tokens: int | None,
-                      concurrent: bool) -> dict[str, Any]:
+                      concurrent: bool) -> Measurement:
         request = GenerateRequest(prompt=prompt, max_tokens=self.output_tokens,
                                   temperature=self.sampling["temperature"], seed=self.seed,
                                   top_p=self.sampling["top_p"], top_k=self.sampling["top_k"],
@@ -263,29 +264,32 @@ class SpeedTask(Task):
             _mark(self.ctx, "decode", t_start + fields.ttft_s)
             _mark(self.ctx, "idle", t_end)
             _count_tokens(self.ctx, real_prompt_tokens or 0, result.output_tokens or len(result.token_times or []))
-        draft = DraftFigures.of(result.timings, result.output_tokens or len(result.token_times or []))
-        return {
-            **result.to_record_fields(),
-            "prompt_hash": prompt_hash(prompt),
-            "prompt_tokens": real_prompt_tokens,
-            "prompt_tokens_source": "tokenizer" if prompt_tokens else ("server" if result.prompt_tokens else None),
-            "runner_prompt_tokens": result.prompt_tokens,
-            **prompt_tokens_check(prompt_tokens, result.prompt_tokens),
-            "output_tokens": result.output_tokens or len(result.token_times or []),
-            "output_tokens_requested": self.output_tokens,
-            "stopped_early": (result.output_tokens or 0) < self.output_tokens,
-            "sampling": dict(self.sampling),
-            **(draft.to_json() if draft else {}),
-            **fields.to_json(),
-            "_token_times": result.token_times,
-        }
+        n_out = result.output_tokens or len(result.token_times or [])
+        return Measurement(
+            result_fields=result.to_record_fields(),
+            prompt_hash=prompt_hash(prompt),
+            prompt_tokens=real_prompt_tokens,
+            prompt_tokens_source="tokenizer" if prompt_tokens else ("server" if result.prompt_tokens else None),
+            runner_prompt_tokens=result.prompt_tokens,
+            prompt_tokens_check=prompt_tokens_check(prompt_tokens, result.prompt_tokens),
+            output_tokens=n_out,
+            output_tokens_requested=self.output_tokens,
+            stopped_early=(result.output_tokens or 0) < self.output_tokens,
+            sampling=dict(self.sampling),
+            draft=DraftFigures.of(result.timings, n_out),
+            timing=fields,
+            token_times=list(result.token_times or []))
+
+    def _slo_check(self, m: Measurement, place: ClosedPlace | OpenPlace) -> SloCheck | None:
+        """The SLOs the request met, judged on its record's fields; None where the suite sets none."""
+        return slo_fields({**m.to_json(), **place.to_json()}, self.slos) if self.slos else None
 
     async def run_group(self, runner: Runner, length: int, clients: int,
-                        wanted: set[str] | None = None) -> dict[str, dict[str, Any] | BaseException]:
+                        wanted: set[str] | None = None) -> dict[str, SpeedRecord | BaseException]:
         """All measurements of one (prompt length, clients) group: N closed-loop clients x repeats.
 
-        Prompts are built (tokenized) before the clock starts. Returns item id -> record fields,
-        or the exception that measurement raised.
+        Prompts are built (tokenized) before the clock starts. Returns item id -> record, or the
+        exception that measurement raised.
         """
         _mark(self.ctx, "prepare", time.perf_counter())     # tokenizing prompts: host work, not idle
         prompts: dict[tuple[int, int], tuple[str, int | None]] = {}
@@ -301,18 +305,16 @@ class SpeedTask(Task):
                 await self.measure(runner, prompt, n, concurrent=True)
             except Exception:
                 pass                       # a failed warm-up shows up in the measurements themselves
-        results: dict[str, dict[str, Any] | BaseException] = {}
+        results: dict[str, SpeedRecord | BaseException] = {}
 
         async def client_loop(c: int) -> None:
             for rep in range(self.repeats):
                 item_id = f"speed/{length}/{clients}/{rep}/{c}"
                 prompt, n = prompts[(rep, c)]
                 try:
-                    rec = await self.measure(runner, prompt, n, concurrent=clients > 1)
-                    rec.update(prompt_length=length, clients=clients, repeat=rep, client=c)
-                    if self.slos:
-                        rec.update(slo_fields(rec, self.slos).to_json())
-                    results[item_id] = rec
+                    m = await self.measure(runner, prompt, n, concurrent=clients > 1)
+                    place = ClosedPlace(length, clients, rep, c)
+                    results[item_id] = SpeedRecord(m, place, self._slo_check(m, place))
                 except Exception as e:
                     results[item_id] = e
 
@@ -325,17 +327,16 @@ class SpeedTask(Task):
         _mark(self.ctx, "idle", time.perf_counter())
         group_spec = spec_decode_delta(before, await runner.server_metrics() if before else None)
         group = ClosedGroup(clients, duration, len(results), _goodput(results, duration),
-                            serving_summary(sampler.samples, self.metrics_interval_s)).to_json()
+                            serving_summary(sampler.samples, self.metrics_interval_s))
         for rec in results.values():
-            if isinstance(rec, dict):
-                rec["group"] = group
-                if group_spec is not None:
-                    rec["group_spec_decode"] = group_spec
+            if isinstance(rec, SpeedRecord):
+                rec.group, rec.group_spec_decode = group, group_spec
         self._write_token_times(results)
         self._write_samples(f"{length}/{clients}", sampler.samples)
         return results
 
-    async def run_rate_group(self, runner: Runner, length: int, rate: float) -> dict[str, dict[str, Any] | BaseException]:
+    async def run_rate_group(self, runner: Runner, length: int,
+                             rate: float) -> dict[str, SpeedRecord | SkippedStep | BaseException]:
         """`requests` requests sent at `rate` per second on the arrival schedule, each as its own task.
 
         The clock of the schedule starts after the prompts are built and the warm-up is done. A sweep
@@ -344,9 +345,7 @@ class SpeedTask(Task):
         state = self._sweep_state.setdefault(length, _SweepState())
         step = self.rates.index(rate)
         if self.sweep and state.stopped:
-            skipped = {"prompt_length": length, "arrival": self.arrival, "rate": rate, "sweep_step": step,
-                       "sweep_skipped": True, "sweep_stopped_at": state.stopped}
-            return {i: {**skipped, "request": n} for n, i in enumerate(ids)}
+            return {i: SkippedStep(length, self.arrival, rate, step, state.stopped, n) for n, i in enumerate(ids)}
         _mark(self.ctx, "prepare", time.perf_counter())
         prompts = [await self.build_prompt(runner, load_prefix(self.seed, length, rate, i), length)
                    for i in range(self.requests)]
@@ -358,7 +357,7 @@ class SpeedTask(Task):
             except Exception:
                 pass
         offsets = arrival_offsets(self.arrival, rate, self.requests, self.burstiness, self.seed)
-        results: dict[str, dict[str, Any] | BaseException] = {}
+        results: dict[str, SpeedRecord | SkippedStep | BaseException] = {}
         flight = {"now": 0, "max": 0}
         t0 = 0.0
 
@@ -370,14 +369,10 @@ class SpeedTask(Task):
             in_flight = flight["now"]
             try:
                 prompt, n = prompts[i]
-                rec = await self.measure(runner, prompt, n, concurrent=True)
-                rec.update(prompt_length=length, arrival=self.arrival, rate=rate, request=i,
-                           scheduled_s=offsets[i], sent_s=sent, in_flight_at_send=in_flight)
-                if self.sweep:
-                    rec["sweep_step"] = step
-                if self.slos:
-                    rec.update(slo_fields(rec, self.slos).to_json())
-                results[ids[i]] = rec
+                m = await self.measure(runner, prompt, n, concurrent=True)
+                place = OpenPlace(length, self.arrival, rate, i, offsets[i], sent, in_flight,
+                                  step if self.sweep else None)
+                results[ids[i]] = SpeedRecord(m, place, self._slo_check(m, place))
             except Exception as e:
                 results[ids[i]] = e
             finally:
@@ -391,8 +386,8 @@ class SpeedTask(Task):
         _mark(self.ctx, "idle", time.perf_counter())
         sweep = None
         if self.sweep:
-            ok = [r for r in results.values() if isinstance(r, dict)]
-            reason, figures = sweep_stop(ok, self.requests, state.first_ttft_median, **self.sweep_rule)
+            ttfts = [r.measurement.timing.ttft_s for r in results.values() if isinstance(r, SpeedRecord)]
+            reason, figures = sweep_stop(ttfts, self.requests, state.first_ttft_median, **self.sweep_rule)
             if step == 0:
                 state.first_ttft_median = figures.ttft_median_s
             if reason:
@@ -403,10 +398,10 @@ class SpeedTask(Task):
             duration_s=duration, n_sent=self.requests, last_send_s=offsets[-1], max_in_flight=flight["max"],
             client_concurrency=getattr(runner, "concurrency", None), slos=self.slos,
             goodput=_goodput(results, duration), server=serving_summary(sampler.samples, self.metrics_interval_s),
-            sweep=sweep).to_json()
+            sweep=sweep)
         for rec in results.values():
-            if isinstance(rec, dict):
-                rec["group"] = group
+            if isinstance(rec, SpeedRecord):
+                rec.group = group
         self._write_token_times(results)
         self._write_samples(f"{length}/r{rate:g}", sampler.samples)
         return results
@@ -424,12 +419,12 @@ class SpeedTask(Task):
                 row = {"group": group, "t_s": t, "values": {k: v for k, v in reading.items() if k in wanted}}
                 f.write((jsonout.dumps(row) + "\n").encode("utf-8"))
 
-    def _write_token_times(self, results: dict[str, Any]) -> None:
+    def _write_token_times(self, results: dict[str, SpeedRecord | SkippedStep | BaseException]) -> None:
         """Per-token arrival times go beside items.jsonl (bulk data), not into the records."""
         rows = []
         for item_id, rec in results.items():
-            if isinstance(rec, dict):
-                rows.append({"item_id": item_id, "token_times": rec.pop("_token_times", None)})
+            if isinstance(rec, SpeedRecord):
+                rows.append({"item_id": item_id, "token_times": rec.measurement.token_times})
         if self.ctx.run_dir is not None and rows:
             path = Path(self.ctx.run_dir) / "speed_token_times.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -447,7 +442,7 @@ class SpeedTask(Task):
         if self._group_lock is None:
             self._group_lock = asyncio.Lock()
         if key not in self._groups:
-            async def guarded() -> dict[str, Any]:
+            async def guarded() -> dict[str, SpeedRecord | SkippedStep | BaseException]:
                 assert self._group_lock is not None
                 async with self._group_lock:
                     if open_loop:
@@ -460,7 +455,7 @@ class SpeedTask(Task):
             raise RunnerError(f"{item.item_id}: no measurement was made")
         if isinstance(rec, BaseException):
             raise rec
-        return {"correct": None, "answer": None, "reference": None, **rec}
+        return {"correct": None, "answer": None, "reference": None, **rec.to_json()}
 
     def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         ok = [r for r in records if r.get("status") == "ok"]
@@ -482,9 +477,9 @@ class _SweepState:
     stopped: str | None = None
 
 
-def _goodput(results: dict[str, dict[str, Any] | BaseException], duration: float) -> Goodput:
+def _goodput(results: dict[str, SpeedRecord | SkippedStep | BaseException], duration: float) -> Goodput:
     """Requests that finished within every SLO (without SLOs every finished request counts)."""
-    met = sum(1 for r in results.values() if isinstance(r, dict) and r.get("slo_met", True))
+    met = sum(1 for r in results.values() if isinstance(r, SpeedRecord) and (r.slo is None or r.slo.all_met))
     return Goodput.of(met, len(results), duration)
 
 
