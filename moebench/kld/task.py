@@ -43,7 +43,7 @@ import numpy as np
 from moebench.config import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, MAX_VOCAB, Field, non_negative, positive
 from moebench.datasets import KLD_DEFAULT_CORPUS, data_file, read_text
 from moebench.kld import stats as ks
-from moebench.kld.chunk_records import BaselineChunk, CandidateChunk, KldEstimate
+from moebench.kld.chunk_records import BaselineChunk, CandidateChunk, ChunkHead, KldEstimate
 from moebench.kld.runs import (TOPK_LADDER, KldError, KldFolders, KldMeta, chunk_file, id_dtype, kld_section,
                                read_meta, router_agreement, save_npz, task_dir, write_json)
 from moebench.runners.base import Capability, Runner, RunnerError
@@ -238,7 +238,7 @@ class KldTask(KldFolders, Task):
         logits, routes = await self._forward(runner, ids)
         scored = logits[self.first:self.context - 1].numpy()
         nxt = self.tokens[j][self.first + 1:self.context].astype(np.int64)
-        base = {"chunk": j, "prompt_hash": prompt_hash(ids), "n_tokens": int(nxt.size)}
+        base = ChunkHead(j, prompt_hash(ids), int(nxt.size))
         if self.is_candidate:
             return await asyncio.to_thread(self._candidate_chunk, j, scored, nxt, routes, base)
         return await asyncio.to_thread(self._baseline_chunk, j, scored, nxt, routes, base)
@@ -251,7 +251,7 @@ class KldTask(KldFolders, Task):
         return await runner.logits(ids), None
 
     # ---- baseline -------------------------------------------------------------------------------
-    def _baseline_chunk(self, j, scored, nxt, routes, rec) -> dict[str, Any]:
+    def _baseline_chunk(self, j, scored, nxt, routes, rec: ChunkHead) -> dict[str, Any]:
         import torch
         lp = torch.log_softmax(torch.from_numpy(scored).double(), dim=-1)
         k = min(self.top_k, lp.shape[1])
@@ -280,7 +280,7 @@ class KldTask(KldFolders, Task):
                              topk_bytes_per_token=topk_bytes, has_full=full_rows is not None)
 
     # ---- candidate ------------------------------------------------------------------------------
-    def _candidate_chunk(self, j, scored, nxt, routes, rec) -> dict[str, Any]:
+    def _candidate_chunk(self, j, scored, nxt, routes, rec: ChunkHead) -> dict[str, Any]:
         meta = self.base_meta
         extra: dict[str, np.ndarray] = {}
         if meta.format == "llama":
@@ -329,7 +329,6 @@ class KldTask(KldFolders, Task):
     # ---- prompt log-probs from a server --------------------------------------------------------
     async def _evaluate_prompt_logprobs(self, j: int, ids: list[int], runner: Runner) -> dict[str, Any]:
         k = _runner_k(runner, self.top_k)
-        rec: dict[str, Any] = {"chunk": j, "prompt_hash": prompt_hash(ids), "n_tokens": self.n_scored}
         score_ids = None
         if self.is_candidate and Capability.PROMPT_LOGPROB_IDS in runner.capabilities:
             b_ids = self._base_topk(j)[0]
@@ -352,7 +351,7 @@ class KldTask(KldFolders, Task):
             next_lp[i] = float(lp_tok)
         n_vocab = (self.base_meta.n_vocab if self.base_meta else None) or runner.vocab_size()
         complete = bool(n_vocab) and all(len(d) >= n_vocab for d in dists)
-        rec.update(k=k, complete=complete, fixed_ids=score_ids is not None)
+        rec = ChunkHead(j, prompt_hash(ids), self.n_scored, k=k, complete=complete, fixed_ids=score_ids is not None)
         if self.is_candidate:
             return await asyncio.to_thread(self._candidate_sparse, j, dists, next_lp, nxt, n_vocab, complete, rec)
         return await asyncio.to_thread(self._baseline_sparse, j, dists, next_lp, nxt, n_vocab, complete, k, rec)
@@ -367,7 +366,7 @@ class KldTask(KldFolders, Task):
             out[i, ids] = np.fromiter(d.values(), dtype=np.float64, count=len(d))
         return out
 
-    def _baseline_sparse(self, j, dists, next_lp, nxt, n_vocab, complete, k, rec) -> dict[str, Any]:
+    def _baseline_sparse(self, j, dists, next_lp, nxt, n_vocab, complete, k, rec: ChunkHead) -> dict[str, Any]:
         n = len(dists)
         top_ids = np.zeros((n, k), dtype=np.int64)
         top_lp = np.full((n, k), -np.inf)
@@ -404,7 +403,7 @@ class KldTask(KldFolders, Task):
         b = np.load(chunk_file(self.base_dir / "base", j))
         return ks.decode_logprobs(b["full_rows"], self.base_meta.n_vocab) if "full_rows" in b.files else None
 
-    def _candidate_sparse(self, j, dists, next_lp, nxt, n_vocab, complete, rec) -> dict[str, Any]:
+    def _candidate_sparse(self, j, dists, next_lp, nxt, n_vocab, complete, rec: ChunkHead) -> dict[str, Any]:
         base_full = self._base_full(j)
         all_full = self.base_meta.format == "llama" or self.base_meta.full_chunks >= self.base_meta.n_chunk
         extra: dict[str, np.ndarray] = {}
@@ -418,12 +417,14 @@ class KldTask(KldFolders, Task):
         else:
             ts, method = bound, "topk-lower-bound"
         file = self._save_candidate(j, ts, extra, None)
-        estimate = KldEstimate(k=rec["k"], baseline_k=int(b_ids.shape[1]), fixed_ids=rec["fixed_ids"],
+        k = rec.k
+        assert k is not None              # a prompt log-probs head always carries its K
+        estimate = KldEstimate(k=k, baseline_k=int(b_ids.shape[1]), fixed_ids=rec.fixed_ids,
                                lower_bound=method != "exact")
         topk_vs_exact = None
         if "kld_exact" in extra:
             topk_vs_exact = {"exact_mean": float(extra["kld_exact"].mean()),
-                             f"top{rec['k']}_mean": float(extra["kld_topk"].mean())}
+                             f"top{k}_mean": float(extra["kld_topk"].mean())}
         return CandidateChunk(method, file, ts, estimate, topk_vs_exact).to_json(rec)
 
     # ---- llama-server: llama-perplexity does the forward passes -----------------------------------
