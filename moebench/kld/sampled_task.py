@@ -39,16 +39,23 @@ SAME_KEYS = ("corpus", "prompts", "prompt_tokens", "continuations", "tokens", "s
 
 
 @dataclass(frozen=True)
-class SampledBaseline:
-    """A baseline's items.jsonl record of one sampled continuation (its tokens and log p are in `file`)."""
+class SampledItem:
+    """What both sides' items.jsonl records of one sampled continuation hold: which one (prompt, cont,
+    seed), its sampled tokens' count and hash, and its arrays (`file`, relative to the run directory)."""
 
     prompt: int
     cont: int
     seed: int
     n_tokens: int
     prompt_hash: str
-    nll_sum: float
     file: str
+
+
+@dataclass(frozen=True)
+class SampledBaseline(SampledItem):
+    """A baseline's record: the sampled tokens and their log p are in `file`."""
+
+    nll_sum: float
 
     def to_json(self) -> dict[str, Any]:
         return {"prompt": self.prompt, "cont": self.cont, "seed": self.seed, "role": "baseline",
@@ -57,16 +64,10 @@ class SampledBaseline:
 
 
 @dataclass(frozen=True)
-class SampledCandidate:
-    """A candidate's items.jsonl record of one continuation: its KLD estimate (log p, log q in `file`)."""
+class SampledCandidate(SampledItem):
+    """A candidate's record: its KLD estimate over the continuation (log p, log q in `file`)."""
 
-    prompt: int
-    cont: int
-    seed: int
     estimator: str
-    n_tokens: int
-    prompt_hash: str
-    file: str
     kld_sum: float
     kld_mean: float
 
@@ -158,8 +159,8 @@ class SampledKldTask(KldFolders, Task):
             path = seq_file(self.out_dir / "base", seq)
             save_npz(path, ids=np.asarray(ids, np.int32), logp=np.asarray(logp, np.float32))
             return SampledBaseline(item.data["prompt"], item.data["cont"], item.data["seed"], len(ids),
-                                   prompt_hash(prompt + list(ids)), float(-np.sum(logp)),
-                                   str(path.relative_to(self.ctx.run_dir))).to_json()
+                                   prompt_hash(prompt + list(ids)), str(path.relative_to(self.ctx.run_dir)),
+                                   nll_sum=float(-np.sum(logp))).to_json()
         base_file = seq_file(self.base_dir / "base", seq)
         if not base_file.is_file():
             raise KldError(f"{item.item_id}: the baseline run {self.ctx.baseline_run} has no sample for it "
@@ -172,9 +173,10 @@ class SampledKldTask(KldFolders, Task):
         save_npz(path, logp=logp.astype(np.float32), logq=logq.astype(np.float32))
         est = self.conf["estimator"]
         per_token = sk.per_token(logp, logq, est)
-        return SampledCandidate(item.data["prompt"], item.data["cont"], item.data["seed"], est, len(sample),
+        return SampledCandidate(item.data["prompt"], item.data["cont"], item.data["seed"], len(sample),
                                 prompt_hash(prompt + sample), str(path.relative_to(self.ctx.run_dir)),
-                                float(per_token.sum()), float(per_token.mean())).to_json()
+                                estimator=est, kld_sum=float(per_token.sum()),
+                                kld_mean=float(per_token.mean())).to_json()
 
     async def _score(self, runner: Runner, prompt: list[int], sample: list[int], where: str) -> np.ndarray:
         """log q of each sampled token, given the prompt and the tokens before it."""

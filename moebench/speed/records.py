@@ -1,6 +1,6 @@
 """The speed task's items.jsonl records, typed: a measured request (`SpeedRecord`: its `Measurement`
-with the `Timing` and speculative-decoding counters `DraftFigures`, where it stood, `ClosedPlace` or
-`OpenPlace`, the SLOs it met, and the summary of the group it ran in, `ClosedGroup` or `RateGroup` with
+with its `Sampling`, `Timing` and speculative-decoding counters `DraftFigures`, where it stood,
+`ClosedPlace` or `OpenPlace`, the SLOs it met, and the summary of the group it ran in, `ClosedGroup` or `RateGroup` with
 `Goodput` and a sweep step's `SweepStep`) and a request of a sweep step not sent (`SkippedStep`). Each
 `to_json` gives the record's JSON exactly as items.jsonl holds it (keys, order, values);
 docs/schema.md and docs/serving-load.md name the keys. Readers of stored records (speed/compare.py, speed/load_compare.py)
@@ -143,6 +143,19 @@ class RateGroup:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """The task's sampler settings, in every record and the summary as `sampling`."""
+
+    temperature: float               # 0 = greedy
+    top_p: float | None              # None: the backend's default
+    top_k: int | None
+    seed: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
+
+
+@dataclass(frozen=True)
 class Measurement:
     """One timed request as the task measured it, before it knows its group."""
 
@@ -155,7 +168,7 @@ class Measurement:
     output_tokens: int
     output_tokens_requested: int
     stopped_early: bool
-    sampling: dict[str, Any]         # temperature, top_p, top_k, seed
+    sampling: Sampling
     draft: DraftFigures | None
     timing: Timing
     token_times: list[float]         # written beside items.jsonl (speed_token_times.jsonl), not in the record
@@ -172,7 +185,7 @@ class Measurement:
             "output_tokens": self.output_tokens,
             "output_tokens_requested": self.output_tokens_requested,
             "stopped_early": self.stopped_early,
-            "sampling": dict(self.sampling),
+            "sampling": self.sampling.to_json(),
             **(self.draft.to_json() if self.draft else {}),
             **self.timing.to_json(),
         }

@@ -48,7 +48,7 @@ from moebench.speed.load_compare import summarize_load
 from moebench.speed.open_loop import (ARRIVALS, MetricsSampler, SloCheck, arrival_offsets, slo_fields,
                                       sweep_rates, sweep_stop)
 from moebench.speed.records import (ClosedGroup, ClosedPlace, DraftFigures, Goodput, Measurement, OpenPlace,
-                                    RateGroup, SkippedStep, SpeedRecord, SweepStep, Timing)
+                                    RateGroup, Sampling, SkippedStep, SpeedRecord, SweepStep, Timing)
 from moebench.store import open_append
 from moebench.tasks.base import Item, Task, TaskContext, count_flagged, prompt_hash, prompt_tokens_check
 from moebench.tasks.needle import HAYSTACK_FILE, HaystackIndex, build_index, fit_haystack, load_haystack
@@ -165,8 +165,7 @@ class SpeedTask(Task):
         self.repeats = int(opts["repeats"])
         self.warmup = int(opts["warmup"])
         self.seed = int(opts["seed"])
-        self.sampling = {"temperature": float(opts["temperature"]), "top_p": opts.get("top_p"),
-                         "top_k": opts.get("top_k"), "seed": self.seed}
+        self.sampling = Sampling(float(opts["temperature"]), opts.get("top_p"), opts.get("top_k"), self.seed)
         self.arrival = str(opts["arrival"])
         self.burstiness = float(opts["burstiness"])
         self.requests = int(opts["requests"])
@@ -203,7 +202,7 @@ class SpeedTask(Task):
 
     def needs(self, runner: Runner) -> set[str]:
         needs = {Capability.GENERATE, Capability.STREAM}
-        if self.sampling["top_p"] is not None or self.sampling["top_k"] is not None:
+        if self.sampling.top_p is not None or self.sampling.top_k is not None:
             needs.add(Capability.SAMPLING)
         return needs
 
@@ -251,8 +250,8 @@ class SpeedTask(Task):
     async def measure(self, runner: Runner, prompt: str, prompt_tokens: int | None,
                       concurrent: bool) -> Measurement:
         request = GenerateRequest(prompt=prompt, max_tokens=self.output_tokens,
-                                  temperature=self.sampling["temperature"], seed=self.seed,
-                                  top_p=self.sampling["top_p"], top_k=self.sampling["top_k"],
+                                  temperature=self.sampling.temperature, seed=self.seed,
+                                  top_p=self.sampling.top_p, top_k=self.sampling.top_k,
                                   stream=True, ignore_eos=True, cache_prompt=False)
         t_start = time.perf_counter()
         result = await runner.generate(request)
@@ -275,7 +274,7 @@ class SpeedTask(Task):
             output_tokens=n_out,
             output_tokens_requested=self.output_tokens,
             stopped_early=(result.output_tokens or 0) < self.output_tokens,
-            sampling=dict(self.sampling),
+            sampling=self.sampling,
             draft=DraftFigures.of(result.timings, n_out),
             timing=fields,
             token_times=list(result.token_times or []))
@@ -463,7 +462,7 @@ class SpeedTask(Task):
         return {"n": len(records), "n_ok": len(ok),
                 "n_errors": sum(1 for r in records if r.get("status") == "error"),
                 "n_prompt_tokens_flagged": count_flagged(records),
-                "sampling": dict(self.sampling),
+                "sampling": self.sampling.to_json(),
                 "by_prompt_length": summarize_speed(ok, times),
                 **({"load": summarize_load(records)} if self.rates else {})}
 
