@@ -216,3 +216,32 @@ def test_http_runner_without_prompt_logprobs_fails_before_work(tmp_path, zoo):
     with pytest.raises(CapabilityError, match="prompt_logprobs"):
         api.run(api.RunOptions(suite=str(prof["suite"]), runner=str(http), out=str(tmp_path / "r"), quiet=True))
     assert not (tmp_path / "r" / "items.jsonl").exists()
+
+
+def test_kld_meta_round_trips_and_names_file_and_key_on_bad_input(tmp_path):
+    """meta.json is written through KldMeta.to_json and read back through one from_json: every format's
+    keys come back in the order written, and a bad meta.json is refused naming the file and the key."""
+    from moebench.kld.runs import META_KEYS, KldError, KldMeta, read_meta, task_dir, write_json
+    metas = [KldMeta(format="npz", corpus="c.txt", context=8, n_chunk=2, n_vocab=100, add_bos=True, bos_token_id=1,
+                     top_k=4, full_chunks=1, first=4, n_scored=3, num_experts=None, runner_kind="engine", how="logits"),
+             KldMeta(format="llama", corpus="c.txt", context=8, n_chunk=2, n_vocab=100, top_k=None, full_chunks=2,
+                     first=4, n_scored=3, runner_kind="llama-server", how="tool", base_file="base.kld",
+                     bytes_per_token=12.5),
+             KldMeta(format="sampled", method="sampled", corpus="c.txt", prompts=2, prompt_tokens=8, continuations=2,
+                     tokens=4, seed=0, n_vocab=100, add_bos=False, bos_token_id=1, runner_kind="vllm",
+                     sampling="temperature 1")]
+    for m in metas:
+        write_json(task_dir(tmp_path, m.format) / "meta.json", m.to_json())
+        doc = json.loads((task_dir(tmp_path, m.format) / "meta.json").read_text())
+        assert list(doc) == list(META_KEYS[m.format])
+        assert read_meta(tmp_path, m.format) == m
+    path = task_dir(tmp_path, "npz") / "meta.json"
+    for doc, key in (({**metas[0].to_json(), "context": "8"}, "'context'"),
+                     ({k: v for k, v in metas[0].to_json().items() if k != "n_chunk"}, "'n_chunk'"),
+                     ({**metas[0].to_json(), "format": "zip"}, "'format'")):
+        write_json(path, doc)
+        with pytest.raises(KldError, match=f"meta.json: key {key}"):
+            read_meta(tmp_path, "npz")
+    path.write_text("[1, 2]")
+    with pytest.raises(KldError, match="meta.json: not a JSON object"):
+        read_meta(tmp_path, "npz")

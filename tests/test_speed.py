@@ -26,7 +26,8 @@ from moebench.tasks.base import TaskContext, prompt_hash
 from moebench.tasks.needle import HAYSTACK_FILE
 from moebench.speed.ab import run_ab
 from moebench.speed.compare import speed_compare, summarize_speed
-from moebench.speed.task import SpeedTask, timing_fields
+from moebench.speed.records import Timing
+from moebench.speed.task import SpeedTask
 
 http_runner = pytest.importorskip("moebench.runners.http", reason="the HTTP runner is not in the tree yet")
 DATA = data_dir()
@@ -226,11 +227,11 @@ def test_timing_matches_the_server_pace_and_prompts_are_unique(paced, tmp_path):
 
 
 def test_timing_fields_formulae_and_missing_stream():
-    f = timing_fields([0.5, 0.6, 0.7, 0.9], prompt_tokens=1000, output_tokens=4)
-    assert f["ttft_s"] == 0.5 and f["prefill_tok_s"] == 2000 and f["decode_tok_s"] == pytest.approx(3 / 0.4)
+    f = Timing.of([0.5, 0.6, 0.7, 0.9], prompt_tokens=1000, output_tokens=4)
+    assert f.ttft_s == 0.5 and f.prefill_tok_s == 2000 and f.decode_tok_s == pytest.approx(3 / 0.4)
     from moebench.runners.base import RunnerError
     with pytest.raises(RunnerError, match="no token_times"):
-        timing_fields(None, 10, 1)
+        Timing.of(None, 10, 1)
 
 
 def test_bad_clients_option_names_the_key():

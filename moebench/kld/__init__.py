@@ -15,7 +15,8 @@ Modules (each readable alone; arrows are imports inside the wing):
   nothing of moebench.
 - `sampled_stats.py`: the sampled method's estimators and bootstrap interval. A leaf too.
 - `runs.py`: where the arrays live in a run directory (<run>/kld/<task>/, `KldFolders`: a task's role
-  and folders, shared by both task classes), how they are read back, and the compare.json["kld"]
+  and folders, shared by both task classes), the baseline's meta.json (`KldMeta`, read back through
+  one `from_json` that names the file and key on bad input), how the arrays are read back, and the compare.json["kld"]
   section built from them (`kld_section`, `sampled_section`); `KldError`.
 - `perplexity_tool.py`: driving `llama-perplexity` (base file write/read, `--kl-divergence`, parsing
   its printed statistics). What a llama-server candidate passes to it (`PerplexityPlan`) is decided by

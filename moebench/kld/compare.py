@@ -5,6 +5,7 @@ reads its per-token arrays (layout: moebench.kld.runs) and, for the MoE signals,
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,18 +49,39 @@ def kld_compare(base_dir: Path, cand_dir: Path, base_manifest: dict[str, Any], c
     out["excluded"] = sorted(r["item_id"] for r in cand_records if r.get("status") != "ok")
     signals = moe_signals(Path(base_dir), Path(cand_dir), forced) if forced else None
     if signals:
-        out.update(signals)
+        out.update(signals.to_json())
     return out
 
 
-def moe_signals(base_dir: Path, cand_dir: Path, cand_records: list[dict[str, Any]]) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class MoeSignals:
+    """Router traces of both runs compared: per layer the router agreement and identical-set share (over
+    `n_positions` scored tokens), expert usage [layer][expert] and load skew of each side."""
+
+    router_agreement: list[float]
+    identical_set_share: list[float]
+    n_positions: int
+    usage_baseline: list[list[int]]
+    usage_candidate: list[list[int]]
+    skew_baseline: list[float]
+    skew_candidate: list[float]
+
+    def to_json(self) -> dict[str, Any]:
+        """compare.json["kld"]'s "per_layer", "expert_usage" and "load_skew"."""
+        return {"per_layer": {"router_agreement": self.router_agreement,
+                              "identical_set_share": self.identical_set_share, "n_positions": self.n_positions},
+                "expert_usage": {"baseline": self.usage_baseline, "candidate": self.usage_candidate},
+                "load_skew": {"baseline": self.skew_baseline, "candidate": self.skew_candidate}}
+
+
+def moe_signals(base_dir: Path, cand_dir: Path, cand_records: list[dict[str, Any]]) -> MoeSignals | None:
     """Per-layer router agreement, expert usage [layer][expert] and load skew of both runs."""
     name = cand_records[0].get("task", "kld")
     try:
         meta = read_meta(base_dir, name)
     except Exception:
         return None
-    if meta.get("format") != "npz":
+    if meta.format != "npz":
         return None
     b_routes, c_routes = [], []
     for r in sorted(cand_records, key=lambda r: r["chunk"]):
@@ -76,8 +98,8 @@ def moe_signals(base_dir: Path, cand_dir: Path, cand_records: list[dict[str, Any
     if not b_routes:
         return None
     bcat, ccat = np.concatenate(b_routes, axis=1), np.concatenate(c_routes, axis=1)
-    n_exp = meta.get("num_experts") or int(max(bcat.max(), ccat.max())) + 1
+    n_exp = meta.num_experts or int(max(bcat.max(), ccat.max())) + 1
     ub, uc = expert_usage(b_routes, n_exp), expert_usage(c_routes, n_exp)
-    return {"per_layer": {**router_agreement(bcat, ccat), "n_positions": int(bcat.shape[1])},
-            "expert_usage": {"baseline": ub.tolist(), "candidate": uc.tolist()},
-            "load_skew": {"baseline": load_skew(ub), "candidate": load_skew(uc)}}
+    agreement = router_agreement(bcat, ccat)
+    return MoeSignals(agreement["router_agreement"], agreement["identical_set_share"], int(bcat.shape[1]),
+                      ub.tolist(), uc.tolist(), load_skew(ub), load_skew(uc))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ class KldFolders:
         """Record the corpus file among the run's data files (its hash goes into the manifest)."""
         register(self.ctx.data_files, self.ctx.data_dir, data_file(self.ctx.data_dir, self.corpus))
 
-    def baseline_meta(self) -> dict[str, Any]:
+    def baseline_meta(self) -> KldMeta:
         """The baseline run's meta.json for this task (a candidate's)."""
         return read_meta(self.ctx.baseline_run, self.name)
 
@@ -69,12 +70,88 @@ def seq_file(folder: Path, seq: int) -> Path:
     return folder / f"seq_{seq:05d}.npz"
 
 
-def read_meta(run_dir: Path, name: str) -> dict[str, Any]:
+# meta.json's keys per format, in the order they are written.
+META_KEYS = {
+    "npz": ("format", "corpus", "context", "n_chunk", "n_vocab", "add_bos", "bos_token_id", "top_k", "full_chunks",
+            "first", "n_scored", "num_experts", "runner_kind", "how"),
+    "llama": ("format", "corpus", "context", "n_chunk", "n_vocab", "top_k", "full_chunks", "first", "n_scored",
+              "runner_kind", "how", "base_file", "bytes_per_token"),
+    "sampled": ("format", "method", "corpus", "prompts", "prompt_tokens", "continuations", "tokens", "seed",
+                "n_vocab", "add_bos", "bos_token_id", "runner_kind", "sampling"),
+}
+# Keys a reader indexes for the format; the rest may be absent (None) in a meta.json of an older run.
+_META_NEEDED = {"npz": ("context", "n_chunk"), "llama": ("context", "n_chunk"), "sampled": ("method",)}
+_META_INTS = ("context", "n_chunk", "n_vocab", "bos_token_id", "top_k", "full_chunks", "first", "n_scored",
+              "num_experts", "prompts", "prompt_tokens", "continuations", "tokens", "seed")
+
+
+@dataclass(frozen=True)
+class KldMeta:
+    """A KLD baseline's <run>/kld/<task>/meta.json: what a candidate must match (corpus, context,
+    vocabulary, BOS, sampled keys) and how the baseline stored its log-probs. `format` is "npz" (the
+    task's own arrays), "llama" (a llama-perplexity base file) or "sampled" (method = "sampled");
+    a field the format does not write stays None."""
+
+    format: str
+    corpus: str | None = None
+    n_vocab: int | None = None
+    runner_kind: str | None = None
+    # teacher-forced ("npz", "llama")
+    context: int | None = None
+    n_chunk: int | None = None
+    top_k: int | None = None
+    full_chunks: int = 0
+    first: int | None = None
+    n_scored: int | None = None
+    num_experts: int | None = None
+    how: str | None = None
+    base_file: str | None = None
+    bytes_per_token: float | None = None
+    # tokenizing ("npz", "sampled")
+    add_bos: bool | None = None
+    bos_token_id: int | None = None
+    # sampled
+    method: str | None = None
+    prompts: int | None = None
+    prompt_tokens: int | None = None
+    continuations: int | None = None
+    tokens: int | None = None
+    seed: int | None = None
+    sampling: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """meta.json as the format writes it: its keys, in order."""
+        return {k: getattr(self, k) for k in META_KEYS[self.format]}
+
+    @staticmethod
+    def from_json(doc: Any, where: str) -> KldMeta:
+        """meta.json read back; bad input is refused naming the file (`where`) and the key."""
+        if not isinstance(doc, dict):
+            raise KldError(f"{where}: not a JSON object")
+        fmt = doc.get("format")
+        if fmt not in META_KEYS:
+            raise KldError(f"{where}: key 'format' is {fmt!r}, expected one of {', '.join(META_KEYS)}")
+        for key in _META_NEEDED[fmt]:
+            if doc.get(key) is None:
+                raise KldError(f"{where}: key {key!r} is missing (format {fmt!r})")
+        for key in _META_INTS:
+            v = doc.get(key)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise KldError(f"{where}: key {key!r} must be an integer, got {v!r}")
+        known = {k: doc[k] for k in META_KEYS[fmt] if k in doc and doc[k] is not None}
+        return KldMeta(**known)
+
+
+def read_meta(run_dir: Path, name: str) -> KldMeta:
     path = task_dir(run_dir, name) / "meta.json"
     if not path.is_file():
         raise KldError(f"{path}: missing; is {run_dir} a KLD baseline run of task {name!r} "
                        "(made without --baseline)?")
-    return json.loads(path.read_text())
+    try:
+        doc = json.loads(path.read_text())
+    except ValueError as e:
+        raise KldError(f"{path}: not JSON ({e})") from None
+    return KldMeta.from_json(doc, str(path))
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:

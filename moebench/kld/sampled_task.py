@@ -18,6 +18,7 @@ concurrency, where the server honours `seed`).
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ import numpy as np
 
 from moebench.datasets import KLD_DEFAULT_CORPUS, data_file, read_text
 from moebench.kld import sampled_stats as sk
-from moebench.kld.runs import KldError, KldFolders, sampled_section, save_npz, seq_file, write_json
+from moebench.kld.runs import KldError, KldFolders, KldMeta, sampled_section, save_npz, seq_file, write_json
 from moebench.runners.base import Capability, Runner, RunnerError
 from moebench.store import write_bytes_atomic
 from moebench.tasks.base import Item, Task, prompt_hash
@@ -35,6 +36,46 @@ DEFAULTS = {"prompts": 16, "prompt_tokens": 32, "continuations": 2, "tokens": 32
             "estimator": "low-variance"}
 # Keys both sides must agree on: they decide which tokens exist.
 SAME_KEYS = ("corpus", "prompts", "prompt_tokens", "continuations", "tokens", "seed")
+
+
+@dataclass(frozen=True)
+class SampledItem:
+    """What both sides' items.jsonl records of one sampled continuation hold: which one (prompt, cont,
+    seed), its sampled tokens' count and hash, and its arrays (`file`, relative to the run directory)."""
+
+    prompt: int
+    cont: int
+    seed: int
+    n_tokens: int
+    prompt_hash: str
+    file: str
+
+
+@dataclass(frozen=True)
+class SampledBaseline(SampledItem):
+    """A baseline's record: the sampled tokens and their log p are in `file`."""
+
+    nll_sum: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt": self.prompt, "cont": self.cont, "seed": self.seed, "role": "baseline",
+                "n_tokens": self.n_tokens, "prompt_hash": self.prompt_hash, "nll_sum": self.nll_sum,
+                "file": self.file}
+
+
+@dataclass(frozen=True)
+class SampledCandidate(SampledItem):
+    """A candidate's record: its KLD estimate over the continuation (log p, log q in `file`)."""
+
+    estimator: str
+    kld_sum: float
+    kld_mean: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt": self.prompt, "cont": self.cont, "seed": self.seed, "role": "candidate",
+                "method": "sampled", "estimator": self.estimator, "n_tokens": self.n_tokens,
+                "prompt_hash": self.prompt_hash, "file": self.file, "kld_sum": self.kld_sum,
+                "kld_mean": self.kld_mean}
 
 
 class SampledKldTask(KldFolders, Task):
@@ -49,7 +90,7 @@ class SampledKldTask(KldFolders, Task):
         self.n_prompts, self.n_cont = int(self.conf["prompts"]), int(self.conf["continuations"])
         self.n_tokens, self.seed = int(self.conf["tokens"]), int(self.conf["seed"])
         self.prompt_ids: np.ndarray | None = None
-        self.base_meta: dict[str, Any] | None = None
+        self.base_meta: KldMeta | None = None
 
     def needs(self, runner: Runner) -> set[str]:
         if not self.is_candidate:
@@ -63,12 +104,12 @@ class SampledKldTask(KldFolders, Task):
         n_prompts = self.n_prompts
         if self.is_candidate:
             meta = self.baseline_meta()
-            if meta.get("method") != "sampled":
+            if meta.method != "sampled":
                 raise KldError(f"baseline {self.ctx.baseline_run} task {self.name!r} is a teacher-forced KLD "
                                "baseline; method = \"sampled\" needs a baseline run of a sampled suite")
             for key in SAME_KEYS:
-                if meta.get(key) != self.conf[key]:
-                    raise KldError(f"baseline {self.ctx.baseline_run} used {key} = {meta.get(key)!r}, this suite "
+                if getattr(meta, key) != self.conf[key]:
+                    raise KldError(f"baseline {self.ctx.baseline_run} used {key} = {getattr(meta, key)!r}, this suite "
                                    f"{self.conf[key]!r}: the sampled tokens would differ")
         stem = Path(self.corpus).stem
         items = [Item(f"kld/{stem}/p{j}/c{c}", {"prompt": j, "cont": c, "seq": j * self.n_cont + c,
@@ -81,9 +122,9 @@ class SampledKldTask(KldFolders, Task):
         if self.is_candidate:
             self.base_meta = self.baseline_meta()
             vocab = runner.vocab_size()
-            if vocab is not None and self.base_meta.get("n_vocab") not in (None, vocab):
+            if vocab is not None and self.base_meta.n_vocab not in (None, vocab):
                 raise KldError(f"vocabularies differ: baseline {self.ctx.baseline_run} has "
-                               f"{self.base_meta['n_vocab']} tokens, this runner's model {vocab}")
+                               f"{self.base_meta.n_vocab} tokens, this runner's model {vocab}")
             self.prompt_ids = np.load(self.base_dir / "prompts.npy")
             return
         text = read_text(data_file(self.ctx.data_dir, self.corpus))
@@ -101,15 +142,14 @@ class SampledKldTask(KldFolders, Task):
         buf = io.BytesIO()
         np.save(buf, prompts)
         write_bytes_atomic(self.out_dir / "prompts.npy", buf.getvalue())
-        write_json(self.out_dir / "meta.json", {
-            "format": "sampled", "method": "sampled", **{k: self.conf[k] for k in SAME_KEYS},
-            "n_vocab": runner.vocab_size(), "add_bos": add_bos, "bos_token_id": bos, "runner_kind": runner.kind,
-            "sampling": "temperature 1, no top-p/top-k/min-p truncation, no penalties, EOS ignored"})
+        write_json(self.out_dir / "meta.json", KldMeta(
+            format="sampled", method="sampled", **{k: self.conf[k] for k in SAME_KEYS},
+            n_vocab=runner.vocab_size(), add_bos=add_bos, bos_token_id=bos, runner_kind=runner.kind,
+            sampling="temperature 1, no top-p/top-k/min-p truncation, no penalties, EOS ignored").to_json())
 
     async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
         prompt = [int(t) for t in self.prompt_ids[item.data["prompt"]]]
         seq = item.data["seq"]
-        rec: dict[str, Any] = {"prompt": item.data["prompt"], "cont": item.data["cont"], "seed": item.data["seed"]}
         if not self.is_candidate:
             ids, logp = await runner.sampled_logprobs(prompt, self.n_tokens, item.data["seed"])
             vocab = runner.vocab_size()
@@ -118,8 +158,9 @@ class SampledKldTask(KldFolders, Task):
                 raise RunnerError(f"{item.item_id}: sampled token id {bad[0]} is outside the vocabulary of {vocab}")
             path = seq_file(self.out_dir / "base", seq)
             save_npz(path, ids=np.asarray(ids, np.int32), logp=np.asarray(logp, np.float32))
-            return {**rec, "role": "baseline", "n_tokens": len(ids), "prompt_hash": prompt_hash(prompt + list(ids)),
-                    "nll_sum": float(-np.sum(logp)), "file": str(path.relative_to(self.ctx.run_dir))}
+            return SampledBaseline(item.data["prompt"], item.data["cont"], item.data["seed"], len(ids),
+                                   prompt_hash(prompt + list(ids)), str(path.relative_to(self.ctx.run_dir)),
+                                   nll_sum=float(-np.sum(logp))).to_json()
         base_file = seq_file(self.base_dir / "base", seq)
         if not base_file.is_file():
             raise KldError(f"{item.item_id}: the baseline run {self.ctx.baseline_run} has no sample for it "
@@ -131,10 +172,11 @@ class SampledKldTask(KldFolders, Task):
         path = seq_file(self.out_dir / "cand", seq)
         save_npz(path, logp=logp.astype(np.float32), logq=logq.astype(np.float32))
         est = self.conf["estimator"]
-        return {**rec, "role": "candidate", "method": "sampled", "estimator": est, "n_tokens": len(sample),
-                "prompt_hash": prompt_hash(prompt + sample), "file": str(path.relative_to(self.ctx.run_dir)),
-                "kld_sum": float(sk.per_token(logp, logq, est).sum()),
-                "kld_mean": float(sk.per_token(logp, logq, est).mean())}
+        per_token = sk.per_token(logp, logq, est)
+        return SampledCandidate(item.data["prompt"], item.data["cont"], item.data["seed"], len(sample),
+                                prompt_hash(prompt + sample), str(path.relative_to(self.ctx.run_dir)),
+                                estimator=est, kld_sum=float(per_token.sum()),
+                                kld_mean=float(per_token.mean())).to_json()
 
     async def _score(self, runner: Runner, prompt: list[int], sample: list[int], where: str) -> np.ndarray:
         """log q of each sampled token, given the prompt and the tokens before it."""

@@ -43,8 +43,8 @@ import numpy as np
 from moebench.config import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, MAX_VOCAB, Field, non_negative, positive
 from moebench.datasets import KLD_DEFAULT_CORPUS, data_file, read_text
 from moebench.kld import stats as ks
-from moebench.kld.chunk_records import BaselineChunk, CandidateChunk, KldEstimate
-from moebench.kld.runs import (TOPK_LADDER, KldError, KldFolders, chunk_file, id_dtype, kld_section,
+from moebench.kld.chunk_records import BaselineChunk, CandidateChunk, ChunkHead, KldEstimate
+from moebench.kld.runs import (TOPK_LADDER, KldError, KldFolders, KldMeta, chunk_file, id_dtype, kld_section,
                                read_meta, router_agreement, save_npz, task_dir, write_json)
 from moebench.runners.base import Capability, Runner, RunnerError
 from moebench.store import write_bytes_atomic
@@ -130,7 +130,7 @@ class KldTask(KldFolders, Task):
         self.corpus: str = opts.get("corpus", DEFAULT_CORPUS)
         self.first = self.context // 2
         self.n_scored = self.context - 1 - self.first
-        self.base_meta: dict[str, Any] | None = None
+        self.base_meta: KldMeta | None = None
         self.tokens: np.ndarray | None = None
         self._llama_stats: dict[str, Any] | None = None
         self._bf = None                     # llama base file of the baseline, when it is one
@@ -152,14 +152,14 @@ class KldTask(KldFolders, Task):
         elif self.is_candidate:                     # before any work, not after the other tasks
             self._check_vocab(self.baseline_meta(), runner.declared_vocab_size(), runner)
 
-    def _check_vocab(self, base_meta: dict[str, Any], vocab: int | None, runner: Runner) -> None:
+    def _check_vocab(self, base_meta: KldMeta, vocab: int | None, runner: Runner) -> None:
         """KLD compares two distributions over one vocabulary: refuse sizes that differ, or a baseline
         that recorded none while this runner knows its own (nothing would vouch they match)."""
-        base = base_meta.get("n_vocab")
+        base = base_meta.n_vocab
         if vocab is None:
             return
         if base is None:
-            kind = base_meta.get("runner_kind") or "its"
+            kind = base_meta.runner_kind or "its"
             raise KldError(f"baseline {self.ctx.baseline_run} recorded no vocabulary size (its {kind} runner "
                            f"knew none; for an http runner give its profile tokenizer = \"PATH\" and run the "
                            f"baseline again); this {runner.kind} runner's model has {vocab:,} tokens, and KLD "
@@ -173,12 +173,12 @@ class KldTask(KldFolders, Task):
         n = self.n_chunks
         if self.is_candidate:
             meta = self.baseline_meta()
-            if meta["context"] != self.context:
-                raise KldError(f"baseline {self.ctx.baseline_run} used context {meta['context']}, this suite "
+            if meta.context != self.context:
+                raise KldError(f"baseline {self.ctx.baseline_run} used context {meta.context}, this suite "
                                f"{self.context}: the chunks would differ")
-            if meta.get("corpus") != self.corpus:
-                raise KldError(f"baseline corpus {meta.get('corpus')!r} differs from this suite's {self.corpus!r}")
-            n = min(n, meta["n_chunk"])
+            if meta.corpus != self.corpus:
+                raise KldError(f"baseline corpus {meta.corpus!r} differs from this suite's {self.corpus!r}")
+            n = min(n, meta.n_chunk)
         stem = Path(self.corpus).stem
         return [Item(f"kld/{stem}/{j}", {"chunk": j}) for j in range(n)]
 
@@ -205,16 +205,16 @@ class KldTask(KldFolders, Task):
         buf = io.BytesIO()
         np.save(buf, self.tokens)
         write_bytes_atomic(self.out_dir / "tokens.npy", buf.getvalue())
-        write_json(self.out_dir / "meta.json", {
-            "format": "npz", "corpus": self.corpus, "context": self.context, "n_chunk": self.n_chunks,
-            "n_vocab": runner.vocab_size(), "add_bos": add_bos, "bos_token_id": bos,
-            "top_k": self.top_k if self.how == BY_LOGITS else _runner_k(runner, self.top_k),
-            "full_chunks": min(self.full_chunks, self.n_chunks), "first": self.first, "n_scored": self.n_scored,
-            "num_experts": runner.num_experts(), "runner_kind": runner.kind, "how": self.how})
+        write_json(self.out_dir / "meta.json", KldMeta(
+            format="npz", corpus=self.corpus, context=self.context, n_chunk=self.n_chunks,
+            n_vocab=runner.vocab_size(), add_bos=add_bos, bos_token_id=bos,
+            top_k=self.top_k if self.how == BY_LOGITS else _runner_k(runner, self.top_k),
+            full_chunks=min(self.full_chunks, self.n_chunks), first=self.first, n_scored=self.n_scored,
+            num_experts=runner.num_experts(), runner_kind=runner.kind, how=self.how).to_json())
 
     def _load_baseline(self) -> None:
         self.base_meta = self.baseline_meta()
-        if self.base_meta["format"] == "llama":
+        if self.base_meta.format == "llama":
             from moebench.kld.perplexity_tool import read_base_file
             self._bf = read_base_file(self.base_dir / "base.kld")
             self.tokens = self._bf.tokens
@@ -229,8 +229,8 @@ class KldTask(KldFolders, Task):
             return self._llama_record(j)
         ids = [int(t) for t in self.tokens[j]]
         add_bos, bos = runner.bos_policy()
-        if self.base_meta and self.base_meta.get("add_bos") is not None:   # the baseline's choice rules
-            add_bos, bos = self.base_meta["add_bos"], self.base_meta["bos_token_id"]
+        if self.base_meta and self.base_meta.add_bos is not None:   # the baseline's choice rules
+            add_bos, bos = self.base_meta.add_bos, self.base_meta.bos_token_id
         if add_bos:
             ids[0] = bos                 # as llama-perplexity: the chunk's first token becomes BOS
         if self.how == BY_PROMPT_LOGPROBS:
@@ -238,7 +238,7 @@ class KldTask(KldFolders, Task):
         logits, routes = await self._forward(runner, ids)
         scored = logits[self.first:self.context - 1].numpy()
         nxt = self.tokens[j][self.first + 1:self.context].astype(np.int64)
-        base = {"chunk": j, "prompt_hash": prompt_hash(ids), "n_tokens": int(nxt.size)}
+        base = ChunkHead(j, prompt_hash(ids), int(nxt.size))
         if self.is_candidate:
             return await asyncio.to_thread(self._candidate_chunk, j, scored, nxt, routes, base)
         return await asyncio.to_thread(self._baseline_chunk, j, scored, nxt, routes, base)
@@ -251,7 +251,7 @@ class KldTask(KldFolders, Task):
         return await runner.logits(ids), None
 
     # ---- baseline -------------------------------------------------------------------------------
-    def _baseline_chunk(self, j, scored, nxt, routes, rec) -> dict[str, Any]:
+    def _baseline_chunk(self, j, scored, nxt, routes, rec: ChunkHead) -> dict[str, Any]:
         import torch
         lp = torch.log_softmax(torch.from_numpy(scored).double(), dim=-1)
         k = min(self.top_k, lp.shape[1])
@@ -280,10 +280,10 @@ class KldTask(KldFolders, Task):
                              topk_bytes_per_token=topk_bytes, has_full=full_rows is not None)
 
     # ---- candidate ------------------------------------------------------------------------------
-    def _candidate_chunk(self, j, scored, nxt, routes, rec) -> dict[str, Any]:
+    def _candidate_chunk(self, j, scored, nxt, routes, rec: ChunkHead) -> dict[str, Any]:
         meta = self.base_meta
         extra: dict[str, np.ndarray] = {}
-        if meta["format"] == "llama":
+        if meta.format == "llama":
             ts = ks.full_kld(self._bf.logprobs(j), scored, nxt)
             method = "exact"
             b_routes = None
@@ -292,18 +292,18 @@ class KldTask(KldFolders, Task):
             topk = ks.topk_kld(b["top_ids"].astype(np.int64), b["top_logp"], b["tail_logp"], scored, nxt, b["next_logp"])
             exact = None
             if "full_rows" in b.files:
-                exact = ks.full_kld(ks.decode_logprobs(b["full_rows"], meta["n_vocab"]), scored, nxt)
+                exact = ks.full_kld(ks.decode_logprobs(b["full_rows"], meta.n_vocab), scored, nxt)
                 extra["kld_exact"] = exact.kld.astype(np.float32)
                 extra["kld_topk"] = topk.kld.astype(np.float32)
                 for kk in TOPK_LADDER:
                     if kk <= b["top_ids"].shape[1]:
                         extra[f"kld_top{kk}"] = ks.topk_kld(b["top_ids"].astype(np.int64), b["top_logp"], b["tail_logp"],
                                                             scored, nxt, b["next_logp"], k=kk).kld.astype(np.float32)
-            all_full = meta.get("full_chunks", 0) >= meta["n_chunk"]
+            all_full = meta.full_chunks >= meta.n_chunk
             ts, method = (exact, "exact") if (all_full and exact is not None) else (topk, "topk-lower-bound")
             b_routes = b["routes"] if "routes" in b.files else None
         file = self._save_candidate(j, ts, extra, routes)
-        base_k = int(meta.get("top_k") or 0)
+        base_k = int(meta.top_k or 0)
         estimate = None if method == "exact" else KldEstimate(k=base_k, baseline_k=base_k, fixed_ids=False,
                                                               lower_bound=True, candidate="full distribution")
         topk_vs_exact = None
@@ -329,7 +329,6 @@ class KldTask(KldFolders, Task):
     # ---- prompt log-probs from a server --------------------------------------------------------
     async def _evaluate_prompt_logprobs(self, j: int, ids: list[int], runner: Runner) -> dict[str, Any]:
         k = _runner_k(runner, self.top_k)
-        rec: dict[str, Any] = {"chunk": j, "prompt_hash": prompt_hash(ids), "n_tokens": self.n_scored}
         score_ids = None
         if self.is_candidate and Capability.PROMPT_LOGPROB_IDS in runner.capabilities:
             b_ids = self._base_topk(j)[0]
@@ -350,9 +349,9 @@ class KldTask(KldFolders, Task):
             d.setdefault(int(nxt[i]), float(lp_tok))
             dists.append(d)
             next_lp[i] = float(lp_tok)
-        n_vocab = (self.base_meta or {}).get("n_vocab") or runner.vocab_size()
+        n_vocab = (self.base_meta.n_vocab if self.base_meta else None) or runner.vocab_size()
         complete = bool(n_vocab) and all(len(d) >= n_vocab for d in dists)
-        rec.update(k=k, complete=complete, fixed_ids=score_ids is not None)
+        rec = ChunkHead(j, prompt_hash(ids), self.n_scored, k=k, complete=complete, fixed_ids=score_ids is not None)
         if self.is_candidate:
             return await asyncio.to_thread(self._candidate_sparse, j, dists, next_lp, nxt, n_vocab, complete, rec)
         return await asyncio.to_thread(self._baseline_sparse, j, dists, next_lp, nxt, n_vocab, complete, k, rec)
@@ -367,7 +366,7 @@ class KldTask(KldFolders, Task):
             out[i, ids] = np.fromiter(d.values(), dtype=np.float64, count=len(d))
         return out
 
-    def _baseline_sparse(self, j, dists, next_lp, nxt, n_vocab, complete, k, rec) -> dict[str, Any]:
+    def _baseline_sparse(self, j, dists, next_lp, nxt, n_vocab, complete, k, rec: ChunkHead) -> dict[str, Any]:
         n = len(dists)
         top_ids = np.zeros((n, k), dtype=np.int64)
         top_lp = np.full((n, k), -np.inf)
@@ -387,7 +386,7 @@ class KldTask(KldFolders, Task):
 
     def _base_topk(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The baseline's (top ids, top log-probs, log rest mass, log-prob of the actual token) of chunk j."""
-        if self.base_meta["format"] == "llama":
+        if self.base_meta.format == "llama":
             full = self._bf.logprobs(j).astype(np.float64)
             kk = min(256, full.shape[1])
             ids = np.argsort(-full, axis=1)[:, :kk]
@@ -399,14 +398,14 @@ class KldTask(KldFolders, Task):
         return b["top_ids"].astype(np.int64), b["top_logp"], b["tail_logp"], b["next_logp"]
 
     def _base_full(self, j: int) -> np.ndarray | None:
-        if self.base_meta["format"] == "llama":
+        if self.base_meta.format == "llama":
             return self._bf.logprobs(j)
         b = np.load(chunk_file(self.base_dir / "base", j))
-        return ks.decode_logprobs(b["full_rows"], self.base_meta["n_vocab"]) if "full_rows" in b.files else None
+        return ks.decode_logprobs(b["full_rows"], self.base_meta.n_vocab) if "full_rows" in b.files else None
 
-    def _candidate_sparse(self, j, dists, next_lp, nxt, n_vocab, complete, rec) -> dict[str, Any]:
+    def _candidate_sparse(self, j, dists, next_lp, nxt, n_vocab, complete, rec: ChunkHead) -> dict[str, Any]:
         base_full = self._base_full(j)
-        all_full = self.base_meta["format"] == "llama" or self.base_meta.get("full_chunks", 0) >= self.base_meta["n_chunk"]
+        all_full = self.base_meta.format == "llama" or self.base_meta.full_chunks >= self.base_meta.n_chunk
         extra: dict[str, np.ndarray] = {}
         b_ids, b_lp, b_tail, b_next = self._base_topk(j)
         bound = ks.sparse_kld(b_ids, b_lp, b_tail, b_next, dists, next_lp)
@@ -418,12 +417,14 @@ class KldTask(KldFolders, Task):
         else:
             ts, method = bound, "topk-lower-bound"
         file = self._save_candidate(j, ts, extra, None)
-        estimate = KldEstimate(k=rec["k"], baseline_k=int(b_ids.shape[1]), fixed_ids=rec["fixed_ids"],
+        k = rec.k
+        assert k is not None              # a prompt log-probs head always carries its K
+        estimate = KldEstimate(k=k, baseline_k=int(b_ids.shape[1]), fixed_ids=rec.fixed_ids,
                                lower_bound=method != "exact")
         topk_vs_exact = None
         if "kld_exact" in extra:
             topk_vs_exact = {"exact_mean": float(extra["kld_exact"].mean()),
-                             f"top{rec['k']}_mean": float(extra["kld_topk"].mean())}
+                             f"top{k}_mean": float(extra["kld_topk"].mean())}
         return CandidateChunk(method, file, ts, estimate, topk_vs_exact).to_json(rec)
 
     # ---- llama-server: llama-perplexity does the forward passes -----------------------------------
@@ -450,15 +451,15 @@ class KldTask(KldFolders, Task):
             if bf.n_chunk < self.n_chunks:
                 raise KldError(f"{self.corpus}: llama-perplexity produced only {bf.n_chunk} chunks of {self.context}")
             self._bf, self.tokens = bf, bf.tokens
-            write_json(self.out_dir / "meta.json", {
-                "format": "llama", "corpus": self.corpus, "context": self.context, "n_chunk": bf.n_chunk,
-                "n_vocab": bf.n_vocab, "top_k": None, "full_chunks": bf.n_chunk, "first": self.first,
-                "n_scored": self.n_scored, "runner_kind": "llama-server", "how": BY_TOOL, "base_file": "base.kld",
-                "bytes_per_token": bf.bytes_per_token})
+            write_json(self.out_dir / "meta.json", KldMeta(
+                format="llama", corpus=self.corpus, context=self.context, n_chunk=bf.n_chunk,
+                n_vocab=bf.n_vocab, top_k=None, full_chunks=bf.n_chunk, first=self.first,
+                n_scored=self.n_scored, runner_kind="llama-server", how=BY_TOOL, base_file="base.kld",
+                bytes_per_token=bf.bytes_per_token).to_json())
             return
         meta = self.baseline_meta()
         base_file = self.base_dir / "base.kld"
-        if meta["format"] != "llama":
+        if meta.format != "llama":
             base_file = self.out_dir / "baseline-converted.kld"
             export_base_file(self.ctx.baseline_run, self.name, base_file)
         self._llama_stats = lp.kl_divergence(model, base_file, self.context, threads, log, **tool)
@@ -508,13 +509,13 @@ def export_base_file(base_run: Path, name: str, out: Path) -> Path:
     from moebench.kld.perplexity_tool import BaseFileWriter
     meta = read_meta(base_run, name)
     folder = task_dir(base_run, name)
-    if meta.get("full_chunks", 0) < meta["n_chunk"]:
-        raise KldError(f"{base_run}: the baseline kept full distributions for {meta.get('full_chunks', 0)} of "
-                       f"{meta['n_chunk']} chunks; rerun it with full_chunks >= {meta['n_chunk']} to compare a "
+    if meta.full_chunks < meta.n_chunk:
+        raise KldError(f"{base_run}: the baseline kept full distributions for {meta.full_chunks} of "
+                       f"{meta.n_chunk} chunks; rerun it with full_chunks >= {meta.n_chunk} to compare a "
                        "llama.cpp candidate against it")
     tokens = np.load(folder / "tokens.npy")
-    w = BaseFileWriter(out, meta["context"], meta["n_vocab"], tokens)
-    for j in range(meta["n_chunk"]):
+    w = BaseFileWriter(out, meta.context, meta.n_vocab, tokens)
+    for j in range(meta.n_chunk):
         w.append_chunk(np.load(chunk_file(folder / "base", j))["full_rows"])
     return out
 

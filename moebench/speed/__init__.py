@@ -5,6 +5,10 @@ Modules (each readable alone; arrows are imports inside the wing):
 - `task.py`: `SpeedTask`, the task kind `speed`: per prompt length and client count (closed loop) or
   rate (open loop) it streams requests with unique prompts and records TTFT, prefill and decode
   throughput, sampling, draft counters and the server's /metrics state per group.
+- `records.py`: the task's item records, typed: `SpeedRecord` (a `Measurement` with its `Timing` and
+  `DraftFigures`, where it stood: `ClosedPlace` or `OpenPlace`, the SLOs it met, its group's summary
+  `ClosedGroup` or `RateGroup` with `Goodput` and `SweepStep`) and `SkippedStep`, each with the
+  `to_json` items.jsonl holds.
 - `open_loop.py`: arrival schedules (poisson, gamma), SLO checks per record, the /metrics sampler
   that runs beside a group, the rate sweep and its stop rule.
 - `latency.py`: the percentile summary (`Percentiles`) and a record's time per output token (a leaf).
@@ -17,7 +21,7 @@ Modules (each readable alone; arrows are imports inside the wing):
 - `ab_compare.py`: compare.json["speed_ab"] from the passes (`AbPass`): rounds, paired ratios,
   output identity of A and B.
 
-task -> open_loop, compare, load_compare; compare -> load_compare; open_loop, load_compare,
+task -> records, open_loop, compare, load_compare; records -> open_loop; compare -> load_compare; open_loop, load_compare,
 ab_compare -> latency; ab -> task, compare, ab_compare. Outside the wing: the task registry names
 `moebench.speed.task`, compare/build.py and compare/tables.py read the sections through `compare.py`,
 `load_compare.py` and `ab_compare.py`, api.speed_ab calls `ab.run_ab`; the report's serving-load

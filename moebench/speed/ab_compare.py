@@ -53,7 +53,54 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def rounds(passes: list[AbPass]) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class RoundFigure:
+    """One metric of a round: each side's median over the round's paired prompts, and the median B/A."""
+
+    a: float | None
+    b: float | None
+    ratio: float | None
+
+
+@dataclass(frozen=True)
+class AbRound:
+    """Round k: the k-th A pass against the k-th B pass, per metric of AB_METRICS, and who won."""
+
+    round: int
+    a_pass: int
+    b_pass: int
+    n_pairs: int
+    figures: dict[str, RoundFigure]      # metric -> figure, in AB_METRICS order
+
+    @property
+    def winner(self) -> str | None:
+        """The side with the faster ROUND_METRIC (higher is faster), "tie", or None without pairs."""
+        ratio = self.figures[ROUND_METRIC].ratio
+        return None if ratio is None else ("B" if ratio > 1 else "A" if ratio < 1 else "tie")
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"round": self.round, "a_pass": self.a_pass, "b_pass": self.b_pass,
+                               "n_pairs": self.n_pairs}
+        for m, f in self.figures.items():
+            out[f"a_{m}"], out[f"b_{m}"], out[f"{m}_ratio"] = f.a, f.b, f.ratio
+        out["winner"] = self.winner
+        return out
+
+
+@dataclass(frozen=True)
+class PairedRatio:
+    """One metric's median B/A ratio over every prompt of every round, its 95% interval and count."""
+
+    median_ratio: float | None
+    ratio_ci95: tuple[float, float] | None
+    n_pairs: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"median_ratio": self.median_ratio, "ratio_ci95": list(self.ratio_ci95) if self.ratio_ci95 else None,
+                "n_pairs": self.n_pairs}
+
+
+def rounds(passes: list[AbPass]) -> list[AbRound]:
     """One entry per round, in the order the passes ran."""
     a = [p for p in passes if p.which == "A"]
     b = [p for p in passes if p.which == "B"]
@@ -61,25 +108,22 @@ def rounds(passes: list[AbPass]) -> list[dict[str, Any]]:
     for k, (pa, pb) in enumerate(zip(a, b), start=1):
         ra, rb = pa.ok(), pb.ok()
         common = sorted(set(ra) & set(rb))
-        entry: dict[str, Any] = {"round": k, "a_pass": pa.index, "b_pass": pb.index,
-                                 "n_pairs": len(common)}
+        figures = {}
         for m in AB_METRICS:
             ratios = [vb / va for i in common
                       if (va := _value(ra[i], m)) is not None and (vb := _value(rb[i], m)) is not None]
-            entry[f"a_{m}"] = _median([v for i in common if (v := _value(ra[i], m)) is not None])
-            entry[f"b_{m}"] = _median([v for i in common if (v := _value(rb[i], m)) is not None])
-            entry[f"{m}_ratio"] = _median(ratios)
-        ratio = entry[f"{ROUND_METRIC}_ratio"]
-        entry["winner"] = None if ratio is None else ("B" if ratio > 1 else "A" if ratio < 1 else "tie")
-        out.append(entry)
+            figures[m] = RoundFigure(_median([v for i in common if (v := _value(ra[i], m)) is not None]),
+                                     _median([v for i in common if (v := _value(rb[i], m)) is not None]),
+                                     _median(ratios))
+        out.append(AbRound(k, pa.index, pb.index, len(common), figures))
     return out
 
 
-def paired_ratios(passes: list[AbPass], n_boot: int = 2000) -> dict[str, dict[str, Any]]:
+def paired_ratios(passes: list[AbPass], n_boot: int = 2000) -> dict[str, PairedRatio]:
     """Per metric: the median B/A ratio over every prompt of every round, its interval and count."""
     a = [p for p in passes if p.which == "A"]
     b = [p for p in passes if p.which == "B"]
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, PairedRatio] = {}
     for m in AB_METRICS:
         ratios: list[float] = []
         for pa, pb in zip(a, b):
@@ -89,7 +133,7 @@ def paired_ratios(passes: list[AbPass], n_boot: int = 2000) -> dict[str, dict[st
                 if va is not None and vb is not None:
                     ratios.append(vb / va)
         ci = bootstrap_paired_ratio_ci(ratios, n_boot=n_boot)
-        out[m] = {"median_ratio": _median(ratios), "ratio_ci95": list(ci) if ci else None, "n_pairs": len(ratios)}
+        out[m] = PairedRatio(_median(ratios), ci, len(ratios))
     return out
 
 
@@ -137,14 +181,14 @@ def output_identity(a_passes: list[AbPass], b_passes: list[AbPass]) -> dict[str,
 
 def ab_section(passes: list[AbPass], order: str, profiles: dict[str, str], n_boot: int = 2000) -> dict[str, Any]:
     rs = rounds(passes)
-    won = {side: sum(1 for r in rs if r["winner"] == side) for side in ("A", "B", "tie")}
+    won = {side: sum(1 for r in rs if r.winner == side) for side in ("A", "B", "tie")}
     return {
         "order": order,
         "profiles": profiles,
         "round_metric": ROUND_METRIC,
-        "rounds": rs,
+        "rounds": [r.to_json() for r in rs],
         "rounds_won": won,
-        "paired": paired_ratios(passes, n_boot=n_boot),
+        "paired": {m: p.to_json() for m, p in paired_ratios(passes, n_boot=n_boot).items()},
         "identity": output_identity([p for p in passes if p.which == "A"],
                                     [p for p in passes if p.which == "B"]),
         "meaning": "B (candidate) / A (baseline); a round is the k-th A pass with the k-th B pass; "

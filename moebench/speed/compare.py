@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,42 @@ def _speed_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if str(r.get("item_id", "")).startswith("speed/")]
 
 
+@dataclass(frozen=True)
+class RatioFigure:
+    """One metric of a compared group: each side's median, candidate / baseline, its 95% interval."""
+
+    baseline: float | None
+    candidate: float | None
+    ratio: float | None
+    ratio_ci95: tuple[float, float] | None
+
+
+@dataclass(frozen=True)
+class SpeedRow:
+    """compare.json["speed"]["rows"][i]: one (prompt length, clients) group of both sides."""
+
+    prompt_length: int
+    clients: int
+    figures: dict[str, RatioFigure]          # metric (METRICS order, then itl_s) -> figure
+    acceptance_baseline: float | None        # speculative decoding's pooled acceptance rate
+    acceptance_candidate: float | None
+    n_baseline: int
+    n_candidate: int
+    baseline_stats: dict[str, Any]           # metric -> summarize_speed's percentiles (or None)
+    candidate_stats: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"prompt_length": self.prompt_length, "clients": self.clients}
+        for m, f in self.figures.items():
+            name = RATIO_NAMES[m]
+            out[f"{name}_baseline"], out[f"{name}_candidate"], out[f"{name}_ratio"] = f.baseline, f.candidate, f.ratio
+            out[f"{name}_ratio_ci95"] = list(f.ratio_ci95) if f.ratio_ci95 else None
+        out.update(acceptance_baseline=self.acceptance_baseline, acceptance_candidate=self.acceptance_candidate,
+                   n_baseline=self.n_baseline, n_candidate=self.n_candidate,
+                   baseline_stats=self.baseline_stats, candidate_stats=self.candidate_stats)
+        return out
+
+
 def speed_compare(base_records: list[dict[str, Any]], cand_records: list[dict[str, Any]],
                   base_times: dict[str, list[float]] | None = None,
                   cand_times: dict[str, list[float]] | None = None, n_boot: int = 2000) -> dict[str, Any]:
@@ -142,38 +179,35 @@ def speed_compare(base_records: list[dict[str, Any]], cand_records: list[dict[st
         for clients in sorted(set(base[length]) & set(cand[length]), key=int):
             b, c = base[length][clients], cand[length][clients]
             key = (int(length), int(clients))
-            row: dict[str, Any] = {"prompt_length": int(length), "clients": int(clients)}
+            figures = {}
             for m in metrics:
-                name = RATIO_NAMES[m]
                 bm = b[m]["median"] if b.get(m) else None
                 cm = c[m]["median"] if c.get(m) else None
-                row[f"{name}_baseline"], row[f"{name}_candidate"] = bm, cm
-                row[f"{name}_ratio"] = _ratio(bm, cm)
+                ratio = _ratio(bm, cm)
                 if m == "itl_s":
                     bv = [g for r in bgroups[key] for g in _gaps((base_times or {}).get(str(r.get("item_id"))))]
                     cv = [g for r in cgroups[key] for g in _gaps((cand_times or {}).get(str(r.get("item_id"))))]
                 else:
                     bv = [_value(r, m) for r in bgroups[key]]
                     cv = [_value(r, m) for r in cgroups[key]]
-                ci = bootstrap_ratio_ci(bv, cv, n_boot=n_boot) if row[f"{name}_ratio"] is not None else None
-                row[f"{name}_ratio_ci95"] = list(ci) if ci else None
-            for side, entry in (("baseline", b), ("candidate", c)):
-                row[f"acceptance_{side}"] = (entry.get("draft") or {}).get("acceptance_rate")
-            row["n_baseline"] = b["ttft_s"]["n"] if b["ttft_s"] else 0
-            row["n_candidate"] = c["ttft_s"]["n"] if c["ttft_s"] else 0
-            row["baseline_stats"] = {m: b.get(m) for m in metrics}
-            row["candidate_stats"] = {m: c.get(m) for m in metrics}
-            rows.append(row)
+                ci = bootstrap_ratio_ci(bv, cv, n_boot=n_boot) if ratio is not None else None
+                figures[m] = RatioFigure(bm, cm, ratio, ci)
+            rows.append(SpeedRow(
+                int(length), int(clients), figures,
+                acceptance_baseline=(b.get("draft") or {}).get("acceptance_rate"),
+                acceptance_candidate=(c.get("draft") or {}).get("acceptance_rate"),
+                n_baseline=b["ttft_s"]["n"] if b["ttft_s"] else 0, n_candidate=c["ttft_s"]["n"] if c["ttft_s"] else 0,
+                baseline_stats={m: b.get(m) for m in metrics}, candidate_stats={m: c.get(m) for m in metrics}))
 
-    def geomean(key: str) -> float | None:
-        vals = [r[key] for r in rows if r.get(key) and r[key] > 0]
+    def geomean(m: str) -> float | None:
+        vals = [v for r in rows if (v := r.figures[m].ratio) and v > 0]
         return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
 
     only = sorted({f"{l}/{c}" for l in base for c in base[l]} ^ {f"{l}/{c}" for l in cand for c in cand[l]})
     load = load_compare(base_records, cand_records)
-    return {"rows": rows, **({"load": load} if load is not None else {}),
+    return {"rows": [r.to_json() for r in rows], **({"load": load} if load is not None else {}),
             "sampling": {"baseline": _sampling(base_recs), "candidate": _sampling(cand_recs)},
-            "geomean": {RATIO_NAMES[m]: geomean(f"{RATIO_NAMES[m]}_ratio") for m in metrics},
+            "geomean": {RATIO_NAMES[m]: geomean(m) for m in metrics},
             "unpaired_groups": only,
             "interval": "95% percentile bootstrap of the ratio of medians, 2000 resamples per side",
             "ratio_meaning": "candidate / baseline; ttft, tpot, itl, e2e < 1 and prefill, decode > 1 "

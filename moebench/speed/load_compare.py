@@ -17,6 +17,7 @@ indicative.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from moebench.speed.latency import Percentiles, tpot
@@ -107,25 +108,41 @@ def _row(length: int, rate: float, recs: list[dict[str, Any]]) -> dict[str, Any]
     return row
 
 
-def _sweeps(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per prompt length of a sweep: the rates run, where and why it stopped, the saturation rate (the
+@dataclass(frozen=True)
+class SweepSummary:
+    """One prompt length of a sweep: the rates run, where and why it stopped, the saturation rate (the
     highest rate before the step that met the stop rule; None where no step met it)."""
-    out: dict[str, Any] = {}
+
+    rates_run: list[float]
+    stopped_at_rate: float | None
+    stop_reason: str | None
+    saturation_rate: float | None
+    rule: dict[str, float] | None     # the stop rule as the first step's records carry it
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rates_run": list(self.rates_run), "stopped_at_rate": self.stopped_at_rate,
+                "stop_reason": self.stop_reason, "saturation_rate": self.saturation_rate, "rule": self.rule}
+
+
+def _sweeps(rows: list[dict[str, Any]]) -> dict[str, SweepSummary]:
+    """Per prompt length (as a string) of a sweep: its summary."""
+    out: dict[str, SweepSummary] = {}
     for length in sorted({r["prompt_length"] for r in rows if r.get("sweep") or r.get("sweep_skipped")}):
         steps = sorted((r for r in rows if r["prompt_length"] == length and r.get("sweep")), key=lambda r: r["rate"])
         stop = next((r for r in steps if r["sweep"].get("stop")), None)
         before = [r["rate"] for r in steps if stop is None or r["rate"] < stop["rate"]]
-        out[str(length)] = {"rates_run": [r["rate"] for r in steps],
-                            "stopped_at_rate": stop["rate"] if stop else None,
-                            "stop_reason": stop["sweep"]["stop"] if stop else None,
-                            "saturation_rate": (before[-1] if before else None) if stop else None,
-                            "rule": steps[0]["sweep"].get("rule") if steps else None}
+        out[str(length)] = SweepSummary(rates_run=[r["rate"] for r in steps],
+                                        stopped_at_rate=stop["rate"] if stop else None,
+                                        stop_reason=stop["sweep"]["stop"] if stop else None,
+                                        saturation_rate=(before[-1] if before else None) if stop else None,
+                                        rule=steps[0]["sweep"].get("rule") if steps else None)
     return out
+
 
 
 def summarize_load(records: list[dict[str, Any]]) -> dict[str, Any]:
     rows = [_row(length, rate, recs) for (length, rate), recs in sorted(load_groups(records).items())]
-    return {"rows": rows, "sweeps": _sweeps(rows), "tail_samples_needed": dict(TAIL_NEEDED)}
+    return {"rows": rows, "sweeps": {length: sw.to_json() for length, sw in _sweeps(rows).items()}, "tail_samples_needed": dict(TAIL_NEEDED)}
 
 
 def goodput_ratio_ci(base_row: dict[str, Any], cand_row: dict[str, Any], z: float = 1.959964) -> tuple[float, float] | None:
@@ -158,6 +175,24 @@ def goodput_ratio_ci(base_row: dict[str, Any], cand_row: dict[str, Any], z: floa
     return lo, hi
 
 
+@dataclass(frozen=True)
+class LoadPair:
+    """One (prompt length, rate) of both sides: each side's row and the goodput ratio with its interval."""
+
+    prompt_length: int
+    rate: float
+    baseline: dict[str, Any]          # _row of each side, as summarize_load writes it
+    candidate: dict[str, Any]
+    goodput_ratio: float | None       # candidate / baseline
+    goodput_ratio_ci95: tuple[float, float] | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt_length": self.prompt_length, "rate": self.rate, "baseline": self.baseline,
+                "candidate": self.candidate, "goodput_ratio": self.goodput_ratio,
+                "goodput_ratio_ci95": list(self.goodput_ratio_ci95) if self.goodput_ratio_ci95 else None,
+                "n_baseline": self.baseline["n_sent"], "n_candidate": self.candidate["n_sent"]}
+
+
 def load_compare(base_records: list[dict[str, Any]], cand_records: list[dict[str, Any]],
                  ) -> dict[str, Any] | None:
     """compare.json["speed"]["load"]; None where neither side has open-loop records."""
@@ -167,17 +202,12 @@ def load_compare(base_records: list[dict[str, Any]], cand_records: list[dict[str
     rows = []
     for key in sorted(set(bg) & set(cg)):
         b, c = _row(*key, bg[key]), _row(*key, cg[key])
-        row: dict[str, Any] = {"prompt_length": key[0], "rate": key[1], "baseline": b, "candidate": c}
-        if b.get("sweep_skipped") or c.get("sweep_skipped"):
-            row.update(goodput_ratio=None, goodput_ratio_ci95=None, n_baseline=b["n_sent"], n_candidate=c["n_sent"])
-            rows.append(row)
-            continue
-        bgp, cgp = b["goodput"], c["goodput"]
-        row["goodput_ratio"] = cgp / bgp if bgp and cgp is not None else None
-        ci = goodput_ratio_ci(b, c) if row["goodput_ratio"] is not None else None
-        row["goodput_ratio_ci95"] = list(ci) if ci else None
-        row["n_baseline"], row["n_candidate"] = b["n_sent"], c["n_sent"]
-        rows.append(row)
+        ratio, ci = None, None
+        if not (b.get("sweep_skipped") or c.get("sweep_skipped")):     # a step not sent has no ratio
+            bgp, cgp = b["goodput"], c["goodput"]
+            ratio = cgp / bgp if bgp and cgp is not None else None
+            ci = goodput_ratio_ci(b, c) if ratio is not None else None
+        rows.append(LoadPair(key[0], key[1], b, c, ratio, ci).to_json())
     base_sum, cand_sum = summarize_load(base_records), summarize_load(cand_records)
     only = sorted({f"{l}/r{r:g}" for l, r in bg} ^ {f"{l}/r{r:g}" for l, r in cg})
     return {"rows": rows, "sweeps": {"baseline": base_sum["sweeps"], "candidate": cand_sum["sweeps"]},

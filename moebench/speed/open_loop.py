@@ -12,6 +12,7 @@ import asyncio
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 ARRIVALS = ("closed", "poisson", "gamma")
@@ -34,15 +35,30 @@ def arrival_offsets(arrival: str, rate: float, n: int, burstiness: float, seed: 
     return out
 
 
-def slo_fields(rec: dict[str, Any], slos: dict[str, float]) -> dict[str, Any]:
-    """Which SLOs a measured request met: `slo_met` is True only when it met every one that is set.
+@dataclass(frozen=True)
+class SloCheck:
+    """Which SLOs a measured request met, in the order the suite's SLOs are listed."""
+
+    met: dict[str, bool]             # SLO name ("ttft_s", "tpot_s", "e2e_s") -> met
+
+    @property
+    def all_met(self) -> bool:
+        return all(self.met.values())
+
+    def to_json(self) -> dict[str, Any]:
+        """The record's `slo` ({"<name>_met": bool}) and `slo_met` (every one met)."""
+        return {"slo": {f"{k}_met": v for k, v in self.met.items()}, "slo_met": self.all_met}
+
+
+def slo_fields(rec: dict[str, Any], slos: dict[str, float]) -> SloCheck:
+    """Which SLOs a measured request (its record fields) met: `slo_met` is True only when it met every
+    one that is set.
 
     slos: {"ttft_s": limit, "tpot_s": limit, "e2e_s": limit} (those set). TPOT is seconds per output
     token after the first, as latency.tpot."""
     from moebench.speed.latency import tpot
     values = {"ttft_s": rec.get("ttft_s"), "tpot_s": tpot(rec), "e2e_s": rec.get("e2e_s")}
-    met = {k: (values[k] is not None and values[k] <= limit) for k, limit in slos.items()}
-    return {"slo": {f"{k}_met": v for k, v in met.items()}, "slo_met": all(met.values())}
+    return SloCheck({k: (values[k] is not None and values[k] <= limit) for k, limit in slos.items()})
 
 
 class MetricsSampler:
@@ -89,19 +105,32 @@ def sweep_rates(start: float, factor: float, steps: int) -> list[float]:
     return [round(start * factor ** k, 6) for k in range(steps)]
 
 
-def sweep_stop(step_records: list[dict[str, Any]], n_sent: int, first_ttft_median: float | None,
-               max_error_rate: float, max_queue_delay_s: float) -> tuple[str | None, dict[str, Any]]:
-    """The sweep's stop rule for one finished step: (reason or None, the figures it judged).
+@dataclass(frozen=True)
+class SweepFigures:
+    """What the sweep's stop rule judged of one step."""
+
+    error_rate: float
+    ttft_median_s: float | None
+    queue_delay_s: float | None      # this step's median TTFT minus the first step's
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error_rate": self.error_rate, "ttft_median_s": self.ttft_median_s,
+                "queue_delay_s": self.queue_delay_s}
+
+
+def sweep_stop(ttfts: list[float], n_sent: int, first_ttft_median: float | None,
+               max_error_rate: float, max_queue_delay_s: float) -> tuple[str | None, SweepFigures]:
+    """The sweep's stop rule for one finished step, from the TTFTs of its requests that were measured (the
+    rest of the `n_sent` errored): (reason or None, the figures it judged).
 
     Stop when the step's error rate (errors / requests sent) passes `max_error_rate`, or when its
     queueing delay, the median TTFT at this rate minus the median TTFT of the sweep's first (lowest)
     rate, passes `max_queue_delay_s`: waiting in the server's queue shows up in TTFT."""
-    ok = [r for r in step_records if r.get("ttft_s") is not None]
-    errors = n_sent - len(ok)
+    errors = n_sent - len(ttfts)
     error_rate = errors / n_sent if n_sent else 0.0
-    median = statistics.median(r["ttft_s"] for r in ok) if ok else None
+    median = statistics.median(ttfts) if ttfts else None
     delay = (median - first_ttft_median) if median is not None and first_ttft_median is not None else None
-    figures = {"error_rate": error_rate, "ttft_median_s": median, "queue_delay_s": delay}
+    figures = SweepFigures(error_rate, median, delay)
     if error_rate > max_error_rate:
         return f"error rate {error_rate:.3g} > sweep_max_error_rate {max_error_rate:g}", figures
     if delay is not None and delay > max_queue_delay_s:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,10 @@ from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerErr
 from moebench.runners.metrics import serving_summary, spec_decode_delta
 from moebench.speed.compare import read_token_times, summarize_speed
 from moebench.speed.load_compare import summarize_load
-from moebench.speed.open_loop import (ARRIVALS, MetricsSampler, arrival_offsets, slo_fields, sweep_rates,
-                                      sweep_stop)
+from moebench.speed.open_loop import (ARRIVALS, MetricsSampler, SloCheck, arrival_offsets, slo_fields,
+                                      sweep_rates, sweep_stop)
+from moebench.speed.records import (ClosedGroup, ClosedPlace, DraftFigures, Goodput, Measurement, OpenPlace,
+                                    RateGroup, Sampling, SkippedStep, SpeedRecord, SweepStep, Timing)
 from moebench.store import open_append
 from moebench.tasks.base import Item, Task, TaskContext, count_flagged, prompt_hash, prompt_tokens_check
 from moebench.tasks.needle import HAYSTACK_FILE, HaystackIndex, build_index, fit_haystack, load_haystack
@@ -87,19 +90,6 @@ MAX_RATE = 100_000            # requests per second
 MAX_LOAD_REQUESTS = 100_000   # requests per rate
 
 
-def draft_fields(timings: dict[str, Any] | None, output_tokens: int | None) -> dict[str, Any]:
-    """Speculative decoding figures from the backend's draft counters; {} where it reports none."""
-    t = timings or {}
-    drafted, accepted = t.get("draft_n"), t.get("draft_n_accepted")
-    if not isinstance(drafted, int) or not isinstance(accepted, int) or isinstance(drafted, bool):
-        return {}
-    out: dict[str, Any] = {"draft_n": drafted, "draft_n_accepted": accepted,
-                           "acceptance_rate": accepted / drafted if drafted > 0 else None}
-    n = output_tokens or 0
-    out["tokens_per_step"] = n / (n - accepted) if n > accepted >= 0 else None
-    return out
-
-
 def measurement_prefix(seed: int, prompt_len: int, clients: int, repeat: int, client: int) -> str:
     """A unique, reproducible opening: differs per measurement, identical across processes (A/B)."""
     rng = random.Random(f"speed:{seed}:{prompt_len}:{clients}:{repeat}:{client}")
@@ -111,24 +101,6 @@ def load_prefix(seed: int, prompt_len: int, rate: float, request: int) -> str:
     """A unique opening per open-loop request (differs across rates too: no prefix cache between steps)."""
     rng = random.Random(f"load:{seed}:{prompt_len}:{rate!r}:{request}")
     return f"Request {rng.getrandbits(32):08x} {rng.getrandbits(32):08x}. Continue the story.\n\n"
-
-
-def timing_fields(token_times: list[float] | None, prompt_tokens: int | None,
-                  output_tokens: int | None) -> dict[str, Any]:
-    """TTFT, prefill tok/s and decode tok/s from token arrival times (seconds from the request start)."""
-    if not token_times:
-        raise RunnerError("the runner returned no token_times: streaming is needed to time a request")
-    n_out = int(output_tokens or len(token_times))
-    ttft = float(token_times[0])
-    window = float(token_times[-1]) - ttft
-    return {
-        "ttft_s": ttft,
-        "prefill_tok_s": (prompt_tokens / ttft) if prompt_tokens and ttft > 0 else None,
-        "decode_tok_s": ((n_out - 1) / window) if n_out > 1 and window > 0 else None,
-        "decode_window_s": window,
-        "e2e_s": float(token_times[-1]),
-        "n_chunks": len(token_times),
-    }
 
 
 class SpeedTask(Task):
@@ -193,8 +165,7 @@ class SpeedTask(Task):
         self.repeats = int(opts["repeats"])
         self.warmup = int(opts["warmup"])
         self.seed = int(opts["seed"])
-        self.sampling = {"temperature": float(opts["temperature"]), "top_p": opts.get("top_p"),
-                         "top_k": opts.get("top_k"), "seed": self.seed}
+        self.sampling = Sampling(float(opts["temperature"]), opts.get("top_p"), opts.get("top_k"), self.seed)
         self.arrival = str(opts["arrival"])
         self.burstiness = float(opts["burstiness"])
         self.requests = int(opts["requests"])
@@ -205,7 +176,7 @@ class SpeedTask(Task):
         self.slos = {k: float(opts[f"slo_{k}"]) for k in ("ttft_s", "tpot_s", "e2e_s")
                      if opts.get(f"slo_{k}") is not None}
         self.metrics_interval_s = float(opts["metrics_interval_s"])
-        self._sweep_state: dict[int, dict[str, Any]] = {}      # prompt length -> first median, stop
+        self._sweep_state: dict[int, _SweepState] = {}      # per prompt length
         self.index: HaystackIndex | None = None
         self._text: str | None = None
         self._groups: dict[tuple, asyncio.Task] = {}
@@ -231,7 +202,7 @@ class SpeedTask(Task):
 
     def needs(self, runner: Runner) -> set[str]:
         needs = {Capability.GENERATE, Capability.STREAM}
-        if self.sampling["top_p"] is not None or self.sampling["top_k"] is not None:
+        if self.sampling.top_p is not None or self.sampling.top_k is not None:
             needs.add(Capability.SAMPLING)
         return needs
 
@@ -277,43 +248,47 @@ class SpeedTask(Task):
 
     # -- measuring -------------------------------------------------------------------------------
     async def measure(self, runner: Runner, prompt: str, prompt_tokens: int | None,
-                      concurrent: bool) -> dict[str, Any]:
+                      concurrent: bool) -> Measurement:
         request = GenerateRequest(prompt=prompt, max_tokens=self.output_tokens,
-                                  temperature=self.sampling["temperature"], seed=self.seed,
-                                  top_p=self.sampling["top_p"], top_k=self.sampling["top_k"],
+                                  temperature=self.sampling.temperature, seed=self.seed,
+                                  top_p=self.sampling.top_p, top_k=self.sampling.top_k,
                                   stream=True, ignore_eos=True, cache_prompt=False)
         t_start = time.perf_counter()
         result = await runner.generate(request)
         t_end = time.perf_counter()
         real_prompt_tokens = prompt_tokens or result.prompt_tokens
-        fields = timing_fields(result.token_times, real_prompt_tokens, result.output_tokens)
+        fields = Timing.of(result.token_times, real_prompt_tokens, result.output_tokens)
         if not concurrent:          # phases are only meaningful with one request in flight
             _mark(self.ctx, "prefill", t_start)
-            _mark(self.ctx, "decode", t_start + fields["ttft_s"])
+            _mark(self.ctx, "decode", t_start + fields.ttft_s)
             _mark(self.ctx, "idle", t_end)
             _count_tokens(self.ctx, real_prompt_tokens or 0, result.output_tokens or len(result.token_times or []))
-        return {
-            **result.to_record_fields(),
-            "prompt_hash": prompt_hash(prompt),
-            "prompt_tokens": real_prompt_tokens,
-            "prompt_tokens_source": "tokenizer" if prompt_tokens else ("server" if result.prompt_tokens else None),
-            "runner_prompt_tokens": result.prompt_tokens,
-            **prompt_tokens_check(prompt_tokens, result.prompt_tokens),
-            "output_tokens": result.output_tokens or len(result.token_times or []),
-            "output_tokens_requested": self.output_tokens,
-            "stopped_early": (result.output_tokens or 0) < self.output_tokens,
-            "sampling": dict(self.sampling),
-            **draft_fields(result.timings, result.output_tokens or len(result.token_times or [])),
-            **fields,
-            "_token_times": result.token_times,
-        }
+        n_out = result.output_tokens or len(result.token_times or [])
+        return Measurement(
+            result_fields=result.to_record_fields(),
+            prompt_hash=prompt_hash(prompt),
+            prompt_tokens=real_prompt_tokens,
+            prompt_tokens_source="tokenizer" if prompt_tokens else ("server" if result.prompt_tokens else None),
+            runner_prompt_tokens=result.prompt_tokens,
+            prompt_tokens_check=prompt_tokens_check(prompt_tokens, result.prompt_tokens),
+            output_tokens=n_out,
+            output_tokens_requested=self.output_tokens,
+            stopped_early=(result.output_tokens or 0) < self.output_tokens,
+            sampling=self.sampling,
+            draft=DraftFigures.of(result.timings, n_out),
+            timing=fields,
+            token_times=list(result.token_times or []))
+
+    def _slo_check(self, m: Measurement, place: ClosedPlace | OpenPlace) -> SloCheck | None:
+        """The SLOs the request met, judged on its record's fields; None where the suite sets none."""
+        return slo_fields({**m.to_json(), **place.to_json()}, self.slos) if self.slos else None
 
     async def run_group(self, runner: Runner, length: int, clients: int,
-                        wanted: set[str] | None = None) -> dict[str, dict[str, Any] | BaseException]:
+                        wanted: set[str] | None = None) -> dict[str, SpeedRecord | BaseException]:
         """All measurements of one (prompt length, clients) group: N closed-loop clients x repeats.
 
-        Prompts are built (tokenized) before the clock starts. Returns item id -> record fields,
-        or the exception that measurement raised.
+        Prompts are built (tokenized) before the clock starts. Returns item id -> record, or the
+        exception that measurement raised.
         """
         _mark(self.ctx, "prepare", time.perf_counter())     # tokenizing prompts: host work, not idle
         prompts: dict[tuple[int, int], tuple[str, int | None]] = {}
@@ -329,18 +304,16 @@ class SpeedTask(Task):
                 await self.measure(runner, prompt, n, concurrent=True)
             except Exception:
                 pass                       # a failed warm-up shows up in the measurements themselves
-        results: dict[str, dict[str, Any] | BaseException] = {}
+        results: dict[str, SpeedRecord | BaseException] = {}
 
         async def client_loop(c: int) -> None:
             for rep in range(self.repeats):
                 item_id = f"speed/{length}/{clients}/{rep}/{c}"
                 prompt, n = prompts[(rep, c)]
                 try:
-                    rec = await self.measure(runner, prompt, n, concurrent=clients > 1)
-                    rec.update(prompt_length=length, clients=clients, repeat=rep, client=c)
-                    if self.slos:
-                        rec.update(slo_fields(rec, self.slos))
-                    results[item_id] = rec
+                    m = await self.measure(runner, prompt, n, concurrent=clients > 1)
+                    place = ClosedPlace(length, clients, rep, c)
+                    results[item_id] = SpeedRecord(m, place, self._slo_check(m, place))
                 except Exception as e:
                     results[item_id] = e
 
@@ -352,29 +325,26 @@ class SpeedTask(Task):
         duration = time.perf_counter() - t0
         _mark(self.ctx, "idle", time.perf_counter())
         group_spec = spec_decode_delta(before, await runner.server_metrics() if before else None)
-        group = {"arrival": "closed", "clients": clients, "duration_s": duration, "n_sent": len(results),
-                 **_goodput_fields(results, duration), "server": serving_summary(sampler.samples, self.metrics_interval_s)}
+        group = ClosedGroup(clients, duration, len(results), _goodput(results, duration),
+                            serving_summary(sampler.samples, self.metrics_interval_s))
         for rec in results.values():
-            if isinstance(rec, dict):
-                rec["group"] = group
-                if group_spec is not None:
-                    rec["group_spec_decode"] = group_spec
+            if isinstance(rec, SpeedRecord):
+                rec.group, rec.group_spec_decode = group, group_spec
         self._write_token_times(results)
         self._write_samples(f"{length}/{clients}", sampler.samples)
         return results
 
-    async def run_rate_group(self, runner: Runner, length: int, rate: float) -> dict[str, dict[str, Any] | BaseException]:
+    async def run_rate_group(self, runner: Runner, length: int,
+                             rate: float) -> dict[str, SpeedRecord | SkippedStep | BaseException]:
         """`requests` requests sent at `rate` per second on the arrival schedule, each as its own task.
 
         The clock of the schedule starts after the prompts are built and the warm-up is done. A sweep
         step after the one that met the stop rule is not sent: its records say `sweep_skipped`."""
         ids = [f"speed/{length}/r{rate:g}/{i}" for i in range(self.requests)]
-        state = self._sweep_state.setdefault(length, {})
+        state = self._sweep_state.setdefault(length, _SweepState())
         step = self.rates.index(rate)
-        if self.sweep and state.get("stopped"):
-            skipped = {"prompt_length": length, "arrival": self.arrival, "rate": rate, "sweep_step": step,
-                       "sweep_skipped": True, "sweep_stopped_at": state["stopped"]}
-            return {i: {**skipped, "request": n} for n, i in enumerate(ids)}
+        if self.sweep and state.stopped:
+            return {i: SkippedStep(length, self.arrival, rate, step, state.stopped, n) for n, i in enumerate(ids)}
         _mark(self.ctx, "prepare", time.perf_counter())
         prompts = [await self.build_prompt(runner, load_prefix(self.seed, length, rate, i), length)
                    for i in range(self.requests)]
@@ -386,7 +356,7 @@ class SpeedTask(Task):
             except Exception:
                 pass
         offsets = arrival_offsets(self.arrival, rate, self.requests, self.burstiness, self.seed)
-        results: dict[str, dict[str, Any] | BaseException] = {}
+        results: dict[str, SpeedRecord | SkippedStep | BaseException] = {}
         flight = {"now": 0, "max": 0}
         t0 = 0.0
 
@@ -398,14 +368,10 @@ class SpeedTask(Task):
             in_flight = flight["now"]
             try:
                 prompt, n = prompts[i]
-                rec = await self.measure(runner, prompt, n, concurrent=True)
-                rec.update(prompt_length=length, arrival=self.arrival, rate=rate, request=i,
-                           scheduled_s=offsets[i], sent_s=sent, in_flight_at_send=in_flight)
-                if self.sweep:
-                    rec["sweep_step"] = step
-                if self.slos:
-                    rec.update(slo_fields(rec, self.slos))
-                results[ids[i]] = rec
+                m = await self.measure(runner, prompt, n, concurrent=True)
+                place = OpenPlace(length, self.arrival, rate, i, offsets[i], sent, in_flight,
+                                  step if self.sweep else None)
+                results[ids[i]] = SpeedRecord(m, place, self._slo_check(m, place))
             except Exception as e:
                 results[ids[i]] = e
             finally:
@@ -417,23 +383,24 @@ class SpeedTask(Task):
             await asyncio.gather(*(one(i) for i in range(self.requests)))
             duration = time.perf_counter() - t0
         _mark(self.ctx, "idle", time.perf_counter())
-        group: dict[str, Any] = {
-            "arrival": self.arrival, "rate": rate, "burstiness": self.burstiness if self.arrival == "gamma" else None,
-            "duration_s": duration, "n_sent": self.requests, "last_send_s": offsets[-1],
-            "max_in_flight": flight["max"], "client_concurrency": getattr(runner, "concurrency", None),
-            "slos": dict(self.slos), **_goodput_fields(results, duration),
-            "server": serving_summary(sampler.samples, self.metrics_interval_s)}
+        sweep = None
         if self.sweep:
-            ok = [r for r in results.values() if isinstance(r, dict)]
-            reason, figures = sweep_stop(ok, self.requests, state.get("first_ttft_median"), **self.sweep_rule)
+            ttfts = [r.measurement.timing.ttft_s for r in results.values() if isinstance(r, SpeedRecord)]
+            reason, figures = sweep_stop(ttfts, self.requests, state.first_ttft_median, **self.sweep_rule)
             if step == 0:
-                state["first_ttft_median"] = figures["ttft_median_s"]
+                state.first_ttft_median = figures.ttft_median_s
             if reason:
-                state["stopped"] = f"rate {rate:g}: {reason}"
-            group["sweep"] = {"step": step, **figures, "stop": reason, "rule": dict(self.sweep_rule)}
+                state.stopped = f"rate {rate:g}: {reason}"
+            sweep = SweepStep(step, figures, reason, self.sweep_rule)
+        group = RateGroup(
+            arrival=self.arrival, rate=rate, burstiness=self.burstiness if self.arrival == "gamma" else None,
+            duration_s=duration, n_sent=self.requests, last_send_s=offsets[-1], max_in_flight=flight["max"],
+            client_concurrency=getattr(runner, "concurrency", None), slos=self.slos,
+            goodput=_goodput(results, duration), server=serving_summary(sampler.samples, self.metrics_interval_s),
+            sweep=sweep)
         for rec in results.values():
-            if isinstance(rec, dict):
-                rec["group"] = group
+            if isinstance(rec, SpeedRecord):
+                rec.group = group
         self._write_token_times(results)
         self._write_samples(f"{length}/r{rate:g}", sampler.samples)
         return results
@@ -451,12 +418,12 @@ class SpeedTask(Task):
                 row = {"group": group, "t_s": t, "values": {k: v for k, v in reading.items() if k in wanted}}
                 f.write((jsonout.dumps(row) + "\n").encode("utf-8"))
 
-    def _write_token_times(self, results: dict[str, Any]) -> None:
+    def _write_token_times(self, results: dict[str, SpeedRecord | SkippedStep | BaseException]) -> None:
         """Per-token arrival times go beside items.jsonl (bulk data), not into the records."""
         rows = []
         for item_id, rec in results.items():
-            if isinstance(rec, dict):
-                rows.append({"item_id": item_id, "token_times": rec.pop("_token_times", None)})
+            if isinstance(rec, SpeedRecord):
+                rows.append({"item_id": item_id, "token_times": rec.measurement.token_times})
         if self.ctx.run_dir is not None and rows:
             path = Path(self.ctx.run_dir) / "speed_token_times.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -474,7 +441,7 @@ class SpeedTask(Task):
         if self._group_lock is None:
             self._group_lock = asyncio.Lock()
         if key not in self._groups:
-            async def guarded() -> dict[str, Any]:
+            async def guarded() -> dict[str, SpeedRecord | SkippedStep | BaseException]:
                 assert self._group_lock is not None
                 async with self._group_lock:
                     if open_loop:
@@ -487,7 +454,7 @@ class SpeedTask(Task):
             raise RunnerError(f"{item.item_id}: no measurement was made")
         if isinstance(rec, BaseException):
             raise rec
-        return {"correct": None, "answer": None, "reference": None, **rec}
+        return {"correct": None, "answer": None, "reference": None, **rec.to_json()}
 
     def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         ok = [r for r in records if r.get("status") == "ok"]
@@ -495,17 +462,24 @@ class SpeedTask(Task):
         return {"n": len(records), "n_ok": len(ok),
                 "n_errors": sum(1 for r in records if r.get("status") == "error"),
                 "n_prompt_tokens_flagged": count_flagged(records),
-                "sampling": dict(self.sampling),
+                "sampling": self.sampling.to_json(),
                 "by_prompt_length": summarize_speed(ok, times),
                 **({"load": summarize_load(records)} if self.rates else {})}
 
 
-def _goodput_fields(results: dict[str, Any], duration: float) -> dict[str, Any]:
-    """The group's goodput as measured (requests that finished within every SLO per second of its wall
-    time; without SLOs every finished request counts) and the share of requests sent that made it."""
-    met = sum(1 for r in results.values() if isinstance(r, dict) and r.get("slo_met", True))
-    return {"goodput": met / duration if duration > 0 else None,
-            "slo_met_share": met / len(results) if results else None}
+@dataclass
+class _SweepState:
+    """A sweep's progress at one prompt length: the first step's median TTFT (the queueing delay's zero)
+    and, once a step met the stop rule, why (later steps are not sent)."""
+
+    first_ttft_median: float | None = None
+    stopped: str | None = None
+
+
+def _goodput(results: dict[str, SpeedRecord | SkippedStep | BaseException], duration: float) -> Goodput:
+    """Requests that finished within every SLO (without SLOs every finished request counts)."""
+    met = sum(1 for r in results.values() if isinstance(r, SpeedRecord) and (r.slo is None or r.slo.all_met))
+    return Goodput.of(met, len(results), duration)
 
 
 # --- probe plumbing -------------------------------------------------------------------------------
