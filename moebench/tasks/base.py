@@ -21,9 +21,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypedDict, TypeVar
+from typing import Any, Generic, Protocol, TypedDict, TypeVar
 
-from moebench.config import Field
+from moebench.config import Field, RunnerProfile
 from moebench.json_types import JsonObject
 from moebench.runners.base import Capability, GenerateResult, Runner
 from moebench.store.records import ItemRecord
@@ -49,6 +49,13 @@ class TaskOptions(TypedDict, total=False):
     limit: int
 
 
+class PhaseProbe(Protocol):
+    """The background probe as tasks see it (moebench.probes.nvml.NvmlProbe): told which phase the work
+    is in, now or at a past perf_counter instant."""
+
+    def mark(self, phase: str, at: float | None = None) -> None: ...
+
+
 @dataclass
 class TaskContext:
     """What a task may use besides its options."""
@@ -57,8 +64,8 @@ class TaskContext:
     run_dir: Path | None = None          # where bulk side files go (KLD arrays, timings)
     baseline_run: Path | None = None     # `--baseline RUN` for tasks that need a reference
     data_files: dict[str, str] = field(default_factory=dict)   # path -> sha256, filled by tasks
-    probe: Any = None                    # a probe with .mark(phase) while NVML sampling runs, else None
-    runner_profile: Any = None           # the resolved RunnerProfile (A/B speed runs spawn fresh ones)
+    probe: PhaseProbe | None = None      # the probe while NVML sampling runs, else None
+    runner_profile: RunnerProfile | None = None   # the resolved profile (A/B speed runs spawn fresh ones)
 
     def mark(self, phase: str) -> None:
         """Tell the background probe which phase the work is in (load, prefill, decode, idle)."""
