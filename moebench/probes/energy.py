@@ -15,7 +15,8 @@ from typing import Any, Iterable, Mapping, TypedDict
 from moebench.config import ProbeKeys
 from moebench.json_types import JsonObject
 from moebench.probes.records import (WORK_PHASES, CardBrief, CardEnergy, CardsSummary, Cost, EnergyFigures,
-                                     EnergySummary, GrossNet, MemorySummary, PhaseEnergy, TokenEnergy, WholeRun)
+                                     EnergySummary, GrossNet, MemorySummary, PhaseEnergy, PhaseTokens, TokenEnergy,
+                                     WholeRun)
 
 JOULES_PER_KWH = 3.6e6
 POWER_COLUMNS = ("power_instant_w", "power_usage_w", "power_w", "power_avg_w")   # preference order
@@ -154,14 +155,14 @@ class Tariffs:
 
 
 def energy_summary(samples: Any, phases: Iterable[PhaseRow],
-                   tokens: dict[str, int] | None = None,
+                   tokens: PhaseTokens | None = None,
                    tariffs: Tariffs | TariffTable | None = None) -> JsonObject:
     """summarize(...) as the JSON the manifest's probe summary holds."""
     return summarize(samples, phases, tokens=tokens, tariffs=tariffs).to_json()
 
 
 def summarize(samples: Any, phases: Iterable[PhaseRow],
-              tokens: dict[str, int] | None = None,
+              tokens: PhaseTokens | None = None,
               tariffs: Tariffs | TariffTable | None = None) -> EnergySummary:
     """Memory and energy figures of one sampled run.
 
@@ -220,12 +221,12 @@ def summarize(samples: Any, phases: Iterable[PhaseRow],
         energy_source="counter" if has_counter else ("integral" if has_power else None),
         power_column=power_col, idle_power_w=idle_w, idle_phase=idle_name,
         negative_deltas_rejected=rejected, phases=per_phase, whole_run=whole)
-    tokens = {k: int(v) for k, v in (tokens or {}).items()}
+    counted = {k: int(v) for k, v in (tokens or {}).items()}
     work_gross = work_net = 0.0
     work_tokens = 0
     net_ok = True
     for ph in WORK_PHASES:
-        n = tokens.get(ph, 0)
+        n = counted.get(ph, 0)
         pe = per_phase.get(ph)
         if not n or pe is None or pe.energy_j is None:
             continue
@@ -276,13 +277,13 @@ def summed_rows(rows: list[Sample], cards: list[int | str]) -> list[Sample]:
     return out
 
 
-def cards_summary(samples: Any, phases: Iterable[PhaseRow], tokens: dict[str, int] | None = None,
+def cards_summary(samples: Any, phases: Iterable[PhaseRow], tokens: PhaseTokens | None = None,
                   tariffs: Tariffs | TariffTable | None = None) -> JsonObject:
     """summarize_cards(...) as the JSON the manifest's probe summary holds."""
     return summarize_cards(samples, phases, tokens=tokens, tariffs=tariffs).to_json()
 
 
-def summarize_cards(samples: Any, phases: Iterable[PhaseRow], tokens: dict[str, int] | None = None,
+def summarize_cards(samples: Any, phases: Iterable[PhaseRow], tokens: PhaseTokens | None = None,
                     tariffs: Tariffs | TariffTable | None = None) -> CardsSummary:
     """summarize over one or several cards (samples with a `gpu` column, one row per card and tick).
 
@@ -310,7 +311,7 @@ def _card_energy(e: EnergyFigures | None) -> CardEnergy | None:
     return CardEnergy.of(e) if e is not None else None
 
 
-def tokens_from_records(records: Iterable[JsonObject], tasks: tuple[str, ...] = ("speed", "needle")) -> dict[str, int]:
+def tokens_from_records(records: Iterable[JsonObject], tasks: tuple[str, ...] = ("speed", "needle")) -> PhaseTokens:
     """Prefill and decode token totals of ok records (prompt_tokens, output_tokens) of the given tasks."""
     pre = dec = 0
     for r in records:

@@ -36,7 +36,7 @@ from typing import Any, Callable, TypedDict
 
 from moebench.json_types import JsonObject
 from moebench.probes.energy import Sample, TariffTable, Tariffs, summarize_cards
-from moebench.probes.records import CardsSummary
+from moebench.probes.records import CardsSummary, PhaseTokens
 from moebench.store import write_bytes_atomic, write_json_atomic
 
 FI_POWER_INSTANT = 186    # NVML_FI_DEV_POWER_INSTANT
@@ -212,7 +212,7 @@ class NvmlProbe:
         self.available = True
         self.samples: list[Sample] = []
         self.phases: list[PhaseMark] = []
-        self.tokens = {"prefill": 0, "decode": 0}
+        self.tokens: PhaseTokens = {"prefill": 0, "decode": 0}
         self.read_errors = 0
         self.run_dir: Path | None = None
         self._t0: float | None = None
@@ -287,12 +287,12 @@ class NvmlProbe:
                 self.tokens["prefill"] += int(prefill)
                 self.tokens["decode"] += int(decode)
 
-    def stop(self, tokens: dict[str, int] | None = None,
+    def stop(self, tokens: PhaseTokens | None = None,
              tariffs: Tariffs | TariffTable | None = None) -> JsonObject:
         """stop_report(...) as the manifest's probes.nvml: {available, files, n_samples, summary, ...}."""
         return self.stop_report(tokens=tokens, tariffs=tariffs).to_json()
 
-    def stop_report(self, tokens: dict[str, int] | None = None,
+    def stop_report(self, tokens: PhaseTokens | None = None,
                     tariffs: Tariffs | TariffTable | None = None) -> NvmlReport | NoSamples:
         """Stop, write the samples and marks, and report them (NoSamples where NVML is absent or the
         probe never started)."""
@@ -350,7 +350,7 @@ class NvmlReport:
     gpu_indices: list[int]
     n_samples: int
     read_errors: int
-    tokens: dict[str, int]                  # prefill and decode tokens, for J/token
+    tokens: PhaseTokens                     # prefill and decode tokens, for J/token
     files: dict[str, str] | None            # samples_file, phases_file (in the run directory)
     summary: CardsSummary
 

@@ -9,7 +9,7 @@ same JSON again.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Callable, TypeVar
+from typing import Callable, TypedDict, TypeVar
 
 from moebench.json_types import JsonObject, JsonValue
 from moebench.store import StoreError
@@ -19,6 +19,13 @@ T = TypeVar("T")
 WORK_PHASES = ("prefill", "decode")
 # The figures a card's brief keeps of each of its phases (CardPhase's fields, in written order).
 CARD_PHASE_KEYS = ("duration_s", "energy_j", "counter_j", "integral_j", "net_j", "mean_power_w")
+
+
+class PhaseTokens(TypedDict, total=False):
+    """Tokens processed inside the marked work phases (for J/token); a phase left out had none."""
+
+    prefill: int
+    decode: int
 
 
 class SummaryError(StoreError):
