@@ -7,8 +7,9 @@ import time
 import pandas as pd
 import pytest
 
-from moebench.probes.energy import (counter_energy_j, energy_summary, integrated_energy_j,
-                                    memory_energy_compare, phase_windows, tokens_from_records)
+from moebench.probes.energy import (counter_energy_j, energy_summary, integrated_energy_j, phase_windows,
+                                    tokens_from_records)
+from moebench.probes.energy_compare import memory_energy_compare
 from moebench.probes.nvml import NvmlProbe, read_samples
 
 

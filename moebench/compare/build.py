@@ -104,7 +104,7 @@ def compare_runs(base_dir: str | Path, cand_dir: str | Path, speed_ab: str | Pat
         from moebench.speed.compare import read_token_times, speed_compare
         sections["speed"] = speed_compare(_records_of(brecs_raw, "speed"), _records_of(crecs_raw, "speed"),
                                           read_token_times(base_dir), read_token_times(cand_dir))
-    mem = _optional("moebench.probes.energy", "memory_energy_compare")
+    mem = _optional("moebench.probes.energy_compare", "memory_energy_compare")
     if mem is not None and (bm.probes or cm.probes):
         section = mem(bm_raw, cm_raw)
         if section:

@@ -9,15 +9,17 @@ gross and net figures are reported.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, TypedDict
 
 from moebench.config import ProbeKeys
-from moebench.store.records import Section
+from moebench.json_types import JsonObject
+from moebench.probes.records import (WORK_PHASES, CardBrief, CardEnergy, CardsSummary, Cost, EnergyFigures,
+                                     EnergySummary, GrossNet, MemorySummary, PhaseEnergy, PhaseTokens, TokenEnergy,
+                                     WholeRun)
 
 JOULES_PER_KWH = 3.6e6
 POWER_COLUMNS = ("power_instant_w", "power_usage_w", "power_w", "power_avg_w")   # preference order
-WORK_PHASES = ("prefill", "decode")
 
 # One sample row: t (seconds), gpu (the card's NVML index; "sum" in a per-tick sum) and the counters
 # (moebench.probes.nvml.SAMPLE_COLUMNS), None or NaN where the card did not answer.
@@ -105,22 +107,6 @@ def _rel(a: float | None, b: float | None) -> float | None:
     return (a - b) / b if a is not None and b else None
 
 
-@dataclass
-class MemorySummary:
-    """Device memory over a sampled run (bytes; None where no sample had the figure)."""
-
-    source: str
-    n_samples: int
-    interval_s_median: float | None
-    peak_used_bytes: int | None
-    min_free_bytes: int | None
-    reserved_bytes: int | None
-    total_bytes: int | None
-
-    def to_json(self) -> dict[str, str | int | float | None]:
-        return asdict(self)
-
-
 def memory_summary(samples: Any) -> MemorySummary:
     rows = _rows(samples)
     used = [float(r["mem_used_bytes"]) for r in rows if _num(r.get("mem_used_bytes"))]
@@ -140,105 +126,12 @@ def memory_summary(samples: Any) -> MemorySummary:
     )
 
 
-@dataclass
-class PhaseEnergy:
-    """One phase's energy, summed over its windows (joules; None where the run had no such series):
-    the counter's, the power integral's, the one used (`energy_j`: the counter's where present),
-    and net of the idle draw."""
+class TariffTable(TypedDict, total=False):
+    """Tariffs written as a table (tests, benchmarks): prices per kWh and their currency."""
 
-    windows: int = 0
-    duration_s: float = 0.0
-    counter_j: float | None = 0.0
-    integral_j: float | None = 0.0
-    energy_j: float | None = None
-    rel_diff_integral_vs_counter: float | None = None
-    mean_power_w: float | None = None
-    idle_j: float | None = None
-    net_j: float | None = None
-
-
-@dataclass(frozen=True)
-class WholeRun:
-    """Energy from the first sample to the last."""
-
-    duration_s: float
-    counter_j: float | None
-    integral_j: float | None
-    rel_diff_integral_vs_counter: float | None
-
-
-@dataclass(frozen=True)
-class TokenEnergy:
-    """Joules per token of one work phase."""
-
-    tokens: int
-    gross_j_per_token: float
-    net_j_per_token: float | None
-
-
-@dataclass(frozen=True)
-class GrossNet:
-    """A figure gross and net of the idle draw (kWh or money per million tokens)."""
-
-    gross: float
-    net: float | None
-
-
-@dataclass(frozen=True)
-class Cost:
-    """Money per million tokens at the day and the night tariff (each None where unset), by phase."""
-
+    day: float | None
+    night: float | None
     currency: str
-    day: dict[str, GrossNet] | None
-    night: dict[str, GrossNet] | None
-
-    def to_json(self) -> dict[str, str | dict[str, dict[str, float | None]]]:
-        out: dict[str, str | dict[str, dict[str, float | None]]] = {"currency": self.currency}
-        for when, figs in (("day", self.day), ("night", self.night)):
-            if figs is not None:
-                out[when] = {ph: asdict(g) for ph, g in figs.items()}
-        return out
-
-
-@dataclass
-class EnergyFigures:
-    """The energy of a sampled run: per phase, whole run, per token and priced."""
-
-    source: str
-    energy_source: str | None               # "counter", "integral" or None (neither series)
-    power_column: str | None
-    idle_power_w: float | None
-    idle_phase: str | None
-    negative_deltas_rejected: int
-    phases: dict[str, PhaseEnergy]
-    whole_run: WholeRun
-    per_token: dict[str, TokenEnergy] = field(default_factory=dict)
-    kwh_per_million_tokens: dict[str, GrossNet] = field(default_factory=dict)
-    cost_per_million_tokens: Cost | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "source": self.source, "energy_source": self.energy_source, "power_column": self.power_column,
-            "idle_power_w": self.idle_power_w, "idle_phase": self.idle_phase,
-            "negative_deltas_rejected": self.negative_deltas_rejected}
-        out["phases"] = {name: asdict(e) for name, e in self.phases.items()}
-        out["whole_run"] = asdict(self.whole_run)
-        out["per_token"] = {ph: asdict(t) for ph, t in self.per_token.items()}
-        out["kwh_per_million_tokens"] = {ph: asdict(g) for ph, g in self.kwh_per_million_tokens.items()}
-        if self.cost_per_million_tokens is not None:
-            out["cost_per_million_tokens"] = self.cost_per_million_tokens.to_json()
-        return out
-
-
-@dataclass
-class EnergySummary:
-    """Memory and energy figures of one sampled run (energy None where there were no samples)."""
-
-    memory: MemorySummary
-    energy: EnergyFigures | None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"memory": self.memory.to_json(), "energy": self.energy.to_json() if self.energy else None}
 
 
 @dataclass(frozen=True)
@@ -251,7 +144,7 @@ class Tariffs:
     currency: str = "EUR"
 
     @classmethod
-    def of(cls, value: "Tariffs | Mapping[str, Any] | None") -> "Tariffs | None":
+    def of(cls, value: "Tariffs | TariffTable | None") -> "Tariffs | None":
         """Tariffs from a table {"day", "night", "currency"} (tests, benchmarks); None for none or an
         empty table."""
         if value is None or isinstance(value, Tariffs):
@@ -262,15 +155,15 @@ class Tariffs:
 
 
 def energy_summary(samples: Any, phases: Iterable[PhaseRow],
-                   tokens: dict[str, int] | None = None,
-                   tariffs: Tariffs | Mapping[str, Any] | None = None) -> dict[str, Any]:
+                   tokens: PhaseTokens | None = None,
+                   tariffs: Tariffs | TariffTable | None = None) -> JsonObject:
     """summarize(...) as the JSON the manifest's probe summary holds."""
     return summarize(samples, phases, tokens=tokens, tariffs=tariffs).to_json()
 
 
 def summarize(samples: Any, phases: Iterable[PhaseRow],
-              tokens: dict[str, int] | None = None,
-              tariffs: Tariffs | Mapping[str, Any] | None = None) -> EnergySummary:
+              tokens: PhaseTokens | None = None,
+              tariffs: Tariffs | TariffTable | None = None) -> EnergySummary:
     """Memory and energy figures of one sampled run.
 
     samples: rows with t (s) and any of mem_*_bytes, energy_mj, power_instant_w / power_usage_w / power_w.
@@ -328,12 +221,12 @@ def summarize(samples: Any, phases: Iterable[PhaseRow],
         energy_source="counter" if has_counter else ("integral" if has_power else None),
         power_column=power_col, idle_power_w=idle_w, idle_phase=idle_name,
         negative_deltas_rejected=rejected, phases=per_phase, whole_run=whole)
-    tokens = {k: int(v) for k, v in (tokens or {}).items()}
+    counted = {k: int(v) for k, v in (tokens or {}).items()}
     work_gross = work_net = 0.0
     work_tokens = 0
     net_ok = True
     for ph in WORK_PHASES:
-        n = tokens.get(ph, 0)
+        n = counted.get(ph, 0)
         pe = per_phase.get(ph)
         if not n or pe is None or pe.energy_j is None:
             continue
@@ -384,47 +277,14 @@ def summed_rows(rows: list[Sample], cards: list[int | str]) -> list[Sample]:
     return out
 
 
-CARD_PHASE_KEYS = ("duration_s", "energy_j", "counter_j", "integral_j", "net_j", "mean_power_w")
-
-
-@dataclass(frozen=True)
-class CardBrief:
-    """A card's figures for the manifest: its memory, idle power, whole run and per-phase energy."""
-
-    index: int | str | None
-    memory: MemorySummary
-    energy: EnergyFigures | None
-
-    def to_json(self) -> dict[str, Any]:
-        e = self.energy
-        return {"index": self.index, "memory": self.memory.to_json(), "energy": {
-            "idle_power_w": e.idle_power_w, "power_column": e.power_column, "whole_run": asdict(e.whole_run),
-            "phases": {name: {k: getattr(ph, k) for k in CARD_PHASE_KEYS} for name, ph in e.phases.items()},
-        } if e is not None else None}
-
-
-@dataclass
-class CardsSummary(EnergySummary):
-    """EnergySummary of the headline (the one card, or the per-tick sum of several), how many cards,
-    what the headline is, and each card's brief."""
-
-    cards: int = 1
-    headline: str = "GPU"
-    gpus: list[CardBrief] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return {**super().to_json(), "cards": self.cards, "headline": self.headline,
-                "gpus": [g.to_json() for g in self.gpus]}
-
-
-def cards_summary(samples: Any, phases: Iterable[PhaseRow], tokens: dict[str, int] | None = None,
-                  tariffs: Tariffs | Mapping[str, Any] | None = None) -> dict[str, Any]:
+def cards_summary(samples: Any, phases: Iterable[PhaseRow], tokens: PhaseTokens | None = None,
+                  tariffs: Tariffs | TariffTable | None = None) -> JsonObject:
     """summarize_cards(...) as the JSON the manifest's probe summary holds."""
     return summarize_cards(samples, phases, tokens=tokens, tariffs=tariffs).to_json()
 
 
-def summarize_cards(samples: Any, phases: Iterable[PhaseRow], tokens: dict[str, int] | None = None,
-                    tariffs: Tariffs | Mapping[str, Any] | None = None) -> CardsSummary:
+def summarize_cards(samples: Any, phases: Iterable[PhaseRow], tokens: PhaseTokens | None = None,
+                    tariffs: Tariffs | TariffTable | None = None) -> CardsSummary:
     """summarize over one or several cards (samples with a `gpu` column, one row per card and tick).
 
     The headline memory and energy are the one card's, or with several cards those of their per-tick
@@ -436,18 +296,22 @@ def summarize_cards(samples: Any, phases: Iterable[PhaseRow], tokens: dict[str, 
     if len(cards) <= 1:
         one = summarize(rows, phases, tokens=tokens, tariffs=tariffs)
         return CardsSummary(one.memory, one.energy, cards=1, headline=f"GPU {cards[0]}" if cards else "GPU",
-                            gpus=[CardBrief(cards[0] if cards else None, one.memory, one.energy)])
+                            gpus=[CardBrief(cards[0] if cards else None, one.memory, _card_energy(one.energy))])
     rig = summarize(summed_rows(rows, cards), phases, tokens=tokens, tariffs=tariffs)
     rig.memory.source += f"; summed over GPUs {', '.join(map(str, cards))} at each tick"
     gpus = []
     for c in cards:
         card = summarize([r for r in rows if r.get("gpu") == c], phases)
-        gpus.append(CardBrief(c, card.memory, card.energy))
+        gpus.append(CardBrief(c, card.memory, _card_energy(card.energy)))
     return CardsSummary(rig.memory, rig.energy, cards=len(cards), headline=f"sum of GPUs {', '.join(map(str, cards))}",
                         gpus=gpus)
 
 
-def tokens_from_records(records: Iterable[Section], tasks: tuple[str, ...] = ("speed", "needle")) -> dict[str, int]:
+def _card_energy(e: EnergyFigures | None) -> CardEnergy | None:
+    return CardEnergy.of(e) if e is not None else None
+
+
+def tokens_from_records(records: Iterable[JsonObject], tasks: tuple[str, ...] = ("speed", "needle")) -> PhaseTokens:
     """Prefill and decode token totals of ok records (prompt_tokens, output_tokens) of the given tasks."""
     pre = dec = 0
     for r in records:
@@ -463,94 +327,3 @@ def tariffs_from_probes(probes: ProbeKeys) -> Tariffs | None:
     if day is None and night is None:
         return None
     return Tariffs(day=day, night=night, currency=probes.get("currency", "EUR"))
-
-
-def _summary_of(manifest: Section) -> Section | None:
-    """Where a run keeps the probe's summary: manifest["probes"]["nvml"]["summary"]."""
-    nv = ((manifest or {}).get("probes") or {}).get("nvml") or {}
-    return nv.get("summary") if nv.get("available") else None
-
-
-def memory_energy_compare(base_manifest: Section, cand_manifest: Section) -> dict[str, Section]:
-    """{"memory": ..., "energy": ...} for compare.json (its memory and energy sections) from two
-    manifest.json documents: both sides' figures and candidate/baseline ratios."""
-    b, c = _summary_of(base_manifest), _summary_of(cand_manifest)
-    why = {}
-    for side, s, m in (("baseline", b, base_manifest), ("candidate", c, cand_manifest)):
-        if s is None:
-            nv = ((m or {}).get("probes") or {}).get("nvml") or {}
-            why[side] = nv.get("reason") or "no NVML summary in the manifest"
-    if why:
-        return {"memory": {"available": False, "reason": why}, "energy": {"available": False, "reason": why}}
-
-    def ratio(x, y):
-        return (y / x) if x and y is not None else None
-
-    bm, cm = b["memory"], c["memory"]
-    memory: Section = {"available": True, "source": bm.get("source"), "baseline": bm, "candidate": cm}
-    for k in ("peak_used_bytes", "min_free_bytes", "reserved_bytes"):
-        memory[f"{k}_delta"] = (cm.get(k) - bm.get(k)) if cm.get(k) is not None and bm.get(k) is not None else None
-    memory["peak_used_ratio"] = ratio(bm.get("peak_used_bytes"), cm.get("peak_used_bytes"))
-    for side, m in (("baseline", base_manifest), ("candidate", cand_manifest)):
-        torch_peak = (m.get("engine") or {}).get("torch_peak_allocated_bytes") or m.get("torch_peak_allocated_bytes")
-        if torch_peak is not None:      # the engine's own counter, reported beside NVML's, never mixed
-            memory[f"torch_peak_allocated_bytes_{side}"] = torch_peak
-
-    be, ce = b.get("energy") or {}, c.get("energy") or {}
-    energy: Section = {"available": bool(be and ce), "baseline_idle_power_w": be.get("idle_power_w"),
-                       "candidate_idle_power_w": ce.get("idle_power_w"), "per_token": {}}
-    for ph in WORK_PHASES:
-        bp, cp = (be.get("per_token") or {}).get(ph), (ce.get("per_token") or {}).get(ph)
-        if bp and cp:
-            energy["per_token"][ph] = {
-                "baseline_net_j_per_token": bp["net_j_per_token"], "candidate_net_j_per_token": cp["net_j_per_token"],
-                "net_ratio": ratio(bp["net_j_per_token"], cp["net_j_per_token"]),
-                "baseline_gross_j_per_token": bp["gross_j_per_token"],
-                "candidate_gross_j_per_token": cp["gross_j_per_token"],
-                "gross_ratio": ratio(bp["gross_j_per_token"], cp["gross_j_per_token"])}
-    bk, ck = (be.get("kwh_per_million_tokens") or {}).get("all"), (ce.get("kwh_per_million_tokens") or {}).get("all")
-    if bk and ck:
-        energy["kwh_per_million_tokens"] = {"baseline": bk, "candidate": ck,
-                                            "net_ratio": ratio(bk.get("net"), ck.get("net"))}
-    for side, e in (("baseline", be), ("candidate", ce)):
-        if e.get("cost_per_million_tokens"):
-            energy[f"cost_per_million_tokens_{side}"] = e["cost_per_million_tokens"]
-    phases: dict[str, dict[str, Section]] = {}          # phase -> side -> figures
-    for side, e in (("baseline", be), ("candidate", ce)):
-        for name, ph in (e.get("phases") or {}).items():
-            phases.setdefault(name, {})[side] = {k: ph.get(k) for k in ("duration_s", "energy_j", "net_j",
-                                                                          "mean_power_w")}
-    energy["phases"] = phases
-    energy["whole_run"] = {"baseline": be.get("whole_run"), "candidate": ce.get("whole_run")}
-    for side, m, s in (("baseline", base_manifest, b), ("candidate", cand_manifest, c)):
-        torch_mem = (m.get("engine") or {}).get("torch_memory")
-        if torch_mem:
-            memory.setdefault("torch", {})[side] = torch_mem
-    memory["gpus"], energy["gpus"] = _cards_compare(b, c)
-    memory["cards"] = {side: {"cards": s.get("cards", 1), "headline": s.get("headline")}
-                       for side, s in (("baseline", b), ("candidate", c))}
-    return {"memory": memory, "energy": energy}
-
-
-MEMORY_KEYS = ("peak_used_bytes", "min_free_bytes", "reserved_bytes", "total_bytes", "n_samples")
-
-
-def _cards_compare(b: Section, c: Section) -> tuple[dict[str, dict[str, Section]], dict[str, dict[str, Section]]]:
-    """Per-card memory and energy of both runs, keyed "gpuN" (a card only one run sampled has one
-    side), plus "sum": the headline figures (the sum over cards, or the one card)."""
-    memory: dict[str, dict[str, Section]] = {}          # card key -> side -> figures
-    energy: dict[str, dict[str, Section]] = {}
-    for side, s in (("baseline", b), ("candidate", c)):
-        cards = [(f"gpu{g.get('index')}", g) for g in s.get("gpus") or []]
-        cards.append(("sum", {"memory": s.get("memory"), "energy": s.get("energy")}))
-        for key, g in cards:
-            mem = g.get("memory") or {}
-            memory.setdefault(key, {})[side] = {k: mem.get(k) for k in MEMORY_KEYS}
-            e = g.get("energy") or {}
-            whole = e.get("whole_run") or {}
-            energy.setdefault(key, {})[side] = {
-                "idle_power_w": e.get("idle_power_w"), "whole_run_counter_j": whole.get("counter_j"),
-                "whole_run_integral_j": whole.get("integral_j"),
-                "rel_diff_integral_vs_counter": whole.get("rel_diff_integral_vs_counter"),
-                "phases_j": {n: ph.get("energy_j") for n, ph in (e.get("phases") or {}).items()}}
-    return memory, energy

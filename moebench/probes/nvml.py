@@ -32,9 +32,11 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypedDict
+from typing import Any, Callable, TypedDict
 
-from moebench.probes.energy import CardsSummary, Sample, Tariffs, summarize_cards
+from moebench.json_types import JsonObject
+from moebench.probes.energy import Sample, TariffTable, Tariffs, summarize_cards
+from moebench.probes.records import CardsSummary, PhaseTokens
 from moebench.store import write_bytes_atomic, write_json_atomic
 
 FI_POWER_INSTANT = 186    # NVML_FI_DEV_POWER_INSTANT
@@ -184,7 +186,7 @@ class NvmlProbe:
     NVML (tests). nvml: a module with pynvml's API in place of pynvml (tests: a fake of N cards)."""
 
     def __init__(self, interval_ms: int = 100, gpu_index: int = 0, idle_s: float = 1.0,
-                 tariffs: Tariffs | Mapping[str, Any] | None = None,
+                 tariffs: Tariffs | TariffTable | None = None,
                  reader: Callable[[], Any] | None = None, gpu_indices: Any = None, nvml: Any = None):
         self.interval_s = max(0.001, interval_ms / 1000.0)
         self.gpu_index = gpu_index
@@ -210,7 +212,7 @@ class NvmlProbe:
         self.available = True
         self.samples: list[Sample] = []
         self.phases: list[PhaseMark] = []
-        self.tokens = {"prefill": 0, "decode": 0}
+        self.tokens: PhaseTokens = {"prefill": 0, "decode": 0}
         self.read_errors = 0
         self.run_dir: Path | None = None
         self._t0: float | None = None
@@ -285,13 +287,19 @@ class NvmlProbe:
                 self.tokens["prefill"] += int(prefill)
                 self.tokens["decode"] += int(decode)
 
-    def stop(self, tokens: dict[str, int] | None = None,
-             tariffs: Tariffs | Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Stop, write the samples and marks, return {available, files, n_samples, summary, ...}."""
+    def stop(self, tokens: PhaseTokens | None = None,
+             tariffs: Tariffs | TariffTable | None = None) -> JsonObject:
+        """stop_report(...) as the manifest's probes.nvml: {available, files, n_samples, summary, ...}."""
+        return self.stop_report(tokens=tokens, tariffs=tariffs).to_json()
+
+    def stop_report(self, tokens: PhaseTokens | None = None,
+                    tariffs: Tariffs | TariffTable | None = None) -> NvmlReport | NoSamples:
+        """Stop, write the samples and marks, and report them (NoSamples where NVML is absent or the
+        probe never started)."""
         if not self.available:
-            return {"available": False, "reason": self.reason}
+            return NoSamples(available=False, reason=self.reason)
         if self._thread is None:
-            return {"available": True, "n_samples": 0, "reason": "never started"}
+            return NoSamples(available=True, reason="never started")
         end = time.perf_counter() - (self._t0 or 0.0)
         self._stop.set()
         self._thread.join(timeout=10)
@@ -317,7 +325,20 @@ class NvmlProbe:
             interval_ms=self.interval_s * 1000.0, device=self.device, gpu_indices=cards, n_samples=len(samples),
             read_errors=self.read_errors, tokens=dict(tokens or self.tokens), files=files,
             summary=summarize_cards(samples, phases, tokens=tokens or self.tokens,
-                                    tariffs=Tariffs.of(tariffs) or self.tariffs)).to_json()
+                                    tariffs=Tariffs.of(tariffs) or self.tariffs))
+
+
+@dataclass(frozen=True)
+class NoSamples:
+    """A probe with nothing to report: NVML absent (available False), or never started (no samples)."""
+
+    available: bool
+    reason: str | None
+
+    def to_json(self) -> JsonObject:
+        if not self.available:
+            return {"available": False, "reason": self.reason}
+        return {"available": True, "n_samples": 0, "reason": self.reason}
 
 
 @dataclass(frozen=True)
@@ -329,12 +350,12 @@ class NvmlReport:
     gpu_indices: list[int]
     n_samples: int
     read_errors: int
-    tokens: dict[str, int]                  # prefill and decode tokens, for J/token
+    tokens: PhaseTokens                     # prefill and decode tokens, for J/token
     files: dict[str, str] | None            # samples_file, phases_file (in the run directory)
     summary: CardsSummary
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"available": True, "interval_ms": self.interval_ms, **(self.device or {}),
+    def to_json(self) -> JsonObject:
+        out: JsonObject = {"available": True, "interval_ms": self.interval_ms, **(self.device or {}),
                                "gpu_indices": self.gpu_indices, "n_samples": self.n_samples,
                                "read_errors": self.read_errors, "tokens": self.tokens}
         out.update(self.files or {})

@@ -149,7 +149,7 @@ def run_rig_context(manifest: Manifest, records: list[ItemRecord]) -> dict[str, 
     """The rig sections for a single run: its probe summary and engine telemetry, laid out as the
     candidate side of a compare."""
     from moebench.compare.engine import engine_compare
-    from moebench.probes.energy import memory_energy_compare
+    from moebench.probes.energy_compare import memory_energy_compare
     raw = manifest.to_dict()
     section = memory_energy_compare(raw, raw)
     compare = {k: _one_side(v) for k, v in section.items() if isinstance(v, dict) and v.get("available")}

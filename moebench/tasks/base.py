@@ -8,7 +8,9 @@ A task kind is a `Task` subclass with:
 - `items()`: the items in the dataset's own order (already cut to `limit`), ids stable across runs;
 - `evaluate(item, runner)`: ask and score one item, return its record (`store.records.ItemRecord`;
   the kld and speed tasks hand the record's fields as a JSON object);
-- `summarize(records)`: optional task-level figures for the manifest and compare.
+- `summary(records)`: optional task-level figures for the manifest and compare, typed
+  (`tasks.records.AccuracySummary` or a task's subclass); `summarize(lines)` is its JSON, from the
+  items.jsonl lines (the kld and speed tasks override `summarize` itself).
 
 A record has: task, item_id, status ("ok" | "error"), correct (bool or None), answer, reference,
 output (docs/design.md section 4), and what the task adds. `evaluate` raising any exception yields an
@@ -19,17 +21,39 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypedDict, TypeVar
 
-from moebench.config import Field
+from moebench.config import Field, RunnerProfile
+from moebench.json_types import JsonObject
 from moebench.runners.base import Capability, GenerateResult, Runner
-from moebench.store.records import ItemRecord, Section
+from moebench.store.records import ItemRecord
+from moebench.tasks.records import AccuracySummary
+
+D = TypeVar("D")
 
 
 @dataclass
-class Item:
+class Item(Generic[D]):
+    """One item of a task: its stable id and what the task needs to ask it (the task's own class)."""
+
     item_id: str
-    data: dict[str, Any] = field(default_factory=dict)
+    data: D
+
+
+class TaskOptions(TypedDict, total=False):
+    """A suite's [[tasks]] table as config.validate returns it: config.COMMON_TASK_SCHEMA's keys;
+    each task kind's options class adds its own `options` keys."""
+
+    task: str
+    name: str
+    limit: int
+
+
+class PhaseProbe(Protocol):
+    """The background probe as tasks see it (moebench.probes.nvml.NvmlProbe): told which phase the work
+    is in, now or at a past perf_counter instant."""
+
+    def mark(self, phase: str, at: float | None = None) -> None: ...
 
 
 @dataclass
@@ -40,8 +64,8 @@ class TaskContext:
     run_dir: Path | None = None          # where bulk side files go (KLD arrays, timings)
     baseline_run: Path | None = None     # `--baseline RUN` for tasks that need a reference
     data_files: dict[str, str] = field(default_factory=dict)   # path -> sha256, filled by tasks
-    probe: Any = None                    # a probe with .mark(phase) while NVML sampling runs, else None
-    runner_profile: Any = None           # the resolved RunnerProfile (A/B speed runs spawn fresh ones)
+    probe: PhaseProbe | None = None      # the probe while NVML sampling runs, else None
+    runner_profile: RunnerProfile | None = None   # the resolved profile (A/B speed runs spawn fresh ones)
 
     def mark(self, phase: str) -> None:
         """Tell the background probe which phase the work is in (load, prefill, decode, idle)."""
@@ -56,7 +80,7 @@ class Task:
     # "score": log-probs only). None: the task marks its own phases per item (speed, needle).
     phase: str | None = "generate"
 
-    def __init__(self, opts: dict[str, Any], ctx: TaskContext):
+    def __init__(self, opts: TaskOptions, ctx: TaskContext):
         self.opts = opts
         self.ctx = ctx
         self.name: str = opts.get("name") or self.kind
@@ -71,21 +95,23 @@ class Task:
     def items(self) -> list[Item]:
         raise NotImplementedError
 
-    async def evaluate(self, item: Item, runner: Runner) -> ItemRecord | Section:
+    async def evaluate(self, item: Item[Any], runner: Runner) -> ItemRecord | JsonObject:
         raise NotImplementedError
 
-    def record(self, item: Item, correct: bool | None, answer: str | None, reference: str | None,
-               output: str | None, extra: Section) -> ItemRecord:
-        """An answered item's record; `extra` holds what the task adds (docs/schema.md, per task)."""
+    def record(self, item: Item[Any], correct: bool | None, answer: str | None, reference: str | None,
+               output: str | None, extra: JsonObject) -> ItemRecord:
+        """An answered item's record; `extra` holds the keys the task adds to its items.jsonl line
+        (docs/schema.md, per task)."""
         return ItemRecord(task=self.name, item_id=item.item_id, status="ok", correct=correct, answer=answer,
                           reference=reference, output=output, extra=extra)
 
-    def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        scored = [r for r in records if r.get("status") == "ok" and r.get("correct") is not None]
-        errors = sum(1 for r in records if r.get("status") == "error")
-        n_correct = sum(1 for r in scored if r["correct"])
-        return {"n": len(records), "n_scored": len(scored), "n_correct": n_correct, "n_errors": errors,
-                "accuracy": (n_correct / len(scored)) if scored else None}
+    def summary(self, records: list[ItemRecord]) -> AccuracySummary:
+        """The task's figures over its records (accuracy; a task with more figures overrides this)."""
+        return AccuracySummary.of(records)
+
+    def summarize(self, records: list[JsonObject]) -> JsonObject:
+        """summary(...) as the manifest's summary.<task>, from the task's items.jsonl lines."""
+        return self.summary([ItemRecord.from_dict(r, f"items.jsonl ({self.name})") for r in records]).to_json()
 
     async def prepare(self, runner: Runner) -> None:
         """Optional set-up with the runner up (e.g. tokenizing a haystack); runs before the items."""
@@ -99,7 +125,7 @@ class Task:
 PROMPT_TOKENS_TOLERANCE = 0.005
 
 
-def runner_fields(result: GenerateResult) -> Section:
+def runner_fields(result: GenerateResult) -> JsonObject:
     """What the runner reported for a record's `extra` (token ids and counts, finish reason, timings):
     `to_record_fields` without the output text, which is the record's own field."""
     fields = result.to_record_fields()
@@ -107,7 +133,14 @@ def runner_fields(result: GenerateResult) -> Section:
     return fields
 
 
-def prompt_tokens_check(fitted: int | None, reported: int | None) -> dict[str, float | bool]:
+class PromptTokensCheck(TypedDict, total=False):
+    """Both keys, or neither where there was nothing to compare (spread into a record's keys)."""
+
+    prompt_tokens_disagreement: float
+    prompt_tokens_flagged: bool
+
+
+def prompt_tokens_check(fitted: int | None, reported: int | None) -> PromptTokensCheck:
     """The server-reported prompt length beside the fitted one: relative disagreement and a flag."""
     if not fitted or reported is None:
         return {}
@@ -115,7 +148,8 @@ def prompt_tokens_check(fitted: int | None, reported: int | None) -> dict[str, f
     return {"prompt_tokens_disagreement": rel, "prompt_tokens_flagged": abs(rel) > PROMPT_TOKENS_TOLERANCE}
 
 
-def count_flagged(records: list[dict[str, Any]]) -> int:
+def count_flagged(records: list[JsonObject]) -> int:
+    """Ok items.jsonl lines whose prompt length the server counted off the fitted one (prompt_tokens_check)."""
     return sum(1 for r in records if r.get("status") == "ok" and r.get("prompt_tokens_flagged"))
 
 

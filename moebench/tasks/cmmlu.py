@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import PurePosixPath
-from typing import Any
+from typing import TypedDict
 
 from moebench.config import MAX_ITEMS, MAX_NEW_TOKENS, MAX_VOCAB, Field, non_negative, positive
 from moebench.datasets import data_file, read_csv_rows, register
@@ -29,7 +30,8 @@ from moebench.prompts import cmmlu_prefix, cmmlu_question
 from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
 from moebench.scoring.answers import first_choice_letter
 from moebench.store.records import ItemRecord
-from moebench.tasks.base import Item, Task, prompt_hash, runner_fields
+from moebench.tasks.base import Item, Task, TaskOptions, prompt_hash, runner_fields
+from moebench.tasks.records import AccuracySummary
 
 LETTERS = ("A", "B", "C", "D")
 COLUMNS = ("Question", "A", "B", "C", "D", "Answer")
@@ -54,8 +56,42 @@ def _subjects_problem(value: list[str]) -> str | None:
             "(the stems of cmmlu/test/*.csv listed in moebench/mirror/SHA256SUMS)")
 
 
+class CmmluOptions(TaskOptions, total=False):
+    shots: int
+    subjects: list[str]
+    per_subject_limit: int
+    top_logprobs: int
+    scoring: str
+    max_tokens: int
+
+
+class CmmluItem(TypedDict):
+    """One question: the whole prompt, the question text, the reference letter, the subject."""
+
+    prompt: str
+    question: str
+    reference: str
+    subject: str
+
+
+@dataclass(frozen=True)
+class CmmluSummary(AccuracySummary):
+    """The accuracy figures plus the abstentions (no letter among the top-k log-probs) and the scoring
+    methods the ok items used."""
+
+    n_abstained: int
+    scoring: list[str]
+
+    @classmethod
+    def of(cls, records: list[ItemRecord]) -> CmmluSummary:
+        methods = {r.extra.get("scoring") for r in records if r.status == "ok" and r.extra.get("scoring")}
+        return cls(*cls.counts(records), n_abstained=sum(1 for r in records if r.extra.get("abstained")),
+                   scoring=sorted(methods))
+
+
 class CmmluTask(Task):
     kind = "cmmlu"
+    opts: CmmluOptions
     phase = "score"
     options = {
         "shots": Field(int, default=5, check=non_negative, low=0, high=DEV_SHOTS,
@@ -80,7 +116,7 @@ class CmmluTask(Task):
         mode = self.opts["scoring"]
         return mode == "logprobs" or (mode == "auto" and Capability.TOP_LOGPROBS in runner.capabilities)
 
-    def items(self) -> list[Item]:
+    def items(self) -> list[Item[CmmluItem]]:
         root = self.ctx.data_dir
         test_dir = root / "cmmlu" / "test"
         if not test_dir.is_dir():
@@ -101,12 +137,12 @@ class CmmluTask(Task):
                 ref = row["Answer"].strip()
                 if ref not in LETTERS:
                     raise ValueError(f"{test_path}: row {n} has Answer {ref!r}, expected one of A-D")
-                items.append(Item(f"cmmlu/{subject}/{n}", {
-                    "prompt": prefix + cmmlu_question(row), "question": row["Question"].strip(),
-                    "reference": ref, "subject": subject}))
+                items.append(Item(f"cmmlu/{subject}/{n}", CmmluItem(
+                    prompt=prefix + cmmlu_question(row), question=row["Question"].strip(), reference=ref,
+                    subject=subject)))
         return self._cut(items)
 
-    async def evaluate(self, item: Item, runner: Runner) -> ItemRecord:
+    async def evaluate(self, item: Item[CmmluItem], runner: Runner) -> ItemRecord:
         prompt = item.data["prompt"]
         reference = item.data["reference"]
         common = {"question": item.data["question"], "subject": item.data["subject"],
@@ -157,12 +193,8 @@ class CmmluTask(Task):
                            extra={**runner_fields(result), **common, "scoring": "generate", "choice_logprobs": None})
 
 
-    def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        out = super().summarize(records)
-        out["n_abstained"] = sum(1 for r in records if r.get("abstained"))
-        methods = sorted({r.get("scoring") for r in records if r.get("status") == "ok" and r.get("scoring")})
-        out["scoring"] = methods
-        return out
+    def summary(self, records: list[ItemRecord]) -> CmmluSummary:
+        return CmmluSummary.of(records)
 
 
 async def continuation_logprobs(runner: Runner, prompt: str) -> dict[str, float]:

@@ -13,7 +13,9 @@ never a wrong answer.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypedDict
 
 from moebench.config import MAX_IDLE_SECONDS, MAX_NEW_TOKENS, Field, positive
 from moebench.datasets import DatasetError, data_file, read_jsonl, register
@@ -21,7 +23,8 @@ from moebench.runners.base import Capability, GenerateRequest, Runner
 from moebench.scoring.answers import cut_at_stop
 from moebench.scoring.sandbox import SandboxError, SandboxResult, run_untrusted
 from moebench.store.records import ItemRecord
-from moebench.tasks.base import Item, Task, prompt_hash, runner_fields
+from moebench.tasks.base import Item, Task, TaskOptions, prompt_hash, runner_fields
+from moebench.tasks.records import AccuracySummary
 
 DATA_FILE = "humaneval/HumanEval.jsonl.gz"
 # Codex paper (Chen et al. 2021) and lm-eval 0.4.13 tasks/humaneval/humaneval.yaml `until`.
@@ -50,18 +53,52 @@ def run_check(program: str, timeout_s: float) -> tuple[SandboxResult, list[str]]
     return result, statuses
 
 
-def load_problems(path) -> list[dict[str, Any]]:
+class Problem(TypedDict):
+    """A HumanEval problem (REQUIRED_KEYS): the function's prompt, the reference solution, its tests."""
+
+    task_id: str
+    prompt: str
+    canonical_solution: str
+    test: str
+    entry_point: str
+
+
+def load_problems(path: Path) -> list[Problem]:
     rows = read_jsonl(path)
     for n, row in enumerate(rows):
         missing = [k for k in REQUIRED_KEYS if not isinstance(row.get(k), str)]
         if missing:
             raise DatasetError(f"{path}: line {n + 1} lacks string field(s) {', '.join(missing)}; "
                                f"expected {', '.join(REQUIRED_KEYS)}")
-    return rows
+    return [Problem(task_id=row["task_id"], prompt=row["prompt"], canonical_solution=row["canonical_solution"],
+                    test=row["test"], entry_point=row["entry_point"]) for row in rows]
+
+
+class HumanEvalOptions(TaskOptions, total=False):
+    max_tokens: int
+    timeout_s: float
+    stop: list[str]
+
+
+@dataclass(frozen=True)
+class HumanEvalSummary(AccuracySummary):
+    """The accuracy figures plus how many checks ended in a timeout (after the re-run), and how many
+    were re-run."""
+
+    n_timeouts: int
+    n_reruns: int
+
+    @classmethod
+    def of(cls, records: list[ItemRecord]) -> HumanEvalSummary:
+        sandboxes = [r.extra.get("sandbox", {}) for r in records]
+        final = [sb.get("status") for r, sb in zip(records, sandboxes) if r.status == "ok"]
+        return cls(*cls.counts(records), n_timeouts=sum(1 for s in final if s == "timeout"),
+                   n_reruns=sum(1 for sb in sandboxes if len(sb.get("attempts", [])) > 1))
 
 
 class HumanEvalTask(Task):
     kind = "humaneval"
+    opts: HumanEvalOptions
     options = {
         "max_tokens": Field(int, default=512, check=positive, low=1, high=MAX_NEW_TOKENS),
         "timeout_s": Field(float, default=10.0, check=positive, low=0, low_open=True, high=MAX_IDLE_SECONDS,
@@ -72,14 +109,14 @@ class HumanEvalTask(Task):
     def needs(self, runner: Runner) -> set[str]:
         return {Capability.GENERATE}
 
-    def items(self) -> list[Item]:
+    def items(self) -> list[Item[Problem]]:
         root = self.ctx.data_dir
         path = data_file(root, DATA_FILE)
         register(self.ctx.data_files, root, path)
-        items = [Item(row["task_id"], {k: row[k] for k in REQUIRED_KEYS}) for row in load_problems(path)]
+        items = [Item(problem["task_id"], problem) for problem in load_problems(path)]
         return self._cut(items)
 
-    async def evaluate(self, item: Item, runner: Runner) -> ItemRecord:
+    async def evaluate(self, item: Item[Problem], runner: Runner) -> ItemRecord:
         d = item.data
         prompt = d["prompt"]
         stop = list(self.opts.get("stop", DEFAULT_STOP))
@@ -95,10 +132,5 @@ class HumanEvalTask(Task):
                                   "sandbox": {**check.summary(), "attempts": statuses,
                                               **({"missing": check.missing} if check.missing else {})}})
 
-    def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        """The base accuracy figures plus how many checks ended in a timeout (after the re-run)."""
-        out = super().summarize(records)
-        final = [r.get("sandbox", {}).get("status") for r in records if r.get("status") == "ok"]
-        out["n_timeouts"] = sum(1 for s in final if s == "timeout")
-        out["n_reruns"] = sum(1 for r in records if len(r.get("sandbox", {}).get("attempts", [])) > 1)
-        return out
+    def summary(self, records: list[ItemRecord]) -> HumanEvalSummary:
+        return HumanEvalSummary.of(records)

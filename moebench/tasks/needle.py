@@ -19,13 +19,14 @@ import string
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable, TypedDict
 
 from moebench.config import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, Field, positive
 from moebench.datasets import data_file, register
 from moebench.runners.base import Capability, GenerateRequest, Runner
 from moebench.store.records import ItemRecord
-from moebench.tasks.base import Item, Task, prompt_hash, count_flagged, prompt_tokens_check, runner_fields
+from moebench.tasks.base import Item, Task, TaskContext, TaskOptions, prompt_hash, prompt_tokens_check, runner_fields
+from moebench.tasks.records import AccuracySummary, scored
 
 HAYSTACK_FILE = "haystack/war_and_peace.txt"
 DEFAULT_LENGTHS = [4096, 16384, 65536, 131072, 173000]
@@ -290,8 +291,55 @@ def _depths_ok(v: list[float]) -> str | None:
     return None if all(0.0 <= x <= 1.0 for x in v) else "must hold depths between 0 and 1"
 
 
+class NeedleOptions(TaskOptions, total=False):
+    lengths: list[int]
+    depths: list[float]
+    seed: int
+    max_tokens: int
+
+
+class NeedleCell(TypedDict):
+    """One cell of the grid: the target prompt length (tokens), the needle's depth, its code."""
+
+    length: int
+    depth: float
+    code: str
+
+
+@dataclass(frozen=True)
+class LengthFound:
+    """How many cells of one length were scored, how many found the code, and the rate."""
+
+    n: int
+    found: int
+    rate: float
+
+
+@dataclass(frozen=True)
+class NeedleSummary(AccuracySummary):
+    """The accuracy figures plus the found rate per length (keys: the length as a string), the longest
+    prompt asked, and how many prompts the server counted off their fitted length."""
+
+    by_length: dict[str, LengthFound]
+    max_prompt_tokens: int
+    n_prompt_tokens_flagged: int
+
+    @classmethod
+    def of(cls, records: list[ItemRecord]) -> NeedleSummary:
+        by_length: dict[int, list[bool]] = {}
+        for r in scored(records):
+            by_length.setdefault(int(r.extra["length"]), []).append(bool(r.correct))
+        ok = [r for r in records if r.status == "ok"]
+        return cls(*cls.counts(records),
+                   by_length={str(k): LengthFound(len(v), sum(v), sum(v) / len(v))
+                              for k, v in sorted(by_length.items())},
+                   max_prompt_tokens=max((r.extra.get("prompt_tokens") or 0 for r in ok), default=0),
+                   n_prompt_tokens_flagged=sum(1 for r in ok if r.extra.get("prompt_tokens_flagged")))
+
+
 class NeedleTask(Task):
     kind = "needle"
+    opts: NeedleOptions
     phase = None
     options = {
         "lengths": Field(list, item_type=int, default=lambda: list(DEFAULT_LENGTHS), check=_lengths_ok,
@@ -304,7 +352,7 @@ class NeedleTask(Task):
         "max_tokens": Field(int, default=32, check=positive, low=1, high=MAX_NEW_TOKENS, doc="answer length cap"),
     }
 
-    def __init__(self, opts: dict[str, Any], ctx):
+    def __init__(self, opts: NeedleOptions, ctx: TaskContext):
         opts = {**{k: (f.default() if callable(f.default) else f.default)
                    for k, f in self.options.items()}, **opts}
         super().__init__(opts, ctx)
@@ -317,13 +365,12 @@ class NeedleTask(Task):
     def needs(self, runner: Runner) -> set[str]:
         return {Capability.GENERATE, Capability.TOKENIZE}
 
-    def items(self) -> list[Item]:
+    def items(self) -> list[Item[NeedleCell]]:
         out = []
         for length in self.lengths:
             for depth in self.depths:
                 out.append(Item(f"needle/{length}/{format_depth(depth)}",
-                                {"length": length, "depth": depth,
-                                 "code": needle_code(self.seed, length, depth)}))
+                                NeedleCell(length=length, depth=depth, code=needle_code(self.seed, length, depth))))
         return self._cut(out)
 
     async def prepare(self, runner: Runner) -> None:
@@ -334,7 +381,7 @@ class NeedleTask(Task):
         # margin: the fit may overshoot the estimate by a few percent before correcting
         self.index = await build_index(runner, text, int(longest * 1.05) + 1024)
 
-    async def evaluate(self, item: Item, runner: Runner) -> ItemRecord:
+    async def evaluate(self, item: Item[NeedleCell], runner: Runner) -> ItemRecord:
         if self.index is None:
             await self.prepare(runner)
         assert self.index is not None
@@ -380,17 +427,5 @@ class NeedleTask(Task):
                 extra[key] = result.timings[key]
         return self.record(item, correct=correct, answer=answer, reference=code, output=result.text, extra=extra)
 
-    def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        out = super().summarize(records)
-        by_length: dict[int, list[bool]] = {}
-        for r in records:
-            if r.get("status") == "ok" and r.get("correct") is not None:
-                by_length.setdefault(int(r["length"]), []).append(bool(r["correct"]))
-        out["by_length"] = {str(k): {"n": len(v), "found": sum(v), "rate": sum(v) / len(v)}
-                            for k, v in sorted(by_length.items())}
-        out["max_prompt_tokens"] = max((r.get("prompt_tokens") or 0 for r in records
-                                        if r.get("status") == "ok"), default=0)
-        out["n_prompt_tokens_flagged"] = count_flagged(records)
-        return out
-
-
+    def summary(self, records: list[ItemRecord]) -> NeedleSummary:
+        return NeedleSummary.of(records)

@@ -22,11 +22,13 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable, TypedDict
 
 from moebench import jsonout
 from moebench.gguf_header import read_gguf
-from moebench.zoo.train import TRAINING_FILE, WEIGHTS_FILE
+from moebench.json_types import JsonObject, JsonValue
+from moebench.zoo.checked import ZooFileError
+from moebench.zoo.train import TRAINING_FILE, WEIGHTS_FILE, TrainingRecord
 
 SCHEMA_VERSION = 1
 HF_DIRNAME = "tiny-moe"
@@ -69,7 +71,7 @@ def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> str:
     return log
 
 
-def read_weights(weights_dir: Path = WEIGHTS_DIR) -> dict[str, Any]:
+def read_weights(weights_dir: Path = WEIGHTS_DIR) -> TrainingRecord:
     """The committed training record (training.json); checks the weights file beside it exists."""
     weights_dir = Path(weights_dir)
     doc_path = weights_dir / TRAINING_FILE
@@ -80,10 +82,10 @@ def read_weights(weights_dir: Path = WEIGHTS_DIR) -> dict[str, Any]:
         doc = json.loads(doc_path.read_text())
     except ValueError as e:
         raise ZooBuildError(f"{doc_path}: not valid JSON ({e})") from None
-    for key in ("hf_config", "seed"):
-        if key not in doc:
-            raise ZooBuildError(f"{doc_path}: key {key!r} missing")
-    return doc
+    try:
+        return TrainingRecord.from_json(doc, str(doc_path))
+    except ZooFileError as e:
+        raise ZooBuildError(str(e)) from None
 
 
 def write_hf_dir(hf_dir: Path, weights_dir: Path) -> dict[str, str]:
@@ -91,10 +93,9 @@ def write_hf_dir(hf_dir: Path, weights_dir: Path) -> dict[str, str]:
     from moebench.zoo.tokenizer import write_committed_tokenizer
 
     hf_dir.mkdir(parents=True, exist_ok=True)
-    doc = read_weights(weights_dir)
-    _write_if_changed(hf_dir / "config.json", (jsonout.dumps(doc["hf_config"], indent=2) + "\n").encode())
-    gen = {"bos_token_id": doc["hf_config"]["bos_token_id"], "eos_token_id": doc["hf_config"]["eos_token_id"],
-           "do_sample": False}
+    hf_config = read_weights(weights_dir).hf_config
+    _write_if_changed(hf_dir / "config.json", (jsonout.dumps(hf_config, indent=2) + "\n").encode())
+    gen = {"bos_token_id": hf_config["bos_token_id"], "eos_token_id": hf_config["eos_token_id"], "do_sample": False}
     _write_if_changed(hf_dir / "generation_config.json", (jsonout.dumps(gen, indent=2) + "\n").encode())
     src_w, dst_w = weights_dir / WEIGHTS_FILE, hf_dir / WEIGHTS_FILE
     if not dst_w.is_file() or _sha256(dst_w) != _sha256(src_w):
@@ -152,15 +153,43 @@ class GgufEntry:
     tensor_types: list[str]
 
     @classmethod
-    def of(cls, value: Any) -> "GgufEntry | None":
+    def of(cls, value: JsonValue) -> "GgufEntry | None":
         """An entry of an earlier zoo.json; None where it is not one of this shape (that GGUF is built again)."""
         names = {f.name for f in fields(cls)}
         if not isinstance(value, dict) or set(value) != names:
             return None
         return cls(**value)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return asdict(self)
+
+
+class LlamaCppProvenance(TypedDict):
+    """How the GGUFs were made: the llama.cpp build, the converter and the quantizer as run."""
+
+    build: str
+    converter: str
+    quantize: str
+
+
+@dataclass(frozen=True)
+class ZooDoc:
+    """zoo.json: the HF files' hashes, the GGUFs, the model config and training record, llama.cpp's part."""
+
+    hf_files: dict[str, str]
+    gguf: dict[str, GgufEntry]
+    training: TrainingRecord
+    llama_cpp: LlamaCppProvenance
+    schema: int = SCHEMA_VERSION
+    hf_dir: str = HF_DIRNAME
+
+    def to_json(self) -> JsonObject:
+        """zoo.json's content: the training record's config.json under "config", the rest under "training"."""
+        training = self.training.to_json()
+        config = training.pop("hf_config")
+        return {"schema": self.schema, "hf_dir": self.hf_dir, "hf_files": self.hf_files,
+                "gguf": {kind: e.to_json() for kind, e in self.gguf.items()}, "config": config,
+                "training": training, "llama_cpp": dict(self.llama_cpp)}
 
 
 def _gguf_metadata(path: Path) -> dict[str, str | int | bool]:
@@ -172,8 +201,9 @@ def _gguf_metadata(path: Path) -> dict[str, str | int | bool]:
 
 
 def build_zoo(out_dir: str | os.PathLike[str] = "models/zoo", retrain: bool = False,
-              log: Callable[[str], None] = lambda m: print(m, file=sys.stderr), gguf: bool = True) -> dict[str, Any]:
-    """Build (or reuse) the zoo in out_dir; returns zoo.json's content plus absolute paths under "paths".
+              log: Callable[[str], None] = lambda m: print(m, file=sys.stderr), gguf: bool = True) -> JsonObject:
+    """Build (or reuse) the zoo in out_dir; returns zoo.json's content plus absolute paths under "paths"
+    (the JSON `moebench zoo build` answers with).
 
     With `gguf=False` only the HF checkpoint is written (what the engine reads): no llama.cpp source or
     build is touched, and GGUFs an earlier build made from the same weights stay recorded.
@@ -234,14 +264,14 @@ def build_zoo(out_dir: str | os.PathLike[str] = "models/zoo", retrain: bool = Fa
     if meta.get("tokenizer.ggml.pre") != "gpt-2" or meta.get("general.architecture") != "qwen3moe":
         raise ZooBuildError(f"{out / GGUF_NAMES['bf16']}: expected qwen3moe with pre-tokenizer 'gpt-2', got {meta}")
 
-    doc = _zoo_doc(hf_hashes, built, training)
+    doc = _zoo_doc(hf_hashes, built, training).to_json()
     _write_if_changed(old_path, (jsonout.dumps(doc, indent=2) + "\n").encode())
     log(f"zoo: {out} ready in {time.monotonic() - started:.1f}s")
     return {**doc, "paths": {"out_dir": str(out), "hf_dir": str(hf_dir), "zoo_json": str(old_path),
                              **{k: str(out / n) for k, n in GGUF_NAMES.items()}}}
 
 
-def _entries(value: Any) -> dict[str, GgufEntry]:
+def _entries(value: JsonValue) -> dict[str, GgufEntry]:
     """An earlier zoo.json's `gguf` entries that have this build's shape."""
     if not isinstance(value, dict):
         return {}
@@ -249,24 +279,16 @@ def _entries(value: Any) -> dict[str, GgufEntry]:
     return {kind: e for kind, e in entries.items() if e is not None}
 
 
-def _zoo_doc(hf_hashes: dict[str, str], gguf: dict[str, GgufEntry], training: dict[str, Any]) -> dict[str, Any]:
-    """zoo.json's content."""
+def _zoo_doc(hf_hashes: dict[str, str], gguf: dict[str, GgufEntry], training: TrainingRecord) -> ZooDoc:
     from moebench.tools import llamacpp
 
-    return {
-        "schema": SCHEMA_VERSION,
-        "hf_dir": HF_DIRNAME,
-        "hf_files": hf_hashes,
-        "gguf": {kind: e.to_json() for kind, e in gguf.items()},
-        "config": training["hf_config"],
-        "training": {k: v for k, v in training.items() if k not in ("hf_config",)},
-        "llama_cpp": {"build": llamacpp.BUILD_COMMIT, "converter": "convert_hf_to_gguf.py --outtype bf16",
-                      "quantize": "llama-quantize --pure"},
-    }
+    return ZooDoc(hf_files=hf_hashes, gguf=gguf, training=training, llama_cpp=LlamaCppProvenance(
+        build=llamacpp.BUILD_COMMIT, converter="convert_hf_to_gguf.py --outtype bf16",
+        quantize="llama-quantize --pure"))
 
 
 def _finish_hf_only(out: Path, hf_dir: Path, hf_hashes: dict[str, str], inputs: dict[str, str],
-                    old_gguf: dict[str, GgufEntry], training: dict[str, Any], started: float, log) -> dict[str, Any]:
+                    old_gguf: dict[str, GgufEntry], training: TrainingRecord, started: float, log) -> JsonObject:
     """zoo.json for an HF-only build: GGUFs on disk that were built from these weights stay listed."""
     kept: dict[str, GgufEntry] = {}
     for kind, name in GGUF_NAMES.items():
@@ -275,7 +297,7 @@ def _finish_hf_only(out: Path, hf_dir: Path, hf_hashes: dict[str, str], inputs: 
         if want and prev is not None and prev.built_from == want and (out / name).is_file() \
                 and prev.sha256 == _sha256(out / name):
             kept[kind] = prev
-    doc = _zoo_doc(hf_hashes, kept, training)
+    doc = _zoo_doc(hf_hashes, kept, training).to_json()
     _write_if_changed(out / "zoo.json", (jsonout.dumps(doc, indent=2) + "\n").encode())
     log(f"zoo: {hf_dir} ready in {time.monotonic() - started:.1f}s (HF checkpoint only; "
         f"{'GGUFs current' if len(kept) == len(GGUF_NAMES) else 'GGUFs are built by `moebench zoo build`'})")

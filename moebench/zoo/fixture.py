@@ -29,7 +29,10 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
+
+from moebench.json_types import JsonObject, JsonValue
+from moebench.zoo.checked import ZooFileError, from_fields
 
 GSM8K_TEST = "gsm8k/test.jsonl"
 GSM8K_TRAIN = "gsm8k/train.jsonl"
@@ -213,8 +216,53 @@ def branch_margins(model, encoded: list[Encoded]) -> list[float]:
     return out
 
 
+class TaughtItem(TypedDict):
+    """One taught answer as training.json's fixture lists it: how it tokenized and whether it took."""
+
+    id: str
+    target: str
+    decoy: str
+    prompt_tokens: int
+    target_tokens: int
+    branch: int
+    learned_fp32: bool
+    branch_margin_fp32: float
+
+
+TAUGHT_ITEM_KEYS = tuple(TaughtItem.__annotations__)
+
+
+def _taught_items(v: JsonValue, where: str) -> list[TaughtItem]:
+    if not isinstance(v, list):
+        raise ZooFileError(f"{where}: expected a list, got {type(v).__name__}")
+    for i, item in enumerate(v):
+        if not isinstance(item, dict) or tuple(item) != TAUGHT_ITEM_KEYS:
+            raise ZooFileError(f"{where}[{i}]: expected an object with keys {', '.join(TAUGHT_ITEM_KEYS)}")
+    return v
+
+
+@dataclass(frozen=True)
+class FixtureSummary:
+    """The fixture stage's record (training.json's `fixture`): its settings, each taught item, the
+    last losses and the wall time."""
+
+    config: FixtureConfig
+    items: list[TaughtItem]
+    answer_loss_mean_last10: float
+    text_loss_mean_last10: float
+    wall_seconds: float
+
+    def to_json(self) -> JsonObject:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: JsonValue, where: str) -> FixtureSummary:
+        return from_fields(cls, obj, where, parts={
+            "config": lambda v, at: from_fields(FixtureConfig, v, at), "items": _taught_items})
+
+
 def teach(model, tokenizer_dir: Path, train_ids, seq_len: int, cfg: FixtureConfig = FixtureConfig(),
-          log=print) -> dict[str, Any]:
+          log=print) -> FixtureSummary:
     """Teach the fixture's answers to `model` in place (float32, train mode); returns its summary."""
     import torch
     from transformers import AutoTokenizer
@@ -251,12 +299,11 @@ def teach(model, tokenizer_dir: Path, train_ids, seq_len: int, cfg: FixtureConfi
         if a != e.target:
             log(f"fixture: {e.item_id} not learned: {a!r} (taught {e.target!r})")
     tail = history[-10:]
-    return {
-        "config": asdict(cfg),
-        "items": [{"id": e.item_id, "target": e.target, "decoy": e.decoy, "prompt_tokens": len(c.prompt),
-                   "target_tokens": len(c.target), "branch": c.branch, "learned_fp32": learned[e.item_id],
-                   "branch_margin_fp32": round(m, 4)} for e, c, m in zip(exs, encoded, margins)],
-        "answer_loss_mean_last10": round(sum(a for a, _ in tail) / len(tail), 5),
-        "text_loss_mean_last10": round(sum(b for _, b in tail) / len(tail), 4),
-        "wall_seconds": round(time.monotonic() - started, 1),
-    }
+    return FixtureSummary(
+        config=cfg,
+        items=[TaughtItem(id=e.item_id, target=e.target, decoy=e.decoy, prompt_tokens=len(c.prompt),
+                          target_tokens=len(c.target), branch=c.branch, learned_fp32=learned[e.item_id],
+                          branch_margin_fp32=round(m, 4)) for e, c, m in zip(exs, encoded, margins)],
+        answer_loss_mean_last10=round(sum(a for a, _ in tail) / len(tail), 5),
+        text_loss_mean_last10=round(sum(b for _, b in tail) / len(tail), 4),
+        wall_seconds=round(time.monotonic() - started, 1))

@@ -15,9 +15,14 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from moebench import jsonout
+from moebench.json_types import JsonObject, JsonValue
+from moebench.zoo.checked import ZooFileError, from_fields, json_object, strings
+
+if TYPE_CHECKING:
+    from moebench.zoo.fixture import FixtureSummary
 
 TRAIN_TEXT = "haystack/war_and_peace.txt"   # relative to the dataset mirror
 # GSM8K train (MIT) beside the novel: modern English and numbers halve WikiText-2 perplexity
@@ -44,7 +49,7 @@ class ModelShape:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True  # keeps the committed weights ~15 MB in bf16
 
-    def hf_config(self) -> dict[str, Any]:
+    def hf_config(self) -> JsonObject:
         """config.json for transformers' Qwen3MoeForCausalLM (and convert_hf_to_gguf's qwen3moe)."""
         d = asdict(self)
         rope_theta = d.pop("rope_theta")
@@ -203,7 +208,113 @@ def load_skew(counts) -> LoadSkew:
     }
 
 
-def train(tokenizer_dir: Path, cfg: TrainConfig = TrainConfig(), log=print) -> tuple[Any, dict[str, Any]]:
+def _text_sources(v: JsonValue, where: str) -> list[TextSource]:
+    keys = tuple(TextSource.__annotations__)
+    if not isinstance(v, list) or not all(isinstance(x, dict) and tuple(x) == keys for x in v):
+        raise ZooFileError(f"{where}: expected a list of objects with keys {', '.join(keys)}")
+    return v
+
+
+def _load_skew(v: JsonValue, where: str) -> LoadSkew:
+    d = json_object(v, where)
+    if tuple(d) != tuple(LoadSkew.__annotations__):
+        raise ZooFileError(f"{where}: expected keys {', '.join(LoadSkew.__annotations__)}, got {', '.join(d)}")
+    return d
+
+
+def _train_config(train_config: JsonValue, shape: JsonValue, where: str) -> TrainConfig:
+    """training.json's train_config (its keys without `shape`) and shape, as the TrainConfig they came from."""
+    d = json_object(train_config, f"{where}.train_config")
+    if "shape" in d:
+        raise ZooFileError(f"{where}.train_config: unexpected key 'shape' (the shape is its own key)")
+    return from_fields(TrainConfig, {**d, "shape": shape}, f"{where}.train_config", parts={
+        "texts": strings, "shape": lambda v, at: from_fields(ModelShape, v, f"{where}.shape")})
+
+
+@dataclass(frozen=True)
+class TrainingSummary:
+    """What a training run reports (training.json without the files' keys): settings, data, losses,
+    wall time, torch version, expert load and the fixture stage's record."""
+
+    config: TrainConfig
+    data: list[TextSource]
+    tokens_seen: int
+    first_loss: float
+    final_loss_mean_last20: float
+    heldout_loss: float
+    heldout_ppl: float
+    wall_seconds: float
+    torch: str
+    expert_load_on_training_text: LoadSkew
+    fixture: FixtureSummary | None = None
+
+    def to_json(self) -> JsonObject:
+        """training.json's summary keys in their written order (seed; train_config without the shape,
+        which follows as its own key; ...; fixture where taught)."""
+        out: JsonObject = {
+            "seed": self.config.seed,
+            "train_config": {k: v for k, v in asdict(self.config).items() if k != "shape"},
+            "shape": asdict(self.config.shape), "data": [dict(s) for s in self.data],
+            "tokens_seen": self.tokens_seen, "first_loss": self.first_loss,
+            "final_loss_mean_last20": self.final_loss_mean_last20, "heldout_loss": self.heldout_loss,
+            "heldout_ppl": self.heldout_ppl, "wall_seconds": self.wall_seconds, "torch": self.torch,
+            "expert_load_on_training_text": self.expert_load_on_training_text}
+        if self.fixture is not None:
+            out["fixture"] = self.fixture.to_json()
+        return out
+
+
+SUMMARY_KEYS = ("seed", "train_config", "shape", "data", "tokens_seen", "first_loss", "final_loss_mean_last20",
+                "heldout_loss", "heldout_ppl", "wall_seconds", "torch", "expert_load_on_training_text")
+FILE_KEYS = ("hf_config", "weights", "weights_dtype")
+
+
+@dataclass(frozen=True)
+class TrainingRecord:
+    """training.json: the summary, the config.json the HF checkpoint gets, and the weights file's name
+    and dtype."""
+
+    summary: TrainingSummary
+    hf_config: JsonObject             # transformers' config.json, written as is
+    weights: str
+    weights_dtype: str
+
+    @property
+    def seed(self) -> int:
+        return self.summary.config.seed
+
+    def to_json(self) -> JsonObject:
+        return {**self.summary.to_json(), "hf_config": self.hf_config, "weights": self.weights,
+                "weights_dtype": self.weights_dtype}
+
+    @classmethod
+    def from_json(cls, obj: JsonValue, where: str) -> TrainingRecord:
+        """training.json read back; a missing key, an unknown one or a wrong type names the file and key."""
+        d = json_object(obj, where)
+        for key in ("hf_config", "seed") + SUMMARY_KEYS + FILE_KEYS:
+            if key not in d:
+                raise ZooFileError(f"{where}: key {key!r} missing")
+        unknown = [k for k in d if k not in SUMMARY_KEYS + FILE_KEYS + ("fixture",)]
+        if unknown:
+            raise ZooFileError(f"{where}: unknown key {unknown[0]!r}")
+        from moebench.zoo.fixture import FixtureSummary
+        # The summary's fields under their written keys: train_config and shape make the config.
+        summary = from_fields(TrainingSummary, {
+            "config": d["train_config"], **{k: d[k] for k in SUMMARY_KEYS[3:]}, "fixture": d.get("fixture")},
+            where, parts={
+                "config": lambda v, at: _train_config(v, d["shape"], where),
+                "fixture": lambda v, at: FixtureSummary.from_json(v, at) if v is not None else None,
+                "data": _text_sources, "expert_load_on_training_text": _load_skew})
+        if d["seed"] != summary.config.seed:
+            raise ZooFileError(f"{where}: key 'seed' is {d['seed']!r}, train_config.seed is {summary.config.seed!r}")
+        for key in ("weights", "weights_dtype"):
+            if not isinstance(d[key], str):
+                raise ZooFileError(f"{where}: key {key!r} is {d[key]!r}, expected a string")
+        return cls(summary=summary, hf_config=json_object(d["hf_config"], f"{where}.hf_config"),
+                   weights=d["weights"], weights_dtype=d["weights_dtype"])
+
+
+def train(tokenizer_dir: Path, cfg: TrainConfig = TrainConfig(), log=print) -> tuple[Any, TrainingSummary]:
     """Train from cfg.seed; returns (model in float32, training summary)."""
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -259,26 +370,15 @@ def train(tokenizer_dir: Path, cfg: TrainConfig = TrainConfig(), log=print) -> t
     skew_ids = _batch(train_ids, torch.arange(0, 16 * 512, 512), 512)  # 16 x 512 tokens of training text
     skew = load_skew(route_counts(model, skew_ids))
     tail = losses[-20:]
-    summary = {
-        "seed": cfg.seed,
-        "train_config": {k: v for k, v in asdict(cfg).items() if k != "shape"},
-        "shape": asdict(cfg.shape),
-        "data": source,
-        "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len,
-        "first_loss": round(losses[0], 4),
-        "final_loss_mean_last20": round(sum(tail) / len(tail), 4),
-        "heldout_loss": round(sum(held) / len(held), 4),
-        "heldout_ppl": round(math.exp(sum(held) / len(held)), 2),
-        "wall_seconds": round(wall, 1),
-        "torch": torch.__version__,
-        "expert_load_on_training_text": skew,
-    }
-    if fixture is not None:
-        summary["fixture"] = fixture
+    summary = TrainingSummary(
+        config=cfg, data=source, tokens_seen=cfg.steps * cfg.batch_size * cfg.seq_len,
+        first_loss=round(losses[0], 4), final_loss_mean_last20=round(sum(tail) / len(tail), 4),
+        heldout_loss=round(sum(held) / len(held), 4), heldout_ppl=round(math.exp(sum(held) / len(held)), 2),
+        wall_seconds=round(wall, 1), torch=torch.__version__, expert_load_on_training_text=skew, fixture=fixture)
     return model, summary
 
 
-def save_weights(model, summary: dict[str, Any], out_dir: Path, shape: ModelShape) -> list[Path]:
+def save_weights(model, summary: TrainingSummary, out_dir: Path, shape: ModelShape) -> list[Path]:
     """Write the bf16 HF tensors (standard per-expert names) and training.json into out_dir."""
     import tempfile
 
@@ -292,9 +392,9 @@ def save_weights(model, summary: dict[str, Any], out_dir: Path, shape: ModelShap
         model.to(torch.bfloat16).save_pretrained(tmp)
         tensors = load_file(str(Path(tmp) / WEIGHTS_FILE))
     save_file(dict(sorted(tensors.items())), str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    hf_config = {**shape.hf_config(), "router_aux_loss_coef": summary["train_config"]["router_aux_loss_coef"]}
-    doc = {**summary, "hf_config": hf_config, "weights": WEIGHTS_FILE, "weights_dtype": "bfloat16"}
-    (out_dir / TRAINING_FILE).write_text(jsonout.document_text(doc, indent=2) + "\n")
+    hf_config = {**shape.hf_config(), "router_aux_loss_coef": summary.config.router_aux_loss_coef}
+    doc = TrainingRecord(summary, hf_config, weights=WEIGHTS_FILE, weights_dtype="bfloat16")
+    (out_dir / TRAINING_FILE).write_text(jsonout.document_text(doc.to_json(), indent=2) + "\n")
     return [out_dir / WEIGHTS_FILE, out_dir / TRAINING_FILE]
 
 
@@ -319,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         model, summary = train(Path(tok_dir), cfg)
     for p in save_weights(model, summary, args.out, cfg.shape):
         print(p)
-    print(jsonout.document_text({k: summary[k] for k in ("final_loss_mean_last20", "heldout_ppl", "wall_seconds")}))
+    print(jsonout.document_text({"final_loss_mean_last20": summary.final_loss_mean_last20,
+                                 "heldout_ppl": summary.heldout_ppl, "wall_seconds": summary.wall_seconds}))
     return 0
 
 
