@@ -9,7 +9,7 @@ writer put there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TypeVar
 
 from markupsafe import Markup
 
@@ -35,6 +35,19 @@ IdentityPairs = list[tuple[str, str]]     # the manifest's fields as (key, text)
 def as_object(v: JsonValue) -> JsonObject:
     """A JSON object as read, or an empty one for anything else (the report reads sections tolerantly)."""
     return v if isinstance(v, dict) else {}
+
+
+_Row = TypeVar("_Row", bound="KeyedFigures")
+
+
+class KeyedFigures:
+    """A dataclass of figures shown as written, each read from the JSON key of its own name (a key
+    that is absent reads as None, shown as "–")."""
+
+    @classmethod
+    def from_json(cls: type[_Row], data: JsonValue) -> _Row:
+        d = as_object(data)
+        return cls(**{f.name: d.get(f.name) for f in fields(cls)})  # type: ignore[call-arg, arg-type]
 
 
 # --- shared --------------------------------------------------------------------------------------
@@ -320,18 +333,13 @@ class SpeedRow:
 
 
 @dataclass
-class Percentiles:
+class Percentiles(KeyedFigures):
     """A metric's sample count and p50 / p90 / p99 on one side, as compare.json wrote them."""
 
     n: JsonValue = None
     p50: JsonValue = None
     p90: JsonValue = None
     p99: JsonValue = None
-
-    @classmethod
-    def from_json(cls, stats: JsonValue) -> Percentiles:
-        d = as_object(stats)
-        return cls(n=d.get("n"), p50=d.get("p50"), p90=d.get("p90"), p99=d.get("p99"))
 
 
 @dataclass
@@ -360,7 +368,7 @@ class SpeedView:
 
 
 @dataclass
-class AbRoundRow:
+class AbRoundRow(KeyedFigures):
     """speed_ab.rounds[]: one round of A and B passes, their decode speeds and ratios, the winner."""
 
     round: JsonValue = None
@@ -373,10 +381,6 @@ class AbRoundRow:
     prefill_tok_s_ratio: JsonValue = None
     ttft_s_ratio: JsonValue = None
     winner: JsonValue = None
-
-    @classmethod
-    def from_json(cls, r: JsonObject) -> AbRoundRow:
-        return cls(**{f.name: r.get(f.name) for f in fields(cls)})
 
 
 @dataclass
@@ -604,7 +608,7 @@ class RigPhaseRow:
 
 
 @dataclass
-class TierTotals:
+class TierTotals(KeyedFigures):
     """The engine's tier counters summed over layers (compare.json engine.<side>.tiers.total)."""
 
     routed: JsonValue = None
@@ -618,10 +622,6 @@ class TierTotals:
     host_hit_rate: JsonValue = None
     bytes_h2d: JsonValue = None
     copy_wait_s: JsonValue = None
-
-    @classmethod
-    def from_json(cls, d: JsonObject) -> TierTotals:
-        return cls(**{f.name: d.get(f.name) for f in fields(cls)})
 
 
 @dataclass
