@@ -11,7 +11,7 @@ import math
 import os
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import jinja2
 from markupsafe import Markup
@@ -33,6 +33,9 @@ from moebench.store.records import (CompareDoc, CompareSide, ItemRecord, Manifes
                                     typed_run)
 from moebench.store.sections import (SPEED_METRICS, needle_cells, needle_counts, number, per_side,
                                       speed_rows)
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 REPORT_FILE = "report.html"
 MATRIX_FILE = "matrix.json"
@@ -765,7 +768,8 @@ PHASES_FILE = "nvml_phases.json"
 SAMPLE_FILES = ("nvml_samples.parquet", "nvml_samples.csv")
 
 
-def _phase_marks(path: Path, t0: object, t_end: float, warnings: list[str]) -> list[tuple[float, float, str]]:
+def _phase_marks(path: Path, t0: pd.Timestamp | float, t_end: float,
+                 warnings: list[str]) -> list[tuple[float, float, str]]:
     """Phase bands from the probe's marks file: a list of {phase, t} (same clock as the samples)."""
     if not path.is_file():
         return []
@@ -884,7 +888,8 @@ def _energy_context(energy: JsonValue) -> EnergyView | None:
     for phase, p in as_object(energy.get("per_token") or {}).items():
         if isinstance(p, dict):
             for kind in ("net", "gross"):
-                per_token.append(EnergyTokenRow(label=f"{phase}, {kind}", baseline=p.get(f"baseline_{kind}_j_per_token"),
+                per_token.append(EnergyTokenRow(label=f"{phase}, {kind}",
+                                                baseline=p.get(f"baseline_{kind}_j_per_token"),
                                                 candidate=p.get(f"candidate_{kind}_j_per_token"),
                                                 ratio=p.get(f"{kind}_ratio")))
     kwh = energy.get("kwh_per_million_tokens")
