@@ -378,3 +378,36 @@ def test_report_and_gate_on_a_compare_built_by_the_real_builder(tmp_path):
     assert "| memory.max_peak_used_ratio | 0.75 | <= 0.8 | PASS |" in summary
     assert "speed.min_decode_ratio | 0.9 [0.882, 0.9184] at 512 tokens, 1 client, n=3 | " \
            ">= 0.85 (95% interval) | PASS" in summary
+
+
+GATE = {"verdict": "fail", "exit_code": 1, "rules_file": "gates/example.toml",
+        "checks": [{"section": "gsm8k", "rule": "max_losses", "value": 2, "limit": "<= 1", "verdict": "fail",
+                    "message": "gsm8k: 2 losses, more than 1"}]}
+
+
+def test_report_opens_with_the_gate_read_from_gate_json(tmp_path):
+    cdir = full_compare(tmp_path)
+    (cdir / "gate.json").write_text(json.dumps(GATE), encoding="utf-8")
+    html = render(cdir).read_text(encoding="utf-8")
+    verdict = html[html.index('id="verdict"'):html.index('id="accuracy"')]
+    assert '<div class="gate gate-fail"><b>Gate: FAIL</b> (exit code 1; rules from gates/example.toml)</div>' in verdict
+    assert "<td>gsm8k.max_losses</td><td>2</td><td>&lt;= 1</td>" in verdict
+    assert "<li>gsm8k: 2 losses, more than 1</li>" in verdict
+    assert "No gate ran" not in html
+
+
+@pytest.mark.parametrize("bad, says", [
+    ({**GATE, "checks": [{k: v for k, v in GATE["checks"][0].items() if k != "limit"}]},
+     "gate.json: checks[0]: missing key 'limit'"),
+    ({k: v for k, v in GATE.items() if k != "rules_file"}, "gate.json: missing key 'rules_file'"),
+    ({**GATE, "verdict": 1}, "gate.json: key 'verdict' should be a string, got int"),
+    ({**GATE, "checks": ["gsm8k.max_losses"]}, "gate.json: checks[0] should be an object, got str"),
+])
+def test_a_malformed_gate_json_is_named_with_its_key_and_the_report_still_renders(tmp_path, bad, says):
+    cdir = full_compare(tmp_path)
+    (cdir / "gate.json").write_text(json.dumps(bad), encoding="utf-8")
+    html = render(cdir).read_text(encoding="utf-8")
+    from html import unescape
+    warnings = [unescape(w) for w in re.findall(r'<div class="warn">([^<]*)</div>', html)]
+    assert f"{cdir / says}" in warnings
+    assert "Gate: " not in html and "No gate ran on this compare" in html

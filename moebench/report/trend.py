@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moebench import store
-from moebench.store.records import ItemRecord, Section, typed_records
+from moebench.json_types import JsonObject
+from moebench.store.records import ItemRecord, typed_records
 from moebench.store.sections import number
 
 ORDERS = ("time", "build", "given")
 
 
-def build_id(m: Section) -> str:
+def build_id(m: JsonObject) -> str:
     """A short name for the build a run measured (from its manifest): llama.cpp's build number, else
     moebench's git revision."""
     b = m.get("build") if isinstance(m.get("build"), dict) else {}
@@ -34,7 +35,7 @@ def build_id(m: Section) -> str:
     return str(mb.get("version") or "?")
 
 
-def _build_number(m: Section) -> int | None:
+def _build_number(m: JsonObject) -> int | None:
     b = m.get("build") if isinstance(m.get("build"), dict) else {}
     v = b.get("build_number")
     return v if isinstance(v, int) else None
@@ -136,7 +137,8 @@ def _cut(text: str, n: int) -> str:
 
 def write_trend(runs: list[Path], out_dir: Path, order: str = "time") -> Path:
     from moebench.report import plots
-    from moebench.report.render import _environment, _svg
+    from moebench.report.render import _svg, render_html
+    from moebench.report.views import Figure, TrendReport, TrendRunRow
     if order not in ORDERS:
         raise ValueError(f"trend: order must be one of {', '.join(ORDERS)}, got {order!r}")
     items, order_text = order_runs([run_figures(Path(r)) for r in runs], order)
@@ -169,13 +171,14 @@ def write_trend(runs: list[Path], out_dir: Path, order: str = "time") -> Path:
         if sum(y is not None for y in ys) < 2:
             warnings.append(f"{n}: measured in fewer than two of the runs; drawn anyway")
         share = is_share(n)
-        figures.append((n, _svg(plots.line_plot(
+        figures.append(Figure(n, _svg(plots.line_plot(
             [(n, xs, ys)], f"runs by {order_text}", n, y_zero=False, xfmt=tick,
             x_range=(0.5, len(rows) + 0.5), xticks=xs, y_range=(0.0, 1.0) if share else None,
             yfmt=plots.fmt_percent_tick if share else plots.fmt_tick))))
-    html = _environment().get_template("report.html").render(
-        mode="trend", title=f"moebench trend: {len(rows)} runs", trend_path=str(out_dir), order_by=order_text,
-        warnings=warnings, runs=rows, figures=figures)
+    html = render_html(TrendReport(
+        title=f"moebench trend: {len(rows)} runs", trend_path=str(out_dir), order_by=order_text, warnings=warnings,
+        runs=[TrendRunRow(label=ident.label, build=ident.build, started_at=ident.started_at) for ident, _ in items],
+        figures=figures))
     tmp = out_dir / f".trend.html.tmp{os.getpid()}"
     tmp.write_text(html, encoding="utf-8")
     os.replace(tmp, out_dir / "trend.html")
