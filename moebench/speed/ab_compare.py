@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Any
-
-from moebench.json_types import JsonObject
+from moebench.json_types import JsonObject, JsonValue
 from moebench.scoring.stats import bootstrap_paired_ratio_ci
+from moebench.speed.fields import Fields
 from moebench.speed.stored import StoredRequest
 
 AB_METRICS = ("decode_tok_s", "prefill_tok_s", "ttft_s", "tpot_s")
@@ -88,6 +87,12 @@ class AbRound:
         out["winner"] = self.winner
         return out
 
+    @staticmethod
+    def from_json(f: Fields) -> AbRound:
+        """A stored round (its winner follows from the figures)."""
+        return AbRound(f.need_int("round"), f.need_int("a_pass"), f.need_int("b_pass"), f.integer("n_pairs") or 0,
+                       {m: RoundFigure(f.num(f"a_{m}"), f.num(f"b_{m}"), f.num(f"{m}_ratio")) for m in AB_METRICS})
+
 
 @dataclass(frozen=True)
 class PairedRatio:
@@ -100,6 +105,10 @@ class PairedRatio:
     def to_json(self) -> JsonObject:
         return {"median_ratio": self.median_ratio, "ratio_ci95": list(self.ratio_ci95) if self.ratio_ci95 else None,
                 "n_pairs": self.n_pairs}
+
+    @staticmethod
+    def from_json(f: Fields) -> PairedRatio:
+        return PairedRatio(f.num("median_ratio"), f.interval("ratio_ci95"), f.integer("n_pairs") or 0)
 
 
 def rounds(passes: list[AbPass]) -> list[AbRound]:
@@ -157,6 +166,11 @@ class PairIdentity:
         return {"a_pass": self.a_pass, "b_pass": self.b_pass, "n_compared": self.n_compared,
                 "n_differ": self.n_differ}
 
+    @staticmethod
+    def from_json(f: Fields) -> PairIdentity:
+        return PairIdentity(f.need_int("a_pass"), f.need_int("b_pass"), f.need_int("n_compared"),
+                            f.need_int("n_differ"))
+
 
 @dataclass(frozen=True)
 class SelfIdentity:
@@ -186,6 +200,19 @@ class OutputIdentity:
             if own is not None:
                 out[f"{name}_n_compared"], out[f"{name}_n_differ"] = own.n_compared, own.n_differ
         return out
+
+    @staticmethod
+    def from_json(f: Fields) -> OutputIdentity:
+        pairs = f.obj.get("pairs") or []
+        if not isinstance(pairs, list):
+            raise ValueError(f"{f.source}: key 'pairs' must be a list, got {pairs!r:.80}")
+
+        def own(name: str) -> SelfIdentity | None:
+            n = f.integer(f"{name}_n_compared")
+            return SelfIdentity(n, f.integer(f"{name}_n_differ") or 0) if n is not None else None
+        return OutputIdentity(f.integer("n_compared") or 0, f.strings("differ") or [],
+                              [PairIdentity.from_json(Fields(p, f"{f.source}, pairs[{i}]")) for i, p in enumerate(pairs)],
+                              f.text("compared_on") or "text", own("a_self"), own("b_self"))
 
 
 def output_identity(a_passes: list[AbPass], b_passes: list[AbPass]) -> OutputIdentity:
@@ -241,11 +268,28 @@ class AbSection:
     identity: OutputIdentity
 
     def to_json(self) -> JsonObject:
-        won = {side: sum(1 for r in self.rounds if r.winner == side) for side in ("A", "B", "tie")}
         return {"order": self.order, "profiles": dict(self.profiles), "round_metric": ROUND_METRIC,
-                "rounds": [r.to_json() for r in self.rounds], "rounds_won": won,
+                "rounds": [r.to_json() for r in self.rounds], "rounds_won": self.rounds_won,
                 "paired": {m: p.to_json() for m, p in self.paired.items()},
                 "identity": self.identity.to_json(), "meaning": MEANING}
+
+    @staticmethod
+    def from_json(obj: JsonValue, source: str) -> AbSection:
+        """compare.json speed_ab (or ab.json's) read back; refused naming `source` and the key."""
+        f = Fields(obj, source)
+        rounds = f.obj.get("rounds") or []
+        if not isinstance(rounds, list):
+            raise ValueError(f"{source}: key 'rounds' must be a list, got {rounds!r:.80}")
+        profiles, paired, identity = f.at("profiles"), f.at("paired"), f.at("identity")
+        return AbSection(
+            f.text("order") or "", {k: profiles.need_str(k) for k in profiles.obj} if profiles else {},
+            [AbRound.from_json(Fields(r, f"{source}, rounds[{i}]")) for i, r in enumerate(rounds)],
+            {m: PairedRatio.from_json(p) for m in AB_METRICS if paired and (p := paired.at(m)) is not None},
+            OutputIdentity.from_json(identity) if identity else OutputIdentity(0, [], [], "text", None, None))
+
+    @property
+    def rounds_won(self) -> dict[str, int]:
+        return {side: sum(1 for r in self.rounds if r.winner == side) for side in ("A", "B", "tie")}
 
 
 def ab_section(passes: list[AbPass], order: str, profiles: dict[str, str], n_boot: int = 2000) -> AbSection:
@@ -253,22 +297,26 @@ def ab_section(passes: list[AbPass], order: str, profiles: dict[str, str], n_boo
                      output_identity([p for p in passes if p.which == "A"], [p for p in passes if p.which == "B"]))
 
 
-def format_rounds(section: dict[str, Any]) -> str:
+def format_rounds(section: JsonValue, source: str = "speed_ab") -> str:
+    """compare.json speed_ab (as read; parsed here) as text: `format_ab_section`."""
+    return format_ab_section(AbSection.from_json(section, source))
+
+
+def format_ab_section(section: AbSection) -> str:
     """The rounds as text lines, in the order they ran, plus the tally and the paired ratio."""
     lines = []
-    for r in section.get("rounds", []):
-        ratio = r.get(f"{ROUND_METRIC}_ratio")
-        lines.append(f"round {r['round']}: A pass {r['a_pass']} {_f(r.get('a_' + ROUND_METRIC))} tok/s, "
-                     f"B pass {r['b_pass']} {_f(r.get('b_' + ROUND_METRIC))} tok/s, "
-                     f"B/A {_f(ratio, 4)} -> {r.get('winner') or 'no result'}")
-    won = section.get("rounds_won", {})
-    p = (section.get("paired") or {}).get(ROUND_METRIC) or {}
-    ci = p.get("ratio_ci95")
-    lines.append(f"rounds won: B {won.get('B', 0)}, A {won.get('A', 0)}, tied {won.get('tie', 0)} of "
-                 f"{len(section.get('rounds', []))}; median paired decode ratio B/A {_f(p.get('median_ratio'), 4)}"
-                 + (f" [{_f(ci[0], 4)}, {_f(ci[1], 4)}]" if ci else "") + f" over {p.get('n_pairs', 0)} prompts")
+    for r in section.rounds:
+        f = r.figures[ROUND_METRIC]
+        lines.append(f"round {r.round}: A pass {r.a_pass} {_f(f.a)} tok/s, B pass {r.b_pass} {_f(f.b)} tok/s, "
+                     f"B/A {_f(f.ratio, 4)} -> {r.winner or 'no result'}")
+    won = section.rounds_won
+    p = section.paired.get(ROUND_METRIC)
+    ci = p.ratio_ci95 if p else None
+    lines.append(f"rounds won: B {won['B']}, A {won['A']}, tied {won['tie']} of "
+                 f"{len(section.rounds)}; median paired decode ratio B/A {_f(p.median_ratio if p else None, 4)}"
+                 + (f" [{_f(ci[0], 4)}, {_f(ci[1], 4)}]" if ci else "") + f" over {p.n_pairs if p else 0} prompts")
     return "\n".join(lines)
 
 
-def _f(v: Any, digits: int = 4) -> str:
+def _f(v: float | None, digits: int = 4) -> str:
     return "-" if v is None else f"{v:.{digits}g}"

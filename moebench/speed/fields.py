@@ -92,6 +92,37 @@ class Fields:
         sub = Fields(obj, f"{self.source}, key {key!r}")
         return {k: sub.need_num(k) for k in obj}
 
+    def number_list(self, key: str) -> list[float] | None:
+        """A list of numbers (rates run); None where absent or null."""
+        v = self.obj.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, list):
+            raise self._bad(key, "a list of numbers")
+        out: list[float] = []
+        for x in v:
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                raise self._bad(key, "a list of numbers")
+            out.append(x)
+        return out
+
+    def interval(self, key: str) -> tuple[float, float] | None:
+        """Two numbers (an interval's ends); None where absent or null."""
+        ends = self.number_list(key)
+        if ends is None:
+            return None
+        if len(ends) != 2:
+            raise self._bad(key, "two numbers (an interval) or null")
+        return ends[0], ends[1]
+
+    def strings(self, key: str) -> list[str] | None:
+        v = self.obj.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise self._bad(key, "a list of strings")
+        return [x for x in v if isinstance(x, str)]
+
     def at(self, key: str) -> Fields | None:
         """The nested object under `key` to read in turn (errors name both keys)."""
         obj = self.object(key)

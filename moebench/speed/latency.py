@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moebench.json_types import JsonObject
+from moebench.speed.fields import Fields
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,12 @@ class Percentiles:
             return None
         p25, p50, p75, p90, p99 = (float(x) for x in np.quantile(vals, [0.25, 0.5, 0.75, 0.9, 0.99]))
         return Percentiles(int(vals.size), p25, p50, p75, p90, p99, float(vals.min()), float(vals.max()))
+
+    @staticmethod
+    def from_json(f: Fields) -> Percentiles:
+        """A stored spread (median and iqr are not read: they follow from p50, p25 and p75)."""
+        return Percentiles(f.need_int("n"), f.need_num("p25"), f.need_num("p50"), f.need_num("p75"),
+                           f.need_num("p90"), f.need_num("p99"), f.need_num("min"), f.need_num("max"))
 
     def to_json(self) -> JsonObject:
         """As compare.json writes a figure's spread: n, median, p25/p75/iqr, p50/p90/p99, min, max."""

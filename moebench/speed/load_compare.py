@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import TypedDict
 
-from moebench.json_types import JsonObject
+from moebench.json_types import JsonObject, JsonValue
 from moebench.runners.metrics import ServingSummary
 from moebench.speed.latency import Percentiles
-from moebench.speed.records import RateGroup, SweepStep, server_json
+from moebench.speed.fields import Fields
+from moebench.speed.records import RateGroup, SweepStep, server_from_json, server_json
 from moebench.speed.stored import StoredRequest
 
 TAIL_CONFIDENCE = 0.99
@@ -78,6 +79,11 @@ class TailStats:
         st = Percentiles.of(values)
         return TailStats(st) if st is not None else None
 
+    @staticmethod
+    def from_json(f: Fields) -> TailStats:
+        """The flags are not read: they follow from n."""
+        return TailStats(Percentiles.from_json(f))
+
 
 def _met(r: StoredRequest) -> int:
     if not r.measured:
@@ -116,58 +122,70 @@ class SkippedRow:
         return {"prompt_length": self.prompt_length, "rate": self.rate, "sweep_skipped": True,
                 "sweep_stopped_at": self.stopped_at, "n_sent": 0}
 
+    @staticmethod
+    def from_json(f: Fields) -> SkippedRow:
+        return SkippedRow(f.need_int("prompt_length"), f.need_num("rate"), f.text("sweep_stopped_at"))
+
 
 @dataclass(frozen=True)
 class LoadRow:
     """One side's (prompt length, rate): requests sent and served, goodput under the SLOs, the load it
-    met, the server's state, the sweep step, and the tail statistics of each latency."""
+    met (from the group's stored summary; None where no record carries one), the server's state, the
+    sweep step, and the tail statistics of each latency."""
 
     prompt_length: int
     rate: float
-    group: RateGroup | None              # the group's stored summary (None where no record carries it)
+    arrival: str | None
+    burstiness: float | None
     n_sent: int
     n_ok: int
     n_errors: int
+    duration_s: float | None
+    slos: dict[str, float]
     achieved_rate: float | None
     slo_met_share: float | None
     goodput: float | None
+    max_in_flight: int | None
+    client_concurrency: int | None
+    server: ServingSummary | None
+    sweep: SweepStep | None
     tails: dict[str, TailStats | None]   # LOAD_METRICS -> spread
-
-    @property
-    def duration_s(self) -> float | None:
-        return self.group.duration_s if self.group else None
-
-    @property
-    def sweep(self) -> SweepStep | None:
-        return self.group.sweep if self.group else None
-
-    @property
-    def server(self) -> ServingSummary | None:
-        return self.group.server if self.group else None
 
     @property
     def client_limited(self) -> bool:
         # the http runner opens at most concurrency + 4 connections: beyond that requests wait in the client
-        cc, mf = (self.group.client_concurrency, self.group.max_in_flight) if self.group else (None, None)
-        return bool(isinstance(cc, int) and isinstance(mf, int) and mf > cc + 4)
+        cc, mf = self.client_concurrency, self.max_in_flight
+        return cc is not None and mf is not None and mf > cc + 4
 
     def counts(self) -> ShareCounts:
         return {"duration_s": self.duration_s, "n_sent": self.n_sent, "slo_met_share": self.slo_met_share}
 
     def to_json(self) -> JsonObject:
-        g = self.group
         out: JsonObject = {
-            "prompt_length": self.prompt_length, "rate": self.rate,
-            "arrival": g.arrival if g else None, "burstiness": g.burstiness if g else None,
-            "n_sent": self.n_sent, "n_ok": self.n_ok, "n_errors": self.n_errors, "duration_s": self.duration_s,
-            "slos": dict(g.slos) if g else {}, "achieved_rate": self.achieved_rate,
-            "slo_met_share": self.slo_met_share, "goodput": self.goodput,
-            "max_in_flight": g.max_in_flight if g else None, "client_concurrency": g.client_concurrency if g else None,
-            "server": server_json(g.server) if g else None, "sweep": self.sweep.to_json() if self.sweep else None,
-            "client_limited": self.client_limited}
+            "prompt_length": self.prompt_length, "rate": self.rate, "arrival": self.arrival,
+            "burstiness": self.burstiness, "n_sent": self.n_sent, "n_ok": self.n_ok, "n_errors": self.n_errors,
+            "duration_s": self.duration_s, "slos": dict(self.slos), "achieved_rate": self.achieved_rate,
+            "slo_met_share": self.slo_met_share, "goodput": self.goodput, "max_in_flight": self.max_in_flight,
+            "client_concurrency": self.client_concurrency, "server": server_json(self.server),
+            "sweep": self.sweep.to_json() if self.sweep else None, "client_limited": self.client_limited}
         for m, t in self.tails.items():
             out[m] = t.to_json() if t is not None else None
         return out
+
+    @staticmethod
+    def from_json(f: Fields) -> LoadRow:
+        sweep = f.at("sweep")
+        tails = {m: (TailStats.from_json(t) if (t := f.at(m)) is not None else None) for m in LOAD_METRICS}
+        return LoadRow(f.need_int("prompt_length"), f.need_num("rate"), f.text("arrival"), f.num("burstiness"),
+                       f.need_int("n_sent"), f.integer("n_ok") or 0, f.integer("n_errors") or 0, f.num("duration_s"),
+                       f.numbers("slos") or {}, f.num("achieved_rate"), f.num("slo_met_share"), f.num("goodput"),
+                       f.integer("max_in_flight"), f.integer("client_concurrency"), server_from_json(f),
+                       SweepStep.from_json(sweep) if sweep is not None else None, tails)
+
+
+def row_from_json(f: Fields) -> LoadRow | SkippedRow:
+    """One side's stored row: a step not sent, or a measured one."""
+    return SkippedRow.from_json(f) if f.flag("sweep_skipped") else LoadRow.from_json(f)
 
 
 def _row(length: int, rate: float, recs: list[StoredRequest]) -> LoadRow | SkippedRow:
@@ -180,10 +198,14 @@ def _row(length: int, rate: float, recs: list[StoredRequest]) -> LoadRow | Skipp
     duration = g.duration_s if g else None
     met = sum(_met(r) for r in recs)
     return LoadRow(
-        length, rate, g, n_sent=n_sent, n_ok=len(ok), n_errors=sum(1 for r in recs if r.status == "error"),
+        length, rate, g.arrival if g else None, g.burstiness if g else None, n_sent=n_sent, n_ok=len(ok),
+        n_errors=sum(1 for r in recs if r.status == "error"), duration_s=duration,
+        slos=dict(g.slos) if g else {},
         achieved_rate=len(ok) / duration if duration else None,
         slo_met_share=met / n_sent if n_sent else None,
         goodput=met / duration if duration else (0.0 if not ok else None),
+        max_in_flight=g.max_in_flight if g else None, client_concurrency=g.client_concurrency if g else None,
+        server=g.server if g else None, sweep=g.sweep if g else None,
         tails={m: TailStats.of([r.times.metric(m) for r in ok]) for m in LOAD_METRICS})
 
 
@@ -202,6 +224,18 @@ class SweepSummary:
         return {"rates_run": list(self.rates_run), "stopped_at_rate": self.stopped_at_rate,
                 "stop_reason": self.stop_reason, "saturation_rate": self.saturation_rate,
                 "rule": dict(self.rule) if self.rule is not None else None}
+
+    @staticmethod
+    def from_json(f: Fields) -> SweepSummary:
+        return SweepSummary(f.number_list("rates_run") or [], f.num("stopped_at_rate"),
+                            f.text("stop_reason"), f.num("saturation_rate"), f.numbers("rule"))
+
+
+def _sweeps_from_json(f: Fields | None) -> dict[str, SweepSummary]:
+    """A side's sweeps (prompt length -> summary) as compare.json holds them."""
+    if f is None:
+        return {}
+    return {length: SweepSummary.from_json(sub) for length in f.obj if (sub := f.at(length)) is not None}
 
 
 def _sweeps(rows: list[LoadRow | SkippedRow]) -> dict[str, SweepSummary]:
@@ -287,6 +321,14 @@ class LoadPair:
                 "goodput_ratio_ci95": list(self.goodput_ratio_ci95) if self.goodput_ratio_ci95 else None,
                 "n_baseline": self.baseline.n_sent, "n_candidate": self.candidate.n_sent}
 
+    @staticmethod
+    def from_json(f: Fields) -> LoadPair:
+        base, cand = f.at("baseline"), f.at("candidate")
+        if base is None or cand is None:
+            raise ValueError(f"{f.source}: keys 'baseline' and 'candidate' must both be rows (JSON objects)")
+        return LoadPair(f.need_int("prompt_length"), f.need_num("rate"), row_from_json(base),
+                        row_from_json(cand), f.num("goodput_ratio"), f.interval("goodput_ratio_ci95"))
+
 
 @dataclass(frozen=True)
 class LoadSection:
@@ -303,6 +345,19 @@ class LoadSection:
                            "candidate": {k: s.to_json() for k, s in self.sweeps_candidate.items()}},
                 "unpaired_groups": list(self.unpaired_groups), "tail_samples_needed": dict(TAIL_NEEDED),
                 "interval": GOODPUT_INTERVAL, "ratio_meaning": RATIO_MEANING}
+
+    @staticmethod
+    def from_json(obj: JsonValue, source: str) -> LoadSection:
+        """compare.json speed.load read back; `source` names the file. Refused naming file and key."""
+        f = Fields(obj, source)
+        rows = f.obj.get("rows") or []
+        if not isinstance(rows, list):
+            raise ValueError(f"{source}: key 'rows' must be a list, got {rows!r:.80}")
+        sweeps = f.at("sweeps")
+        return LoadSection([LoadPair.from_json(Fields(r, f"{source}, rows[{i}]")) for i, r in enumerate(rows)],
+                           _sweeps_from_json(sweeps.at("baseline") if sweeps else None),
+                           _sweeps_from_json(sweeps.at("candidate") if sweeps else None),
+                           f.strings("unpaired_groups") or [])
 
 
 def load_section(base_records: list[StoredRequest], cand_records: list[StoredRequest]) -> LoadSection | None:
@@ -323,46 +378,59 @@ def load_section(base_records: list[StoredRequest], cand_records: list[StoredReq
     return LoadSection(rows, summarize_load(base_records).sweeps, summarize_load(cand_records).sweeps, only)
 
 
-def _f(v: Any, digits: int = 3) -> str:
+def _f(v: float | None, digits: int = 3) -> str:
     return "-" if v is None else f"{v:.{digits}g}"
 
 
-def format_load(load: dict[str, Any]) -> list[str]:
-    """compare.json speed.load as text lines: goodput per rate, the ratio and interval, the SLO shares,
-    the server's queue and KV-cache usage, and where a p99 is only indicative."""
+def format_load(load: JsonValue, source: str = "compare.json speed.load") -> list[str]:
+    """compare.json speed.load (as read; parsed here) as text lines: `format_load_section`."""
+    return format_load_section(LoadSection.from_json(load, source))
+
+
+def _server_figure(server: ServingSummary | None, key: str) -> str:
+    if server is None:
+        return _f(None)
+    if key in ("queue_length", "kv_cache_usage"):
+        gauge = server["queue_length"] if key == "queue_length" else server["kv_cache_usage"]
+        return _f(gauge["max"] if gauge else None)
+    return _f(server["prefix_cache_hit_rate"] if key == "prefix_cache_hit_rate" else server["preemptions"])
+
+
+def format_load_section(load: LoadSection) -> list[str]:
+    """Goodput per rate, the ratio and interval, the SLO shares, the server's queue and KV-cache usage,
+    and where a p99 is only indicative."""
     lines = ["serving load (goodput = requests/s within every SLO; candidate / baseline):"]
-    for r in load.get("rows") or []:
-        b, c = r.get("baseline") or {}, r.get("candidate") or {}
-        where = f"  {r.get('prompt_length')} tokens @ {_f(r.get('rate'))} req/s:"
-        if b.get("sweep_skipped") or c.get("sweep_skipped"):
+    for r in load.rows:
+        b, c = r.baseline, r.candidate
+        where = f"  {r.prompt_length} tokens @ {_f(r.rate)} req/s:"
+        if not isinstance(b, LoadRow) or not isinstance(c, LoadRow):
             lines.append(f"{where} not sent (the sweep had stopped)")
             continue
-        ci = r.get("goodput_ratio_ci95")
-        text = (f"{where} goodput {_f(b.get('goodput'))} -> {_f(c.get('goodput'))}, ratio {_f(r.get('goodput_ratio'))}"
+        ci = r.goodput_ratio_ci95
+        text = (f"{where} goodput {_f(b.goodput)} -> {_f(c.goodput)}, ratio {_f(r.goodput_ratio)}"
                 + (f" [{_f(ci[0])}, {_f(ci[1])}]" if ci else "")
-                + f", within SLOs {_pct(b.get('slo_met_share'))} -> {_pct(c.get('slo_met_share'))}")
-        servers = [s.get("server") for s in (b, c)]
-        if any(isinstance(s, dict) for s in servers):
-            def fig(s: Any, key: str) -> str:
-                v = s.get(key) if isinstance(s, dict) else None
-                return _f(v.get("max")) if isinstance(v, dict) else _f(v)
-            text += ("; server " + "/".join(str((s or {}).get("source")) for s in servers)
-                     + f": queue max {fig(servers[0], 'queue_length')} -> {fig(servers[1], 'queue_length')}"
-                     + f", KV-cache max {fig(servers[0], 'kv_cache_usage')} -> {fig(servers[1], 'kv_cache_usage')}"
-                     + f", prefix hits {fig(servers[0], 'prefix_cache_hit_rate')} -> {fig(servers[1], 'prefix_cache_hit_rate')}"
-                     + f", preemptions {fig(servers[0], 'preemptions')} -> {fig(servers[1], 'preemptions')}")
-        tails = [(side, s.get("ttft_s")) for side, s in (("baseline", b), ("candidate", c))]
-        short = [f"{side} n {t['n']}" for side, t in tails if isinstance(t, dict) and t.get("p99_indicative")]
+                + f", within SLOs {_pct(b.slo_met_share)} -> {_pct(c.slo_met_share)}")
+        servers = (b.server, c.server)
+        if any(s is not None for s in servers):
+            text += ("; server " + "/".join(str(s["source"] if s else None) for s in servers)
+                     + "".join(f"{sep}{label} {_server_figure(servers[0], key)} -> {_server_figure(servers[1], key)}"
+                               for sep, label, key in ((": ", "queue max", "queue_length"),
+                                                       (", ", "KV-cache max", "kv_cache_usage"),
+                                                       (", ", "prefix hits", "prefix_cache_hit_rate"),
+                                                       (", ", "preemptions", "preemptions"))))
+        short = [f"{side} n {t.stats.n}" for side, t in (("baseline", b.tails.get("ttft_s")),
+                                                          ("candidate", c.tails.get("ttft_s")))
+                 if t is not None and t.indicative("p99")]
         if short:
             text += f"; TTFT p99 indicative ({', '.join(short)} < {TAIL_NEEDED['p99']})"
         lines.append(text)
-    for side, sweeps in (load.get("sweeps") or {}).items():
-        for length, s in (sweeps or {}).items():
-            lines.append(f"  sweep {side}, {length} tokens: rates {s.get('rates_run')}, "
-                         + (f"stopped at {_f(s.get('stopped_at_rate'))} ({s.get('stop_reason')}), saturation "
-                            f"{_f(s.get('saturation_rate'))} req/s" if s.get("stop_reason") else "saturation not reached"))
+    for side, sweeps in (("baseline", load.sweeps_baseline), ("candidate", load.sweeps_candidate)):
+        for length, s in sweeps.items():
+            lines.append(f"  sweep {side}, {length} tokens: rates {s.rates_run}, "
+                         + (f"stopped at {_f(s.stopped_at_rate)} ({s.stop_reason}), saturation "
+                            f"{_f(s.saturation_rate)} req/s" if s.stop_reason else "saturation not reached"))
     return lines
 
 
-def _pct(v: Any) -> str:
+def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.0f}%"

@@ -120,7 +120,7 @@ class ClosedGroup:
     @staticmethod
     def from_json(f: Fields) -> ClosedGroup:
         return ClosedGroup(f.need_int("clients"), f.need_num("duration_s"), f.need_int("n_sent"),
-                           Goodput.from_json(f), _server(f))
+                           Goodput.from_json(f), server_from_json(f))
 
 
 def server_json(server: ServingSummary | None) -> JsonObject | None:
@@ -128,7 +128,7 @@ def server_json(server: ServingSummary | None) -> JsonObject | None:
     return cast("JsonObject | None", server)
 
 
-def _server(f: Fields) -> ServingSummary | None:
+def server_from_json(f: Fields) -> ServingSummary | None:
     """A group's stored `server` (runners.metrics.ServingSummary), checked for its figures' keys."""
     obj = f.object("server")
     if obj is None:
@@ -190,7 +190,7 @@ class RateGroup:
         return RateGroup(f.need_str("arrival"), f.need_num("rate"), f.num("burstiness"), f.need_num("duration_s"),
                          f.need_int("n_sent"), f.need_num("last_send_s"), f.need_int("max_in_flight"),
                          f.integer("client_concurrency"), f.numbers("slos") or {}, Goodput.from_json(f),
-                         _server(f), SweepStep.from_json(sweep) if sweep is not None else None)
+                         server_from_json(f), SweepStep.from_json(sweep) if sweep is not None else None)
 
 
 def group_from_json(f: Fields) -> ClosedGroup | RateGroup:
