@@ -115,14 +115,11 @@ def read_pass(path: Path, which: str, index: int, process_s: float) -> AbPass:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     f = Fields(data, str(path))
-    records = f.obj.get("records")
-    if not isinstance(records, list):
-        raise ValueError(f"{path}: key 'records' must be a list of speed records, got {records!r:.80}")
     summary = f.at("summary")
     if summary is None:
         raise ValueError(f"{path}: key 'summary' is missing (expected the speed task's summary)")
     return AbPass(which=which, index=index, pid=f.need_int("pid"), load_s=f.need_num("load_s"),
-                  process_s=process_s, records=read_records(records, str(path)),
+                  process_s=process_s, records=read_records(f.items("records"), str(path)),
                   n_ok=summary.need_int("n_ok"), n_errors=summary.need_int("n_errors"))
 
 

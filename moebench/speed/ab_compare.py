@@ -203,15 +203,11 @@ class OutputIdentity:
 
     @staticmethod
     def from_json(f: Fields) -> OutputIdentity:
-        pairs = f.obj.get("pairs") or []
-        if not isinstance(pairs, list):
-            raise ValueError(f"{f.source}: key 'pairs' must be a list, got {pairs!r:.80}")
-
         def own(name: str) -> SelfIdentity | None:
             n = f.integer(f"{name}_n_compared")
             return SelfIdentity(n, f.integer(f"{name}_n_differ") or 0) if n is not None else None
         return OutputIdentity(f.integer("n_compared") or 0, f.strings("differ") or [],
-                              [PairIdentity.from_json(Fields(p, f"{f.source}, pairs[{i}]")) for i, p in enumerate(pairs)],
+                              [PairIdentity.from_json(p) for p in f.objects("pairs")],
                               f.text("compared_on") or "text", own("a_self"), own("b_self"))
 
 
@@ -277,13 +273,10 @@ class AbSection:
     def from_json(obj: JsonValue, source: str) -> AbSection:
         """compare.json speed_ab (or ab.json's) read back; refused naming `source` and the key."""
         f = Fields(obj, source)
-        rounds = f.obj.get("rounds") or []
-        if not isinstance(rounds, list):
-            raise ValueError(f"{source}: key 'rounds' must be a list, got {rounds!r:.80}")
         profiles, paired, identity = f.at("profiles"), f.at("paired"), f.at("identity")
         return AbSection(
             f.text("order") or "", {k: profiles.need_str(k) for k in profiles.obj} if profiles else {},
-            [AbRound.from_json(Fields(r, f"{source}, rounds[{i}]")) for i, r in enumerate(rounds)],
+            [AbRound.from_json(r) for r in f.objects("rounds")],
             {m: PairedRatio.from_json(p) for m in AB_METRICS if paired and (p := paired.at(m)) is not None},
             OutputIdentity.from_json(identity) if identity else OutputIdentity(0, [], [], "text", None, None))
 

@@ -123,6 +123,19 @@ class Fields:
             raise self._bad(key, "a list of strings")
         return [x for x in v if isinstance(x, str)]
 
+    def items(self, key: str) -> list[JsonValue]:
+        """A list (of anything still to be parsed); [] where absent or null."""
+        v = self.obj.get(key)
+        if v is None:
+            return []
+        if not isinstance(v, list):
+            raise ValueError(f"{self.source}: key {key!r} must be a list, got {v!r:.80}")
+        return v
+
+    def objects(self, key: str) -> list[Fields]:
+        """A list of JSON objects to read in turn, each named `key[i]` in errors; [] where absent."""
+        return [Fields(v, f"{self.source}, {key}[{i}]") for i, v in enumerate(self.items(key))]
+
     def at(self, key: str) -> Fields | None:
         """The nested object under `key` to read in turn (errors name both keys)."""
         obj = self.object(key)

@@ -350,11 +350,8 @@ class LoadSection:
     def from_json(obj: JsonValue, source: str) -> LoadSection:
         """compare.json speed.load read back; `source` names the file. Refused naming file and key."""
         f = Fields(obj, source)
-        rows = f.obj.get("rows") or []
-        if not isinstance(rows, list):
-            raise ValueError(f"{source}: key 'rows' must be a list, got {rows!r:.80}")
         sweeps = f.at("sweeps")
-        return LoadSection([LoadPair.from_json(Fields(r, f"{source}, rows[{i}]")) for i, r in enumerate(rows)],
+        return LoadSection([LoadPair.from_json(r) for r in f.objects("rows")],
                            _sweeps_from_json(sweeps.at("baseline") if sweeps else None),
                            _sweeps_from_json(sweeps.at("candidate") if sweeps else None),
                            f.strings("unpaired_groups") or [])

@@ -174,7 +174,8 @@ class SpeedTask(Task):
         self.sweep = bool(opts["sweep"])
         self.sweep_rule = {"max_error_rate": float(opts["sweep_max_error_rate"]),
                            "max_queue_delay_s": float(opts["sweep_max_queue_delay_s"])}
-        self.rates = self._rates(opts)
+        self.rates = self._rates(opts.get("rate"), opts.get("rates"), float(opts["sweep_start_rate"]),
+                                 float(opts["sweep_factor"]), int(opts["sweep_steps"]))
         self.slos = {k: float(opts[f"slo_{k}"]) for k in ("ttft_s", "tpot_s", "e2e_s")
                      if opts.get(f"slo_{k}") is not None}
         self.metrics_interval_s = float(opts["metrics_interval_s"])
@@ -184,10 +185,12 @@ class SpeedTask(Task):
         self._groups: dict[tuple, asyncio.Task] = {}
         self._group_lock: asyncio.Lock | None = None
 
-    def _rates(self, opts: dict[str, Any]) -> list[float]:
+    def _rates(self, rate: float | None, rates: list[float] | None, sweep_start_rate: float, sweep_factor: float,
+               sweep_steps: int) -> list[float]:
         """The request rates of an open-loop task; [] for closed loop. Keys that do not fit the arrival
         are refused naming the key, never ignored."""
-        given = [k for k in ("rate", "rates") if opts.get(k) is not None] + (["sweep"] if self.sweep else [])
+        given = ([k for k, v in (("rate", rate), ("rates", rates)) if v is not None]
+                 + (["sweep"] if self.sweep else []))
         if self.arrival == "closed":
             if given:
                 raise ProfileError(f"speed: key {given[0]!r} needs arrival = \"poisson\" or \"gamma\" "
@@ -197,10 +200,9 @@ class SpeedTask(Task):
             raise ProfileError(f"speed: arrival {self.arrival!r} needs exactly one of 'rate', 'rates' or "
                                f"sweep = true, got {', '.join(map(repr, given)) or 'none'}")
         if self.sweep:
-            return sweep_rates(float(opts["sweep_start_rate"]), float(opts["sweep_factor"]),
-                               int(opts["sweep_steps"]))
-        rates = opts["rates"] if opts.get("rates") is not None else [opts["rate"]]
-        return [float(x) for x in dict.fromkeys(rates)]
+            return sweep_rates(sweep_start_rate, sweep_factor, sweep_steps)
+        chosen = rates if rates is not None else ([rate] if rate is not None else [])
+        return [float(x) for x in dict.fromkeys(chosen)]
 
     def needs(self, runner: Runner) -> set[str]:
         needs = {Capability.GENERATE, Capability.STREAM}
