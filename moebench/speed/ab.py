@@ -21,8 +21,8 @@ from moebench.runners import load_runner_profile, make_runner
 from moebench.runners.base import RunnerError
 from moebench.runners.responses import describe
 from moebench.json_types import JsonObject
-from moebench.speed.ab_compare import AbPass, ab_section
-from moebench.speed.compare import speed_section, speed_summary, summary_json
+from moebench.speed.ab_compare import AbPass, AbSection, ab_section
+from moebench.speed.compare import SpeedSection, speed_section, speed_summary, summary_json
 from moebench.speed.fields import Fields
 from moebench.speed.stored import read_records
 from moebench.speed.task import SpeedTask
@@ -93,18 +93,18 @@ def run_ab(profile_a_path: str, profile_b_path: str, suite_options: JsonObject, 
 
     pooled = {w: [r for p in passes if p.which == w for r in p.records] for w in "AB"}
     section = ab_section(passes, order, profiles)
-    speed, speed_ab = speed_section(pooled["A"], pooled["B"]).to_json(), section.to_json()
+    speed = speed_section(pooled["A"], pooled["B"])
     result: JsonObject = {
         "order": order,
         "profiles": dict(profiles),
         "passes": [p.to_json() for p in passes],
         "summary": {w: summary_json(speed_summary(pooled[w])) for w in "AB"},
-        "speed_b_vs_a": speed,
+        "speed_b_vs_a": speed.to_json(),
         "outputs": section.identity.to_json(),
-        "speed_ab": speed_ab,
+        "speed_ab": section.to_json(),
     }
     (out / "ab.json").write_text(jsonout.document_text(result, indent=2, default=str))
-    write_json_atomic(out / "compare.json", ab_compare(profiles, speed, speed_ab))
+    write_json_atomic(out / "compare.json", ab_compare(profiles, speed, section))
     return result
 
 
@@ -123,13 +123,13 @@ def read_pass(path: Path, which: str, index: int, process_s: float) -> AbPass:
                   n_ok=summary.need_int("n_ok"), n_errors=summary.need_int("n_errors"))
 
 
-def ab_compare(profiles: dict[str, str], speed: JsonObject, speed_ab: JsonObject) -> JsonObject:
+def ab_compare(profiles: dict[str, str], speed: SpeedSection, speed_ab: AbSection) -> JsonObject:
     """A compare.json for an A/B directory (A the baseline, B the candidate), so that `moebench report`
     and `moebench gate` read it like any other compare; `speed` and `speed_ab` are its sections."""
     return {"schema_version": COMPARE_SCHEMA_VERSION,
             "baseline": {"run": None, "label": f"A: {Path(profiles['A']).stem}", "profile": profiles["A"]},
             "candidate": {"run": None, "label": f"B: {Path(profiles['B']).stem}", "profile": profiles["B"]},
-            "tasks": {}, "overall": None, "speed": speed, "speed_ab": speed_ab}
+            "tasks": {}, "overall": None, "speed": speed.to_json(), "speed_ab": speed_ab.to_json()}
 
 
 if __name__ == "__main__":
