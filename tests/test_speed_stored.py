@@ -38,6 +38,10 @@ def test_a_stored_record_reads_back_typed():
     ({"sampling": {"top_p": 0.9, "seed": 0}}, "temperature", "a number"),
     ({"group": {"arrival": "poisson", "rate": 2.0}}, "duration_s", "a number"),
     ({"output_token_ids": [1, "2"]}, "output_token_ids", "a list of integers"),
+    ({"group": {"arrival": "closed", "clients": 1, "duration_s": 1.0, "n_sent": 2, "server": {"source": "vllm"}}},
+     "server", "lacks n_samples"),
+    ({"group": {"arrival": "poisson", "rate": 2.0, "duration_s": 1.0, "n_sent": 2, "last_send_s": 0.5,
+                "max_in_flight": 1, "sweep": {"step": 0, "error_rate": "none"}}}, "error_rate", "a number"),
 ])
 def test_a_bad_stored_record_is_refused_naming_file_item_and_key(over, key, expected):
     with pytest.raises(ValueError) as e:
