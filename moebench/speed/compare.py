@@ -74,6 +74,9 @@ def _from_id(r: StoredRequest, part: int) -> int:
     return int(r.item_id.split("/")[part])
 
 
+PER_REQUEST = "per request"             # DraftSummary.source where the records carry their own counters
+
+
 @dataclass(frozen=True)
 class DraftSummary:
     """Speculative decoding over a group: pooled acceptance rate (accepted / drafted over all requests),
@@ -92,12 +95,9 @@ class DraftSummary:
         stats = {"acceptance_rate_stats": _stats_json(self.acceptance_rate_stats),
                  "tokens_per_step": _stats_json(self.tokens_per_step)}
         head: JsonObject = {"n": self.n, "draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted}
-        if self.source == PER_REQUEST:       # the two sources have always written their keys in these orders
+        if self.source == PER_REQUEST:       # each source keeps its own key order in compare.json
             return {**head, "source": self.source, "acceptance_rate": self.acceptance_rate, **stats}
         return {**head, "acceptance_rate": self.acceptance_rate, **stats, "source": self.source}
-
-
-PER_REQUEST = "per request"
 
 
 def _stats_json(p: Percentiles | None) -> JsonObject | None:
@@ -106,18 +106,18 @@ def _stats_json(p: Percentiles | None) -> JsonObject | None:
 
 def draft_summary(records: list[StoredRequest]) -> DraftSummary | None:
     """A group's speculative decoding; None where no record has counters."""
-    recs = [(r, r.draft) for r in records if r.draft is not None]
-    if not recs:
+    drafts = [r.draft for r in records if r.draft is not None]
+    if not drafts:
         group = next((r.group_spec_decode for r in records if r.group_spec_decode is not None), None)
         if group is None:
             return None
         return DraftSummary(len(records), group["draft_n"], group["draft_n_accepted"], group["acceptance_rate"],
                             None, None, group["source"])
-    drafted = sum(d.draft_n for _, d in recs)
-    accepted = sum(d.draft_n_accepted for _, d in recs)
-    return DraftSummary(len(recs), drafted, accepted, accepted / drafted if drafted else None,
-                        Percentiles.of([d.acceptance_rate for _, d in recs]),
-                        Percentiles.of([d.tokens_per_step for _, d in recs]), PER_REQUEST)
+    drafted = sum(d.draft_n for d in drafts)
+    accepted = sum(d.draft_n_accepted for d in drafts)
+    return DraftSummary(len(drafts), drafted, accepted, accepted / drafted if drafted else None,
+                        Percentiles.of([d.acceptance_rate for d in drafts]),
+                        Percentiles.of([d.tokens_per_step for d in drafts]), PER_REQUEST)
 
 
 @dataclass(frozen=True)
