@@ -11,18 +11,25 @@ Modules (each readable alone; arrows are imports inside the wing):
   `to_json` items.jsonl holds.
 - `open_loop.py`: arrival schedules (poisson, gamma), SLO checks per record, the /metrics sampler
   that runs beside a group, the rate sweep and its stop rule.
-- `latency.py`: the percentile summary (`Percentiles`) and a record's time per output token (a leaf).
-- `compare.py`: compare.json["speed"]: percentiles per prompt length and client count, the
-  candidate/baseline ratios with bootstrap intervals, inter-token latency from
-  speed_token_times.jsonl; its "load" part comes from `load_compare.py` (goodput, SLO shares, tail
-  sample counts, the goodput ratio's interval).
+- `latency.py`: the percentile summary (`Percentiles`) and a record's timing fields (`RequestTimes`)
+  with its time per output token (a leaf).
+- `fields.py`: `Fields`, typed reads of one stored JSON object, each refusal naming the source and
+  key (a leaf; the `from_json` of records.py and stored.py read through it).
+- `stored.py`: `StoredRequest`, a stored speed record read back from items.jsonl or a pass file; the
+  readers below take these, never the JSON.
+- `compare.py`: compare.json["speed"] (`SpeedSection`): percentiles per prompt length and client
+  count (`GroupStats`, `DraftSummary`), the candidate/baseline ratios with bootstrap intervals
+  (`SpeedRow`), inter-token latency from speed_token_times.jsonl; its "load" part (`LoadSection`)
+  comes from `load_compare.py` (`LoadRow`: goodput, SLO shares, tail sample counts; the goodput
+  ratio's interval; `SweepSummary`).
 - `ab.py`: `run_ab` (`moebench speed-ab`): passes of two runner profiles interleaved (ABBA), each in a
   fresh process (`python -m moebench.speed.ab`), written as ab.json and a compare.json.
-- `ab_compare.py`: compare.json["speed_ab"] from the passes (`AbPass`): rounds, paired ratios,
-  output identity of A and B.
+- `ab_compare.py`: compare.json["speed_ab"] (`AbSection`) from the passes (`AbPass`): rounds, paired
+  ratios, output identity of A and B (`OutputIdentity`).
 
-task -> records, open_loop, compare, load_compare; records -> open_loop; compare -> load_compare; open_loop, load_compare,
-ab_compare -> latency; ab -> task, compare, ab_compare. Outside the wing: the task registry names
+task -> records, open_loop, stored, compare, load_compare; records -> open_loop, latency, fields;
+stored -> records; compare -> load_compare, stored; open_loop -> latency, fields; load_compare,
+ab_compare -> stored, latency; ab -> task, compare, ab_compare, stored. Outside the wing: the task registry names
 `moebench.speed.task`, compare/build.py and compare/tables.py read the sections through `compare.py`,
 `load_compare.py` and `ab_compare.py`, api.speed_ab calls `ab.run_ab`; the report's serving-load
 part is report/load.py (it draws with the report's plots, so it stays in report/). The speed task

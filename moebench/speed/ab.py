@@ -14,16 +14,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
-
 from moebench import jsonout
 from moebench.config import COMMON_TASK_SCHEMA, resolve_profile_path, validate
 from moebench.datasets import data_dir
 from moebench.runners import load_runner_profile, make_runner
 from moebench.runners.base import RunnerError
 from moebench.runners.responses import describe
-from moebench.speed.ab_compare import AbPass, ab_section
-from moebench.speed.compare import speed_compare, summarize_speed
+from moebench.json_types import JsonObject
+from moebench.speed.ab_compare import AbPass, AbSection, ab_section
+from moebench.speed.compare import SpeedSection, speed_section, speed_summary, summary_json
+from moebench.speed.fields import Fields
+from moebench.speed.stored import read_records
 from moebench.speed.task import SpeedTask
 from moebench.store import write_json_atomic
 from moebench.store.records import COMPARE_SCHEMA_VERSION
@@ -31,7 +32,7 @@ from moebench.store.session import ask_item
 from moebench.tasks.base import TaskContext
 
 
-async def _measure_in_process(runner_path: str, options: dict[str, Any], data_dir: str) -> dict[str, Any]:
+async def _measure_in_process(runner_path: str, options: JsonObject, data_dir: str) -> JsonObject:
     profile = load_runner_profile(resolve_profile_path(runner_path, "runners"))
     opts = validate({"task": "speed", **options}, {**COMMON_TASK_SCHEMA, **SpeedTask.options}, "speed options")
     task = SpeedTask(opts, TaskContext(data_dir=Path(data_dir), runner_profile=profile))
@@ -63,8 +64,8 @@ def _main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_ab(profile_a_path: str, profile_b_path: str, suite_options: dict[str, Any], out_dir: str,
-           order: str = "ABBA", timeout_s: float = 3600.0) -> dict[str, Any]:
+def run_ab(profile_a_path: str, profile_b_path: str, suite_options: JsonObject, out_dir: str,
+           order: str = "ABBA", timeout_s: float = 3600.0) -> JsonObject:
     """Interleave passes of two runner profiles (default A, B, B, A), each in a fresh process.
 
     Returns (and writes to out_dir/ab.json): per profile the pooled speed summary, the B/A
@@ -88,34 +89,47 @@ def run_ab(profile_a_path: str, profile_b_path: str, suite_options: dict[str, An
         if proc.returncode != 0 or not path.is_file():
             raise RunnerError(f"A/B pass {i} ({which}, {profiles[which]}) failed with exit code "
                               f"{proc.returncode}: {proc.stderr.strip()[-1500:]}")
-        data = json.loads(path.read_text())
-        passes.append(AbPass(which=which, index=i, pid=data["pid"], load_s=data["load_s"],
-                             process_s=time.perf_counter() - t0, records=data["records"], summary=data["summary"]))
+        passes.append(read_pass(path, which, i, time.perf_counter() - t0))
 
     pooled = {w: [r for p in passes if p.which == w for r in p.records] for w in "AB"}
     section = ab_section(passes, order, profiles)
-    result = {
+    speed = speed_section(pooled["A"], pooled["B"])
+    result: JsonObject = {
         "order": order,
-        "profiles": profiles,
+        "profiles": dict(profiles),
         "passes": [p.to_json() for p in passes],
-        "summary": {w: summarize_speed(pooled[w]) for w in "AB"},
-        "speed_b_vs_a": speed_compare(pooled["A"], pooled["B"]),
-        "outputs": section["identity"],
-        "speed_ab": section,
+        "summary": {w: summary_json(speed_summary(pooled[w])) for w in "AB"},
+        "speed_b_vs_a": speed.to_json(),
+        "outputs": section.identity.to_json(),
+        "speed_ab": section.to_json(),
     }
     (out / "ab.json").write_text(jsonout.document_text(result, indent=2, default=str))
-    write_json_atomic(out / "compare.json", ab_compare(result))
+    write_json_atomic(out / "compare.json", ab_compare(profiles, speed, section))
     return result
 
 
-def ab_compare(result: dict[str, Any]) -> dict[str, Any]:
+def read_pass(path: Path, which: str, index: int, process_s: float) -> AbPass:
+    """A pass's file (written by `_main`) read back; a bad one is refused naming the file and key."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    f = Fields(data, str(path))
+    summary = f.at("summary")
+    if summary is None:
+        raise ValueError(f"{path}: key 'summary' is missing (expected the speed task's summary)")
+    return AbPass(which=which, index=index, pid=f.need_int("pid"), load_s=f.need_num("load_s"),
+                  process_s=process_s, records=read_records(f.items("records"), str(path)),
+                  n_ok=summary.need_int("n_ok"), n_errors=summary.need_int("n_errors"))
+
+
+def ab_compare(profiles: dict[str, str], speed: SpeedSection, speed_ab: AbSection) -> JsonObject:
     """A compare.json for an A/B directory (A the baseline, B the candidate), so that `moebench report`
-    and `moebench gate` read it like any other compare."""
-    profiles = result["profiles"]
+    and `moebench gate` read it like any other compare; `speed` and `speed_ab` are its sections."""
     return {"schema_version": COMPARE_SCHEMA_VERSION,
             "baseline": {"run": None, "label": f"A: {Path(profiles['A']).stem}", "profile": profiles["A"]},
             "candidate": {"run": None, "label": f"B: {Path(profiles['B']).stem}", "profile": profiles["B"]},
-            "tasks": {}, "overall": None, "speed": result["speed_b_vs_a"], "speed_ab": result["speed_ab"]}
+            "tasks": {}, "overall": None, "speed": speed.to_json(), "speed_ab": speed_ab.to_json()}
 
 
 if __name__ == "__main__":

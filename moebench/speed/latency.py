@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
+
+from moebench.json_types import JsonObject
+from moebench.speed.fields import Fields
 
 
 @dataclass(frozen=True)
@@ -33,23 +34,45 @@ class Percentiles:
         p25, p50, p75, p90, p99 = (float(x) for x in np.quantile(vals, [0.25, 0.5, 0.75, 0.9, 0.99]))
         return Percentiles(int(vals.size), p25, p50, p75, p90, p99, float(vals.min()), float(vals.max()))
 
-    def to_json(self) -> dict[str, float]:
+    @staticmethod
+    def from_json(f: Fields) -> Percentiles:
+        """A stored spread (median and iqr are not read: they follow from p50, p25 and p75)."""
+        return Percentiles(f.need_int("n"), f.need_num("p25"), f.need_num("p50"), f.need_num("p75"),
+                           f.need_num("p90"), f.need_num("p99"), f.need_num("min"), f.need_num("max"))
+
+    def to_json(self) -> JsonObject:
         """As compare.json writes a figure's spread: n, median, p25/p75/iqr, p50/p90/p99, min, max."""
         return {"n": self.n, "median": self.p50, "p25": self.p25, "p75": self.p75, "iqr": self.p75 - self.p25,
                 "p50": self.p50, "p90": self.p90, "p99": self.p99, "min": self.min, "max": self.max}
 
 
-def percentiles(values: list[float | None]) -> dict[str, float] | None:
-    """Percentiles.of(values) as compare.json writes it, or None."""
-    st = Percentiles.of(values)
-    return st.to_json() if st is not None else None
+@dataclass(frozen=True)
+class RequestTimes:
+    """The timing fields of one request's record that the speed readers and SLO checks judge."""
+
+    ttft_s: float | None
+    prefill_tok_s: float | None
+    decode_tok_s: float | None
+    e2e_s: float | None
+    output_tokens: int | None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Seconds per output token after the first, from the record's own timing fields."""
+        n, ttft, e2e = self.output_tokens, self.ttft_s, self.e2e_s
+        if not n or n < 2 or ttft is None or e2e is None:
+            return 1.0 / self.decode_tok_s if self.decode_tok_s else None
+        t = (e2e - ttft) / (n - 1)
+        return t if t > 0 else None
+
+    def metric(self, name: str) -> float | None:
+        """One of ttft_s, prefill_tok_s, decode_tok_s, tpot_s, e2e_s by name."""
+        if name == "tpot_s":
+            return self.tpot_s
+        if name not in _TIME_FIELDS:
+            raise KeyError(f"no request metric {name!r} (one of {', '.join(_TIME_FIELDS + ('tpot_s',))})")
+        value: float | None = getattr(self, name)
+        return value
 
 
-def tpot(r: dict[str, Any]) -> float | None:
-    """Seconds per output token after the first, from the record's own timing fields."""
-    n, ttft, e2e = r.get("output_tokens"), r.get("ttft_s"), r.get("e2e_s")
-    if not n or n < 2 or ttft is None or e2e is None:
-        dec = r.get("decode_tok_s")
-        return 1.0 / dec if dec else None
-    t = (e2e - ttft) / (n - 1)
-    return t if t > 0 else None
+_TIME_FIELDS = ("ttft_s", "prefill_tok_s", "decode_tok_s", "e2e_s")

@@ -15,6 +15,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+from moebench.json_types import JsonObject
+from moebench.speed.fields import Fields
+from moebench.speed.latency import RequestTimes
+
 ARRIVALS = ("closed", "poisson", "gamma")
 
 
@@ -45,20 +49,20 @@ class SloCheck:
     def all_met(self) -> bool:
         return all(self.met.values())
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         """The record's `slo` ({"<name>_met": bool}) and `slo_met` (every one met)."""
         return {"slo": {f"{k}_met": v for k, v in self.met.items()}, "slo_met": self.all_met}
 
 
-def slo_fields(rec: dict[str, Any], slos: dict[str, float]) -> SloCheck:
-    """Which SLOs a measured request (its record fields) met: `slo_met` is True only when it met every
-    one that is set.
+def slo_fields(times: RequestTimes, slos: dict[str, float]) -> SloCheck:
+    """Which SLOs a measured request met: `slo_met` is True only when it met every one that is set.
 
     slos: {"ttft_s": limit, "tpot_s": limit, "e2e_s": limit} (those set). TPOT is seconds per output
-    token after the first, as latency.tpot."""
-    from moebench.speed.latency import tpot
-    values = {"ttft_s": rec.get("ttft_s"), "tpot_s": tpot(rec), "e2e_s": rec.get("e2e_s")}
-    return SloCheck({k: (values[k] is not None and values[k] <= limit) for k, limit in slos.items()})
+    token after the first, as RequestTimes.tpot_s."""
+    def met(name: str, limit: float) -> bool:
+        v = times.metric(name)
+        return v is not None and v <= limit
+    return SloCheck({k: met(k, limit) for k, limit in slos.items()})
 
 
 class MetricsSampler:
@@ -113,9 +117,13 @@ class SweepFigures:
     ttft_median_s: float | None
     queue_delay_s: float | None      # this step's median TTFT minus the first step's
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {"error_rate": self.error_rate, "ttft_median_s": self.ttft_median_s,
                 "queue_delay_s": self.queue_delay_s}
+
+    @staticmethod
+    def from_json(f: Fields) -> SweepFigures:
+        return SweepFigures(f.need_num("error_rate"), f.num("ttft_median_s"), f.num("queue_delay_s"))
 
 
 def sweep_stop(ttfts: list[float], n_sent: int, first_ttft_median: float | None,

@@ -43,12 +43,14 @@ from moebench.config import (MAX_CLIENTS, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX
 from moebench.datasets import data_file, register
 from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
 from moebench.runners.metrics import serving_summary, spec_decode_delta
-from moebench.speed.compare import read_token_times, summarize_speed
+from moebench.json_types import JsonObject
+from moebench.speed.compare import read_token_times, speed_summary, summary_json
 from moebench.speed.load_compare import summarize_load
 from moebench.speed.open_loop import (ARRIVALS, MetricsSampler, SloCheck, arrival_offsets, slo_fields,
                                       sweep_rates, sweep_stop)
 from moebench.speed.records import (ClosedGroup, ClosedPlace, DraftFigures, Goodput, Measurement, OpenPlace,
                                     RateGroup, Sampling, SkippedStep, SpeedRecord, SweepStep, Timing)
+from moebench.speed.stored import read_records
 from moebench.store import open_append
 from moebench.tasks.base import Item, Task, TaskContext, count_flagged, prompt_hash, prompt_tokens_check
 from moebench.tasks.needle import HAYSTACK_FILE, HaystackIndex, build_index, fit_haystack, load_haystack
@@ -172,7 +174,8 @@ class SpeedTask(Task):
         self.sweep = bool(opts["sweep"])
         self.sweep_rule = {"max_error_rate": float(opts["sweep_max_error_rate"]),
                            "max_queue_delay_s": float(opts["sweep_max_queue_delay_s"])}
-        self.rates = self._rates(opts)
+        self.rates = self._rates(opts.get("rate"), opts.get("rates"), float(opts["sweep_start_rate"]),
+                                 float(opts["sweep_factor"]), int(opts["sweep_steps"]))
         self.slos = {k: float(opts[f"slo_{k}"]) for k in ("ttft_s", "tpot_s", "e2e_s")
                      if opts.get(f"slo_{k}") is not None}
         self.metrics_interval_s = float(opts["metrics_interval_s"])
@@ -182,10 +185,12 @@ class SpeedTask(Task):
         self._groups: dict[tuple, asyncio.Task] = {}
         self._group_lock: asyncio.Lock | None = None
 
-    def _rates(self, opts: dict[str, Any]) -> list[float]:
+    def _rates(self, rate: float | None, rates: list[float] | None, sweep_start_rate: float, sweep_factor: float,
+               sweep_steps: int) -> list[float]:
         """The request rates of an open-loop task; [] for closed loop. Keys that do not fit the arrival
         are refused naming the key, never ignored."""
-        given = [k for k in ("rate", "rates") if opts.get(k) is not None] + (["sweep"] if self.sweep else [])
+        given = ([k for k, v in (("rate", rate), ("rates", rates)) if v is not None]
+                 + (["sweep"] if self.sweep else []))
         if self.arrival == "closed":
             if given:
                 raise ProfileError(f"speed: key {given[0]!r} needs arrival = \"poisson\" or \"gamma\" "
@@ -195,10 +200,9 @@ class SpeedTask(Task):
             raise ProfileError(f"speed: arrival {self.arrival!r} needs exactly one of 'rate', 'rates' or "
                                f"sweep = true, got {', '.join(map(repr, given)) or 'none'}")
         if self.sweep:
-            return sweep_rates(float(opts["sweep_start_rate"]), float(opts["sweep_factor"]),
-                               int(opts["sweep_steps"]))
-        rates = opts["rates"] if opts.get("rates") is not None else [opts["rate"]]
-        return [float(x) for x in dict.fromkeys(rates)]
+            return sweep_rates(sweep_start_rate, sweep_factor, sweep_steps)
+        chosen = rates if rates is not None else ([rate] if rate is not None else [])
+        return [float(x) for x in dict.fromkeys(chosen)]
 
     def needs(self, runner: Runner) -> set[str]:
         needs = {Capability.GENERATE, Capability.STREAM}
@@ -265,7 +269,7 @@ class SpeedTask(Task):
             _count_tokens(self.ctx, real_prompt_tokens or 0, result.output_tokens or len(result.token_times or []))
         n_out = result.output_tokens or len(result.token_times or [])
         return Measurement(
-            result_fields=result.to_record_fields(),
+            result=result,
             prompt_hash=prompt_hash(prompt),
             prompt_tokens=real_prompt_tokens,
             prompt_tokens_source="tokenizer" if prompt_tokens else ("server" if result.prompt_tokens else None),
@@ -279,9 +283,9 @@ class SpeedTask(Task):
             timing=fields,
             token_times=list(result.token_times or []))
 
-    def _slo_check(self, m: Measurement, place: ClosedPlace | OpenPlace) -> SloCheck | None:
-        """The SLOs the request met, judged on its record's fields; None where the suite sets none."""
-        return slo_fields({**m.to_json(), **place.to_json()}, self.slos) if self.slos else None
+    def _slo_check(self, m: Measurement) -> SloCheck | None:
+        """The SLOs the request met, judged on its record's timing fields; None where the suite sets none."""
+        return slo_fields(m.times, self.slos) if self.slos else None
 
     async def run_group(self, runner: Runner, length: int, clients: int,
                         wanted: set[str] | None = None) -> dict[str, SpeedRecord | BaseException]:
@@ -313,7 +317,7 @@ class SpeedTask(Task):
                 try:
                     m = await self.measure(runner, prompt, n, concurrent=clients > 1)
                     place = ClosedPlace(length, clients, rep, c)
-                    results[item_id] = SpeedRecord(m, place, self._slo_check(m, place))
+                    results[item_id] = SpeedRecord(m, place, self._slo_check(m))
                 except Exception as e:
                     results[item_id] = e
 
@@ -371,7 +375,7 @@ class SpeedTask(Task):
                 m = await self.measure(runner, prompt, n, concurrent=True)
                 place = OpenPlace(length, self.arrival, rate, i, offsets[i], sent, in_flight,
                                   step if self.sweep else None)
-                results[ids[i]] = SpeedRecord(m, place, self._slo_check(m, place))
+                results[ids[i]] = SpeedRecord(m, place, self._slo_check(m))
             except Exception as e:
                 results[ids[i]] = e
             finally:
@@ -431,7 +435,7 @@ class SpeedTask(Task):
                 for row in rows:
                     f.write((jsonout.dumps(row) + "\n").encode("utf-8"))
 
-    async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
+    async def evaluate(self, item: Item, runner: Runner) -> JsonObject:
         """One measurement; the first item of a group runs the whole group (closed-loop clients).
 
         Groups run one at a time whatever the executor's concurrency, so lengths never overlap.
@@ -456,15 +460,17 @@ class SpeedTask(Task):
             raise rec
         return {"correct": None, "answer": None, "reference": None, **rec.to_json()}
 
-    def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        ok = [r for r in records if r.get("status") == "ok"]
-        times = read_token_times(self.ctx.run_dir) if self.ctx.run_dir is not None else None
+    def summarize(self, records: list[dict[str, Any]]) -> JsonObject:
+        run_dir = self.ctx.run_dir
+        stored = read_records(records, f"{run_dir / 'items.jsonl'}" if run_dir is not None else "speed records")
+        ok = [r for r in stored if r.status == "ok"]
+        times = read_token_times(run_dir) if run_dir is not None else None
         return {"n": len(records), "n_ok": len(ok),
-                "n_errors": sum(1 for r in records if r.get("status") == "error"),
+                "n_errors": sum(1 for r in stored if r.status == "error"),
                 "n_prompt_tokens_flagged": count_flagged(records),
                 "sampling": self.sampling.to_json(),
-                "by_prompt_length": summarize_speed(ok, times),
-                **({"load": summarize_load(records)} if self.rates else {})}
+                "by_prompt_length": summary_json(speed_summary(ok, times)),
+                **({"load": summarize_load(stored).to_json()} if self.rates else {})}
 
 
 @dataclass
