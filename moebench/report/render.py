@@ -19,8 +19,8 @@ from moebench import store
 from moebench.report import plots
 from moebench.report.load import load_context
 from moebench.report.rig import rig_context, run_rig_context
-from moebench.store.records import (CompareDoc, CompareSide, ItemRecord, Manifest, RecordError, load_typed_run,
-                                    typed_run)
+from moebench.store import load_typed_run
+from moebench.store.records import CompareDoc, CompareSide, ItemRecord, Manifest, RecordError, typed_run
 from moebench.store.sections import (SPEED_METRICS, needle_cells, needle_counts, number, per_side,
                                       speed_rows)
 
