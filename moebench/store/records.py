@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from moebench.identity import HostIdentity, MoebenchIdentity
 from moebench.json_types import JsonObject, JsonValue
 from moebench.store.files import ITEMS, MANIFEST, STATUSES, StoreError, now_iso
 from moebench.store.files import SCHEMA_VERSION as MANIFEST_SCHEMA_VERSION
@@ -256,9 +257,9 @@ class Manifest:
     """Model identity (the runner's): path, content hash, GGUF metadata where present."""
     build: JsonObject | None = None
     """Build identity (the runner's): llama.cpp build number or commit, the engine's decode configuration."""
-    moebench: JsonObject | None = None
+    moebench: MoebenchIdentity | None = None
     """moebench's version and git revision with a dirty flag (identity.MoebenchIdentity)."""
-    host: JsonObject | None = None
+    host: HostIdentity | None = None
     """CPU, RAM, GPU names, driver (identity.HostIdentity)."""
     started_at: str | None = None
     """ISO 8601 UTC start time."""
