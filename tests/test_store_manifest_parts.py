@@ -8,7 +8,7 @@ import pytest
 
 from moebench.store import RunStore, StoreError
 from moebench.store.lock import LockHolder, RunLock
-from moebench.store.records import ErrorCause, Manifest, RecordError, RunCounts, RunEvent
+from moebench.store.records import ErrorCause, Manifest, RecordError, RunCounts, TaskSummary
 from moebench.store.sections import SpeedRow, speed_rows
 
 
@@ -27,6 +27,8 @@ def _manifest(**keys: object) -> dict:
      r"runs/a/manifest\.json: error_causes\[0\]: missing key 'count' \(expected an integer\)"),
     ({"resumes": "2"}, r"runs/a/manifest\.json: key 'resumes' is a string, expected an integer or null"),
     ({"summary": {"gsm8k": [1]}}, r"runs/a/manifest\.json: summary\['gsm8k'\]: expected a JSON object, got a list"),
+    ({"summary": {"gsm8k": {"n": "3"}}},
+     r"runs/a/manifest\.json: summary\['gsm8k'\]: key 'n' is a string, expected an integer or null"),
 ])
 def test_bad_manifest_part_names_file_key_and_type(keys, message):
     with pytest.raises(RecordError, match=message):
@@ -37,12 +39,16 @@ def test_manifest_parts_read_typed_and_write_back_in_their_order():
     raw = _manifest(label="x", counts={"asked": 2, "errors": 1}, resumes=1,
                     events=[{"time": "t0", "event": "resumed", "previous_status": "running"},
                             {"event": "restart", "reason": "exit", "time": "t1", "restarts": 1}],
-                    error_causes=[{"error": "RunnerError: boom", "count": 1}], ended_at=None, limit=3)
+                    error_causes=[{"error": "RunnerError: boom", "count": 1}], ended_at=None, limit=3,
+                    summary={"kld": {"n": 2, "n_scored": 0, "n_correct": 0, "accuracy": None, "mean_kld": 0.1},
+                             "needle": {"by_length": {}, "n": 1, "accuracy": 1.0}})
     m = Manifest.from_dict(raw, "manifest.json")
     assert m.counts == RunCounts(asked=2, errors=1) and m.resumes == 1
     assert [e.event for e in m.events] == ["resumed", "restart"] and m.events[1].details == {"reason": "exit",
                                                                                             "restarts": 1}
     assert m.error_causes == [ErrorCause("RunnerError: boom", 1)] and m.extra == {"limit": 3}
+    assert m.summary["kld"] == TaskSummary(n=2, n_scored=0, n_correct=0, extra={"mean_kld": 0.1})
+    assert (m.summary["needle"].n, m.summary["needle"].n_errors) == (1, None)
     assert json.dumps(m.to_dict()) == json.dumps(raw)          # same keys, same order, null kept
     with pytest.raises(TypeError, match="manifest key 'counts' takes RunCounts"):
         m.set(counts={"asked": 1})

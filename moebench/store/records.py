@@ -178,9 +178,7 @@ class RunEvent:
         out: JsonObject = {} if self.time is None else {"time": self.time}
         out["event"] = self.event
         out.update(self.details)
-        if not self.key_order:
-            return out
-        return {**{k: out[k] for k in self.key_order if k in out}, **out}
+        return _in_order(out, self.key_order)
 
 
 @dataclass
@@ -220,14 +218,61 @@ class ErrorCause:
         return {"error": self.error, "count": self.count}
 
 
+def _in_order(out: JsonObject, key_order: list[str]) -> JsonObject:
+    """`out` with the keys of `key_order` first, in that order (the order a document was read in)."""
+    return {**{k: out[k] for k in key_order if k in out}, **out} if key_order else out
+
+
+@dataclass
+class TaskSummary:
+    """manifest.json `summary[task]`: a task's figures over its latest records. The common ones are
+    fields (None where the task does not give one); what the task adds (by_length, n_reruns, the KLD
+    figures, ...) is in `extra`."""
+
+    n: int | None = None
+    """Records of the task."""
+    n_scored: int | None = None
+    n_correct: int | None = None
+    n_errors: int | None = None
+    accuracy: float | None = None
+    """n_correct / n_scored; None when nothing was scored."""
+    extra: JsonObject = field(default_factory=dict)
+    key_order: list[str] = field(default_factory=list, repr=False, compare=False)
+
+    _COMMON = ("n", "n_scored", "n_correct", "n_errors", "accuracy")
+
+    @classmethod
+    def from_json(cls, obj: JsonValue, source: str) -> "TaskSummary":
+        d = _object(obj, source)
+        counts = {k: _take(d, k, (int, type(None)), source) for k in cls._COMMON[:4]}
+        return cls(**counts, accuracy=_take(d, "accuracy", (int, float, type(None)), source),
+                   extra={k: v for k, v in d.items() if k not in cls._COMMON}, key_order=list(d))
+
+    def to_json(self) -> JsonObject:
+        """The summary as the task gave it: its keys in their order; a common figure left out where the
+        task gave none."""
+        common: JsonObject = {k: getattr(self, k) for k in self._COMMON
+                              if k in self.key_order or getattr(self, k) is not None}
+        return _in_order({**common, **self.extra}, self.key_order)
+
+
+def summaries(by_task: dict[str, TaskSummary] | dict[str, JsonObject]) -> dict[str, TaskSummary]:
+    """Per task its TaskSummary; a task that hands its summary as a JSON object has it parsed (an error
+    names the task and the key)."""
+    return {task: s if isinstance(s, TaskSummary) else TaskSummary.from_json(s, f"task {task!r} summary")
+            for task, s in by_task.items()}
+
+
 def _list_of(d: JsonObject, key: str, parse: Callable[[JsonValue, str], _T], source: str) -> list[_T] | None:
     """d[key] as a list of parsed entries (None where absent or null); each entry's errors name its index."""
     raw = _take(d, key, (list, type(None)), source)
     return None if raw is None else [parse(v, f"{source}: {key}[{i}]") for i, v in enumerate(raw)]
 
 
-# The manifest's keys that hold a class of their own (a list of them for events and error_causes).
-_MANIFEST_CLASSES: dict[str, type] = {"counts": RunCounts, "events": RunEvent, "error_causes": ErrorCause}
+# The manifest's keys that hold a class of their own (a list of them for events and error_causes, one
+# per task for summary).
+_MANIFEST_CLASSES: dict[str, type] = {"counts": RunCounts, "events": RunEvent, "error_causes": ErrorCause,
+                                      "summary": TaskSummary}
 # The manifest's keys ordered as a fresh `Manifest` writes them when nothing recorded another order.
 _MANIFEST_FIRST = ("schema_version", "status")
 
@@ -265,7 +310,7 @@ class Manifest:
     """ISO 8601 UTC start time."""
     ended_at: str | None = None
     """ISO 8601 UTC end time; None while running."""
-    summary: dict[str, JsonObject] | None = None
+    summary: dict[str, TaskSummary] | None = None
     """Per task name, the task's summary: n, n_scored, n_correct, accuracy, n_errors and what the task
     adds; None until the run ends."""
     counts: RunCounts | None = None
@@ -291,8 +336,8 @@ class Manifest:
             raise RecordError(f"{source}: schema_version {sv} is newer than this moebench reads "
                               f"({MANIFEST_SCHEMA_VERSION}); upgrade moebench")
         summary = _take(d, "summary", _OPT_OBJ, source)
-        for task, s in (summary or {}).items():
-            _object(s, f"{source}: summary[{task!r}]")
+        if summary is not None:
+            summary = {task: TaskSummary.from_json(v, f"{source}: summary[{task!r}]") for task, v in summary.items()}
         counts = _take(d, "counts", _OPT_OBJ, source)
         return cls(schema_version=sv, run_id=_take(d, "run_id", _OPT_STR, source),
                    status=_take(d, "status", (str,), source, required=True, choices=STATUSES),
@@ -325,8 +370,8 @@ class Manifest:
         names = self._fields()
         for key, value in values.items():
             kind = _MANIFEST_CLASSES.get(key)
-            if kind is not None and value is not None and not (
-                    isinstance(value, kind) or isinstance(value, list) and all(isinstance(v, kind) for v in value)):
+            members = value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]
+            if kind is not None and value is not None and not all(isinstance(v, kind) for v in members):
                 raise TypeError(f"manifest key {key!r} takes {kind.__name__} (not {type(value).__name__})")
             if key in names:
                 setattr(self, key, value)
@@ -351,10 +396,12 @@ class Manifest:
         if key not in self._fields():
             return self.extra[key]
         v = getattr(self, key)
-        if isinstance(v, (RunCounts, RunEvent, ErrorCause)):
+        if isinstance(v, RunCounts):
             return v.to_json()
         if isinstance(v, list):
             return [x.to_json() if isinstance(x, (RunEvent, ErrorCause)) else x for x in v]
+        if key == "summary" and isinstance(v, dict):
+            return {task: s.to_json() if isinstance(s, TaskSummary) else s for task, s in v.items()}
         return v
 
     def to_dict(self) -> JsonObject:

@@ -17,7 +17,7 @@ from moebench.json_types import JsonObject
 from moebench.identity import host_identity, moebench_identity
 from moebench.secrets import env_secret_values
 from moebench.store import RunLock, RunStore
-from moebench.store.records import ErrorCause, ItemRecord, Manifest, RunEvent
+from moebench.store.records import ErrorCause, ItemRecord, Manifest, RunEvent, TaskSummary, summaries
 
 # OS errors that mean the run cannot go on (a full disk, a read-only or failing filesystem): they end
 # the run instead of becoming one error record per remaining item.
@@ -94,10 +94,12 @@ def record_runner_identity(store: RunStore, runner: Any) -> None:
     store.update_manifest(model=ident.get("model"), build=ident.get("build"))
 
 
-def finish_run(store: RunStore, status: str, runner: Any, summary: dict[str, JsonObject], **fields: object) -> None:
-    """The closing manifest: status, end time, the tasks' summaries, the run's events followed by the
-    runner's (`runners.base.RunnerEvent`), and the entry point's `fields` (typed where the manifest
-    has a class for them: `counts` a RunCounts, `error_causes` ErrorCauses)."""
+def finish_run(store: RunStore, status: str, runner: Any, summary: dict[str, TaskSummary] | dict[str, JsonObject],
+               **fields: object) -> None:
+    """The closing manifest: status, end time, the tasks' summaries (TaskSummary, or the JSON object a
+    task's `summarize` gives), the run's events followed by the runner's (`runners.base.RunnerEvent`),
+    and the entry point's `fields` (typed where the manifest has a class for them: `counts` a
+    RunCounts, `error_causes` ErrorCauses)."""
     runner_events = [RunEvent.from_json(dict(e), f"the runner's events[{i}]")
                      for i, e in enumerate(getattr(runner, "events", []))]
-    store.finish(status, summary=summary, events=[*(store.manifest.events or []), *runner_events], **fields)
+    store.finish(status, summary=summaries(summary), events=[*(store.manifest.events or []), *runner_events], **fields)
