@@ -81,3 +81,13 @@ def test_speed_rows_hold_exactly_the_keys_speed_row_names():
                                  "candidate_decode_tok_s": 15.0, "n_baseline": 5, "n_candidate": 5}]})
     assert len(rows) == 1 and list(rows[0]) == list(SpeedRow.__annotations__)
     assert rows[0]["decode_tok_s_ratio"] == pytest.approx(0.75) and rows[0]["clients"] == 2
+
+
+def test_resume_of_a_manifest_off_the_contract_names_file_and_key_and_writes_nothing(tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    bad = json.dumps(_manifest(status="interrupted", counts={"asked": "six"}), indent=2)
+    (run / "manifest.json").write_text(bad, encoding="utf-8")
+    with pytest.raises(RecordError, match=r"r/manifest\.json: counts: key 'asked' is a string, expected an integer"):
+        RunStore.create_or_resume(run, {"run_id": "new", "label": "x"})
+    assert (run / "manifest.json").read_text(encoding="utf-8") == bad
