@@ -27,7 +27,7 @@ from moebench.runners.base import CapabilityError, Runner, Unreachable, check_ca
 from moebench.runners.responses import describe
 from moebench.secrets import redact
 from moebench.store import RunLock, RunStore, StoreError, now_iso, write_json_atomic
-from moebench.store.records import ItemRecord
+from moebench.store.records import RunCounts, RunEvent
 from moebench.store.session import (ask_record, common_errors, finish_run, new_manifest, open_store,
                                     record_runner_identity)
 from moebench.tasks import task_class, task_schemas
@@ -340,9 +340,8 @@ def _note_failed_resume(run_dir: Path, e: OSError) -> None:
     and an end time, where the disk still lets us write it."""
     try:
         store = RunStore.open(run_dir)
-        store.manifest.setdefault("events", []).append({"time": now_iso(), "event": "failed",
-                                                        "message": f"resume: {describe(e)}"})
-        store.manifest["ended_at"] = now_iso()
+        store.manifest.add_event(RunEvent.now("failed", message=f"resume: {describe(e)}"))
+        store.manifest.set(ended_at=now_iso())
         store.write_manifest()
     except (OSError, StoreError):
         pass                        # unreadable or unwritable: it stays as it was, whole
@@ -523,12 +522,12 @@ def _execute(opts: RunOptions, suite: SuiteProfile, store: RunStore, tasks: list
                 probe_summary = {"error": describe(e)}
         try:
             records = list(store.records().values())
-            summary = {t.name: t.summarize([r for r in records if r.get("task") == t.name]) for t in tasks}
-            probes = dict(store.manifest.get("probes") or {})
+            summary = {t.name: t.summarize([r.to_dict() for r in records if r.task == t.name]) for t in tasks}
+            probes = dict(store.manifest.probes or {})
             if probe_summary is not None:
                 probes["nvml"] = {**probes.get("nvml", {}), **probe_summary}
-            finish_run(store, status, runner, summary, counts=counts, probes=probes, data_files=ctx.data_files,
-                       error_causes=[c.to_json() for c in common_errors([ItemRecord.from_dict(r) for r in records])])
+            finish_run(store, status, runner, summary, counts=RunCounts(**counts), probes=probes,
+                       data_files=ctx.data_files, error_causes=common_errors(records))
         except OSError as e:         # the manifest keeps its last whole version; say why once
             if not reported:
                 print(os_error_line(e), file=sys.stderr)

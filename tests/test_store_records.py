@@ -10,7 +10,8 @@ import pytest
 
 from moebench import api
 from moebench.store import RunStore
-from moebench.store.records import (COMPARE_SCHEMA_VERSION, CompareDoc, ItemRecord, Manifest, RecordError)
+from moebench.store.records import (COMPARE_SCHEMA_VERSION, CompareDoc, ItemRecord, Manifest, RecordError,
+                                    RunCounts)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +54,7 @@ def test_real_documents_read_typed_and_write_back_the_same_json(compared):
         m = Manifest.from_dict(raw, str(run / "manifest.json"))
         assert m.to_dict() == raw
         assert (m.status, m.label, m.suite_name, m.runner_name) == ("complete", side.label, "tiny", "engine")
-        assert set(m.summary) == {"gsm8k", "cmmlu"} and m.counts["asked"] == 6 and m.ended_at
+        assert set(m.summary) == {"gsm8k", "cmmlu"} and m.counts.asked == 6 and m.ended_at
         lines = [json.loads(ln) for ln in (run / "items.jsonl").read_text(encoding="utf-8").splitlines()]
         recs = [ItemRecord.from_dict(ln, f"{run}/items.jsonl") for ln in lines]
         assert [r.to_dict() for r in recs] == lines
@@ -112,10 +113,10 @@ def test_run_store_writes_what_the_manifest_class_reads(tmp_path):
                                                        "runner": {"name": "http", "kind": "http"}})
     store.append({"task": "gsm8k", "item_id": "gsm8k/test/0", "status": "error", "correct": None,
                   "answer": None, "reference": "4", "output": None, "error": "RunnerError: boom"})
-    store.finish("failed", summary={}, counts={"asked": 1, "errors": 1})
+    store.finish("failed", summary={}, counts=RunCounts(asked=1, errors=1))
     store.close()
     m = Manifest.from_dict(_json(tmp_path / "r" / "manifest.json"))
-    assert (m.status, m.run_id, m.runner_name, m.counts) == ("failed", "abc", "http", {"asked": 1, "errors": 1})
+    assert (m.status, m.run_id, m.runner_name, m.counts) == ("failed", "abc", "http", RunCounts(asked=1, errors=1))
     rec = ItemRecord.from_dict(json.loads((tmp_path / "r" / "items.jsonl").read_text().splitlines()[0]))
     assert rec.status == "error" and rec.correct is None and rec.extra == {"error": "RunnerError: boom"}
 

@@ -336,7 +336,7 @@ def evaluate_runner(runner: Runner, tasks: list[str], limit: int | None, out_dir
             loop.run(runner.close())
         finally:
             loop.stop()
-            records = list(store.records().values())
+            records = [r.to_dict() for r in store.records().values()]
             finish_run(store, status, runner, summarize(records), adapter_stats=lm.stats if lm else None)
             store.close()
     return out_dir

@@ -25,6 +25,7 @@ from typing import Any, Iterable
 
 from moebench.datasets import sha256_file
 from moebench.store import RunStore
+from moebench.store.records import summaries
 
 # Metrics whose value 1 means "right", in order of preference for the record's `correct`.
 MAIN_METRICS = ("exact_match", "acc", "pass@1", "pass_at_1", "em", "acc_norm")
@@ -218,7 +219,7 @@ def import_lm_eval(paths: list[Path], out_dir: Path, label: str | None = None) -
     store = RunStore.create_or_resume(out_dir, manifest)
     try:
         store.append_many(records)
-        store.finish("complete", summary=summarize(records))
+        store.finish("complete", summary=summaries(summarize(records)))
     finally:
         store.close()
     return out_dir

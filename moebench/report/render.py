@@ -29,8 +29,8 @@ from moebench.report.views import (AbIdentity, AbPaired, AbRoundRow, CompareRepo
                                    RawFigures, ReportError, RunItemRow, RunReport, RunTaskSummary, SideView,
                                    SkewRow, SpeedAbView, SpeedRow, SpeedView, TaskSummary, TrendReport,
                                    VerdictFigure, VerdictView, as_object)
-from moebench.store.records import (CompareDoc, CompareSide, ItemRecord, Manifest, RecordError, load_typed_run,
-                                    typed_run)
+from moebench.store import load_typed_run
+from moebench.store.records import CompareDoc, CompareSide, ItemRecord, Manifest, RecordError, typed_run
 from moebench.store.sections import (SPEED_METRICS, needle_cells, needle_counts, number, per_side,
                                       speed_rows)
 

@@ -15,212 +15,46 @@
   more than once (an error retried on resume), the last record wins.
 - `.lock`: an OS file lock (flock) that the writing process holds for the run's life, so two writers
   never interleave in one directory; the file names the holder (PID, host, start time) for the refusal
-  message. The kernel drops the lock when its holder dies, so a stale file is simply taken over.
+  message. The kernel drops the lock when its holder dies, so a stale file is simply taken over
+  (`store.lock`).
 - No file of a run directory is written through a symbolic link: the store opens its files with
   O_NOFOLLOW, replaces whole files by renaming a fresh temporary file over them, and refuses (StoreError,
   exit 2, naming the link) a run directory holding any link before it writes anything. A directory with
   items.jsonl but no manifest.json is refused too: its records are of unknown origin.
+The writer holds the manifest as a `Manifest` and takes `ItemRecord`s; `records()` and
+`load_typed_run` give them back typed (`store.records`); `load_run` gives the files' JSON as it is.
+The safe file primitives and the names of a run's files live in `store.files`.
 Everything downstream (compare, report, gate) reads only this.
 """
 from __future__ import annotations
 
-import datetime as _dt
-import errno
 import json
 import os
-import socket
 import sys
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator
 
-from moebench.jsonout import (NonFiniteValue, document, document_text, dumper, dumps, non_finite_values,
-                              standard)
+from moebench.json_types import JsonObject
+from moebench.jsonout import NonFiniteValue, document, dumper, dumps, non_finite_values, standard
 from moebench.secrets import scrub
+from moebench.store.files import (ITEMS, LOCK, MANIFEST, SCHEMA_VERSION, STATUSES, StoreError, name_path, now_iso,
+                                  open_append, open_fd, refuse_links, write_bytes_atomic, write_json_atomic)
+from moebench.store.lock import LockHolder, RunLock, RunLocked
+from moebench.store.records import ItemRecord, Manifest, RunEvent, typed_records, typed_run
 
-SCHEMA_VERSION = 1
+__all__ = ["ITEMS", "LOCK", "MANIFEST", "SCHEMA_VERSION", "STATUSES", "LockHolder", "RunLock", "RunLocked",
+           "RunStore", "StoreError", "finite_record", "iter_records", "latest_records", "load_run", "load_typed_run",
+           "now_iso", "open_append", "open_fd", "record_key", "refuse_links", "write_bytes_atomic",
+           "write_json_atomic"]
+
 # An item record's line (standard JSON; `default=str` for anything else a task puts in a record)
 _record_text = dumper(ensure_ascii=False, default=str)
-MANIFEST = "manifest.json"
-ITEMS = "items.jsonl"
-
-STATUSES = ("running", "complete", "failed", "interrupted")
-LOCK = ".lock"
 
 
-class StoreError(ValueError):
-    """A run directory is missing or malformed; the message names the file."""
-
-
-class RunLocked(StoreError):
-    """Another live process is writing into this run directory."""
-
-
-def _link_refused(path: Path | str) -> StoreError:
-    return StoreError(f"{path}: is a symbolic link; refusing to write a run file through it "
-                      "(the files of a run directory must be its own regular files)")
-
-
-def open_fd(path: Path | str, flags: int, mode: int = 0o644) -> int:
-    """os.open that never follows a symbolic link at `path`: a link there is refused (StoreError naming
-    it) instead of writing through to its target."""
-    try:
-        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise _link_refused(path) from None
-        raise
-
-
-def open_append(path: Path | str) -> Any:
-    """`path` opened for appending bytes (created if missing), never through a link."""
-    return os.fdopen(open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
-
-
-def refuse_links(run_dir: Path) -> None:
-    """StoreError naming the first symbolic link anywhere inside `run_dir` (files and folders): the
-    probes and tasks write side files there too, and none of them may land in a link's target."""
-    for root, dirs, files in os.walk(run_dir, followlinks=False):
-        for name in sorted(dirs + files):
-            if os.path.islink(os.path.join(root, name)):
-                raise _link_refused(Path(root) / name)
-
-
-class RunLock:
-    """An exclusive OS lock on a run directory, held from `acquire` until `release` (or process death).
-
-    `previous` is what the lock file said before we took it (a dead holder's PID and start time),
-    so a takeover can be recorded.
-    """
-
-    def __init__(self, run_dir: str | os.PathLike[str]):
-        self.path = Path(run_dir) / LOCK
-        self._fd: int | None = None
-        self.previous: dict[str, Any] | None = None
-
-    def _read_holder(self) -> dict[str, Any] | None:
-        try:
-            text = self.path.read_text(encoding="utf-8")
-            holder = json.loads(text) if text.strip() else None
-        except (OSError, ValueError):
-            return None
-        return holder if isinstance(holder, dict) else None
-
-    def acquire(self) -> "RunLock":
-        import fcntl
-        fd = open_fd(self.path, os.O_RDWR | os.O_CREAT)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            holder = self._read_holder() or {}
-            who = (f"PID {holder.get('pid', '?')} on {holder.get('host', '?')}, started "
-                   f"{holder.get('started_at', '?')}") if holder else "a process that is still starting"
-            raise RunLocked(f"{self.path.parent}: another moebench process is writing this run ({who}); "
-                            f"wait for it to finish or choose another --out") from None
-        self._fd = fd
-        self.previous = self._read_holder()
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": now_iso(),
-                "command": " ".join(sys.argv)[:500]}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (dumps(info) + "\n").encode(), 0)
-        os.fsync(fd)
-        return self
-
-    def took_over(self) -> dict[str, Any] | None:
-        """The previous holder when it died holding the lock (a stale lock we took over), else None."""
-        prev = self.previous
-        return prev if prev and "released_at" not in prev else None
-
-    def release(self) -> None:
-        """Mark the file released (so the next holder knows this was no crash) and drop the lock."""
-        if self._fd is None:
-            return
-        import fcntl
-        fd, self._fd = self._fd, None
-        try:
-            holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
-            holder["released_at"] = now_iso()
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (dumps(holder) + "\n").encode(), 0)
-        except (OSError, ValueError):
-            pass            # a full disk must not stop the release; the lock itself goes with the fd
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-
-    def __enter__(self) -> "RunLock":
-        return self.acquire()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-
-def now_iso() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _name_path(e: OSError, path: Path) -> OSError:
-    """An OSError from writing a file object carries no file name: give it the one we were writing."""
-    if e.filename is None:
-        e.filename = str(path)
-    return e
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Replace `path` with `data` all at once: the old file stays whole if anything fails, and the
-    temporary file never outlives a failure (a full disk leaves no debris). Standard JSON: non-finite
-    numbers are written as null and named under `non_finite` (moebench.jsonout.document)."""
-    write_bytes_atomic(path, (document_text(data, indent=2, ensure_ascii=False, default=str) + "\n").encode("utf-8"))
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` all at once, as write_json_atomic. Neither the temporary file nor
-    `path` is written through a link: a link under the temporary name is removed, and the rename
-    replaces a link at `path` itself, never its target."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        try:
-            os.unlink(tmp)          # debris of a writer that died with our PID, or a planted link
-        except FileNotFoundError:
-            pass
-        with os.fdopen(open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise _name_path(e, path) from None
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-    _fsync_dir(path.parent)
-
-
-def iter_records(path: Path) -> Iterator[dict[str, Any]]:
-    """Yield the records of an items.jsonl; a torn (unterminated, unparsable) last line is skipped.
+def iter_records(path: Path) -> Iterator[JsonObject]:
+    """Yield the records of an items.jsonl, as JSON; a torn (unterminated, unparsable) last line is skipped.
 
     A malformed line anywhere else is an error naming the file and line: it means the file was
     edited or corrupted, and silently dropping it would lose data.
@@ -248,7 +82,7 @@ def iter_records(path: Path) -> Iterator[dict[str, Any]]:
         yield rec
 
 
-def finite_record(record: dict[str, Any]) -> dict[str, Any]:
+def finite_record(record: JsonObject) -> JsonObject:
     """`record` unchanged when every number in it is finite; else an error record (retried on resume,
     never a wrong answer) whose `error` names the fields, with the numbers as null and their spellings
     under `non_finite`."""
@@ -265,20 +99,13 @@ def finite_record(record: dict[str, Any]) -> dict[str, Any]:
     return clean
 
 
-class TypedRecord(Protocol):
-    """A typed item record (`store.records.ItemRecord`): the writer takes it or its JSON object (tasks
-    that still hand their records as JSON)."""
-
-    def to_dict(self) -> dict[str, Any]: ...
-
-
-def record_key(rec: dict[str, Any]) -> tuple[str, str]:
+def record_key(rec: JsonObject) -> tuple[str, str]:
     return (str(rec.get("task")), str(rec.get("item_id")))
 
 
-def latest_records(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
-    """The last record of each (task, item_id), in file order of first appearance."""
-    out: dict[tuple[str, str], dict[str, Any]] = {}
+def latest_records(path: Path) -> dict[tuple[str, str], JsonObject]:
+    """The last record of each (task, item_id), in file order of first appearance, as JSON."""
+    out: dict[tuple[str, str], JsonObject] = {}
     for rec in iter_records(path):
         out[record_key(rec)] = rec
     return out
@@ -289,7 +116,7 @@ class _Pending:
     concurrent Future, or an asyncio future on `loop`)."""
     __slots__ = ("line", "record", "future", "loop")
 
-    def __init__(self, line: bytes, record: dict[str, Any], future: Any, loop: Any = None):
+    def __init__(self, line: bytes, record: JsonObject, future: Any, loop: Any = None):
         self.line, self.record, self.future, self.loop = line, record, future, loop
 
 
@@ -331,26 +158,27 @@ class RunStore:
 
     # -- creation / opening ---------------------------------------------------------------------
     @classmethod
-    def create_or_resume(cls, path: str | os.PathLike[str], manifest: dict[str, Any],
+    def create_or_resume(cls, path: str | os.PathLike[str], manifest: Manifest | JsonObject,
                          lock: RunLock | None = None, secrets: frozenset[str] = frozenset()) -> "RunStore":
         """Open `path` for writing. An existing unfinished run is resumed; a fresh one is created.
 
-        Returns the store; `store.resumed` tells which. The manifest's fixed identity fields of a
-        resumed run are kept, and `resumes` counts the resumptions. The run's lock (`lock`, or one
-        taken here) is held until `close`; RunLocked when another process holds it.
+        `manifest` is the run's identity (`Manifest.begin`, or its JSON object). Returns the store;
+        `store.resumed` tells which. The manifest's fixed identity fields of a resumed run are kept,
+        and `resumes` counts the resumptions. The run's lock (`lock`, or one taken here) is held until
+        `close`; RunLocked when another process holds it.
         """
         store = cls(path)
         store.secrets = frozenset(secrets)
         store.path.mkdir(parents=True, exist_ok=True)
         store.lock = lock if lock is not None else RunLock(store.path).acquire()
         try:
-            store._open_for_writing(manifest)
+            store._open_for_writing(manifest if isinstance(manifest, Manifest) else Manifest.begin(manifest))
         except BaseException:
             store.close()
             raise
         return store
 
-    def _open_for_writing(self, manifest: dict[str, Any]) -> None:
+    def _open_for_writing(self, manifest: Manifest) -> None:
         refuse_links(self.path)
         self.resumed = self.manifest_path.exists()
         if not self.resumed and self.items_path.exists() and self.items_path.stat().st_size > 0:
@@ -359,21 +187,21 @@ class RunStore:
         self.previous_status = None
         if self.resumed:
             old = self.read_manifest()
-            self.previous_status = old.get("status")
-            merged = {**manifest, **{k: old[k] for k in ("run_id", "started_at") if k in old}}
-            merged["resumes"] = int(old.get("resumes", 0)) + 1
-            merged["events"] = list(old.get("events", [])) + [
-                {"time": now_iso(), "event": "resumed", "previous_status": old.get("status")}]
-            manifest = merged
+            self.previous_status = old.status
+            manifest.set(**{k: getattr(old, k) for k in ("run_id", "started_at") if k in old.key_order})
+            manifest.set(resumes=(old.resumes or 0) + 1,
+                         events=[*(old.events or []), RunEvent.now("resumed", previous_status=old.status)])
             self._cut_torn_tail()
-        manifest = {"schema_version": SCHEMA_VERSION, **manifest, "status": "running"}
-        manifest.setdefault("started_at", now_iso())
-        manifest.pop("ended_at", None)
-        stale = self.lock.took_over()
+        manifest.schema_version = SCHEMA_VERSION
+        manifest.key_order[:] = ["schema_version", *(k for k in manifest.key_order if k != "schema_version")]
+        manifest.set(status="running")
+        if "started_at" not in manifest.key_order:
+            manifest.set(started_at=now_iso())
+        manifest.drop("ended_at")
+        stale = self.lock.took_over() if self.lock is not None else None
         if stale:
-            manifest["events"] = list(manifest.get("events", [])) + [
-                {"time": now_iso(), "event": "stale_lock_taken_over", "previous_pid": stale.get("pid"),
-                 "previous_host": stale.get("host"), "previous_started_at": stale.get("started_at")}]
+            manifest.add_event(RunEvent.now("stale_lock_taken_over", previous_pid=stale.pid,
+                                            previous_host=stale.host, previous_started_at=stale.started_at))
         self.manifest = manifest
         # The items file opens before the manifest says "running": a resume that cannot write leaves
         # the manifest exactly as it found it.
@@ -401,35 +229,34 @@ class RunStore:
                 os.fsync(f.fileno())
 
     # -- manifest -------------------------------------------------------------------------------
-    def read_manifest(self) -> dict[str, Any]:
-        try:
-            with self.manifest_path.open(encoding="utf-8") as f:
-                return json.load(f)
-        except json.JSONDecodeError as e:
-            raise StoreError(f"{self.manifest_path}: not valid JSON ({e})") from None
+    def read_manifest(self) -> Manifest:
+        """manifest.json, parsed; a file off the contract is a RecordError naming it and the key."""
+        return Manifest.from_dict(_read_manifest_json(self.manifest_path), str(self.manifest_path))
 
     def write_manifest(self) -> None:
-        data = document(self.manifest)
+        data = document(self.manifest.to_dict())
         if self.secrets:
             data = json.loads(scrub(dumps(data, ensure_ascii=False, default=str), self.secrets))
         with self._lock:
             write_json_atomic(self.manifest_path, data)
 
-    def update_manifest(self, **fields: Any) -> None:
-        self.manifest.update(fields)
+    def update_manifest(self, **fields: object) -> None:
+        """Set manifest fields (`Manifest.set`: by name, typed) or extra keys, and write it."""
+        self.manifest.set(**fields)
         self.write_manifest()
 
     def add_event(self, event: str, **details: Any) -> None:
-        self.manifest.setdefault("events", []).append({"time": now_iso(), "event": event, **details})
+        self.manifest.add_event(RunEvent.now(event, **details))
         self.write_manifest()
 
-    def finish(self, status: str, **fields: Any) -> None:
+    def finish(self, status: str, **fields: object) -> None:
         assert status in STATUSES, status
         self.update_manifest(status=status, ended_at=now_iso(), **fields)
 
     # -- items ----------------------------------------------------------------------------------
-    def append(self, record: dict[str, Any] | TypedRecord) -> dict[str, Any]:
-        """Append one finished item; durable on return. Returns the record as written: one holding a
+    def append(self, record: ItemRecord | JsonObject) -> JsonObject:
+        """Append one finished item (an `ItemRecord`, or the JSON object of one an importer read); durable
+        on return. Returns the record as written (its JSON line): one holding a
         non-finite number (NaN, Infinity) is written as an error record naming the field, the number
         as null and its spelling under `non_finite`, so the file stays standard JSON and nothing is lost.
         An OSError (naming items.jsonl) when the write or its fsync failed."""
@@ -439,7 +266,7 @@ class RunStore:
         self._submit(_Pending(line, record, future))
         return future.result()
 
-    def append_many(self, records: list[dict[str, Any] | TypedRecord]) -> list[dict[str, Any]]:
+    def append_many(self, records: list[ItemRecord] | list[JsonObject]) -> list[JsonObject]:
         """`append` for records that are all at hand (an import): handed to the writer together, so
         they share a few fsyncs; durable on return. Returns the records as written."""
         futures = []
@@ -451,7 +278,7 @@ class RunStore:
             futures.append(future)
         return [f.result() for f in futures]
 
-    def append_async(self, record: dict[str, Any] | TypedRecord) -> "Any":
+    def append_async(self, record: ItemRecord | JsonObject) -> "Any":
         """`append` for a caller on a running event loop: returns an asyncio future that resolves to
         the record as written once it is durable (or fails with the OSError of its write). The record
         is checked and serialised here; the write and the fsync happen on the writer thread, batched
@@ -499,10 +326,9 @@ class RunStore:
         if self._failed is not None:
             raise self._failed
 
-    def _line(self, record: dict[str, Any] | TypedRecord) -> tuple[dict[str, Any], bytes]:
+    def _line(self, given: ItemRecord | JsonObject) -> tuple[JsonObject, bytes]:
         """The record as it will be written and its line (standard JSON, secrets scrubbed)."""
-        if not isinstance(record, dict):
-            record = record.to_dict()
+        record = given.to_dict() if isinstance(given, ItemRecord) else given
         for key in ("task", "item_id", "status"):
             if key not in record:
                 raise ValueError(f"record lacks {key!r}: {record!r}")
@@ -542,7 +368,7 @@ class RunStore:
                     f.flush()
                     os.fsync(f.fileno())
                 except OSError as e:
-                    error = _name_path(e, self.items_path)
+                    error = name_path(e, self.items_path)
                 except BaseException as e:      # never leave a waiter hanging on a dead writer
                     error = e
                 if error is not None:
@@ -581,12 +407,15 @@ class RunStore:
             self._writer = None
             self._stopping = False
 
-    def records(self) -> dict[tuple[str, str], dict[str, Any]]:
-        return latest_records(self.items_path)
+    def records(self) -> dict[tuple[str, str], ItemRecord]:
+        """The latest record of each (task, item_id), in file order of first appearance; one off the
+        contract is a RecordError naming items.jsonl and the item."""
+        typed = typed_records(self.path, list(latest_records(self.items_path).values()))
+        return {rec.key: rec for rec in typed}
 
     def finished_keys(self) -> set[tuple[str, str]]:
         """Items that need not run again: those whose last record is `ok`."""
-        return {k for k, r in self.records().items() if r.get("status") == "ok"}
+        return {k for k, r in self.records().items() if r.status == "ok"}
 
     def close(self) -> None:
         self._stop_writer()
@@ -603,7 +432,28 @@ class RunStore:
                     self.lock = None
 
 
-def load_run(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Read a run: (manifest, latest record per item in file order)."""
-    store = RunStore.open(path)
-    return store.manifest, list(store.records().values())
+def _read_manifest_json(path: Path) -> JsonObject:
+    """manifest.json as JSON; a missing file says the directory is no run, bad JSON names the file."""
+    if not path.is_file():
+        raise StoreError(f"{path}: not a moebench run (no manifest.json)")
+    try:
+        with path.open(encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise StoreError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise StoreError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load_run(path: str | os.PathLike[str]) -> tuple[JsonObject, list[JsonObject]]:
+    """A run's files as JSON: (manifest, latest record per item in file order), for readers that pass
+    them on as they are (an export, a test); `load_typed_run` parses them."""
+    run = Path(path)
+    return _read_manifest_json(run / MANIFEST), list(latest_records(run / ITEMS).values())
+
+
+def load_typed_run(path: str | os.PathLike[str]) -> tuple[Manifest, list[ItemRecord]]:
+    """A run, typed: (manifest, latest record per item in file order); a document off the contract is
+    a RecordError naming the file, the key (and the item)."""
+    return typed_run(path, *load_run(path))

@@ -11,7 +11,9 @@ compare, report and gate all read through one place and none of them imports ano
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Iterable, Optional, TypedDict
+
+from moebench.json_types import JsonObject, JsonValue
 
 SIDES = ("baseline", "candidate")
 SPEED_METRICS = ("ttft_s", "prefill_tok_s", "decode_tok_s", "tpot_s", "itl_s", "e2e_s")
@@ -20,7 +22,41 @@ _SHORT = {"ttft_s": "ttft", "prefill_tok_s": "prefill", "decode_tok_s": "decode"
           "itl_s": "itl", "e2e_s": "e2e"}
 
 
-def number(v: Any) -> float | None:
+# One prompt length (and client count) of compare.json's speed section, normalised: per metric both
+# sides' figures, the candidate/baseline ratio and its 95% interval; the timed requests per side; both
+# sides' percentile summaries and draft acceptance rates. A dict with these named keys, since the
+# report's template and the gate look its figures up by metric name.
+SpeedRow = TypedDict("SpeedRow", {
+    "prompt_length": Optional[int], "clients": Optional[int],
+    "baseline_ttft_s": Optional[float], "candidate_ttft_s": Optional[float], "ttft_s_ratio": Optional[float],
+    "ttft_s_ratio_ci95": Optional[list[Optional[float]]],
+    "baseline_prefill_tok_s": Optional[float], "candidate_prefill_tok_s": Optional[float], "prefill_tok_s_ratio": Optional[float],
+    "prefill_tok_s_ratio_ci95": Optional[list[Optional[float]]],
+    "baseline_decode_tok_s": Optional[float], "candidate_decode_tok_s": Optional[float], "decode_tok_s_ratio": Optional[float],
+    "decode_tok_s_ratio_ci95": Optional[list[Optional[float]]],
+    "baseline_tpot_s": Optional[float], "candidate_tpot_s": Optional[float], "tpot_s_ratio": Optional[float],
+    "tpot_s_ratio_ci95": Optional[list[Optional[float]]],
+    "baseline_itl_s": Optional[float], "candidate_itl_s": Optional[float], "itl_s_ratio": Optional[float],
+    "itl_s_ratio_ci95": Optional[list[Optional[float]]],
+    "baseline_e2e_s": Optional[float], "candidate_e2e_s": Optional[float], "e2e_s_ratio": Optional[float],
+    "e2e_s_ratio_ci95": Optional[list[Optional[float]]],
+    "n_baseline": Optional[int], "n_candidate": Optional[int],
+    "baseline_stats": JsonObject, "acceptance_baseline": Optional[float],
+    "candidate_stats": JsonObject, "acceptance_candidate": Optional[float],
+})
+
+
+class NeedleCounts(TypedDict):
+    """How many needle cells each side found, and the flips between them."""
+
+    cells: int
+    found_baseline: int
+    found_candidate: int
+    lost: int
+    gained: int
+
+
+def number(v: object) -> float | None:
     """A finite float, or None for anything else (missing, null, NaN, text)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         if isinstance(v, dict):           # summaries like {"median": x, "iqr": [..]}
@@ -32,7 +68,7 @@ def number(v: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def side_value(row: dict[str, Any], side: str, metric: str) -> float | None:
+def side_value(row: JsonValue, side: str, metric: str) -> float | None:
     """`metric` of `side` in a row, whichever of the usual nestings it uses."""
     if not isinstance(row, dict):
         return None
@@ -50,11 +86,11 @@ def side_value(row: dict[str, Any], side: str, metric: str) -> float | None:
 
 # --- speed ------------------------------------------------------------------------------------
 
-def speed_rows(speed: Any) -> list[dict[str, Any]]:
+def speed_rows(speed: JsonValue) -> list[SpeedRow]:
     """Normalised speed rows sorted by prompt length: prompt_length, <side>_<metric>, <metric>_ratio."""
     if not isinstance(speed, dict):
         return []
-    raw: Iterable[Any]
+    raw: Iterable[tuple[str | None, JsonValue]]
     source = next((speed[k] for k in ("rows", "per_prompt_length", "by_prompt_length", "lengths")
                    if k in speed), None)
     if isinstance(source, list):
@@ -70,7 +106,7 @@ def speed_rows(speed: Any) -> list[dict[str, Any]]:
         length = number(r.get("prompt_length", r.get("prompt_tokens", r.get("length"))))
         if length is None and key is not None and _is_int(key):
             length = float(key)
-        row: dict[str, Any] = {"prompt_length": int(length) if length is not None else None}
+        row: SpeedRow = {"prompt_length": int(length) if length is not None else None}  # type: ignore[typeddict-item]
         ratios = r.get("ratios") if isinstance(r.get("ratios"), dict) else {}
         clients = number(r.get("clients"))
         row["clients"] = int(clients) if clients is not None else None
@@ -111,7 +147,7 @@ def speed_rows(speed: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def _is_int(k: Any) -> bool:
+def _is_int(k: object) -> bool:
     try:
         int(str(k))
         return True
@@ -121,13 +157,14 @@ def _is_int(k: Any) -> bool:
 
 # --- needle -----------------------------------------------------------------------------------
 
-def needle_cells(needle: Any) -> list[dict[str, Any]]:
+def needle_cells(needle: JsonValue) -> list[JsonObject]:
+    """The cells of compare.json's needle section (`compare.needle.NeedleCell`'s JSON) that are objects."""
     if not isinstance(needle, dict) or not isinstance(needle.get("cells"), list):
         return []
     return [c for c in needle["cells"] if isinstance(c, dict)]
 
 
-def needle_counts(cells: list[dict[str, Any]]) -> dict[str, int]:
+def needle_counts(cells: list[JsonObject]) -> NeedleCounts:
     """How many cells each side found, and the flips between them."""
     fb = [c.get("found_baseline") is True for c in cells]
     fc = [c.get("found_candidate") is True for c in cells]
@@ -142,9 +179,10 @@ def needle_counts(cells: list[dict[str, Any]]) -> dict[str, int]:
 
 # --- memory / energy --------------------------------------------------------------------------
 
-def flatten(d: Any, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Nested dicts to dotted keys; lists longer than a few items are summarised by their length."""
-    out: dict[str, Any] = {}
+def flatten(d: JsonValue, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[str, JsonValue]:
+    """Nested dicts to dotted keys (the JSON leaves by their paths); lists longer than a few items are
+    summarised by their length."""
+    out: dict[str, JsonValue] = {}
     if not isinstance(d, dict):
         return out
     for k, v in d.items():
@@ -181,14 +219,14 @@ def _split_side(key: str) -> tuple[str, str]:
     return "value", key
 
 
-def per_side(section: Any, skip: tuple[str, ...] = ()) -> tuple[list[str], dict[str, dict[str, Any]]]:
+def per_side(section: JsonValue, skip: tuple[str, ...] = ()) -> tuple[list[str], dict[str, dict[str, JsonValue]]]:
     """(metric names, {side: {metric: value}}) for a section with figures for both runs, or for one.
 
     Figures naming no side (ratios, deltas, notes) are returned under the column "value".
     """
     if not isinstance(section, dict):
         return [], {}
-    sides: dict[str, dict[str, Any]] = {s: {} for s in (*SIDES, "value")}
+    sides: dict[str, dict[str, JsonValue]] = {s: {} for s in (*SIDES, "value")}
     names: list[str] = []
     for key, v in flatten(section, skip=skip).items():
         side, metric = _split_side(key)
@@ -198,7 +236,7 @@ def per_side(section: Any, skip: tuple[str, ...] = ()) -> tuple[list[str], dict[
     return names, {s: m for s, m in sides.items() if m}
 
 
-def memory_value(memory: Any, metric: str, side: str = "candidate") -> float | None:
+def memory_value(memory: JsonValue, metric: str, side: str = "candidate") -> float | None:
     """One memory figure of a side (falls back to an unsided figure)."""
     if not isinstance(memory, dict):
         return None

@@ -9,36 +9,39 @@ import errno
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
+
+from moebench.json_types import JsonObject
 
 from moebench.identity import host_identity, moebench_identity
 from moebench.secrets import env_secret_values
 from moebench.store import RunLock, RunStore
-from moebench.store.records import ItemRecord, Section
+from moebench.store.records import ErrorCause, ItemRecord, Manifest, RunEvent, TaskSummary, summaries
 
 # OS errors that mean the run cannot go on (a full disk, a read-only or failing filesystem): they end
 # the run instead of becoming one error record per remaining item.
 FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 
 
-def new_manifest(label: str, suite: dict[str, Any], runner: dict[str, Any], data_dir: str | os.PathLike[str],
-                 **fields: Any) -> dict[str, Any]:
+def new_manifest(label: str, suite: JsonObject, runner: JsonObject, data_dir: str | os.PathLike[str],
+                 **fields: Any) -> Manifest:
     """The identity every run's manifest starts with (docs/design.md section 4), plus the entry point's
-    own `fields`; `suite` and `runner` come already redacted."""
-    return {"run_id": uuid.uuid4().hex[:12], "label": label, "suite": suite, "runner": runner,
-            "moebench": moebench_identity(), "host": host_identity(), "data_dir": str(data_dir), **fields}
+    own `fields` (JSON values: its extra keys); `suite` and `runner` are the profiles' JSON echoes,
+    already redacted."""
+    return Manifest.begin({"run_id": uuid.uuid4().hex[:12], "label": label, "suite": suite, "runner": runner,
+                           "moebench": dict(moebench_identity()), "host": dict(host_identity()),
+                           "data_dir": str(data_dir), **fields})
 
 
-def open_store(run_dir: str | os.PathLike[str], manifest: dict[str, Any], runner_settings: dict[str, Any] | None,
+def open_store(run_dir: str | os.PathLike[str], manifest: Manifest, runner_settings: JsonObject | None,
                lock: RunLock | None = None) -> RunStore:
     """Create (or resume) the run directory; secrets named by the runner's settings never reach it."""
     secrets = frozenset(env_secret_values(runner_settings)) if runner_settings is not None else frozenset()
     return RunStore.create_or_resume(Path(run_dir), manifest, lock=lock, secrets=secrets)
 
 
-async def ask_record(task: str, item_id: str, evaluate: Callable[[], Awaitable[ItemRecord | Section]],
+async def ask_record(task: str, item_id: str, evaluate: Callable[[], Awaitable[ItemRecord | JsonObject]],
                      describe: Callable[[BaseException], str],
                      passthrough: tuple[type[BaseException], ...] = ()) -> ItemRecord:
     """One item's record: the task's on success (an ItemRecord, or its fields as a JSON object), an
@@ -61,9 +64,9 @@ async def ask_record(task: str, item_id: str, evaluate: Callable[[], Awaitable[I
     return rec
 
 
-async def ask_item(task: str, item_id: str, evaluate: Callable[[], Awaitable[ItemRecord | Section]],
+async def ask_item(task: str, item_id: str, evaluate: Callable[[], Awaitable[ItemRecord | JsonObject]],
                    describe: Callable[[BaseException], str],
-                   passthrough: tuple[type[BaseException], ...] = ()) -> Section:
+                   passthrough: tuple[type[BaseException], ...] = ()) -> JsonObject:
     """`ask_record` as the JSON object items.jsonl holds, for callers that keep records as JSON (the
     speed A/B pass writes them into its own file)."""
     return (await ask_record(task, item_id, evaluate, describe, passthrough)).to_dict()
@@ -71,17 +74,6 @@ async def ask_item(task: str, item_id: str, evaluate: Callable[[], Awaitable[Ite
 
 COMMON_ERRORS = 3            # the error causes a run's manifest and printout name, most frequent first
 ERROR_CAUSE_CHARS = 300      # a cause is the error message, cut to this length
-
-
-@dataclass
-class ErrorCause:
-    """manifest.json `error_causes[]`: one error message and how many of the latest records carry it."""
-
-    error: str
-    count: int
-
-    def to_json(self) -> Section:
-        return {"error": self.error, "count": self.count}
 
 
 def common_errors(records: list[ItemRecord], top: int = COMMON_ERRORS) -> list[ErrorCause]:
@@ -102,7 +94,12 @@ def record_runner_identity(store: RunStore, runner: Any) -> None:
     store.update_manifest(model=ident.get("model"), build=ident.get("build"))
 
 
-def finish_run(store: RunStore, status: str, runner: Any, summary: dict[str, Section], **fields: Any) -> None:
-    """The closing manifest: status, end time, summary, the run's events followed by the runner's."""
-    events = store.manifest.get("events", []) + list(getattr(runner, "events", []))
-    store.finish(status, summary=summary, events=events, **fields)
+def finish_run(store: RunStore, status: str, runner: Any, summary: dict[str, TaskSummary] | dict[str, JsonObject],
+               **fields: object) -> None:
+    """The closing manifest: status, end time, the tasks' summaries (TaskSummary, or the JSON object a
+    task's `summarize` gives), the run's events followed by the runner's (`runners.base.RunnerEvent`),
+    and the entry point's `fields` (typed where the manifest has a class for them: `counts` a
+    RunCounts, `error_causes` ErrorCauses)."""
+    runner_events = [RunEvent.from_json(dict(e), f"the runner's events[{i}]")
+                     for i, e in enumerate(getattr(runner, "events", []))]
+    store.finish(status, summary=summaries(summary), events=[*(store.manifest.events or []), *runner_events], **fields)
