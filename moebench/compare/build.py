@@ -141,7 +141,7 @@ def load_speed_ab(ab_dir: str | Path) -> Section:
     return {**data["speed_ab"], "source": str(Path(ab_dir).resolve())}
 
 
-def format_table(cmp: Section) -> str:
+def format_table(cmp: CompareDoc) -> str:
     """The short table `moebench compare` prints for one candidate."""
     from moebench.compare.tables import matrix_row, text_table
     return text_table([cmp], [matrix_row(cmp)])

@@ -19,9 +19,9 @@ def _ids(v: JsonValue) -> list[str] | None:
     return [str(i) for i in v] if isinstance(v, list) else None
 
 
-def _count(v: JsonValue) -> int | float | None:
-    """A count as written (n_wins of the overall block); None where it is not a number."""
-    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+def _count(v: JsonValue) -> int | None:
+    """A count as written (n_wins of the overall block); None where it is not an integer."""
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,10 @@ class TaskEntry:
     excluded: list[str] | None
     delta_ci95: list[float | None] | None
     """[low, high] as written (each None where not a number); None where the key holds no list."""
-    n_wins: int | float | None = None
+    n_wins: int | None = None
     """The overall block counts flips instead of listing them."""
-    n_losses: int | float | None = None
-    n_excluded: int | float | None = None
+    n_losses: int | None = None
+    n_excluded: int | None = None
     unpaired_reason: str | None = None
 
     @classmethod

@@ -14,7 +14,7 @@ from typing import Literal
 
 from moebench.compare.provenance import unverified_files
 from moebench.compare.records import TaskEntry
-from moebench.gate.figures import KldFigures, SectionFigures, read_section
+from moebench.compare.figures import KldFigures, SectionFigures, read_section
 from moebench.gate.rules import (DEFAULT_MIN_PAIRED, DEFAULT_MIN_SAMPLES, Estimate, Limit, Missing, Rule,
                                  RuleTable, fmt, id_count)
 from moebench.json_types import JsonValue

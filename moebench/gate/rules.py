@@ -3,7 +3,7 @@
 `TASK_RULES` limit a task's paired figures, `SECTION_RULES` those of compare.json's optional sections
 (kld, speed, speed_ab, needle, memory, energy); each `Rule` names its value's type and check (a
 `config.Field`), which side of the limit passes, and how to read its figure from the task's
-`compare.records.TaskEntry` or the section's `gate.figures` class (raising `Missing` where compare.json
+`compare.records.TaskEntry` or the section's `compare.figures` class (raising `Missing` where compare.json
 lacks it). `load_rules` parses and checks a rules file into `RuleTable`s,
 `load_gate_options` its [gate] table; the package docstring (`moebench/gate/__init__.py`) is the
 rules file's reference.
@@ -18,7 +18,7 @@ from typing import Callable, Generic, Literal, NamedTuple, TypeVar
 
 from moebench.compare.records import TaskEntry
 from moebench.config import Field, ProfileError, load_toml, non_negative, positive, validate
-from moebench.gate.figures import (EnergyFigures, KldFigures, MemoryFigures, NeedleFigures, SpeedAbFigures,
+from moebench.compare.figures import (EnergyFigures, KldFigures, MemoryFigures, NeedleFigures, SpeedAbFigures,
                                    SpeedFigures)
 
 DEFAULT_MIN_SAMPLES = 5

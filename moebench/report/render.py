@@ -610,7 +610,7 @@ def _verdict_context(tasks: list[dict[str, Any]], cmp: dict[str, Any], overall: 
     """The opening tables: what a reviewer needs to know whether the candidate regressed. Each figure
     with its baseline, candidate, the ratio and which way is better."""
     from moebench.compare.tables import matrix_row
-    row = matrix_row(cmp)
+    row = matrix_row(CompareDoc.from_dict(cmp))
     figures = []
     kld = cmp.get("kld") if isinstance(cmp.get("kld"), dict) else {}
     if row["kld.mean"] is not None:

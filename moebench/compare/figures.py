@@ -1,7 +1,8 @@
-"""The figures the gate's section rules limit, read from compare.json's optional sections.
+"""The figures of compare.json's optional sections that the gate's rules limit and the matrix row shows.
 
 One class per section (kld, speed, speed_ab, needle, memory, energy), built by `read_section` from the
-section's JSON object. Like `compare.records.TaskEntry` they read leniently: a figure absent or not a
+section's JSON object (an absent section reads as one with no figures). Like
+`compare.records.TaskEntry` they read leniently: a figure absent or not a
 number is None (or an empty list), and the rule that needs it reports it missing, so one odd key in a
 hand-written compare.json fails that rule and not the gate.
 """
@@ -16,6 +17,11 @@ from moebench.store.sections import SPEED_METRICS, memory_value, number, side_va
 
 def _object(v: JsonValue) -> JsonObject:
     return v if isinstance(v, dict) else {}
+
+
+def _count(v: JsonValue) -> int | float | None:
+    """A count as written (an integer, or a float from an older writer); None where not a number."""
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def _int(v: object) -> int | None:
@@ -52,18 +58,22 @@ class KldFigures:
     """The baseline run the candidate's KLD was measured against, where it is not this compare's."""
     baseline_mismatch: bool
     warning: str | None
+    n_tokens: int | float | None
+    method: str | None
+    """"sampled" for a sampled KLD (its figures are in `sampled`), else the teacher-forced one."""
 
     @classmethod
     def from_json(cls, kld: JsonObject) -> "KldFigures":
         agreement = _object(kld.get("per_layer")).get("router_agreement")
-        other, warning = kld.get("measured_against"), kld.get("warning")
+        other, warning, method = kld.get("measured_against"), kld.get("warning"), kld.get("method")
         return cls(**{k: number(kld.get(k)) for k in ("mean", "median", "p90", "p95", "p99", "p999", "max",
                                                       "same_top_p", "ppl_ratio")},
                    rms_delta_p=number(_object(kld.get("delta_p")).get("rms")),
                    router_agreement=[v for v in map(number, agreement) if v is not None]
                    if isinstance(agreement, list) else [],
                    measured_against=str(other) if other else None, baseline_mismatch=bool(kld.get("baseline_mismatch")),
-                   warning=warning if isinstance(warning, str) else None)
+                   warning=warning if isinstance(warning, str) else None, n_tokens=_count(kld.get("n_tokens")),
+                   method=method if isinstance(method, str) else None)
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,10 @@ class SpeedFigures:
 
     groups: list[SpeedGroup]
     load: list[LoadGroup]
+    geomean: dict[str, float | None]
+    """decode, prefill, ttft: the candidate/baseline ratio's geometric mean over the groups."""
+    decode_candidate: list[float | None]
+    """The candidate's decode tok/s per row of speed.rows (as the speed wing writes them)."""
 
     @classmethod
     def from_json(cls, speed: JsonObject) -> "SpeedFigures":
@@ -128,7 +142,11 @@ class SpeedFigures:
                              or _object(r.get("candidate")).get("sweep_skipped")),
                 goodput_ratio=number(r.get("goodput_ratio")), goodput_ratio_ci95=_interval(r.get("goodput_ratio_ci95")),
                 n_baseline=_int(r.get("n_baseline")), n_candidate=_int(r.get("n_candidate"))))
-        return cls(groups=groups, load=load)
+        geomean = _object(speed.get("geomean"))
+        rows = speed.get("rows")
+        return cls(groups=groups, load=load, geomean={k: number(geomean.get(k)) for k in ("decode", "prefill", "ttft")},
+                   decode_candidate=[number(r.get("decode_candidate")) for r in rows if isinstance(r, dict)]
+                   if isinstance(rows, list) else [])
 
 
 @dataclass(frozen=True)
@@ -149,6 +167,8 @@ class SpeedAbFigures:
     paired: dict[str, PairedRatio]
     n_differ_any: float | None
     """identity.n_differ_any: prompts whose outputs differ between an A and a B pass."""
+    rounds_won_b: int | float | None
+    """rounds_won.B as the A/B tool counted it."""
 
     @classmethod
     def from_json(cls, ab: JsonObject) -> "SpeedAbFigures":
@@ -161,7 +181,8 @@ class SpeedAbFigures:
                                              int(n) if isinstance(n, int) else None)
         return cls(round_winners=[str(r.get("winner")) if isinstance(r, dict) and r.get("winner") is not None
                                   else None for r in rounds] if isinstance(rounds, list) else None,
-                   paired=paired, n_differ_any=number(_object(ab.get("identity")).get("n_differ_any")))
+                   paired=paired, n_differ_any=number(_object(ab.get("identity")).get("n_differ_any")),
+                   rounds_won_b=_count(_object(ab.get("rounds_won")).get("B")))
 
 
 @dataclass(frozen=True)
@@ -192,11 +213,12 @@ class MemoryFigures:
 
     peak_used_baseline: float | None
     peak_used_candidate: float | None
+    peak_used_ratio: float | None
 
     @classmethod
     def from_json(cls, memory: JsonObject) -> "MemoryFigures":
         return cls(memory_value(memory, "peak_used_bytes", "baseline"),
-                   memory_value(memory, "peak_used_bytes", "candidate"))
+                   memory_value(memory, "peak_used_bytes", "candidate"), number(memory.get("peak_used_ratio")))
 
 
 @dataclass(frozen=True)
@@ -208,12 +230,17 @@ class EnergyFigures:
     idle_power_w: float | None
     decode_net_ratio: float | None
     """per_token.decode.net_ratio: decode J/token of the candidate over the baseline's, net of idle."""
+    decode_j_per_token: float | None
+    """per_token.decode.candidate_net_j_per_token"""
+    prefill_j_per_token: float | None
 
     @classmethod
     def from_json(cls, energy: JsonObject) -> "EnergyFigures":
-        decode = _object(_object(energy.get("per_token")).get("decode"))
+        per_token = _object(energy.get("per_token"))
+        decode, prefill = _object(per_token.get("decode")), _object(per_token.get("prefill"))
         return cls(side_value(energy, "candidate", "whole_run_counter_j"),
-                   side_value(energy, "candidate", "idle_power_w"), number(decode.get("net_ratio")))
+                   side_value(energy, "candidate", "idle_power_w"), number(decode.get("net_ratio")),
+                   number(decode.get("candidate_net_j_per_token")), number(prefill.get("candidate_net_j_per_token")))
 
 
 SectionFigures = Union[KldFigures, SpeedFigures, SpeedAbFigures, NeedleFigures, MemoryFigures, EnergyFigures]
@@ -221,6 +248,7 @@ _READERS = {"kld": KldFigures.from_json, "speed": SpeedFigures.from_json, "speed
             "needle": NeedleFigures.from_json, "memory": MemoryFigures.from_json, "energy": EnergyFigures.from_json}
 
 
-def read_section(name: str, data: JsonObject) -> SectionFigures:
-    """The figures of section `name` ("kld", ..., or a card of memory/energy: "energy.gpu1")."""
-    return _READERS[name.partition(".")[0]](data)
+def read_section(name: str, data: JsonValue) -> SectionFigures:
+    """The figures of section `name` ("kld", ..., or a card of memory/energy: "energy.gpu1"); a section
+    that is absent or not an object reads as one without figures."""
+    return _READERS[name.partition(".")[0]](data if isinstance(data, dict) else {})
