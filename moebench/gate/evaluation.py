@@ -15,8 +15,8 @@ from typing import Literal
 from moebench.compare.provenance import unverified_files
 from moebench.compare.records import TaskEntry
 from moebench.compare.figures import KldFigures, SectionFigures, read_section
-from moebench.gate.rules import (DEFAULT_MIN_PAIRED, DEFAULT_MIN_SAMPLES, Estimate, Limit, Missing, Rule,
-                                 RuleTable, fmt, id_count)
+from moebench.gate.rules import (DEFAULT_MIN_PAIRED, DEFAULT_MIN_SAMPLES, Correction, Estimate, Limit, Missing,
+                                 Rule, RuleTable, fmt, id_count)
 from moebench.json_types import JsonValue
 from moebench.scoring.stats import holm_adjust
 from moebench.store.records import CompareDoc
@@ -61,7 +61,7 @@ class RuleResult:
 
 
 def _holm(compare: CompareDoc, rules: list[RuleTable],
-          correction: str) -> dict[str, tuple[float, int]]:
+          correction: Correction) -> dict[str, tuple[float, int]]:
     """task -> (Holm-adjusted McNemar p, family size) over the tasks whose significant-loss rule is on."""
     if correction != "holm":
         return {}
@@ -116,7 +116,7 @@ def _unverified_data(compare: CompareDoc, section: str) -> str | None:
 
 
 def evaluate(compare: CompareDoc, rules: list[RuleTable],
-             correction: str = "holm") -> list[RuleResult]:
+             correction: Correction = "holm") -> list[RuleResult]:
     """A RuleResult for every rule of every table, in the rules file's order."""
     checks: list[RuleResult] = []
     tasks = compare.tasks

@@ -23,7 +23,9 @@ from moebench.compare.figures import (EnergyFigures, KldFigures, MemoryFigures, 
 
 DEFAULT_MIN_SAMPLES = 5
 DEFAULT_MIN_PAIRED = 1      # below it a task's rules are INCONCLUSIVE: 0 paired items are no evidence
-INCONCLUSIVE_CHOICES = ("exit3", "fail", "pass")
+OnInconclusive = Literal["exit3", "fail", "pass"]
+Correction = Literal["holm", "none"]
+INCONCLUSIVE_CHOICES: tuple[OnInconclusive, ...] = ("exit3", "fail", "pass")
 
 
 def _fraction(v: float) -> str | None:
@@ -360,8 +362,8 @@ class RuleTable(NamedTuple):
 class GateOptions:
     """The rules file's [gate] table."""
 
-    on_inconclusive: str = "exit3"    # INCONCLUSIVE_CHOICES: exit 3, count as a failure, or pass
-    correction: str = "holm"          # "holm" | "none": the significant-loss rules over several tasks
+    on_inconclusive: OnInconclusive = "exit3"    # exit 3, count as a failure, or pass
+    correction: Correction = "holm"              # the significant-loss rules over several tasks, or none
 
 
 def load_gate_options(path: str | os.PathLike[str]) -> GateOptions:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moebench.gate.evaluation import RuleResult
+from moebench.gate.rules import OnInconclusive
 from moebench.json_types import JsonObject
 from moebench.store.records import CompareDoc
 
@@ -35,7 +36,7 @@ class Verdict:
 
     results: list[RuleResult]
     rules_file: Path
-    on_inconclusive: str = "exit3"     # rules.INCONCLUSIVE_CHOICES
+    on_inconclusive: OnInconclusive = "exit3"
 
     @property
     def overall(self) -> str:
