@@ -256,7 +256,8 @@ TASK_RULES: dict[str, Rule[TaskEntry]] = {
     "max_flip_rate": Rule(Field(float, check=_fraction), "max", _flip_rate, "flip rate"),
     "fail_on_significant_loss": Rule(Field(bool), "flag", _mcnemar_p, "McNemar p"),
     "min_delta_ci_low": Rule(Field(float), "min", _delta_ci_low, "delta CI95 low"),
-    "max_excluded": Rule(Field(int, check=non_negative), "max", lambda t: id_count(t.excluded, "excluded"), "excluded items"),
+    "max_excluded": Rule(Field(int, check=non_negative), "max", lambda t: id_count(t.excluded, "excluded"),
+                         "excluded items"),
 }
 TASK_OPTIONS: dict[str, Field] = {"alpha": Field(float, default=0.05, check=lambda v: None if 0 < v < 1
                                                   else "must be between 0 and 1 (exclusive)")}
@@ -320,8 +321,8 @@ SECTION_RULES: dict[str, dict[str, Rule]] = {
                                  _candidate_energy("whole-run energy (NVML counter)",
                                                    lambda e: e.whole_run_counter_j, 1e-3),
                                  "candidate whole-run energy kJ"),
-        "max_idle_power_w": Rule(Field(float, check=positive), "max", _candidate_energy("idle power", lambda e: e.idle_power_w),
-                                 "candidate idle power W"),
+        "max_idle_power_w": Rule(Field(float, check=positive), "max",
+                                 _candidate_energy("idle power", lambda e: e.idle_power_w), "candidate idle power W"),
         "max_decode_net_j_per_token_ratio": Rule(Field(float, check=positive), "max", _decode_j_ratio,
                                                  "decode net J/token ratio"),
     },
