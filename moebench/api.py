@@ -589,6 +589,7 @@ def compare_many(baseline: str, candidates: list[str], out: str | None = None, r
     """
     from moebench.compare.build import build_compare
     from moebench.compare.tables import matrix_row, summary_markdown, to_csv
+    from moebench.store.records import CompareDoc
     if not candidates:
         raise UsageError("compare: give at least one candidate run")
     for p in (baseline, *candidates):
@@ -608,7 +609,7 @@ def compare_many(baseline: str, candidates: list[str], out: str | None = None, r
         except ValueError as e:
             raise UsageError(str(e)) from None
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmps, rows, pair_dirs = [], [], []
+    cmps, docs, rows, pair_dirs = [], [], [], []
     for i, (cand, cmp) in enumerate(zip(candidates, built)):
         if len(candidates) == 1:
             pair_dir = out_dir
@@ -616,9 +617,11 @@ def compare_many(baseline: str, candidates: list[str], out: str | None = None, r
             pair_dir = out_dir / _pair_dir_name(i, cmp["candidate"].get("label"), cand)
             pair_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(pair_dir / "compare.json", cmp)
-        row = matrix_row(cmp, "." if pair_dir == out_dir else pair_dir.name)
+        doc = CompareDoc.from_dict(cmp, str(pair_dir / "compare.json"))
+        row = matrix_row(doc, "." if pair_dir == out_dir else pair_dir.name)
         if pair_dir != out_dir:
-            (pair_dir / SUMMARY_MD).write_text(summary_markdown([cmp], [row]), encoding="utf-8")
+            (pair_dir / SUMMARY_MD).write_text(summary_markdown([doc], [row]), encoding="utf-8")
+        docs.append(doc)
         cmps.append(cmp)
         rows.append(row)
         pair_dirs.append(pair_dir)
@@ -628,7 +631,7 @@ def compare_many(baseline: str, candidates: list[str], out: str | None = None, r
               "rows": rows}
     write_json_atomic(out_dir / MATRIX_JSON, matrix)
     (out_dir / MATRIX_CSV).write_text(to_csv(rows), encoding="utf-8")
-    (out_dir / SUMMARY_MD).write_text(summary_markdown(cmps, rows), encoding="utf-8")
+    (out_dir / SUMMARY_MD).write_text(summary_markdown(docs, rows), encoding="utf-8")
     if write_report:
         for d in pair_dirs:
             if d != out_dir:
@@ -689,6 +692,7 @@ def demo(out: str | Path | None = None, log=print) -> Path:
     the zoo's tiny MoE, packs a tiered candidate, runs the smoke suite on the BF16 baseline and on the
     candidate with the engine runner, compares them; returns the report's path."""
     from moebench.compare.build import format_table
+    from moebench.store.records import CompareDoc
     from moebench.demo import ZOO, pack_tiered
     from moebench.shipped import shipped_dir
     from moebench.zoo.build import build_zoo
@@ -710,7 +714,7 @@ def demo(out: str | Path | None = None, log=print) -> Path:
     if code != 0:
         raise RuntimeError(f"demo: the candidate run failed (exit {code}); see {cand_dir}/manifest.json")
     cmp_dir, cmp = compare(str(base_dir), str(cand_dir), out=str(out / "compare"))
-    log(format_table(cmp))
+    log(format_table(CompareDoc.from_dict(cmp)))
     log(f"demo finished in {time.perf_counter() - t0:.0f}s")
     return cmp_dir / "report.html"
 

@@ -32,10 +32,11 @@ def add_args(sub: argparse._SubParsersAction) -> None:
 def handle(args: argparse.Namespace) -> int:
     from moebench import api
     from moebench.compare.tables import text_table
+    from moebench.store.records import CompareDoc
     out_dir, cmps, rows = api.compare_many(args.baseline, args.candidates, args.out, speed_ab=args.speed_ab,
                                            allow_reversed=args.allow_reversed)
     if args.format == "text":
-        print(text_table(cmps, rows))
+        print(text_table([CompareDoc.from_dict(c) for c in cmps], rows))
         print(out_dir)
         return 0
     if args.format == "md":

@@ -12,8 +12,9 @@ from moebench.compare.provenance import (data_mismatch, data_mismatch_reason, kl
                                          unverified_data, unverified_reason,
                                          reversed_pair, setup_differences)
 from moebench.store import load_run
+from moebench.json_types import JsonObject, JsonValue
 from moebench.store.records import (COMPARE_SCHEMA_VERSION, COMPARE_SECTIONS, CompareDoc, CompareSide, Manifest,
-                                    Section, typed_run)
+                                    typed_run)
 
 
 def _optional(module: str, name: str) -> Callable[..., Any] | None:
@@ -24,11 +25,13 @@ def _optional(module: str, name: str) -> Callable[..., Any] | None:
         return None
 
 
-def _records_of(records: list[Section], task: str) -> list[Section]:
+# The KLD and speed wings' section builders read items.jsonl's records as JSON objects: these hand
+# them the records as read.
+def _records_of(records: list[JsonObject], task: str) -> list[JsonObject]:
     return [r for r in records if r.get("task") == task]
 
 
-def _kld_records(records: list[Section]) -> list[Section]:
+def _kld_records(records: list[JsonObject]) -> list[JsonObject]:
     """Records of every KLD task, whatever its suite name (a sampled one beside a teacher-forced one
     needs a name of its own); KLD item ids start with "kld/"."""
     return [r for r in records if r.get("task") == "kld" or str(r.get("item_id", "")).startswith("kld/")]
@@ -66,7 +69,7 @@ def compare_runs(base_dir: str | Path, cand_dir: str | Path, speed_ab: str | Pat
         if t in paired.tasks:
             paired.tasks[t].data_mismatch = files
     # The sections in the order compare.json holds them (CompareDoc.to_dict keeps it).
-    sections: dict[str, object] = {"overall": paired.overall.to_json() if paired.overall else None}
+    sections: dict[str, JsonValue] = {"overall": paired.overall.to_json() if paired.overall else None}
     # what makes the two runs different experiments: shown first wherever the compare is shown
     differences = ([swapped] if swapped else []) + setup_differences(bm, cm)
     if differences:
@@ -121,12 +124,12 @@ def compare_runs(base_dir: str | Path, cand_dir: str | Path, speed_ab: str | Pat
 
 
 def build_compare(base_dir: str | Path, cand_dir: str | Path, speed_ab: str | Path | None = None,
-                  allow_reversed: bool = False) -> Section:
+                  allow_reversed: bool = False) -> JsonObject:
     """compare.json's JSON object for two runs (`compare_runs`, written out)."""
     return compare_runs(base_dir, cand_dir, speed_ab=speed_ab, allow_reversed=allow_reversed).to_dict()
 
 
-def load_speed_ab(ab_dir: str | Path) -> Section:
+def load_speed_ab(ab_dir: str | Path) -> JsonObject:
     """The speed_ab section of a `moebench speed-ab` directory (its ab.json)."""
     import json
     path = Path(ab_dir) / "ab.json"
@@ -141,7 +144,7 @@ def load_speed_ab(ab_dir: str | Path) -> Section:
     return {**data["speed_ab"], "source": str(Path(ab_dir).resolve())}
 
 
-def format_table(cmp: Section) -> str:
+def format_table(cmp: CompareDoc) -> str:
     """The short table `moebench compare` prints for one candidate."""
     from moebench.compare.tables import matrix_row, text_table
     return text_table([cmp], [matrix_row(cmp)])

@@ -7,14 +7,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from statistics import median
 
-from moebench.store.records import ItemRecord, Manifest, Section
+from moebench.json_types import JsonObject, JsonValue
+from moebench.store.records import ItemRecord, Manifest
 
 SIDES = ("baseline", "candidate")
 LAYER_KEYS = ("routed", "picks_gpu", "picks_host", "host_hits", "host_misses", "host_direct", "prefetch_hits",
               "route_tail_skips", "stage_copies", "bytes_h2d", "bytes_host_read", "copy_wait_s")
 
 
-def tier_rates(counters: Section) -> dict[str, float | None]:
+# One layer's (or the total's) tier counters: LAYER_KEYS as recorded (None where absent or not a
+# number), then the shares `tier_rates` derives from them.
+TierFigures = dict[str, float | None]
+
+
+def tier_rates(counters: TierFigures) -> TierFigures:
     """Shares from one layer's (or the total's) counters.
 
     gpu_pick_share: picks whose expert lives on the GPU tier; host_hit_rate: host-tier picks served
@@ -25,9 +31,12 @@ def tier_rates(counters: Section) -> dict[str, float | None]:
             "host_hit_rate": served / host if host else None}
 
 
-def _counters(counters: Section) -> dict[str, float | None]:
-    """LAYER_KEYS as recorded (None where absent), then the shares."""
-    return {**{k: counters.get(k) for k in LAYER_KEYS}, **tier_rates(counters)}
+def _counters(recorded: JsonValue) -> TierFigures:
+    """manifest["engine"]["tiers"]'s counters of one layer (or the total), then the shares."""
+    raw = recorded if isinstance(recorded, dict) else {}
+    counters: TierFigures = {k: v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+                             for k in LAYER_KEYS for v in [raw.get(k)]}
+    return {**counters, **tier_rates(counters)}
 
 
 def _decode_median(records: list[ItemRecord]) -> float | None:
@@ -40,19 +49,19 @@ def _decode_median(records: list[ItemRecord]) -> float | None:
 class EngineSide:
     """One run's engine telemetry (manifest["engine"]) as compare.json shows it."""
 
-    choices: dict[str, object]
+    choices: dict[str, JsonValue]
     """Each decode choice's value (the manifest also records why)."""
     decode_steps: int | None
-    torch_memory: Section | None
+    torch_memory: JsonObject | None
     """manifest["engine"]["torch_memory"] as recorded (docs/schema.md)."""
     decode_tok_s_median: float | None
-    total: dict[str, float | None] | None = None
+    total: TierFigures | None = None
     """Tiered models: the summed counters and shares; None for a model without tiers."""
-    layers: list[dict[str, float | None]] | None = None
+    layers: list[TierFigures] | None = None
     """Tiered models: per MoE layer, `layer` (its index) then the counters and shares."""
 
-    def to_json(self) -> Section:
-        out: Section = {"choices": self.choices, "decode_steps": self.decode_steps,
+    def to_json(self) -> JsonObject:
+        out: JsonObject = {"choices": self.choices, "decode_steps": self.decode_steps,
                         "torch_memory": self.torch_memory, "decode_tok_s_median": self.decode_tok_s_median}
         if self.total is not None:
             out["tiers"] = {"total": self.total, "layers": self.layers or []}
@@ -69,7 +78,7 @@ def _side(manifest: Manifest | None, records: list[ItemRecord]) -> EngineSide | 
                       decode_tok_s_median=_decode_median(records))
     tiers = eng.get("tiers")
     if isinstance(tiers, dict):
-        side.total = _counters(tiers.get("total") or {})
+        side.total = _counters(tiers.get("total"))
         side.layers = [{"layer": i, **_counters(layer)} for i, layer in enumerate(tiers.get("layers") or [])]
     return side
 
@@ -82,13 +91,13 @@ class EngineCompare:
     baseline: EngineSide | None
     candidate: EngineSide | None
 
-    def hit_rate_vs_speed(self) -> list[Section]:
+    def hit_rate_vs_speed(self) -> list[JsonObject]:
         return [{"run": name, "host_hit_rate": s.total["host_hit_rate"], "gpu_pick_share": s.total["gpu_pick_share"],
                  "decode_tok_s_median": s.decode_tok_s_median}
                 for name, s in (("baseline", self.baseline), ("candidate", self.candidate))
                 if s is not None and s.total is not None]
 
-    def to_json(self) -> Section:
+    def to_json(self) -> JsonObject:
         return {"baseline": self.baseline.to_json() if self.baseline else None,
                 "candidate": self.candidate.to_json() if self.candidate else None,
                 "hit_rate_vs_speed": self.hit_rate_vs_speed()}

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moebench.store.records import ItemRecord, Section
+from moebench.json_types import JsonObject
+from moebench.store.records import ItemRecord
 
 
 @dataclass
@@ -19,7 +20,7 @@ class NeedleCell:
     found_baseline: bool
     found_candidate: bool
 
-    def to_json(self) -> Section:
+    def to_json(self) -> JsonObject:
         return {"item_id": self.item_id, "length": self.length, "depth": self.depth,
                 "prompt_tokens": self.prompt_tokens, "prompt_tokens_baseline": self.prompt_tokens_baseline,
                 "found_baseline": self.found_baseline, "found_candidate": self.found_candidate}
@@ -49,7 +50,7 @@ class NeedleCompare:
     def found_candidate(self) -> int:
         return sum(c.found_candidate for c in self.cells)
 
-    def to_json(self) -> Section:
+    def to_json(self) -> JsonObject:
         return {"cells": [c.to_json() for c in self.cells], "n_paired": self.n_paired,
                 "found_baseline": self.found_baseline, "found_candidate": self.found_candidate,
                 "lost": self.lost, "gained": self.gained, "excluded": self.excluded,

@@ -6,7 +6,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from moebench.scoring.stats import mcnemar_exact_p, paired_bootstrap_ci, wilson_ci
-from moebench.store.records import ItemRecord, Section
+from moebench.json_types import JsonObject
+from moebench.store.records import ItemRecord
 
 # One task's records by item id; the runs' records by task, in first-seen order.
 ById = dict[str, ItemRecord]
@@ -32,7 +33,7 @@ class SubjectPairing:
     mcnemar_p: float
     delta_ci95: list[float]
 
-    def to_json(self) -> Section:
+    def to_json(self) -> JsonObject:
         return {"n_paired": self.n_paired, "baseline_correct": self.baseline_correct,
                 "candidate_correct": self.candidate_correct, "baseline_accuracy": self.baseline_accuracy,
                 "candidate_accuracy": self.candidate_accuracy, "wins": self.wins, "losses": self.losses,
@@ -52,7 +53,7 @@ class PairedAccuracy:
     baseline_ci95: list[float]
     candidate_ci95: list[float]
 
-    def _accuracy_json(self) -> Section:
+    def _accuracy_json(self) -> JsonObject:
         return {"n_paired": self.n_paired, "baseline_correct": self.baseline_correct,
                 "candidate_correct": self.candidate_correct, "baseline_accuracy": self.baseline_accuracy,
                 "candidate_accuracy": self.candidate_accuracy, "baseline_ci95": self.baseline_ci95,
@@ -77,7 +78,7 @@ class TaskPairing(PairedAccuracy):
     data_mismatch: dict[str, dict[str, str]] | None = None
     """The files both runs read under one path with different contents: path -> side -> sha256."""
 
-    def to_json(self) -> Section:
+    def to_json(self) -> JsonObject:
         out = {**self._accuracy_json(), "wins": self.wins, "losses": self.losses, "excluded": self.excluded,
                "excluded_reasons": self.excluded_reasons, "flip_rate": self.flip_rate, "mcnemar_p": self.mcnemar_p,
                "delta_ci95": self.delta_ci95}
@@ -109,7 +110,7 @@ class OverallPairing(PairedAccuracy):
                    mcnemar_p=t.mcnemar_p, delta_ci95=t.delta_ci95, n_wins=len(t.wins), n_losses=len(t.losses),
                    n_excluded=len(t.excluded))
 
-    def to_json(self) -> Section:
+    def to_json(self) -> JsonObject:
         return {**self._accuracy_json(), "flip_rate": self.flip_rate, "mcnemar_p": self.mcnemar_p,
                 "delta_ci95": self.delta_ci95, "n_wins": self.n_wins, "n_losses": self.n_losses,
                 "n_excluded": self.n_excluded}
@@ -122,7 +123,7 @@ class Pairing:
     tasks: dict[str, TaskPairing]
     overall: OverallPairing | None
 
-    def to_json(self) -> Section:
+    def to_json(self) -> JsonObject:
         return {"tasks": {t: p.to_json() for t, p in self.tasks.items()},
                 "overall": self.overall.to_json() if self.overall is not None else None}
 

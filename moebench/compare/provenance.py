@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moebench.store.records import ItemRecord, Manifest, Section
+from moebench.json_types import JsonObject, JsonValue
+from moebench.store.records import ItemRecord, Manifest
 
 # A task's files live in the mirror folder named after its kind, except these.
 DATA_FOLDERS = {"needle": ("haystack",), "speed": ("haystack",)}
@@ -22,8 +23,9 @@ LLAMA_SAMPLING_FLAGS = {"--temp": "temperature", "--top-p": "top_p", "--top-k": 
                         "--frequency-penalty": "frequency_penalty"}
 
 
-def _suite_tasks(m: Manifest) -> dict[str, Section]:
-    """The suite's task entries (docs/schema.md manifest `suite.tasks`) by their name in the suite."""
+def _suite_tasks(m: Manifest) -> dict[str, JsonObject]:
+    """The suite's task entries (docs/schema.md manifest `suite.tasks`) by their name in the suite; each
+    is a suite table as written, its keys open (task kinds take keys of their own), compared key by key."""
     suite = m.suite or {}
     out = {}
     for t in suite.get("tasks") or []:
@@ -84,7 +86,7 @@ def data_mismatch_reason(files: dict[str, dict[str, str]], paired: bool = True) 
     return f"the runs read different data ({shown}{more}): {then}"
 
 
-def _runner_sampling(m: Manifest) -> dict[str, object]:
+def _runner_sampling(m: Manifest) -> dict[str, JsonValue]:
     """Sampling settings a runner profile fixes: top-level keys, extra_body, llama-server args."""
     r = m.runner or {}
     out = {k: r[k] for k in SAMPLING_KEYS if k in r}
@@ -137,9 +139,9 @@ def reversed_pair(base_dir: Path, cand_dir: Path, bm: Manifest) -> str | None:
     return None
 
 
-def kld_notes(kld: Section) -> list[str]:
+def kld_notes(kld: JsonObject) -> list[str]:
     """What a reader of compare.json's kld section must know beside its figures (another baseline, a
-    lower bound)."""
+    lower bound); `kld` is the section as the KLD wing's `kld_compare` wrote it."""
     out = []
     if kld.get("warning"):
         out.append(f"kld: {kld['warning']}")

@@ -1,5 +1,5 @@
 """The publishable forms of a compare: one flat row per candidate (matrix.csv / matrix.json), the
-Markdown summary (summary.md) and the terminal table, all from compare.json objects only."""
+Markdown summary (summary.md) and the terminal table, all from compare.json as read (`CompareDoc`)."""
 from __future__ import annotations
 
 import csv
@@ -8,8 +8,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from moebench.store.records import Section
-from moebench.store.sections import memory_value, number
+from moebench.compare.figures import EnergyFigures, KldFigures, MemoryFigures, SpeedAbFigures, SpeedFigures
+from moebench.compare.records import TaskEntry
+from moebench.json_types import JsonObject, JsonValue
+from moebench.store.records import CompareDoc
+from moebench.store.sections import number
 
 # Headline columns after the identity ones; task columns follow as <task>.<field>.
 HEADLINE = ("kld.mean", "kld.p99", "kld.same_top_p", "speed.decode_ratio", "speed.prefill_ratio",
@@ -53,60 +56,64 @@ class TaskFigures:
                 "excluded": self.excluded}
 
 
-def task_figures(t: Section) -> TaskFigures:
-    """The per-task figures of a row from compare.json's tasks.<task> (or a per_subject entry, or
-    "overall", which counts instead of listing): accuracies, delta with its interval, flips, McNemar."""
-    n = number(t.get("n_paired"))
-    b, c = number(t.get("baseline_accuracy")), number(t.get("candidate_accuracy"))
-    if b is None and n:
-        b = (number(t.get("baseline_correct")) or 0) / n
-    if c is None and n:
-        c = (number(t.get("candidate_correct")) or 0) / n
-    ci = t.get("delta_ci95") if isinstance(t.get("delta_ci95"), list) else [None, None]
-    count = lambda k, alt: len(t[k]) if isinstance(t.get(k), list) else t.get(alt)  # noqa: E731
-    return TaskFigures(n_paired=int(n) if n is not None else None, baseline_accuracy=b, candidate_accuracy=c,
-                       delta=(c - b) if b is not None and c is not None else None,
-                       delta_ci_low=number(ci[0]) if ci else None,
-                       delta_ci_high=number(ci[1]) if len(ci) > 1 else None,
-                       wins=count("wins", "n_wins"), losses=count("losses", "n_losses"),
-                       flip_rate=number(t.get("flip_rate")), mcnemar_p=number(t.get("mcnemar_p")),
-                       excluded=count("excluded", "n_excluded"))
+    @classmethod
+    def of(cls, t: TaskEntry) -> "TaskFigures":
+        """The row's figures from a task entry (or a per_subject entry, or "overall", which counts
+        instead of listing): accuracies, delta with its interval, flips, McNemar."""
+        n = t.n_paired
+        b, c = t.baseline_accuracy, t.candidate_accuracy
+        if b is None and n:
+            b = (t.baseline_correct or 0) / n
+        if c is None and n:
+            c = (t.candidate_correct or 0) / n
+        ci = t.delta_ci95 if t.delta_ci95 is not None else [None, None]
+        return cls(n_paired=int(n) if n is not None else None, baseline_accuracy=b, candidate_accuracy=c,
+                   delta=(c - b) if b is not None and c is not None else None,
+                   delta_ci_low=ci[0] if ci else None, delta_ci_high=ci[1] if len(ci) > 1 else None,
+                   wins=len(t.wins) if t.wins is not None else t.n_wins,
+                   losses=len(t.losses) if t.losses is not None else t.n_losses,
+                   flip_rate=t.flip_rate, mcnemar_p=t.mcnemar_p,
+                   excluded=len(t.excluded) if t.excluded is not None else t.n_excluded)
 
 
-def matrix_row(cmp: dict[str, Any], compare_dir: str | None = None) -> Row:
+def task_figures(t: JsonObject) -> TaskFigures:
+    """The per-task figures of a row from compare.json's tasks.<task> object (`TaskFigures.of`)."""
+    return TaskFigures.of(TaskEntry.from_json(t))
+
+
+def matrix_row(cmp: CompareDoc, compare_dir: str | None = None) -> Row:
     """One flat row for a candidate: identity, model bytes, per-task figures, KLD, speed, memory, energy."""
-    cand = cmp.get("candidate") if isinstance(cmp.get("candidate"), dict) else {}
-    model = cand.get("model") if isinstance(cand.get("model"), dict) else {}
-    row: Row = {"candidate": cand.get("label"), "run": cand.get("run"), "run_id": cand.get("run_id"),
-                           "runner": cand.get("runner"), "compare_dir": compare_dir,
-                           "model_bytes": model.get("bytes")}
-    for name, t in (cmp.get("tasks") or {}).items():
+    cand = cmp.candidate
+    model = cand.extra.get("model") if isinstance(cand.extra.get("model"), dict) else {}
+    row: Row = {"candidate": cand.label, "run": cand.run, "run_id": cand.extra.get("run_id"),
+                "runner": cand.extra.get("runner"), "compare_dir": compare_dir, "model_bytes": model.get("bytes")}
+    for name, t in cmp.tasks.items():
         if isinstance(t, dict):
             row.update({f"{name}.{k}": v for k, v in task_figures(t).to_json().items()})
-    if isinstance(cmp.get("overall"), dict):
-        row.update({f"overall.{k}": v for k, v in task_figures(cmp["overall"]).to_json().items()})
-    kld = cmp.get("kld") if isinstance(cmp.get("kld"), dict) else {}
-    row["kld.mean"], row["kld.p99"], row["kld.same_top_p"] = (number(kld.get(k)) for k in ("mean", "p99", "same_top_p"))
-    speed = cmp.get("speed") if isinstance(cmp.get("speed"), dict) else {}
-    geo = speed.get("geomean") if isinstance(speed.get("geomean"), dict) else {}
+    if isinstance(cmp.section("overall"), dict):
+        row.update({f"overall.{k}": v for k, v in task_figures(cmp.section("overall")).to_json().items()})
+    kld = KldFigures.from_json(_object(cmp.section("kld")))
+    row["kld.mean"], row["kld.p99"], row["kld.same_top_p"] = kld.mean, kld.p99, kld.same_top_p
+    speed = SpeedFigures.from_json(_object(cmp.section("speed")))
     for k in ("decode", "prefill", "ttft"):
-        row[f"speed.{k}_ratio"] = number(geo.get(k))
-    row["speed.decode_tok_s"] = _geomean([number(r.get("decode_candidate")) for r in speed.get("rows", [])
-                                          if isinstance(r, dict)])
-    ab = cmp.get("speed_ab") if isinstance(cmp.get("speed_ab"), dict) else {}
-    row["speed_ab.rounds_won_b"] = (ab.get("rounds_won") or {}).get("B") if ab else None
-    row["speed_ab.rounds"] = len(ab.get("rounds") or []) if ab else None
-    row["speed_ab.decode_ratio"] = number(((ab.get("paired") or {}).get("decode_tok_s") or {}).get("median_ratio")) \
-        if ab else None
-    memory = cmp.get("memory")
-    row["memory.peak_used_bytes"] = memory_value(memory, "peak_used_bytes", "candidate")
-    row["memory.peak_used_ratio"] = number(memory.get("peak_used_ratio")) if isinstance(memory, dict) else None
-    energy = cmp.get("energy") if isinstance(cmp.get("energy"), dict) else {}
-    per_token = energy.get("per_token") if isinstance(energy.get("per_token"), dict) else {}
-    for ph in ("decode", "prefill"):
-        p = per_token.get(ph) if isinstance(per_token.get(ph), dict) else {}
-        row[f"energy.{ph}_j_per_token"] = number(p.get("candidate_net_j_per_token"))
+        row[f"speed.{k}_ratio"] = speed.geomean[k]
+    row["speed.decode_tok_s"] = _geomean(speed.decode_candidate)
+    has_ab = bool(_object(cmp.section("speed_ab")))
+    ab = SpeedAbFigures.from_json(_object(cmp.section("speed_ab")))
+    row["speed_ab.rounds_won_b"] = ab.rounds_won_b if has_ab else None
+    row["speed_ab.rounds"] = len(ab.round_winners or []) if has_ab else None
+    decode_ab = ab.paired.get("decode_tok_s")
+    row["speed_ab.decode_ratio"] = decode_ab.median_ratio if has_ab and decode_ab is not None else None
+    memory = MemoryFigures.from_json(_object(cmp.section("memory")))
+    row["memory.peak_used_bytes"], row["memory.peak_used_ratio"] = memory.peak_used_candidate, memory.peak_used_ratio
+    energy = EnergyFigures.from_json(_object(cmp.section("energy")))
+    row["energy.decode_j_per_token"], row["energy.prefill_j_per_token"] = \
+        energy.decode_j_per_token, energy.prefill_j_per_token
     return row
+
+
+def _object(v: JsonValue) -> JsonObject:
+    return v if isinstance(v, dict) else {}
 
 
 def columns(rows: list[Row]) -> list[str]:
@@ -158,11 +165,12 @@ def _mib(x: Any) -> str:
     return "-" if v is None else f"{v / 2**20:.1f} MiB"
 
 
-def task_table(cmp: dict[str, Any]) -> list[list[str]]:
+def task_table(cmp: CompareDoc) -> list[list[str]]:
     rows = [["task", "n", "baseline", "candidate", "delta", "delta 95% CI (pp)", "wins", "losses", "McNemar p"]]
-    items = list((cmp.get("tasks") or {}).items())
-    if isinstance(cmp.get("overall"), dict):
-        items.append(("overall", cmp["overall"]))
+    items = list(cmp.tasks.items())
+    overall = cmp.section("overall")
+    if isinstance(overall, dict):
+        items.append(("overall", overall))
     for name, t in items:
         f = task_figures(t)
         rows.append([name, _n(f.n_paired), _pct(f.baseline_accuracy), _pct(f.candidate_accuracy),
@@ -192,16 +200,16 @@ def _text(table: list[list[str]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
 
 
-def _speed_ab_lines(cmp: dict[str, Any]) -> list[str]:
-    ab = cmp.get("speed_ab")
+def _speed_ab_lines(cmp: CompareDoc) -> list[str]:
+    ab = cmp.section("speed_ab")
     if not isinstance(ab, dict):
         return []
     from moebench.speed.ab_compare import format_rounds
     return ["speed-ab (A,B,B,A order kept):"] + format_rounds(ab).splitlines()
 
 
-def _load_lines(cmp: dict[str, Any]) -> list[str]:
-    sp = cmp.get("speed")
+def _load_lines(cmp: CompareDoc) -> list[str]:
+    sp = cmp.section("speed")
     load = sp.get("load") if isinstance(sp, dict) else None
     if not isinstance(load, dict) or not load.get("rows"):
         return []
@@ -209,19 +217,19 @@ def _load_lines(cmp: dict[str, Any]) -> list[str]:
     return format_load(load)
 
 
-def summary_markdown(cmps: list[dict[str, Any]], rows: list[Row]) -> str:
+def summary_markdown(cmps: list[CompareDoc], rows: list[Row]) -> str:
     """summary.md of a compare: headline table over the candidates, then each candidate's task table."""
-    base = (cmps[0].get("baseline") or {}).get("label") if cmps else None
+    base = cmps[0].baseline.label if cmps else None
     lines = [f"## moebench compare: {len(cmps)} candidate{'s' if len(cmps) != 1 else ''} against `{base}`", ""]
     for cmp, row in zip(cmps, rows):       # different experiments: said before any figure
         prefix = f"{row['candidate']}: " if len(cmps) > 1 else ""
-        lines += [f"> **Not like for like:** {prefix}{d}" for d in cmp.get("setup_differences") or []]
+        lines += [f"> **Not like for like:** {prefix}{d}" for d in cmp.extra.get("setup_differences") or []]
     if lines[-1] != "":
         lines.append("")
     lines += _markdown(headline_table(rows)) + [""]
     for cmp, row in zip(cmps, rows):
         lines += [f"### {row['candidate']}", ""]
-        if cmp.get("tasks"):
+        if cmp.tasks:
             lines += _markdown(task_table(cmp)) + [""]
         sub = _per_subject_lines(cmp, markdown=True)
         if sub:
@@ -232,63 +240,66 @@ def summary_markdown(cmps: list[dict[str, Any]], rows: list[Row]) -> str:
         load = _load_lines(cmp)
         if load:
             lines += [load[0], ""] + [f"- {x.strip()}" for x in load[1:]] + [""]
-        for w in cmp.get("warnings", []) or []:
+        for w in cmp.warnings:
             lines.append(f"- warning: {w}")
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _per_subject_lines(cmp: dict[str, Any], markdown: bool) -> list[str]:
+def _per_subject_lines(cmp: CompareDoc, markdown: bool) -> list[str]:
     """The CMMLU subjects with flips, worst net change first (all subjects are in compare.json)."""
     out: list[str] = []
-    for name, t in (cmp.get("tasks") or {}).items():
+    for name, t in cmp.tasks.items():
         subjects = t.get("per_subject") if isinstance(t, dict) else None
         if not isinstance(subjects, dict):
             continue
-        flipped = [(s, v) for s, v in subjects.items() if v.get("wins") or v.get("losses")]
-        flipped.sort(key=lambda sv: (len(sv[1]["wins"]) - len(sv[1]["losses"]), sv[0]))
+        figures = {s: TaskFigures.of(TaskEntry.from_json(v)) for s, v in subjects.items() if isinstance(v, dict)}
+        flipped = [(s, f) for s, f in figures.items() if f.wins or f.losses]
+        flipped.sort(key=lambda sf: ((sf[1].wins or 0) - (sf[1].losses or 0), sf[0]))
         if not flipped:
             continue
         table = [[f"{name} subject", "n", "baseline", "candidate", "wins", "losses"]]
-        for s, v in flipped[:10]:
-            table.append([s, str(v["n_paired"]), _pct(v["baseline_accuracy"]), _pct(v["candidate_accuracy"]),
-                          str(len(v["wins"])), str(len(v["losses"]))])
+        for s, f in flipped[:10]:
+            table.append([s, str(f.n_paired), _pct(f.baseline_accuracy), _pct(f.candidate_accuracy),
+                          str(f.wins), str(f.losses)])
         out += (_markdown(table) if markdown else _text(table))
         if len(flipped) > 10:
             out.append(f"({len(flipped) - 10} more subjects with flips in compare.json)")
     return out
 
 
-def text_table(cmps: list[dict[str, Any]], rows: list[Row]) -> str:
+def text_table(cmps: list[CompareDoc], rows: list[Row]) -> str:
     """What `moebench compare` prints by default."""
     lines: list[str] = []
     for cmp, row in zip(cmps, rows):       # different experiments: said before any figure
         prefix = f"{row['candidate']}: " if len(cmps) > 1 else ""
-        lines += [f"NOT LIKE FOR LIKE: {prefix}{d}" for d in cmp.get("setup_differences") or []]
+        lines += [f"NOT LIKE FOR LIKE: {prefix}{d}" for d in cmp.extra.get("setup_differences") or []]
     for cmp, row in zip(cmps, rows):
         if len(cmps) > 1:
             lines.append(f"== {row['candidate']}")
-        if cmp.get("tasks"):
+        if cmp.tasks:
             lines += _text(task_table(cmp))
-        k = cmp.get("kld")
-        lines += sampled_kld_lines(k)
-        if isinstance(k, dict) and k.get("method") != "sampled":
-            lines.append(f"kld: n_tokens={k.get('n_tokens')} mean={_n(k.get('mean'), 6)} median={_n(k.get('median'), 6)} "
-                         f"p99={_n(k.get('p99'), 6)} max={_n(k.get('max'), 6)} same_top_p={_n(k.get('same_top_p'), 6)} "
-                         f"ppl_ratio={_n(k.get('ppl_ratio'), 6)}")
-        sp = cmp.get("speed")
+        raw_kld = cmp.section("kld")
+        lines += sampled_kld_lines(raw_kld)
+        if isinstance(raw_kld, dict):
+            k = KldFigures.from_json(raw_kld)
+            if k.method != "sampled":
+                lines.append(f"kld: n_tokens={k.n_tokens} mean={_n(k.mean, 6)} median={_n(k.median, 6)} "
+                             f"p99={_n(k.p99, 6)} max={_n(k.max, 6)} same_top_p={_n(k.same_top_p, 6)} "
+                             f"ppl_ratio={_n(k.ppl_ratio, 6)}")
+        sp = cmp.section("speed")
         if isinstance(sp, dict) and sp.get("rows"):
             lines.append(f"speed (candidate/baseline, geomean over groups): decode {_n(row['speed.decode_ratio'], 4)}, "
                          f"prefill {_n(row['speed.prefill_ratio'], 4)}, ttft {_n(row['speed.ttft_ratio'], 4)}")
         lines += _speed_ab_lines(cmp)
         lines += _load_lines(cmp)
-        for w in cmp.get("warnings", []) or []:
+        for w in cmp.warnings:
             lines.append(f"warning: {w}")
     if len(cmps) > 1:
         lines += ["", *(_text(headline_table(rows)))]
     return "\n".join(lines)
 
 
-def sampled_kld_lines(kld: Any) -> list[str]:
+def sampled_kld_lines(kld: JsonValue) -> list[str]:
     """The sampled KLD (method = "sampled") as one terminal line: estimate, interval, counts."""
     if not isinstance(kld, dict):
         return []

@@ -118,8 +118,7 @@ def run_gate(compare_dir: str | os.PathLike[str], rules_path: str | os.PathLike[
     summary = verdict.markdown(compare)
     try:                 # the figures behind the verdict, as `moebench compare` summarised them
         from moebench.compare.tables import matrix_row, summary_markdown as results_markdown
-        raw = compare.to_dict()
-        details = results_markdown([raw], [matrix_row(raw)])
+        details = results_markdown([compare], [matrix_row(compare)])
     except Exception as e:      # a hand-edited compare.json: the verdict still stands
         details = f"(results summary unavailable: {type(e).__name__}: {e})\n"
     _write(cdir / SUMMARY_FILE, (summary + "\n" + details.replace("## moebench compare", "### moebench compare", 1)

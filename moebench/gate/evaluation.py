@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal
 
 from moebench.compare.provenance import unverified_files
-from moebench.gate.rules import (DEFAULT_MIN_PAIRED, DEFAULT_MIN_SAMPLES, Estimate, Limit, Missing, Rule,
-                                 RuleTable, fmt, id_count)
+from moebench.compare.records import TaskEntry
+from moebench.compare.figures import KldFigures, SectionFigures, read_section
+from moebench.gate.rules import (DEFAULT_MIN_PAIRED, DEFAULT_MIN_SAMPLES, Correction, Estimate, Limit, Missing,
+                                 Rule, RuleTable, fmt, id_count)
+from moebench.json_types import JsonValue
 from moebench.scoring.stats import holm_adjust
-from moebench.store.records import CompareDoc, Section
-from moebench.store.sections import number
+from moebench.store.records import CompareDoc
+
+RuleVerdict = Literal["pass", "fail", "inconclusive"]
 
 
-def _section_data(compare: CompareDoc, section: str) -> Any:
+def _section_data(compare: CompareDoc, section: str) -> JsonValue:
     """compare.json's part a rules section reads: "memory", "energy", or one card of them
     ("memory.gpu1", "energy.sum": compare[...]["gpus"][card]). Plain [energy] reads the sum's
     per-card figures beside the section's own."""
@@ -47,7 +51,7 @@ class RuleResult:
     limit: str
     passed: bool
     message: str
-    verdict: str = ""     # "pass" | "fail" | "inconclusive"
+    verdict: RuleVerdict | Literal[""] = ""     # "" until __post_init__ sets pass or fail
     cause: str = ""       # set when the verdict comes from the section as a whole (absent, too few
                           # pairs): the summary then gives one line per section and cause, not per rule
 
@@ -57,7 +61,7 @@ class RuleResult:
 
 
 def _holm(compare: CompareDoc, rules: list[RuleTable],
-          correction: str) -> dict[str, tuple[float, int]]:
+          correction: Correction) -> dict[str, tuple[float, int]]:
     """task -> (Holm-adjusted McNemar p, family size) over the tasks whose significant-loss rule is on."""
     if correction != "holm":
         return {}
@@ -65,38 +69,37 @@ def _holm(compare: CompareDoc, rules: list[RuleTable],
     family: dict[str, float] = {}
     for section, is_task, settings in rules:
         t = tasks.get(section)
-        if is_task and settings.get("fail_on_significant_loss") and isinstance(t, dict) \
-                and not _too_few_paired(section, t, settings):
-            p = number(t.get("mcnemar_p"))
-            if p is not None:
-                family[section] = p
+        entry = TaskEntry.from_json(t) if is_task and isinstance(t, dict) else None
+        if entry is not None and settings.get("fail_on_significant_loss") \
+                and not _too_few_paired(section, entry, settings):
+            if entry.mcnemar_p is not None:
+                family[section] = entry.mcnemar_p
     if len(family) < 2:
         return {}
     adjusted = holm_adjust(list(family.values()))
     return {name: (adj, len(family)) for name, adj in zip(family, adjusted)}
 
 
-def _too_few_paired(task: str, t: Section, settings: dict[str, Limit]) -> str | None:
+def _too_few_paired(task: str, t: TaskEntry, settings: dict[str, Limit]) -> str | None:
     """Why a task's rules cannot be judged: fewer paired items than the floor (`min_paired`, else
     DEFAULT_MIN_PAIRED), with compare's reason where it gave one; None when there is enough."""
-    n = number(t.get("n_paired"))
+    n = t.n_paired
     floor = settings.get("min_paired", DEFAULT_MIN_PAIRED)
     if n is None or n >= floor:
         return None                   # a missing n_paired is reported by the rules themselves
-    why = t.get("unpaired_reason")
+    why = t.unpaired_reason
     return (f"{task}: {int(n)} paired item{'s' if n != 1 else ''}, fewer than the floor of {floor} "
             f"({'min_paired' if 'min_paired' in settings else 'default; set min_paired to raise it'})"
             + (f": {why}" if why else ""))
 
 
-def _kld_not_comparable(kld: Section) -> str | None:
+def _kld_not_comparable(kld: KldFigures) -> str | None:
     """Why a kld section's figures do not describe this compare's pair (the candidate measured against
     another baseline run), else None."""
-    other = kld.get("measured_against")
-    if kld.get("baseline_mismatch") and other:
-        return f"kld: the candidate's KLD was measured against {other}, not this compare's baseline"
-    warning = kld.get("warning")     # a compare.json written before measured_against existed
-    if isinstance(warning, str) and warning.startswith("the candidate was measured against"):
+    if kld.baseline_mismatch and kld.measured_against:
+        return f"kld: the candidate's KLD was measured against {kld.measured_against}, not this compare's baseline"
+    warning = kld.warning     # a compare.json written before measured_against existed
+    if warning is not None and warning.startswith("the candidate was measured against"):
         return f"kld: {warning}"
     return None
 
@@ -113,7 +116,7 @@ def _unverified_data(compare: CompareDoc, section: str) -> str | None:
 
 
 def evaluate(compare: CompareDoc, rules: list[RuleTable],
-             correction: str = "holm") -> list[RuleResult]:
+             correction: Correction = "holm") -> list[RuleResult]:
     """A RuleResult for every rule of every table, in the rules file's order."""
     checks: list[RuleResult] = []
     tasks = compare.tasks
@@ -124,46 +127,52 @@ def evaluate(compare: CompareDoc, rules: list[RuleTable],
         section, is_task, settings = rule_table
         table = rule_table.rules()
         unjudgeable = None            # the evidence is there but cannot carry a verdict: INCONCLUSIVE
+        figures: TaskEntry | SectionFigures | None = None      # None: the task or section is absent
         if is_task:
             data = tasks.get(section)
             absent = (f"task {section!r} is not in compare.json (tasks there: "
                       f"{', '.join(sorted(tasks)) or 'none'})")
             if isinstance(data, dict) and data:
-                unjudgeable = _too_few_paired(section, data, settings)
+                figures = TaskEntry.from_json(data)
+                unjudgeable = _too_few_paired(section, figures, settings)
         else:
             data = _section_data(compare, section)
             absent = f"section {section!r} is not in compare.json"
             reason = why_absent.get(section.partition(".")[0])
             if reason:
                 absent += f": {reason}"
-            if section == "kld" and isinstance(data, dict) and data:
-                unjudgeable = _kld_not_comparable(data)
-        if isinstance(data, dict) and data and not unjudgeable:
+            if isinstance(data, dict) and data:
+                figures = read_section(section, data)
+                if isinstance(figures, KldFigures):
+                    unjudgeable = _kld_not_comparable(figures)
+        if figures is not None and not unjudgeable:
             unjudgeable = _unverified_data(compare, section)
         for name, limit in settings.items():
             if name not in table:
                 continue              # options such as alpha
             rule = table[name]
             shown_limit = _limit_text(rule, limit)
-            if not isinstance(data, dict) or not data:
+            if figures is None:
                 checks.append(RuleResult(section, name, "missing", shown_limit, False, absent, cause=absent))
                 continue
             if unjudgeable and not (is_task and name == "min_paired"):
                 value = ("unverified data" if unjudgeable.startswith(f"{section}: unverified data") else
-                         f"n_paired={fmt(data.get('n_paired'))}" if is_task else "other baseline")
+                         f"n_paired={fmt(figures.n_paired)}" if isinstance(figures, TaskEntry) else "other baseline")
                 checks.append(RuleResult(section, name, value, shown_limit, False,
                                     f"{unjudgeable}; cannot check {rule.what}", "inconclusive", cause=unjudgeable))
                 continue
             try:
-                value = rule.get(data)
+                value = rule.get(figures)
             except Missing as e:
                 checks.append(RuleResult(section, name, "missing", shown_limit, False,
                                     f"{section}: {e} in compare.json; cannot check {rule.what}"))
                 continue
-            if rule.kind.startswith("interval_"):
+            if isinstance(value, list):
                 checks.append(_judge_interval(section, name, rule, value, limit, settings))
+            elif rule.kind == "flag" and isinstance(figures, TaskEntry):
+                checks.append(_judge_loss(section, name, value, limit, figures, settings, holm.get(section)))
             else:
-                checks.append(_judge(section, name, rule, value, limit, data, settings, holm.get(section)))
+                checks.append(_judge(section, name, rule, value, limit))
     return checks
 
 
@@ -219,31 +228,34 @@ def _judge_interval(section: str, name: str, rule: Rule, estimates: list[Estimat
     return RuleResult(section, name, value, shown_limit, True, msg, "pass")
 
 
-def _judge(section: str, name: str, rule: Rule, value: float, limit: Limit, data: Section,
-           settings: dict[str, Limit], holm: tuple[float, int] | None = None) -> RuleResult:
-    if rule.kind == "flag":
-        alpha = settings.get("alpha", 0.05)
-        wins, losses = id_count(data, "wins"), id_count(data, "losses")
-        shown = f"p={value:.3g} ({losses} loss{'es' if losses != 1 else ''}, {wins} win{'s' if wins != 1 else ''})"
+def _judge_loss(section: str, name: str, p: float, on: Limit, t: TaskEntry, settings: dict[str, Limit],
+                holm: tuple[float, int] | None = None) -> RuleResult:
+    """fail_on_significant_loss: fails when losses outnumber wins with McNemar p (Holm-adjusted over
+    the family of such tasks) below alpha."""
+    alpha = settings.get("alpha", 0.05)
+    wins, losses = id_count(t.wins, "wins"), id_count(t.losses, "losses")
+    shown = f"p={p:.3g} ({losses} loss{'es' if losses != 1 else ''}, {wins} win{'s' if wins != 1 else ''})"
+    if holm is not None:
+        shown += f", Holm {holm[0]:.3g}"
+    if not on:
+        return RuleResult(section, name, shown, "off", True, "rule switched off")
+    p_used = holm[0] if holm is not None else p
+    significant = losses > wins and p_used < alpha
+    if significant:
+        msg = f"{section}: losses ({losses}) outnumber wins ({wins}) with McNemar p = {p:.3g} < {alpha}"
         if holm is not None:
-            shown += f", Holm {holm[0]:.3g}"
-        if not limit:
-            return RuleResult(section, name, shown, "off", True, "rule switched off")
-        p_used = holm[0] if holm is not None else value
-        significant = losses > wins and p_used < alpha
-        if significant:
-            msg = f"{section}: losses ({losses}) outnumber wins ({wins}) with McNemar p = {value:.3g} < {alpha}"
-            if holm is not None:
-                msg += f" and, Holm-adjusted over {holm[1]} tasks, {holm[0]:.3g} < {alpha}"
-        else:
-            msg = f"{section}: no significant loss (p = {value:.3g}" + \
-                  (f", Holm-adjusted over {holm[1]} tasks {holm[0]:.3g}" if holm is not None else "") + \
-                  f", alpha {alpha})"
-        limit_text = f"not (losses > wins and p{' (Holm)' if holm is not None else ''} < {alpha})"
-        return RuleResult(section, name, shown, limit_text, not significant, msg)
+            msg += f" and, Holm-adjusted over {holm[1]} tasks, {holm[0]:.3g} < {alpha}"
+    else:
+        msg = f"{section}: no significant loss (p = {p:.3g}" + \
+              (f", Holm-adjusted over {holm[1]} tasks {holm[0]:.3g}" if holm is not None else "") + \
+              f", alpha {alpha})"
+    limit_text = f"not (losses > wins and p{' (Holm)' if holm is not None else ''} < {alpha})"
+    return RuleResult(section, name, shown, limit_text, not significant, msg)
+
+
+def _judge(section: str, name: str, rule: Rule, value: float, limit: Limit) -> RuleResult:
     ok = value <= limit if rule.kind.endswith("max") else value >= limit
     if not math.isfinite(value):
         ok = False
     msg = f"{section}: {rule.what} = {fmt(value)}, {'within' if ok else 'breaks'} the limit {_limit_text(rule, limit)}"
     return RuleResult(section, name, fmt(value), _limit_text(rule, limit), ok, msg)
-

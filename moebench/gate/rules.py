@@ -2,8 +2,9 @@
 
 `TASK_RULES` limit a task's paired figures, `SECTION_RULES` those of compare.json's optional sections
 (kld, speed, speed_ab, needle, memory, energy); each `Rule` names its value's type and check (a
-`config.Field`), which side of the limit passes, and how to read its figure from the section (raising
-`Missing` where compare.json lacks it). `load_rules` parses and checks a rules file into `RuleTable`s,
+`config.Field`), which side of the limit passes, and how to read its figure from the task's
+`compare.records.TaskEntry` or the section's `compare.figures` class (raising `Missing` where compare.json
+lacks it). `load_rules` parses and checks a rules file into `RuleTable`s,
 `load_gate_options` its [gate] table; the package docstring (`moebench/gate/__init__.py`) is the
 rules file's reference.
 """
@@ -13,22 +14,25 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Callable, Generic, Literal, NamedTuple, TypeVar
 
+from moebench.compare.records import TaskEntry
 from moebench.config import Field, ProfileError, load_toml, non_negative, positive, validate
-from moebench.store.records import Section
-from moebench.store.sections import memory_value, needle_cells, needle_counts, number, side_value, speed_rows
+from moebench.compare.figures import (EnergyFigures, KldFigures, MemoryFigures, NeedleFigures, SpeedAbFigures,
+                                   SpeedFigures)
 
 DEFAULT_MIN_SAMPLES = 5
 DEFAULT_MIN_PAIRED = 1      # below it a task's rules are INCONCLUSIVE: 0 paired items are no evidence
-INCONCLUSIVE_CHOICES = ("exit3", "fail", "pass")
+OnInconclusive = Literal["exit3", "fail", "pass"]
+Correction = Literal["holm", "none"]
+INCONCLUSIVE_CHOICES: tuple[OnInconclusive, ...] = ("exit3", "fail", "pass")
 
 
 def _fraction(v: float) -> str | None:
     return None if 0 <= v <= 1 else "must be between 0 and 1"
 
 
-def fmt(v: Any) -> str:
+def fmt(v: object) -> str:
     """A figure as the gate's messages and tables show it: integers plain, others to 4 digits."""
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -45,14 +49,8 @@ class Missing(Exception):
     """The value a rule needs is absent from compare.json."""
 
 
-@dataclass(frozen=True)
-class Rule:
-    """A limit on one figure: `get` reads the figure from the section, `kind` says which side passes."""
-
-    field: Field
-    kind: str                                   # "max" | "min" | "flag" | "interval_max" | "interval_min"
-    get: Callable[[Section], Any]        # a number; for interval rules a list of Estimate
-    what: str                                   # the figure, for messages
+RuleKind = Literal["max", "min", "flag", "interval_max", "interval_min"]
+F = TypeVar("F", TaskEntry, KldFigures, SpeedFigures, SpeedAbFigures, NeedleFigures, MemoryFigures, EnergyFigures)
 
 
 @dataclass(frozen=True)
@@ -66,52 +64,65 @@ class Estimate:
     note: str = ""
 
 
-def _req(section: Section, key: str, label: str = "") -> float:
-    v = number(section.get(key))
+@dataclass(frozen=True)
+class Rule(Generic[F]):
+    """A limit on one figure: `get` reads the figure from the task's or section's figures, `kind` says
+    which side passes."""
+
+    field: Field
+    kind: RuleKind
+    get: Callable[[F], float | list[Estimate]]  # a number; for interval rules a list of Estimate
+    what: str                                   # the figure, for messages
+
+
+def _need(v: float | None, label: str) -> float:
     if v is None:
-        raise Missing(f"no numeric {label or key!s}")
+        raise Missing(f"no numeric {label}")
     return v
 
 
-def id_count(section: Section, key: str) -> int:
+def id_count(ids: list[str] | None, key: str) -> int:
     """How many item ids a task's list `key` holds (wins, losses, excluded)."""
-    v = section.get(key)
-    if not isinstance(v, list):
+    if ids is None:
         raise Missing(f"no list {key!r}")
-    return len(v)
+    return len(ids)
 
 
-def _candidate_accuracy(t: Section) -> float:
-    v = number(t.get("candidate_accuracy"))
+def _n_paired(t: TaskEntry) -> float:
+    return _need(t.n_paired, "n_paired")
+
+
+def _candidate_accuracy(t: TaskEntry) -> float:
+    v = t.candidate_accuracy
     if v is None:
-        v = _req(t, "candidate_correct") / _nonzero(_req(t, "n_paired"))
+        v = _need(t.candidate_correct, "candidate_correct") / _nonzero(_n_paired(t))
     return v
 
 
-def _accuracy_drop(t: Section) -> float:
-    base = number(t.get("baseline_accuracy"))
+def _accuracy_drop(t: TaskEntry) -> float:
+    base = t.baseline_accuracy
     if base is None:
-        base = _req(t, "baseline_correct") / _nonzero(_req(t, "n_paired"))
+        base = _need(t.baseline_correct, "baseline_correct") / _nonzero(_n_paired(t))
     return base - _candidate_accuracy(t)
 
 
-def _flip_rate(t: Section) -> float:
-    v = number(t.get("flip_rate"))
+def _flip_rate(t: TaskEntry) -> float:
+    v = t.flip_rate
     if v is None:
-        v = (id_count(t, "wins") + id_count(t, "losses")) / _nonzero(_req(t, "n_paired"))
+        v = (id_count(t.wins, "wins") + id_count(t.losses, "losses")) / _nonzero(_n_paired(t))
     return v
 
 
-def _delta_ci_low(t: Section) -> float:
-    ci = t.get("delta_ci95")
-    if not (isinstance(ci, list) and len(ci) == 2 and number(ci[0]) is not None):
+def _delta_ci_low(t: TaskEntry) -> float:
+    ci = t.delta_ci95
+    if not (ci is not None and len(ci) == 2 and ci[0] is not None):
         raise Missing("no delta_ci95 [lo, hi]")
-    return number(ci[0])  # type: ignore[return-value]
+    return ci[0]
 
 
-def _mcnemar_p(t: Section) -> float:
-    id_count(t, "wins"), id_count(t, "losses")      # the verdict also needs who flipped which way
-    return _req(t, "mcnemar_p")
+def _mcnemar_p(t: TaskEntry) -> float:
+    id_count(t.wins, "wins"), id_count(t.losses, "losses")      # the verdict also needs who flipped which way
+    return _need(t.mcnemar_p, "mcnemar_p")
 
 
 def _nonzero(n: float) -> float:
@@ -120,173 +131,149 @@ def _nonzero(n: float) -> float:
     return n
 
 
-def _speed(metric: str) -> Callable[[Section], list[Estimate]]:
-    def get(speed: Section) -> list[Estimate]:
+def _speed(metric: str) -> Callable[[SpeedFigures], list[Estimate]]:
+    def get(speed: SpeedFigures) -> list[Estimate]:
         out = []
-        for r in speed_rows(speed):
-            if r[f"{metric}_ratio"] is None:
+        for g in speed.groups:
+            if g.ratio[metric] is None:
                 continue
-            ns = [r.get("n_baseline"), r.get("n_candidate")]
-            n = min(ns) if all(isinstance(x, int) for x in ns) else None
-            ci = r.get(f"{metric}_ratio_ci95")
-            where = f"{r['prompt_length']} tokens" + (f", {r['clients']} client{'s' if r['clients'] != 1 else ''}"
-                                                        if r.get("clients") is not None else "")
-            out.append(Estimate(where, r[f"{metric}_ratio"], tuple(ci) if ci else None, n))
+            ns = [g.n_baseline, g.n_candidate]
+            n = min(x for x in ns if x is not None) if None not in ns else None
+            out.append(Estimate(g.where, g.ratio[metric], g.ratio_ci95[metric], n))
         if not out:
             raise Missing(f"no {metric} ratio at any prompt length")
         return out
     return get
 
 
-def _goodput(speed: Section) -> list[Estimate]:
+def _goodput(speed: SpeedFigures) -> list[Estimate]:
     """Candidate/baseline goodput per prompt length and rate (compare.json speed.load.rows)."""
-    load = speed.get("load") if isinstance(speed.get("load"), dict) else {}
     out = []
-    for r in load.get("rows") or []:
-        if not isinstance(r, dict) or (r.get("baseline") or {}).get("sweep_skipped") \
-                or (r.get("candidate") or {}).get("sweep_skipped"):
+    for g in speed.load:
+        if g.skipped:
             continue                 # a sweep step not sent (past the stop rule) has nothing to judge
-        where = f"{r.get('prompt_length')} tokens, {fmt(r.get('rate'))} req/s"
-        if number(r.get("goodput_ratio")) is None:
+        where = f"{g.prompt_length} tokens, {fmt(g.rate)} req/s"
+        if g.goodput_ratio is None:
             out.append(Estimate(where, None, None, None, "no goodput ratio: the baseline met no SLO at this rate"))
             continue
-        ns = [r.get("n_baseline"), r.get("n_candidate")]
-        ci = r.get("goodput_ratio_ci95")
-        ci_t = (number(ci[0]), number(ci[1])) if isinstance(ci, list) and len(ci) == 2 else None
-        out.append(Estimate(where, number(r["goodput_ratio"]),
-                            ci_t if ci_t and None not in ci_t else None,
-                            min(ns) if all(isinstance(x, int) for x in ns) else None))
+        n = min(g.n_baseline, g.n_candidate) if g.n_baseline is not None and g.n_candidate is not None else None
+        out.append(Estimate(where, g.goodput_ratio, g.goodput_ratio_ci95, n))
     if not out:
         raise Missing("no open-loop speed group measured on both sides (speed.load.rows)")
     return out
 
 
-def _min_acceptance(speed: Section) -> float:
+def _min_acceptance(speed: SpeedFigures) -> float:
     """The candidate's lowest draft acceptance rate over prompt lengths and client counts."""
-    vals = [r["acceptance_candidate"] for r in speed_rows(speed) if r.get("acceptance_candidate") is not None]
+    vals = [g.acceptance_candidate for g in speed.groups if g.acceptance_candidate is not None]
     if not vals:
         raise Missing("no draft acceptance rate (the candidate's backend reported no draft counters)")
     return min(vals)
 
 
-def _ab_ratio(metric: str) -> Callable[[Section], list[Estimate]]:
+def _ab_ratio(metric: str) -> Callable[[SpeedAbFigures], list[Estimate]]:
     """The paired B/A ratio of speed-ab (median over every prompt measured in both, all rounds)."""
-    def get(ab: Section) -> list[Estimate]:
-        paired = ab.get("paired") if isinstance(ab.get("paired"), dict) else {}
-        m = paired.get(metric) if isinstance(paired.get(metric), dict) else None
-        if not m or number(m.get("median_ratio")) is None:
+    def get(ab: SpeedAbFigures) -> list[Estimate]:
+        m = ab.paired.get(metric)
+        if m is None or m.median_ratio is None:
             raise Missing(f"no paired.{metric}.median_ratio")
-        ci = m.get("ratio_ci95")
-        ci_t = (number(ci[0]), number(ci[1])) if isinstance(ci, list) and len(ci) == 2 else None
-        n = m.get("n_pairs")
-        return [Estimate("all rounds", number(m["median_ratio"]),  # type: ignore[arg-type]
-                         ci_t if ci_t and None not in ci_t else None, int(n) if isinstance(n, int) else None)]
+        return [Estimate("all rounds", m.median_ratio, m.ratio_ci95, m.n_pairs)]
     return get
 
 
-def _ab_rounds(key: str) -> Callable[[Section], float]:
-    def get(ab: Section) -> float:
-        rounds = ab.get("rounds")
-        if not isinstance(rounds, list) or not rounds:
+def _ab_rounds(won: bool) -> Callable[[SpeedAbFigures], float]:
+    """How many A/B rounds ran, or (won) how many B won."""
+    def get(ab: SpeedAbFigures) -> float:
+        if not ab.round_winners:
             raise Missing("no rounds")
-        if key == "rounds":
-            return len(rounds)
-        return sum(1 for r in rounds if isinstance(r, dict) and r.get("winner") == "B")
+        return sum(w == "B" for w in ab.round_winners) if won else len(ab.round_winners)
     return get
 
 
-def _ab_differing(ab: Section) -> float:
-    ident = ab.get("identity") if isinstance(ab.get("identity"), dict) else {}
-    v = number(ident.get("n_differ_any"))
-    if v is None:
+def _ab_differing(ab: SpeedAbFigures) -> float:
+    if ab.n_differ_any is None:
         raise Missing("no identity.n_differ_any")
-    return v
+    return ab.n_differ_any
 
 
-def _needle(key: str) -> Callable[[Section], float]:
-    def get(needle: Section) -> float:
-        cells = needle_cells(needle)
-        if not cells:
+def _needle(key: str) -> Callable[[NeedleFigures], float]:
+    def get(needle: NeedleFigures) -> float:
+        if not needle.found:
             raise Missing("no needle cells")
-        counts = needle_counts(cells)
-        return counts["found_candidate"] / counts["cells"] if key == "found_share" else counts[key]
+        return {"found_candidate": needle.found_candidate, "lost": needle.lost,
+                "found_share": needle.found_candidate / len(needle.found)}[key]
     return get
 
 
-def _min_router_agreement(kld: Section) -> float:
-    layers = kld.get("per_layer") if isinstance(kld.get("per_layer"), dict) else {}
-    vals = [number(v) for v in layers.get("router_agreement") or []]
-    vals = [v for v in vals if v is not None]
-    if not vals:
+def _min_router_agreement(kld: KldFigures) -> float:
+    if not kld.router_agreement:
         raise Missing("no per_layer.router_agreement")
-    return min(vals)
+    return min(kld.router_agreement)
 
 
-def _rms_delta_p(kld: Section) -> float:
-    dp = kld.get("delta_p") if isinstance(kld.get("delta_p"), dict) else {}
-    return _req(dp, "rms", "delta_p.rms")
-
-
-def _peak_gib(memory: Section) -> float:
-    v = memory_value(memory, "peak_used_bytes", "candidate")
-    if v is None:
+def _peak_gib(memory: MemoryFigures) -> float:
+    if memory.peak_used_candidate is None:
         raise Missing("no candidate peak_used_bytes")
-    return v / 2**30
+    return memory.peak_used_candidate / 2**30
 
 
-def _peak_ratio(memory: Section) -> float:
-    cand = memory_value(memory, "peak_used_bytes", "candidate")
-    base = memory_value(memory, "peak_used_bytes", "baseline")
+def _peak_ratio(memory: MemoryFigures) -> float:
+    cand, base = memory.peak_used_candidate, memory.peak_used_baseline
     if cand is None or not base:
         raise Missing("peak_used_bytes of both runs needed")
     return cand / base
 
 
-def _cand(key: str, label: str, scale: float = 1.0) -> Callable[[Section], float]:
-    """The candidate's `key` in a per-card energy entry ({"baseline": {...}, "candidate": {...}})."""
-    def get(section: Section) -> float:
-        v = side_value(section, "candidate", key)
+def _candidate_energy(label: str, get: Callable[[EnergyFigures], float | None],
+                      scale: float = 1.0) -> Callable[[EnergyFigures], float]:
+    """The candidate's figure in an energy section or one card of it."""
+    def read(energy: EnergyFigures) -> float:
+        v = get(energy)
         if v is None:
             raise Missing(f"no candidate {label}")
         return v * scale
-    return get
+    return read
 
 
-def _decode_j_ratio(energy: Section) -> float:
-    dec = (energy.get("per_token") or {}).get("decode") if isinstance(energy.get("per_token"), dict) else None
-    v = number((dec or {}).get("net_ratio"))
-    if v is None:
+def _decode_j_ratio(energy: EnergyFigures) -> float:
+    if energy.decode_net_ratio is None:
         raise Missing("no per_token.decode.net_ratio (decode J/token of both runs, net of idle)")
-    return v
+    return energy.decode_net_ratio
 
 
 CARD_KEY = re.compile(r"^(gpu\d+|sum)$")
 
 
-def _kld_key(key: str) -> Callable[[Section], float]:
-    return lambda kld: _req(kld, key)
+def _kld(label: str, get: Callable[[KldFigures], float | None]) -> Callable[[KldFigures], float]:
+    return lambda kld: _need(get(kld), label)
 
 
-TASK_RULES: dict[str, Rule] = {
-    "min_paired": Rule(Field(int, check=positive), "min", lambda t: _req(t, "n_paired"), "paired items"),
+TASK_RULES: dict[str, Rule[TaskEntry]] = {
+    "min_paired": Rule(Field(int, check=positive), "min", _n_paired, "paired items"),
     "min_accuracy": Rule(Field(float, check=_fraction), "min", _candidate_accuracy, "candidate accuracy"),
     "max_accuracy_drop": Rule(Field(float), "max", _accuracy_drop, "accuracy drop (baseline - candidate)"),
-    "max_losses": Rule(Field(int, check=non_negative), "max", lambda t: id_count(t, "losses"), "losses"),
+    "max_losses": Rule(Field(int, check=non_negative), "max", lambda t: id_count(t.losses, "losses"), "losses"),
     "max_flip_rate": Rule(Field(float, check=_fraction), "max", _flip_rate, "flip rate"),
-    "fail_on_significant_loss": Rule(Field(bool), "flag", lambda t: _mcnemar_p(t), "McNemar p"),
+    "fail_on_significant_loss": Rule(Field(bool), "flag", _mcnemar_p, "McNemar p"),
     "min_delta_ci_low": Rule(Field(float), "min", _delta_ci_low, "delta CI95 low"),
-    "max_excluded": Rule(Field(int, check=non_negative), "max", lambda t: id_count(t, "excluded"), "excluded items"),
+    "max_excluded": Rule(Field(int, check=non_negative), "max", lambda t: id_count(t.excluded, "excluded"),
+                         "excluded items"),
 }
 TASK_OPTIONS: dict[str, Field] = {"alpha": Field(float, default=0.05, check=lambda v: None if 0 < v < 1
                                                   else "must be between 0 and 1 (exclusive)")}
 
 SECTION_RULES: dict[str, dict[str, Rule]] = {
     "kld": {
-        **{f"max_{k}": Rule(Field(float, check=non_negative), "max", _kld_key(k), f"KLD {k}")
-           for k in ("mean", "median", "p90", "p95", "p99", "p999", "max")},
-        "min_same_top_p": Rule(Field(float, check=_fraction), "min", _kld_key("same_top_p"), "same top p"),
-        "max_ppl_ratio": Rule(Field(float, check=positive), "max", _kld_key("ppl_ratio"), "PPL ratio"),
-        "max_rms_delta_p": Rule(Field(float, check=non_negative), "max", _rms_delta_p, "RMS delta p"),
+        **{f"max_{k}": Rule(Field(float, check=non_negative), "max", _kld(k, get), f"KLD {k}")
+           for k, get in (("mean", lambda f: f.mean), ("median", lambda f: f.median), ("p90", lambda f: f.p90),
+                          ("p95", lambda f: f.p95), ("p99", lambda f: f.p99), ("p999", lambda f: f.p999),
+                          ("max", lambda f: f.max))},
+        "min_same_top_p": Rule(Field(float, check=_fraction), "min", _kld("same_top_p", lambda f: f.same_top_p),
+                               "same top p"),
+        "max_ppl_ratio": Rule(Field(float, check=positive), "max", _kld("ppl_ratio", lambda f: f.ppl_ratio),
+                              "PPL ratio"),
+        "max_rms_delta_p": Rule(Field(float, check=non_negative), "max",
+                                _kld("delta_p.rms", lambda f: f.rms_delta_p), "RMS delta p"),
         "min_router_agreement": Rule(Field(float, check=_fraction), "min", _min_router_agreement,
                                      "router agreement (worst layer)"),
     },
@@ -308,8 +295,8 @@ SECTION_RULES: dict[str, dict[str, Rule]] = {
                                     "candidate draft acceptance rate (lowest group)"),
     },
     "speed_ab": {
-        "min_rounds_won": Rule(Field(int, check=non_negative), "min", _ab_rounds("won"), "rounds won by B"),
-        "min_rounds": Rule(Field(int, check=positive), "min", _ab_rounds("rounds"), "A/B rounds"),
+        "min_rounds_won": Rule(Field(int, check=non_negative), "min", _ab_rounds(won=True), "rounds won by B"),
+        "min_rounds": Rule(Field(int, check=positive), "min", _ab_rounds(won=False), "A/B rounds"),
         "min_decode_ratio": Rule(Field(float, check=positive), "interval_min", _ab_ratio("decode_tok_s"),
                                  "paired B/A decode tok/s ratio"),
         "min_prefill_ratio": Rule(Field(float, check=positive), "interval_min", _ab_ratio("prefill_tok_s"),
@@ -331,10 +318,11 @@ SECTION_RULES: dict[str, dict[str, Rule]] = {
     },
     "energy": {
         "max_whole_run_kj": Rule(Field(float, check=positive), "max",
-                                 _cand("whole_run_counter_j", "whole-run energy (NVML counter)", 1e-3),
+                                 _candidate_energy("whole-run energy (NVML counter)",
+                                                   lambda e: e.whole_run_counter_j, 1e-3),
                                  "candidate whole-run energy kJ"),
-        "max_idle_power_w": Rule(Field(float, check=positive), "max", _cand("idle_power_w", "idle power"),
-                                 "candidate idle power W"),
+        "max_idle_power_w": Rule(Field(float, check=positive), "max",
+                                 _candidate_energy("idle power", lambda e: e.idle_power_w), "candidate idle power W"),
         "max_decode_net_j_per_token_ratio": Rule(Field(float, check=positive), "max", _decode_j_ratio,
                                                  "decode net J/token ratio"),
     },
@@ -375,8 +363,8 @@ class RuleTable(NamedTuple):
 class GateOptions:
     """The rules file's [gate] table."""
 
-    on_inconclusive: str = "exit3"    # INCONCLUSIVE_CHOICES: exit 3, count as a failure, or pass
-    correction: str = "holm"          # "holm" | "none": the significant-loss rules over several tasks
+    on_inconclusive: OnInconclusive = "exit3"    # exit 3, count as a failure, or pass
+    correction: Correction = "holm"              # the significant-loss rules over several tasks, or none
 
 
 def load_gate_options(path: str | os.PathLike[str]) -> GateOptions:

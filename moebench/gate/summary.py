@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moebench.gate.evaluation import RuleResult
-from moebench.store.records import CompareDoc, Section
+from moebench.gate.rules import OnInconclusive
+from moebench.json_types import JsonObject
+from moebench.store.records import CompareDoc
 
 SUMMARY_FILE = "summary.md"
 JUNIT_FILE = "junit.xml"
@@ -34,7 +36,7 @@ class Verdict:
 
     results: list[RuleResult]
     rules_file: Path
-    on_inconclusive: str = "exit3"     # rules.INCONCLUSIVE_CHOICES
+    on_inconclusive: OnInconclusive = "exit3"
 
     @property
     def overall(self) -> str:
@@ -95,7 +97,7 @@ class Verdict:
         ET.indent(suites)
         return ET.tostring(suites, encoding="utf-8", xml_declaration=True)
 
-    def to_json(self) -> Section:
+    def to_json(self) -> JsonObject:
         """gate.json: the verdict and every rule's, for the report's opening table."""
         return {"verdict": self.overall, "exit_code": self.exit_code, "rules_file": str(self.rules_file),
                 "checks": [{"section": c.section, "rule": c.rule, "value": c.value, "limit": c.limit,

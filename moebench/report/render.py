@@ -665,7 +665,7 @@ def _verdict_context(tasks: list[TaskSummary], doc: CompareDoc, overall: TaskSum
     """The opening tables: what a reviewer needs to know whether the candidate regressed. Each figure
     with its baseline, candidate, the ratio and which way is better."""
     from moebench.compare.tables import matrix_row
-    row = matrix_row(doc.to_dict())
+    row = matrix_row(doc)
     figures = []
     kld = as_object(doc.section("kld"))
     if row["kld.mean"] is not None:
