@@ -95,7 +95,7 @@ def test_statistics_match_llama_perplexity(zoo, corpus, bf16_base, quant, tmp_pa
     assert (cand.tokens == bf16_base.tokens).all() and cand.n_vocab == bf16_base.n_vocab
     parts = [ks.full_kld(bf16_base.logprobs(j), cand.logprobs(j), bf16_base.tokens[j][CONTEXT // 2 + 1:],
                          cand_is_logp=True) for j in range(bf16_base.n_chunk)]
-    ours = ks.summarize(ks.TokenStats.concat(parts), per_chunk=parts)
+    ours = ks.summarize(ks.TokenStats.concat(parts), per_chunk=parts).to_json()
     assert ours["n_tokens"] == 4 * (CONTEXT - 1 - CONTEXT // 2)
     print(f"\n{quant}: mean KLD llama {printed['mean']} moebench {ours['mean']:.8f}; same top "
           f"{printed['same_top_p']} vs {ours['same_top_p']:.5f}; ln ratio {printed['ln_ppl_ratio']} vs "
