@@ -20,7 +20,6 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -86,7 +85,8 @@ class SampledKldTask(KldFolders, Task):
     kind = "kld"
     phase = "score"
 
-    def __init__(self, opts: dict[str, Any], ctx):
+    def __init__(self, opts: JsonObject, ctx):
+        """`opts`: the suite's task table as read, checked against KldTask.options by the suite loader."""
         super().__init__(opts, ctx)
         self.conf = {k: opts.get(k) if opts.get(k) is not None else v for k, v in DEFAULTS.items()}
         self.conf["corpus"] = opts.get("corpus", KLD_DEFAULT_CORPUS)

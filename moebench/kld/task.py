@@ -37,7 +37,6 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
 
 import numpy as np
 
@@ -110,7 +109,7 @@ class KldTask(KldFolders, Task):
     }
     SAMPLED_KEYS = ("prompts", "prompt_tokens", "continuations", "tokens", "seed", "estimator")
 
-    def __new__(cls, opts: dict[str, Any], ctx=None):
+    def __new__(cls, opts: JsonObject, ctx=None):
         # One task kind, two methods: method = "sampled" is its own class (moebench.kld.sampled_task),
         # which is not a KldTask, so KldTask.__init__ does not run on it.
         if cls is KldTask and (opts or {}).get("method") == "sampled":
@@ -118,7 +117,8 @@ class KldTask(KldFolders, Task):
             return SampledKldTask(opts, ctx)
         return super().__new__(cls)
 
-    def __init__(self, opts: dict[str, Any], ctx):
+    def __init__(self, opts: JsonObject, ctx):
+        """`opts`: the suite's task table as read, checked against `options` by the suite loader."""
         super().__init__(opts, ctx)
         given = [k for k in self.SAMPLED_KEYS if opts.get(k) is not None]
         if given:
