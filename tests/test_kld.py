@@ -90,7 +90,7 @@ def test_statistics_match_llama_perplexity(zoo, corpus, bf16_base, quant, tmp_pa
     """The same pair (llama.cpp BF16 vs llama.cpp Q4_0/Q8_0), same text and context: llama-perplexity
     prints its statistics; moebench computes them from the two models' base files (the candidate's
     distributions are llama.cpp's own, written by --kl-divergence-base on the quantized model)."""
-    printed = lp.kl_divergence(zoo[quant], bf16_base.path, CONTEXT, log_path=tmp_path / "kld.log")
+    printed = lp.kl_divergence(zoo[quant], bf16_base.path, CONTEXT, log_path=tmp_path / "kld.log").to_json()
     cand = lp.write_base(zoo[quant], corpus, tmp_path / f"{quant}.kld", CONTEXT, 4)
     assert (cand.tokens == bf16_base.tokens).all() and cand.n_vocab == bf16_base.n_vocab
     parts = [ks.full_kld(bf16_base.logprobs(j), cand.logprobs(j), bf16_base.tokens[j][CONTEXT // 2 + 1:],

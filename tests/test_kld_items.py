@@ -75,3 +75,61 @@ def test_a_record_without_item_id_or_not_an_object_is_refused():
         KldItem.from_json([1], WHERE)
     with pytest.raises(RecordFormatError, match=r"item 'x': key 'status' is missing, expected a string"):
         KldItem.from_json({"item_id": "x"}, WHERE)
+
+
+# ---- llama_stats.json: what llama-perplexity printed, written and read back -----------------------
+
+LLAMA_TAIL = """
+chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence              Δp RMS            Same top p
+   1      12.5 ±    1.2       0.01000 ±    0.00200       0.02000 ±    0.00300     1.500 ±    0.200 %    90.000 ±    2.000 %
+   2      12.0 ±    1.0       0.01200 ±    0.00200       0.03000 ±    0.00300     1.600 ±    0.200 %    91.000 ±    2.000 %
+====== Perplexity statistics ======
+Mean PPL(Q)                   :  12.000 ±   1.000
+Mean PPL(base)                :  11.800 ±   1.000
+Cor(ln(PPL(Q)), ln(PPL(base))):  99.50%
+Mean ln(PPL(Q)/PPL(base))     :   0.012 ±   0.002
+Mean PPL(Q)/PPL(base)         :   1.012 ±   0.002
+Mean PPL(Q)-PPL(base)         :   0.200 ±   0.030
+
+====== KL divergence statistics ======
+Mean    KLD:   0.030000 ±   0.003000
+Maximum KLD:   1.000000
+Median  KLD:   0.010000
+Minimum KLD:   0.000001
+
+====== Token probability statistics ======
+Mean    Δp: -0.100 ± 0.050 %
+Maximum Δp: 20.000%
+Median  Δp: -0.001%
+Minimum Δp: -30.000%
+RMS Δp    :  1.600 ± 0.200 %
+Same top p: 91.000 ± 2.000 %
+"""
+
+
+def test_printed_statistics_round_trip_in_the_order_llama_prints_them():
+    from moebench.kld.perplexity_tool import PrintedKld, parse_kld_output
+    printed = parse_kld_output(LLAMA_TAIL)
+    doc = printed.to_json()
+    assert list(doc) == ["ppl", "ppl_err", "ppl_base", "ppl_base_err", "cor_ln_ppl", "ln_ppl_ratio",
+                         "ln_ppl_ratio_err", "ppl_ratio", "ppl_ratio_err", "ppl_diff", "ppl_diff_err", "mean",
+                         "mean_err", "max", "median", "min", "same_top_p", "same_top_p_err", "delta_p",
+                         "per_chunk_cumulative", "per_chunk"]
+    assert list(doc["delta_p"]) == ["mean", "mean_err", "max", "median", "min", "rms", "rms_err"]
+    assert doc["per_chunk"] == pytest.approx([0.02, 0.04]) and doc["cor_ln_ppl"] == pytest.approx(0.995)
+    again = PrintedKld.from_json(json.loads(json.dumps(doc)), "llama_stats.json")
+    assert json.dumps(again.to_json()) == json.dumps(doc)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"mean": "0.03"}, "llama_stats.json: key 'mean' must be a number"),
+    ({"delta_p": [1]}, "llama_stats.json: key 'delta_p' must be an object"),
+    ({"delta_p": {"rms": None}}, "llama_stats.json delta_p: key 'rms' must be a number"),
+    ({"per_chunk_cumulative": [{"chunk": 1}]}, "llama_stats.json: a 'per_chunk_cumulative' line lacks or mistypes"),
+])
+def test_a_bad_llama_stats_file_names_the_key(change, message):
+    from moebench.kld.perplexity_tool import PerplexityError, PrintedKld, parse_kld_output
+    doc = {**parse_kld_output(LLAMA_TAIL).to_json(), **change}
+    with pytest.raises(PerplexityError) as e:
+        PrintedKld.from_json(doc, "llama_stats.json")
+    assert str(e.value).startswith(message)

@@ -20,6 +20,7 @@ import numpy as np
 from moebench.json_types import JsonObject, JsonValue
 from moebench.kld import stats as ks
 from moebench.kld.chunk_records import KldItem
+from moebench.kld.perplexity_tool import PrintedKld
 from moebench.kld.sections import (EstimateNote, ForcedSection, KldSection, LlamaSection, SampledSection, TopkError,
                                    TopkVsExact)
 from moebench.datasets import data_file, register
@@ -195,7 +196,8 @@ def kld_section(cand_dir: Path, cand_records: list[KldItem]) -> KldSection:
     if recs[0].method == "llama-perplexity":
         tool = folder / "llama_perplexity.json"
         return LlamaSection(n_tokens=sum(r.n_tokens or 0 for r in recs),
-                            printed=_json_object(folder / "llama_stats.json"),
+                            printed=PrintedKld.from_json(_json_object(folder / "llama_stats.json"),
+                                                         str(folder / "llama_stats.json")),
                             # the candidate's own binary, version and command lines
                             tool=_json_object(tool) if tool.is_file() else None)
     parts = load_token_stats(cand_dir, recs)

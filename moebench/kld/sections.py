@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from moebench.json_types import JsonObject
 from moebench.kld.chunk_records import KldEstimate
+from moebench.kld.perplexity_tool import PrintedKld
 from moebench.kld.sampled_stats import SampledEstimate
 from moebench.kld.stats import KldSummary
 
@@ -84,17 +85,17 @@ class ForcedSection:
 
 @dataclass(frozen=True)
 class LlamaSection:
-    """A llama-perplexity candidate's figures: the statistics it printed (llama_stats.json as
-    perplexity_tool.parse_kld_output wrote it, in the tool's own order) and the build that measured
-    (llama_perplexity.json: binary, version, command lines), both passed through as read."""
+    """A llama-perplexity candidate's figures: the statistics it printed (llama_stats.json read back)
+    and the build that measured (llama_perplexity.json: binary, version, flags, command lines; written
+    from the runner's PerplexityPlan, passed through as read)."""
 
     n_tokens: int
-    printed: JsonObject
+    printed: PrintedKld
     tool: JsonObject | None = None
 
     def to_json(self) -> JsonObject:
         out: JsonObject = {"method": "llama-perplexity", "n_tokens": self.n_tokens,
-                           **{k: v for k, v in self.printed.items() if k != "per_chunk_cumulative"}}
+                           **{k: v for k, v in self.printed.to_json().items() if k != "per_chunk_cumulative"}}
         if self.tool is not None:
             out["llama_perplexity"] = self.tool
         return out

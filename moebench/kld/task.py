@@ -48,6 +48,7 @@ from moebench.kld.chunk_records import (BaselineChunk, CandidateChunk, ChunkHead
                                         LlamaBaselineChunk, LlamaCandidateChunk, read_items)
 from moebench.kld.runs import (TOPK_LADDER, KldError, KldFolders, KldMeta, chunk_file, id_dtype, kld_section,
                                read_meta, router_agreement, save_npz, task_dir, write_json)
+from moebench.kld.perplexity_tool import PrintedKld
 from moebench.kld.sections import KldSection
 from moebench.runners.base import Capability, Runner, RunnerError
 from moebench.store.records import ItemRecord
@@ -137,7 +138,7 @@ class KldTask(KldFolders, Task):
         self.n_scored = self.context - 1 - self.first
         self.base_meta: KldMeta | None = None
         self.tokens: np.ndarray | None = None
-        self._llama_stats: JsonObject | None = None    # what llama-perplexity printed (llama_stats.json)
+        self._llama_stats: PrintedKld | None = None    # what llama-perplexity printed (llama_stats.json)
         self._bf = None                     # llama base file of the baseline, when it is one
         self.how: str | None = None         # BY_TOOL | BY_LOGITS | BY_PROMPT_LOGPROBS, set in prepare
 
@@ -474,7 +475,7 @@ class KldTask(KldFolders, Task):
             export_base_file(self.ctx.baseline_run, self.name, base_file)
         self._llama_stats = lp.kl_divergence(model, base_file, self.context, threads, log, extra=extra, binary=binary,
                                              commands=commands)
-        write_json(self.out_dir / "llama_stats.json", self._llama_stats)
+        write_json(self.out_dir / "llama_stats.json", self._llama_stats.to_json())
 
     def _llama_record(self, j: int) -> LlamaBaselineChunk | LlamaCandidateChunk:
         if not self.is_candidate:
@@ -485,10 +486,10 @@ class KldTask(KldFolders, Task):
                                       ppl_base=float(np.exp(nll.mean())),
                                       file=str((self.out_dir / "base.kld").relative_to(self.ctx.run_dir)),
                                       prompt_hash=prompt_hash([int(t) for t in self._bf.tokens[j]]))
-        per = (self._llama_stats or {}).get("per_chunk") or []
-        if not isinstance(per, list) or j >= len(per):
+        per = self._llama_stats.per_chunk if self._llama_stats is not None else []
+        if j >= len(per):
             raise KldError(f"llama-perplexity printed no line for chunk {j}")
-        return LlamaCandidateChunk(chunk=j, n_tokens=self.n_scored, kld_mean=float(per[j]))
+        return LlamaCandidateChunk(chunk=j, n_tokens=self.n_scored, kld_mean=per[j])
 
     # ---- run summary ----------------------------------------------------------------------------
     def summarize(self, records: list[JsonObject]) -> JsonObject:
