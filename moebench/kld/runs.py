@@ -13,7 +13,7 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from moebench.kld.sections import (EstimateNote, ForcedSection, KldSection, Llam
 from moebench.datasets import data_file, register
 from moebench.store import write_bytes_atomic, write_json_atomic
 
+S = TypeVar("S")
 TOPK_LADDER = (5, 16, 20, 64, 100, 256)   # K values at which the top-K estimate is checked against exact
 
 
@@ -253,6 +254,15 @@ def sampled_section(cand_dir: Path, cand_records: list[KldItem]) -> SampledSecti
         seqs.append((d["logp"], d["logq"]))
     return SampledSection(sk.estimate(seqs, estimator=recs[0].estimator or "low-variance"),
                           n_prompts=len({r.prompt for r in recs}))
+
+
+def section_or_error(build: Callable[[], S]) -> S | str:
+    """A run summary's KLD section, or what stopped it (`Type: message`): the summary is written even
+    when the arrays cannot be read back."""
+    try:
+        return build()
+    except (OSError, KeyError, ValueError, KldError) as e:
+        return f"{type(e).__name__}: {e}"
 
 
 def router_agreement(base_routes: np.ndarray, cand_routes: np.ndarray) -> tuple[list[float], list[float]]:

@@ -27,7 +27,8 @@ from moebench.datasets import KLD_DEFAULT_CORPUS, data_file, read_text
 from moebench.json_types import JsonObject
 from moebench.kld import sampled_stats as sk
 from moebench.kld.chunk_records import read_items
-from moebench.kld.runs import KldError, KldFolders, KldMeta, sampled_section, save_npz, seq_file, write_json
+from moebench.kld.runs import (KldError, KldFolders, KldMeta, sampled_section, save_npz, section_or_error, seq_file,
+                               write_json)
 from moebench.kld.sections import SampledSection
 from moebench.runners.base import Capability, Runner, RunnerError
 from moebench.store.records import ItemRecord
@@ -218,10 +219,8 @@ class SampledKldTask(KldFolders, Task):
             out.n_tokens = n
             out.nll_base = sum(r.nll_sum or 0.0 for r in ok) / n if n else None
             return out.to_json()
-        try:
-            out.kld = sampled_section(self.ctx.run_dir, ok)
-        except (OSError, KeyError, ValueError, KldError) as e:
-            out.kld = f"{type(e).__name__}: {e}"
+        run_dir = self.ctx.run_dir
+        out.kld = section_or_error(lambda: sampled_section(run_dir, ok))
         return out.to_json()
 
 

@@ -47,7 +47,7 @@ from moebench.json_types import JsonObject
 from moebench.kld.chunk_records import (BaselineChunk, CandidateChunk, ChunkHead, ChunkRecord, HeadedChunk, KldEstimate,
                                         LlamaBaselineChunk, LlamaCandidateChunk, read_items)
 from moebench.kld.runs import (TOPK_LADDER, KldError, KldFolders, KldMeta, chunk_file, id_dtype, kld_section,
-                               read_meta, router_agreement, save_npz, task_dir, write_json)
+                               read_meta, router_agreement, save_npz, section_or_error, task_dir, write_json)
 from moebench.kld.perplexity_tool import PrintedKld
 from moebench.kld.sections import KldSection
 from moebench.runners.base import Capability, Runner, RunnerError
@@ -509,10 +509,8 @@ class KldTask(KldFolders, Task):
             out.ppl = float(np.exp(sum(r.nll_sum or 0.0 for r in ok) / n))
             out.topk_bytes_per_token = ok[0].topk_bytes_per_token
             return out.to_json()
-        try:
-            out.kld = kld_section(self.ctx.run_dir, ok)
-        except (OSError, KeyError, ValueError, KldError) as e:
-            out.kld = f"{type(e).__name__}: {e}"
+        run_dir = self.ctx.run_dir
+        out.kld = section_or_error(lambda: kld_section(run_dir, ok))
         return out.to_json()
 
 
