@@ -90,12 +90,12 @@ def test_statistics_match_llama_perplexity(zoo, corpus, bf16_base, quant, tmp_pa
     """The same pair (llama.cpp BF16 vs llama.cpp Q4_0/Q8_0), same text and context: llama-perplexity
     prints its statistics; moebench computes them from the two models' base files (the candidate's
     distributions are llama.cpp's own, written by --kl-divergence-base on the quantized model)."""
-    printed = lp.kl_divergence(zoo[quant], bf16_base.path, CONTEXT, log_path=tmp_path / "kld.log")
+    printed = lp.kl_divergence(zoo[quant], bf16_base.path, CONTEXT, log_path=tmp_path / "kld.log").to_json()
     cand = lp.write_base(zoo[quant], corpus, tmp_path / f"{quant}.kld", CONTEXT, 4)
     assert (cand.tokens == bf16_base.tokens).all() and cand.n_vocab == bf16_base.n_vocab
     parts = [ks.full_kld(bf16_base.logprobs(j), cand.logprobs(j), bf16_base.tokens[j][CONTEXT // 2 + 1:],
                          cand_is_logp=True) for j in range(bf16_base.n_chunk)]
-    ours = ks.summarize(ks.TokenStats.concat(parts), per_chunk=parts)
+    ours = ks.summarize(ks.TokenStats.concat(parts), per_chunk=parts).to_json()
     assert ours["n_tokens"] == 4 * (CONTEXT - 1 - CONTEXT // 2)
     print(f"\n{quant}: mean KLD llama {printed['mean']} moebench {ours['mean']:.8f}; same top "
           f"{printed['same_top_p']} vs {ours['same_top_p']:.5f}; ln ratio {printed['ln_ppl_ratio']} vs "

@@ -33,7 +33,7 @@ def _coverage(p: np.ndarray, q: np.ndarray, repeats: int, rng) -> dict[str, int]
             x = rng.choice(p.size, size=32, p=p)
             seqs.append((np.log(p[x]), np.log(q[x])))
         for est in covered:
-            e = sk.estimate(seqs, seed=rep, estimator=est)
+            e = sk.estimate(seqs, seed=rep, estimator=est).to_json()
             lo, hi = e["interval"]
             covered[est] += lo <= kl <= hi
             assert e["n_tokens"] == 1024 and e["n_sequences"] == 32 and e["method"] == "sampled"

@@ -12,9 +12,10 @@ import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+
+from moebench.json_types import JsonObject, JsonValue
 
 from moebench.kld.stats import decode_logprobs, row_width
 from moebench.store import open_append, open_fd, write_bytes_atomic
@@ -175,7 +176,7 @@ def write_base(model: str | Path, text_file: Path, base_path: Path, context: int
 
 def kl_divergence(model: str | Path, base_path: Path, context: int, threads: int | None = None,
                   log_path: Path | None = None, extra: list[str] | None = None, binary: str | None = None,
-                  commands: list[list[str]] | None = None) -> dict[str, Any]:
+                  commands: list[list[str]] | None = None) -> PrintedKld:
     """`--kl-divergence` against a base file; returns the parsed statistics (parse_kld_output)."""
     args = ["--kl-divergence-base", str(base_path), "--kl-divergence"]
     out = run_perplexity(model, args + _common_args(context, threads, extra), log_path, binary=binary,
@@ -205,14 +206,105 @@ _LADDER_NAMES = {"Maximum": "max", "99.9%": "p999", "99.0%": "p99", "95.0%": "p9
 _CHUNK_LINE = re.compile(r"^\s*(\d+)\s+" + r"\s+".join([_PM] * 3) + r"\s+" + _PM + r"\s*%\s+" + _PM + r"\s*%\s*$")
 
 
-def parse_kld_output(stdout: str) -> dict[str, Any]:
+# The figures llama-perplexity (b11434) prints, in the order it prints them: each a pair (value, its
+# uncertainty `<name>_err`) but the correlation; then the KLD ladder; then same top p.
+_FIGURES = ("ppl", "ppl_base", "cor_ln_ppl", "ln_ppl_ratio", "ppl_ratio", "ppl_diff", "mean")
+_PAIRED = {"ppl", "ppl_base", "ln_ppl_ratio", "ppl_ratio", "ppl_diff", "mean", "same_top_p"}
+# llama prints p75/p25 for Δp only; the KLD order holds them too, so a build that prints them keeps them.
+_LADDER_ORDER = ("max", "p999", "p99", "p95", "p90", "p75", "median", "p25", "p10", "p5", "p1", "p01", "min")
+
+
+@dataclass(frozen=True)
+class ChunkLine:
+    """One chunk line of llama-perplexity's output: the running figures after that chunk."""
+
+    chunk: int
+    ppl: float
+    ln_ppl_ratio: float
+    kld: float
+    dp_rms: float
+    same_top_p: float
+
+    def to_json(self) -> JsonObject:
+        return {"chunk": self.chunk, "ppl": self.ppl, "ln_ppl_ratio": self.ln_ppl_ratio, "kld": self.kld,
+                "dp_rms": self.dp_rms, "same_top_p": self.same_top_p}
+
+
+@dataclass(frozen=True)
+class PrintedKld:
+    """What `--kl-divergence` printed, in stats.summarize's keys (fractions, not %): `figures` by name
+    (each printed value and its `_err`, the correlation, the KLD ladder, same top p), the Δp figures,
+    each chunk's running line and each chunk's own mean KLD recovered from them. Below 100 scored
+    tokens llama prints only the chunk lines."""
+
+    figures: dict[str, float]
+    delta_p: dict[str, float]
+    per_chunk_cumulative: list[ChunkLine]
+    per_chunk: list[float]
+
+    def to_json(self) -> JsonObject:
+        """llama_stats.json: the figures in the order llama prints them."""
+        out: JsonObject = {k: self.figures[k] for k in _figure_order() if k in self.figures}
+        if self.delta_p:
+            out["delta_p"] = {k: self.delta_p[k] for k in _dp_order() if k in self.delta_p}
+        if self.per_chunk_cumulative:
+            out["per_chunk_cumulative"] = [c.to_json() for c in self.per_chunk_cumulative]
+            out["per_chunk"] = list(self.per_chunk)
+        return out
+
+    @staticmethod
+    def from_json(doc: JsonValue, where: str) -> PrintedKld:
+        """llama_stats.json read back; a key that is not a number (a list for the chunk lines) is
+        refused naming the file and the key."""
+        if not isinstance(doc, dict):
+            raise PerplexityError(f"{where}: not a JSON object")
+        figures = {k: _number(doc, k, where) for k in _figure_order() if k in doc}
+        dp = doc.get("delta_p", {})
+        if not isinstance(dp, dict):
+            raise PerplexityError(f"{where}: key 'delta_p' must be an object")
+        lines = doc.get("per_chunk_cumulative", [])
+        per = doc.get("per_chunk", [])
+        if not isinstance(lines, list) or not all(isinstance(x, dict) for x in lines):
+            raise PerplexityError(f"{where}: key 'per_chunk_cumulative' must be a list of objects")
+        if not isinstance(per, list):
+            raise PerplexityError(f"{where}: key 'per_chunk' must be a list of numbers")
+        try:
+            chunks = [ChunkLine(chunk=int(x["chunk"]), ppl=float(x["ppl"]), ln_ppl_ratio=float(x["ln_ppl_ratio"]),
+                                kld=float(x["kld"]), dp_rms=float(x["dp_rms"]), same_top_p=float(x["same_top_p"]))
+                      for x in lines]
+        except (KeyError, TypeError, ValueError) as e:
+            raise PerplexityError(f"{where}: a 'per_chunk_cumulative' line lacks or mistypes {e}") from None
+        return PrintedKld(figures=figures, delta_p={k: _number(dp, k, f"{where} delta_p") for k in _dp_order() if k in dp},
+                          per_chunk_cumulative=chunks,
+                          per_chunk=[_number({"per_chunk": v}, "per_chunk", where) for v in per])
+
+
+def _figure_order() -> list[str]:
+    names: list[str] = []
+    for f in _FIGURES:
+        names += [f, f + "_err"] if f in _PAIRED else [f]
+    return names + list(_LADDER_ORDER) + ["same_top_p", "same_top_p_err"]
+
+
+def _dp_order() -> list[str]:
+    return ["mean", "mean_err", *_LADDER_ORDER, "rms", "rms_err"]
+
+
+def _number(doc: JsonObject, key: str, where: str) -> float:
+    v = doc[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise PerplexityError(f"{where}: key {key!r} must be a number, got {v!r}")
+    return float(v)
+
+
+def parse_kld_output(stdout: str) -> PrintedKld:
     """llama-perplexity --kl-divergence stdout -> the same keys as stats.summarize (fractions, not %).
 
     Also `per_chunk_cumulative`: each chunk line's running figures (llama prints cumulative means), and
     `per_chunk`: each chunk's own mean KLD, recovered from the running means (chunks are equal-sized).
     """
-    out: dict[str, Any] = {}
-    dp: dict[str, Any] = {}
+    out: dict[str, float] = {}
+    dp: dict[str, float] = {}
     lines = [ln.strip() for ln in stdout.splitlines()]
     for ln in lines:
         for key, pat in _LINES.items():
@@ -244,18 +336,11 @@ def parse_kld_output(stdout: str) -> dict[str, Any]:
         m = _CHUNK_LINE.match(ln)
         if m:
             g = [float(x) for x in m.groups()]
-            cumulative.append({"chunk": int(g[0]), "ppl": g[1], "ln_ppl_ratio": g[3], "kld": g[5],
-                               "dp_rms": g[7] / 100, "same_top_p": g[9] / 100})
-    if dp:
-        out["delta_p"] = dp
-    if cumulative:
-        out["per_chunk_cumulative"] = cumulative
-        per = []
-        for i, c in enumerate(cumulative):
-            prev = cumulative[i - 1]["kld"] * i if i else 0.0
-            per.append(c["kld"] * (i + 1) - prev)
-        out["per_chunk"] = per
+            cumulative.append(ChunkLine(chunk=int(g[0]), ppl=g[1], ln_ppl_ratio=g[3], kld=g[5], dp_rms=g[7] / 100,
+                                        same_top_p=g[9] / 100))
+    # each chunk's own mean from the running means (chunks are equal-sized)
+    per = [c.kld * (i + 1) - (cumulative[i - 1].kld * i if i else 0.0) for i, c in enumerate(cumulative)]
     if "mean" not in out and not cumulative:
         raise PerplexityError("no KLD statistics in llama-perplexity's output (fewer than 100 tokens scored, "
                               "or not a --kl-divergence run)")
-    return out
+    return PrintedKld(figures=out, delta_p=dp, per_chunk_cumulative=cumulative, per_chunk=per)

@@ -13,14 +13,20 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
+from moebench.json_types import JsonObject, JsonValue
 from moebench.kld import stats as ks
+from moebench.kld.chunk_records import KldItem
+from moebench.kld.perplexity_tool import PrintedKld
+from moebench.kld.sections import (EstimateNote, ForcedSection, KldSection, LlamaSection, SampledSection, TopkError,
+                                   TopkVsExact)
 from moebench.datasets import data_file, register
 from moebench.store import write_bytes_atomic, write_json_atomic
 
+S = TypeVar("S")
 TOPK_LADDER = (5, 16, 20, 64, 100, 256)   # K values at which the top-K estimate is checked against exact
 
 
@@ -119,12 +125,12 @@ class KldMeta:
     seed: int | None = None
     sampling: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         """meta.json as the format writes it: its keys, in order."""
         return {k: getattr(self, k) for k in META_KEYS[self.format]}
 
     @staticmethod
-    def from_json(doc: Any, where: str) -> KldMeta:
+    def from_json(doc: JsonValue, where: str) -> KldMeta:
         """meta.json read back; bad input is refused naming the file (`where`) and the key."""
         if not isinstance(doc, dict):
             raise KldError(f"{where}: not a JSON object")
@@ -154,7 +160,7 @@ def read_meta(run_dir: Path, name: str) -> KldMeta:
     return KldMeta.from_json(doc, str(path))
 
 
-def write_json(path: Path, doc: dict[str, Any]) -> None:
+def write_json(path: Path, doc: JsonObject) -> None:
     """Written atomically, never through a link (moebench.store.write_json_atomic)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, doc)
@@ -172,88 +178,101 @@ def id_dtype(n: int) -> Any:
     return np.uint16 if n <= 65536 else np.int32
 
 
-def load_token_stats(run_dir: Path, records: list[dict[str, Any]]) -> list[ks.TokenStats]:
-    return [ks.TokenStats.from_arrays(np.load(Path(run_dir) / r["file"])) for r in records]
+def load_token_stats(run_dir: Path, records: list[KldItem]) -> list[ks.TokenStats]:
+    return [ks.TokenStats.from_arrays(np.load(Path(run_dir) / _file_of(r))) for r in records]
 
 
-def kld_section(cand_dir: Path, cand_records: list[dict[str, Any]]) -> dict[str, Any]:
+def _file_of(r: KldItem) -> str:
+    if r.file is None:
+        raise KldError(f"KLD record {r.item_id!r}: key 'file' is missing (where its arrays are)")
+    return r.file
+
+
+def kld_section(cand_dir: Path, cand_records: list[KldItem]) -> KldSection:
     """compare.json["kld"] statistics from a candidate run's records and arrays."""
-    recs = sorted((r for r in cand_records if r.get("status") == "ok" and r.get("role") == "candidate"),
-                  key=lambda r: r["chunk"])
+    recs = sorted((r for r in cand_records if r.is_ok_candidate), key=lambda r: r.chunk or 0)
     if not recs:
-        return {"n_tokens": 0}
-    folder = task_dir(cand_dir, recs[0].get("task", "kld"))
-    if recs[0].get("method") == "llama-perplexity":
-        stats = json.loads((folder / "llama_stats.json").read_text())
-        out = {"method": "llama-perplexity", "n_tokens": sum(r["n_tokens"] for r in recs),
-               **{k: v for k, v in stats.items() if k != "per_chunk_cumulative"}}
+        return ForcedSection(ks.KldSummary(n_tokens=0))
+    folder = task_dir(cand_dir, recs[0].task)
+    if recs[0].method == "llama-perplexity":
         tool = folder / "llama_perplexity.json"
-        if tool.is_file():               # the candidate's own binary, version and command lines
-            out["llama_perplexity"] = json.loads(tool.read_text())
-        return out
+        return LlamaSection(n_tokens=sum(r.n_tokens or 0 for r in recs),
+                            printed=PrintedKld.from_json(_json_object(folder / "llama_stats.json"),
+                                                         str(folder / "llama_stats.json")),
+                            # the candidate's own binary, version and command lines
+                            tool=_json_object(tool) if tool.is_file() else None)
     parts = load_token_stats(cand_dir, recs)
-    out = ks.summarize(ks.TokenStats.concat(parts), per_chunk=parts)
-    methods = sorted({r.get("method") for r in recs})
-    out["method"] = methods[0] if len(methods) == 1 else "mixed: " + ", ".join(map(str, methods))
-    if recs[0].get("estimate"):
-        est = dict(recs[0]["estimate"])
-        est["lower_bound"] = any(r.get("estimate", {}).get("lower_bound") for r in recs)
-        est["note"] = ("exact: both sides gave whole distributions" if not est["lower_bound"] else
-                       f"top-{est['k']} prompt log-probs: a lower bound of the full KLD (the vocabulary beyond "
-                       "the known tokens is lumped into one bin); same top p and delta-p are exact")
-        out["estimate"] = est
-    tve = [r["topk_vs_exact"] for r in recs if r.get("topk_vs_exact")]
-    if tve:
-        files = [np.load(Path(cand_dir) / r["file"]) for r in recs if r.get("topk_vs_exact")]
-        exact = np.concatenate([f["kld_exact"] for f in files]).astype(np.float64)
-        table = {"n_tokens": int(exact.size), "exact_mean": float(exact.mean()), "by_k": {}}
-        ladder = list(TOPK_LADDER)
-        k_req = recs[0].get("estimate", {}).get("k")
-        if k_req and k_req not in ladder:
-            ladder.append(k_req)
-        for kk in ladder:
-            key = f"kld_top{kk}"
-            if not all(key in f.files for f in files) and kk == k_req and all("kld_topk" in f.files for f in files):
-                key = "kld_topk"           # a prompt-logprobs candidate: its own top-K bound
-            if all(key in f.files for f in files):
-                est = np.concatenate([f[key] for f in files]).astype(np.float64)
-                table["by_k"][str(kk)] = {"mean": float(est.mean()), "abs_err": float(est.mean() - exact.mean()),
-                                          "rel_err": float((est.mean() - exact.mean()) / exact.mean()) if exact.mean() else None,
-                                          "max_token_abs_err": float(np.abs(est - exact).max())}
-        out["topk_vs_exact"] = table
-    return out
+    summary = ks.summarize(ks.TokenStats.concat(parts), per_chunk=parts)
+    methods = sorted({str(r.method) for r in recs})
+    method = methods[0] if len(methods) == 1 else "mixed: " + ", ".join(methods)
+    first = recs[0].estimate
+    estimate = (EstimateNote.of(first, any(r.estimate is not None and r.estimate.lower_bound for r in recs))
+                if first is not None else None)
+    checked = [r for r in recs if r.has_topk_vs_exact]
+    table = _topk_vs_exact(cand_dir, checked, first.k if first is not None else None) if checked else None
+    return ForcedSection(summary, method, estimate, table)
 
 
-def sampled_section(cand_dir: Path, cand_records: list[dict[str, Any]]) -> dict[str, Any]:
+def _topk_vs_exact(cand_dir: Path, recs: list[KldItem], k_req: int | None) -> TopkVsExact:
+    """The top-K estimates at each ladder K (and the K the candidate asked for) against the exact KLD."""
+    files = [np.load(Path(cand_dir) / _file_of(r)) for r in recs]
+    exact = np.concatenate([f["kld_exact"] for f in files]).astype(np.float64)
+    by_k: dict[str, TopkError] = {}
+    ladder = list(TOPK_LADDER)
+    if k_req and k_req not in ladder:
+        ladder.append(k_req)
+    for kk in ladder:
+        key = f"kld_top{kk}"
+        if not all(key in f.files for f in files) and kk == k_req and all("kld_topk" in f.files for f in files):
+            key = "kld_topk"           # a prompt-logprobs candidate: its own top-K bound
+        if all(key in f.files for f in files):
+            est = np.concatenate([f[key] for f in files]).astype(np.float64)
+            by_k[str(kk)] = TopkError(mean=float(est.mean()), abs_err=float(est.mean() - exact.mean()),
+                                      rel_err=float((est.mean() - exact.mean()) / exact.mean()) if exact.mean() else None,
+                                      max_token_abs_err=float(np.abs(est - exact).max()))
+    return TopkVsExact(n_tokens=int(exact.size), exact_mean=float(exact.mean()), by_k=by_k)
+
+
+def _json_object(path: Path) -> JsonObject:
+    """A JSON object file this wing wrote, read back whole."""
+    doc = json.loads(path.read_text())
+    if not isinstance(doc, dict):
+        raise KldError(f"{path}: not a JSON object")
+    return doc
+
+
+def sampled_section(cand_dir: Path, cand_records: list[KldItem]) -> SampledSection:
     """compare.json["kld"] of a sampled KLD (method = "sampled"): the estimate, its interval and counts."""
     from moebench.kld import sampled_stats as sk
-    recs = sorted((r for r in cand_records if r.get("status") == "ok" and r.get("role") == "candidate"
-                   and r.get("method") == "sampled"), key=lambda r: (r["prompt"], r["cont"]))
+    recs = sorted((r for r in cand_records if r.is_ok_candidate and r.method == "sampled"),
+                  key=lambda r: (r.prompt or 0, r.cont or 0))
     if not recs:
-        return {"method": "sampled", "n_tokens": 0}
+        return SampledSection(None)
     seqs = []
     for r in recs:
-        d = np.load(Path(cand_dir) / r["file"])
+        d = np.load(Path(cand_dir) / _file_of(r))
         seqs.append((d["logp"], d["logq"]))
-    out = sk.estimate(seqs, estimator=recs[0].get("estimator", "low-variance"))
-    out["n_prompts"] = len({r["prompt"] for r in recs})
-    out["note"] = (f"sampled: mean {out['estimator']} estimate of KL(baseline || candidate) per token over "
-                   f"{out['n_sequences']} continuations sampled from the baseline (temperature 1, no truncation), "
-                   f"{out['confidence']:.0%} bootstrap interval over sequences; unbiased, but on the baseline's "
-                   "own generated contexts, not the teacher-forced corpus text, so it measures other contexts "
-                   "than a teacher-forced KLD")
-    return out
+    return SampledSection(sk.estimate(seqs, estimator=recs[0].estimator or "low-variance"),
+                          n_prompts=len({r.prompt for r in recs}))
 
 
-def router_agreement(base_routes: np.ndarray, cand_routes: np.ndarray) -> dict[str, list[float]]:
-    """Per layer: mean |A ∩ B| / k of the top-k expert sets, and the share of tokens with identical sets."""
+def section_or_error(build: Callable[[], S]) -> S | str:
+    """A run summary's KLD section, or what stopped it (`Type: message`): the summary is written even
+    when the arrays cannot be read back."""
+    try:
+        return build()
+    except (OSError, KeyError, ValueError, KldError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def router_agreement(base_routes: np.ndarray, cand_routes: np.ndarray) -> tuple[list[float], list[float]]:
+    """Per layer: (mean |A ∩ B| / k of the top-k expert sets, the share of tokens with identical sets)."""
     b, c = np.asarray(base_routes, np.int64), np.asarray(cand_routes, np.int64)
     if b.shape != c.shape:
         raise KldError(f"router traces differ in shape: baseline {b.shape}, candidate {c.shape}")
     k = b.shape[-1]
     inter = (b[..., :, None] == c[..., None, :]).any(-1).sum(-1)      # [L, T]
-    return {"router_agreement": [float(x) for x in (inter / k).mean(axis=1)],
-            "identical_set_share": [float(x) for x in (inter == k).mean(axis=1)]}
+    return [float(x) for x in (inter / k).mean(axis=1)], [float(x) for x in (inter == k).mean(axis=1)]
 
 
 def expert_usage(routes: list[np.ndarray], n_experts: int) -> np.ndarray:

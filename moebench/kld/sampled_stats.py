@@ -12,9 +12,11 @@ not independent).
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
+
+from moebench.json_types import JsonObject
 
 ESTIMATORS = ("low-variance", "plain")
 CONFIDENCE = 0.95
@@ -49,31 +51,73 @@ def bootstrap_interval(seq_sums: np.ndarray, seq_counts: np.ndarray, seed: int,
     return float(lo), float(hi)
 
 
+@dataclass(frozen=True)
+class Interval:
+    """One estimator's mean per token and its bootstrap interval [low, high]."""
+
+    mean: float
+    interval: tuple[float, float]
+
+    def to_json(self) -> JsonObject:
+        return {"mean": self.mean, "interval": list(self.interval)}
+
+
+@dataclass(frozen=True)
+class SampledEstimate:
+    """The sampled KLD of a set of sequences: the headline `estimator`'s mean and interval, the other
+    estimator's beside it, and along the baseline's samples the mean -log p (`nll_base`) and -log q
+    (`nll_cand`) where any token was sampled."""
+
+    estimator: str
+    n_tokens: int
+    n_sequences: int
+    confidence: float
+    bootstrap: int
+    headline: Interval
+    other: Interval
+    nll_base: float | None = None
+    nll_cand: float | None = None
+
+    @property
+    def mean(self) -> float:
+        return self.headline.mean
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        return self.headline.interval
+
+    def to_json(self) -> JsonObject:
+        other = next(n for n in ESTIMATORS if n != self.estimator)
+        out: JsonObject = {"method": "sampled", "estimator": self.estimator, "n_tokens": self.n_tokens,
+                           "n_sequences": self.n_sequences, "confidence": self.confidence,
+                           "bootstrap": self.bootstrap, "interval_over": "sequences", "mean": self.headline.mean,
+                           "interval": list(self.headline.interval), other.replace("-", "_"): self.other.to_json()}
+        if self.nll_base is not None:
+            out["nll_base"] = self.nll_base
+            out["nll_cand"] = self.nll_cand
+        return out
+
+
 def estimate(seqs: list[tuple[np.ndarray, np.ndarray]], seed: int = 0, estimator: str = "low-variance",
-             confidence: float = CONFIDENCE, n_boot: int = BOOTSTRAP) -> dict[str, Any]:
+             confidence: float = CONFIDENCE, n_boot: int = BOOTSTRAP) -> SampledEstimate:
     """The estimate from per-sequence (log p, log q) arrays of the sampled tokens: mean, interval and
     counts for `estimator`, and the other estimator's mean and interval beside it."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"KLD estimator {estimator!r} (expected one of {', '.join(ESTIMATORS)})")
     counts = np.array([np.asarray(lp).size for lp, _ in seqs], np.float64)
     n_tokens = int(counts.sum())
-    out: dict[str, Any] = {"method": "sampled", "estimator": estimator, "n_tokens": n_tokens,
-                           "n_sequences": len(seqs), "confidence": confidence, "bootstrap": n_boot,
-                           "interval_over": "sequences"}
-    by: dict[str, dict[str, Any]] = {}
+    by: dict[str, Interval] = {}
     for name in ESTIMATORS:
         sums = np.array([per_token(lp, lq, name).sum() for lp, lq in seqs], np.float64)
         mean = float(sums.sum() / n_tokens) if n_tokens else float("nan")
-        lo, hi = bootstrap_interval(sums, counts, seed, confidence, n_boot)
-        by[name] = {"mean": mean, "interval": [lo, hi]}
-    out.update(mean=by[estimator]["mean"], interval=by[estimator]["interval"])
+        by[name] = Interval(mean, bootstrap_interval(sums, counts, seed, confidence, n_boot))
     other = next(n for n in ESTIMATORS if n != estimator)
-    out[other.replace("-", "_")] = by[other]
-    lp_all = np.concatenate([np.asarray(lp, np.float64) for lp, _ in seqs]) if seqs else np.zeros(0)
-    lq_all = np.concatenate([np.asarray(lq, np.float64) for _, lq in seqs]) if seqs else np.zeros(0)
+    nll_base = nll_cand = None
     if n_tokens:
         # Along the baseline's samples: mean -log p is the baseline's own per-token entropy estimate,
         # mean -log q the candidate's cross-entropy on the same tokens.
-        out["nll_base"] = float(-lp_all.mean())
-        out["nll_cand"] = float(-lq_all.mean())
-    return out
+        nll_base = float(-np.concatenate([np.asarray(lp, np.float64) for lp, _ in seqs]).mean())
+        nll_cand = float(-np.concatenate([np.asarray(lq, np.float64) for _, lq in seqs]).mean())
+    return SampledEstimate(estimator=estimator, n_tokens=n_tokens, n_sequences=len(seqs), confidence=confidence,
+                           bootstrap=n_boot, headline=by[estimator], other=by[other], nll_base=nll_base,
+                           nll_cand=nll_cand)

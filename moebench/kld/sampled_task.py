@@ -20,14 +20,18 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from moebench.datasets import KLD_DEFAULT_CORPUS, data_file, read_text
+from moebench.json_types import JsonObject
 from moebench.kld import sampled_stats as sk
-from moebench.kld.runs import KldError, KldFolders, KldMeta, sampled_section, save_npz, seq_file, write_json
+from moebench.kld.chunk_records import read_items
+from moebench.kld.runs import (KldError, KldFolders, KldMeta, sampled_section, save_npz, section_or_error, seq_file,
+                               write_json)
+from moebench.kld.sections import SampledSection
 from moebench.runners.base import Capability, Runner, RunnerError
+from moebench.store.records import ItemRecord
 from moebench.store import write_bytes_atomic
 from moebench.tasks.base import Item, Task, prompt_hash
 
@@ -57,7 +61,7 @@ class SampledBaseline(SampledItem):
 
     nll_sum: float
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {"prompt": self.prompt, "cont": self.cont, "seed": self.seed, "role": "baseline",
                 "n_tokens": self.n_tokens, "prompt_hash": self.prompt_hash, "nll_sum": self.nll_sum,
                 "file": self.file}
@@ -71,7 +75,7 @@ class SampledCandidate(SampledItem):
     kld_sum: float
     kld_mean: float
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {"prompt": self.prompt, "cont": self.cont, "seed": self.seed, "role": "candidate",
                 "method": "sampled", "estimator": self.estimator, "n_tokens": self.n_tokens,
                 "prompt_hash": self.prompt_hash, "file": self.file, "kld_sum": self.kld_sum,
@@ -82,7 +86,8 @@ class SampledKldTask(KldFolders, Task):
     kind = "kld"
     phase = "score"
 
-    def __init__(self, opts: dict[str, Any], ctx):
+    def __init__(self, opts: JsonObject, ctx):
+        """`opts`: the suite's task table as read, checked against KldTask.options by the suite loader."""
         super().__init__(opts, ctx)
         self.conf = {k: opts.get(k) if opts.get(k) is not None else v for k, v in DEFAULTS.items()}
         self.conf["corpus"] = opts.get("corpus", KLD_DEFAULT_CORPUS)
@@ -147,7 +152,10 @@ class SampledKldTask(KldFolders, Task):
             n_vocab=runner.vocab_size(), add_bos=add_bos, bos_token_id=bos, runner_kind=runner.kind,
             sampling="temperature 1, no top-p/top-k/min-p truncation, no penalties, EOS ignored").to_json())
 
-    async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
+    async def evaluate(self, item: Item, runner: Runner) -> ItemRecord:
+        return ItemRecord.from_fields(self.name, item.item_id, (await self._sample(item, runner)).to_json())
+
+    async def _sample(self, item: Item, runner: Runner) -> SampledBaseline | SampledCandidate:
         prompt = [int(t) for t in self.prompt_ids[item.data["prompt"]]]
         seq = item.data["seq"]
         if not self.is_candidate:
@@ -160,7 +168,7 @@ class SampledKldTask(KldFolders, Task):
             save_npz(path, ids=np.asarray(ids, np.int32), logp=np.asarray(logp, np.float32))
             return SampledBaseline(item.data["prompt"], item.data["cont"], item.data["seed"], len(ids),
                                    prompt_hash(prompt + list(ids)), str(path.relative_to(self.ctx.run_dir)),
-                                   nll_sum=float(-np.sum(logp))).to_json()
+                                   nll_sum=float(-np.sum(logp)))
         base_file = seq_file(self.base_dir / "base", seq)
         if not base_file.is_file():
             raise KldError(f"{item.item_id}: the baseline run {self.ctx.baseline_run} has no sample for it "
@@ -176,7 +184,7 @@ class SampledKldTask(KldFolders, Task):
         return SampledCandidate(item.data["prompt"], item.data["cont"], item.data["seed"], len(sample),
                                 prompt_hash(prompt + sample), str(path.relative_to(self.ctx.run_dir)),
                                 estimator=est, kld_sum=float(per_token.sum()),
-                                kld_mean=float(per_token.mean())).to_json()
+                                kld_mean=float(per_token.mean()))
 
     async def _score(self, runner: Runner, prompt: list[int], sample: list[int], where: str) -> np.ndarray:
         """log q of each sampled token, given the prompt and the tokens before it."""
@@ -198,19 +206,44 @@ class SampledKldTask(KldFolders, Task):
             out[i] = float(row[0])
         return out
 
-    def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        ok = [r for r in records if r.get("status") == "ok"]
-        out: dict[str, Any] = {"n": len(records), "n_scored": 0, "n_correct": 0, "accuracy": None, "method": "sampled",
-                               "n_errors": sum(1 for r in records if r.get("status") == "error"),
-                               "role": "candidate" if self.is_candidate else "baseline", "n_sequences": len(ok)}
+    def summarize(self, records: list[JsonObject]) -> JsonObject:
+        """The manifest's summary of this task from its items.jsonl records."""
+        items = read_items(records, f"items.jsonl of task {self.name!r}")
+        ok = [r for r in items if r.status == "ok"]
+        out = SampledRunSummary(n=len(items), n_errors=sum(1 for r in items if r.status == "error"),
+                                role="candidate" if self.is_candidate else "baseline", n_sequences=len(ok))
         if not ok or self.ctx.run_dir is None:
-            return out
-        n = sum(r["n_tokens"] for r in ok)
+            return out.to_json()
+        n = sum(r.n_tokens or 0 for r in ok)
         if not self.is_candidate:
-            out.update(n_tokens=n, nll_base=sum(r["nll_sum"] for r in ok) / n if n else None)
-            return out
-        try:
-            out["kld"] = sampled_section(self.ctx.run_dir, ok)
-        except (OSError, KeyError, ValueError) as e:
-            out["kld"] = {"error": f"{type(e).__name__}: {e}"}
+            out.n_tokens = n
+            out.nll_base = sum(r.nll_sum or 0.0 for r in ok) / n if n else None
+            return out.to_json()
+        run_dir = self.ctx.run_dir
+        out.kld = section_or_error(lambda: sampled_section(run_dir, ok))
+        return out.to_json()
+
+
+@dataclass
+class SampledRunSummary:
+    """A sampled KLD task's summary in manifest.json: counts, the role, a baseline's tokens and mean
+    NLL, a candidate's estimate or what stopped it (`kld` a message)."""
+
+    n: int
+    n_errors: int
+    role: str
+    n_sequences: int
+    n_tokens: int | None = None               # a baseline's
+    nll_base: float | None = None
+    kld: SampledSection | str | None = None   # a candidate's
+
+    def to_json(self) -> JsonObject:
+        out: JsonObject = {"n": self.n, "n_scored": 0, "n_correct": 0, "accuracy": None, "method": "sampled",
+                           "n_errors": self.n_errors, "role": self.role, "n_sequences": self.n_sequences}
+        if self.n_tokens is not None:
+            out.update(n_tokens=self.n_tokens, nll_base=self.nll_base)
+        if isinstance(self.kld, str):
+            out["kld"] = {"error": self.kld}
+        elif self.kld is not None:
+            out["kld"] = self.kld.to_json()
         return out

@@ -19,10 +19,12 @@ estimate of KLD used when a baseline keeps only its K most likely tokens.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
+
+from moebench.json_types import JsonObject
 
 LOG_P_FLOOR = -16.0          # llama.cpp drops base terms with log p <= -16 from the KLD sum
 LADDER = (("max", 1.0), ("p999", 0.999), ("p99", 0.99), ("p95", 0.95), ("p90", 0.90), ("median", None),
@@ -290,12 +292,98 @@ def _ladder(values: np.ndarray, ladder) -> dict[str, float]:
     return {name: (_median(v) if frac is None else percentile(v, frac)) for name, frac in ladder}
 
 
-def summary_from_sums(s: TokenSums) -> dict[str, Any]:
+@dataclass(frozen=True)
+class DeltaP:
+    """q(tok) - p_base(tok) over the scored tokens: mean and RMS with their uncertainties, the largest
+    magnitude, and (from per-token values) the DP_LADDER percentiles by name."""
+
+    mean: float
+    mean_err: float
+    rms: float
+    rms_err: float
+    max_abs: float
+    ladder: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> JsonObject:
+        return {"mean": self.mean, "mean_err": self.mean_err, "rms": self.rms, "rms_err": self.rms_err,
+                "max_abs": self.max_abs, **self.ladder}
+
+
+@dataclass(frozen=True)
+class SumFigures:
+    """The means and uncertainties llama.cpp prints, from its running sums (at least one token)."""
+
+    mean: float
+    mean_err: float
+    same_top_p: float
+    same_top_p_err: float
+    ppl: float
+    ppl_err: float
+    ppl_base: float
+    ppl_base_err: float
+    ln_ppl_ratio: float
+    ln_ppl_ratio_err: float
+    ppl_ratio: float
+    ppl_ratio_err: float
+    ppl_diff: float
+    cor_ln_ppl: float | None
+    delta_p: DeltaP
+
+    def to_json(self) -> JsonObject:
+        return {"mean": self.mean, "mean_err": self.mean_err, "same_top_p": self.same_top_p,
+                "same_top_p_err": self.same_top_p_err, "ppl": self.ppl, "ppl_err": self.ppl_err,
+                "ppl_base": self.ppl_base, "ppl_base_err": self.ppl_base_err, "ln_ppl_ratio": self.ln_ppl_ratio,
+                "ln_ppl_ratio_err": self.ln_ppl_ratio_err, "ppl_ratio": self.ppl_ratio,
+                "ppl_ratio_err": self.ppl_ratio_err, "ppl_diff": self.ppl_diff, "cor_ln_ppl": self.cor_ln_ppl,
+                "delta_p": self.delta_p.to_json()}
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Per-token KLD in log-spaced bins (`edges` one longer than `counts`); `below_lo` tokens fell
+    under the first edge and are counted in the first bin."""
+
+    edges: list[float]
+    counts: list[int]
+    below_lo: int
+
+    def to_json(self) -> JsonObject:
+        return {"edges": self.edges, "counts": self.counts, "below_lo": self.below_lo}
+
+
+@dataclass(frozen=True)
+class KldSummary:
+    """All KLD statistics of a set of tokens (compare.json["kld"]'s figures): the sums' figures where
+    any token was scored, and from per-token values the LADDER percentiles by name, the histogram,
+    whether there are enough tokens for the ladder, and each chunk's mean where chunks were given."""
+
+    n_tokens: int
+    figures: SumFigures | None = None
+    ladder: dict[str, float] = field(default_factory=dict)
+    histogram: Histogram | None = None
+    ladder_reliable: bool | None = None
+    per_chunk: list[float | None] | None = None
+
+    def to_json(self) -> JsonObject:
+        out: JsonObject = {"n_tokens": self.n_tokens}
+        if self.figures is None:
+            return out
+        out.update(self.figures.to_json())
+        out.update(self.ladder)
+        if self.histogram is not None:
+            out["histogram"] = self.histogram.to_json()
+        if self.ladder_reliable is not None:
+            out["ladder_reliable"] = self.ladder_reliable
+        if self.per_chunk is not None:
+            out["per_chunk"] = self.per_chunk
+        return out
+
+
+def summary_from_sums(s: TokenSums) -> KldSummary:
     """The means and uncertainties llama.cpp prints, from its running sums."""
     n = int(s.count)
-    out: dict[str, Any] = {"n_tokens": n}
     if n == 0:
-        return out
+        return KldSummary(n_tokens=n)
     log_ppl = mean_and_uncertainty(s.sum_nll, s.sum_nll2, n)
     log_ppl_base = mean_and_uncertainty(s.sum_nll_base, s.sum_nll_base2, n)
     cov = _covariance(s.sum_nll, s.sum_nll_base, s.sum_nll_nll_base, n)
@@ -307,38 +395,34 @@ def summary_from_sums(s: TokenSums) -> dict[str, Any]:
     rms = math.sqrt(mse[0])
     same = s.n_same_top / n
     ppl, ppl_base = math.exp(log_ppl[0]), math.exp(log_ppl_base[0])
-    out.update({
-        "mean": kl[0], "mean_err": kl[1],
-        "same_top_p": same, "same_top_p_err": math.sqrt(same * (1 - same) / (n - 1)) if n > 1 else 0.0,
-        "ppl": ppl, "ppl_err": ppl * log_ppl[1], "ppl_base": ppl_base, "ppl_base_err": ppl_base * log_ppl_base[1],
-        "ln_ppl_ratio": ratio, "ln_ppl_ratio_err": ratio_unc,
-        "ppl_ratio": math.exp(ratio), "ppl_ratio_err": math.exp(ratio) * ratio_unc,
-        "ppl_diff": ppl - ppl_base,
-        "cor_ln_ppl": (cov / (log_ppl[1] * log_ppl_base[1])) if log_ppl[1] and log_ppl_base[1] else None,
-        "delta_p": {"mean": dp[0], "mean_err": dp[1], "rms": rms,
-                    "rms_err": (0.5 / rms * mse[1]) if rms > 0 else 0.0, "max_abs": s.max_p_diff},
-    })
-    return out
+    return KldSummary(n_tokens=n, figures=SumFigures(
+        mean=kl[0], mean_err=kl[1],
+        same_top_p=same, same_top_p_err=math.sqrt(same * (1 - same) / (n - 1)) if n > 1 else 0.0,
+        ppl=ppl, ppl_err=ppl * log_ppl[1], ppl_base=ppl_base, ppl_base_err=ppl_base * log_ppl_base[1],
+        ln_ppl_ratio=ratio, ln_ppl_ratio_err=ratio_unc,
+        ppl_ratio=math.exp(ratio), ppl_ratio_err=math.exp(ratio) * ratio_unc,
+        ppl_diff=ppl - ppl_base,
+        cor_ln_ppl=(cov / (log_ppl[1] * log_ppl_base[1])) if log_ppl[1] and log_ppl_base[1] else None,
+        delta_p=DeltaP(mean=dp[0], mean_err=dp[1], rms=rms, rms_err=(0.5 / rms * mse[1]) if rms > 0 else 0.0,
+                       max_abs=s.max_p_diff)))
 
 
-def histogram(kld: np.ndarray, lo: float = 1e-6, hi: float = 100.0, per_decade: int = 4) -> dict[str, Any]:
+def histogram(kld: np.ndarray, lo: float = 1e-6, hi: float = 100.0, per_decade: int = 4) -> Histogram:
     """Log-spaced bins from lo to hi; values below lo fall in the first bin, above hi in the last."""
     n_bins = int(round(math.log10(hi / lo) * per_decade))
     edges = np.logspace(math.log10(lo), math.log10(hi), n_bins + 1)
     counts, _ = np.histogram(np.clip(np.asarray(kld, dtype=np.float64), lo, hi), bins=edges)
-    return {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts],
-            "below_lo": int((np.asarray(kld) < lo).sum())}
+    return Histogram(edges=[float(e) for e in edges], counts=[int(c) for c in counts],
+                     below_lo=int((np.asarray(kld) < lo).sum()))
 
 
-def summarize(ts: TokenStats, per_chunk: list[TokenStats] | None = None) -> dict[str, Any]:
+def summarize(ts: TokenStats, per_chunk: list[TokenStats] | None = None) -> KldSummary:
     """All KLD statistics of a set of tokens, keyed as compare.json["kld"] expects."""
-    out = summary_from_sums(ts.sums())
-    if ts.n == 0:
-        return out
-    out.update(_ladder(ts.kld, LADDER))
-    out["delta_p"].update(_ladder(ts.p_diff, DP_LADDER))
-    out["histogram"] = histogram(ts.kld)
-    out["ladder_reliable"] = ts.n >= MIN_TOKENS_FOR_LADDER
-    if per_chunk is not None:
-        out["per_chunk"] = [float(c.kld.mean()) if c.n else None for c in per_chunk]
-    return out
+    sums = summary_from_sums(ts.sums())
+    if ts.n == 0 or sums.figures is None:
+        return sums
+    figures = replace(sums.figures, delta_p=replace(sums.figures.delta_p, ladder=_ladder(ts.p_diff, DP_LADDER)))
+    return KldSummary(n_tokens=sums.n_tokens, figures=figures, ladder=_ladder(ts.kld, LADDER),
+                      histogram=histogram(ts.kld), ladder_reliable=ts.n >= MIN_TOKENS_FOR_LADDER,
+                      per_chunk=None if per_chunk is None else [float(c.kld.mean()) if c.n else None
+                                                                for c in per_chunk])

@@ -35,18 +35,23 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
 
 import numpy as np
 
 from moebench.config import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, MAX_VOCAB, Field, non_negative, positive
 from moebench.datasets import KLD_DEFAULT_CORPUS, data_file, read_text
 from moebench.kld import stats as ks
-from moebench.kld.chunk_records import BaselineChunk, CandidateChunk, ChunkHead, KldEstimate
+from moebench.json_types import JsonObject
+from moebench.kld.chunk_records import (BaselineChunk, CandidateChunk, ChunkHead, ChunkRecord, HeadedChunk, KldEstimate,
+                                        LlamaBaselineChunk, LlamaCandidateChunk, read_items)
 from moebench.kld.runs import (TOPK_LADDER, KldError, KldFolders, KldMeta, chunk_file, id_dtype, kld_section,
-                               read_meta, router_agreement, save_npz, task_dir, write_json)
+                               read_meta, router_agreement, save_npz, section_or_error, task_dir, write_json)
+from moebench.kld.perplexity_tool import PrintedKld
+from moebench.kld.sections import KldSection
 from moebench.runners.base import Capability, Runner, RunnerError
+from moebench.store.records import ItemRecord
 from moebench.store import write_bytes_atomic
 from moebench.tasks.base import Item, Task, prompt_hash
 
@@ -105,7 +110,7 @@ class KldTask(KldFolders, Task):
     }
     SAMPLED_KEYS = ("prompts", "prompt_tokens", "continuations", "tokens", "seed", "estimator")
 
-    def __new__(cls, opts: dict[str, Any], ctx=None):
+    def __new__(cls, opts: JsonObject, ctx=None):
         # One task kind, two methods: method = "sampled" is its own class (moebench.kld.sampled_task),
         # which is not a KldTask, so KldTask.__init__ does not run on it.
         if cls is KldTask and (opts or {}).get("method") == "sampled":
@@ -113,7 +118,8 @@ class KldTask(KldFolders, Task):
             return SampledKldTask(opts, ctx)
         return super().__new__(cls)
 
-    def __init__(self, opts: dict[str, Any], ctx):
+    def __init__(self, opts: JsonObject, ctx):
+        """`opts`: the suite's task table as read, checked against `options` by the suite loader."""
         super().__init__(opts, ctx)
         given = [k for k in self.SAMPLED_KEYS if opts.get(k) is not None]
         if given:
@@ -132,7 +138,7 @@ class KldTask(KldFolders, Task):
         self.n_scored = self.context - 1 - self.first
         self.base_meta: KldMeta | None = None
         self.tokens: np.ndarray | None = None
-        self._llama_stats: dict[str, Any] | None = None
+        self._llama_stats: PrintedKld | None = None    # what llama-perplexity printed (llama_stats.json)
         self._bf = None                     # llama base file of the baseline, when it is one
         self.how: str | None = None         # BY_TOOL | BY_LOGITS | BY_PROMPT_LOGPROBS, set in prepare
 
@@ -223,7 +229,10 @@ class KldTask(KldFolders, Task):
         if self.tokens.shape[1] != self.context:
             raise KldError(f"baseline tokens have context {self.tokens.shape[1]}, suite says {self.context}")
 
-    async def evaluate(self, item: Item, runner: Runner) -> dict[str, Any]:
+    async def evaluate(self, item: Item, runner: Runner) -> ItemRecord:
+        return ItemRecord.from_fields(self.name, item.item_id, (await self._chunk(item, runner)).to_json())
+
+    async def _chunk(self, item: Item, runner: Runner) -> ChunkRecord:
         j = item.data["chunk"]
         if self.how == BY_TOOL:
             return self._llama_record(j)
@@ -251,7 +260,7 @@ class KldTask(KldFolders, Task):
         return await runner.logits(ids), None
 
     # ---- baseline -------------------------------------------------------------------------------
-    def _baseline_chunk(self, j, scored, nxt, routes, rec: ChunkHead) -> dict[str, Any]:
+    def _baseline_chunk(self, j, scored, nxt, routes, rec: ChunkHead) -> HeadedChunk:
         import torch
         lp = torch.log_softmax(torch.from_numpy(scored).double(), dim=-1)
         k = min(self.top_k, lp.shape[1])
@@ -264,7 +273,7 @@ class KldTask(KldFolders, Task):
                   "top_logp": top_lp.numpy().astype(np.float16), "tail_logp": tail.numpy().astype(np.float32),
                   "next_logp": next_lp.astype(np.float32)}
         full_rows = ks.encode_logprobs(scored) if j < self.full_chunks else None
-        return self._save_baseline(j, arrays, next_lp, full_rows, routes).to_json(rec)
+        return HeadedChunk(rec, self._save_baseline(j, arrays, next_lp, full_rows, routes))
 
     def _save_baseline(self, j: int, arrays: dict[str, np.ndarray], next_lp: np.ndarray,
                        full_rows: np.ndarray | None, routes: np.ndarray | None) -> BaselineChunk:
@@ -280,7 +289,7 @@ class KldTask(KldFolders, Task):
                              topk_bytes_per_token=topk_bytes, has_full=full_rows is not None)
 
     # ---- candidate ------------------------------------------------------------------------------
-    def _candidate_chunk(self, j, scored, nxt, routes, rec: ChunkHead) -> dict[str, Any]:
+    def _candidate_chunk(self, j, scored, nxt, routes, rec: ChunkHead) -> HeadedChunk:
         meta = self.base_meta
         extra: dict[str, np.ndarray] = {}
         if meta.format == "llama":
@@ -313,8 +322,8 @@ class KldTask(KldFolders, Task):
                                 for kk in TOPK_LADDER if f"kld_top{kk}" in extra}}
         agreement = None
         if routes is not None and b_routes is not None:
-            agreement = router_agreement(b_routes, routes)["router_agreement"]
-        return CandidateChunk(method, file, ts, estimate, topk_vs_exact, agreement).to_json(rec)
+            agreement = router_agreement(b_routes, routes)[0]
+        return HeadedChunk(rec, CandidateChunk(method, file, ts, estimate, topk_vs_exact, agreement))
 
     def _save_candidate(self, j: int, ts: ks.TokenStats, extra: dict[str, np.ndarray],
                         routes: np.ndarray | None) -> str:
@@ -327,7 +336,7 @@ class KldTask(KldFolders, Task):
         return str(path.relative_to(self.ctx.run_dir))
 
     # ---- prompt log-probs from a server --------------------------------------------------------
-    async def _evaluate_prompt_logprobs(self, j: int, ids: list[int], runner: Runner) -> dict[str, Any]:
+    async def _evaluate_prompt_logprobs(self, j: int, ids: list[int], runner: Runner) -> HeadedChunk:
         k = _runner_k(runner, self.top_k)
         score_ids = None
         if self.is_candidate and Capability.PROMPT_LOGPROB_IDS in runner.capabilities:
@@ -366,7 +375,7 @@ class KldTask(KldFolders, Task):
             out[i, ids] = np.fromiter(d.values(), dtype=np.float64, count=len(d))
         return out
 
-    def _baseline_sparse(self, j, dists, next_lp, nxt, n_vocab, complete, k, rec: ChunkHead) -> dict[str, Any]:
+    def _baseline_sparse(self, j, dists, next_lp, nxt, n_vocab, complete, k, rec: ChunkHead) -> HeadedChunk:
         n = len(dists)
         top_ids = np.zeros((n, k), dtype=np.int64)
         top_lp = np.full((n, k), -np.inf)
@@ -382,7 +391,7 @@ class KldTask(KldFolders, Task):
                   "top_logp": top_lp.astype(np.float16), "tail_logp": tail.astype(np.float32),
                   "next_logp": next_lp.astype(np.float32)}
         full_rows = ks.encode_logprobs(self._dense(dists, n_vocab)) if complete and j < self.full_chunks else None
-        return self._save_baseline(j, arrays, next_lp, full_rows, None).to_json(rec)
+        return HeadedChunk(rec, self._save_baseline(j, arrays, next_lp, full_rows, None))
 
     def _base_topk(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The baseline's (top ids, top log-probs, log rest mass, log-prob of the actual token) of chunk j."""
@@ -403,7 +412,7 @@ class KldTask(KldFolders, Task):
         b = np.load(chunk_file(self.base_dir / "base", j))
         return ks.decode_logprobs(b["full_rows"], self.base_meta.n_vocab) if "full_rows" in b.files else None
 
-    def _candidate_sparse(self, j, dists, next_lp, nxt, n_vocab, complete, rec: ChunkHead) -> dict[str, Any]:
+    def _candidate_sparse(self, j, dists, next_lp, nxt, n_vocab, complete, rec: ChunkHead) -> HeadedChunk:
         base_full = self._base_full(j)
         all_full = self.base_meta.format == "llama" or self.base_meta.full_chunks >= self.base_meta.n_chunk
         extra: dict[str, np.ndarray] = {}
@@ -425,7 +434,7 @@ class KldTask(KldFolders, Task):
         if "kld_exact" in extra:
             topk_vs_exact = {"exact_mean": float(extra["kld_exact"].mean()),
                              f"top{k}_mean": float(extra["kld_topk"].mean())}
-        return CandidateChunk(method, file, ts, estimate, topk_vs_exact).to_json(rec)
+        return HeadedChunk(rec, CandidateChunk(method, file, ts, estimate, topk_vs_exact))
 
     # ---- llama-server: llama-perplexity does the forward passes -----------------------------------
     def _prepare_llama(self, runner: Runner) -> None:
@@ -435,19 +444,21 @@ class KldTask(KldFolders, Task):
         threads = self.opts.get("threads")
         log = self.out_dir / "llama-perplexity.log"
         commands: list[list[str]] = []
-        tool = dict(binary=plan.binary, extra=plan.args, commands=commands)
         try:
-            self._prepare_llama_runs(lp, model, threads, log, tool)
+            self._prepare_llama_runs(lp, model, threads, log, plan.binary, plan.args, commands)
         finally:                         # what ran, even when it failed: binary, version, command lines
             write_json(self.out_dir / "llama_perplexity.json", {**plan.as_record(), "commands": commands})
 
-    def _prepare_llama_runs(self, lp, model: str, threads: int | None, log: Path, tool: dict[str, Any]) -> None:
+    def _prepare_llama_runs(self, lp, model: str, threads: int | None, log: Path, binary: str, extra: list[str],
+                            commands: list[list[str]]) -> None:
+        """Write the base file (a baseline) or score against the baseline's (a candidate) with the runner's
+        llama-perplexity `binary` and its `extra` flags; every command line run is added to `commands`."""
         if not self.is_candidate:
             text = read_text(data_file(self.ctx.data_dir, self.corpus))
             corpus = self.out_dir / "corpus.txt"
             write_bytes_atomic(corpus, text.encode("utf-8"))     # LF-normalised copy: what llama.cpp reads
             bf = lp.write_base(model, corpus, self.out_dir / "base.kld", self.context, self.n_chunks, threads, log,
-                               **tool)
+                               extra=extra, binary=binary, commands=commands)
             if bf.n_chunk < self.n_chunks:
                 raise KldError(f"{self.corpus}: llama-perplexity produced only {bf.n_chunk} chunks of {self.context}")
             self._bf, self.tokens = bf, bf.tokens
@@ -462,45 +473,76 @@ class KldTask(KldFolders, Task):
         if meta.format != "llama":
             base_file = self.out_dir / "baseline-converted.kld"
             export_base_file(self.ctx.baseline_run, self.name, base_file)
-        self._llama_stats = lp.kl_divergence(model, base_file, self.context, threads, log, **tool)
-        write_json(self.out_dir / "llama_stats.json", self._llama_stats)
+        self._llama_stats = lp.kl_divergence(model, base_file, self.context, threads, log, extra=extra, binary=binary,
+                                             commands=commands)
+        write_json(self.out_dir / "llama_stats.json", self._llama_stats.to_json())
 
-    def _llama_record(self, j: int) -> dict[str, Any]:
+    def _llama_record(self, j: int) -> LlamaBaselineChunk | LlamaCandidateChunk:
         if not self.is_candidate:
             lpr = self._bf.logprobs(j)
             nxt = self._bf.tokens[j][self.first + 1:self.context]
             nll = -lpr[np.arange(nxt.size), nxt].astype(np.float64)
-            return {"chunk": j, "role": "baseline", "n_tokens": int(nxt.size), "nll_sum": float(nll.sum()),
-                    "ppl_base": float(np.exp(nll.mean())), "file": str((self.out_dir / "base.kld").relative_to(self.ctx.run_dir)),
-                    "prompt_hash": prompt_hash([int(t) for t in self._bf.tokens[j]])}
-        per = (self._llama_stats or {}).get("per_chunk") or []
+            return LlamaBaselineChunk(chunk=j, n_tokens=int(nxt.size), nll_sum=float(nll.sum()),
+                                      ppl_base=float(np.exp(nll.mean())),
+                                      file=str((self.out_dir / "base.kld").relative_to(self.ctx.run_dir)),
+                                      prompt_hash=prompt_hash([int(t) for t in self._bf.tokens[j]]))
+        per = self._llama_stats.per_chunk if self._llama_stats is not None else []
         if j >= len(per):
             raise KldError(f"llama-perplexity printed no line for chunk {j}")
-        return {"chunk": j, "role": "candidate", "method": "llama-perplexity", "n_tokens": self.n_scored,
-                "kld_mean": per[j]}
+        return LlamaCandidateChunk(chunk=j, n_tokens=self.n_scored, kld_mean=per[j])
 
     # ---- run summary ----------------------------------------------------------------------------
-    def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        ok = sorted((r for r in records if r.get("status") == "ok"), key=lambda r: r.get("chunk", 0))
-        out: dict[str, Any] = {"n": len(records), "n_scored": 0, "n_correct": 0, "accuracy": None,
-                               "n_errors": sum(1 for r in records if r.get("status") == "error"),
-                               "role": "candidate" if self.is_candidate else "baseline", "n_chunks": len(ok)}
+    def summarize(self, records: list[JsonObject]) -> JsonObject:
+        """The manifest's summary of this task from its items.jsonl records."""
+        items = read_items(records, f"items.jsonl of task {self.name!r}")
+        ok = sorted((r for r in items if r.status == "ok"), key=lambda r: r.chunk or 0)
+        out = KldRunSummary(n=len(items), n_errors=sum(1 for r in items if r.status == "error"),
+                            role="candidate" if self.is_candidate else "baseline", n_chunks=len(ok))
         if self.ctx.run_dir is not None and (self.out_dir / "llama_perplexity.json").is_file():
             # the build that measured: binary, --version line, flags passed and dropped, command lines
-            out["llama_perplexity"] = json.loads((self.out_dir / "llama_perplexity.json").read_text())
+            out.llama_perplexity = json.loads((self.out_dir / "llama_perplexity.json").read_text())
         if not ok or self.ctx.run_dir is None:
-            return out
+            return out.to_json()
         if not self.is_candidate:
-            n = sum(r["n_tokens"] for r in ok)
-            out.update(n_tokens=n, ppl=float(np.exp(sum(r["nll_sum"] for r in ok) / n)))
-            if ok[0].get("topk_bytes_per_token") is not None:
-                out["topk_bytes_per_token"] = ok[0]["topk_bytes_per_token"]
-            return out
-        try:
-            section = kld_section(self.ctx.run_dir, ok)
-        except (OSError, KeyError, ValueError) as e:
-            section = {"error": f"{type(e).__name__}: {e}"}
-        out["kld"] = {k: v for k, v in section.items() if k not in ("histogram",)}
+            n = sum(r.n_tokens or 0 for r in ok)
+            out.n_tokens = n
+            out.ppl = float(np.exp(sum(r.nll_sum or 0.0 for r in ok) / n))
+            out.topk_bytes_per_token = ok[0].topk_bytes_per_token
+            return out.to_json()
+        run_dir = self.ctx.run_dir
+        out.kld = section_or_error(lambda: kld_section(run_dir, ok))
+        return out.to_json()
+
+
+@dataclass
+class KldRunSummary:
+    """A teacher-forced KLD task's summary in manifest.json: counts, the role, the build that measured
+    where llama-perplexity did (its llama_perplexity.json as written), a baseline's perplexity, and a
+    candidate's KLD figures (without the histogram) or what stopped them (`kld` a message)."""
+
+    n: int
+    n_errors: int
+    role: str
+    n_chunks: int
+    llama_perplexity: JsonObject | None = None
+    n_tokens: int | None = None               # a baseline's
+    ppl: float | None = None
+    topk_bytes_per_token: float | None = None
+    kld: KldSection | str | None = None       # a candidate's
+
+    def to_json(self) -> JsonObject:
+        out: JsonObject = {"n": self.n, "n_scored": 0, "n_correct": 0, "accuracy": None, "n_errors": self.n_errors,
+                           "role": self.role, "n_chunks": self.n_chunks}
+        if self.llama_perplexity is not None:
+            out["llama_perplexity"] = self.llama_perplexity
+        if self.n_tokens is not None:
+            out.update(n_tokens=self.n_tokens, ppl=self.ppl)
+            if self.topk_bytes_per_token is not None:
+                out["topk_bytes_per_token"] = self.topk_bytes_per_token
+        if isinstance(self.kld, str):
+            out["kld"] = {"error": self.kld}
+        elif self.kld is not None:
+            out["kld"] = {k: v for k, v in self.kld.to_json().items() if k not in ("histogram",)}
         return out
 
 

@@ -23,11 +23,12 @@ import os
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Iterable, TypeVar
+from typing import Any, Awaitable, Iterable, TypedDict, TypeVar
 
 from lm_eval.api.model import LM
 
 from moebench import jsonout
+from moebench.json_types import JsonObject
 from moebench.lmeval.importer import records_from_samples, summarize
 from moebench.lmeval.local_tasks import materialize, shipped_task_names
 from moebench.lmeval.scoring import prompt_scoring_kind, score_tokens
@@ -37,6 +38,23 @@ from moebench.store.session import finish_run, new_manifest, open_store, record_
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+
+class GenKwargs(TypedDict, total=False):
+    """The generation keys of an lm-eval `generate_until` request this adapter reads (others are
+    ignored)."""
+
+    until: str | list[str]
+    max_gen_toks: int
+    max_tokens: int
+    do_sample: bool
+    temperature: float
+
+
+class ModelInfo(TypedDict):
+    """What `get_model_info` tells lm-eval about the model: the runner kind and the scoring used."""
+
+    moebench_runner: str
+    moebench_scoring: str | None
 
 class LoopThread:
     """An asyncio event loop running in a daemon thread; `run` blocks until a coroutine is done."""
@@ -236,7 +254,7 @@ class RunnerLM(LM):
         if Capability.GENERATE not in self.runner.capabilities:
             raise CapabilityError(f"runner kind {self.runner.kind!r} cannot generate")
 
-        async def one(context: str, gen_kwargs: dict[str, Any]) -> str:
+        async def one(context: str, gen_kwargs: GenKwargs | None) -> str:
             kw = dict(gen_kwargs or {})
             until = kw.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)
@@ -260,13 +278,14 @@ class RunnerLM(LM):
 
         return self._gather(one(*r.args) for r in requests)
 
-    def get_model_info(self) -> dict[str, Any]:
+    def get_model_info(self) -> ModelInfo:
         return {"moebench_runner": self.runner.kind, "moebench_scoring": self.scoring}
 
 
 # -- run_lm_eval ----------------------------------------------------------------------------------
 
-def _context_of(sample: dict[str, Any]) -> str | None:
+def _context_of(sample: JsonObject) -> str | None:
+    """The first request's context of an lm-eval sample row as simple_evaluate gives it."""
     args = sample.get("arguments") or []
     first = args[0] if args else None
     return first[0] if isinstance(first, (list, tuple)) and first else None
@@ -316,9 +335,9 @@ def evaluate_runner(runner: Runner, tasks: list[str], limit: int | None, out_dir
             for row, rec in zip(rows, records_from_samples(task_name, rows)):   # one record per row
                 ctx = _context_of(row)
                 if ctx in lm.floored_contexts:     # a score is a bound, not a value: say so per item
-                    rec["floored_tokens"] = lm.floored_contexts[ctx]
+                    rec.floored_tokens = lm.floored_contexts[ctx]
                 if ctx in lm.failed_contexts:
-                    rec.update(status="error", correct=None, error=lm.failed_contexts[ctx])
+                    rec.fail(lm.failed_contexts[ctx])
                 ready.append(rec)
         store.append_many(ready)
         aggregate = {k: v for k, v in (results or {}).items() if k != "samples"}
@@ -336,7 +355,7 @@ def evaluate_runner(runner: Runner, tasks: list[str], limit: int | None, out_dir
             loop.run(runner.close())
         finally:
             loop.stop()
-            records = [r.to_dict() for r in store.records().values()]
+            records = list(store.records().values())
             finish_run(store, status, runner, summarize(records), adapter_stats=lm.stats if lm else None)
             store.close()
     return out_dir

@@ -44,9 +44,9 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 TAIL_BYTES = 4096
 NOBODY_UID = 65534
@@ -102,10 +102,78 @@ class SandboxResult:
     interpreter: str | None = None
     run_id: str = ""
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> CheckSummary:
         """The short form tasks put into a record."""
         return {"status": self.status, "reason": self.reason, "wall_s": round(self.wall_s, 3),
                 "isolation": list(self.isolation)}
+
+
+class CheckSummary(TypedDict):
+    """A check's short form, as tasks put it into a record."""
+
+    status: str
+    reason: str
+    wall_s: float
+    isolation: list[str]
+
+
+@dataclass(frozen=True)
+class LauncherReport:
+    """One line the launcher writes on its status pipe: the `stage` ("fs", "setup_failed", "running",
+    "exited") and what that stage tells (a field another stage does not write stays None)."""
+
+    stage: str
+    view: str | None = None           # fs: "private-root" or "host"
+    how: str | None = None            # fs: "pivot_root" or "chroot"
+    reason: str | None = None         # fs: why the private root was not built
+    error: str | None = None          # setup_failed
+    interpreter: str | None = None    # running
+    exit_code: int | None = None      # exited
+    signal: int | None = None
+    cpu_s: float | None = None
+
+    @staticmethod
+    def from_line(line: str) -> LauncherReport | None:
+        """The line read back; None for one that is not a JSON object naming its stage (the pipe is
+        ours, so such a line is noise, e.g. cut off at the size limit)."""
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(doc, dict) or not isinstance(doc.get("stage"), str):
+            return None
+        known = {f.name for f in fields(LauncherReport)}
+        return LauncherReport(**{k: v for k, v in doc.items() if k in known})
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What the harness hands the launcher (as JSON on its command line): the program, where it runs,
+    the namespaces' set-up, the uid/gid to drop to, the interpreters to try, resource limits by
+    RLIMIT_ name, and the environment of the check."""
+
+    program: str
+    inner_dir: str
+    mount: bool
+    tmpfs_bytes: int
+    status_fd: int
+    cgroup_procs: list[str]
+    drop_to: tuple[int, int] | None
+    interpreters: list[str]
+    flags: list[str]
+    expose_prefix: str
+    root_view: RootView
+    rlimits: dict[str, int]
+    env: dict[str, str]
+
+    def to_argv(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_argv(text: str) -> LaunchConfig:
+        doc = json.loads(text)
+        drop = doc["drop_to"]
+        return LaunchConfig(**{**doc, "drop_to": (int(drop[0]), int(drop[1])) if drop else None})
 
 
 # --- what this machine allows ------------------------------------------------------------------
@@ -208,7 +276,18 @@ RUNTIME_FILES = ("/etc/ld.so.cache",)
 DEVICES = ("null", "zero", "random", "urandom")
 
 
-def _root_view() -> dict[str, Any]:
+class RootView(TypedDict):
+    """What the private root shows: read-only `binds`, `links` (path -> target) recreated as symlinks,
+    single `files` bound read-only, and folders inside the binds hidden under an empty tmpfs (`hide`).
+    A TypedDict: it travels to the launcher as JSON inside LaunchConfig."""
+
+    binds: list[str]
+    links: dict[str, str]
+    files: list[str]
+    hide: list[str]
+
+
+def _root_view() -> RootView:
     """What the private root shows: read-only binds, symlinks, and the folders hidden inside them."""
     prefix = os.path.realpath(sys.base_prefix)
     binds = [prefix]
@@ -360,24 +439,21 @@ def _run_untrusted(program: str, timeout_s: float, limits: SandboxLimits) -> San
         cpu_s = limits.cpu_s or int(timeout_s) + 2
         status_r, status_w = os.pipe()
         inner_dir = f"{INNER_TMP}/moebench-sbx-{run_id}" if "mount" in p.namespaces else str(workdir)
-        cfg = {
-            "program": str(prog_path), "inner_dir": inner_dir, "mount": "mount" in p.namespaces,
-            "tmpfs_bytes": limits.tmpfs_bytes, "status_fd": status_w,
-            "cgroup_procs": [str(d / "cgroup.procs") for d in cgroups],
-            "drop_to": list(p.drop_to) if p.drop_to else None,
-            "interpreters": _interpreters(p.drop_to is not None), "flags": list(limits.python_flags),
-            "expose_prefix": os.path.realpath(sys.base_prefix),
-            "root_view": _root_view(),
-            "rlimits": {"CPU": cpu_s, "AS": limits.address_space_bytes, "FSIZE": limits.file_size_bytes,
-                        "NOFILE": limits.open_files, "CORE": 0,
-                        # with a pids cgroup, NPROC (per uid, shared by parallel checks) is a backstop
-                        "NPROC": limits.max_processes * (8 if any("pids" in x for x in labels) else 1)},
-            "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": inner_dir, "TMPDIR": inner_dir,
-                    "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
-                    "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8"},
-        }
+        cfg = LaunchConfig(
+            program=str(prog_path), inner_dir=inner_dir, mount="mount" in p.namespaces,
+            tmpfs_bytes=limits.tmpfs_bytes, status_fd=status_w,
+            cgroup_procs=[str(d / "cgroup.procs") for d in cgroups], drop_to=p.drop_to,
+            interpreters=_interpreters(p.drop_to is not None), flags=list(limits.python_flags),
+            expose_prefix=os.path.realpath(sys.base_prefix), root_view=_root_view(),
+            rlimits={"CPU": cpu_s, "AS": limits.address_space_bytes, "FSIZE": limits.file_size_bytes,
+                     "NOFILE": limits.open_files, "CORE": 0,
+                     # with a pids cgroup, NPROC (per uid, shared by parallel checks) is a backstop
+                     "NPROC": limits.max_processes * (8 if any("pids" in x for x in labels) else 1)},
+            env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": inner_dir, "TMPDIR": inner_dir,
+                 "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
+                 "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8"})
         cmd = [*p.unshare_prefix, *(["--"] if p.unshare_prefix else []),
-               sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), "--launch", json.dumps(cfg)]
+               sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), "--launch", cfg.to_argv()]
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, pass_fds=(status_w,), start_new_session=True,
@@ -403,7 +479,7 @@ class _Collected:
     stdout: bytearray
     stderr: bytearray
     total: int
-    messages: list[dict[str, Any]]
+    messages: list[LauncherReport]
     timed_out: bool
     over_output: bool
     launcher_rc: int | None
@@ -471,12 +547,8 @@ def _collect(proc: subprocess.Popen, status_r: int, timeout_s: float, max_output
         except BlockingIOError:
             pass
         os.close(status_r)
-    messages = []
-    for line in bytes(status_buf).decode("utf-8", errors="replace").splitlines():
-        try:
-            messages.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
+    messages = [m for line in bytes(status_buf).decode("utf-8", errors="replace").splitlines()
+                if (m := LauncherReport.from_line(line)) is not None]
     return _Collected(bufs["stdout"], bufs["stderr"], total, messages, timed_out, over_output,
                       proc.returncode)
 
@@ -488,29 +560,30 @@ def _last_line(text: str) -> str:
 
 def _classify(c: _Collected, oom: bool, timeout_s: float, cpu_s: int, limits: SandboxLimits,
               isolation: list[str], missing: list[str], run_id: str, wall: float) -> SandboxResult:
-    msgs = {m.get("stage"): m for m in c.messages}
+    msgs = {m.stage: m for m in c.messages}
     fs = msgs.get("fs")
-    if fs is not None and fs.get("view") == "private-root":
-        isolation = [*isolation, f"private-root({fs.get('how')}: python runtime read-only, private tmp)"]
+    if fs is not None and fs.view == "private-root":
+        isolation = [*isolation, f"private-root({fs.how}: python runtime read-only, private tmp)"]
     elif fs is not None:
-        missing = [*missing, f"filesystem view: the check sees the host's files ({fs.get('reason')})"]
+        missing = [*missing, f"filesystem view: the check sees the host's files ({fs.reason})"]
     running = msgs.get("running")
     exited = msgs.get("exited")
     base = dict(stdout_tail=_tail(c.stdout), stderr_tail=_tail(c.stderr), wall_s=wall,
                 output_bytes=c.total, isolation=isolation, missing=missing, run_id=run_id,
-                interpreter=running.get("interpreter") if running else None)
+                interpreter=running.interpreter if running else None)
     if c.over_output:
         return SandboxResult(False, "killed", f"output exceeded {limits.max_output_bytes} bytes", **base)
     if c.timed_out:
         return SandboxResult(False, "timeout", f"wall timeout after {timeout_s:g} s", **base)
     if running is None:
-        why = msgs.get("setup_failed", {}).get("error") or _last_line(_tail(c.stderr)) \
+        setup = msgs.get("setup_failed")
+        why = (setup.error if setup else None) or _last_line(_tail(c.stderr)) \
             or f"launcher exit status {c.launcher_rc}"
         return SandboxResult(False, "error", f"sandbox could not start the check: {why}", **base)
     if exited is None:
         return SandboxResult(False, "killed", f"launcher ended without a result (exit status {c.launcher_rc})",
                              **base)
-    code, sig, used = exited.get("exit_code"), exited.get("signal"), exited.get("cpu_s")
+    code, sig, used = exited.exit_code, exited.signal, exited.cpu_s
     base["cpu_s"] = used
     if sig is not None:
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
@@ -584,7 +657,7 @@ def _bind_ro(src: str, dst: str) -> None:
     _mount("none", dst, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def _private_root(view: dict[str, Any], tmpfs_bytes: int) -> str:
+def _private_root(view: RootView, tmpfs_bytes: int) -> str:
     """Build a root holding only the Python runtime (read-only), devices, /proc and private tmpfs, and
     switch to it (pivot_root, the old root detached). Returns how the switch was made."""
     import ctypes
@@ -635,36 +708,36 @@ def _private_root(view: dict[str, Any], tmpfs_bytes: int) -> str:
     return how
 
 
-def _launch(cfg: dict[str, Any]) -> int:
+def _launch(cfg: LaunchConfig) -> int:
     import resource
-    status_fd = cfg["status_fd"]
+    status_fd = cfg.status_fd
 
     def report(stage: str, **kw: Any) -> None:
         os.write(status_fd, (json.dumps({"stage": stage, **kw}) + "\n").encode())
 
     try:
-        for procs in cfg["cgroup_procs"]:
+        for procs in cfg.cgroup_procs:
             with open(procs, "w") as f:
                 f.write(str(os.getpid()))     # pid as seen in our namespace; the kernel translates
-        source = Path(cfg["program"]).read_bytes()
-        inner = cfg["inner_dir"]
-        if cfg["mount"]:
+        source = Path(cfg.program).read_bytes()
+        inner = cfg.inner_dir
+        if cfg.mount:
             for target in ("/tmp", "/var/tmp", "/dev/shm"):
                 if os.path.isdir(target):
-                    _mount_tmpfs(target, cfg["tmpfs_bytes"])
+                    _mount_tmpfs(target, cfg.tmpfs_bytes)
             try:
-                how = _private_root(cfg["root_view"], cfg["tmpfs_bytes"])
+                how = _private_root(cfg.root_view, cfg.tmpfs_bytes)
                 report("fs", view="private-root", how=how)
             except OSError as e:
                 report("fs", view="host", reason=f"private root not built: {type(e).__name__}: {e}")
-                if cfg["drop_to"] and cfg.get("expose_prefix"):
+                if cfg.drop_to and cfg.expose_prefix:
                     try:
-                        _expose_prefix(cfg["expose_prefix"])
+                        _expose_prefix(cfg.expose_prefix)
                     except OSError:
                         pass                   # the next interpreter candidate (system python3) runs
             os.mkdir(inner, 0o700)
             Path(inner, "prog.py").write_bytes(source)
-        drop = cfg["drop_to"]
+        drop = cfg.drop_to
         if drop:
             os.chown(inner, *drop)
             os.chown(os.path.join(inner, "prog.py"), *drop)
@@ -677,16 +750,16 @@ def _launch(cfg: dict[str, Any]) -> int:
         try:
             os.close(status_fd)
             os.close(err_r)
-            for name, value in cfg["rlimits"].items():
+            for name, value in cfg.rlimits.items():
                 resource.setrlimit(getattr(resource, f"RLIMIT_{name}"), (value, value))
             if drop:
                 os.setgroups([])
                 os.setgid(drop[1])
                 os.setuid(drop[0])
             os.chdir(inner)
-            for interp in cfg["interpreters"]:
+            for interp in cfg.interpreters:
                 try:
-                    os.execve(interp, [interp, *cfg["flags"], os.path.join(inner, "prog.py")], cfg["env"])
+                    os.execve(interp, [interp, *cfg.flags, os.path.join(inner, "prog.py")], cfg.env)
                 except OSError as e:
                     os.write(err_w, f"{interp}: {e}\n".encode())
             os.write(err_w, b"END\n")
@@ -706,7 +779,7 @@ def _launch(cfg: dict[str, Any]) -> int:
         report("setup_failed", error="; ".join(lines[:-1]))
         os.waitpid(pid, 0)
         return 126
-    report("running", interpreter=cfg["interpreters"][len(lines)])
+    report("running", interpreter=cfg.interpreters[len(lines)])
     # As PID 1 of the namespace we also reap orphans; stop when the check itself has ended.
     while True:
         try:
@@ -725,4 +798,4 @@ def _launch(cfg: dict[str, Any]) -> int:
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--launch":
-    sys.exit(_launch(json.loads(sys.argv[2])))
+    sys.exit(_launch(LaunchConfig.from_argv(sys.argv[2])))
