@@ -325,3 +325,15 @@ def test_ab_rounds_won_paired_ratios_and_gate(paced, tmp_path):
     assert run_gate(out, rules) == 1
     rules.write_text("[speed_ab]\nmax_differing_outputs = 0\n")
     assert run_gate(out, rules) == 1
+
+
+def test_speed_options_type_names_exactly_the_schema_keys():
+    """SpeedOptions (what SpeedTask.__init__ reads) and SpeedTask.options (what a suite may set) name
+    the same keys, so a key added to one and not the other is caught here."""
+    from moebench.speed.task import SpeedOptions, SpeedTask
+    from moebench.tasks.base import TaskOptions
+
+    def keys(td) -> set[str]:
+        return set(td.__required_keys__ | td.__optional_keys__)
+
+    assert keys(SpeedOptions) - keys(TaskOptions) == set(SpeedTask.options)

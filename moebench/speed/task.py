@@ -52,7 +52,7 @@ from moebench.speed.records import (ClosedGroup, ClosedPlace, DraftFigures, Good
                                     RateGroup, Sampling, SkippedStep, SpeedRecord, SweepStep, Timing)
 from moebench.speed.stored import read_records
 from moebench.store import open_append
-from moebench.tasks.base import Item, Task, TaskContext, count_flagged, prompt_hash, prompt_tokens_check
+from moebench.tasks.base import Item, Task, TaskContext, TaskOptions, count_flagged, prompt_hash, prompt_tokens_check
 from moebench.tasks.needle import HAYSTACK_FILE, HaystackIndex, build_index, fit_haystack, load_haystack
 
 DEFAULT_PROMPT_LENGTHS = [128, 512, 2048, 8192, 16384]
@@ -103,6 +103,35 @@ def load_prefix(seed: int, prompt_len: int, rate: float, request: int) -> str:
     """A unique opening per open-loop request (differs across rates too: no prefix cache between steps)."""
     rng = random.Random(f"load:{seed}:{prompt_len}:{rate!r}:{request}")
     return f"Request {rng.getrandbits(32):08x} {rng.getrandbits(32):08x}. Continue the story.\n\n"
+
+
+class SpeedOptions(TaskOptions, total=False):
+    """The speed task's `options` keys (SpeedTask.options gives each its type, bounds and default)."""
+
+    prompt_lengths: list[int]
+    output_tokens: int
+    repeats: int
+    clients: int | list[int]
+    warmup: int
+    seed: int
+    temperature: float
+    top_p: float | None
+    top_k: int | None
+    arrival: str
+    rate: float | None
+    rates: list[float] | None
+    burstiness: float
+    requests: int
+    sweep: bool
+    sweep_start_rate: float
+    sweep_factor: float
+    sweep_steps: int
+    sweep_max_error_rate: float
+    sweep_max_queue_delay_s: float
+    slo_ttft_s: float | None
+    slo_tpot_s: float | None
+    slo_e2e_s: float | None
+    metrics_interval_s: float
 
 
 class SpeedTask(Task):
@@ -156,9 +185,9 @@ class SpeedTask(Task):
                                     doc="seconds between readings of the server's /metrics during a group; 0 = off"),
     }
 
-    def __init__(self, opts: dict[str, Any], ctx: TaskContext):
-        opts = {**{k: (f.default() if callable(f.default) else f.default)
-                   for k, f in self.options.items()}, **opts}
+    def __init__(self, opts: SpeedOptions, ctx: TaskContext):
+        opts = SpeedOptions(**{**{k: (f.default() if callable(f.default) else f.default)
+                                  for k, f in self.options.items()}, **opts})
         super().__init__(opts, ctx)
         self.prompt_lengths = [int(x) for x in dict.fromkeys(opts["prompt_lengths"])]
         c = opts["clients"]
@@ -460,7 +489,7 @@ class SpeedTask(Task):
             raise rec
         return {"correct": None, "answer": None, "reference": None, **rec.to_json()}
 
-    def summarize(self, records: list[dict[str, Any]]) -> JsonObject:
+    def summarize(self, records: list[JsonObject]) -> JsonObject:
         run_dir = self.ctx.run_dir
         stored = read_records(records, f"{run_dir / 'items.jsonl'}" if run_dir is not None else "speed records")
         ok = [r for r in stored if r.status == "ok"]
