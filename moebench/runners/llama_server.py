@@ -36,6 +36,7 @@ import aiohttp
 from moebench import jsonout
 from moebench.config import (MAX_CLIENTS, MAX_PROMPT_TOKENS, MAX_RESPONSE_BYTES, MAX_SECONDS, ProfileError,
                              RunnerSettings, non_negative, positive, setting)
+from moebench.json_types import JsonObject, JsonValue
 from moebench.gguf_header import FILE_TYPE_NAMES, GgufFormatError, read_gguf
 from moebench.runners import reply_checks
 from moebench.runners.base import (DEFAULT_REQUEST_DEADLINE_S, SERVERLESS, Capability, DeadlineExceeded,
@@ -43,7 +44,8 @@ from moebench.runners.base import (DEFAULT_REQUEST_DEADLINE_S, SERVERLESS, Capab
 from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, ConnectTimeout, ReadTimeout, RemoteProtocolError,
                                         TransportError, bounded_lines, describe, read_bounded, response_limit,
                                         transport_error)
-from moebench.runners.wire import LlamaCompletionBody
+from moebench.runners.wire import (DetokenizeBody, LlamaChoiceBody, LlamaCompletionBody, LlamaTokenizeBody,
+                                   WireBody)
 from moebench.store import now_iso, open_append
 from moebench.tools import llama_args, llamacpp
 from moebench.tools.binary_probe import PROBE, ProbeError
@@ -279,7 +281,8 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
     return out
 
 
-def _json_object(raw: bytes, where: str) -> dict[str, Any]:
+def _json_object(raw: bytes, where: str) -> JsonObject:
+    """A reply parsed, checked to be a JSON object (its fields are checked where they are read)."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -517,20 +520,21 @@ class LlamaServerRunner(Runner):
                                 "new_pid": self.proc.pid if self.proc else None})
 
     @contextlib.asynccontextmanager
-    async def _open(self, method: str, path: str, body: dict[str, Any] | None = None,
+    async def _open(self, method: str, path: str, body: WireBody | None = None,
                     timeout_s: float | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
         """An open response to `method path` on the managed server; aiohttp's failures while asking or
         reading (inside the block too) come out as TransportError subclasses (ConnectError, ReadTimeout...)."""
         url = f"{self.base_url}{path}"
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
         try:
-            async with self._client_for_loop().request(method, url, json=body, allow_redirects=False,
+            async with self._client_for_loop().request(method, url, json=body.to_json() if body is not None else None,
+                                                       allow_redirects=False,
                                                        **({"timeout": timeout} if timeout else {})) as resp:
                 yield resp
         except aiohttp.ClientError as e:
             raise transport_error(e, method, url, CONNECT_TIMEOUT_S, float(self.settings.request_timeout_s)) from None
 
-    async def _post_json(self, path: str, body: dict[str, Any]) -> Any:
+    async def _post_json(self, path: str, body: WireBody) -> JsonObject:
         """POST a small request and read its JSON reply (bounded), after checking the status."""
         async with self._open("POST", path, body) as r:
             raw = await read_bounded(r, int(self.settings.max_response_bytes), f"llama-server {path}")
@@ -593,7 +597,7 @@ class LlamaServerRunner(Runner):
             out.append(d)
         return out
 
-    def _result(self, final: dict[str, Any], request: GenerateRequest, *, text: Any, ids: Any, probs: Any,
+    def _result(self, final: JsonObject, request: GenerateRequest, *, text: Any, ids: Any, probs: Any,
                 times: list[float] | None, wall: float) -> GenerateResult:
         """The result of one /completion reply (`final`: the reply, or a stream's last event), every
         count, timing and log-prob checked (moebench.runners.reply_checks)."""
@@ -636,12 +640,12 @@ class LlamaServerRunner(Runner):
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         if isinstance(request.prompt, list) and not all(isinstance(t, int) for t in request.prompt):
             raise RunnerError("a token prompt must be a list of ints")
-        payload = LlamaCompletionBody.of(request).to_json()
+        payload = LlamaCompletionBody.of(request)
         if request.stream:
             return await self._with_restarts(lambda: self._generate_stream(payload, request))
         return await self._with_restarts(lambda: self._generate_once(payload, request))
 
-    async def _generate_once(self, payload: dict[str, Any], request: GenerateRequest) -> GenerateResult:
+    async def _generate_once(self, payload: LlamaCompletionBody, request: GenerateRequest) -> GenerateResult:
         t0 = time.perf_counter()
         async with self._open("POST", "/completion", payload) as r:
             raw = await read_bounded(r, self._limit(request), "llama-server /completion")
@@ -654,14 +658,14 @@ class LlamaServerRunner(Runner):
         return self._result(data, request, text=data.get("content", ""), ids=data.get("tokens") or [],
                             probs=data.get("completion_probabilities"), times=None, wall=wall)
 
-    async def _generate_stream(self, payload: dict[str, Any], request: GenerateRequest) -> GenerateResult:
+    async def _generate_stream(self, payload: LlamaCompletionBody, request: GenerateRequest) -> GenerateResult:
         """SSE: one `data:` event per generated token; record when each arrives."""
         t0 = time.perf_counter()
         text: list[str] = []
         ids: list[int] = []
         times: list[float] = []
-        probs: list[dict[str, Any]] = []
-        final: dict[str, Any] = {}
+        probs: list[JsonValue] = []             # as the server sent them: _result checks them
+        final: JsonObject = {}
         async with self._open("POST", "/completion", payload) as r:
             if r.status != 200:
                 self._check_status(r, await read_bounded(r, self._limit(request), "llama-server /completion"))
@@ -714,10 +718,7 @@ class LlamaServerRunner(Runner):
         model's probabilities renormalised over them (ratios kept; checked against n_probs = vocab)."""
         if not choices:
             return {}, "renormalized"
-        grammar = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-        payload = {"prompt": prompt, "n_predict": 1, "n_probs": 4 * len(choices), "post_sampling_probs": True,
-                   "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0,
-                   "seed": 0, "cache_prompt": True, "grammar": grammar}
+        payload = LlamaChoiceBody(prompt, tuple(choices))
 
         async def call() -> dict[str, float | None]:
             where = f"{self.base_url}/completion"
@@ -757,14 +758,13 @@ class LlamaServerRunner(Runner):
     async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         """Token ids of `text` (no BOS unless `add_special`; special-token text is not parsed)."""
         async def call() -> list[int]:
-            data = await self._post_json("/tokenize", {"content": text, "add_special": add_special,
-                                                       "parse_special": False})
+            data = await self._post_json("/tokenize", LlamaTokenizeBody(text, add_special, parse_special=False))
             return [int(t) for t in data["tokens"]]
         return await self._with_restarts(call, "/tokenize")
 
     async def detokenize(self, token_ids: list[int]) -> str:
         async def call() -> str:
-            return (await self._post_json("/detokenize", {"tokens": list(token_ids)}))["content"]
+            return (await self._post_json("/detokenize", DetokenizeBody(tuple(token_ids))))["content"]
         return await self._with_restarts(call, "/detokenize")
 
     # -- KLD through llama-perplexity -----------------------------------------------------------
