@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from moebench.config import MAX_ITEMS, RunnerProfile, SuiteProfile, load_suite, resolve_profile_path
 from moebench.data_check import check_before_run
@@ -32,6 +32,9 @@ from moebench.store.session import (ask_record, common_errors, finish_run, new_m
                                     record_runner_identity)
 from moebench.tasks import task_class, task_schemas
 from moebench.tasks.base import Task, TaskContext
+
+if TYPE_CHECKING:                       # the probe imports NVML bindings: only where a run asks for it
+    from moebench.probes.nvml import NvmlProbe
 
 
 BASELINE_IDLE_END = "baseline_idle_end"   # the optional idle window after the last task
@@ -156,7 +159,21 @@ def _make_tasks(suite: SuiteProfile, ctx: TaskContext, limit: int | None) -> lis
     return tasks
 
 
-def _start_probe(suite: SuiteProfile) -> tuple[Any, dict[str, Any]]:
+class NvmlAvailability(TypedDict):
+    """Whether the run samples the GPU through NVML, and why not (the manifest's probes.nvml, before
+    the probe adds what it measured)."""
+
+    available: bool
+    reason: NotRequired[str]
+
+
+class ProbesAvailability(TypedDict):
+    """The manifest's `probes` as the run starts (docs/schema.md)."""
+
+    nvml: NvmlAvailability
+
+
+def _start_probe(suite: SuiteProfile) -> tuple[NvmlProbe | None, ProbesAvailability]:
     """The NVML probe where the suite asks for it and NVML answers; else None and the reason."""
     if not suite.probes.get("nvml", True):
         return None, {"nvml": {"available": False, "reason": "disabled by the suite"}}

@@ -31,7 +31,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 import httpx
@@ -46,6 +46,7 @@ from moebench.runners.base import (DEFAULT_REQUEST_DEADLINE_S, Capability, Deadl
                                    GenerateResult, Runner, RunnerError, ServerTimings, Unreachable)
 from moebench.scoring.answers import first_stop
 from moebench.runners.metrics import parse_prometheus
+from moebench.runners.identity import RunnerIdentity
 from moebench.runners.wire import CompletionBody, LlamaTokenizeBody, VllmTokenizeBody, WireBody
 from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, ConnectError, ConnectTimeout, TransportError,
                                         bounded_lines, describe, read_bounded, response_limit, retry_after_s,
@@ -139,7 +140,7 @@ class HttpRunner(Runner):
     settings_class = HttpSettings
     settings: HttpSettings
 
-    def __init__(self, settings: HttpSettings | Mapping[str, Any], profile_path: str | None = None,
+    def __init__(self, settings: HttpSettings | JsonObject, profile_path: str | None = None,
                  name: str | None = None):
         super().__init__(settings, profile_path, name)
         s = self.settings
@@ -259,7 +260,7 @@ class HttpRunner(Runner):
         except aiohttp.ClientError as e:
             raise transport_error(e, method, url, self.connect_timeout_s, self.read_timeout_s) from None
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self) -> RunnerIdentity:
         return {"model": {"name": self.model, "endpoints": self.base_urls, "api": self.api}, "build": {}}
 
     # -- plumbing --------------------------------------------------------------------------------

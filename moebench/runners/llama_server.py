@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import contextlib
 
@@ -44,6 +44,7 @@ from moebench.runners.base import (DEFAULT_REQUEST_DEADLINE_S, SERVERLESS, Capab
 from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, ConnectTimeout, ReadTimeout, RemoteProtocolError,
                                         TransportError, bounded_lines, describe, read_bounded, response_limit,
                                         transport_error)
+from moebench.runners.identity import GgufModel, GgufSummary, GgufUnreadable, LlamaBuild, RunnerIdentity
 from moebench.runners.wire import (DetokenizeBody, LlamaChoiceBody, LlamaCompletionBody, LlamaTokenizeBody,
                                    WireBody)
 from moebench.store import now_iso, open_append
@@ -256,7 +257,7 @@ def file_sha256(path: Path) -> str:
     return digest
 
 
-def gguf_metadata(path: Path) -> dict[str, Any]:
+def gguf_metadata(path: Path) -> GgufSummary | GgufUnreadable:
     """Architecture, name, file type and parameter count of a GGUF (an "error" key if unreadable)."""
     try:
         gguf = read_gguf(path, arrays="lengths")
@@ -265,7 +266,7 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
     meta = gguf.metadata
     arch = meta.get("general.architecture")
     file_type = meta.get("general.file_type")
-    out: dict[str, Any] = {
+    out: GgufSummary = {
         "architecture": arch,
         "name": meta.get("general.name"),
         "file_type": file_type,
@@ -277,7 +278,7 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
     if arch:
         for key in ("expert_count", "expert_used_count", "block_count", "context_length", "embedding_length"):
             if f"{arch}.{key}" in meta:
-                out[key] = meta[f"{arch}.{key}"]
+                out[key] = meta[f"{arch}.{key}"]           # type: ignore[literal-required]  # a key of GgufSummary
     return out
 
 
@@ -303,7 +304,7 @@ class LlamaServerRunner(Runner):
     settings_class = LlamaServerSettings
     settings: LlamaServerSettings
 
-    def __init__(self, settings: LlamaServerSettings | Mapping[str, Any], profile_path: str | None = None,
+    def __init__(self, settings: LlamaServerSettings | JsonObject, profile_path: str | None = None,
                  name: str | None = None):
         super().__init__(settings, profile_path, name)
         # A profile that names its binary is a candidate build: its KLD uses that build's tools.
@@ -338,7 +339,7 @@ class LlamaServerRunner(Runner):
         self._generation = 0              # bumped on every (re)start; requests note it when sent
         self._restart_lock: asyncio.Lock | None = None
         self._gave_up: str | None = None
-        self._identity: dict[str, Any] | None = None
+        self._identity: RunnerIdentity | None = None
         self._plan: PerplexityPlan | None = None
         self.server_started = False
 
@@ -804,21 +805,21 @@ class LlamaServerRunner(Runner):
         return self._plan
 
     # -- identity -------------------------------------------------------------------------------
-    def identity(self) -> dict[str, Any]:
+    def identity(self) -> RunnerIdentity:
         if self._identity is None:
             p = self.model_path
-            model: dict[str, Any] = {"path": str(p.resolve()), "name": p.name,
-                                     "size_bytes": p.stat().st_size, "sha256": file_sha256(p)}
+            model: GgufModel = {"path": str(p.resolve()), "name": p.name,
+                                "size_bytes": p.stat().st_size, "sha256": file_sha256(p)}
             meta = gguf_metadata(p)
             if meta is not None:
                 model["gguf"] = meta
             try:
                 binary = self.binary or llamacpp.tool(self.settings.binary)
-                build = {"kind": "llama.cpp", **llamacpp.build_info(binary)}
+                build: LlamaBuild = {"kind": "llama.cpp", **llamacpp.build_info(binary)}
             except llamacpp.ToolError as e:
                 build = {"kind": "llama.cpp", "error": str(e)}
             self._identity = {"model": model, "build": build}
-        ident = json.loads(jsonout.dumps(self._identity))
+        ident: RunnerIdentity = json.loads(jsonout.dumps(self._identity))     # a copy the caller may change
         ident["build"]["server_args"] = self.command(self.port or 0)[1:] if self.binary and self.server_started else None
         ident["build"]["server_started"] = self.server_started
         return ident
