@@ -819,7 +819,9 @@ class LlamaServerRunner(Runner):
             except llamacpp.ToolError as e:
                 build = {"kind": "llama.cpp", "error": str(e)}
             self._identity = {"model": model, "build": build}
-        ident: RunnerIdentity = json.loads(jsonout.dumps(self._identity))     # a copy the caller may change
-        ident["build"]["server_args"] = self.command(self.port or 0)[1:] if self.binary and self.server_started else None
-        ident["build"]["server_started"] = self.server_started
-        return ident
+        # a copy the caller may change, with the server's state now
+        model_now: GgufModel = json.loads(jsonout.dumps(self._identity["model"]))
+        build_now: LlamaBuild = json.loads(jsonout.dumps(self._identity["build"]))
+        build_now["server_args"] = self.command(self.port or 0)[1:] if self.binary and self.server_started else None
+        build_now["server_started"] = self.server_started
+        return {"model": model_now, "build": build_now}
