@@ -60,6 +60,11 @@ class SampledLogprobsBody:
                 **UNTRUNCATED, **self.extra_body}
 
 
+def request(model: str, prompt: list[int], max_tokens: int, seed: int) -> JsonObject:
+    """The body without profile keys, as sent (SampledLogprobsBody's JSON)."""
+    return SampledLogprobsBody(model, tuple(prompt), max_tokens, seed).to_json()
+
+
 def _lp(v: Any, where: str) -> float:
     return reply_checks.logprob(v, "log-prob", where)
 
