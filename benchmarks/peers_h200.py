@@ -377,7 +377,8 @@ def measure(work: Path, out: Path, small: bool, reps: int, skip: set[str]) -> di
         res["copy_Bps"] = copy_bandwidth()
         log(f"copy bandwidth {res['copy_Bps'] / 1e12:.2f} TB/s")
     bin_dir = llamacpp.bin_dir(cuda=cuda)
-    res["llama_build"] = llamacpp.read_stamp(bin_dir)
+    stamp = llamacpp.read_stamp(bin_dir)
+    res["llama_build"] = stamp.to_json() if stamp is not None else None
     for eng_fmt, qtype in PAIRS:
         gguf = work / f"{qtype}.gguf"
         if f"llama-{qtype}" not in skip:

@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from moebench.config import MAX_ITEMS, RunnerProfile, SuiteProfile, load_suite, resolve_profile_path
 from moebench.data_check import check_before_run
@@ -32,6 +32,10 @@ from moebench.store.session import (ask_record, common_errors, finish_run, new_m
                                     record_runner_identity)
 from moebench.tasks import task_class, task_schemas
 from moebench.tasks.base import Task, TaskContext
+
+if TYPE_CHECKING:                       # NVML bindings and the engine (torch): only where a command asks
+    from moebench.engine.tiering import Plan
+    from moebench.probes.nvml import NvmlProbe
 
 
 BASELINE_IDLE_END = "baseline_idle_end"   # the optional idle window after the last task
@@ -156,7 +160,21 @@ def _make_tasks(suite: SuiteProfile, ctx: TaskContext, limit: int | None) -> lis
     return tasks
 
 
-def _start_probe(suite: SuiteProfile) -> tuple[Any, dict[str, Any]]:
+class NvmlAvailability(TypedDict):
+    """Whether the run samples the GPU through NVML, and why not (the manifest's probes.nvml, before
+    the probe adds what it measured)."""
+
+    available: bool
+    reason: NotRequired[str]
+
+
+class ProbesAvailability(TypedDict):
+    """The manifest's `probes` as the run starts (docs/schema.md)."""
+
+    nvml: NvmlAvailability
+
+
+def _start_probe(suite: SuiteProfile) -> tuple[NvmlProbe | None, ProbesAvailability]:
     """The NVML probe where the suite asks for it and NVML answers; else None and the reason."""
     if not suite.probes.get("nvml", True):
         return None, {"nvml": {"available": False, "reason": "disabled by the suite"}}
@@ -205,7 +223,7 @@ class _UnreachableWatch:
 
 
 async def _evaluate_all(tasks: list[Task], items: dict[str, list], runner: Runner, store: RunStore,
-                        quiet: bool, counts: dict[str, int], probe: Any = None) -> dict[str, int]:
+                        quiet: bool, counts: dict[str, int], probe: NvmlProbe | None = None) -> dict[str, int]:
     """Ask every unfinished item; `counts` is updated in place so an interrupted run still has them.
     ServerUnreachable when the first items all fail to connect (_UnreachableWatch)."""
     finished = store.finished_keys()
@@ -733,7 +751,7 @@ def zoo_build(out: str = "models/zoo", retrain: bool = False, gguf: bool = True)
 
 def data_fetch(to: str, source: str = "github", base_url: str | None = None, hub_repo: str | None = None,
                hub_revision: str = "main", hub_endpoint: str | None = None,
-               only: list[str] | None = None) -> Any:
+               only: list[str] | None = None) -> Path:
     """`moebench data fetch`: download the dataset mirror, checking every file's sha256."""
     from moebench.data_fetch import fetch_mirror, github_source, hub_source
     src = hub_source(hub_repo, hub_revision, hub_endpoint) if source == "hub" else github_source(base_url)
@@ -760,7 +778,7 @@ def gib_or_bytes(flag: str, exact: int | None, gib: float | None) -> int:
 
 def tier_plan(checkpoint: str, stats: str, out: str, gpu_bytes: int | None = None, host_bytes: int = 0,
               ladder: str = "bf16,int8,int4,ternary", hot_fraction: float | None = None, hot: str = "int8",
-              cold: str = "ternary", ssd_bytes: int = 0, ssd_cache_bytes: int = 0, ssd_fraction: float = 0.0) -> Any:
+              cold: str = "ternary", ssd_bytes: int = 0, ssd_cache_bytes: int = 0, ssd_fraction: float = 0.0) -> Plan:
     """`moebench tier plan`: a precision and a home for every expert (greedy within byte budgets, or
     rule-based with `hot_fraction`), saved to `out`; returns the plan. ssd_bytes (greedy) or
     ssd_fraction (rule-based) put the coldest experts on disk, behind a host-RAM cache of
@@ -779,7 +797,7 @@ def tier_plan(checkpoint: str, stats: str, out: str, gpu_bytes: int | None = Non
     return p
 
 
-def tier_pack(checkpoint: str, plan_path: str, out: str) -> Any:
+def tier_pack(checkpoint: str, plan_path: str, out: str) -> Path:
     """`moebench tier pack`: the tiered artifact the engine runner loads; returns its directory."""
     from moebench.engine.tiering import Plan, pack
     return pack(checkpoint, Plan.load(plan_path), out)

@@ -12,8 +12,9 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypedDict, TypeVar, cast
+from typing import Any, Callable, TypedDict, TypeVar, cast
 
+from moebench.json_types import JsonObject
 from moebench.secrets import literal_secrets, redact
 from moebench.shipped import is_installed_profile, shipped_dir
 
@@ -94,14 +95,15 @@ def _type_ok(value: Any, types: type | tuple[type, ...]) -> bool:
     return isinstance(value, ts)
 
 
-def validate(table: dict[str, Any], schema: dict[str, Field], where: str) -> dict[str, Any]:
-    """Check `table` against `schema`; return a copy with defaults filled in.
+def validate(table: JsonObject, schema: dict[str, Field], where: str) -> JsonObject:
+    """Check `table` (a TOML table as read) against `schema`; return a copy with defaults filled in,
+    which its owner then turns into its class (a runner kind's settings, a task kind's options).
 
     `where` names the place for error messages, e.g. "suites/quality.toml [[tasks]] #2".
     """
     if not isinstance(table, dict):
         raise ProfileError(f"{where}: expected a table, got {type(table).__name__}")
-    out: dict[str, Any] = {}
+    out: JsonObject = {}
     unknown = sorted(set(table) - set(schema))
     if unknown:
         raise ProfileError(
@@ -172,7 +174,8 @@ def non_negative(value: Any) -> str | None:
     return None if value >= 0 else "must not be negative"
 
 
-def load_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+def load_toml(path: str | os.PathLike[str]) -> JsonObject:
+    """The TOML file as read, before validation (ProfileError naming the file when it is missing or bad)."""
     p = Path(path)
     if not p.is_file():
         raise ProfileError(f"{p}: file not found")
@@ -282,7 +285,8 @@ class SuiteProfile:
     probes: ProbeKeys
     description: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
+        """The manifest's `suite` (docs/schema.md)."""
         return {"name": self.name, "path": self.path, "description": self.description,
                 "tasks": self.tasks, "probes": self.probes}
 
@@ -366,7 +370,7 @@ class RunnerSettings:
                              if "profile_field" in f.metadata and f.name not in common}, cls)
 
     @classmethod
-    def of(cls: type[_S], table: "_S | Mapping[str, Any]") -> _S:
+    def of(cls: type[_S], table: "_S | JsonObject") -> _S:
         """Settings from a validated table (load_runner) or a hand-written one (tests, benchmarks):
         keys it does not know (kind, name) are ignored, and missing ones take their defaults."""
         if isinstance(table, cls):
@@ -376,10 +380,10 @@ class RunnerSettings:
         known = {f.name for f in dataclasses.fields(cls) if "profile_field" in f.metadata}
         return cls(**{k: v for k, v in table.items() if k in known}, given=frozenset(table))
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         """The settings table as validation returned it (docs/schema.md: the manifest's runner keys):
         every key set or defaulted, in schema order; an unset optional key is absent."""
-        out: dict[str, Any] = {}
+        out: JsonObject = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if "profile_field" in f.metadata and value is not None:
@@ -394,7 +398,7 @@ class RunnerProfile:
     path: str | None
     settings: RunnerSettings = field(default_factory=RunnerSettings)
 
-    def redacted(self) -> dict[str, Any]:
+    def redacted(self) -> JsonObject:
         """Settings safe to write into a run: secret-named values and secret-shaped text replaced,
         at every depth."""
         return {"kind": self.kind, "name": self.name, "path": self.path, **redact(self.settings.to_json())}
@@ -417,7 +421,7 @@ def path_bases(profile: Path) -> list[Path]:
     return list(dict.fromkeys(bases))
 
 
-def resolve_profile_paths(raw: dict[str, Any], schema: dict[str, Field], profile: Path) -> dict[str, Any]:
+def resolve_profile_paths(raw: JsonObject, schema: dict[str, Field], profile: Path) -> JsonObject:
     """`raw` with each relative path key (Field.path) pointing at the first base where it exists, so a
     profile works from any working directory. A path that is also right from the working directory
     keeps its text as written. A required path found nowhere is refused, naming every place tried;

@@ -14,9 +14,9 @@ import json
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 from moebench.config import repo_root
+from moebench.json_types import JsonObject
 
 
 class DatasetError(FileNotFoundError):
@@ -79,7 +79,8 @@ def register(ctx_files: dict[str, str], root: Path, path: Path) -> None:
     ctx_files[rel] = sha256_file(path)
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[JsonObject]:
+    """Each line's JSON as read (a blank line skipped), for its task to parse into its items."""
     opener = gzip.open if path.suffix == ".gz" else open
     out = []
     with opener(path, "rt", encoding="utf-8") as f:

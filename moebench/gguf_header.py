@@ -12,7 +12,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 # Metadata value types (GGUF spec): scalar struct formats; 8 = string, 9 = array.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -44,11 +44,16 @@ class GgufTensorInfo:
         return n
 
 
+# A metadata value as GGUF stores it: a number, a bool, a string, or an array of them (arrays of arrays
+# nest); with arrays="lengths" an array is the string "<array of N>".
+GgufValue = Union[int, float, bool, str, "list[GgufValue]"]
+
+
 @dataclass(frozen=True)
 class GgufFile:
     path: Path
     version: int
-    metadata: dict[str, Any]      # arrays="lengths": each array is the string "<array of N>"
+    metadata: dict[str, GgufValue]
     tensors: list[GgufTensorInfo]
 
 
@@ -105,7 +110,7 @@ def _parse(path: Path, data: Any, keep_arrays: bool) -> GgufFile:
         else:
             raise GgufFormatError(f"{path}: unknown metadata value type {etype} at byte {pos}")
 
-    def read_value(vtype: int) -> Any:
+    def read_value(vtype: int) -> GgufValue:
         if vtype == _STRING:
             return read_string()
         if vtype == _ARRAY:
@@ -120,7 +125,7 @@ def _parse(path: Path, data: Any, keep_arrays: bool) -> GgufFile:
             raise GgufFormatError(f"{path}: unknown metadata value type {vtype} at byte {pos}")
         return unpack(_SCALARS[vtype])[0]
 
-    meta: dict[str, Any] = {}
+    meta: dict[str, GgufValue] = {}
     tensors: list[GgufTensorInfo] = []
     try:
         for _ in range(n_kv):

@@ -49,6 +49,7 @@ from typing import Any
 from aiohttp import web
 
 from moebench import jsonout
+from moebench.json_types import JsonObject, JsonValue
 from moebench.lmeval.scoring import TokenScore, prompt_scoring_kind, score_tokens
 from moebench.runners.base import Capability, CapabilityError, GenerateRequest, Runner, RunnerError
 from moebench.scoring.answers import first_stop
@@ -213,7 +214,7 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
 
 # -- request validation ---------------------------------------------------------------------------
 
-def _get(body: dict[str, Any], key: str, types: type | tuple[type, ...], default: Any,
+def _get(body: JsonObject, key: str, types: type | tuple[type, ...], default: Any,
          lo: float | None = None, hi: float | None = None) -> Any:
     """body[key] (default when absent or null), checked to be of `types`, finite and within [lo, hi]."""
     if key not in body or body[key] is None:
@@ -233,7 +234,7 @@ def _get(body: dict[str, Any], key: str, types: type | tuple[type, ...], default
     return v
 
 
-def _stream_usage(body: dict[str, Any], stream: bool) -> bool:
+def _stream_usage(body: JsonObject, stream: bool) -> bool:
     """`stream_options.include_usage`: a last chunk with empty choices carrying the usage, as OpenAI and
     vLLM send it (serving benchmarks count tokens with it); every chunk before it has "usage": null."""
     opts = body.get("stream_options")
@@ -250,7 +251,7 @@ async def _as_label(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
-def _stops(body: dict[str, Any]) -> list[str]:
+def _stops(body: JsonObject) -> list[str]:
     stop = body.get("stop")
     if stop is None:
         return []
@@ -261,7 +262,7 @@ def _stops(body: dict[str, Any]) -> list[str]:
     raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
 
 
-def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
+def _prompts(body: JsonObject) -> list[str | list[int]]:
     """OpenAI accepts a string, a list of strings, a token list, or a list of token lists."""
     if "prompt" not in body:
         raise ApiError(400, "missing 'prompt'", param="prompt")
@@ -306,7 +307,7 @@ class Generation:
     logprob_entries: list[tuple[str, float | None, dict[str, float] | None]] | None = None
 
 
-def _sampling(body: dict[str, Any]) -> Sampling:
+def _sampling(body: JsonObject) -> Sampling:
     """temperature, top_p, top_k and seed, checked (a 400 naming the parameter); the OpenAI penalties
     are checked too, though no runner applies them."""
     temperature = float(_get(body, "temperature", (int, float), 1.0, 0, 100))
@@ -320,6 +321,96 @@ def _sampling(body: dict[str, Any]) -> Sampling:
     ignore_eos = _get(body, "ignore_eos", bool, False)
     return Sampling(temperature=temperature, top_p=None if top_p is None else float(top_p),
                     top_k=top_k if top_k is None or top_k > 0 else None, seed=seed, ignore_eos=ignore_eos)
+
+
+@dataclass(frozen=True)
+class CompletionsRequest:
+    """A `/v1/completions` body, checked (a 400 naming the parameter, in the order OpenAI's fields are
+    read): what the handler generates from."""
+
+    prompts: list[str | list[int]]
+    several: bool                  # a list of prompts, each answered by its own index
+    max_tokens: int
+    sampling: Sampling
+    stop: list[str]
+    n_logprobs: int | None         # None: no log-probs asked
+    echo: bool
+    as_ids: bool                   # return_tokens_as_token_ids
+    stream: bool
+    include_usage: bool
+
+    @classmethod
+    def from_json(cls, body: JsonObject, max_tokens_limit: int, max_logprobs: int) -> "CompletionsRequest":
+        prompts = _prompts(body)
+        if _get(body, "n", int, 1) != 1:
+            raise ApiError(400, "only n = 1 is supported", param="n")
+        max_tokens = _get(body, "max_tokens", int, 16, 0, max_tokens_limit)
+        sampling = _sampling(body)
+        stop = _stops(body)
+        n_logprobs = _get(body, "logprobs", int, None, 0, max_logprobs)
+        echo = _get(body, "echo", bool, False)
+        as_ids = _get(body, "return_tokens_as_token_ids", bool, False)
+        stream = _get(body, "stream", bool, False)
+        include_usage = _stream_usage(body, stream)
+        raw = body["prompt"]
+        several = isinstance(raw, list) and not all(isinstance(t, int) for t in raw)
+        return cls(prompts=prompts, several=several, max_tokens=max_tokens, sampling=sampling, stop=stop,
+                   n_logprobs=n_logprobs, echo=echo, as_ids=as_ids, stream=stream, include_usage=include_usage)
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A `/v1/chat/completions` body, checked (a 400 naming the parameter): the ChatML prompt of its
+    messages and how to answer it."""
+
+    prompt: str
+    max_tokens: int
+    sampling: Sampling
+    stop: list[str]                # the request's, then the end-of-turn marker
+    n_logprobs: int | None         # top_logprobs where logprobs is true, else None
+    stream: bool
+    include_usage: bool
+
+    @classmethod
+    def from_json(cls, body: JsonObject, max_tokens_limit: int) -> "ChatRequest":
+        prompt = chat_prompt(body.get("messages"))
+        if _get(body, "n", int, 1) != 1:
+            raise ApiError(400, "only n = 1 is supported", param="n")
+        max_tokens = _get(body, "max_completion_tokens", int, None, 0, max_tokens_limit)
+        if max_tokens is None:
+            max_tokens = _get(body, "max_tokens", int, 256, 0, max_tokens_limit)
+        sampling = _sampling(body)
+        stop = _stops(body) + ["<|im_end|>"]
+        want_lp = _get(body, "logprobs", bool, False)
+        top_n = _get(body, "top_logprobs", int, 0, 0, 20)
+        if top_n and not want_lp:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        stream = _get(body, "stream", bool, False)
+        return cls(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop=stop,
+                   n_logprobs=top_n if want_lp else None, stream=stream, include_usage=_stream_usage(body, stream))
+
+
+def chat_prompt(messages: JsonValue) -> str:
+    """A ChatML prompt (Qwen-family models know these markers):
+    <|im_start|>role\\ncontent<|im_end|>\\n ... <|im_start|>assistant\\n"""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    parts = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+            raise ApiError(400, f"messages[{i}] must be an object with role system|user|assistant",
+                           param="messages")
+        content = m.get("content")
+        if isinstance(content, list):      # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                       for c in content):
+                raise ApiError(400, f"messages[{i}].content parts must all be text", param="messages")
+            content = "".join(c["text"] for c in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+    return "".join(parts) + "<|im_start|>assistant\n"
 
 
 def _json_depth_over(value: Any, limit: int) -> bool:
@@ -376,7 +467,8 @@ class Server:
         return app
 
     # -- plumbing ---------------------------------------------------------------------------------
-    async def _body(self, request: web.Request) -> dict[str, Any]:
+    async def _body(self, request: web.Request) -> JsonObject:
+        """The request's JSON object as sent, bounded in size, time and depth; the endpoint parses it."""
         if request.content_length is not None and request.content_length > self.options.max_body_bytes:
             raise ApiError(413, f"request body of {request.content_length} bytes exceeds the limit of "
                                 f"{self.options.max_body_bytes} bytes")
@@ -503,7 +595,7 @@ class Server:
 
     async def tokenizer_info(self, request: web.Request) -> web.Response:
         self._need(Capability.TOKENIZE, "tokenizer_info")
-        info: dict[str, Any] = {"model": self.model_name}
+        info: JsonObject = {"model": self.model_name}           # the reply, as sent
         for name in ("eos", "bos"):
             tid = self._special_token_id(name)
             info[f"{name}_token"] = await self.runner.detokenize([tid]) if tid is not None else None
@@ -601,33 +693,24 @@ class Server:
 
     # -- /v1/completions --------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        prompts = _prompts(body)
-        if _get(body, "n", int, 1) != 1:
-            raise ApiError(400, "only n = 1 is supported", param="n")
-        max_tokens = _get(body, "max_tokens", int, 16, 0, self.options.max_tokens_limit)
-        sampling = _sampling(body)
-        stop = _stops(body)
-        n_logprobs = _get(body, "logprobs", int, None, 0, self.options.max_logprobs)
-        echo = _get(body, "echo", bool, False)
-        as_ids = _get(body, "return_tokens_as_token_ids", bool, False)
-        stream = _get(body, "stream", bool, False)
-        include_usage = _stream_usage(body, stream)
+        asked = CompletionsRequest.from_json(await self._body(request), self.options.max_tokens_limit,
+                                             self.options.max_logprobs)
+        prompts, max_tokens, stop, echo = asked.prompts, asked.max_tokens, asked.stop, asked.echo
+        n_logprobs, stream, include_usage = asked.n_logprobs, asked.stream, asked.include_usage
         if any(isinstance(p, list) for p in prompts):
             self._need(Capability.TOKEN_PROMPTS, "a token-id prompt")
         self._need(Capability.GENERATE, "completions")
         if echo and any(isinstance(p, list) for p in prompts):
             self._need(Capability.TOKENIZE, "echo of a token-id prompt")
         self._check_logprob_request(n_logprobs, echo)
-        several = isinstance(body["prompt"], list) and not all(isinstance(t, int) for t in body["prompt"])
-        await self._check_prompts(prompts, "prompt", several, max_tokens)
+        await self._check_prompts(prompts, "prompt", asked.several, max_tokens)
         created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex[:24]}"
         gone = threading.Event()
-        gen = dict(max_tokens=max_tokens, stop=stop, n_logprobs=n_logprobs, sampling=sampling,
-                   echo_scores=echo and n_logprobs is not None, as_ids=as_ids, gone=gone)
+        gen = dict(max_tokens=max_tokens, stop=stop, n_logprobs=n_logprobs, sampling=asked.sampling,
+                   echo_scores=echo and n_logprobs is not None, as_ids=asked.as_ids, gone=gone)
         live = stream and len(prompts) == 1 and not echo     # else the SSE events follow generation
 
-        def chunk(text: str, logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
+        def chunk(text: str, logprobs: Any = None, finish: str | None = None) -> JsonObject:       # an SSE event
             return {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
                     "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
                     **({"usage": None} if include_usage else {})}
@@ -800,53 +883,17 @@ class Server:
         return resp
 
     # -- /v1/chat/completions ---------------------------------------------------------------------
-    @staticmethod
-    def chat_prompt(messages: Any) -> str:
-        """A ChatML prompt (Qwen-family models know these markers):
-        <|im_start|>role\\ncontent<|im_end|>\\n ... <|im_start|>assistant\\n"""
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-        parts = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-                raise ApiError(400, f"messages[{i}] must be an object with role system|user|assistant",
-                               param="messages")
-            content = m.get("content")
-            if isinstance(content, list):      # [{"type": "text", "text": ...}, ...]
-                if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
-                           for c in content):
-                    raise ApiError(400, f"messages[{i}].content parts must all be text", param="messages")
-                content = "".join(c["text"] for c in content)
-            if not isinstance(content, str):
-                raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
-            role = "system" if m["role"] == "developer" else m["role"]
-            parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
-        return "".join(parts) + "<|im_start|>assistant\n"
-
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        prompt = self.chat_prompt(body.get("messages"))
-        if _get(body, "n", int, 1) != 1:
-            raise ApiError(400, "only n = 1 is supported", param="n")
-        max_tokens = _get(body, "max_completion_tokens", int, None, 0, self.options.max_tokens_limit)
-        if max_tokens is None:
-            max_tokens = _get(body, "max_tokens", int, 256, 0, self.options.max_tokens_limit)
-        sampling = _sampling(body)
-        stop = _stops(body) + ["<|im_end|>"]
-        want_lp = _get(body, "logprobs", bool, False)
-        top_n = _get(body, "top_logprobs", int, 0, 0, 20)
-        if top_n and not want_lp:
-            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        stream = _get(body, "stream", bool, False)
-        include_usage = _stream_usage(body, stream)
+        asked = ChatRequest.from_json(await self._body(request), self.options.max_tokens_limit)
+        prompt, max_tokens, n_logprobs = asked.prompt, asked.max_tokens, asked.n_logprobs
+        stream, include_usage = asked.stream, asked.include_usage
         self._need(Capability.GENERATE, "chat completions")
-        n_logprobs = top_n if want_lp else None
         self._check_logprob_request(n_logprobs, echo=False)
         await self._check_prompts([prompt], "messages", False, max_tokens)
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:24]}"
         gone = threading.Event()
-        gen = dict(max_tokens=max_tokens, stop=stop, n_logprobs=n_logprobs, sampling=sampling, echo_scores=False,
-                   gone=gone)
+        gen = dict(max_tokens=max_tokens, stop=asked.stop, n_logprobs=n_logprobs, sampling=asked.sampling,
+                   echo_scores=False, gone=gone)
         await self._admit()
         try:
             if not stream:
@@ -869,10 +916,10 @@ class Server:
             gone.set()                      # a generation still running on a worker thread stops
             self._release()
         lp = None
-        if want_lp:
+        if n_logprobs is not None:
             lp = {"content": [{"token": piece, "logprob": v, "bytes": list(piece.encode("utf-8")),
                                "top_logprobs": [{"token": t, "logprob": x, "bytes": list(t.encode("utf-8"))}
-                                                for t, x in list((top or {}).items())[:top_n]]}
+                                                for t, x in list((top or {}).items())[:n_logprobs]]}
                               for piece, v, top in o.logprob_entries or []]}
         finish = o.finish_reason
         if not stream:

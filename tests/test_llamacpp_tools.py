@@ -193,3 +193,27 @@ def test_module_entry_point_prints_the_bin_folder_last():
                          cwd=REPO, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == str(bdir)
+
+
+def test_a_stamp_round_trips_and_a_bad_one_is_refused_naming_file_and_key(tmp_path):
+    """The stamp `ensure_built` writes reads back as the same keys in the same order; a malformed one
+    is refused naming the file and the key (read_stamp then treats the folder as unstamped)."""
+    stamp = llamacpp.BuildStamp(build_number=1, build_commit="b1", variant="cpu", flags=["-DX=1"],
+                                targets=["llama-server"], sdist="s.tar.gz", sdist_sha256="ab", build_seconds=2.5,
+                                fresh_build=False, built_at="2026-01-01T00:00:00Z")
+    doc = json.loads(json.dumps(stamp.to_json()))
+    assert list(doc) == ["build_number", "build_commit", "variant", "flags", "targets", "sdist", "sdist_sha256",
+                         "build_seconds", "fresh_build", "built_at"]
+    assert llamacpp.BuildStamp.from_json(doc, "x.json") == stamp
+    (tmp_path / llamacpp.STAMP).write_text(json.dumps(doc))
+    assert llamacpp.read_stamp(tmp_path) == stamp
+    with pytest.raises(llamacpp.StampError, match=r"^x\.json: key 'build_number' must be an integer, got '1'$"):
+        llamacpp.BuildStamp.from_json({**doc, "build_number": "1"}, "x.json")
+    with pytest.raises(llamacpp.StampError, match=r"^x\.json: key 'flags' must be a list of strings, got None$"):
+        llamacpp.BuildStamp.from_json({k: v for k, v in doc.items() if k != "flags"}, "x.json")
+    with pytest.raises(llamacpp.StampError, match=r"key 'targets' must be a list of strings, got \[1\]"):
+        llamacpp.BuildStamp.from_json({**doc, "targets": [1]}, "x.json")
+    with pytest.raises(llamacpp.StampError, match=r"^x\.json: expected a JSON object, got list$"):
+        llamacpp.BuildStamp.from_json([], "x.json")
+    (tmp_path / llamacpp.STAMP).write_text(json.dumps({**doc, "fresh_build": "no"}))
+    assert llamacpp.read_stamp(tmp_path) is None

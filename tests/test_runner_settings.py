@@ -13,7 +13,10 @@ from moebench.config import (COMMON_RUNNER_SCHEMA, RunnerSettings, load_runner, 
                              validate)
 from moebench.runners import runner_schemas
 from moebench.runners.base import GenerateRequest, RunnerError
-from moebench.runners.wire import CompletionBody, LlamaCompletionBody
+from moebench.runners.prompt_logprobs import PromptLogprobsBody
+from moebench.runners.sampled_logprobs import UNTRUNCATED, SampledLogprobsBody
+from moebench.runners.wire import (CompletionBody, DetokenizeBody, LlamaChoiceBody, LlamaCompletionBody,
+                                   LlamaTokenizeBody, VllmTokenizeBody)
 
 
 def _shipped() -> list[Path]:
@@ -79,3 +82,40 @@ def test_llama_completion_body_always_sends_temperature_and_asks_for_token_ids()
     assert body == {"prompt": [1, 2, 3], "n_predict": 7, "temperature": 0.0, "stop": [], "cache_prompt": True,
                     "return_tokens": True, "ignore_eos": False, "stream": True, "seed": 0, "top_k": 40,
                     "n_probs": 2, "timings_per_token": True}
+
+
+def test_log_prob_bodies_name_their_path_and_send_their_keys_in_order():
+    vllm = PromptLogprobsBody("vllm", "m", [5, 6], 3)
+    assert vllm.path == "/v1/completions"
+    assert list(vllm.to_json().items()) == [("model", "m"), ("prompt", [5, 6]), ("max_tokens", 1),
+                                            ("temperature", 0.0), ("prompt_logprobs", 3)]
+    assert PromptLogprobsBody("echo", "m", "ab", 2).to_json() == {
+        "model": "m", "prompt": "ab", "max_tokens": 0, "temperature": 0.0, "echo": True, "logprobs": 2,
+        "return_tokens_as_token_ids": True}
+    sglang = PromptLogprobsBody("sglang", "m", [1], 4, score_ids=(7, 8))
+    assert sglang.path == "/generate"
+    assert sglang.to_json() == {"input_ids": [1], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                                "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 4,
+                                "return_text_in_logprobs": False, "token_ids_logprob": [7, 8]}
+    assert "token_ids_logprob" not in PromptLogprobsBody("sglang", "m", [1], 4).to_json()
+    with pytest.raises(RunnerError, match="sglang prompt log-probs take token ids"):
+        PromptLogprobsBody("sglang", "m", "text", 4)
+    with pytest.raises(ValueError, match="prompt_logprobs mode 'none'"):
+        PromptLogprobsBody("none", "m", [1], 4)
+    sampled = SampledLogprobsBody("m", (1, 2), 3, 9, extra_body={"top_k": 0, "min_tokens": 3}).to_json()
+    assert list(sampled)[:7] == ["model", "prompt", "max_tokens", "seed", "logprobs",
+                                 "return_tokens_as_token_ids", "ignore_eos"]
+    assert sampled == {"model": "m", "prompt": [1, 2], "max_tokens": 3, "seed": 9, "logprobs": 1,
+                       "return_tokens_as_token_ids": True, "ignore_eos": True,
+                       **UNTRUNCATED, "top_k": 0, "min_tokens": 3}     # the profile's extra_body wins
+
+
+def test_tokenizer_and_choice_bodies_are_what_the_servers_read():
+    assert VllmTokenizeBody("m", "hi").to_json() == {"model": "m", "prompt": "hi", "add_special_tokens": False}
+    assert LlamaTokenizeBody("hi").to_json() == {"content": "hi", "add_special": False}
+    assert LlamaTokenizeBody("hi", True, parse_special=False).to_json() == {
+        "content": "hi", "add_special": True, "parse_special": False}
+    assert DetokenizeBody((3, 4)).to_json() == {"tokens": [3, 4]}
+    choice = LlamaChoiceBody("Q:", ("A", "\"")).to_json()
+    assert choice["grammar"] == 'root ::= "A" | "\\""'
+    assert choice["n_probs"] == 8 and choice["temperature"] == 1.0 and choice["top_k"] == 0

@@ -8,9 +8,12 @@ from __future__ import annotations
 import importlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from moebench.config import RunnerProfile, RunnerSchema
+
+if TYPE_CHECKING:
+    from moebench.runners.base import Runner
 
 # kind -> (module, class name)
 RUNNER_KINDS: dict[str, tuple[str, str]] = {
@@ -62,7 +65,8 @@ def load_runner_profile(path: str | os.PathLike[str]) -> RunnerProfile:
     return load_runner(path, runner_schemas())
 
 
-def make_runner(profile: RunnerProfile) -> Any:
+def make_runner(profile: RunnerProfile) -> Runner:
+    """The profile's kind's runner over its typed settings (not started)."""
     check_kind_installed(profile.kind, profile.path or profile.name)
     module, cls = RUNNER_KINDS[profile.kind]
     runner_cls = getattr(importlib.import_module(module), cls)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NotRequired, TypedDict
 
 from moebench.config import RunnerSettings
+from moebench.json_types import JsonObject
+from moebench.runners.identity import EngineTelemetry, RunnerIdentity
 
 
 class Capability:
@@ -130,6 +132,23 @@ class CountMismatch:
                 "client_source": self.client_source, "allowed": list(self.allowed)}
 
 
+class RecordFields(TypedDict):
+    """GenerateResult.to_record_fields(): the reply's fields every task copies into its record
+    (docs/schema.md items.jsonl), the optional ones present only where the reply had them."""
+
+    output: str
+    output_token_ids: list[int] | None
+    prompt_tokens: int | None
+    output_tokens: int | None
+    finish_reason: str | None
+    timings: NotRequired[ServerTimings]
+    endpoint: NotRequired[str]
+    reasoning: NotRequired[str]
+    reasoning_tokens: NotRequired[int | None]
+    output_tokens_source: NotRequired[str]
+    server_count_mismatch: NotRequired[dict[str, str | int | list[int] | None]]
+
+
 @dataclass
 class GenerateResult:
     """What came back for one request.
@@ -159,9 +178,9 @@ class GenerateResult:
     # The server's output count and the client's, where they disagree beyond the tolerance.
     server_count_mismatch: CountMismatch | None = None
 
-    def to_record_fields(self) -> dict[str, Any]:
+    def to_record_fields(self) -> RecordFields:
         """The fields every task copies into its record."""
-        out = {
+        out: RecordFields = {
             "output": self.text,
             "output_token_ids": self.token_ids,
             "prompt_tokens": self.prompt_tokens,
@@ -192,7 +211,7 @@ class Runner:
     # the kind's typed profile settings (each kind subclasses RunnerSettings with its keys)
     settings_class: type[RunnerSettings] = RunnerSettings
 
-    def __init__(self, settings: RunnerSettings | Mapping[str, Any], profile_path: str | None = None,
+    def __init__(self, settings: RunnerSettings | JsonObject, profile_path: str | None = None,
                  name: str | None = None):
         """`settings`: the kind's settings, or a table of its keys (missing ones take their defaults);
         `name`: the profile's label (a table may carry it as "name")."""
@@ -218,13 +237,13 @@ class Runner:
         """Run a little work before the measured idle window, so the backend is warm (compiled kernels,
         captured graphs, clocks up) when the run measures its idle draw. A no-op by default."""
 
-    def telemetry(self) -> dict[str, Any] | None:
+    def telemetry(self) -> EngineTelemetry | None:
         """What the backend measured about itself over the run (the engine: torch memory per phase,
         tier counters, the decode path it chose), for the manifest's "engine" key; None when nothing."""
         return None
 
     # -- identity -------------------------------------------------------------------------------
-    def identity(self) -> dict[str, Any]:
+    def identity(self) -> RunnerIdentity:
         """Model and build identity for the manifest: {"model": {...}, "build": {...}}."""
         return {"model": {"name": getattr(self.settings, "model", None)}, "build": {}}
 

@@ -12,9 +12,11 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, NotRequired, TypedDict
+from typing import Any
 
 from moebench.config import MAX_CLIENTS, MAX_PROMPT_TOKENS, ProfileError, RunnerSettings, positive, setting
+from moebench.json_types import JsonObject
+from moebench.runners.identity import DecodeChoice, EngineBuild, EngineModel, EngineTelemetry, ModelHash, RunnerIdentity
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
 from moebench.scoring.answers import first_stop
 
@@ -65,17 +67,7 @@ def _resolve_device(name: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class DecodeChoice(TypedDict):
-    """One decode choice of the engine runner as the manifest records it (build.choices): a JSON
-    object, so it is a TypedDict; `runs` and `mode` are added once the engine is loaded."""
-
-    value: bool | str
-    why: str
-    runs: NotRequired[bool]             # cuda_graphs, prefetch_host: whether the loaded engine does it
-    mode: NotRequired[str | None]       # cuda_graphs: the engine's graph mode (None: no graphs)
-
-
-def decode_choices(profile: EngineSettings | Mapping[str, Any], device: str) -> dict[str, DecodeChoice]:
+def decode_choices(profile: EngineSettings | JsonObject, device: str) -> dict[str, DecodeChoice]:
     """The decode path for this profile on this device: each choice's value and why. The fast path
     is the default where the device has it (CUDA: bf16, fused Triton kernels, CUDA graphs,
     decode-ahead; prefetch for tiered artifacts, prefetch_choices); a key set in the profile wins."""
@@ -112,7 +104,7 @@ def offloaded_homes(model_path: str | Path) -> list[str]:
     return sorted({h for row in Plan.load(plan).home for h in row} - {"gpu"})
 
 
-def prefetch_choices(profile: EngineSettings | Mapping[str, Any], device: str, experts_impl: str,
+def prefetch_choices(profile: EngineSettings | JsonObject, device: str, experts_impl: str,
                      offloaded: list[str]) -> dict[str, DecodeChoice]:
     """prefetch_host and prefetch_early, each value and why. "auto" (the default) turns both on where
     prefetch from the attention input measured faster than no prefetch: CUDA, the fused Triton
@@ -157,7 +149,7 @@ def prefetch_choices(profile: EngineSettings | Mapping[str, Any], device: str, e
     return out
 
 
-def _model_hash(path: Path) -> dict[str, Any]:
+def _model_hash(path: Path) -> ModelHash:
     """A content hash over the files that define the model (weights, config, plan, tokenizer)."""
     h = hashlib.sha256()
     files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".json") and p.is_file())
@@ -203,7 +195,7 @@ class EngineRunner(Runner):
     settings_class = EngineSettings
     settings: EngineSettings
 
-    def __init__(self, settings: EngineSettings | Mapping[str, Any], profile_path: str | None = None,
+    def __init__(self, settings: EngineSettings | JsonObject, profile_path: str | None = None,
                  name: str | None = None):
         super().__init__(settings, profile_path, name)
         self.model_path = Path(self.settings.model)
@@ -285,11 +277,11 @@ class EngineRunner(Runner):
         self.warmup_s = time.perf_counter() - t0
         eng.reset_telemetry()
 
-    def telemetry(self) -> dict[str, Any] | None:
+    def telemetry(self) -> EngineTelemetry | None:
         if self.engine is None:
             return None
-        out = {"choices": self.choices, "load_s": getattr(self, "load_s", None),
-               "warmup_s": getattr(self, "warmup_s", None), **self.engine.telemetry()}
+        out: EngineTelemetry = {"choices": self.choices, "load_s": getattr(self, "load_s", None),
+                                "warmup_s": getattr(self, "warmup_s", None), **self.engine.telemetry()}
         tm = out.get("torch_memory") or {}
         if tm.get("available"):      # the key compare's memory section reads beside NVML's figures
             out["torch_peak_allocated_bytes"] = tm.get("peak_allocated_bytes")
@@ -299,20 +291,21 @@ class EngineRunner(Runner):
     async def close(self) -> None:
         self.engine = None
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self) -> RunnerIdentity:
         import torch
-        model = {"path": str(self.model_path), **_model_hash(self.model_path),
-                 "tiered": (self.model_path / "plan.json").is_file()}
+        model: EngineModel = {"path": str(self.model_path), **_model_hash(self.model_path),
+                              "tiered": (self.model_path / "plan.json").is_file()}
         try:
             model["config"] = json.loads((self.model_path / "config.json").read_text()).get("model_type")
         except (OSError, ValueError):
             pass
-        build = {"engine": "moebench", "torch": torch.__version__, "device": self.device,
-                 "dtype": self.choices["dtype"]["value"], "choices": self.choices}
-        if self.settings.int8_activations is True:        # changes the numbers: part of what was run
-            build["int8_activations"] = True
-        # every decode switch and launch table of the engine (moebench.engine.decode_config)
-        build["decode"] = self.decode.identity()
+        build: EngineBuild = {
+            "engine": "moebench", "torch": torch.__version__, "device": self.device,
+            "dtype": self.choices["dtype"]["value"], "choices": self.choices,
+            # changes the numbers: part of what was run
+            **({"int8_activations": True} if self.settings.int8_activations is True else {}),
+            # every decode switch and launch table of the engine (moebench.engine.decode_config)
+            "decode": self.decode.identity()}
         return {"model": model, "build": build}
 
     def _decode_config(self):

@@ -31,11 +31,12 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 import httpx
 
+from moebench.json_types import JsonObject
 from moebench.config import (MAX_RESPONSE_BYTES, MAX_SECONDS, MAX_VOCAB, ProfileError, RunnerSettings, positive,
                              setting)
 from moebench.runners import prompt_logprobs as prompt_lp
@@ -45,7 +46,8 @@ from moebench.runners.base import (DEFAULT_REQUEST_DEADLINE_S, Capability, Deadl
                                    GenerateResult, Runner, RunnerError, ServerTimings, Unreachable)
 from moebench.scoring.answers import first_stop
 from moebench.runners.metrics import parse_prometheus
-from moebench.runners.wire import CompletionBody
+from moebench.runners.identity import RunnerIdentity
+from moebench.runners.wire import CompletionBody, LlamaTokenizeBody, VllmTokenizeBody, WireBody
 from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, ConnectError, ConnectTimeout, TransportError,
                                         bounded_lines, describe, read_bounded, response_limit, retry_after_s,
                                         transport_error)
@@ -115,7 +117,7 @@ class HttpSettings(RunnerSettings):
                                        doc="the server also scores given token ids at each position (SGLang's "
                                            "token_ids_logprob): a candidate asks for the baseline's top-K ids")
     token_prompts: bool = setting(bool, default=False, doc="the server accepts token-id prompts")
-    extra_body: dict[str, Any] = setting(dict, default=dict, doc="extra JSON fields sent with every request")
+    extra_body: JsonObject = setting(dict, default=dict, doc="extra JSON fields sent with every request")
     max_stop: int = setting(int, default=4, check=positive, low=1, high=1_024,
                             doc="stop strings the server accepts per request (OpenAI and vLLM: 4); the rest "
                                 "are applied to the returned text")
@@ -138,7 +140,7 @@ class HttpRunner(Runner):
     settings_class = HttpSettings
     settings: HttpSettings
 
-    def __init__(self, settings: HttpSettings | Mapping[str, Any], profile_path: str | None = None,
+    def __init__(self, settings: HttpSettings | JsonObject, profile_path: str | None = None,
                  name: str | None = None):
         super().__init__(settings, profile_path, name)
         s = self.settings
@@ -245,19 +247,20 @@ class HttpRunner(Runner):
         return found
 
     @contextlib.asynccontextmanager
-    async def _open(self, method: str, url: str, body: dict[str, Any] | None = None) -> AsyncIterator[Any]:
+    async def _open(self, method: str, url: str, body: WireBody | None = None) -> AsyncIterator[Any]:
         """An open response to `method url`, redirects not followed; aiohttp's failures while asking or
         reading come out as TransportError subclasses (ConnectError, ReadTimeout...)."""
         client = await self._session()
         proxy, proxy_auth = self._proxy(url)
         try:
-            async with client.request(method, url, json=body, allow_redirects=False, proxy=proxy,
+            async with client.request(method, url, json=body.to_json() if body is not None else None,
+                                      allow_redirects=False, proxy=proxy,
                                       proxy_auth=proxy_auth) as resp:
                 yield resp
         except aiohttp.ClientError as e:
             raise transport_error(e, method, url, self.connect_timeout_s, self.read_timeout_s) from None
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self) -> RunnerIdentity:
         return {"model": {"name": self.model, "endpoints": self.base_urls, "api": self.api}, "build": {}}
 
     # -- plumbing --------------------------------------------------------------------------------
@@ -322,14 +325,14 @@ class HttpRunner(Runner):
         error = Unreachable if never_connected else RunnerError
         raise error(f"gave up after {self.retries + 1} attempts: {last}")
 
-    async def _post(self, url: str, body: dict[str, Any], limit: int) -> bytes:
+    async def _post(self, url: str, body: WireBody, limit: int) -> bytes:
         """POST and read the whole reply within `limit` bytes; HttpStatus for an HTTP error status.
         What `_open` does, written out: this is every non-streamed request's path, and the context
         manager's generator would cost more than the rest of this function."""
         client = await self._session()
         proxy, proxy_auth = self._proxy(url)
         try:
-            async with client.request("POST", url, json=body, allow_redirects=False, proxy=proxy,
+            async with client.request("POST", url, json=body.to_json(), allow_redirects=False, proxy=proxy,
                                       proxy_auth=proxy_auth) as resp:
                 raw = await read_bounded(resp, limit, url)
                 if not 200 <= resp.status < 300:            # only a 2xx reply is an answer
@@ -340,10 +343,9 @@ class HttpRunner(Runner):
 
     # -- requests --------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        wire = CompletionBody.of(request, model=self.model, api=self.api, max_stop=self.max_stop,
+        body = CompletionBody.of(request, model=self.model, api=self.api, max_stop=self.max_stop,
                                  extra_body=self.extra_body)
-        path = wire.path
-        body = wire.to_json()
+        path = body.path
         limit = response_limit(request.max_tokens, request.top_logprobs, self.max_response_bytes)
 
         async def call(url: str) -> GenerateResult:
@@ -382,7 +384,7 @@ class HttpRunner(Runner):
         else:
             result.output_tokens_source = client.source
 
-    async def _stream(self, url: str, body: dict[str, Any], base: str,
+    async def _stream(self, url: str, body: CompletionBody, base: str,
                       on_text: Callable[[str], None] | None, limit: int) -> GenerateResult:
         t0 = time.perf_counter()
         texts: list[str] = []
@@ -505,8 +507,10 @@ class HttpRunner(Runner):
                                   "`tokenizer` to send them as text")
             prompt = self.local_tokenizer.decode(ids)
         k = int(top_k or self.prompt_logprobs_k)
-        path, body = prompt_lp.request(mode, self.model, prompt, k,
-                                       score_ids if Capability.PROMPT_LOGPROB_IDS in self.capabilities else None)
+        body = prompt_lp.PromptLogprobsBody(
+            mode, self.model, prompt, k,
+            tuple(score_ids or ()) if Capability.PROMPT_LOGPROB_IDS in self.capabilities else ())
+        path = body.path
         piece_map = self.local_tokenizer.id_of_piece if self.local_tokenizer is not None else None
 
         # Bounded like any reply: K alternatives at every prompt position (K = the vocabulary needs
@@ -529,7 +533,7 @@ class HttpRunner(Runner):
         """A seeded temperature-1 sample without truncation and its log-probs (moebench.runners.sampled_logprobs)."""
         if Capability.SAMPLED_LOGPROBS not in self.capabilities:
             raise RunnerError("sampling with log-probs needs `token_prompts = true` and api = \"completions\"")
-        body = {**sampled_lp.request(self.model, prompt_ids, max_tokens, seed), **self.extra_body}
+        body = sampled_lp.SampledLogprobsBody(self.model, tuple(prompt_ids), max_tokens, seed, self.extra_body)
         limit = response_limit(max_tokens, 1, self.max_response_bytes)
 
         async def call(url: str) -> tuple[list[int], list[float]]:
@@ -544,8 +548,8 @@ class HttpRunner(Runner):
         if self.tokenize_form == "none":
             assert self.local_tokenizer is not None
             return self.local_tokenizer.encode(text)
-        form = ({"model": self.model, "prompt": text, "add_special_tokens": False} if self.tokenize_form == "vllm"
-                else {"content": text, "add_special": False})
+        form: WireBody = (VllmTokenizeBody(self.model, text) if self.tokenize_form == "vllm"
+                          else LlamaTokenizeBody(text))
 
         async def call(url: str) -> list[int]:
             root = url[:-3] if url.endswith("/v1") else url

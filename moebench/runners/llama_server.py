@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import contextlib
 
@@ -36,6 +36,7 @@ import aiohttp
 from moebench import jsonout
 from moebench.config import (MAX_CLIENTS, MAX_PROMPT_TOKENS, MAX_RESPONSE_BYTES, MAX_SECONDS, ProfileError,
                              RunnerSettings, non_negative, positive, setting)
+from moebench.json_types import JsonObject, JsonValue
 from moebench.gguf_header import FILE_TYPE_NAMES, GgufFormatError, read_gguf
 from moebench.runners import reply_checks
 from moebench.runners.base import (DEFAULT_REQUEST_DEADLINE_S, SERVERLESS, Capability, DeadlineExceeded,
@@ -43,7 +44,9 @@ from moebench.runners.base import (DEFAULT_REQUEST_DEADLINE_S, SERVERLESS, Capab
 from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, ConnectTimeout, ReadTimeout, RemoteProtocolError,
                                         TransportError, bounded_lines, describe, read_bounded, response_limit,
                                         transport_error)
-from moebench.runners.wire import LlamaCompletionBody
+from moebench.runners.identity import GgufModel, GgufSummary, GgufUnreadable, LlamaBuild, RunnerIdentity
+from moebench.runners.wire import (DetokenizeBody, LlamaChoiceBody, LlamaCompletionBody, LlamaTokenizeBody,
+                                   WireBody)
 from moebench.store import now_iso, open_append
 from moebench.tools import llama_args, llamacpp
 from moebench.tools.binary_probe import PROBE, ProbeError
@@ -254,7 +257,7 @@ def file_sha256(path: Path) -> str:
     return digest
 
 
-def gguf_metadata(path: Path) -> dict[str, Any]:
+def gguf_metadata(path: Path) -> GgufSummary | GgufUnreadable:
     """Architecture, name, file type and parameter count of a GGUF (an "error" key if unreadable)."""
     try:
         gguf = read_gguf(path, arrays="lengths")
@@ -263,7 +266,7 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
     meta = gguf.metadata
     arch = meta.get("general.architecture")
     file_type = meta.get("general.file_type")
-    out: dict[str, Any] = {
+    out: GgufSummary = {
         "architecture": arch,
         "name": meta.get("general.name"),
         "file_type": file_type,
@@ -275,11 +278,12 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
     if arch:
         for key in ("expert_count", "expert_used_count", "block_count", "context_length", "embedding_length"):
             if f"{arch}.{key}" in meta:
-                out[key] = meta[f"{arch}.{key}"]
+                out[key] = meta[f"{arch}.{key}"]           # type: ignore[literal-required]  # a key of GgufSummary
     return out
 
 
-def _json_object(raw: bytes, where: str) -> dict[str, Any]:
+def _json_object(raw: bytes, where: str) -> JsonObject:
+    """A reply parsed, checked to be a JSON object (its fields are checked where they are read)."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -300,7 +304,7 @@ class LlamaServerRunner(Runner):
     settings_class = LlamaServerSettings
     settings: LlamaServerSettings
 
-    def __init__(self, settings: LlamaServerSettings | Mapping[str, Any], profile_path: str | None = None,
+    def __init__(self, settings: LlamaServerSettings | JsonObject, profile_path: str | None = None,
                  name: str | None = None):
         super().__init__(settings, profile_path, name)
         # A profile that names its binary is a candidate build: its KLD uses that build's tools.
@@ -335,7 +339,7 @@ class LlamaServerRunner(Runner):
         self._generation = 0              # bumped on every (re)start; requests note it when sent
         self._restart_lock: asyncio.Lock | None = None
         self._gave_up: str | None = None
-        self._identity: dict[str, Any] | None = None
+        self._identity: RunnerIdentity | None = None
         self._plan: PerplexityPlan | None = None
         self.server_started = False
 
@@ -517,20 +521,21 @@ class LlamaServerRunner(Runner):
                                 "new_pid": self.proc.pid if self.proc else None})
 
     @contextlib.asynccontextmanager
-    async def _open(self, method: str, path: str, body: dict[str, Any] | None = None,
+    async def _open(self, method: str, path: str, body: WireBody | None = None,
                     timeout_s: float | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
         """An open response to `method path` on the managed server; aiohttp's failures while asking or
         reading (inside the block too) come out as TransportError subclasses (ConnectError, ReadTimeout...)."""
         url = f"{self.base_url}{path}"
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
         try:
-            async with self._client_for_loop().request(method, url, json=body, allow_redirects=False,
+            async with self._client_for_loop().request(method, url, json=body.to_json() if body is not None else None,
+                                                       allow_redirects=False,
                                                        **({"timeout": timeout} if timeout else {})) as resp:
                 yield resp
         except aiohttp.ClientError as e:
             raise transport_error(e, method, url, CONNECT_TIMEOUT_S, float(self.settings.request_timeout_s)) from None
 
-    async def _post_json(self, path: str, body: dict[str, Any]) -> Any:
+    async def _post_json(self, path: str, body: WireBody) -> JsonObject:
         """POST a small request and read its JSON reply (bounded), after checking the status."""
         async with self._open("POST", path, body) as r:
             raw = await read_bounded(r, int(self.settings.max_response_bytes), f"llama-server {path}")
@@ -593,7 +598,7 @@ class LlamaServerRunner(Runner):
             out.append(d)
         return out
 
-    def _result(self, final: dict[str, Any], request: GenerateRequest, *, text: Any, ids: Any, probs: Any,
+    def _result(self, final: JsonObject, request: GenerateRequest, *, text: Any, ids: Any, probs: Any,
                 times: list[float] | None, wall: float) -> GenerateResult:
         """The result of one /completion reply (`final`: the reply, or a stream's last event), every
         count, timing and log-prob checked (moebench.runners.reply_checks)."""
@@ -636,12 +641,12 @@ class LlamaServerRunner(Runner):
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         if isinstance(request.prompt, list) and not all(isinstance(t, int) for t in request.prompt):
             raise RunnerError("a token prompt must be a list of ints")
-        payload = LlamaCompletionBody.of(request).to_json()
+        payload = LlamaCompletionBody.of(request)
         if request.stream:
             return await self._with_restarts(lambda: self._generate_stream(payload, request))
         return await self._with_restarts(lambda: self._generate_once(payload, request))
 
-    async def _generate_once(self, payload: dict[str, Any], request: GenerateRequest) -> GenerateResult:
+    async def _generate_once(self, payload: LlamaCompletionBody, request: GenerateRequest) -> GenerateResult:
         t0 = time.perf_counter()
         async with self._open("POST", "/completion", payload) as r:
             raw = await read_bounded(r, self._limit(request), "llama-server /completion")
@@ -654,14 +659,14 @@ class LlamaServerRunner(Runner):
         return self._result(data, request, text=data.get("content", ""), ids=data.get("tokens") or [],
                             probs=data.get("completion_probabilities"), times=None, wall=wall)
 
-    async def _generate_stream(self, payload: dict[str, Any], request: GenerateRequest) -> GenerateResult:
+    async def _generate_stream(self, payload: LlamaCompletionBody, request: GenerateRequest) -> GenerateResult:
         """SSE: one `data:` event per generated token; record when each arrives."""
         t0 = time.perf_counter()
         text: list[str] = []
         ids: list[int] = []
         times: list[float] = []
-        probs: list[dict[str, Any]] = []
-        final: dict[str, Any] = {}
+        probs: list[JsonValue] = []             # as the server sent them: _result checks them
+        final: JsonObject = {}
         async with self._open("POST", "/completion", payload) as r:
             if r.status != 200:
                 self._check_status(r, await read_bounded(r, self._limit(request), "llama-server /completion"))
@@ -714,10 +719,7 @@ class LlamaServerRunner(Runner):
         model's probabilities renormalised over them (ratios kept; checked against n_probs = vocab)."""
         if not choices:
             return {}, "renormalized"
-        grammar = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-        payload = {"prompt": prompt, "n_predict": 1, "n_probs": 4 * len(choices), "post_sampling_probs": True,
-                   "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0,
-                   "seed": 0, "cache_prompt": True, "grammar": grammar}
+        payload = LlamaChoiceBody(prompt, tuple(choices))
 
         async def call() -> dict[str, float | None]:
             where = f"{self.base_url}/completion"
@@ -757,14 +759,13 @@ class LlamaServerRunner(Runner):
     async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         """Token ids of `text` (no BOS unless `add_special`; special-token text is not parsed)."""
         async def call() -> list[int]:
-            data = await self._post_json("/tokenize", {"content": text, "add_special": add_special,
-                                                       "parse_special": False})
+            data = await self._post_json("/tokenize", LlamaTokenizeBody(text, add_special, parse_special=False))
             return [int(t) for t in data["tokens"]]
         return await self._with_restarts(call, "/tokenize")
 
     async def detokenize(self, token_ids: list[int]) -> str:
         async def call() -> str:
-            return (await self._post_json("/detokenize", {"tokens": list(token_ids)}))["content"]
+            return (await self._post_json("/detokenize", DetokenizeBody(tuple(token_ids))))["content"]
         return await self._with_restarts(call, "/detokenize")
 
     # -- KLD through llama-perplexity -----------------------------------------------------------
@@ -804,21 +805,23 @@ class LlamaServerRunner(Runner):
         return self._plan
 
     # -- identity -------------------------------------------------------------------------------
-    def identity(self) -> dict[str, Any]:
+    def identity(self) -> RunnerIdentity:
         if self._identity is None:
             p = self.model_path
-            model: dict[str, Any] = {"path": str(p.resolve()), "name": p.name,
-                                     "size_bytes": p.stat().st_size, "sha256": file_sha256(p)}
+            model: GgufModel = {"path": str(p.resolve()), "name": p.name,
+                                "size_bytes": p.stat().st_size, "sha256": file_sha256(p)}
             meta = gguf_metadata(p)
             if meta is not None:
                 model["gguf"] = meta
             try:
                 binary = self.binary or llamacpp.tool(self.settings.binary)
-                build = {"kind": "llama.cpp", **llamacpp.build_info(binary)}
+                build: LlamaBuild = {"kind": "llama.cpp", **llamacpp.build_info(binary)}
             except llamacpp.ToolError as e:
                 build = {"kind": "llama.cpp", "error": str(e)}
             self._identity = {"model": model, "build": build}
-        ident = json.loads(jsonout.dumps(self._identity))
-        ident["build"]["server_args"] = self.command(self.port or 0)[1:] if self.binary and self.server_started else None
-        ident["build"]["server_started"] = self.server_started
-        return ident
+        # a copy the caller may change, with the server's state now
+        model_now: GgufModel = json.loads(jsonout.dumps(self._identity["model"]))
+        build_now: LlamaBuild = json.loads(jsonout.dumps(self._identity["build"]))
+        build_now["server_args"] = self.command(self.port or 0)[1:] if self.binary and self.server_started else None
+        build_now["server_started"] = self.server_started
+        return {"model": model_now, "build": build_now}

@@ -32,8 +32,10 @@ Shapes, field for field:
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Callable
 
+from moebench.json_types import JsonObject
 from moebench.runners import reply_checks
 from moebench.runners.base import RunnerError
 
@@ -42,25 +44,40 @@ Row = "tuple[float, dict[int, float]] | None"
 _TOKEN_ID = re.compile(r"^token_id:(-?\d+)$")
 
 
-def request(mode: str, model: str, prompt: list[int] | str, k: int,
-            score_ids: list[int] | None = None) -> tuple[str, dict[str, Any]]:
-    """(path relative to the server root, JSON body) asking for the prompt's log-probs."""
-    if mode == "vllm":
-        return "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-                                   "prompt_logprobs": k}
-    if mode == "echo":
-        return "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 0, "temperature": 0.0,
-                                   "echo": True, "logprobs": k, "return_tokens_as_token_ids": True}
-    if mode == "sglang":
-        if not isinstance(prompt, list):
+@dataclass(frozen=True, slots=True)
+class PromptLogprobsBody:
+    """The request asking for a prompt's log-probs in one of the MODES' forms (`path`: relative to the
+    server root); `score_ids` are fixed ids scored at every position (sglang only)."""
+
+    mode: str
+    model: str
+    prompt: list[int] | str
+    k: int
+    score_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES[1:]:
+            raise ValueError(f"prompt_logprobs mode {self.mode!r} (expected one of {', '.join(MODES[1:])})")
+        if self.mode == "sglang" and not isinstance(self.prompt, list):
             raise RunnerError("sglang prompt log-probs take token ids")
-        body: dict[str, Any] = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-                                "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": k,
-                                "return_text_in_logprobs": False}
-        if score_ids:
-            body["token_ids_logprob"] = list(score_ids)
-        return "/generate", body
-    raise ValueError(f"prompt_logprobs mode {mode!r} (expected one of {', '.join(MODES[1:])})")
+
+    @property
+    def path(self) -> str:
+        return "/generate" if self.mode == "sglang" else "/v1/completions"
+
+    def to_json(self) -> JsonObject:
+        if self.mode == "vllm":
+            return {"model": self.model, "prompt": self.prompt, "max_tokens": 1, "temperature": 0.0,
+                    "prompt_logprobs": self.k}
+        if self.mode == "echo":
+            return {"model": self.model, "prompt": self.prompt, "max_tokens": 0, "temperature": 0.0,
+                    "echo": True, "logprobs": self.k, "return_tokens_as_token_ids": True}
+        body: JsonObject = {"input_ids": self.prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                            "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": self.k,
+                            "return_text_in_logprobs": False}
+        if self.score_ids:
+            body["token_ids_logprob"] = list(self.score_ids)
+        return body
 
 
 def _float(v: Any, where: str) -> float:
@@ -68,7 +85,8 @@ def _float(v: Any, where: str) -> float:
     return reply_checks.logprob(v, "log-prob", where)
 
 
-def _choice(data: Any, where: str) -> dict[str, Any]:
+def _choice(data: Any, where: str) -> JsonObject:
+    """choices[0] of a reply just parsed, checked to be an object (its fields are checked by the caller)."""
     if not isinstance(data, dict):
         raise RunnerError(f"{where}: response is not a JSON object")
     if "error" in data and "choices" not in data:

@@ -28,8 +28,10 @@ text without ids, is an error saying which.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
+from moebench.json_types import JsonObject
 from moebench.runners import reply_checks
 from moebench.runners.base import RunnerError
 
@@ -41,10 +43,26 @@ UNTRUNCATED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "typ
                "repeat_penalty": 1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0}
 
 
-def request(model: str, prompt: list[int], max_tokens: int, seed: int) -> dict[str, Any]:
-    """The /v1/completions body sampling `max_tokens` tokens after `prompt` with their log-probs."""
-    return {"model": model, "prompt": list(prompt), "max_tokens": int(max_tokens), "seed": int(seed),
-            "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True, **UNTRUNCATED}
+@dataclass(frozen=True, slots=True)
+class SampledLogprobsBody:
+    """The /v1/completions body sampling `max_tokens` tokens after `prompt` with their log-probs; the
+    profile's `extra_body` keys come last and win, as with every request."""
+
+    model: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    seed: int
+    extra_body: JsonObject = field(default_factory=dict)
+
+    def to_json(self) -> JsonObject:
+        return {"model": self.model, "prompt": list(self.prompt), "max_tokens": int(self.max_tokens),
+                "seed": int(self.seed), "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True,
+                **UNTRUNCATED, **self.extra_body}
+
+
+def request(model: str, prompt: list[int], max_tokens: int, seed: int) -> JsonObject:
+    """The body without profile keys, as sent (SampledLogprobsBody's JSON)."""
+    return SampledLogprobsBody(model, tuple(prompt), max_tokens, seed).to_json()
 
 
 def _lp(v: Any, where: str) -> float:

@@ -3,18 +3,32 @@ the runner's settings, and becomes JSON once, at the wire (`to_json`).
 
 - `CompletionBody`: OpenAI's `/v1/completions` and `/v1/chat/completions` (runners/http.py).
 - `LlamaCompletionBody`: llama-server's native `/completion` (runners/llama_server.py).
+- `LlamaChoiceBody`: a one-token `/completion` constrained by a grammar to given choices.
+- `VllmTokenizeBody`, `LlamaTokenizeBody`, `DetokenizeBody`: the tokenizer endpoints.
+- The prompt and sampled log-prob requests live beside their parsers (runners/prompt_logprobs.py,
+  runners/sampled_logprobs.py).
+
+Every body satisfies `WireBody`: the runners' POST helpers take it and call `to_json` at the send.
 
 An optional field left None is not sent, so the server's own default applies.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
+from moebench.json_types import JsonObject, JsonValue
 from moebench.runners.base import GenerateRequest, RunnerError
 
 
-def _put_set(body: dict[str, Any], **fields: Any) -> None:
+class WireBody(Protocol):
+    """A request body: a typed object that becomes JSON once, when it is sent."""
+
+    def to_json(self) -> JsonObject: ...
+
+
+def _put_set(body: JsonObject, **fields: JsonValue) -> None:
     """Add each field that is set, in order: one left None is not sent (the server's default applies)."""
     for key, value in fields.items():
         if value is not None:
@@ -38,11 +52,11 @@ class CompletionBody:
     ignore_eos: bool = False               # vLLM and llama-server both accept it
     cache_prompt: bool = True              # False is sent (llama-server's key; others ignore unknown keys)
     stream: bool = False
-    extra_body: dict[str, Any] = field(default_factory=dict)   # the profile's, sent with every request
+    extra_body: JsonObject = field(default_factory=dict)   # the profile's free-form keys, sent with every request
 
     @classmethod
     def of(cls, req: GenerateRequest, *, model: str, api: str, max_stop: int,
-           extra_body: dict[str, Any]) -> "CompletionBody":
+           extra_body: JsonObject) -> "CompletionBody":
         if api == "chat" and not isinstance(req.prompt, str):
             raise RunnerError("the chat API takes text prompts only")
         return cls(model=model, api=api, prompt=req.prompt, max_tokens=req.max_tokens,
@@ -55,8 +69,8 @@ class CompletionBody:
         """The endpoint below the base URL's /v1."""
         return "/chat/completions" if self.api == "chat" else "/completions"
 
-    def to_json(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens, "temperature": self.temperature}
+    def to_json(self) -> JsonObject:
+        body: JsonObject = {"model": self.model, "max_tokens": self.max_tokens, "temperature": self.temperature}
         _put_set(body, seed=self.seed, top_p=self.top_p, top_k=self.top_k)
         if self.stop:
             body["stop"] = list(self.stop)
@@ -103,8 +117,8 @@ class LlamaCompletionBody:
                    cache_prompt=req.cache_prompt, ignore_eos=req.ignore_eos, stream=req.stream, seed=req.seed,
                    top_p=req.top_p, top_k=req.top_k, n_probs=req.top_logprobs)
 
-    def to_json(self) -> dict[str, Any]:
-        payload: dict[str, Any] = {
+    def to_json(self) -> JsonObject:
+        payload: JsonObject = {
             "prompt": self.prompt,
             "n_predict": self.n_predict,
             "temperature": self.temperature,
@@ -120,3 +134,54 @@ class LlamaCompletionBody:
         if self.stream:
             payload["timings_per_token"] = True
         return payload
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaChoiceBody:
+    """A one-token llama-server `/completion` whose grammar allows only `choices`, at temperature 1 without
+    truncation, asking the post-sampling probabilities of 4 alternatives per choice: the model's
+    probabilities renormalised over the choices."""
+
+    prompt: str | list[int]
+    choices: tuple[str, ...]
+
+    def to_json(self) -> JsonObject:
+        grammar = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choices)
+        return {"prompt": self.prompt, "n_predict": 1, "n_probs": 4 * len(self.choices), "post_sampling_probs": True,
+                "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0,
+                "seed": 0, "cache_prompt": True, "grammar": grammar}
+
+
+@dataclass(frozen=True, slots=True)
+class VllmTokenizeBody:
+    """vLLM's `/tokenize` (at the server root): the text's ids without special tokens."""
+
+    model: str
+    prompt: str
+
+    def to_json(self) -> JsonObject:
+        return {"model": self.model, "prompt": self.prompt, "add_special_tokens": False}
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaTokenizeBody:
+    """llama-server's `/tokenize`; `parse_special` None is not sent (the server's default applies)."""
+
+    content: str
+    add_special: bool = False
+    parse_special: bool | None = None
+
+    def to_json(self) -> JsonObject:
+        body: JsonObject = {"content": self.content, "add_special": self.add_special}
+        _put_set(body, parse_special=self.parse_special)
+        return body
+
+
+@dataclass(frozen=True, slots=True)
+class DetokenizeBody:
+    """llama-server's `/detokenize`: token ids back to text."""
+
+    tokens: tuple[int, ...]
+
+    def to_json(self) -> JsonObject:
+        return {"tokens": list(self.tokens)}

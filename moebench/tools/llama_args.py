@@ -27,8 +27,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from moebench.json_types import JsonObject
 from moebench.tools.binary_probe import PROBE, ProbeError
 
 # Exact names of flags that do not change the log-probs of a teacher-forced pass (llama.cpp b11434,
@@ -214,6 +214,7 @@ class PerplexityPlan:
     dropped: list[str]            # the profile's flags left out (server-only, sampling, context)
     server_binary: str | None = None
 
-    def as_record(self) -> dict[str, Any]:
+    def as_record(self) -> JsonObject:
+        """The plan as the KLD task writes it into llama_perplexity.json."""
         return {"binary": self.binary, "version": self.version, "source": self.source, "model": self.model,
                 "args": list(self.args), "dropped_args": list(self.dropped), "server_binary": self.server_binary}

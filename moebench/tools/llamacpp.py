@@ -24,11 +24,12 @@ import sys
 import tarfile
 import time
 import urllib.parse
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, NotRequired, TypedDict
 
 from moebench import jsonout
-from moebench.store.records import Section
+from moebench.json_types import JsonObject, JsonValue
 from moebench.tools.binary_probe import PROBE, ProbeError
 
 BUILD_NUMBER = 11434
@@ -186,7 +187,7 @@ def extract_sdist(archive: Path, dest: Path) -> Path:
                 continue
             m.name = str(Path(*parts[1:]))
             members.append(m)
-        extract_kwargs: dict[str, Any] = {"filter": "data"} if sys.version_info >= (3, 12) else {}
+        extract_kwargs: dict[str, str] = {"filter": "data"} if sys.version_info >= (3, 12) else {}
         tar.extractall(tmp, members=members, **extract_kwargs)
     if not (tmp / "llama.cpp" / "CMakeLists.txt").is_file():
         raise ToolError(f"{archive}: no llama.cpp/CMakeLists.txt inside; not the expected sdist")
@@ -220,11 +221,74 @@ def build_flags(cuda: bool = False) -> list[str]:
     return list(CMAKE_FLAGS) + (list(CUDA_FLAGS) if cuda else [])
 
 
-def read_stamp(folder: Path) -> Section | None:
-    """The stamp a moebench build of llama.cpp leaves beside its binaries (JSON), None where absent."""
+class StampError(ValueError):
+    """A build stamp that is not what `ensure_built` writes; the message names the file and the key."""
+
+
+def _stamp_key(doc: JsonObject, key: str, types: type | tuple[type, ...], what: str, where: str,
+               required: bool = True) -> JsonValue:
+    value = doc.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, types) or isinstance(value, bool) and bool not in (types if isinstance(types, tuple)
+                                                                                 else (types,)):
+        raise StampError(f"{where}: key {key!r} must be {what}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class BuildStamp:
+    """What a moebench build of llama.cpp leaves beside its binaries (STAMP): which release, with
+    which flags and targets, from which sdist, how long it took. A build is reused only while its
+    stamp's flags are today's (`_is_complete`); `build_info` reports a binary's build from it where
+    `--version` does not answer. The keys from `targets` on are optional: a stamp without them
+    still says which build it is."""
+
+    build_number: int
+    build_commit: str
+    variant: str                              # "cpu" or "cuda"
+    flags: list[str]
+    targets: list[str] | None = None
+    sdist: str | None = None
+    sdist_sha256: str | None = None
+    build_seconds: float | None = None
+    fresh_build: bool | None = None           # False: an existing build folder was finished
+    built_at: str | None = None
+
+    def to_json(self) -> JsonObject:
+        return {"build_number": self.build_number, "build_commit": self.build_commit, "variant": self.variant,
+                "flags": list(self.flags), "targets": self.targets, "sdist": self.sdist,
+                "sdist_sha256": self.sdist_sha256, "build_seconds": self.build_seconds,
+                "fresh_build": self.fresh_build, "built_at": self.built_at}
+
+    @classmethod
+    def from_json(cls, doc: JsonValue, where: str) -> "BuildStamp":
+        """A stamp read back; StampError naming the file (`where`) and the key when it is malformed."""
+        if not isinstance(doc, dict):
+            raise StampError(f"{where}: expected a JSON object, got {type(doc).__name__}")
+        lists: dict[str, list[str] | None] = {}
+        for key in ("flags", "targets"):
+            value = _stamp_key(doc, key, list, "a list of strings", where, required=key == "flags")
+            if value is not None and not all(isinstance(v, str) for v in value):
+                raise StampError(f"{where}: key {key!r} must be a list of strings, got {value!r}")
+            lists[key] = None if value is None else [str(v) for v in value]
+        return cls(build_number=_stamp_key(doc, "build_number", int, "an integer", where),
+                   build_commit=_stamp_key(doc, "build_commit", str, "a string", where),
+                   variant=_stamp_key(doc, "variant", str, "a string", where),
+                   flags=lists["flags"] or [], targets=lists["targets"],
+                   sdist=_stamp_key(doc, "sdist", str, "a string", where, required=False),
+                   sdist_sha256=_stamp_key(doc, "sdist_sha256", str, "a string", where, required=False),
+                   build_seconds=_stamp_key(doc, "build_seconds", (int, float), "a number", where, required=False),
+                   fresh_build=_stamp_key(doc, "fresh_build", bool, "a boolean", where, required=False),
+                   built_at=_stamp_key(doc, "built_at", str, "a string", where, required=False))
+
+
+def read_stamp(folder: Path) -> BuildStamp | None:
+    """The stamp a moebench build of llama.cpp leaves beside its binaries, None where absent, not JSON
+    or not a stamp (a folder without a readable stamp is built again, which writes a new one)."""
     p = folder / STAMP
     try:
-        return json.loads(p.read_text())
+        return BuildStamp.from_json(json.loads(p.read_text()), str(p))
     except (OSError, ValueError):
         return None
 
@@ -232,7 +296,7 @@ def read_stamp(folder: Path) -> Section | None:
 def _is_complete(cuda: bool) -> bool:
     bdir = bin_dir(cuda)
     stamp = read_stamp(bdir)
-    return (stamp is not None and stamp.get("flags") == build_flags(cuda)
+    return (stamp is not None and stamp.flags == build_flags(cuda)
             and all(os.access(bdir / t, os.X_OK) for t in TARGETS))
 
 
@@ -279,14 +343,11 @@ def ensure_built(cuda: bool = False, jobs: int = 2, echo: Callable[[str], None] 
         if missing:
             raise ToolError(f"build finished but {', '.join(missing)} missing from {build / 'bin'}")
         seconds = round(time.monotonic() - started, 1)
-        stamp = {
-            "build_number": BUILD_NUMBER, "build_commit": BUILD_COMMIT, "variant": "cuda" if cuda else "cpu",
-            "flags": build_flags(cuda), "targets": list(TARGETS), "sdist": SDIST_NAME,
-            "sdist_sha256": SDIST_SHA256, "build_seconds": seconds,
-            "fresh_build": fresh,     # False: an existing build folder was finished (seconds if up to date)
-            "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        (build / "bin" / STAMP).write_text(jsonout.dumps(stamp, indent=2) + "\n")
+        stamp = BuildStamp(build_number=BUILD_NUMBER, build_commit=BUILD_COMMIT, variant="cuda" if cuda else "cpu",
+                           flags=build_flags(cuda), targets=list(TARGETS), sdist=SDIST_NAME,
+                           sdist_sha256=SDIST_SHA256, build_seconds=seconds, fresh_build=fresh,
+                           built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        (build / "bin" / STAMP).write_text(jsonout.dumps(stamp.to_json(), indent=2) + "\n")
         echo(f"built in {seconds} s")
     return bin_dir(cuda)
 
@@ -365,13 +426,13 @@ def build_info(binary: str | os.PathLike[str]) -> BuildInfo:
             info["built_with"] = built_with.group(1).strip()
     else:
         stamp = read_stamp(p.parent)
-        info = ({"binary": str(p.resolve()), "build_number": stamp.get("build_number"),
-                 "build_commit": stamp.get("build_commit"), "source": str(p.parent / STAMP)} if stamp else
+        info = ({"binary": str(p.resolve()), "build_number": stamp.build_number,
+                 "build_commit": stamp.build_commit, "source": str(p.parent / STAMP)} if stamp else
                 {"binary": str(p.resolve()), "build_number": None, "build_commit": None, "source": "unknown"})
     stamp = read_stamp(p.parent)
     if stamp:
-        info["variant"] = stamp.get("variant")
-        info["flags"] = stamp.get("flags")
+        info["variant"] = stamp.variant
+        info["flags"] = stamp.flags
     return info
 
 
