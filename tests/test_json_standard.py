@@ -90,11 +90,10 @@ STRING_ONLY = {   # (file, text of the line): why
     ("moebench/lmeval/local_tasks.py", "return json.dumps(text, ensure_ascii=False)"): "a YAML scalar quoted",
     ("moebench/lmeval/local_tasks.py", "fill = json.dumps(str(root))[1:-1]"): "a path escaped for YAML",
     ("moebench/secrets.py", "escaped = json.dumps(s)[1:-1]"): "a secret as it appears inside a JSON string",
-    ("moebench/runners/llama_server.py", "json.dumps(c, ensure_ascii=False) for c in choices"): "grammar choices",
+    ("moebench/runners/wire.py", "json.dumps(c, ensure_ascii=False) for c in self.choices"): "grammar choices",
     ("moebench/serve.py", 'f"got {json.dumps(v)[:80]}", param=key)'): "a request value quoted in an error",
     # The sandbox child runs isolated (python -I -S) and cannot import moebench: its launch
     # configuration and status lines are strings and integers on a private pipe, never a file.
-    ("moebench/scoring/sandbox.py", '"--launch", json.dumps(cfg)]'): "the sandbox's launch argument",
     ("moebench/scoring/sandbox.py", 'os.write(status_fd, (json.dumps({"stage": stage, **kw})'): "the sandbox's pipe",
 }
 

@@ -167,7 +167,7 @@ class LaunchConfig:
     env: dict[str, str]
 
     def to_argv(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps(asdict(self), allow_nan=False)
 
     @staticmethod
     def from_argv(text: str) -> LaunchConfig:

@@ -34,7 +34,7 @@ import sys
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol, Sequence
 
 from moebench.json_types import JsonObject
 from moebench.jsonout import NonFiniteValue, document, dumper, dumps, non_finite_values, standard
@@ -97,6 +97,13 @@ def finite_record(record: JsonObject) -> JsonObject:
     else:
         clean.update(status="error", correct=None, error=where, error_type="NonFiniteValue")
     return clean
+
+
+class TypedRecord(Protocol):
+    """A typed item record the writer takes besides its JSON object: `records.ItemRecord`, or a
+    record class of its own (lm-eval's ImportedRecord) whose `to_dict` fixes its key order."""
+
+    def to_dict(self) -> JsonObject: ...
 
 
 def record_key(rec: JsonObject) -> tuple[str, str]:
@@ -254,7 +261,7 @@ class RunStore:
         self.update_manifest(status=status, ended_at=now_iso(), **fields)
 
     # -- items ----------------------------------------------------------------------------------
-    def append(self, record: ItemRecord | JsonObject) -> JsonObject:
+    def append(self, record: TypedRecord | JsonObject) -> JsonObject:
         """Append one finished item (an `ItemRecord`, or the JSON object of one an importer read); durable
         on return. Returns the record as written (its JSON line): one holding a
         non-finite number (NaN, Infinity) is written as an error record naming the field, the number
@@ -266,7 +273,7 @@ class RunStore:
         self._submit(_Pending(line, record, future))
         return future.result()
 
-    def append_many(self, records: list[ItemRecord] | list[JsonObject]) -> list[JsonObject]:
+    def append_many(self, records: Sequence[TypedRecord] | Sequence[JsonObject]) -> list[JsonObject]:
         """`append` for records that are all at hand (an import): handed to the writer together, so
         they share a few fsyncs; durable on return. Returns the records as written."""
         futures = []
@@ -278,7 +285,7 @@ class RunStore:
             futures.append(future)
         return [f.result() for f in futures]
 
-    def append_async(self, record: ItemRecord | JsonObject) -> "Any":
+    def append_async(self, record: TypedRecord | JsonObject) -> "Any":
         """`append` for a caller on a running event loop: returns an asyncio future that resolves to
         the record as written once it is durable (or fails with the OSError of its write). The record
         is checked and serialised here; the write and the fsync happen on the writer thread, batched
@@ -326,9 +333,9 @@ class RunStore:
         if self._failed is not None:
             raise self._failed
 
-    def _line(self, given: ItemRecord | JsonObject) -> tuple[JsonObject, bytes]:
+    def _line(self, given: TypedRecord | JsonObject) -> tuple[JsonObject, bytes]:
         """The record as it will be written and its line (standard JSON, secrets scrubbed)."""
-        record = given.to_dict() if isinstance(given, ItemRecord) else given
+        record = given if isinstance(given, dict) else given.to_dict()
         for key in ("task", "item_id", "status"):
             if key not in record:
                 raise ValueError(f"record lacks {key!r}: {record!r}")

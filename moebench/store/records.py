@@ -22,9 +22,6 @@ from moebench.json_types import JsonObject, JsonValue
 from moebench.store.files import ITEMS, MANIFEST, STATUSES, StoreError, now_iso
 from moebench.store.files import SCHEMA_VERSION as MANIFEST_SCHEMA_VERSION
 
-# A nested JSON object whose keys docs/schema.md documents. Other packages still name it; the store
-# itself uses its classes, or JsonObject for the parts other packages own.
-Section = dict[str, Any]
 _T = TypeVar("_T")
 
 # compare.json's schema: 2 adds per-group sample counts to the speed section.
