@@ -27,6 +27,7 @@ from moebench.runners.base import CapabilityError, Runner, Unreachable, check_ca
 from moebench.runners.responses import describe
 from moebench.secrets import redact
 from moebench.store import RunLock, RunStore, StoreError, now_iso, write_json_atomic
+from moebench.json_types import JsonObject
 from moebench.store.records import RunCounts, RunEvent
 from moebench.store.session import (ask_record, common_errors, finish_run, new_manifest, open_store,
                                     record_runner_identity)
@@ -34,6 +35,7 @@ from moebench.tasks import task_class, task_schemas
 from moebench.tasks.base import Task, TaskContext
 
 if TYPE_CHECKING:                       # NVML bindings and the engine (torch): only where a command asks
+    from moebench.compare.tables import Row
     from moebench.engine.tiering import Plan
     from moebench.probes.nvml import NvmlProbe
 
@@ -206,8 +208,8 @@ class _UnreachableWatch:
         self.armed = stop_after > 0
         self.first_error: str | None = None
 
-    def stop(self, rec: dict[str, Any]) -> ServerUnreachable | None:
-        """The reason to stop after this finished item, else None."""
+    def stop(self, rec: JsonObject) -> ServerUnreachable | None:
+        """The reason to stop after this finished item (its line as the store wrote it), else None."""
         if not self.armed:
             return None
         if rec.get("status") != "error" or rec.get("error_type") != Unreachable.__name__:
@@ -582,7 +584,7 @@ def _check_run(p: str) -> None:
 
 def compare(baseline: str, candidate: str, out: str | None = None, results_dir: str = "results",
             write_report: bool = True, speed_ab: str | None = None,
-            allow_reversed: bool = False) -> tuple[Path, dict[str, Any]]:
+            allow_reversed: bool = False) -> tuple[Path, JsonObject]:
     """Compare one candidate with the baseline: compare.json, summary.md, matrix.csv/json, report.html."""
     out_dir, cmps, _ = compare_many(baseline, [candidate], out, results_dir, write_report, speed_ab,
                                     allow_reversed)
@@ -595,7 +597,7 @@ def _pair_dir_name(i: int, label: Any, run: str) -> str:
 
 def compare_many(baseline: str, candidates: list[str], out: str | None = None, results_dir: str = "results",
                  write_report: bool = True, speed_ab: str | None = None, allow_reversed: bool = False
-                 ) -> tuple[Path, list[dict[str, Any]], list[dict[str, Any]]]:
+                 ) -> tuple[Path, list[JsonObject], list[Row]]:
     """Compare each candidate with the baseline. Returns (compare dir, compare.json objects, matrix rows).
 
     One candidate: compare.json (docs/design.md section 5) in the compare directory itself. Several: one
@@ -743,7 +745,7 @@ def build_llamacpp(cuda: bool = False, jobs: int = 2) -> Path:
     return ensure_built(cuda=cuda, jobs=jobs)
 
 
-def zoo_build(out: str = "models/zoo", retrain: bool = False, gguf: bool = True) -> dict[str, Any]:
+def zoo_build(out: str = "models/zoo", retrain: bool = False, gguf: bool = True) -> JsonObject:
     """`moebench zoo build`: the tiny MoE in Hugging Face (and GGUF) form; returns what was written."""
     from moebench.zoo.build import build_zoo
     return build_zoo(out, retrain=retrain, gguf=gguf)
@@ -821,7 +823,7 @@ def lm_eval(runner: str, tasks: str | list[str], limit: int | None = None, out: 
     return run_lm_eval(profile, names, limit, out_dir)
 
 
-def speed_ab(profile_a: str, profile_b: str, out: str, suite: str = "speed", order: str = "ABBA") -> dict[str, Any]:
+def speed_ab(profile_a: str, profile_b: str, out: str, suite: str = "speed", order: str = "ABBA") -> JsonObject:
     """`moebench speed-ab`: two runner profiles' speed passes interleaved in fresh processes, written
     to `out` (ab.json, compare.json, report.html); returns the A/B result."""
     from moebench.speed.ab import run_ab

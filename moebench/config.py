@@ -269,6 +269,15 @@ SUITE_SCHEMA: dict[str, Field] = {
     "probes": Field(dict, default=dict),
 }
 
+class TaskOptions(TypedDict, total=False):
+    """A suite's [[tasks]] table as `validate` returns it: COMMON_TASK_SCHEMA's keys; each task kind's
+    options class (tasks/, speed/, kld/) adds its own `options` keys."""
+
+    task: str
+    name: str
+    limit: int
+
+
 # Keys every task entry accepts; each task kind adds its own (`Task.options`).
 COMMON_TASK_SCHEMA: dict[str, Field] = {
     "task": Field(str, required=True),
@@ -281,7 +290,7 @@ COMMON_TASK_SCHEMA: dict[str, Field] = {
 class SuiteProfile:
     name: str
     path: str
-    tasks: list[dict[str, Any]]
+    tasks: list[TaskOptions]
     probes: ProbeKeys
     description: str = ""
 
@@ -298,7 +307,7 @@ def load_suite(path: str | os.PathLike[str], task_schemas: dict[str, dict[str, F
     top = validate(raw, SUITE_SCHEMA, str(p))
     if not top["tasks"]:
         raise ProfileError(f"{p}: key 'tasks' must list at least one task")
-    tasks = []
+    tasks: list[TaskOptions] = []
     for i, entry in enumerate(top["tasks"]):
         where = f"{p} [[tasks]] #{i + 1}"
         kind = entry.get("task")
@@ -307,7 +316,7 @@ def load_suite(path: str | os.PathLike[str], task_schemas: dict[str, dict[str, F
                 f"{where}: key 'task' must be one of {', '.join(map(repr, sorted(task_schemas)))}, got {kind!r}"
                 + (did_you_mean(kind, task_schemas) if isinstance(kind, str) else "")
             )
-        tasks.append(validate(entry, {**COMMON_TASK_SCHEMA, **task_schemas[kind]}, where))
+        tasks.append(cast(TaskOptions, validate(entry, {**COMMON_TASK_SCHEMA, **task_schemas[kind]}, where)))
     names = [t.get("name", t["task"]) for t in tasks]
     dup = {n for n in names if names.count(n) > 1}
     if dup:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypedDict, TypeVar
 
-from moebench.config import Field, RunnerProfile
+from moebench.config import Field, RunnerProfile, TaskOptions
 from moebench.json_types import JsonObject
 from moebench.runners.base import Capability, GenerateResult, Runner
 from moebench.store.records import ItemRecord
@@ -38,15 +38,6 @@ class Item(Generic[D]):
 
     item_id: str
     data: D
-
-
-class TaskOptions(TypedDict, total=False):
-    """A suite's [[tasks]] table as config.validate returns it: config.COMMON_TASK_SCHEMA's keys;
-    each task kind's options class adds its own `options` keys."""
-
-    task: str
-    name: str
-    limit: int
 
 
 class PhaseProbe(Protocol):
