@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from moebench.json_types import JsonValue
 from moebench.runners.metrics import SpecDecodeDelta
-from moebench.speed.fields import Fields
+from moebench.json_fields import Fields
 from moebench.speed.latency import RequestTimes
 from moebench.speed.records import ClosedGroup, DraftFigures, RateGroup, Sampling, group_from_json
 
