@@ -6,7 +6,8 @@ Each family of records words its refusals its own way and raises its own excepti
 users read them), so the reader takes a `Wording`: the class and three message templates. The rules
 are the same for all: bool is never a number (JSON's true is not 1), and `float` stands for any JSON
 number (an integer is kept as written, so a record read back writes the same JSON). `Fields` reads
-one object key by key where absent and null both mean "not given".
+one object key by key where absent and null both mean "not given"; `as_object`, `as_number` and
+`as_integer` are the lenient reads (anything else reads as empty or None, never an error).
 """
 from __future__ import annotations
 
@@ -33,6 +34,23 @@ def is_of(v: object, types: tuple[type, ...]) -> bool:
     if isinstance(v, bool):
         return bool in types
     return isinstance(v, types) or (float in types and isinstance(v, int))
+
+
+# Lenient reads, for readers that show what is there and never refuse (the report, compare's figures).
+
+def as_object(v: JsonValue | object) -> JsonObject:
+    """A JSON object as read, or an empty one for anything else."""
+    return v if isinstance(v, dict) else {}
+
+
+def as_number(v: JsonValue | object) -> int | float | None:
+    """A number as written (an int stays an int); None for anything else, a bool included."""
+    return v if is_of(v, (float,)) else None  # type: ignore[return-value]
+
+
+def as_integer(v: JsonValue | object) -> int | None:
+    """An integer; None for anything else, a bool included."""
+    return v if is_of(v, (int,)) else None  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
