@@ -519,7 +519,7 @@ class Server:
         runner's max_seq_len); None where it does not (the backend then answers for itself)."""
         for obj in (self.runner, getattr(self.runner, "engine", None)):
             v = getattr(obj, "max_seq_len", None) if obj is not None else None
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            if is_of(v, (int,)) and v > 0:
                 return v
         return None
 
@@ -613,7 +613,7 @@ class Server:
         self._need(Capability.TOKENIZE, "detokenize")
         body = await self._body(request)
         ids = body.get("tokens")
-        if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        if not (isinstance(ids, list) and all(is_of(t, (int,)) for t in ids)):
             raise ApiError(400, "'tokens' must be a list of integers", param="tokens")
         text = await self.runner.detokenize(ids)
         return _json_response({"prompt": text, "content": text})

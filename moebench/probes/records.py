@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, TypedDict, TypeVar
 
-from moebench.json_fields import Wording
+from moebench.json_fields import Wording, is_of
 from moebench.json_types import JsonObject, JsonValue
 from moebench.store import StoreError
 
@@ -311,7 +311,7 @@ class CardBrief:
     def from_json(cls, obj: JsonValue, where: str) -> CardBrief:
         d = json_object(obj, where)
         index = _get(d, "index", where)
-        if isinstance(index, bool) or not isinstance(index, (int, str, type(None))):
+        if not is_of(index, (int, str, type(None))):
             raise _bad(where, "index", index, "a GPU index (integer or string)", True)
         energy = _get(d, "energy", where)
         return cls(index=index, memory=MemorySummary.from_json(_get(d, "memory", where), f"{where}.memory"),

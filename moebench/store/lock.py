@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from moebench.json_fields import as_object
 from moebench.json_types import JsonObject
 from moebench.jsonout import dumps
 from moebench.store.files import LOCK, StoreError, now_iso, open_fd
@@ -121,7 +122,7 @@ class RunLock:
         fd, self._fd = self._fd, None
         try:
             raw = json.loads(os.pread(fd, 4096, 0) or b"{}")
-            holder = LockHolder.from_json(raw if isinstance(raw, dict) else {}, str(self.path))
+            holder = LockHolder.from_json(as_object(raw), str(self.path))
             holder.released_at = now_iso()
             os.ftruncate(fd, 0)
             os.pwrite(fd, (dumps(holder.to_json()) + "\n").encode(), 0)
