@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypedDict, TypeVar, cast
 
+from moebench.json_fields import is_of
 from moebench.json_types import JsonObject
 from moebench.secrets import literal_secrets, redact
 from moebench.shipped import is_installed_profile, shipped_dir
@@ -66,7 +67,7 @@ def bounds_text(spec: Field) -> str:
 
 def _bound_problem(value: Any, spec: Field) -> str | None:
     """Why a (finite) number breaks the field's bounds, else None; anything else is not its business."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_of(value, (float,)):
         return None
     too_low = spec.low is not None and (value <= spec.low if spec.low_open else value < spec.low)
     too_high = spec.high is not None and value > spec.high
@@ -87,12 +88,8 @@ def _type_name(t: type | tuple[type, ...]) -> str:
 
 
 def _type_ok(value: Any, types: type | tuple[type, ...]) -> bool:
-    ts = types if isinstance(types, tuple) else (types,)
-    if isinstance(value, bool) and bool not in ts:
-        return False                      # TOML true is not an integer here
-    if float in ts and isinstance(value, int) and not isinstance(value, bool):
-        return True                       # 1 is a fine number
-    return isinstance(value, ts)
+    """TOML true is not an integer here; 1 is a fine number."""
+    return is_of(value, types if isinstance(types, tuple) else (types,))
 
 
 def validate(table: JsonObject, schema: dict[str, Field], where: str) -> JsonObject:

@@ -49,6 +49,7 @@ from typing import Any
 from aiohttp import web
 
 from moebench import jsonout
+from moebench.json_fields import is_of
 from moebench.json_types import JsonObject, JsonValue
 from moebench.lmeval.scoring import TokenScore, prompt_scoring_kind, score_tokens
 from moebench.runners.base import Capability, CapabilityError, GenerateRequest, Runner, RunnerError
@@ -222,11 +223,9 @@ def _get(body: JsonObject, key: str, types: type | tuple[type, ...], default: An
     v = body[key]
     if isinstance(v, float) and not math.isfinite(v):     # Python's JSON reads NaN, Infinity, 1e999
         raise ApiError(400, f"'{key}' must be a finite number, got {v}", param=key)
-    ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in (types if isinstance(types, tuple)
-                                                                             else (types,)))
-    if not ok:
+    ts = types if isinstance(types, tuple) else (types,)
+    if not is_of(v, ts):
         names = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list: "a list"}
-        ts = types if isinstance(types, tuple) else (types,)
         raise ApiError(400, f"'{key}' must be {' or '.join(names.get(t, t.__name__) for t in ts)}, "
                             f"got {json.dumps(v)[:80]}", param=key)
     if lo is not None and v < lo or hi is not None and v > hi:
@@ -267,8 +266,7 @@ def _prompts(body: JsonObject) -> list[str | list[int]]:
     if "prompt" not in body:
         raise ApiError(400, "missing 'prompt'", param="prompt")
     p = body["prompt"]
-    is_ids = lambda x: isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         and t >= 0 for t in x)
+    is_ids = lambda x: isinstance(x, list) and x and all(is_of(t, (int,)) and t >= 0 for t in x)
     if isinstance(p, str):
         return [p]
     if is_ids(p):
@@ -521,7 +519,7 @@ class Server:
         runner's max_seq_len); None where it does not (the backend then answers for itself)."""
         for obj in (self.runner, getattr(self.runner, "engine", None)):
             v = getattr(obj, "max_seq_len", None) if obj is not None else None
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            if is_of(v, (int,)) and v > 0:
                 return v
         return None
 
@@ -615,7 +613,7 @@ class Server:
         self._need(Capability.TOKENIZE, "detokenize")
         body = await self._body(request)
         ids = body.get("tokens")
-        if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        if not (isinstance(ids, list) and all(is_of(t, (int,)) for t in ids)):
             raise ApiError(400, "'tokens' must be a list of integers", param="tokens")
         text = await self.runner.detokenize(ids)
         return _json_response({"prompt": text, "content": text})

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from statistics import median
 
+from moebench.json_fields import as_number, as_object
 from moebench.json_types import JsonObject, JsonValue
 from moebench.store.records import ItemRecord, Manifest
 
@@ -33,9 +34,8 @@ def tier_rates(counters: TierFigures) -> TierFigures:
 
 def _counters(recorded: JsonValue) -> TierFigures:
     """manifest["engine"]["tiers"]'s counters of one layer (or the total), then the shares."""
-    raw = recorded if isinstance(recorded, dict) else {}
-    counters: TierFigures = {k: v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-                             for k in LAYER_KEYS for v in [raw.get(k)]}
+    raw = as_object(recorded)
+    counters: TierFigures = {k: as_number(raw.get(k)) for k in LAYER_KEYS}
     return {**counters, **tier_rates(counters)}
 
 

@@ -11,17 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
+from moebench.json_fields import as_number, as_object
 from moebench.json_types import JsonObject, JsonValue
 from moebench.store.sections import SPEED_METRICS, memory_value, number, side_value, speed_rows
-
-
-def _object(v: JsonValue) -> JsonObject:
-    return v if isinstance(v, dict) else {}
-
-
-def _count(v: JsonValue) -> int | float | None:
-    """A count as written (an integer, or a float from an older writer); None where not a number."""
-    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def _int(v: object) -> int | None:
@@ -64,15 +56,15 @@ class KldFigures:
 
     @classmethod
     def from_json(cls, kld: JsonObject) -> "KldFigures":
-        agreement = _object(kld.get("per_layer")).get("router_agreement")
+        agreement = as_object(kld.get("per_layer")).get("router_agreement")
         other, warning, method = kld.get("measured_against"), kld.get("warning"), kld.get("method")
         return cls(**{k: number(kld.get(k)) for k in ("mean", "median", "p90", "p95", "p99", "p999", "max",
                                                       "same_top_p", "ppl_ratio")},
-                   rms_delta_p=number(_object(kld.get("delta_p")).get("rms")),
+                   rms_delta_p=number(as_object(kld.get("delta_p")).get("rms")),
                    router_agreement=[v for v in map(number, agreement) if v is not None]
                    if isinstance(agreement, list) else [],
                    measured_against=str(other) if other else None, baseline_mismatch=bool(kld.get("baseline_mismatch")),
-                   warning=warning if isinstance(warning, str) else None, n_tokens=_count(kld.get("n_tokens")),
+                   warning=warning if isinstance(warning, str) else None, n_tokens=as_number(kld.get("n_tokens")),
                    method=method if isinstance(method, str) else None)
 
 
@@ -131,18 +123,18 @@ class SpeedFigures:
                              acceptance_candidate=r["acceptance_candidate"])
                   for r in speed_rows(speed)]
         load = []
-        for r in _object(speed.get("load")).get("rows") or []:
+        for r in as_object(speed.get("load")).get("rows") or []:
             if not isinstance(r, dict):
                 continue
             length = r.get("prompt_length")
             load.append(LoadGroup(
-                prompt_length=length if isinstance(length, (int, float)) and not isinstance(length, bool) else None,
+                prompt_length=as_number(length),
                 rate=number(r.get("rate")),
-                skipped=bool(_object(r.get("baseline")).get("sweep_skipped")
-                             or _object(r.get("candidate")).get("sweep_skipped")),
+                skipped=bool(as_object(r.get("baseline")).get("sweep_skipped")
+                             or as_object(r.get("candidate")).get("sweep_skipped")),
                 goodput_ratio=number(r.get("goodput_ratio")), goodput_ratio_ci95=_interval(r.get("goodput_ratio_ci95")),
                 n_baseline=_int(r.get("n_baseline")), n_candidate=_int(r.get("n_candidate"))))
-        geomean = _object(speed.get("geomean"))
+        geomean = as_object(speed.get("geomean"))
         rows = speed.get("rows")
         return cls(groups=groups, load=load, geomean={k: number(geomean.get(k)) for k in ("decode", "prefill", "ttft")},
                    decode_candidate=[number(r.get("decode_candidate")) for r in rows if isinstance(r, dict)]
@@ -174,15 +166,15 @@ class SpeedAbFigures:
     def from_json(cls, ab: JsonObject) -> "SpeedAbFigures":
         rounds = ab.get("rounds")
         paired = {}
-        for metric, m in _object(ab.get("paired")).items():
+        for metric, m in as_object(ab.get("paired")).items():
             if isinstance(m, dict) and m:
                 n = m.get("n_pairs")
                 paired[metric] = PairedRatio(number(m.get("median_ratio")), _interval(m.get("ratio_ci95")),
                                              int(n) if isinstance(n, int) else None)
         return cls(round_winners=[str(r.get("winner")) if isinstance(r, dict) and r.get("winner") is not None
                                   else None for r in rounds] if isinstance(rounds, list) else None,
-                   paired=paired, n_differ_any=number(_object(ab.get("identity")).get("n_differ_any")),
-                   rounds_won_b=_count(_object(ab.get("rounds_won")).get("B")))
+                   paired=paired, n_differ_any=number(as_object(ab.get("identity")).get("n_differ_any")),
+                   rounds_won_b=as_number(as_object(ab.get("rounds_won")).get("B")))
 
 
 @dataclass(frozen=True)
@@ -236,8 +228,8 @@ class EnergyFigures:
 
     @classmethod
     def from_json(cls, energy: JsonObject) -> "EnergyFigures":
-        per_token = _object(energy.get("per_token"))
-        decode, prefill = _object(per_token.get("decode")), _object(per_token.get("prefill"))
+        per_token = as_object(energy.get("per_token"))
+        decode, prefill = as_object(per_token.get("decode")), as_object(per_token.get("prefill"))
         return cls(side_value(energy, "candidate", "whole_run_counter_j"),
                    side_value(energy, "candidate", "idle_power_w"), number(decode.get("net_ratio")),
                    number(decode.get("candidate_net_j_per_token")), number(prefill.get("candidate_net_j_per_token")))
@@ -251,4 +243,4 @@ _READERS = {"kld": KldFigures.from_json, "speed": SpeedFigures.from_json, "speed
 def read_section(name: str, data: JsonValue) -> SectionFigures:
     """The figures of section `name` ("kld", ..., or a card of memory/energy: "energy.gpu1"); a section
     that is absent or not an object reads as one without figures."""
-    return _READERS[name.partition(".")[0]](data if isinstance(data, dict) else {})
+    return _READERS[name.partition(".")[0]](as_object(data))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moebench.json_fields import as_integer
 from moebench.json_types import JsonObject, JsonValue
 from moebench.store.sections import number
 
@@ -17,11 +18,6 @@ from moebench.store.sections import number
 def _ids(v: JsonValue) -> list[str] | None:
     """An id list (wins, losses, excluded) as written; None where the key holds no list."""
     return [str(i) for i in v] if isinstance(v, list) else None
-
-
-def _count(v: JsonValue) -> int | None:
-    """A count as written (n_wins of the overall block); None where it is not an integer."""
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 @dataclass(frozen=True)
@@ -57,5 +53,5 @@ class TaskEntry:
                    flip_rate=number(t.get("flip_rate")), mcnemar_p=number(t.get("mcnemar_p")),
                    wins=_ids(t.get("wins")), losses=_ids(t.get("losses")), excluded=_ids(t.get("excluded")),
                    delta_ci95=[number(x) for x in ci] if isinstance(ci, list) else None,
-                   n_wins=_count(t.get("n_wins")), n_losses=_count(t.get("n_losses")),
-                   n_excluded=_count(t.get("n_excluded")), unpaired_reason=str(why) if why else None)
+                   n_wins=as_integer(t.get("n_wins")), n_losses=as_integer(t.get("n_losses")),
+                   n_excluded=as_integer(t.get("n_excluded")), unpaired_reason=str(why) if why else None)

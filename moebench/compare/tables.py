@@ -10,6 +10,7 @@ from typing import Any
 
 from moebench.compare.figures import EnergyFigures, KldFigures, MemoryFigures, SpeedAbFigures, SpeedFigures
 from moebench.compare.records import TaskEntry
+from moebench.json_fields import as_object
 from moebench.json_types import JsonObject, JsonValue
 from moebench.store.records import CompareDoc
 from moebench.store.sections import number
@@ -92,28 +93,26 @@ def matrix_row(cmp: CompareDoc, compare_dir: str | None = None) -> Row:
             row.update({f"{name}.{k}": v for k, v in task_figures(t).to_json().items()})
     if isinstance(cmp.section("overall"), dict):
         row.update({f"overall.{k}": v for k, v in task_figures(cmp.section("overall")).to_json().items()})
-    kld = KldFigures.from_json(_object(cmp.section("kld")))
+    kld = KldFigures.from_json(as_object(cmp.section("kld")))
     row["kld.mean"], row["kld.p99"], row["kld.same_top_p"] = kld.mean, kld.p99, kld.same_top_p
-    speed = SpeedFigures.from_json(_object(cmp.section("speed")))
+    speed = SpeedFigures.from_json(as_object(cmp.section("speed")))
     for k in ("decode", "prefill", "ttft"):
         row[f"speed.{k}_ratio"] = speed.geomean[k]
     row["speed.decode_tok_s"] = _geomean(speed.decode_candidate)
-    has_ab = bool(_object(cmp.section("speed_ab")))
-    ab = SpeedAbFigures.from_json(_object(cmp.section("speed_ab")))
+    has_ab = bool(as_object(cmp.section("speed_ab")))
+    ab = SpeedAbFigures.from_json(as_object(cmp.section("speed_ab")))
     row["speed_ab.rounds_won_b"] = ab.rounds_won_b if has_ab else None
     row["speed_ab.rounds"] = len(ab.round_winners or []) if has_ab else None
     decode_ab = ab.paired.get("decode_tok_s")
     row["speed_ab.decode_ratio"] = decode_ab.median_ratio if has_ab and decode_ab is not None else None
-    memory = MemoryFigures.from_json(_object(cmp.section("memory")))
+    memory = MemoryFigures.from_json(as_object(cmp.section("memory")))
     row["memory.peak_used_bytes"], row["memory.peak_used_ratio"] = memory.peak_used_candidate, memory.peak_used_ratio
-    energy = EnergyFigures.from_json(_object(cmp.section("energy")))
+    energy = EnergyFigures.from_json(as_object(cmp.section("energy")))
     row["energy.decode_j_per_token"], row["energy.prefill_j_per_token"] = \
         energy.decode_j_per_token, energy.prefill_j_per_token
     return row
 
 
-def _object(v: JsonValue) -> JsonObject:
-    return v if isinstance(v, dict) else {}
 
 
 def columns(rows: list[Row]) -> list[str]:

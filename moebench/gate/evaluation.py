@@ -17,6 +17,7 @@ from moebench.compare.records import TaskEntry
 from moebench.compare.figures import KldFigures, SectionFigures, read_section
 from moebench.gate.rules import (DEFAULT_MIN_PAIRED, DEFAULT_MIN_SAMPLES, Correction, Estimate, Limit, Missing,
                                  Rule, RuleTable, fmt, id_count)
+from moebench.json_fields import as_object
 from moebench.json_types import JsonValue
 from moebench.scoring.stats import holm_adjust
 from moebench.store.records import CompareDoc
@@ -122,7 +123,7 @@ def evaluate(compare: CompareDoc, rules: list[RuleTable],
     tasks = compare.tasks
     holm = _holm(compare, rules, correction)
     why_absent = compare.extra.get("missing_sections")
-    why_absent = why_absent if isinstance(why_absent, dict) else {}
+    why_absent = as_object(why_absent)
     for rule_table in rules:
         section, is_task, settings = rule_table
         table = rule_table.rules()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 import numpy as np
 
+from moebench.json_fields import Wording, json_kind
 from moebench.json_types import JsonObject, JsonValue
 from moebench.kld.stats import TokenStats
 
@@ -73,7 +74,7 @@ class KldEstimate:
     def from_json(doc: JsonValue, where: str) -> KldEstimate:
         """A record's "estimate" read back; bad input is refused naming `where` and the key."""
         if not isinstance(doc, dict):
-            raise RecordFormatError(f"{where}: key 'estimate' is {_json_type(doc)}, expected an object")
+            raise RecordFormatError(f"{where}: key 'estimate' is {json_kind(doc)}, expected an object")
         return KldEstimate(k=_need(doc, "k", int, f"{where} estimate"),
                            baseline_k=_need(doc, "baseline_k", int, f"{where} estimate"),
                            fixed_ids=_need(doc, "fixed_ids", bool, f"{where} estimate"),
@@ -154,30 +155,18 @@ class RecordFormatError(ValueError):
     """A KLD items.jsonl record whose keys are not what the KLD tasks write; names the record and key."""
 
 
-_JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", dict: "an object",
-               list: "a list", type(None): "null"}
-
-
-def _json_type(v: JsonValue) -> str:
-    return next((name for t, name in _JSON_NAMES.items() if type(v) is t), type(v).__name__)
+# The KLD records' wording of a refusal (tests and users read these messages).
+_WORDING = Wording(RecordFormatError, missing="{where}: key {key!r} is missing, expected {expected}")
 
 
 def _opt(doc: JsonObject, key: str, kind: type, where: str) -> Any:
     """doc[key] checked to be of `kind` (an int counts as a float, a bool never as a number); None where
     absent or null."""
-    v = doc.get(key)
-    if v is None:
-        return None
-    ok = isinstance(v, (int, float) if kind is float else kind) and (kind is bool or not isinstance(v, bool))
-    if not ok:
-        raise RecordFormatError(f"{where}: key {key!r} is {_json_type(v)}, expected {_JSON_NAMES[kind]}")
-    return v
+    return _WORDING.value(doc, key, where, (kind,), null_is_absent=True)
 
 
 def _need(doc: JsonObject, key: str, kind: type, where: str) -> Any:
-    if doc.get(key) is None:
-        raise RecordFormatError(f"{where}: key {key!r} is missing, expected {_JSON_NAMES[kind]}")
-    return _opt(doc, key, kind, where)
+    return _WORDING.value(doc, key, where, (kind,), required=True, null_is_absent=True)
 
 
 @dataclass(frozen=True)
@@ -211,7 +200,7 @@ class KldItem:
         """One record as items.jsonl holds it; bad input is refused naming `where` (the file and item)
         and the key."""
         if not isinstance(doc, dict):
-            raise RecordFormatError(f"{where}: a record is {_json_type(doc)}, expected an object")
+            raise RecordFormatError(f"{where}: a record is {json_kind(doc)}, expected an object")
         item_id = _need(doc, "item_id", str, where)
         where = f"{where} item {item_id!r}"
         estimate = doc.get("estimate")

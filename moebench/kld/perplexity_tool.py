@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moebench.json_fields import is_of
 from moebench.json_types import JsonObject, JsonValue
 
 from moebench.kld.stats import decode_logprobs, row_width
@@ -292,7 +293,7 @@ def _dp_order() -> list[str]:
 
 def _number(doc: JsonObject, key: str, where: str) -> float:
     v = doc[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    if not is_of(v, (float,)):
         raise PerplexityError(f"{where}: key {key!r} must be a number, got {v!r}")
     return float(v)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moebench.json_fields import is_of
 from moebench.json_types import JsonObject, JsonValue
 from moebench.probes.records import (WORK_PHASES, CardEnergy, CardsSummary, Cost, EnergyFigures, GrossNet,
                                      MemorySummary, SummaryError, WholeRun, json_object)
@@ -51,7 +52,7 @@ class ProbeSide:
             reason = str(nv.get("reason") or "no NVML summary in the manifest")
         engine = _part(m, "engine", where)
         torch_peak = engine.get("torch_peak_allocated_bytes") or m.get("torch_peak_allocated_bytes")
-        if torch_peak is not None and (isinstance(torch_peak, bool) or not isinstance(torch_peak, int)):
+        if torch_peak is not None and not is_of(torch_peak, (int,)):
             raise SummaryError(f"{where}: key 'torch_peak_allocated_bytes' is {torch_peak!r}, expected an integer")
         torch_memory = engine.get("torch_memory")
         return cls(summary=summary, reason=reason,

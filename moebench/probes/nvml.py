@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypedDict
 
+from moebench.json_fields import is_of
 from moebench.json_types import JsonObject
 from moebench.probes.energy import Sample, TariffTable, Tariffs, summarize_cards
 from moebench.probes.records import CardsSummary, PhaseTokens
@@ -62,7 +63,7 @@ def resolve_gpu_indices(spec: Any, count: int, where: str = "gpu_indices") -> li
     """[indices] from `"all"`, an int or a list of ints, checked against the `count` cards NVML sees."""
     if spec == "all":
         return list(range(count))
-    items = [spec] if isinstance(spec, int) and not isinstance(spec, bool) else spec
+    items = [spec] if is_of(spec, (int,)) else spec
     if not isinstance(items, (list, tuple)) or not items or any(
             not isinstance(i, int) or isinstance(i, bool) for i in items):
         raise ValueError(f"{where}: expected \"all\", a GPU index or a non-empty list of GPU indices, got {spec!r}")

@@ -9,8 +9,9 @@ same JSON again.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Callable, TypedDict, TypeVar
+from typing import Any, Callable, TypedDict, TypeVar
 
+from moebench.json_fields import Wording, is_of
 from moebench.json_types import JsonObject, JsonValue
 from moebench.store import StoreError
 
@@ -33,56 +34,43 @@ class SummaryError(StoreError):
     message names the file, the key path and the expected type."""
 
 
-_KINDS = ((bool, "true or false"), (int, "an integer"), (float, "a number"), (str, "a string"),
-          (dict, "an object"), (list, "a list"), (type(None), "null"))
-
-
-def _kind(v: JsonValue) -> str:
-    return next((name for t, name in _KINDS if isinstance(v, t)), type(v).__name__)
+# The probe summary's wording of a refusal (tests and users read these messages).
+_WORDING = Wording(SummaryError, not_object="{where}: expected an object, got {kind}",
+                   missing="{where}: missing key {key!r}")
+_NULL = (type(None),)
 
 
 def json_object(v: JsonValue, where: str) -> JsonObject:
     """`v` if it is a JSON object, else a SummaryError naming `where`."""
-    if not isinstance(v, dict):
-        raise SummaryError(f"{where}: expected an object, got {_kind(v)}")
-    return v
+    return _WORDING.object(v, where)
 
 
 def _get(d: JsonObject, key: str, where: str) -> JsonValue:
     if key not in d:
-        raise SummaryError(f"{where}: missing key {key!r}")
+        raise _WORDING.refuse_missing(where, key, "")
     return d[key]
 
 
 def _bad(where: str, key: str, v: JsonValue, expected: str, optional: bool) -> SummaryError:
-    return SummaryError(f"{where}: key {key!r} is {_kind(v)}, expected {expected}{' or null' if optional else ''}")
+    return _WORDING.refuse(where, key, v, f"{expected}{' or null' if optional else ''}")
+
+
+def _typed(d: JsonObject, key: str, where: str, types: tuple[type, ...], expected: str, optional: bool) -> Any:
+    """d[key], which the probe always writes (else a missing-key refusal): of `types`, or null where optional."""
+    return _WORDING.value(d, key, where, types + _NULL if optional else types,
+                          f"{expected}{' or null' if optional else ''}", required=True)
 
 
 def _number(d: JsonObject, key: str, where: str, optional: bool = True) -> float | None:
-    v = _get(d, key, where)
-    if v is None and optional:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _bad(where, key, v, "a number", optional)
-    return v
+    return _typed(d, key, where, (float,), "a number", optional)
 
 
 def _integer(d: JsonObject, key: str, where: str, optional: bool = False) -> int | None:
-    v = _get(d, key, where)
-    if v is None and optional:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise _bad(where, key, v, "an integer", optional)
-    return v
+    return _typed(d, key, where, (int,), "an integer", optional)
 
 
 def _text(d: JsonObject, key: str, where: str, optional: bool = True) -> str | None:
-    v = _get(d, key, where)
-    if v is None and optional:
-        return None
-    if not isinstance(v, str):
-        raise _bad(where, key, v, "a string", optional)
-    return v
+    return _typed(d, key, where, (str,), "a string", optional)
 
 
 def _table(d: JsonObject, key: str, where: str, parse: Callable[[JsonValue, str], T]) -> dict[str, T]:
@@ -323,7 +311,7 @@ class CardBrief:
     def from_json(cls, obj: JsonValue, where: str) -> CardBrief:
         d = json_object(obj, where)
         index = _get(d, "index", where)
-        if isinstance(index, bool) or not isinstance(index, (int, str, type(None))):
+        if not is_of(index, (int, str, type(None))):
             raise _bad(where, "index", index, "a GPU index (integer or string)", True)
         energy = _get(d, "energy", where)
         return cls(index=index, memory=MemorySummary.from_json(_get(d, "memory", where), f"{where}.memory"),

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from markupsafe import Markup
 
+from moebench.json_fields import as_object
 from moebench.json_types import JsonValue
 from moebench.report import plots
-from moebench.report.views import LoadRow, LoadSide, LoadView, SweepLine, Tail, as_object
+from moebench.report.views import LoadRow, LoadSide, LoadView, SweepLine, Tail
 from moebench.store.sections import number
 
 SERVER_FIGURES = (("kv_cache_usage", "KV-cache usage mean / max"), ("queue_length", "queue length mean / max"),

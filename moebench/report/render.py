@@ -17,6 +17,7 @@ import jinja2
 from markupsafe import Markup
 
 from moebench import store
+from moebench.json_fields import as_object
 from moebench.json_types import JsonObject, JsonValue
 from moebench.report import plots
 from moebench.report.load import load_context
@@ -28,7 +29,7 @@ from moebench.report.views import (AbIdentity, AbPaired, AbRoundRow, CompareRepo
                                    MemoryRow, MemoryView, MetricCell, NeedleView, PercentileRow, Percentiles,
                                    RawFigures, ReportError, RunItemRow, RunReport, RunTaskSummary, SideView,
                                    SkewRow, SpeedAbView, SpeedRow, SpeedView, TaskSummary, TrendReport,
-                                   VerdictFigure, VerdictView, as_object)
+                                   VerdictFigure, VerdictView)
 from moebench.store import load_typed_run
 from moebench.store.records import CompareDoc, CompareSide, ItemRecord, Manifest, RecordError, typed_run
 from moebench.store.sections import (SPEED_METRICS, needle_cells, needle_counts, number, per_side,

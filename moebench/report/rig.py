@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from markupsafe import Markup
 
+from moebench.json_fields import as_object
 from moebench.json_types import JsonObject, JsonValue
 from moebench.report import plots
 from moebench.report.views import (CardRow, EngineSide, EngineView, Figure, RigPhaseRow, RigView, TierTotals,
-                                   TorchRow, as_object)
+                                   TorchRow)
 from moebench.store.records import ItemRecord, Manifest
 from moebench.store.sections import number
 

@@ -13,6 +13,7 @@ from typing import Literal, NamedTuple, TypeVar
 
 from markupsafe import Markup
 
+from moebench.json_fields import as_object
 from moebench.json_types import JsonObject, JsonValue
 from moebench.store.records import ItemRecord
 
@@ -30,11 +31,6 @@ class Figure(NamedTuple):
 
 Interval = tuple[float, float]
 IdentityPairs = list[tuple[str, str]]     # the manifest's fields as (key, text) for a folded table
-
-
-def as_object(v: JsonValue) -> JsonObject:
-    """A JSON object as read, or an empty one for anything else (the report reads sections tolerantly)."""
-    return v if isinstance(v, dict) else {}
 
 
 _Row = TypeVar("_Row", bound="KeyedFigures")

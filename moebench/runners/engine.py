@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from moebench.config import MAX_CLIENTS, MAX_PROMPT_TOKENS, ProfileError, RunnerSettings, positive, setting
+from moebench.json_fields import as_integer
 from moebench.json_types import JsonObject
 from moebench.runners.identity import DecodeChoice, EngineBuild, EngineModel, EngineTelemetry, ModelHash, RunnerIdentity
 from moebench.runners.base import Capability, GenerateRequest, GenerateResult, Runner, RunnerError
@@ -368,7 +369,7 @@ class EngineRunner(Runner):
             v = json.loads((self.model_path / "config.json").read_text(encoding="utf-8")).get("vocab_size")
         except (OSError, ValueError):
             return None
-        return v if isinstance(v, int) and not isinstance(v, bool) else None
+        return as_integer(v)
 
     def num_experts(self) -> int | None:
         return getattr(self._eng().config, "num_experts", None)

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from moebench.json_fields import is_of
 from moebench.runners.base import CountMismatch, RunnerError, ServerTimings
 
 LOGPROB_TOLERANCE = 1e-4
@@ -34,7 +35,7 @@ def count(value: Any, field: str, where: str) -> int | None:
     """A token count the server reported: None when absent, else a non-negative int or RunnerError."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_of(value, (int,)) or value < 0:
         raise RunnerError(f"{where}: field {field!r} is {_shown(value)}, expected a non-negative integer "
                           "(a token count)")
     return value
@@ -68,7 +69,7 @@ def usage(value: Any, where: str) -> Usage:
 
 def logprob(value: Any, field: str, where: str) -> float:
     """A log-prob the server reported, as a float; RunnerError unless finite and <= LOGPROB_TOLERANCE."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_of(value, (float,)):
         raise RunnerError(f"{where}: field {field!r} is {_shown(value)}, expected a number (a log-prob)")
     v = float(value)
     if not math.isfinite(v) or v > LOGPROB_TOLERANCE:
@@ -79,7 +80,7 @@ def logprob(value: Any, field: str, where: str) -> float:
 
 def probability(value: Any, field: str, where: str) -> float:
     """A probability the server reported; RunnerError unless a finite number in [0, 1 + tolerance]."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+    if not is_of(value, (float,)) or not math.isfinite(value) \
             or not 0 <= value <= 1 + LOGPROB_TOLERANCE:
         raise RunnerError(f"{where}: field {field!r} is {_shown(value)}, expected a probability in [0, 1]")
     return float(value)
@@ -98,7 +99,7 @@ def timings(value: Any, where: str) -> ServerTimings:
             out[key] = None
         elif key.endswith("_n") or key.endswith("_n_accepted"):
             out[key] = count(v, field, where)
-        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        elif not is_of(v, (float,)) or not math.isfinite(v):
             raise RunnerError(f"{where}: field {field!r} is {_shown(v)}, expected a finite number")
         elif v < 0 and (key.endswith("_ms") or key.endswith("_per_second")):
             raise RunnerError(f"{where}: field {field!r} is {_shown(v)}, expected a duration or rate >= 0")

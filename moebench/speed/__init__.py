@@ -12,9 +12,8 @@ Modules (each readable alone; arrows are imports inside the wing):
 - `open_loop.py`: arrival schedules (poisson, gamma), SLO checks per record, the /metrics sampler
   that runs beside a group, the rate sweep and its stop rule.
 - `latency.py`: the percentile summary (`Percentiles`) and a record's timing fields (`RequestTimes`)
-  with its time per output token (a leaf).
-- `fields.py`: `Fields`, typed reads of one stored JSON object, each refusal naming the source and
-  key (a leaf; the `from_json` of records.py and stored.py read through it).
+  with its time per output token (a leaf). The wing's `from_json`s read through the package's
+  `json_fields.Fields` (typed reads, each refusal naming the source and key).
 - `stored.py`: `StoredRequest`, a stored speed record read back from items.jsonl or a pass file; the
   readers below take these, never the JSON.
 - `compare.py`: compare.json["speed"] (`SpeedSection`): percentiles per prompt length and client

@@ -23,7 +23,7 @@ from moebench.runners.responses import describe
 from moebench.json_types import JsonObject
 from moebench.speed.ab_compare import AbPass, AbSection, ab_section
 from moebench.speed.compare import SpeedSection, speed_section, speed_summary, summary_json
-from moebench.speed.fields import Fields
+from moebench.json_fields import Fields
 from moebench.speed.stored import read_records
 from moebench.speed.task import SpeedTask
 from moebench.store import write_json_atomic

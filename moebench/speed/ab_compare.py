@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass
 from moebench.json_types import JsonObject, JsonValue
 from moebench.scoring.stats import bootstrap_paired_ratio_ci
-from moebench.speed.fields import Fields
+from moebench.json_fields import Fields
 from moebench.speed.stored import StoredRequest
 
 AB_METRICS = ("decode_tok_s", "prefill_tok_s", "ttft_s", "tpot_s")

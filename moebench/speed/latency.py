@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moebench.json_types import JsonObject
-from moebench.speed.fields import Fields
+from moebench.json_fields import Fields
 
 
 @dataclass(frozen=True)

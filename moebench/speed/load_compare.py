@@ -23,7 +23,7 @@ from typing import TypedDict
 from moebench.json_types import JsonObject, JsonValue
 from moebench.runners.metrics import ServingSummary
 from moebench.speed.latency import Percentiles
-from moebench.speed.fields import Fields
+from moebench.json_fields import Fields
 from moebench.speed.records import RateGroup, SweepStep, server_from_json, server_json
 from moebench.speed.stored import StoredRequest
 

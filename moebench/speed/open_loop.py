@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from moebench.json_types import JsonObject
-from moebench.speed.fields import Fields
+from moebench.json_fields import Fields
 from moebench.speed.latency import RequestTimes
 
 ARRIVALS = ("closed", "poisson", "gamma")

@@ -15,7 +15,7 @@ from typing import cast
 from moebench.json_types import JsonObject
 from moebench.runners.base import GenerateResult, RunnerError, ServerTimings
 from moebench.runners.metrics import ServingSummary, SpecDecodeDelta
-from moebench.speed.fields import Fields
+from moebench.json_fields import Fields
 from moebench.speed.latency import RequestTimes
 from moebench.speed.open_loop import SloCheck, SweepFigures
 

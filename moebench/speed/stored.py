@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from moebench.json_types import JsonValue
 from moebench.runners.metrics import SpecDecodeDelta
-from moebench.speed.fields import Fields
+from moebench.json_fields import Fields, is_of
 from moebench.speed.latency import RequestTimes
 from moebench.speed.records import ClosedGroup, DraftFigures, RateGroup, Sampling, group_from_json
 
@@ -77,7 +77,7 @@ def _token_ids(f: Fields) -> list[int] | None:
     ids = f.obj.get("output_token_ids")
     if ids is None:
         return None
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    if not isinstance(ids, list) or not all(is_of(i, (int,)) for i in ids):
         raise ValueError(f"{f.source}: key 'output_token_ids' must be a list of integers")
     return [i for i in ids if isinstance(i, int)]
 

@@ -41,6 +41,7 @@ from moebench import jsonout
 from moebench.config import (MAX_CLIENTS, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, MAX_VOCAB, Field,
                              ProfileError, positive)
 from moebench.datasets import data_file, register
+from moebench.json_fields import is_of
 from moebench.runners.base import Capability, GenerateRequest, Runner, RunnerError
 from moebench.runners.metrics import serving_summary, spec_decode_delta
 from moebench.json_types import JsonObject
@@ -64,7 +65,7 @@ def _clients_ok(v: Any) -> str | None:
     vals = v if isinstance(v, list) else [v]
     if not vals:
         return "must name at least one client count"
-    return None if all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in vals) \
+    return None if all(is_of(x, (int,)) and x > 0 for x in vals) \
         else "must be a positive integer or a list of them"
 
 

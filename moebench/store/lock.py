@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from moebench.json_fields import Wording, as_object
 from moebench.json_types import JsonObject
 from moebench.jsonout import dumps
 from moebench.store.files import LOCK, StoreError, now_iso, open_fd
@@ -22,6 +23,10 @@ COMMAND_CHARS = 500          # the holder's command line, cut to this length
 
 class RunLocked(StoreError):
     """Another live process is writing into this run directory."""
+
+
+# A lock file's wording of a refusal: the type found by its Python name.
+_WORDING = Wording(StoreError, wrong="{where}: key {key!r} is {type}, expected {expected}")
 
 
 @dataclass
@@ -44,10 +49,7 @@ class LockHolder:
     def from_json(cls, obj: JsonObject, source: str) -> "LockHolder":
         """The holder a lock file names; a key of the wrong type is a StoreError naming file and key."""
         def take(key: str, kind: type, what: str) -> object:
-            v = obj.get(key)
-            if v is not None and (not isinstance(v, kind) or isinstance(v, bool)):
-                raise StoreError(f"{source}: key {key!r} is {type(v).__name__}, expected {what}")
-            return v
+            return _WORDING.value(obj, key, source, (kind,), what, null_is_absent=True)
         pid = take("pid", int, "an integer")
         host, started, command, released = (take(k, str, "a string")
                                             for k in ("host", "started_at", "command", "released_at"))
@@ -121,7 +123,7 @@ class RunLock:
         fd, self._fd = self._fd, None
         try:
             raw = json.loads(os.pread(fd, 4096, 0) or b"{}")
-            holder = LockHolder.from_json(raw if isinstance(raw, dict) else {}, str(self.path))
+            holder = LockHolder.from_json(as_object(raw), str(self.path))
             holder.released_at = now_iso()
             os.ftruncate(fd, 0)
             os.pwrite(fd, (dumps(holder.to_json()) + "\n").encode(), 0)

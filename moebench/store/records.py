@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from moebench.identity import HostIdentity, MoebenchIdentity
+from moebench.json_fields import Wording
 from moebench.json_types import JsonObject, JsonValue
 from moebench.store.files import ITEMS, MANIFEST, STATUSES, StoreError, now_iso
 from moebench.store.files import SCHEMA_VERSION as MANIFEST_SCHEMA_VERSION
@@ -33,38 +34,14 @@ class RecordError(StoreError):
     """A store document whose structure is not the contract's; the message names file, key and type."""
 
 
-_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", dict: "an object",
-               list: "a list", type(None): "null"}
+# The store's wording of a refusal (tests and users read these messages).
+_WORDING = Wording(RecordError)
 
 
 def _take(data: JsonObject, key: str, types: tuple[type, ...], source: str, required: bool = False,
           choices: tuple[str, ...] | None = None) -> Any:
     """data[key], checked against `types` (and `choices`); None where absent and not required."""
-    if key not in data:
-        if required:
-            raise RecordError(f"{source}: missing key {key!r} (expected {_expected(types)})")
-        return None
-    v = data[key]
-    ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in types)
-    if not ok:
-        raise RecordError(f"{source}: key {key!r} is {_json_type(v)}, expected {_expected(types)}")
-    if choices is not None and v not in choices:
-        raise RecordError(f"{source}: key {key!r} is {v!r}, expected one of {', '.join(map(repr, choices))}")
-    return v
-
-
-def _expected(types: tuple[type, ...]) -> str:
-    return " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in types)
-
-
-def _json_type(v: object) -> str:
-    return next((name for t, name in _TYPE_NAMES.items() if type(v) is t), type(v).__name__)
-
-
-def _object(data: object, source: str) -> JsonObject:
-    if not isinstance(data, dict):
-        raise RecordError(f"{source}: expected a JSON object, got {_json_type(data)}")
-    return data
+    return _WORDING.value(data, key, source, types, required=required, choices=choices)
 
 
 def _extra(data: JsonObject, cls: type) -> JsonObject:
@@ -107,7 +84,7 @@ class ItemRecord:
 
     @classmethod
     def from_dict(cls, data: JsonValue, source: str = "items.jsonl") -> "ItemRecord":
-        d = _object(data, source)
+        d = _WORDING.object(data, source)
         return cls(task=_take(d, "task", (str,), source, required=True),
                    item_id=_take(d, "item_id", (str,), source, required=True),
                    status=_take(d, "status", (str,), source, required=True, choices=ITEM_STATUSES),
@@ -167,7 +144,7 @@ class RunEvent:
 
     @classmethod
     def from_json(cls, obj: JsonValue, source: str) -> "RunEvent":
-        d = _object(obj, source)
+        d = _WORDING.object(obj, source)
         return cls(event=_take(d, "event", (str,), source, required=True), time=_take(d, "time", _OPT_STR, source),
                    details={k: v for k, v in d.items() if k not in ("event", "time")}, key_order=list(d))
 
@@ -190,7 +167,7 @@ class RunCounts:
 
     @classmethod
     def from_json(cls, obj: JsonValue, source: str) -> "RunCounts":
-        d = _object(obj, source)
+        d = _WORDING.object(obj, source)
         return cls(**{k: _take(d, k, (int, type(None)), source) for k in ("asked", "errors", "skipped_finished")})
 
     def to_json(self) -> JsonObject:
@@ -207,7 +184,7 @@ class ErrorCause:
 
     @classmethod
     def from_json(cls, obj: JsonValue, source: str) -> "ErrorCause":
-        d = _object(obj, source)
+        d = _WORDING.object(obj, source)
         return cls(error=_take(d, "error", (str,), source, required=True),
                    count=_take(d, "count", (int,), source, required=True))
 
@@ -240,7 +217,7 @@ class TaskSummary:
 
     @classmethod
     def from_json(cls, obj: JsonValue, source: str) -> "TaskSummary":
-        d = _object(obj, source)
+        d = _WORDING.object(obj, source)
         counts = {k: _take(d, k, (int, type(None)), source) for k in cls._COMMON[:4]}
         return cls(**counts, accuracy=_take(d, "accuracy", (int, float, type(None)), source),
                    extra={k: v for k, v in d.items() if k not in cls._COMMON}, key_order=list(d))
@@ -327,7 +304,7 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: JsonValue, source: str = "manifest.json") -> "Manifest":
-        d = _object(data, source)
+        d = _WORDING.object(data, source)
         sv = _take(d, "schema_version", (int,), source, required=True)
         if sv > MANIFEST_SCHEMA_VERSION:
             raise RecordError(f"{source}: schema_version {sv} is newer than this moebench reads "
@@ -449,7 +426,7 @@ class CompareSide:
 
     @classmethod
     def from_dict(cls, data: JsonValue, source: str) -> "CompareSide":
-        d = _object(data, source)
+        d = _WORDING.object(data, source)
         return cls(run=_take(d, "run", _OPT_STR, source), label=_take(d, "label", _OPT_STR, source),
                    extra=_extra(d, cls))
 
@@ -487,7 +464,7 @@ class CompareDoc:
 
     @classmethod
     def from_dict(cls, data: JsonValue, source: str = "compare.json") -> "CompareDoc":
-        d = _object(data, source)
+        d = _WORDING.object(data, source)
         sv = _take(d, "schema_version", (int, type(None)), source)
         if sv is not None and sv > COMPARE_SCHEMA_VERSION:
             raise RecordError(f"{source}: schema_version {sv} is newer than this moebench reads "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Iterable, Optional, TypedDict
 
+from moebench.json_fields import is_of
 from moebench.json_types import JsonObject, JsonValue
 
 SIDES = ("baseline", "candidate")
@@ -58,7 +59,7 @@ class NeedleCounts(TypedDict):
 
 def number(v: object) -> float | None:
     """A finite float, or None for anything else (missing, null, NaN, text)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    if not is_of(v, (float,)):
         if isinstance(v, dict):           # summaries like {"median": x, "iqr": [..]}
             for key in ("median", "mean", "value"):
                 if key in v:

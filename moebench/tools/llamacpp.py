@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NotRequired, TypedDict
 
 from moebench import jsonout
+from moebench.json_fields import PLAIN, Wording
 from moebench.json_types import JsonObject, JsonValue
 from moebench.tools.binary_probe import PROBE, ProbeError
 
@@ -225,15 +226,14 @@ class StampError(ValueError):
     """A build stamp that is not what `ensure_built` writes; the message names the file and the key."""
 
 
-def _stamp_key(doc: JsonObject, key: str, types: type | tuple[type, ...], what: str, where: str,
+# A stamp's wording of a refusal; a required key absent reads as null ("got None").
+_STAMP = Wording(StampError, not_object=PLAIN.not_object, missing="{where}: key {key!r} must be {expected}, got None",
+                 wrong=PLAIN.wrong)
+
+
+def _stamp_key(doc: JsonObject, key: str, types: tuple[type, ...], what: str, where: str,
                required: bool = True) -> JsonValue:
-    value = doc.get(key)
-    if value is None and not required:
-        return None
-    if not isinstance(value, types) or isinstance(value, bool) and bool not in (types if isinstance(types, tuple)
-                                                                                 else (types,)):
-        raise StampError(f"{where}: key {key!r} must be {what}, got {value!r}")
-    return value
+    return _STAMP.value(doc, key, where, types, what, required=required, null_is_absent=True)
 
 
 @dataclass(frozen=True)
@@ -264,23 +264,22 @@ class BuildStamp:
     @classmethod
     def from_json(cls, doc: JsonValue, where: str) -> "BuildStamp":
         """A stamp read back; StampError naming the file (`where`) and the key when it is malformed."""
-        if not isinstance(doc, dict):
-            raise StampError(f"{where}: expected a JSON object, got {type(doc).__name__}")
+        doc = _STAMP.object(doc, where)
         lists: dict[str, list[str] | None] = {}
         for key in ("flags", "targets"):
-            value = _stamp_key(doc, key, list, "a list of strings", where, required=key == "flags")
+            value = _stamp_key(doc, key, (list,), "a list of strings", where, required=key == "flags")
             if value is not None and not all(isinstance(v, str) for v in value):
-                raise StampError(f"{where}: key {key!r} must be a list of strings, got {value!r}")
+                raise _STAMP.refuse(where, key, value, "a list of strings")
             lists[key] = None if value is None else [str(v) for v in value]
-        return cls(build_number=_stamp_key(doc, "build_number", int, "an integer", where),
-                   build_commit=_stamp_key(doc, "build_commit", str, "a string", where),
-                   variant=_stamp_key(doc, "variant", str, "a string", where),
+        return cls(build_number=_stamp_key(doc, "build_number", (int,), "an integer", where),
+                   build_commit=_stamp_key(doc, "build_commit", (str,), "a string", where),
+                   variant=_stamp_key(doc, "variant", (str,), "a string", where),
                    flags=lists["flags"] or [], targets=lists["targets"],
-                   sdist=_stamp_key(doc, "sdist", str, "a string", where, required=False),
-                   sdist_sha256=_stamp_key(doc, "sdist_sha256", str, "a string", where, required=False),
-                   build_seconds=_stamp_key(doc, "build_seconds", (int, float), "a number", where, required=False),
-                   fresh_build=_stamp_key(doc, "fresh_build", bool, "a boolean", where, required=False),
-                   built_at=_stamp_key(doc, "built_at", str, "a string", where, required=False))
+                   sdist=_stamp_key(doc, "sdist", (str,), "a string", where, required=False),
+                   sdist_sha256=_stamp_key(doc, "sdist_sha256", (str,), "a string", where, required=False),
+                   build_seconds=_stamp_key(doc, "build_seconds", (float,), "a number", where, required=False),
+                   fresh_build=_stamp_key(doc, "fresh_build", (bool,), "a boolean", where, required=False),
+                   built_at=_stamp_key(doc, "built_at", (str,), "a string", where, required=False))
 
 
 def read_stamp(folder: Path) -> BuildStamp | None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Callable, TypeVar
 
+from moebench.json_fields import Wording
 from moebench.json_types import JsonObject, JsonValue
 
 T = TypeVar("T")
 
-_SCALARS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_SCALARS = (int, float, bool, str)
 _BY_NAME = {t.__name__: t for t in _SCALARS}
 
 
@@ -22,18 +23,14 @@ class ZooFileError(ValueError):
     """A zoo file whose structure is not the one the zoo writes; the message names file and key."""
 
 
+# The zoo's wording of a refusal (tests and users read these messages).
+WORDING = Wording(ZooFileError, not_object="{where}: expected an object, got {type}",
+                  missing="{where}: key {key!r} missing",
+                  wrong="{where}: key {key!r} is {value!r}, expected {expected}")
+
+
 def json_object(v: JsonValue, where: str) -> JsonObject:
-    if not isinstance(v, dict):
-        raise ZooFileError(f"{where}: expected an object, got {type(v).__name__}")
-    return v
-
-
-def _is(v: JsonValue, t: type) -> bool:
-    if t is bool:
-        return isinstance(v, bool)
-    if isinstance(v, bool):
-        return False
-    return isinstance(v, (int, float)) if t is float else isinstance(v, t)
+    return WORDING.object(v, where)
 
 
 def from_fields(cls: type[T], obj: JsonValue, where: str,
@@ -43,7 +40,7 @@ def from_fields(cls: type[T], obj: JsonValue, where: str,
     names = [f.name for f in fields(cls)]
     for name in names:
         if name not in d:
-            raise ZooFileError(f"{where}: key {name!r} missing")
+            raise WORDING.refuse_missing(where, name, "")
     unknown = [k for k in d if k not in names]
     if unknown:
         raise ZooFileError(f"{where}: unknown key {unknown[0]!r} (expected {', '.join(names)})")
@@ -51,13 +48,12 @@ def from_fields(cls: type[T], obj: JsonValue, where: str,
     declared = {f.name: _BY_NAME.get(f.type) if isinstance(f.type, str) else f.type for f in fields(cls)}
 
     def value(name: str) -> object:
-        v = d[name]
         if parts and name in parts:
-            return parts[name](v, f"{where}.{name}")
+            return parts[name](d[name], f"{where}.{name}")
         t = declared[name]
-        if t in _SCALARS and not _is(v, t):
-            raise ZooFileError(f"{where}: key {name!r} is {v!r}, expected {_SCALARS[t]}")
-        return v
+        if t in _SCALARS:
+            return WORDING.value(d, name, where, (t,), required=True)
+        return d[name]
     return cls(**{name: value(name) for name in names})
 
 

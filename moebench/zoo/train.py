@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from moebench import jsonout
 from moebench.json_types import JsonObject, JsonValue
-from moebench.zoo.checked import ZooFileError, from_fields, json_object, strings
+from moebench.zoo.checked import WORDING, ZooFileError, from_fields, json_object, strings
 
 if TYPE_CHECKING:
     from moebench.zoo.fixture import FixtureSummary
@@ -293,7 +293,7 @@ class TrainingRecord:
         d = json_object(obj, where)
         for key in ("hf_config", "seed") + SUMMARY_KEYS + FILE_KEYS:
             if key not in d:
-                raise ZooFileError(f"{where}: key {key!r} missing")
+                raise WORDING.refuse_missing(where, key, "")
         unknown = [k for k in d if k not in SUMMARY_KEYS + FILE_KEYS + ("fixture",)]
         if unknown:
             raise ZooFileError(f"{where}: unknown key {unknown[0]!r}")
@@ -307,11 +307,9 @@ class TrainingRecord:
                 "data": _text_sources, "expert_load_on_training_text": _load_skew})
         if d["seed"] != summary.config.seed:
             raise ZooFileError(f"{where}: key 'seed' is {d['seed']!r}, train_config.seed is {summary.config.seed!r}")
-        for key in ("weights", "weights_dtype"):
-            if not isinstance(d[key], str):
-                raise ZooFileError(f"{where}: key {key!r} is {d[key]!r}, expected a string")
+        weights, weights_dtype = (WORDING.value(d, key, where, (str,)) for key in ("weights", "weights_dtype"))
         return cls(summary=summary, hf_config=json_object(d["hf_config"], f"{where}.hf_config"),
-                   weights=d["weights"], weights_dtype=d["weights_dtype"])
+                   weights=weights, weights_dtype=weights_dtype)
 
 
 def train(tokenizer_dir: Path, cfg: TrainConfig = TrainConfig(), log=print) -> tuple[Any, TrainingSummary]:
