@@ -15,7 +15,12 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if sys.version_info >= (3, 11):
+    from typing import NotRequired
+else:                                   # pyproject installs typing_extensions there
+    from typing_extensions import NotRequired
 
 from moebench.config import MAX_ITEMS, RunnerProfile, SuiteProfile, load_suite, resolve_profile_path
 from moebench.data_check import check_before_run

@@ -9,8 +9,14 @@ task executor through `Runner.concurrency`.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NotRequired, TypedDict
+from typing import Any, Callable, Mapping, TypedDict
+
+if sys.version_info >= (3, 11):
+    from typing import NotRequired
+else:                                   # pyproject installs typing_extensions there
+    from typing_extensions import NotRequired
 
 from moebench.config import RunnerSettings
 from moebench.json_types import JsonObject

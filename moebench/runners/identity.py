@@ -7,7 +7,13 @@ its own shape; `RunnerIdentity` holds whichever the runner is.
 """
 from __future__ import annotations
 
-from typing import NotRequired, TypedDict, Union
+import sys
+from typing import TypedDict, Union
+
+if sys.version_info >= (3, 11):
+    from typing import NotRequired
+else:                                   # pyproject installs typing_extensions there
+    from typing_extensions import NotRequired
 
 from moebench.json_types import JsonObject
 

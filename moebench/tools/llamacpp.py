@@ -26,7 +26,12 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, NotRequired, TypedDict
+from typing import Any, Callable, Iterator, TypedDict
+
+if sys.version_info >= (3, 11):
+    from typing import NotRequired
+else:                                   # pyproject installs typing_extensions there
+    from typing_extensions import NotRequired
 
 from moebench import jsonout
 from moebench.json_fields import PLAIN, Wording
