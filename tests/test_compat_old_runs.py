@@ -1,0 +1,183 @@
+"""Run folders written by an earlier moebench still compare, report, gate and trend exactly as that
+version did.
+
+tests/data/compat holds two run folders (`base`, `cand`) that moebench b6f2c5e wrote (README.md there
+says how), and golden/ the outputs that the same old code made from them: every file, exit code,
+stdout and stderr of the steps in STEPS (and RESUME). Each test copies the folders to a temporary
+stage, runs the current code's CLI there, and compares byte for byte once the stage's own path is
+masked (`mask`). A reader that starts refusing or misreading old data changes an output and fails.
+
+`python tests/test_compat_old_runs.py --write-goldens` rewrites golden/ with whichever moebench is
+on PYTHONPATH: README.md runs it with the old code; never with the code under test.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, moebench_cli
+
+FIXTURES = REPO / "tests" / "data" / "compat"
+GOLDEN = FIXTURES / "golden"
+STAGED = ("base", "cand", "suite.toml", "gate-fail.toml", "gate-inconclusive.toml", "gate-pass.toml")
+STAGE_MARK = "<STAGE>"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One CLI call on the stage: `copy` (a folder to copy first, as source -> destination) lets a gate
+    write its files into its own copy of the compare directory."""
+    name: str
+    args: tuple[str, ...]
+    outputs: tuple[str, ...] = ()
+    copy: tuple[str, str] | None = None
+
+
+CMP_FILES = ("compare.json", "summary.md", "matrix.csv", "matrix.json", "report.html")
+GATE_FILES = ("summary.md", "junit.xml", "gate.json")
+STEPS = (
+    Step("compare", ("compare", "base", "cand", "--out", "cmp"), tuple(f"cmp/{f}" for f in CMP_FILES)),
+    Step("compare-format-json", ("compare", "base", "cand", "--out", "cmp-json", "--format", "json")),
+    Step("report-compare", ("report", "cmp", "--out", "report-cmp.html"), ("report-cmp.html",)),
+    Step("report-base", ("report", "base", "--out", "report-base.html"), ("report-base.html",)),
+    Step("report-cand", ("report", "cand", "--out", "report-cand.html"), ("report-cand.html",)),
+    Step("gate-fail", ("gate", "gate-fail", "--rules", "gate-fail.toml"),
+         tuple(f"gate-fail/{f}" for f in GATE_FILES), copy=("cmp", "gate-fail")),
+    Step("gate-inconclusive", ("gate", "gate-inconclusive", "--rules", "gate-inconclusive.toml"),
+         tuple(f"gate-inconclusive/{f}" for f in GATE_FILES), copy=("cmp", "gate-inconclusive")),
+    Step("gate-pass", ("gate", "gate-pass", "--rules", "gate-pass.toml", "--json"),
+         tuple(f"gate-pass/{f}" for f in GATE_FILES), copy=("cmp", "gate-pass")),
+    Step("trend", ("trend", "base", "cand", "--out", "trend"),
+         ("trend/trend.csv", "trend/trend.json", "trend/trend.html")),
+)
+# Needs the zoo's checkpoint: the runner profile is checked before the run folder is.
+RESUME = Step("resume-complete", ("run", "suite.toml", "--runner", "engine-bf16", "--out", "resume-base", "--resume"),
+              copy=("base", "resume-base"))
+
+# `report CMP` rewrites the page compare wrote; the old code's two pages are the same bytes (write_goldens
+# checks it), so one golden serves both.
+GOLDEN_OF = {"report-cmp.html": "cmp/report.html"}
+
+def mask(text: str, stage: Path) -> str:
+    """`text` with the stage's absolute path (a new temporary folder each time; trend and compare print
+    the runs' absolute paths) as STAGE_MARK. It is the only thing masked: the old code wrote the same
+    bytes twice in a row, so nothing else (no timestamp, no host name) differs between invocations."""
+    return text.replace(str(stage.resolve()), STAGE_MARK).replace(str(stage), STAGE_MARK)
+
+
+def make_stage(root: Path) -> Path:
+    stage = root / "stage"
+    stage.mkdir()
+    for name in STAGED:
+        src = FIXTURES / name
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, stage / name)
+    return stage
+
+
+def run_step(step: Step, stage: Path) -> dict[str, object]:
+    """The step's exit code, stdout and stderr (masked), as golden/console/<name>.json holds them."""
+    if step.copy:
+        shutil.copytree(stage / step.copy[0], stage / step.copy[1])
+    proc = moebench_cli(*step.args, cwd=stage, timeout=120)
+    return {"args": list(step.args), "exit_code": proc.returncode,
+            "stdout": mask(proc.stdout, stage), "stderr": mask(proc.stderr, stage)}
+
+
+def run_all(stage: Path, steps: tuple[Step, ...] = STEPS) -> dict[str, dict[str, object]]:
+    return {step.name: run_step(step, stage) for step in steps}
+
+
+@pytest.fixture(scope="module")
+def staged_run(tmp_path_factory) -> tuple[Path, dict[str, dict[str, object]]]:
+    """Every step run once by the code under test on a fresh copy of the old folders."""
+    stage = make_stage(tmp_path_factory.mktemp("compat"))
+    return stage, run_all(stage)
+
+
+def console_golden(name: str) -> Path:
+    """Where a step's exit code, stdout and stderr are kept (its files keep their stage paths)."""
+    return GOLDEN / "console" / f"{name}.json"
+
+
+@pytest.mark.parametrize("step", STEPS, ids=[s.name for s in STEPS])
+def test_exit_code_and_console_output_as_before(staged_run, step: Step):
+    _stage, results = staged_run
+    assert results[step.name] == json.loads(console_golden(step.name).read_text(encoding="utf-8"))
+
+
+OUTPUTS = [(step, out) for step in STEPS for out in step.outputs]
+
+
+@pytest.mark.parametrize("step,output", OUTPUTS, ids=[out for _s, out in OUTPUTS])
+def test_output_file_as_before(staged_run, step: Step, output: str):
+    stage, _results = staged_run
+    got = mask((stage / output).read_text(encoding="utf-8"), stage)
+    golden = GOLDEN_OF.get(output, output)
+    want = (GOLDEN / golden).read_text(encoding="utf-8")
+    assert got == want, f"{output} differs from golden/{golden} (step {step.name})"
+
+
+def test_resume_of_a_complete_old_run_is_refused_as_before_and_leaves_its_records_alone(zoo, tmp_path):
+    stage = make_stage(tmp_path)
+    assert run_step(RESUME, stage) == json.loads(console_golden(RESUME.name).read_text(encoding="utf-8"))
+    for name in ("manifest.json", "items.jsonl", "speed_token_times.jsonl"):
+        assert (stage / "resume-base" / name).read_bytes() == (FIXTURES / "base" / name).read_bytes(), name
+
+
+def test_a_new_candidate_measures_against_an_old_baseline_and_compares(staged_run, zoo_tiered, data_dir):
+    """The current code runs the fixtures' suite (one item per task) as a candidate against the old
+    baseline: its KLD reads the old baseline's top-K and full-distribution chunk, and compare pairs the
+    old records with the new. Chunk 0 is the one whose whole distribution the baseline kept, so its exact
+    KLD must be the old candidate's (same model, same tokens); a misread baseline moves it."""
+    stage, _results = staged_run
+    run = moebench_cli("run", "suite.toml", "--runner", "engine-tiered", "--label", "new-cand", "--baseline", "base",
+                       "--limit", "1", "--out", "new-cand", cwd=stage, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    cmp = moebench_cli("compare", "base", "new-cand", "--out", "cmp-new", cwd=stage, timeout=120)
+    assert cmp.returncode == 0, cmp.stdout + cmp.stderr
+    new = json.loads((stage / "cmp-new" / "compare.json").read_text(encoding="utf-8"))
+    old = json.loads((GOLDEN / "cmp" / "compare.json").read_text(encoding="utf-8"))
+    assert new["kld"]["measured_against"] == "base" and "warning" not in new["kld"]
+    assert new["kld"]["topk_vs_exact"]["n_tokens"] == old["kld"]["topk_vs_exact"]["n_tokens"] == 3
+    assert new["kld"]["topk_vs_exact"]["exact_mean"] == pytest.approx(old["kld"]["topk_vs_exact"]["exact_mean"],
+                                                                      rel=1e-3)
+    assert new["kld"]["n_tokens"] == 3 and new["kld"]["per_chunk"][0] == pytest.approx(old["kld"]["per_chunk"][0],
+                                                                                       rel=1e-3)
+    for task in ("gsm8k", "cmmlu", "humaneval"):
+        assert new["tasks"][task]["n_paired"] == 1, task
+    assert new["tasks"]["needle"]["n_paired"] == 0       # its first cell (256 tokens) errors on both sides
+    assert [(r["prompt_length"], r["clients"]) for r in new["speed"]["rows"]] == [(32, 1)]
+
+
+def write_goldens() -> None:
+    """golden/ from the moebench on PYTHONPATH (README.md: the old code at b6f2c5e)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        stage = make_stage(Path(tmp))
+        results = run_all(stage, (*STEPS, RESUME))
+        if GOLDEN.exists():
+            shutil.rmtree(GOLDEN)
+        (GOLDEN / "console").mkdir(parents=True)
+        for step in (*STEPS, RESUME):
+            console_golden(step.name).write_text(json.dumps(results[step.name], indent=1, ensure_ascii=False)
+                                                      + "\n", encoding="utf-8")
+            for out in step.outputs:
+                text = mask((stage / out).read_text(encoding="utf-8"), stage)
+                if out in GOLDEN_OF:
+                    if text != (GOLDEN / GOLDEN_OF[out]).read_text(encoding="utf-8"):
+                        sys.exit(f"{out} differs from {GOLDEN_OF[out]}: give it its own golden (GOLDEN_OF)")
+                    continue
+                (GOLDEN / out).parent.mkdir(parents=True, exist_ok=True)
+                (GOLDEN / out).write_text(text, encoding="utf-8")
+    print(f"wrote {GOLDEN}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write-goldens"]:
+        sys.exit("usage: PYTHONPATH=<old moebench> python tests/test_compat_old_runs.py --write-goldens")
+    write_goldens()
