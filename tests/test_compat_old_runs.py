@@ -24,7 +24,8 @@ from conftest import REPO, moebench_cli
 
 FIXTURES = REPO / "tests" / "data" / "compat"
 GOLDEN = FIXTURES / "golden"
-STAGED = ("base", "cand", "suite.toml", "gate-fail.toml", "gate-inconclusive.toml", "gate-pass.toml")
+STAGED = ("base", "cand", "aa", "llama-bf16", "llama-q4", "suite.toml", "suite-llama.toml", "gate-fail.toml",
+          "gate-inconclusive.toml", "gate-pass.toml", "gate-llama.toml")
 STAGE_MARK = "<STAGE>"
 
 
@@ -54,6 +55,22 @@ STEPS = (
          tuple(f"gate-pass/{f}" for f in GATE_FILES), copy=("cmp", "gate-pass")),
     Step("trend", ("trend", "base", "cand", "--out", "trend"),
          ("trend/trend.csv", "trend/trend.json", "trend/trend.html")),
+    # Several candidates: the matrix, and each candidate's own compare (its report.html is the page
+    # cmp/report.html already pins, so it is not kept twice).
+    Step("compare-matrix", ("compare", "base", "cand", "aa", "--out", "matrix"),
+         ("matrix/matrix.csv", "matrix/matrix.json", "matrix/summary.md", "matrix/report.html",
+          "matrix/01_cand/compare.json", "matrix/01_cand/summary.md", "matrix/02_aa/compare.json",
+          "matrix/02_aa/summary.md")),
+    # A gate on a matrix judges each candidate in its folder and redraws the reports with the verdicts.
+    Step("gate-matrix", ("gate", "gate-matrix", "--rules", "gate-pass.toml"),
+         ("gate-matrix/summary.md", "gate-matrix/report.html", "gate-matrix/01_cand/gate.json",
+          *(f"gate-matrix/02_aa/{f}" for f in (*GATE_FILES, "report.html"))), copy=("matrix", "gate-matrix")),
+    # llama-server runs: its build stamp, and serving load (open-loop groups, goodput, /metrics).
+    Step("compare-llama", ("compare", "llama-bf16", "llama-q4", "--out", "cmp-llama"),
+         tuple(f"cmp-llama/{f}" for f in CMP_FILES)),
+    Step("gate-llama", ("gate", "gate-llama", "--rules", "gate-llama.toml"),
+         tuple(f"gate-llama/{f}" for f in GATE_FILES), copy=("cmp-llama", "gate-llama")),
+    Step("report-llama-q4", ("report", "llama-q4", "--out", "report-llama-q4.html"), ("report-llama-q4.html",)),
 )
 # Needs the zoo's checkpoint: the runner profile is checked before the run folder is.
 RESUME = Step("resume-complete", ("run", "suite.toml", "--runner", "engine-bf16", "--out", "resume-base", "--resume"),
