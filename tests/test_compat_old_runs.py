@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +38,20 @@ class Step:
     args: tuple[str, ...]
     outputs: tuple[str, ...] = ()
     copy: tuple[str, str] | None = None
+    python: bool = False
+    """`args` are the Python interpreter's (moebench's Python API), not the CLI's."""
 
 
+# moebench.results (docs/schema.md's Python loaders) on every old run and on the compares the steps
+# before it wrote, as CSV: values, column order and the True/False/None of `correct`.
+RESULTS_API = """
+from moebench.results import load_compare, load_items, load_matrix
+for run in ("base", "cand", "llama-q4"):
+    print(f"== load_items({run!r})"); print(load_items(run).to_csv(index=False))
+for cmp in ("cmp", "matrix", "cmp-llama"):
+    print(f"== load_compare({cmp!r})"); print(load_compare(cmp).to_csv(index=False))
+    print(f"== load_matrix({cmp!r})"); print(load_matrix(cmp).to_csv(index=False))
+"""
 CMP_FILES = ("compare.json", "summary.md", "matrix.csv", "matrix.json", "report.html")
 GATE_FILES = ("summary.md", "junit.xml", "gate.json")
 STEPS = (
@@ -71,6 +84,7 @@ STEPS = (
     Step("gate-llama", ("gate", "gate-llama", "--rules", "gate-llama.toml"),
          tuple(f"gate-llama/{f}" for f in GATE_FILES), copy=("cmp-llama", "gate-llama")),
     Step("report-llama-q4", ("report", "llama-q4", "--out", "report-llama-q4.html"), ("report-llama-q4.html",)),
+    Step("results-api", ("-c", RESULTS_API), python=True),
 )
 # Needs the zoo's checkpoint: the runner profile is checked before the run folder is.
 RESUME = Step("resume-complete", ("run", "suite.toml", "--runner", "engine-bf16", "--out", "resume-base", "--resume"),
@@ -100,7 +114,10 @@ def run_step(step: Step, stage: Path) -> dict[str, object]:
     """The step's exit code, stdout and stderr (masked), as golden/console/<name>.json holds them."""
     if step.copy:
         shutil.copytree(stage / step.copy[0], stage / step.copy[1])
-    proc = moebench_cli(*step.args, cwd=stage, timeout=120)
+    if step.python:
+        proc = subprocess.run([sys.executable, *step.args], cwd=stage, capture_output=True, text=True, timeout=120)
+    else:
+        proc = moebench_cli(*step.args, cwd=stage, timeout=120)
     return {"args": list(step.args), "exit_code": proc.returncode,
             "stdout": mask(proc.stdout, stage), "stderr": mask(proc.stderr, stage)}
 
