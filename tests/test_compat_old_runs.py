@@ -181,6 +181,24 @@ def resumed_console(result: dict[str, object]) -> dict[str, object]:
             "lines": [line for line in lines if line.startswith(("continuing the unfinished run", "status:"))]}
 
 
+def key_order(value: object) -> object:
+    """The keys of every JSON object in `value`, in their order, nested (a list by its first element):
+    what a writer decides. Values are left out: the items resumed here are the model's outputs, which
+    another CPU may round differently."""
+    if isinstance(value, dict):
+        return [[k, key_order(v)] for k, v in value.items()]
+    if isinstance(value, list) and value:
+        return ["list of", key_order(value[0])]
+    return None
+
+
+def resumed_key_orders(run: Path, kept: int) -> dict[str, object]:
+    """The key order of the resumed run's manifest and of each record written after the `kept` ones."""
+    records = [json.loads(line) for line in (run / "items.jsonl").read_text(encoding="utf-8").splitlines()]
+    return {"manifest.json": key_order(json.loads((run / "manifest.json").read_text(encoding="utf-8"))),
+            "items.jsonl": {r["item_id"]: key_order(r) for r in records[kept:]}}
+
+
 def test_an_interrupted_old_candidate_resumes_and_compares(zoo_tiered, data_dir, tmp_path):
     """`cand-partial` is a candidate run the old code was interrupted in after 19 items (every accuracy
     item, no KLD chunk). The current code continues it: the old records stay as written, the rest (KLD
@@ -194,6 +212,9 @@ def test_an_interrupted_old_candidate_resumes_and_compares(zoo_tiered, data_dir,
     assert (stage / "cand-partial" / "items.jsonl").read_bytes().splitlines(keepends=True)[:len(old_lines)] == old_lines
     manifest = json.loads((stage / "cand-partial" / "manifest.json").read_text(encoding="utf-8"))
     assert manifest["status"] == "complete" and manifest["counts"]["skipped_finished"] == len(old_lines) == 19
+    # The old code, resuming the same folder, wrote its manifest and the new records with these keys.
+    orders = json.loads((GOLDEN / "resume-interrupted-key-orders.json").read_text(encoding="utf-8"))
+    assert resumed_key_orders(stage / "cand-partial", len(old_lines)) == orders
 
     cmp = moebench_cli("compare", "base", "cand-partial", "--out", "cmp-resumed", cwd=stage, timeout=120)
     assert cmp.returncode == 0, cmp.stdout + cmp.stderr
@@ -236,6 +257,9 @@ def write_goldens() -> None:
         SAME_FILE.write_text(json.dumps(same, indent=1) + "\n", encoding="utf-8")
         resumed = resumed_console(run_step(RESUME_INTERRUPTED, stage))
         console_golden(RESUME_INTERRUPTED.name).write_text(json.dumps(resumed, indent=1) + "\n", encoding="utf-8")
+        kept = len((FIXTURES / "cand-partial" / "items.jsonl").read_text(encoding="utf-8").splitlines())
+        (GOLDEN / "resume-interrupted-key-orders.json").write_text(
+            json.dumps(resumed_key_orders(stage / "cand-partial", kept)) + "\n", encoding="utf-8")
     print(f"wrote {GOLDEN}")
 
 
