@@ -1,9 +1,10 @@
 """Run folders written by an earlier moebench still compare, report, gate and trend exactly as that
 version did.
 
-tests/data/compat holds two run folders (`base`, `cand`) that moebench b6f2c5e wrote (README.md there
-says how), and golden/ the outputs that the same old code made from them: every file, exit code,
-stdout and stderr of the steps in STEPS (and RESUME). Each test copies the folders to a temporary
+tests/data/compat holds run folders that moebench b6f2c5e wrote (README.md there says how: engine and
+llama-server runs of every task kind, a speed-ab directory, sampled KLD, an interrupted run), and
+golden/ the outputs that the same old code made from them: every file, exit code, stdout and stderr
+of the steps in STEPS (and RESUME). Each test copies the folders to a temporary
 stage, runs the current code's CLI there, and compares byte for byte once the stage's own path is
 masked (`mask`). A reader that starts refusing or misreading old data changes an output and fails.
 
@@ -25,8 +26,9 @@ from conftest import REPO, moebench_cli
 
 FIXTURES = REPO / "tests" / "data" / "compat"
 GOLDEN = FIXTURES / "golden"
-STAGED = ("base", "cand", "aa", "cand-partial", "llama-bf16", "llama-q4", "ab", "suite.toml", "suite-llama.toml",
-          "gate-fail.toml", "gate-inconclusive.toml", "gate-pass.toml", "gate-llama.toml", "gate-ab.toml")
+STAGED = ("base", "cand", "aa", "cand-partial", "llama-bf16", "llama-q4", "ab", "sampled-base", "sampled-cand",
+          "suite.toml", "gate-fail.toml", "gate-inconclusive.toml", "gate-pass.toml", "gate-llama.toml", "gate-ab.toml",
+          "gate-sampled.toml")
 STAGE_MARK = "<STAGE>"
 
 
@@ -68,8 +70,8 @@ STEPS = (
          tuple(f"gate-pass/{f}" for f in GATE_FILES), copy=("cmp", "gate-pass")),
     Step("trend", ("trend", "base", "cand", "--out", "trend"),
          ("trend/trend.csv", "trend/trend.json", "trend/trend.html")),
-    # Several candidates: the matrix, and each candidate's own compare (its report.html is the page
-    # cmp/report.html already pins, so it is not kept twice).
+    # Several candidates: the matrix, and each candidate's own compare (their report.html pages are left
+    # out: the same renderer as cmp/report.html; the gated 02_aa page is kept below).
     Step("compare-matrix", ("compare", "base", "cand", "aa", "--out", "matrix"),
          ("matrix/matrix.csv", "matrix/matrix.json", "matrix/summary.md", "matrix/report.html",
           "matrix/01_cand/compare.json", "matrix/01_cand/summary.md", "matrix/02_aa/compare.json",
@@ -90,6 +92,11 @@ STEPS = (
     Step("compare-speed-ab", ("compare", "base", "cand", "--speed-ab", "ab", "--out", "cmp-ab"),
          ("cmp-ab/compare.json", "cmp-ab/summary.md", "cmp-ab/report.html")),
     Step("report-ab", ("report", "ab", "--out", "report-ab.html"), ("report-ab.html",)),
+    # Sampled KLD (Monte Carlo on the baseline's own continuations).
+    Step("compare-sampled", ("compare", "sampled-base", "sampled-cand", "--out", "cmp-sampled"),
+         tuple(f"cmp-sampled/{f}" for f in CMP_FILES)),
+    Step("gate-sampled", ("gate", "gate-sampled", "--rules", "gate-sampled.toml"),
+         tuple(f"gate-sampled/{f}" for f in GATE_FILES), copy=("cmp-sampled", "gate-sampled")),
     Step("results-api", ("-c", RESULTS_API), python=True),
 )
 # Need the zoo's checkpoints: the runner profile is checked before the run folder is.
@@ -103,6 +110,7 @@ RESUME_INTERRUPTED = Step("resume-interrupted", ("run", "suite.toml", "--runner"
 # wrote, a matrix's first candidate is the one-candidate compare): golden/same.json maps each to the
 # golden it equals, so that one file is kept once.
 SAME_FILE = GOLDEN / "same.json"
+
 
 def mask(text: str, stage: Path) -> str:
     """`text` with the stage's absolute path (a new temporary folder each time; trend and compare print
@@ -203,8 +211,8 @@ def test_an_interrupted_old_candidate_resumes_and_compares(zoo_tiered, data_dir,
     """`cand-partial` is a candidate run the old code was interrupted in after 19 items (every accuracy
     item, no KLD chunk). The current code continues it: the old records stay as written, the rest (KLD
     against the old baseline's top-K and full-distribution chunk, needle, speed) are new, and compare
-    pairs it with the old baseline. Chunk 0 is the one whose whole distribution the baseline kept, so its exact KLD must be
-    the old candidate's (same model, same tokens); a misread baseline moves it."""
+    pairs it with the old baseline. Chunk 0 is the one whose whole distribution the baseline kept, so
+    its exact KLD must be the old candidate's (same model, same tokens); a misread baseline moves it."""
     stage = make_stage(tmp_path)
     result = resumed_console(run_step(RESUME_INTERRUPTED, stage))
     assert result == json.loads(console_golden(RESUME_INTERRUPTED.name).read_text(encoding="utf-8"))
