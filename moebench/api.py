@@ -612,9 +612,8 @@ def compare_many(baseline: str, candidates: list[str], out: str | None = None, r
     A candidate whose runs look given the wrong way round (the baseline was run with --baseline
     CANDIDATE) is refused before anything is written, unless `allow_reversed`.
     """
-    from moebench.compare.build import build_compare
+    from moebench.compare.build import compare_runs
     from moebench.compare.tables import matrix_row, summary_markdown, to_csv
-    from moebench.store.records import CompareDoc
     if not candidates:
         raise UsageError("compare: give at least one candidate run")
     for p in (baseline, *candidates):
@@ -630,19 +629,19 @@ def compare_many(baseline: str, candidates: list[str], out: str | None = None, r
     built = []
     for cand in candidates:
         try:
-            built.append(build_compare(baseline, cand, speed_ab=speed_ab, allow_reversed=allow_reversed))
+            built.append(compare_runs(baseline, cand, speed_ab=speed_ab, allow_reversed=allow_reversed))
         except ValueError as e:
             raise UsageError(str(e)) from None
     out_dir.mkdir(parents=True, exist_ok=True)
     cmps, docs, rows, pair_dirs = [], [], [], []
-    for i, (cand, cmp) in enumerate(zip(candidates, built)):
+    for i, (cand, doc) in enumerate(zip(candidates, built)):
+        cmp = doc.to_dict()
         if len(candidates) == 1:
             pair_dir = out_dir
         else:
             pair_dir = out_dir / _pair_dir_name(i, cmp["candidate"].get("label"), cand)
             pair_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(pair_dir / "compare.json", cmp)
-        doc = CompareDoc.from_dict(cmp, str(pair_dir / "compare.json"))
         row = matrix_row(doc, "." if pair_dir == out_dir else pair_dir.name)
         if pair_dir != out_dir:
             (pair_dir / SUMMARY_MD).write_text(summary_markdown([doc], [row]), encoding="utf-8")
