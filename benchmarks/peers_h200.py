@@ -53,6 +53,9 @@ SMALL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_ke
 PROMPT_LENGTHS = (128, 4096)
 OUTPUT_TOKENS = 128
 LLAMA_FLAGS = ("-ngl", "99", "-fa", "on")           # the same for llama-bench and llama-server
+# llama-server's own switch (llama-bench has no sampling step): run the sampler chain in the model's
+# graph on the GPU, so a token costs no copy of the logits and no CPU pass over the vocabulary.
+BACKEND_SAMPLING = ("-bs",)
 # Bytes per weight of each expert format, scales included (docs/engine.md; GGUF block sizes).
 FORMAT_BYTES = {"bf16": 2.0, "int8": 1.001, "int4": 0.531, "Q8_0": 34 / 32, "Q4_0": 18 / 32}
 PAIRS = (("bf16", "bf16"), ("int8", "Q8_0"), ("int4", "Q4_0"))   # engine plan, llama.cpp type
@@ -370,7 +373,8 @@ def measure(work: Path, out: Path, small: bool, reps: int, skip: set[str]) -> di
     runs = out / "runs"
     runs.mkdir(exist_ok=True)
     res: dict[str, Any] = {"shape": shape, "lengths": list(lengths), "output_tokens": OUTPUT_TOKENS,
-                           "llama_flags": list(flags), "llama": {}, "engine": {}}
+                           "llama_flags": list(flags), "backend_sampling_flags": list(BACKEND_SAMPLING),
+                           "llama": {}, "engine": {}, "engine_a8": {}}
     if cuda:
         import torch
         res["device"] = torch.cuda.get_device_name(0)
@@ -379,62 +383,103 @@ def measure(work: Path, out: Path, small: bool, reps: int, skip: set[str]) -> di
     bin_dir = llamacpp.bin_dir(cuda=cuda)
     stamp = llamacpp.read_stamp(bin_dir)
     res["llama_build"] = stamp.to_json() if stamp is not None else None
+    def save() -> None:
+        # after every side: a call cut short by its time limit still brings back what it measured
+        (out / "peers_h200.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+
+    def speed(where: dict[str, Any], key: str, profile: str, label: str) -> None:
+        try:
+            where[key] = moebench_speed(profile, suite, runs, label)
+            log(f"{label}: {where[key]['by_length']}")
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            where[key] = {"error": str(e)[-2000:]}
+            log(f"{label} FAILED: {e}")
+        save()
+
     for eng_fmt, qtype in PAIRS:
         gguf = work / f"{qtype}.gguf"
         if f"llama-{qtype}" not in skip:
             side: dict[str, Any] = {}
+            res["llama"][qtype] = side
             side["llama_bench"] = llama_bench(bin_dir / "llama-bench", gguf, lengths, flags, reps)
             log(f"llama-bench {qtype}: {side['llama_bench']}")
-            profile = (f'kind = "llama-server"\nbinary = "{bin_dir / "llama-server"}"\nmodel = "{gguf}"\n'
-                       f'ctx_size = {max(lengths) + 1024}\nconcurrency = 1\nargs = {json.dumps(list(flags))}\n')
-            side["harness"] = moebench_speed(profile, suite, runs, f"llama-{qtype}")
-            log(f"harness llama-server {qtype}: {side['harness']['by_length']}")
-            res["llama"][qtype] = side
+            # the harness with the server's default (CPU) sampling, then with backend sampling
+            for key, server_flags in (("harness", flags), ("harness_bs", flags + BACKEND_SAMPLING)):
+                profile = (f'kind = "llama-server"\nbinary = "{bin_dir / "llama-server"}"\nmodel = "{gguf}"\n'
+                           f'ctx_size = {max(lengths) + 1024}\nconcurrency = 1\nargs = {json.dumps(list(server_flags))}\n')
+                speed(side, key, profile, f"llama-{qtype}" + ("-bs" if key == "harness_bs" else ""))
         if f"engine-{eng_fmt}" not in skip:
             model = work / "hf" if eng_fmt == "bf16" else work / f"engine-{eng_fmt}"
             profile = (f'kind = "engine"\nmodel = "{model}"\ndtype = "auto"\ndevice = "{"cuda" if cuda else "cpu"}"\n'
                        f'max_seq_len = {max(lengths) + 1024}\n')
-            res["engine"][eng_fmt] = moebench_speed(profile, suite, runs, f"engine-{eng_fmt}")
-            log(f"engine {eng_fmt}: {res['engine'][eng_fmt]['by_length']}")
-    (out / "peers_h200.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+            speed(res["engine"], eng_fmt, profile, f"engine-{eng_fmt}")
+            # W8A8 / W4A8: activations rounded to int8 per 64 columns, as llama.cpp's CUDA Q8_0 / Q4_0
+            # kernels round theirs (q8_1, blocks of 32); the fused Triton kernels only, so on the GPU only
+            if eng_fmt != "bf16" and cuda and f"engine-{eng_fmt}-a8" not in skip:
+                speed(res["engine_a8"], eng_fmt, profile + "int8_activations = true\n", f"engine-{eng_fmt}-a8")
+    save()
     print(table(res))
     return res
 
 
-def _decode(side: dict[str, Any] | None, n: int) -> float | None:
-    row = ((side or {}).get("by_length") or {}).get(n) or ((side or {}).get("by_length") or {}).get(str(n)) or {}
-    return row.get("decode_tok_s")
+def _at(row: dict[str, Any] | None, n: int) -> Any:
+    """row[n], where n may be an int (just measured) or a string (read back from JSON)."""
+    row = row or {}
+    return row.get(n) if n in row else row.get(str(n))
+
+
+def _rate(side: dict[str, Any] | None, n: int, key: str = "decode_tok_s") -> float | None:
+    return (_at((side or {}).get("by_length"), n) or {}).get(key)
 
 
 def table(res: dict[str, Any]) -> str:
+    """Two tables: the harness against llama-bench (same build, same GGUF, same flags), then the
+    engine against llama.cpp through the harness, both against the roofline."""
     shape, bw = res["shape"], res.get("copy_Bps")
+    fmt = lambda v, spec: "–" if v is None else format(v, spec)
+    ratio = lambda a, b: a / b if a and b else None
+    times = lambda v: "–" if v is None else f"{v:.2f}x"
+    bs = " ".join(res.get("backend_sampling_flags") or BACKEND_SAMPLING)
+    notes: list[str] = []
     lines = [f"shape: {shape['num_hidden_layers']} layers, {shape['num_experts']} experts of "
              f"{shape['moe_intermediate_size']} (top-{shape['num_experts_per_tok']}), hidden {shape['hidden_size']}, "
              f"vocab {shape['vocab_size']}; llama.cpp flags {' '.join(res['llama_flags'])}"
              + (f"; copy bandwidth {bw / 1e12:.2f} TB/s" if bw else ""),
-             "| precision | prompt | engine tok/s | llama.cpp (harness) tok/s | llama-bench tok/s | engine / llama.cpp "
-             "| harness / llama-bench | server-reported / llama-bench | engine % roof | llama.cpp % roof "
-             "| J/token engine / llama.cpp |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    fmt = lambda v, spec: "–" if v is None else format(v, spec)
-    for eng_fmt, qtype in PAIRS:
-        eng, lla = res["engine"].get(eng_fmt), res["llama"].get(qtype, {})
+             "",
+             f"| llama.cpp | prompt | llama-bench tok/s | harness tok/s | harness {bs} tok/s | harness / llama-bench "
+             f"| harness {bs} / llama-bench | server-reported {bs} / llama-bench |",
+             "|---|---|---|---|---|---|---|---|"]
+    for _, qtype in PAIRS:
+        lla = res["llama"].get(qtype) or {}
         for n in res["lengths"]:
-            e, h = _decode(eng, n), _decode(lla.get("harness"), n)
-            b = (lla.get("llama_bench") or {}).get(n) or (lla.get("llama_bench") or {}).get(str(n))
+            b = _at(lla.get("llama_bench"), n)
+            h, hb = _rate(lla.get("harness"), n), _rate(lla.get("harness_bs"), n)
+            srv = _rate(lla.get("harness_bs"), n, "server_decode_tok_s")
+            lines.append(f"| {qtype} | {n} | {fmt(b, '.1f')} | {fmt(h, '.1f')} | {fmt(hb, '.1f')} "
+                         f"| {fmt(ratio(h, b), '.3f')} | {fmt(ratio(hb, b), '.3f')} | {fmt(ratio(srv, b), '.3f')} |")
+    lines += ["",
+              f"| precision | prompt | engine tok/s | engine a8 tok/s | llama.cpp (harness {bs}) tok/s "
+              f"| engine / llama.cpp | engine a8 / llama.cpp | engine / llama-bench | engine % roof "
+              f"| llama.cpp % roof | J/token engine / llama.cpp |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for eng_fmt, qtype in PAIRS:
+        eng, eng8, lla = res["engine"].get(eng_fmt), res.get("engine_a8", {}).get(eng_fmt), res["llama"].get(qtype) or {}
+        peer = lla.get("harness_bs") if "by_length" in (lla.get("harness_bs") or {}) else lla.get("harness")
+        if peer is not lla.get("harness_bs") and peer:
+            notes.append(f"{qtype}: no backend-sampling run; llama.cpp's column is the default harness run")
+        for n in res["lengths"]:
+            e, e8, h = _rate(eng, n), _rate(eng8, n), _rate(peer, n)
+            b = _at(lla.get("llama_bench"), n)
             ctx = n + OUTPUT_TOKENS // 2
             roof_e = bw / step_bytes(shape, eng_fmt, ctx) if bw else None
             roof_l = bw / step_bytes(shape, qtype, ctx) if bw else None
-            ratio = e / h if e and h else None
-            hrow = ((lla.get("harness") or {}).get("by_length") or {})
-            srv = (hrow.get(n) or hrow.get(str(n)) or {}).get("server_decode_tok_s")
             lines.append(
-                f"| {eng_fmt} / {qtype} | {n} | {fmt(e, '.1f')} | {fmt(h, '.1f')} | {fmt(b, '.1f')} | {fmt(ratio, '.2f')}x "
-                f"| {fmt(h / b if h and b else None, '.3f')} | {fmt(srv / b if srv and b else None, '.3f')} "
+                f"| {eng_fmt} / {qtype} | {n} | {fmt(e, '.1f')} | {fmt(e8, '.1f')} | {fmt(h, '.1f')} "
+                f"| {times(ratio(e, h))} | {times(ratio(e8, h))} | {times(ratio(e, b))} "
                 f"| {fmt(100 * e / roof_e if e and roof_e else None, '.1f')} "
                 f"| {fmt(100 * h / roof_l if h and roof_l else None, '.1f')} "
-                f"| {fmt((eng or {}).get('decode_j_per_token'), '.3f')} / {fmt((lla.get('harness') or {}).get('decode_j_per_token'), '.3f')} |")
-    return "\n".join(lines)
+                f"| {fmt((eng or {}).get('decode_j_per_token'), '.3f')} / {fmt((peer or {}).get('decode_j_per_token'), '.3f')} |")
+    return "\n".join(lines + notes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -471,8 +516,6 @@ def main(argv: list[str] | None = None) -> int:
         measure(a.work, a.out, a.small, a.reps, {x for x in a.skip.split(",") if x})
     else:
         res = json.loads(a.json.read_text())
-        res["llama"] = {k: {**v, "llama_bench": {int(n): r for n, r in v.get("llama_bench", {}).items()}}
-                        for k, v in res["llama"].items()}
         print(table(res))
     return 0
 
