@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from dataclasses import replace  # noqa: E402
 
-from moebench.engine.decode_config import DEFAULT  # noqa: E402
+from moebench.engine.decode_config import DEFAULT, DecodeConfigError  # noqa: E402
 from moebench.engine.kernels import KernelError  # noqa: E402
 from moebench.engine.kernels import attention as attention_kernel  # noqa: E402
 from moebench.engine.kernels.attention import decode_attention, num_splits_for  # noqa: E402
@@ -119,6 +119,25 @@ def test_split_heuristic():
         assert n * qwen_programs >= 132 and kv_len / n >= DEFAULT.attention.split_min_slots
     # Many programs already: no split.
     assert num_splits_for(40000, programs=4 * 132 * 8) == 1
+
+
+def test_split_from_slots():
+    """split_from_slots sets where splitting starts apart from how short a split may be: one launch
+    below it, then splits as short as split_min_slots up to ~programs_per_sm programs per SM; None
+    keeps the threshold at 2 * split_min_slots."""
+    fine = replace(DEFAULT.attention, split_min_slots=128, split_from_slots=1024)
+    assert num_splits_for(1023, 4, launch=fine) == 1
+    assert num_splits_for(1024, 4, launch=fine) == 8
+    assert num_splits_for(4352, 4, sm_count=132, launch=fine) == 34      # 4352 // 128
+    assert num_splits_for(40000, 4, sm_count=132, launch=fine) == 66     # 2 programs per SM
+    assert DEFAULT.attention.first_split_slots == 2 * DEFAULT.attention.split_min_slots
+    with pytest.raises(DecodeConfigError, match="split_from_slots 0"):
+        replace(DEFAULT.attention, split_from_slots=0)
+    q, k, v = make_inputs(1, 1, 4, 2, 1, 16, 300, seed=6)
+    pos = torch.tensor([[299]], device=DEV)
+    cfg = replace(DEFAULT, attention=replace(DEFAULT.attention, split_min_slots=32, split_from_slots=256))
+    assert num_splits_for(300, 2, launch=cfg.attention) == 9
+    check(decode_attention(q, k, v, pos, 300, cfg=cfg), reference(q, k, v, pos, 300))
 
 
 def test_float16_two_part_probabilities():

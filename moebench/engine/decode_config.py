@@ -126,20 +126,28 @@ DEFAULT_LAUNCH = Launch()
 @dataclass(frozen=True)
 class AttentionLaunch:
     """decode_attention's launch: BLOCK_S cache slots per loop step (sm_90, D=128 bf16: 32 slots / 4
-    warps use 192 registers and no spills, so two programs fit an SM). A context gets one KV split
-    (one launch, no combine) until a program per (query row, KV head) would stream more than
-    split_min_slots slots; then enough splits for ~programs_per_sm programs per SM, none shorter."""
+    warps use 192 registers and no spills, so two programs fit an SM). A context shorter than
+    split_from_slots (None: 2 * split_min_slots) gets one KV split (one launch, no combine); a longer
+    one enough splits for ~programs_per_sm programs per SM, none shorter than split_min_slots."""
 
     block_s: int = 32
     num_warps: int = 4
     num_stages: int = 3
     split_min_slots: int = 512
     programs_per_sm: int = 2
+    split_from_slots: int | None = None
 
     def __post_init__(self) -> None:
         if self.split_min_slots < 1 or self.block_s < 16 or self.block_s & (self.block_s - 1):
             raise DecodeConfigError(f"attention: split_min_slots {self.split_min_slots} (>= 1), block_s "
                                     f"{self.block_s} (a power of two >= 16)")
+        if self.split_from_slots is not None and self.split_from_slots < 1:
+            raise DecodeConfigError(f"attention: split_from_slots {self.split_from_slots}; expected >= 1 or None")
+
+    @property
+    def first_split_slots(self) -> int:
+        """The shortest context that gets more than one split."""
+        return 2 * self.split_min_slots if self.split_from_slots is None else self.split_from_slots
 
 
 EARLY_WEIGHT_KERNELS = ("router", "gemv", "down")     # DecodeConfig.early_weights

@@ -157,9 +157,11 @@ if triton is not None:
 
 def num_splits_for(kv_len: int, programs: int, sm_count: int = 132,
                    launch: AttentionLaunch = DEFAULT.attention) -> int:
-    """Splits of the KV range for `programs` = B * T * NKV programs per split: 1 for short contexts
-    (one launch, no combine), else enough for ~launch.programs_per_sm programs per SM, each split
-    covering at least launch.split_min_slots slots."""
+    """Splits of the KV range for `programs` = B * T * NKV programs per split: 1 for contexts shorter
+    than launch.first_split_slots (one launch, no combine), else enough for ~launch.programs_per_sm
+    programs per SM, each split covering at least launch.split_min_slots slots."""
+    if kv_len < launch.first_split_slots:
+        return 1
     by_length = max(1, kv_len // launch.split_min_slots)
     by_occupancy = max(1, -(-launch.programs_per_sm * sm_count // max(1, programs)))
     return min(by_length, by_occupancy)
