@@ -100,9 +100,9 @@ def test_forced_splits_use_the_combine_kernel(splits):
 
 
 def test_automatic_splits_and_scale():
-    """The heuristic picks >1 split once kv_len passes split_min_slots (lowered here so a short cache
-    splits), and an explicit scale is used instead of 1/sqrt(D)."""
-    cfg = replace(DEFAULT, attention=replace(DEFAULT.attention, split_min_slots=64))
+    """The heuristic picks >1 split once kv_len reaches split_from_slots (both thresholds lowered here
+    so a short cache splits), and an explicit scale is used instead of 1/sqrt(D)."""
+    cfg = replace(DEFAULT, attention=replace(DEFAULT.attention, split_min_slots=64, split_from_slots=128))
     assert num_splits_for(200, programs=2, launch=cfg.attention) == 3
     q, k, v = make_inputs(1, 1, 4, 2, 1, 16, 200, seed=4)
     pos = torch.tensor([[199]], device=DEV)
@@ -113,7 +113,8 @@ def test_split_heuristic():
     """One split (one launch) for short contexts; long ones fill ~programs_per_sm programs per SM."""
     qwen_programs = 1 * 1 * 4            # B * T * NKV at batch-1 decode of Qwen3-30B-A3B
     assert num_splits_for(256, qwen_programs) == 1
-    assert num_splits_for(DEFAULT.attention.split_min_slots - 1, qwen_programs) == 1
+    assert num_splits_for(DEFAULT.attention.first_split_slots - 1, qwen_programs) == 1
+    assert num_splits_for(DEFAULT.attention.first_split_slots, qwen_programs) > 1
     for kv_len in (40000, 173000):
         n = num_splits_for(kv_len, qwen_programs, sm_count=132)
         assert n * qwen_programs >= 132 and kv_len / n >= DEFAULT.attention.split_min_slots
@@ -124,13 +125,13 @@ def test_split_heuristic():
 def test_split_from_slots():
     """split_from_slots sets where splitting starts apart from how short a split may be: one launch
     below it, then splits as short as split_min_slots up to ~programs_per_sm programs per SM; None
-    keeps the threshold at 2 * split_min_slots."""
+    puts the threshold at 2 * split_min_slots."""
     fine = replace(DEFAULT.attention, split_min_slots=128, split_from_slots=1024)
     assert num_splits_for(1023, 4, launch=fine) == 1
     assert num_splits_for(1024, 4, launch=fine) == 8
     assert num_splits_for(4352, 4, sm_count=132, launch=fine) == 34      # 4352 // 128
     assert num_splits_for(40000, 4, sm_count=132, launch=fine) == 66     # 2 programs per SM
-    assert DEFAULT.attention.first_split_slots == 2 * DEFAULT.attention.split_min_slots
+    assert replace(DEFAULT.attention, split_min_slots=512, split_from_slots=None).first_split_slots == 1024
     with pytest.raises(DecodeConfigError, match="split_from_slots 0"):
         replace(DEFAULT.attention, split_from_slots=0)
     q, k, v = make_inputs(1, 1, 4, 2, 1, 16, 300, seed=6)

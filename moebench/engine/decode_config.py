@@ -115,7 +115,7 @@ SHIPPED_LAUNCH: dict[tuple[str, str, str], Launch] = {
     ("lm_head", "dense", ""): Launch(2, 1024, 4, 4),
     # the fused router: num_warps 1 keeps the last program's softmax / top-k reductions in one warp;
     # two expert rows a program (64 arrivals a token at 128 experts) ran the quantized GPU plans
-    # 1.0-1.5% faster than one, bf16 level (benchmarks/results/decode_ab_router2.log)
+    # 1.0-1.5% faster than one, bf16 level (benchmarks/results/decode_ab_options.json, "router_bn2")
     ("router", "dense", ""): Launch(2, 2048, 1, 2),
     # the residual add + RMSNorm of one row (one program per row; only num_warps is used)
     ("norm", "dense", ""): Launch(1, 2048, 16, 1),
@@ -128,14 +128,18 @@ class AttentionLaunch:
     """decode_attention's launch: BLOCK_S cache slots per loop step (sm_90, D=128 bf16: 32 slots / 4
     warps use 192 registers and no spills, so two programs fit an SM). A context shorter than
     split_from_slots (None: 2 * split_min_slots) gets one KV split (one launch, no combine); a longer
-    one enough splits for ~programs_per_sm programs per SM, none shorter than split_min_slots."""
+    one enough splits for ~programs_per_sm programs per SM, none shorter than split_min_slots.
+    Splits of 128 slots from 1,024 on decoded bf16 and int4 12-15% faster at a 4,096-token context
+    on the H200 than splits of 512 (4 KV heads x 8 splits left most SMs idle); 64 and 256 were
+    slower (benchmarks/results/decode_ab_options.json, "attention_splits_*"). Short contexts keep
+    one launch: a combine launch cost ~1% of a step there."""
 
     block_s: int = 32
     num_warps: int = 4
     num_stages: int = 3
-    split_min_slots: int = 512
+    split_min_slots: int = 128
     programs_per_sm: int = 2
-    split_from_slots: int | None = None
+    split_from_slots: int | None = 1024
 
     def __post_init__(self) -> None:
         if self.split_min_slots < 1 or self.block_s < 16 or self.block_s & (self.block_s - 1):
@@ -217,7 +221,7 @@ class DecodeConfig:
         (norm_router.add_rmsnorm_router_kernel's POLL): no acq_rel atomic per program. The same
         results. Calls of fewer tokens than the GPU has SMs poll; larger ones use the counter. On
         the H200 against the counter: bf16 +1.5%, int4 +1.8%, int8 hot / base-3 cold +1.4%, same
-        tokens (benchmarks/results/decode_ab_poll.json).
+        tokens (benchmarks/results/decode_ab_options.json, "router_poll").
     count_tier_picks: tiered experts on the fused path count each call's picks per expert on the
         device, one atomic per (token, expert) pair inside fused_moe's down launch (and stage copies
         inside prefetch's map launch), so their telemetry covers CUDA-graph replays at no extra launch.
