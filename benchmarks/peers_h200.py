@@ -432,6 +432,19 @@ def _rate(side: dict[str, Any] | None, n: int, key: str = "decode_tok_s") -> flo
     return (_at((side or {}).get("by_length"), n) or {}).get(key)
 
 
+def merge(calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several measure calls' results as one (a measure that does not fit one device call runs as
+    two with --skip): the same shape and lengths, each side from the last call that measured it."""
+    res = dict(calls[0])
+    for other in calls[1:]:
+        for key in ("shape", "lengths"):
+            if other[key] != res[key]:
+                raise SystemExit(f"peers_h200 table: calls with different {key}: {res[key]} and {other[key]}")
+        for key in ("llama", "engine", "engine_a8"):
+            res[key] = {**res.get(key, {}), **other.get(key, {})}
+    return res
+
+
 def table(res: dict[str, Any]) -> str:
     """Two tables: the harness against llama-bench (same build, same GGUF, same flags), then the
     engine against llama.cpp through the harness, both against the roofline."""
@@ -503,8 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--small", action="store_true")
     m.add_argument("--reps", type=int, default=5, help="llama-bench repetitions")
     m.add_argument("--skip", default="", help="comma list of llama-<type> / engine-<fmt> to leave out")
-    t = sub.add_parser("table")
-    t.add_argument("json", type=Path)
+    t = sub.add_parser("table", help="print the tables of one measure call's JSON, or of several calls' "
+                       "(later files' sides replace earlier ones'; each call's figures stay its own)")
+    t.add_argument("json", type=Path, nargs="+")
     a = ap.parse_args(argv)
     if a.stage == "stage-source":
         stage_source(a.to)
@@ -515,8 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     elif a.stage == "measure":
         measure(a.work, a.out, a.small, a.reps, {x for x in a.skip.split(",") if x})
     else:
-        res = json.loads(a.json.read_text())
-        print(table(res))
+        print(table(merge([json.loads(f.read_text()) for f in a.json])))
     return 0
 
 

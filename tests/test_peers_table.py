@@ -1,0 +1,71 @@
+"""benchmarks/peers_h200.py's `table` stage over results files: the committed table of record, and two
+calls' results merged (a measure split over two device calls), with the harness-vs-llama-bench and
+engine-vs-llama.cpp ratios computed from the figures given."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "peers_h200.py"
+SHAPE = {"hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+         "head_dim": 128, "num_experts": 32, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+         "vocab_size": 151936}
+
+
+def table(*files: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "table", *map(str, files)], capture_output=True, text=True,
+                          timeout=60)
+
+
+def side(rate: float, **extra: float) -> dict:
+    return {"by_length": {"128": {"decode_tok_s": rate, **extra}}, "decode_j_per_token": 1.0}
+
+
+def call(**parts) -> dict:
+    return {"shape": SHAPE, "lengths": [128], "output_tokens": 128, "llama_flags": ["-ngl", "99"],
+            "backend_sampling_flags": ["-bs"], "copy_Bps": 4.25e12, "llama": {}, "engine": {}, "engine_a8": {},
+            **parts}
+
+
+def row(out: str, start: str) -> list[str]:
+    [line] = [ln for ln in out.splitlines() if ln.startswith(start)]
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_table_of_record_prints() -> None:
+    res = table(ROOT / "benchmarks" / "results" / "peers_h200.json")
+    assert res.returncode == 0, res.stderr
+    assert "| bf16 / bf16 | 128 | 440.7 |" in res.stdout
+
+
+def test_two_calls_merge_and_ratios(tmp_path: Path) -> None:
+    first = call(llama={"bf16": {"llama_bench": {"128": 200.0}, "harness": side(180.0),
+                                 "harness_bs": side(190.0, server_decode_tok_s=191.0)}},
+                 engine={"bf16": side(300.0)})
+    second = call(llama={"Q8_0": {"llama_bench": {"128": 250.0}, "harness": side(225.0)}},
+                  engine={"int8": side(500.0)}, engine_a8={"int8": side(550.0)})
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(first))
+    b.write_text(json.dumps(second))
+    res = table(a, b)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    # harness / llama-bench, with and without backend sampling, and the server's own rate
+    assert row(out, "| bf16 | 128 |")[5:8] == ["0.900", "0.950", "0.955"]
+    assert row(out, "| Q8_0 | 128 |")[4:7] == ["–", "0.900", "–"]
+    # the engine over llama.cpp's backend-sampling run where there is one, else its default run
+    assert row(out, "| bf16 / bf16 | 128 |")[5:8] == ["1.58x", "–", "1.50x"]
+    assert row(out, "| int8 / Q8_0 | 128 |")[5:8] == ["2.22x", "2.44x", "2.00x"]
+    assert "Q8_0: no backend-sampling run" in out
+
+
+def test_calls_of_different_shapes_are_refused(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(call()))
+    b.write_text(json.dumps(call(shape={**SHAPE, "num_experts": 16})))
+    res = table(a, b)
+    assert res.returncode != 0
+    assert "different shape" in res.stderr
