@@ -19,6 +19,7 @@ figure over llama-bench's for the same build and flags.
 Stages (each fits a device call; the work folder persists while the machine is held):
     python3 benchmarks/peers_h200.py stage-source --to .peers      # here: what a device call carries
     python3 benchmarks/peers_h200.py build --carry .peers --jobs 16 # there: llama.cpp CUDA build
+    python3 benchmarks/peers_h200.py wait-build --timeout 600      # there: until a background build ends
     python3 benchmarks/peers_h200.py prepare --work /root/peers --work /dev/shm/peers --link /root/peers-work
     python3 benchmarks/peers_h200.py measure --work /root/peers-work --out $OUT
 `--small` makes a small shape on the CPU (with the CPU build of llama.cpp) to check the whole path.
@@ -153,9 +154,36 @@ def build(carry: Path, jobs: int) -> None:
         src_root.mkdir(parents=True, exist_ok=True)
         with tarfile.open(carry / "llama-src.tar.gz") as tar:
             tar.extractall(src_root, filter="data")
+    done = build_status_file()
+    done.unlink(missing_ok=True)
     t = time.monotonic()
-    run([sys.executable, "-m", "moebench.cli", "tools", "build-llamacpp", "--cuda", "--jobs", str(jobs)])
+    try:
+        run([sys.executable, "-m", "moebench.cli", "tools", "build-llamacpp", "--cuda", "--jobs", str(jobs)])
+    except (RuntimeError, OSError) as e:
+        done.write_text(json.dumps({"ok": False, "error": str(e)[-2000:]}))
+        raise
     log(f"llama.cpp CUDA build: {time.monotonic() - t:.0f} s")
+    done.write_text(json.dumps({"ok": True, "seconds": round(time.monotonic() - t)}))
+
+
+def build_status_file() -> Path:
+    """What `build` leaves when it ends, for `wait-build` (a background build outlives its call)."""
+    from moebench.tools import llamacpp
+    return llamacpp.variant_dir(cuda=True) / "peers-build.json"
+
+
+def wait_build(timeout: float) -> int:
+    """Wait for a background `build` to end: 0 once it succeeded, 1 if it failed or is still running
+    after `timeout` seconds. (Polling the process list for it would match the caller's own command.)"""
+    done, end = build_status_file(), time.monotonic() + timeout
+    while not done.is_file():
+        if time.monotonic() > end:
+            log(f"wait-build: no {done} after {timeout:.0f} s")
+            return 1
+        time.sleep(2)
+    status = json.loads(done.read_text())
+    log(f"wait-build: {status}")
+    return 0 if status.get("ok") else 1
 
 
 # --- prepare (there) ---------------------------------------------------------------------------
@@ -503,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build")
     b.add_argument("--carry", type=Path, default=ROOT / ".peers")
     b.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    w = sub.add_parser("wait-build", help="wait for a background `build` to end (exit 1 if it failed or timed out)")
+    w.add_argument("--timeout", type=float, default=600)
     p = sub.add_parser("prepare")
     p.add_argument("--work", type=Path, action="append", required=True,
                    help="a candidate folder (give several: the roomiest that fits the largest shape is used)")
@@ -524,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
         stage_source(a.to)
     elif a.stage == "build":
         build(a.carry, a.jobs)
+    elif a.stage == "wait-build":
+        return wait_build(a.timeout)
     elif a.stage == "prepare":
         prepare(a.work, a.link, a.carry, a.small, a.seed)
     elif a.stage == "measure":

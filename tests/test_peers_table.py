@@ -1,9 +1,10 @@
 """benchmarks/peers_h200.py's `table` stage over results files: the committed table of record, and two
 calls' results merged (a measure split over two device calls), with the harness-vs-llama-bench and
-engine-vs-llama.cpp ratios computed from the figures given."""
+engine-vs-llama.cpp ratios computed from the figures given; and its `wait-build` stage."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,26 @@ def test_calls_of_different_shapes_are_refused(tmp_path: Path) -> None:
     res = table(a, b)
     assert res.returncode != 0
     assert "different shape" in res.stderr
+
+
+def test_wait_build_reads_what_build_leaves(tmp_path: Path, monkeypatch) -> None:
+    """wait-build exits 0 once the background build says it succeeded, 1 when it says it failed, and 1
+    after its timeout when the build has left nothing."""
+    from moebench.tools import llamacpp
+    monkeypatch.setenv("MOEBENCH_CACHE", str(tmp_path))
+    env = {**os.environ}
+
+    def wait(timeout: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(SCRIPT), "wait-build", "--timeout", timeout], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    res = wait("0.5")
+    assert res.returncode == 1 and "no " in res.stdout and "peers-build.json" in res.stdout
+    status = llamacpp.variant_dir(cuda=True) / "peers-build.json"
+    assert status.is_relative_to(tmp_path)
+    status.parent.mkdir(parents=True)
+    status.write_text(json.dumps({"ok": False, "error": "cmake exited 2"}))
+    res = wait("5")
+    assert res.returncode == 1 and "cmake exited 2" in res.stdout
+    status.write_text(json.dumps({"ok": True, "seconds": 352}))
+    assert wait("5").returncode == 0
