@@ -411,6 +411,7 @@ def measure(work: Path, out: Path, small: bool, reps: int, skip: set[str]) -> di
     bin_dir = llamacpp.bin_dir(cuda=cuda)
     stamp = llamacpp.read_stamp(bin_dir)
     res["llama_build"] = stamp.to_json() if stamp is not None else None
+
     def save() -> None:
         # after every side: a call cut short by its time limit still brings back what it measured
         (out / "peers_h200.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
@@ -505,9 +506,11 @@ def table(res: dict[str, Any]) -> str:
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for eng_fmt, qtype in PAIRS:
         eng, eng8, lla = res["engine"].get(eng_fmt), res.get("engine_a8", {}).get(eng_fmt), res["llama"].get(qtype) or {}
-        peer = lla.get("harness_bs") if "by_length" in (lla.get("harness_bs") or {}) else lla.get("harness")
-        if peer is not lla.get("harness_bs") and peer:
-            notes.append(f"{qtype}: no backend-sampling run; llama.cpp's column is the default harness run")
+        peer = lla.get("harness_bs")
+        if "by_length" not in (peer or {}):
+            peer = lla.get("harness")
+            if peer:
+                notes.append(f"{qtype}: no backend-sampling run; llama.cpp's column is the default harness run")
         for n in res["lengths"]:
             e, e8, h = _rate(eng, n), _rate(eng8, n), _rate(peer, n)
             b = _at(lla.get("llama_bench"), n)

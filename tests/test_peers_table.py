@@ -4,7 +4,6 @@ engine-vs-llama.cpp ratios computed from the figures given; and its `wait-build`
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -76,11 +75,10 @@ def test_wait_build_reads_what_build_leaves(tmp_path: Path, monkeypatch) -> None
     """wait-build exits 0 once the background build says it succeeded, 1 when it says it failed, and 1
     after its timeout when the build has left nothing."""
     from moebench.tools import llamacpp
-    monkeypatch.setenv("MOEBENCH_CACHE", str(tmp_path))
-    env = {**os.environ}
+    monkeypatch.setenv("MOEBENCH_CACHE", str(tmp_path))        # the child inherits it
 
     def wait(timeout: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(SCRIPT), "wait-build", "--timeout", timeout], env=env,
+        return subprocess.run([sys.executable, str(SCRIPT), "wait-build", "--timeout", timeout],
                               capture_output=True, text=True, timeout=60)
 
     res = wait("0.5")
