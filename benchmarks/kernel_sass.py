@@ -36,11 +36,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 
-from moebench.engine.decode_config import DEFAULT, DecodeMode  # noqa: E402
+from moebench.engine.decode_config import DEFAULT, L2_PREFETCH_SITES, DecodeMode  # noqa: E402
 from moebench.engine.kernels import moe_kernels  # noqa: E402
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 E, H, INTER, TOP_K = 128, 2048, 768, 8      # one MoE layer of Qwen3-30B-A3B's shape
+NH, NKV, HEAD_DIM = 32, 4, 128              # and its attention
 
 
 def captured_launches(fmt: str, cfg) -> dict:
@@ -90,24 +91,56 @@ def captured_launches(fmt: str, cfg) -> dict:
 
 def captured_router(cfg) -> tuple[tuple, dict]:
     """The (args, kwargs) add_rmsnorm_router gives its kernel for one decode token of this shape
-    (128 experts, top-8, renormalised), as captured_launches does for the expert kernels."""
+    (128 experts, top-8, renormalised), as captured_launches does for the expert kernels; with
+    cfg.l2_prefetch, the next layer's [q; k; v] matrix as its prefetch weight."""
     import torch
     from moebench.engine import kernels
-    from moebench.engine.kernels import norm_router, runtime
+    from moebench.engine.kernels import norm_router
+    x = torch.zeros(1, 1, H, dtype=torch.bfloat16)
+    qkv = torch.zeros((NH + 2 * NKV) * HEAD_DIM, H, dtype=torch.bfloat16)
+    return captured_one(norm_router, "add_rmsnorm_router_kernel", lambda: kernels.add_rmsnorm_router(
+        x, x, torch.ones(H, dtype=torch.bfloat16), 1e-6, torch.zeros(E, H, dtype=torch.bfloat16), TOP_K, True,
+        cfg=cfg, prefetch=qkv))
+
+
+def captured_rope(cfg) -> tuple[tuple, dict]:
+    """The (args, kwargs) qk_rope_cache gives its kernel for one decode token of this shape (32 query
+    and 4 key/value heads of 128, per-head norms, the float32 RoPE tables); with cfg.l2_prefetch, the
+    layer's o_proj as its prefetch weight."""
+    import torch
+    from moebench.engine import kernels
+    from moebench.engine.kernels import rope_kv
+    q = torch.zeros(1, 1, NH, HEAD_DIM, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 1, NKV, HEAD_DIM, dtype=torch.bfloat16)
+    nw = torch.ones(HEAD_DIM, dtype=torch.bfloat16)
+    table = torch.zeros(64, HEAD_DIM)
+    cache = torch.zeros(1, NKV, 64, HEAD_DIM, dtype=torch.bfloat16)
+    o_proj = torch.zeros(H, NH * HEAD_DIM, dtype=torch.bfloat16)
+    return captured_one(rope_kv, "qk_rope_cache_kernel", lambda: kernels.qk_rope_cache(
+        q, kv, kv, nw, nw, 1e-6, table, table, torch.zeros(1, 1, dtype=torch.long), cache, cache, cfg=cfg,
+        prefetch=o_proj))
+
+
+def captured_one(module, name: str, call) -> tuple[tuple, dict]:
+    """The (args, kwargs) `call` launches module.<name> with (nothing runs: the launch is caught).
+    A prefetch site's PF_ASM is set as on the GPU (the capture's CPU tensors turn it off)."""
+    from moebench.engine.kernels import runtime
     caught = {}
 
     def run(*args, grid, warmup, **kwargs):
-        caught["router"] = (args, kwargs)
-    saved = (runtime.IMPORT_ERROR, norm_router.add_rmsnorm_router_kernel.run)
+        caught["launch"] = (args, kwargs)
+    fn = getattr(module, name)
+    saved = (runtime.IMPORT_ERROR, fn.run)
     runtime.IMPORT_ERROR = None
-    norm_router.add_rmsnorm_router_kernel.run = run
+    fn.run = run
     try:
-        x = torch.zeros(1, 1, H, dtype=torch.bfloat16)
-        kernels.add_rmsnorm_router(x, x, torch.ones(H, dtype=torch.bfloat16), 1e-6,
-                                   torch.zeros(E, H, dtype=torch.bfloat16), TOP_K, True, cfg=cfg)
+        call()
     finally:
-        runtime.IMPORT_ERROR, norm_router.add_rmsnorm_router_kernel.run = saved
-    return caught["router"]
+        runtime.IMPORT_ERROR, fn.run = saved
+    args, kwargs = caught["launch"]
+    if kwargs.get("PF_PARTS"):
+        kwargs = {**kwargs, "PF_ASM": True}
+    return args, kwargs
 
 
 def compile_captured(fn, args: tuple, kwargs: dict):
@@ -160,17 +193,20 @@ def sass_report(compiled) -> dict:
 COLUMNS = {"LDG": ("LDG",), "LDS/STS": ("LDS", "STS"), "int": ("IMAD", "IADD3", "SHF", "LOP3", "LEA", "SGXT",
            "PRMT", "VIADD", "ISETP", "IMNMX"), "cvt": ("I2F", "I2FP", "F2I", "F2F", "I2I"),
            "float": ("FFMA", "FADD", "FMUL", "FMNMX", "HADD2", "HFMA2", "HMUL2"), "dp4a": ("IDP",),
-           "shfl": ("SHFL",), "redux": ("REDUX",)}
+           "shfl": ("SHFL",), "redux": ("REDUX",), "cctl": ("CCTL",)}
 
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels", default="gate_up,down",
-                    help="of gate_up, down and router (the fused norm + router: one row, whatever the formats)")
+                    help="of gate_up, down, router (the fused norm + router) and rope (q/k norm + RoPE + KV "
+                         "write): router and rope give one row each, whatever the formats")
     ap.add_argument("--formats", default="dense,int8,int4,ternary,ternary:bytes,ternary2",
                     help="formats, each optionally with a decode mode by name (ternary:bytes)")
     ap.add_argument("--mode", type=int, default=None, help="DecodeConfig.decode_mode value (default: the shipped one)")
     ap.add_argument("--launch", default=None, metavar="BN,BK,WARPS,STAGES", help="one shape for every format")
+    ap.add_argument("--l2-prefetch", action="store_true",
+                    help="router and rope with DecodeConfig.l2_prefetch's programs (the cctl column: L2 prefetches)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args(argv)
     rows = []
@@ -185,12 +221,19 @@ def main(argv=None) -> list[dict]:
         print(f"{kernel:8s} {fmt:9s} {mode:4d}  {launch:18s} {rep['registers']!s:>4s} {rep['stack_bytes']!s:>5s} "
               f"{rep['instructions']:6d} " + " ".join(f"{cols[c]:7d}" for c in COLUMNS), flush=True)
 
+    sites = replace(DEFAULT, l2_prefetch=L2_PREFETCH_SITES) if args.l2_prefetch else DEFAULT
     if "router" in kernel_names:
         from moebench.engine.kernels import norm_router
-        kargs, kkw = captured_router(DEFAULT)
+        kargs, kkw = captured_router(sites)
         add_row("router", "dense", 0, (kkw["BE"], kkw["BH"], kkw.get("num_warps"), kkw.get("num_stages")),
                 sass_report(compile_captured(norm_router.add_rmsnorm_router_kernel, kargs, kkw)))
         kernel_names.remove("router")
+    if "rope" in kernel_names:
+        from moebench.engine.kernels import rope_kv
+        kargs, kkw = captured_rope(sites)
+        add_row("rope", "dense", 0, (kkw["D"], kkw.get("num_warps")),
+                sass_report(compile_captured(rope_kv.qk_rope_cache_kernel, kargs, kkw)))
+        kernel_names.remove("rope")
     for spec in args.formats.split(",") if kernel_names else []:
         fmt, _, mode_name = spec.partition(":")
         cfg = DEFAULT

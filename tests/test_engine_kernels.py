@@ -848,6 +848,126 @@ def test_engine_early_weights_decode_exactly_like_loads_after_the_wait(ckpt, ste
     assert torch.equal(la, lb)
 
 
+# ---- l2_prefetch: extra programs that ask L2 for a dense weight ------------------------------------
+
+def test_l2_prefetch_sites_and_programs_are_checked():
+    """l2_prefetch names sites of L2_PREFETCH_SITES (kept in that order), l2_prefetch_programs is 1
+    to 1024; prefetch_launch adds the programs only for a listed site with a weight given, and the
+    prefetch instruction only on CUDA (never in the interpreter)."""
+    from moebench.engine.decode_config import L2_PREFETCH_SITES
+    from moebench.engine.kernels.runtime import prefetch_launch
+    with pytest.raises(DecodeConfigError, match="l2_prefetch"):
+        DecodeConfig(l2_prefetch=("lm_head",))
+    for bad in (0, 1025):
+        with pytest.raises(DecodeConfigError, match="l2_prefetch_programs"):
+            DecodeConfig(l2_prefetch_programs=bad)
+    cfg = DecodeConfig(l2_prefetch=["next_qkv", "o_proj"], l2_prefetch_programs=8)
+    assert cfg.l2_prefetch == L2_PREFETCH_SITES == ("o_proj", "next_qkv")
+    assert DecodeConfig().l2_prefetch == ()                  # off until an H200 A/B measures it
+    w = torch.zeros(10, 7, dtype=torch.bfloat16, device=DEV)
+    got = prefetch_launch(w, cfg, "o_proj")
+    assert got["pf_ptr"] is w and got["pf_bytes"] == 140 and got["PF_PARTS"] == 8
+    assert got["PF_ASM"] == (DEV == "cuda")
+    assert prefetch_launch(None, cfg, "o_proj") == {} and prefetch_launch(w, DecodeConfig(), "o_proj") == {}
+    assert prefetch_launch(w, replace(cfg, l2_prefetch=("o_proj",)), "next_qkv") == {}
+    with pytest.raises(kernels.KernelError, match="contiguous"):
+        prefetch_launch(w.t(), cfg, "o_proj")
+
+
+def spy_grids(monkeypatch, module, name: str) -> list:
+    """Records each launch of module.<name> as (grid, PF_PARTS, PF_ASM) and runs it."""
+    launched = []
+    real = getattr(module, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launched.append((tuple(grid), kwargs.get("PF_PARTS", 0), kwargs.get("PF_ASM")))
+                return real[grid](*args, **kwargs)
+            return run
+    monkeypatch.setattr(module, name, Spy())
+    return launched
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_qk_rope_cache_with_prefetch_programs_is_bitwise_the_same(parts, monkeypatch):
+    """l2_prefetch "o_proj": the launch has `parts` more programs on its heads axis, which write
+    nothing: the rotated queries and both caches are bitwise those of the launch without them (for
+    one token and for 2 x 3 tokens); a weight of fewer lines than programs is covered too."""
+    from moebench.engine.kernels import rope_kv
+    from moebench.engine.model import rope_tables
+    g = torch.Generator().manual_seed(41)
+    NH, NKV, D, S = 4, 2, 16, 10
+    qw, kw = (torch.rand(D, generator=g) + 0.5).to(DEV), (torch.rand(D, generator=g) + 0.5).to(DEV)
+    cos_t, sin_t = rope_tables(D, 10000.0, S, DEV)
+    on = replace(SMALL, l2_prefetch=("o_proj",), l2_prefetch_programs=parts)
+    launched = spy_grids(monkeypatch, rope_kv, "qk_rope_cache_kernel")
+    for B, T, o_proj in ((1, 1, torch.randn(64, NH * D, generator=g)), (2, 3, torch.randn(3, 5))):
+        q = torch.randn(B, T, NH, D, generator=g).to(DEV)
+        k, v = (torch.randn(B, T, NKV, D, generator=g).to(DEV) for _ in range(2))
+        positions = torch.arange(T, device=DEV).expand(B, T) + 2
+        outs = []
+        for cfg in (SMALL, on):
+            kc, vc = torch.zeros(B, NKV, S, D, device=DEV), torch.zeros(B, NKV, S, D, device=DEV)
+            qo = kernels.qk_rope_cache(q, k, v, qw, kw, 1e-6, cos_t, sin_t, positions, kc, vc, cfg=cfg,
+                                       prefetch=o_proj.to(DEV))
+            outs.append((qo, kc, vc))
+        assert launched[-2:] == [((B * T, NH + NKV), 0, None), ((B * T, NH + NKV + parts), parts, DEV == "cuda")]
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+        assert outs[0][1].any()
+
+
+@pytest.mark.parametrize("poll", [True, False])
+def test_add_rmsnorm_router_with_prefetch_programs_is_bitwise_the_same(poll, monkeypatch):
+    """l2_prefetch "next_qkv": the router launch has l2_prefetch_programs more programs on its
+    expert-block axis, which write nothing; the last expert block still takes the top-k (by the
+    mailbox poll or the arrival counter): res, h, logits, ids, weights and h's int8 rows are bitwise
+    those of the launch without them, for 1 and 3 tokens; counters and mailboxes end empty."""
+    from moebench.engine.kernels import norm_router
+    g = torch.Generator().manual_seed(43)
+    base = replace(SMALL.with_launch("router", "dense", BN=8, BK=32), router_poll=poll)
+    on = replace(base, l2_prefetch=("next_qkv",), l2_prefetch_programs=4)
+    norm_w = (torch.rand(128, generator=g) + 0.5).to(DEV)
+    router_w = (torch.randn(60, 128, generator=g) * 0.3).to(DEV)
+    qkv = torch.randn(96, 128, generator=g).to(DEV)
+    launched = spy_grids(monkeypatch, norm_router, "add_rmsnorm_router_kernel")
+    for T in (1, 3):
+        x = torch.randn(1, T, 128, generator=g).to(DEV)
+        delta = torch.randn(1, T, 128, generator=g).to(DEV)
+        want = kernels.add_rmsnorm_router(x, delta, norm_w, 1e-6, router_w, 4, True, quantize_h=True, cfg=base,
+                                          prefetch=qkv)
+        got = kernels.add_rmsnorm_router(x, delta, norm_w, 1e-6, router_w, 4, True, quantize_h=True, cfg=on,
+                                         prefetch=qkv)
+        assert launched[-2:] == [((T, 8), 0, None), ((T, 12), 4, DEV == "cuda")]
+        for name, a, b in zip(("res", "h", "logits", "ids", "w", "xq"), got, want):
+            assert torch.equal(a, b), (name, T)
+    assert int(norm_router.shared_arrivals(x.device, on).abs().sum()) == 0
+    assert bool((norm_router.shared_mailbox(x.device, on, 60) == norm_router.MAIL_EMPTY).all())
+
+
+def test_engine_l2_prefetch_decodes_exactly_the_same(ckpt, monkeypatch):
+    """Both l2_prefetch sites on: the same greedy tokens and bitwise-equal step logits; a decode
+    step launches the o_proj prefetch in every layer and the next layer's [q; k; v] prefetch in
+    every layer but the last."""
+    from moebench.engine.kernels import norm_router, rope_kv
+    prompt = list(range(3, 12))
+    engines = {on: Engine.load(ckpt, device=DEV, dtype="float32", max_seq_len=32,
+                               decode=small(experts_impl="triton", l2_prefetch=("o_proj", "next_qkv") if on else ()))
+               for on in (False, True)}
+    toks = {on: e.generate([prompt], 5, ignore_eos=True)[0].token_ids for on, e in engines.items()}
+    assert toks[True] == toks[False]
+    rope = spy_grids(monkeypatch, rope_kv, "qk_rope_cache_kernel")
+    router = spy_grids(monkeypatch, norm_router, "add_rmsnorm_router_kernel")
+    tokens, pos = torch.tensor([[toks[True][-1]]], device=DEV), torch.tensor([[len(prompt) + 4]], device=DEV)
+    la, lb = (engines[on]._decode(tokens, pos, len(prompt) + 5)[0].float().cpu() for on in (False, True))
+    assert torch.equal(la, lb)
+    layers = len(engines[True].model.layers)
+    parts = engines[True].decode.l2_prefetch_programs
+    assert [p for _, p, _ in rope] == [0] * layers + [parts] * layers
+    assert [p for _, p, _ in router] == [0] * layers + [parts] * (layers - 1) + [0]
+
+
 def test_early_steps_and_early_launch_are_checked_and_capped():
     """early_steps outside 1..4 and early_launch names outside EARLY_LAUNCH_KERNELS are refused with
     the setting named; the steps a kernel loads early never exceed its K steps, and are 0 for a

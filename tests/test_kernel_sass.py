@@ -55,3 +55,22 @@ def test_kernel_sass_refuses_the_interpreter():
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py")], capture_output=True,
                          text=True, env=env, timeout=120)
     assert run.returncode != 0 and "TRITON_INTERPRET=0" in run.stderr
+
+
+def test_kernel_sass_l2_prefetch_programs_issue_l2_prefetches(tmp_path):
+    """DecodeConfig.l2_prefetch compiled for sm_90: the router and the q/k norm + RoPE launch each
+    carry L2 prefetches (CCTL, from prefetch.global.L2::evict_last) with them and none without, and
+    neither spills."""
+    counts = {}
+    for flag in ((), ("--l2-prefetch",)):
+        out = tmp_path / f"pf{len(flag)}.json"
+        env = {**os.environ, "TRITON_INTERPRET": "0"}
+        run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--kernels", "router,rope",
+                              *flag, "--json", str(out)], capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        rows = json.loads(out.read_text())
+        assert [r["kernel"] for r in rows] == ["router", "rope"]
+        for r in rows:
+            assert r["stack_bytes"] == 0 and r["columns"]["LDG"] > 0 and r["ops"].get("STG", 0) > 0, r
+        counts[bool(flag)] = [r["columns"]["cctl"] for r in rows]
+    assert counts[False] == [0, 0] and min(counts[True]) > 0, counts

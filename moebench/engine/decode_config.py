@@ -159,6 +159,7 @@ EARLY_WEIGHT_KERNELS = ("router", "gemv", "down")     # DecodeConfig.early_weigh
 # wait, which is safe only while gate_up's programs let down launch after the router has finished.
 EARLY_LAUNCH_KERNELS = ("norm", "gemv", "rope", "attention", "router", "down")
 MAX_EARLY_STEPS = 4
+L2_PREFETCH_SITES = ("o_proj", "next_qkv")          # DecodeConfig.l2_prefetch
 EXPERTS_IMPLS = ("auto", "gather", "loop", "grouped_mm", "triton")
 
 
@@ -225,6 +226,16 @@ class DecodeConfig:
     count_tier_picks: tiered experts on the fused path count each call's picks per expert on the
         device, one atomic per (token, expert) pair inside fused_moe's down launch (and stage copies
         inside prefetch's map launch), so their telemetry covers CUDA-graph replays at no extra launch.
+    l2_prefetch: dense weights, of L2_PREFETCH_SITES, that a latency-bound launch asks the L2 cache
+        for while the memory bus would idle (runtime.prefetch_l2: `prefetch.global.L2::evict_last`,
+        nothing waits for it), so the GEMV that reads them later hits L2: "o_proj" (the layer's
+        output projection, from extra programs of the q/k norm + RoPE launch, before the attention),
+        "next_qkv" (the next layer's [q; k; v] matrix, from extra programs of the fused norm +
+        router, before the experts). Extra programs only: the sums are the same, bit for bit. On
+        CUDA only (the CPU interpreter has no inline PTX: there the extra programs run without the
+        prefetch instruction). Off by default until an H200 A/B measures it.
+    l2_prefetch_programs: how many extra programs a prefetch site launches (each asks for an equal
+        share of the weight's 128-byte lines).
     """
 
     experts_impl: str = "auto"
@@ -250,6 +261,8 @@ class DecodeConfig:
     router_max_tokens: int = 64
     router_poll: bool = True
     count_tier_picks: bool = True
+    l2_prefetch: tuple[str, ...] = ()
+    l2_prefetch_programs: int = 32
     launch: Mapping[tuple[str, str, str], Launch] = field(default_factory=lambda: dict(SHIPPED_LAUNCH))
     attention: AttentionLaunch = AttentionLaunch()
 
@@ -272,6 +285,12 @@ class DecodeConfig:
         if set(first) - set(EARLY_LAUNCH_KERNELS):
             raise DecodeConfigError(f"early_launch {list(first)}: expected kernels of {list(EARLY_LAUNCH_KERNELS)}")
         object.__setattr__(self, "early_launch", tuple(k for k in EARLY_LAUNCH_KERNELS if k in first))
+        sites = tuple(self.l2_prefetch)
+        if set(sites) - set(L2_PREFETCH_SITES):
+            raise DecodeConfigError(f"l2_prefetch {list(sites)}: expected sites of {list(L2_PREFETCH_SITES)}")
+        object.__setattr__(self, "l2_prefetch", tuple(k for k in L2_PREFETCH_SITES if k in sites))
+        if not 1 <= self.l2_prefetch_programs <= 1024:
+            raise DecodeConfigError(f"l2_prefetch_programs must be 1 to 1024, got {self.l2_prefetch_programs}")
         if self.ssd_lookahead < 1:
             raise DecodeConfigError(f"ssd_lookahead must be >= 1, got {self.ssd_lookahead}")
         for name in ("gather_max_tokens", "fused_max_tokens", "router_max_tokens"):

@@ -142,7 +142,8 @@ class Attention(nn.Module):
             else:
                 # One kernel: per-head q/k norm, RoPE, and the cache writes (kernels.qk_rope_cache).
                 q = kernels.qk_rope_cache(q, k, v, qw, kw, self.eps, cos, sin, positions, self.k_cache,
-                                          self.v_cache, cfg=self.decode)
+                                          self.v_cache, cfg=self.decode,
+                                          prefetch=self.o_proj.weight if attention_kernel else None)
             # One kernel for mask + attention + the [B, T, heads * D] layout o_proj reads (~5 in torch).
             if attention_kernel:
                 out = kernels.decode_attention(q, self.k_cache, self.v_cache, positions.expand(B, T), kv_len,
@@ -533,8 +534,11 @@ class MoETransformer(nn.Module):
             if isinstance(block, MoEBlock) and block.norm_router_ok(tokens):
                 # experts with int8 activations get h's int8 rows from this launch too
                 quant = block.experts.wants_quantized_x() and x.shape[-1] % GROUP == 0
+                # l2_prefetch "next_qkv": the next layer's [q; k; v] is asked for while this one routes
+                nxt_qkv = self.layers[i + 1].self_attn.qkv_weight if i + 1 < len(self.layers) else None
                 x, h, *routed = kernels.add_rmsnorm_router(x, a, post.weight, post.eps, block.gate.weight,
-                                                           block.top_k, block.norm_topk_prob, quantize_h=quant, cfg=cfg)
+                                                           block.top_k, block.norm_topk_prob, quantize_h=quant, cfg=cfg,
+                                                           prefetch=nxt_qkv)
                 if quant:
                     *routed, xq = routed
                 routes = tuple(routed)

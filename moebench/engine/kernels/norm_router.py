@@ -21,7 +21,8 @@ from torch import Tensor
 from ..decode_config import DEFAULT, DecodeConfig
 from ..quant import GROUP
 from .int8_activations import quant_pack, quant_row_len, store_quant  # noqa: F401 - used by the kernels
-from .runtime import KernelError, grid_dependency, next_pow2, pdl_launch, require, sm_count, sortable_bits, tl, triton  # noqa: F401
+from .runtime import (KernelError, grid_dependency, next_pow2, pdl_launch, prefetch_l2, prefetch_launch,  # noqa: F401
+                      require, sm_count, sortable_bits, tl, triton)
 
 MAIL_EMPTY = 0x7FBADBAD
 
@@ -145,13 +146,13 @@ if triton is not None:
         tl.store(w_ptr + r * TOPK + ks, vals, mask=ks < TOPK)
 
     @triton.jit
-    def route_when_last_arrives(logits_ptr, count_ptr, ids_ptr, w_ptr, t, E, TOPK: tl.constexpr, KP: tl.constexpr,
-                                NORM: tl.constexpr, BLOCK_E: tl.constexpr):
+    def route_when_last_arrives(logits_ptr, count_ptr, ids_ptr, w_ptr, t, E, n_blocks, TOPK: tl.constexpr,
+                                KP: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr):
         """After a program has stored its logits of token t: it counts itself in (acq_rel), and the
-        token's last program to arrive reads all E logits, runs softmax_topk_store and resets the
-        counter for the next call."""
+        token's last of the n_blocks programs to arrive reads all E logits, runs softmax_topk_store
+        and resets the counter for the next call."""
         arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
-        if arrived == tl.num_programs(1) - 1:
+        if arrived == n_blocks - 1:
             offs = tl.arange(0, BLOCK_E)
             m = offs < E
             z = tl.load(logits_ptr + t * E + offs, mask=m, other=float("-inf"), cache_modifier=".cg")
@@ -159,11 +160,11 @@ if triton is not None:
             tl.atomic_xchg(count_ptr + t, 0)
 
     @triton.jit
-    def route_when_all_posted(mail_ptr, ids_ptr, w_ptr, t, E, TOPK: tl.constexpr, KP: tl.constexpr,
+    def route_when_all_posted(mail_ptr, ids_ptr, w_ptr, t, E, n_blocks, TOPK: tl.constexpr, KP: tl.constexpr,
                               NORM: tl.constexpr, BLOCK_E: tl.constexpr):
-        """add_rmsnorm_router_kernel's POLL: the token's last program reads its mailbox row until no
-        slot is empty, empties it and runs softmax_topk_store on the logits' bits."""
-        if tl.program_id(1) == tl.num_programs(1) - 1:
+        """add_rmsnorm_router_kernel's POLL: the token's last of the n_blocks programs reads its
+        mailbox row until no slot is empty, empties it and runs softmax_topk_store on the logits' bits."""
+        if tl.program_id(1) == n_blocks - 1:
             offs = tl.arange(0, BLOCK_E)
             m = offs < E
             zb = tl.load(mail_ptr + t * E + offs, mask=m, other=0, volatile=True)
@@ -208,7 +209,8 @@ if triton is not None:
             acc += wv * xv[None, :]
         logit = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
         tl.store(logits_ptr + t * E + rows, logit, mask=rm)
-        route_when_last_arrives(logits_ptr, count_ptr, ids_ptr, w_ptr, t, E, TOPK, KP, NORM, BLOCK_E)
+        route_when_last_arrives(logits_ptr, count_ptr, ids_ptr, w_ptr, t, E, tl.num_programs(1), TOPK, KP, NORM,
+                                BLOCK_E)
 
     @triton.jit
     def add_rmsnorm_router_kernel(x_ptr, d_ptr, nw_ptr, res_ptr, h_ptr, g_ptr, logits_ptr, count_ptr, ids_ptr,
@@ -216,7 +218,8 @@ if triton is not None:
                                   TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
                                   BLOCK_E: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, QUANT: tl.constexpr,
                                   QB: tl.constexpr, EARLY: tl.constexpr = False, mail_ptr=None,
-                                  POLL: tl.constexpr = False, PDL: tl.constexpr = False,
+                                  POLL: tl.constexpr = False, pf_ptr=None, pf_bytes=0, PF_PARTS: tl.constexpr = 0,
+                                  PF_ASM: tl.constexpr = False, PDL: tl.constexpr = False,
                                   LAUNCH_FIRST: tl.constexpr = False):
         """Program (token t, block of BE experts): add_rmsnorm_kernel's row t (program 0 stores res
         and h), then router_topk_kernel's program on that h. Every program normalises the row itself
@@ -232,64 +235,73 @@ if triton is not None:
         the GPU's SM count, so they never hold every slot; the programs they wait for wait on
         nothing (a launch after this one in the stream starts only once every program of this one
         has started, PDL's trigger; kernels of other streams wait on nothing of this one). The last
-        program polls because the CPU interpreter runs it after the others."""
+        program polls because the CPU interpreter runs it after the others.
+        PF_PARTS > 0 (DecodeConfig.l2_prefetch "next_qkv"): expert blocks past the last are prefetch
+        programs (token 0's ask L2 for their share of pf_ptr's pf_bytes, runtime.prefetch_l2, before
+        the wait) that write nothing; "the last program" is the last expert block's."""
         t = tl.program_id(0).to(tl.int64)
         pb = tl.program_id(1)
+        n_blocks = tl.num_programs(1) - PF_PARTS
         dt = x_ptr.dtype.element_ty
         offs = tl.arange(0, BLOCK)
         m = offs < N
         rows = pb * BE + tl.arange(0, BE)
         rm = rows < E
+        if PF_PARTS > 0:
+            if t == 0 and pb >= n_blocks:
+                prefetch_l2(pf_ptr, pf_bytes, pb - n_blocks, PF_PARTS, PF_ASM)
         if EARLY:
             w_early = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + offs[None, :],
                               mask=rm[:, None] & m[None, :], other=0.0)
         nw = norm_weight(nw_ptr, offs, m)       # before the wait, as add_rmsnorm_kernel's
         grid_dependency(PDL, LAUNCH_FIRST)
-        s = residual_sum(x_ptr, d_ptr, t, N, offs, m, HAS_DELTA, 1)
-        inv = rms_inv(s, N, eps)
-        h = rms_scale(s, inv, nw).to(dt)
-        if pb == 0:
-            if HAS_DELTA:
-                tl.store(res_ptr + t * N + offs, s, mask=m)
-            tl.store(h_ptr + t * N + offs, h, mask=m)
-        acc = tl.zeros((BE, BH), dtype=tl.float32)
-        if BH == BLOCK:      # one GEMV step (the usual case): the row is already in registers
-            if EARLY:
-                wv = w_early.to(tl.float32)
+        if pb < n_blocks:
+            s = residual_sum(x_ptr, d_ptr, t, N, offs, m, HAS_DELTA, 1)
+            inv = rms_inv(s, N, eps)
+            h = rms_scale(s, inv, nw).to(dt)
+            if pb == 0:
+                if HAS_DELTA:
+                    tl.store(res_ptr + t * N + offs, s, mask=m)
+                tl.store(h_ptr + t * N + offs, h, mask=m)
+            acc = tl.zeros((BE, BH), dtype=tl.float32)
+            if BH == BLOCK:      # one GEMV step (the usual case): the row is already in registers
+                if EARLY:
+                    wv = w_early.to(tl.float32)
+                else:
+                    wv = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + offs[None, :],
+                                 mask=rm[:, None] & m[None, :], other=0.0).to(tl.float32)
+                acc += wv * h.to(tl.float32)[None, :]
+            else:                # BH-column steps: each step's slice of h is recomputed from x, delta, inv
+                for h0 in range(0, N, BH):
+                    cols = h0 + tl.arange(0, BH)
+                    cm = cols < N
+                    sc = residual_sum(x_ptr, d_ptr, t, N, cols, cm, HAS_DELTA, 1)
+                    hv = rms_scale(sc, inv, norm_weight(nw_ptr, cols, cm)).to(dt).to(tl.float32)
+                    wv = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + cols[None, :],
+                                 mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+                    acc += wv * hv[None, :]
+            logit = tl.sum(acc, axis=1).to(dt).to(tl.float32)
+            tl.store(logits_ptr + t * E + rows, logit, mask=rm)
+            if POLL:
+                tl.store(mail_ptr + t * E + rows, logit.to(tl.int32, bitcast=True), mask=rm)
+                route_when_all_posted(mail_ptr, ids_ptr, w_ptr, t, E, n_blocks, TOPK, KP, NORM, BLOCK_E)
             else:
-                wv = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + offs[None, :],
-                             mask=rm[:, None] & m[None, :], other=0.0).to(tl.float32)
-            acc += wv * h.to(tl.float32)[None, :]
-        else:                # BH-column steps: each step's slice of h is recomputed from x, delta, inv
-            for h0 in range(0, N, BH):
-                cols = h0 + tl.arange(0, BH)
-                cm = cols < N
-                sc = residual_sum(x_ptr, d_ptr, t, N, cols, cm, HAS_DELTA, 1)
-                hv = rms_scale(sc, inv, norm_weight(nw_ptr, cols, cm)).to(dt).to(tl.float32)
-                wv = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + cols[None, :],
-                             mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
-                acc += wv * hv[None, :]
-        logit = tl.sum(acc, axis=1).to(dt).to(tl.float32)
-        tl.store(logits_ptr + t * E + rows, logit, mask=rm)
-        if POLL:
-            tl.store(mail_ptr + t * E + rows, logit.to(tl.int32, bitcast=True), mask=rm)
-            route_when_all_posted(mail_ptr, ids_ptr, w_ptr, t, E, TOPK, KP, NORM, BLOCK_E)
-        else:
-            route_when_last_arrives(logits_ptr, count_ptr, ids_ptr, w_ptr, t, E, TOPK, KP, NORM, BLOCK_E)
-        if QUANT:
-            # The experts' int8 activations (INT8_ACTIVATIONS): quantize_rows_kernel's row of h, one
-            # block of QB columns per program, recomputed from x, delta and inv (the whole row
-            # quantized by one 1-warp program spills on sm_90).
-            for qb in range(pb, (N + QB - 1) // QB, tl.num_programs(1)):
-                cols = qb * QB + tl.arange(0, QB)
-                cm = cols < N
-                sc = residual_sum(x_ptr, d_ptr, t, N, cols, cm, HAS_DELTA, 1)
-                hv = rms_scale(sc, inv, norm_weight(nw_ptr, cols, cm)).to(dt).to(tl.float32)
-                nat_lo, nat_hi, even, odd, qsum, scale = quant_pack(tl.reshape(hv, (QB // 8, 8)), QB)
-                w8 = qb * (QB // 8) + tl.arange(0, QB // 8)
-                b = qb + tl.arange(0, 1)
-                store_quant(q_ptr + t * stride_q, w8, 8 * w8 < N, b, b * QB < N, N, QB, nat_lo, nat_hi, even, odd,
-                            qsum, scale)
+                route_when_last_arrives(logits_ptr, count_ptr, ids_ptr, w_ptr, t, E, n_blocks, TOPK, KP, NORM,
+                                        BLOCK_E)
+            if QUANT:
+                # The experts' int8 activations (INT8_ACTIVATIONS): quantize_rows_kernel's row of h, one
+                # block of QB columns per program, recomputed from x, delta and inv (the whole row
+                # quantized by one 1-warp program spills on sm_90).
+                for qb in range(pb, (N + QB - 1) // QB, n_blocks):
+                    cols = qb * QB + tl.arange(0, QB)
+                    cm = cols < N
+                    sc = residual_sum(x_ptr, d_ptr, t, N, cols, cm, HAS_DELTA, 1)
+                    hv = rms_scale(sc, inv, norm_weight(nw_ptr, cols, cm)).to(dt).to(tl.float32)
+                    nat_lo, nat_hi, even, odd, qsum, scale = quant_pack(tl.reshape(hv, (QB // 8, 8)), QB)
+                    w8 = qb * (QB // 8) + tl.arange(0, QB // 8)
+                    b = qb + tl.arange(0, 1)
+                    store_quant(q_ptr + t * stride_q, w8, 8 * w8 < N, b, b * QB < N, N, QB, nat_lo, nat_hi, even, odd,
+                                qsum, scale)
 
 
 
@@ -401,13 +413,14 @@ def router_topk(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, arriva
 
 def add_rmsnorm_router(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, router_weight: Tensor,
                        top_k: int, renormalize: bool, arrivals: Tensor | None = None, quantize_h: bool = False,
-                       cfg: DecodeConfig = DEFAULT) -> tuple[Tensor, ...]:
+                       cfg: DecodeConfig = DEFAULT, prefetch: Tensor | None = None) -> tuple[Tensor, ...]:
     """add_rmsnorm(x, delta, norm_weight, eps) followed by router_topk(h, router_weight, top_k,
     renormalize) in one launch, bitwise the same results: (res, h) shaped like x in x's dtype, and
     (logits [N, E] float32, topk_ids [N, k] int64, topk_w [N, k] float32) over the N = x.numel() / H
     flattened tokens (N <= cfg.router_max_tokens). `arrivals` as in router_topk. quantize_h (H a multiple
     of 64): also h's int8 rows for fused_moe(xq=...), a sixth result, as quantize_rows_kernel makes
-    them (one launch fewer per layer for experts in INT8_ACTIVATIONS)."""
+    them (one launch fewer per layer for experts in INT8_ACTIVATIONS). prefetch: a weight the launch's
+    extra programs ask L2 for where cfg.l2_prefetch lists "next_qkv" (the next layer's [q; k; v])."""
     require()
     H = x.shape[-1]
     if tuple(norm_weight.shape) != (H,):
@@ -442,12 +455,13 @@ def add_rmsnorm_router(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps
     xq = torch.empty(N, quant_row_len(H, GROUP), dtype=torch.int32, device=x.device) if quantize_h else logits
     # a spinning program holds its slot: fewer of them than SMs leaves the others room to finish
     poll = cfg.router_poll and N < sm_count(x.device)
-    add_rmsnorm_router_kernel[(N, -(-E // be))](
+    pf = prefetch_launch(prefetch, cfg, "next_qkv")
+    add_rmsnorm_router_kernel[(N, -(-E // be) + pf.get("PF_PARTS", 0))](
         xc, dc, norm_weight, res, h, router_weight, logits, counts, ids, w, xq, H, E, eps, router_weight.stride(0),
         xq.stride(0), HAS_DELTA=delta is not None, TOPK=top_k, KP=next_pow2(top_k), NORM=renormalize, BLOCK=block,
         BLOCK_E=next_pow2(E), BE=be, BH=min(shape.BK, block), QUANT=quantize_h, QB=GROUP,
         EARLY="router" in cfg.early_weights and shape.BK >= block, POLL=poll,
         **({"mail_ptr": shared_mailbox(x.device, cfg, E)} if poll else {}), num_warps=shape.num_warps,
-        num_stages=shape.num_stages, **pdl_launch(x.device, cfg, "router"))
+        num_stages=shape.num_stages, **pf, **pdl_launch(x.device, cfg, "router"))
     return (res, h, logits, ids, w, xq) if quantize_h else (res, h, logits, ids, w)
 

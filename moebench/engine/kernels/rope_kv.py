@@ -5,7 +5,8 @@ import torch
 from torch import Tensor
 
 from ..decode_config import DEFAULT, DecodeConfig
-from .runtime import KernelError, grid_dependency, pdl_launch, require, tl, triton  # noqa: F401
+from .runtime import (KernelError, grid_dependency, pdl_launch, prefetch_l2, prefetch_launch, require,  # noqa: F401
+                      tl, triton)
 
 if triton is not None:
     @triton.jit
@@ -34,11 +35,15 @@ if triton is not None:
                              s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_cb, s_ct,
                              s_ob, s_oh, s_ot, s_cab, s_cah, s_cas,
                              HAS_NORM: tl.constexpr, D: tl.constexpr, TABLES: tl.constexpr = False,
+                             pf_ptr=None, pf_bytes=0, PF_PARTS: tl.constexpr = 0, PF_ASM: tl.constexpr = False,
                              PDL: tl.constexpr = False, LAUNCH_FIRST: tl.constexpr = False):
         """Program (b*T + t, head): query heads -> normed, rotated, written to qo [B, NH, T, D];
         key/value heads -> normed+rotated key and the value written to their cache slot pos[b, t].
         TABLES: cos / sin are the float32 tables [S, D] (row stride s_cb), read at row pos[b, t] and
-        rounded to q's dtype here, as `table[positions].to(dtype)` rounds them."""
+        rounded to q's dtype here, as `table[positions].to(dtype)` rounds them.
+        PF_PARTS > 0 (DecodeConfig.l2_prefetch "o_proj"): the last PF_PARTS programs of row 0's heads
+        axis are prefetch programs: each asks L2 for its share of pf_ptr's pf_bytes (runtime.prefetch_l2)
+        before the wait, and writes nothing."""
         bt = tl.program_id(0)
         h = tl.program_id(1)
         b = bt // T
@@ -55,12 +60,18 @@ if triton is not None:
         else:
             c = tl.load(cos_ptr + b * s_cb + t * s_ct + d).to(tl.float32)
             s = tl.load(sin_ptr + b * s_cb + t * s_ct + d).to(tl.float32)
+        kv = h >= NH
+        if PF_PARTS > 0:
+            heads = tl.num_programs(1) - PF_PARTS
+            if bt == 0 and h >= heads:
+                prefetch_l2(pf_ptr, pf_bytes, h - heads, PF_PARTS, PF_ASM)
+            kv = kv & (h < heads)
         grid_dependency(PDL, LAUNCH_FIRST)
         if h < NH:
             out = norm_rope_head(q_ptr + b * s_qb + t * s_qt + h * s_qh, qw_ptr, c, s, d, partner, eps,
                                  HAS_NORM, D, dt)
             tl.store(qo_ptr + b * s_ob + h * s_oh + t * s_ot + d, out)
-        else:
+        elif kv:
             kh = h - NH
             out = norm_rope_head(k_ptr + b * s_kb + t * s_kt + kh * s_kh, kw_ptr, c, s, d, partner, eps,
                                  HAS_NORM, D, dt)
@@ -73,13 +84,14 @@ if triton is not None:
 
 def qk_rope_cache(q: Tensor, k: Tensor, v: Tensor, q_norm_w: Tensor | None, k_norm_w: Tensor | None,
                   eps: float, cos: Tensor, sin: Tensor, positions: Tensor, k_cache: Tensor,
-                  v_cache: Tensor, cfg: DecodeConfig = DEFAULT) -> Tensor:
+                  v_cache: Tensor, cfg: DecodeConfig = DEFAULT, prefetch: Tensor | None = None) -> Tensor:
     """q [B, T, NH, D], k/v [B, T, NKV, D] (views with unit last stride), cos/sin [B, T, D] in q's
     dtype or the float32 tables [S, D] (model.rope_tables; rows read at the positions in the
     kernel, which saves a decode step the gather and cast launches), positions [B, T]: per-head
     RMSNorm of q and k (when weights are given), RoPE, and the keys/values written to
     k_cache/v_cache [B', NKV, S, D] at slot positions[b, t]. Returns the rotated queries
-    [B, NH, T, D] (contiguous). One launch instead of ~30 small kernels."""
+    [B, NH, T, D] (contiguous). One launch instead of ~30 small kernels. prefetch: a weight the
+    launch's extra programs ask L2 for where cfg.l2_prefetch lists "o_proj" (the layer's o_proj)."""
     require()
     B, T, NH, D = q.shape
     NKV = k.shape[2]
@@ -110,11 +122,12 @@ def qk_rope_cache(q: Tensor, k: Tensor, v: Tensor, q_norm_w: Tensor | None, k_no
     qo = torch.empty(B, NH, T, D, dtype=q.dtype, device=q.device)
     has_norm = q_norm_w is not None
     qw, kw = (q_norm_w, k_norm_w) if has_norm else (qo, qo)
-    qk_rope_cache_kernel[(B * T, NH + NKV)](
+    pf = prefetch_launch(prefetch, cfg, "o_proj")
+    qk_rope_cache_kernel[(B * T, NH + NKV + pf.get("PF_PARTS", 0))](
         q, k, v, qw, kw, cos, sin, pos, qo, k_cache, v_cache, T, NH, eps,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *cos_strides,
         qo.stride(0), qo.stride(1), qo.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HAS_NORM=has_norm, D=D, TABLES=tables, num_warps=1, **pdl_launch(q.device, cfg, "rope"))
+        HAS_NORM=has_norm, D=D, TABLES=tables, num_warps=1, **pf, **pdl_launch(q.device, cfg, "rope"))
     return qo
 

@@ -112,7 +112,39 @@ def early_steps(kernel: str, K: int, BK: int, cfg: DecodeConfig) -> int:
     return min(cfg.early_steps, -(-K // BK))
 
 
+def prefetch_launch(weight: "torch.Tensor | None", cfg: DecodeConfig, site: str) -> dict:
+    """Keyword arguments for a kernel with prefetch programs (prefetch_l2's PF_* constexprs): none
+    unless cfg.l2_prefetch lists `site` and a contiguous `weight` is given; the prefetch instruction
+    itself only on CUDA (the interpreter runs the programs without it)."""
+    if weight is None or site not in cfg.l2_prefetch:
+        return {}
+    if not weight.is_contiguous():
+        raise KernelError(f"l2_prefetch {site}: the weight needs to be contiguous, got strides {weight.stride()}")
+    asm = weight.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    return {"pf_ptr": weight, "pf_bytes": weight.numel() * weight.element_size(),
+            "PF_PARTS": cfg.l2_prefetch_programs, "PF_ASM": asm}
+
+
 if triton is not None:
+    @triton.jit
+    def prefetch_l2(ptr, n_bytes, part, PARTS: tl.constexpr, ASM: tl.constexpr, CHUNK: tl.constexpr = 1024):
+        """Share `part` of PARTS of the n_bytes at ptr: asks L2 for its 128-byte lines with
+        `prefetch.global.L2::evict_last` (DecodeConfig.l2_prefetch), fire and forget: no register
+        waits for them, so the program ends as soon as the requests are issued. ASM off (the CPU
+        interpreter, which has no inline PTX): the addresses only. Only weights, which no kernel of
+        a step writes, are prefetched, so a program may do it before its PDL wait."""
+        base = ptr.to(tl.pointer_type(tl.int8))
+        n_lines = (n_bytes + 127) // 128
+        per = (n_lines + PARTS - 1) // PARTS
+        start = part * per
+        end = tl.minimum(start + per, n_lines)
+        for c in range(start, end, CHUNK):
+            lines = c + tl.arange(0, CHUNK)
+            addr = base + tl.where(lines < end, lines, start).to(tl.int64) * 128
+            if ASM:
+                tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+
     @triton.jit
     def grid_dependency(PDL: tl.constexpr, LAUNCH_FIRST: tl.constexpr = False):
         """With PDL: wait for the previous kernel in the stream to finish (its writes visible), then
@@ -149,4 +181,4 @@ if triton is not None:
 else:
     FMT_DENSE = FMT_INT8 = FMT_INT4 = FMT_INT4_ASYM = FMT_TERNARY = FMT_TERNARY2 = None
     MODE_BYTES = MODE_WORDS = MODE_INT8_ACT = None
-    grid_dependency = sortable_bits = None
+    grid_dependency = sortable_bits = prefetch_l2 = None
