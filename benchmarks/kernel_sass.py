@@ -179,14 +179,16 @@ def sass_report(compiled) -> dict:
         usage = subprocess.run([str(TOOLS / "cuobjdump"), "--dump-resource-usage", str(cubin)],
                                capture_output=True, text=True, check=True).stdout
     ops = collections.Counter()
+    evict_first = 0
     for line in sass.splitlines():
-        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\S*)", line)
         if m:
             ops[m.group(1)] += 1
+            evict_first += m.group(1) == "LDG" and ".EF" in m.group(2)
     regs = re.search(r"REG:(\d+)", usage)
     spill = re.search(r"STACK:(\d+)", usage)
     return {"registers": int(regs.group(1)) if regs else None, "stack_bytes": int(spill.group(1)) if spill else None,
-            "instructions": sum(ops.values()), "ops": dict(ops.most_common())}
+            "instructions": sum(ops.values()), "ops": dict(ops.most_common()), "ldg_evict_first": evict_first}
 
 
 # opcode families worth a column: memory, integer, conversion, float
@@ -205,6 +207,8 @@ def main(argv=None) -> list[dict]:
                     help="formats, each optionally with a decode mode by name (ternary:bytes)")
     ap.add_argument("--mode", type=int, default=None, help="DecodeConfig.decode_mode value (default: the shipped one)")
     ap.add_argument("--launch", default=None, metavar="BN,BK,WARPS,STAGES", help="one shape for every format")
+    ap.add_argument("--evict-first", action="store_true",
+                    help="gate_up and down with DecodeConfig.experts_evict_first (ldg_evict_first in --json)")
     ap.add_argument("--l2-prefetch", action="store_true",
                     help="router and rope with DecodeConfig.l2_prefetch's programs (the cctl column: L2 prefetches)")
     ap.add_argument("--json", default=None, help="also write the rows here")
@@ -236,7 +240,7 @@ def main(argv=None) -> list[dict]:
         kernel_names.remove("rope")
     for spec in args.formats.split(",") if kernel_names else []:
         fmt, _, mode_name = spec.partition(":")
-        cfg = DEFAULT
+        cfg = replace(DEFAULT, experts_evict_first=args.evict_first)
         if args.mode is not None:
             cfg = replace(cfg, decode_mode=DecodeMode(args.mode))
         elif mode_name:

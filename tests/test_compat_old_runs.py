@@ -236,6 +236,7 @@ ADDED_KEYS = (
     # engine DecodeConfig: the L2 prefetch sites and their programs
     (("manifest.json", "build", "decode"), "count_tier_picks", "l2_prefetch"),
     (("manifest.json", "build", "decode"), "l2_prefetch", "l2_prefetch_programs"),
+    (("manifest.json", "build", "decode"), "l2_prefetch_programs", "experts_evict_first"),
 )
 
 

@@ -874,15 +874,15 @@ def test_l2_prefetch_sites_and_programs_are_checked():
         prefetch_launch(w.t(), cfg, "o_proj")
 
 
-def spy_grids(monkeypatch, module, name: str) -> list:
-    """Records each launch of module.<name> as (grid, PF_PARTS, PF_ASM) and runs it."""
+def spy_grids(monkeypatch, module, name: str, keys=("PF_PARTS", "PF_ASM")) -> list:
+    """Records each launch of module.<name> as (grid, *its kwargs at keys) and runs it."""
     launched = []
     real = getattr(module, name)
 
     class Spy:
         def __getitem__(self, grid):
             def run(*args, **kwargs):
-                launched.append((tuple(grid), kwargs.get("PF_PARTS", 0), kwargs.get("PF_ASM")))
+                launched.append((tuple(grid), *(kwargs.get(k, 0 if k == "PF_PARTS" else None) for k in keys)))
                 return real[grid](*args, **kwargs)
             return run
     monkeypatch.setattr(module, name, Spy())
@@ -947,18 +947,20 @@ def test_add_rmsnorm_router_with_prefetch_programs_is_bitwise_the_same(poll, mon
 
 
 def test_engine_l2_prefetch_decodes_exactly_the_same(ckpt, monkeypatch):
-    """Both l2_prefetch sites on: the same greedy tokens and bitwise-equal step logits; a decode
-    step launches the o_proj prefetch in every layer and the next layer's [q; k; v] prefetch in
-    every layer but the last."""
-    from moebench.engine.kernels import norm_router, rope_kv
+    """Both l2_prefetch sites and experts_evict_first on: the same greedy tokens and bitwise-equal
+    step logits; a decode step launches the o_proj prefetch in every layer and the next layer's
+    [q; k; v] prefetch in every layer but the last, and its dense expert launches load evict_first."""
+    from moebench.engine.kernels import moe, norm_router, rope_kv
     prompt = list(range(3, 12))
     engines = {on: Engine.load(ckpt, device=DEV, dtype="float32", max_seq_len=32,
-                               decode=small(experts_impl="triton", l2_prefetch=("o_proj", "next_qkv") if on else ()))
+                               decode=small(experts_impl="triton", l2_prefetch=("o_proj", "next_qkv") if on else (),
+                                            experts_evict_first=on))
                for on in (False, True)}
     toks = {on: e.generate([prompt], 5, ignore_eos=True)[0].token_ids for on, e in engines.items()}
     assert toks[True] == toks[False]
     rope = spy_grids(monkeypatch, rope_kv, "qk_rope_cache_kernel")
     router = spy_grids(monkeypatch, norm_router, "add_rmsnorm_router_kernel")
+    experts = [spy_grids(monkeypatch, moe, name, keys=("EVICT",)) for name in ("gate_up_kernel", "down_kernel")]
     tokens, pos = torch.tensor([[toks[True][-1]]], device=DEV), torch.tensor([[len(prompt) + 4]], device=DEV)
     la, lb = (engines[on]._decode(tokens, pos, len(prompt) + 5)[0].float().cpu() for on in (False, True))
     assert torch.equal(la, lb)
@@ -966,6 +968,8 @@ def test_engine_l2_prefetch_decodes_exactly_the_same(ckpt, monkeypatch):
     parts = engines[True].decode.l2_prefetch_programs
     assert [p for _, p, _ in rope] == [0] * layers + [parts] * layers
     assert [p for _, p, _ in router] == [0] * layers + [parts] * (layers - 1) + [0]
+    for launched in experts:
+        assert [e for _, e in launched] == [None] * layers + ["evict_first"] * layers
 
 
 def test_early_steps_and_early_launch_are_checked_and_capped():

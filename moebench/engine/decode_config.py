@@ -236,6 +236,10 @@ class DecodeConfig:
         prefetch instruction). Off by default until an H200 A/B measures it.
     l2_prefetch_programs: how many extra programs a prefetch site launches (each asks for an equal
         share of the weight's 128-byte lines).
+    experts_evict_first: the fused experts' dense rows (and int8 rows in DecodeMode.BYTES) in GPU
+        memory are loaded with L2's evict_first policy: each is read once a step, so they leave L2
+        before lines that are read again (what l2_prefetch asked for, the KV cache). The same sums.
+        Off by default until an H200 A/B.
     """
 
     experts_impl: str = "auto"
@@ -263,6 +267,7 @@ class DecodeConfig:
     count_tier_picks: bool = True
     l2_prefetch: tuple[str, ...] = ()
     l2_prefetch_programs: int = 32
+    experts_evict_first: bool = False
     launch: Mapping[tuple[str, str, str], Launch] = field(default_factory=lambda: dict(SHIPPED_LAUNCH))
     attention: AttentionLaunch = AttentionLaunch()
 

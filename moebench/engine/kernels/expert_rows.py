@@ -123,15 +123,16 @@ if triton is not None:
         return tl.sum(s_lo * lo + s_hi * hi, axis=1)
 
     @triton.jit
-    def dense_dot_pair(base_g, base_u, rmask, x_ptr, k0, K, BK: tl.constexpr):
+    def dense_dot_pair(base_g, base_u, rmask, x_ptr, k0, K, BK: tl.constexpr, EVICT: tl.constexpr = tl.constexpr("")):
         """row_dots' dense BYTES step (float rows, or int8 codes unscaled) for gate's and up's rows of
         one expert at once: x and both tiles are loaded before either is summed (gate then up through
-        row_dots would issue up's loads only after gate's cross-warp sum, a barrier). Same sums."""
+        row_dots would issue up's loads only after gate's cross-warp sum, a barrier). Same sums.
+        EVICT: the weight loads' L2 eviction policy ("" or "evict_first", DecodeConfig.experts_evict_first)."""
         i = k0 + tl.arange(0, BK)
         m = rmask[:, None] & (i < K)[None, :]
         xk = tl.load(x_ptr + i, mask=i < K, other=0.0).to(tl.float32)
-        wg = tl.load(base_g + i[None, :], mask=m, other=0)
-        wu = tl.load(base_u + i[None, :], mask=m, other=0)
+        wg = tl.load(base_g + i[None, :], mask=m, other=0, eviction_policy=EVICT)
+        wu = tl.load(base_u + i[None, :], mask=m, other=0, eviction_policy=EVICT)
         return tl.sum(wg.to(tl.float32) * xk[None, :], axis=1), tl.sum(wu.to(tl.float32) * xk[None, :], axis=1)
 
     @triton.jit
@@ -277,8 +278,9 @@ if triton is not None:
     def row_dots(w_ptr, s_ptr, m_ptr, slot, rows, rmask, x_ptr, k0, K, KB,
                  stride_we, stride_wr, stride_se, stride_sr,
                  FMT: tl.constexpr, MODE: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, QB: tl.constexpr):
+                 BK: tl.constexpr, QB: tl.constexpr, EVICT: tl.constexpr = tl.constexpr("")):
         """[BN] partial dots of rows of one expert with x over one K step (int8: unscaled codes).
+        EVICT: the dense / int8 byte steps' weight loads' L2 eviction policy (dense_dot_pair's).
         Dense/int8 steps cover BK columns from k0; packed formats cover BK *bytes* from k0 (int4:
         2 columns per byte, ternary: 5), so each loaded byte is decoded once, whole, in registers.
         MODE WORDS / INT8_ACTIVATIONS: the rows come as an int32 view (strides in words); see word_dots
@@ -297,7 +299,7 @@ if triton is not None:
             if FMT <= FMT_INT8:
                 m = rmask[:, None] & (i < K)[None, :]
                 xk = tl.load(x_ptr + i, mask=i < K, other=0.0).to(tl.float32)
-                w = tl.load(base + i[None, :], mask=m, other=0).to(tl.float32)
+                w = tl.load(base + i[None, :], mask=m, other=0, eviction_policy=EVICT).to(tl.float32)
                 return tl.sum(w * xk[None, :], axis=1)
             else:
                 bmask = rmask[:, None] & (i < KB)[None, :]

@@ -40,10 +40,10 @@ if triton is not None:
     def gate_up_rows(x_row, h_out, hq_out, slot, rows, rmask, N, K, KB, g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr,
                      um_ptr, stride_ge, stride_gr, stride_gse, stride_gsr, stride_ue, stride_ur, stride_use, stride_usr,
                      FMT: tl.constexpr, MODE: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr):
+                     BK: tl.constexpr, EVICT: tl.constexpr = tl.constexpr("")):
         """h rows = silu(W_gate x) * (W_up x) for one expert slot of one group. INT8_ACTIVATIONS: x_row is x's
         quantized row (blocks of GROUP_SIZE), and h goes out quantized, one block per program (BN rows,
-        a multiple of 8), into hq_out, the pair's row of down's quantized input."""
+        a multiple of 8), into hq_out, the pair's row of down's quantized input. EVICT: dense_dot_pair's."""
         g = tl.zeros((BN,), dtype=tl.float32)
         u = tl.zeros((BN,), dtype=tl.float32)
         if FMT <= FMT_INT8:
@@ -62,7 +62,7 @@ if triton is not None:
             # dense rows (and int8 bytes): both tiles of a step loaded before either is summed (bf16's
             # single K step has no software pipelining that would hide a second round trip)
             for k0 in range(0, lim, BK):
-                gk, uk = dense_dot_pair(g_base, u_base, rmask, x_row, k0, K, BK)
+                gk, uk = dense_dot_pair(g_base, u_base, rmask, x_row, k0, K, BK, EVICT)
                 g += gk
                 u += uk
         elif FMT == FMT_TERNARY and MODE != MODE_BYTES:
@@ -76,9 +76,9 @@ if triton is not None:
         else:
             for k0 in range(0, lim, BK):
                 g += row_dots(g_ptr, gs_ptr, gm_ptr, slot, rows, rmask, x_row, k0, K, KB, stride_ge, stride_gr,
-                              stride_gse, stride_gsr, FMT, MODE, GROUP_SIZE, BN, BK, GROUP_SIZE)
+                              stride_gse, stride_gsr, FMT, MODE, GROUP_SIZE, BN, BK, GROUP_SIZE, EVICT)
                 u += row_dots(u_ptr, us_ptr, um_ptr, slot, rows, rmask, x_row, k0, K, KB, stride_ue, stride_ur,
-                              stride_use, stride_usr, FMT, MODE, GROUP_SIZE, BN, BK, GROUP_SIZE)
+                              stride_use, stride_usr, FMT, MODE, GROUP_SIZE, BN, BK, GROUP_SIZE, EVICT)
         if FMT == FMT_INT8:
             g = g * g_scale
             u = u * u_scale
@@ -100,12 +100,14 @@ if triton is not None:
                        TOPK: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
                        FMT_A: tl.constexpr, MAP_A: tl.constexpr, MODE_A: tl.constexpr, BK_A: tl.constexpr,
                        HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, MODE_B: tl.constexpr,
-                       BK_B: tl.constexpr, DROPPED: tl.constexpr = False, PDL: tl.constexpr = False):
+                       BK_B: tl.constexpr, DROPPED: tl.constexpr = False, EVICT: tl.constexpr = "",
+                       PDL: tl.constexpr = False):
         """Program (pair, row block) for up to two expert groups (A, and B when HAS_B): each pair's
         expert is in at most one of them; a pair in neither is left to another launch. Two groups per
         launch: a hot/cold plan's second format costs no extra launches (~3 us each).
         xq / hq: x and h quantized (store_quant rows), for groups in INT8_ACTIVATIONS.
-        DROPPED: ids may hold -1 (pairs route-tail-skip dropped: in no group)."""
+        DROPPED: ids may hold -1 (pairs route-tail-skip dropped: in no group).
+        EVICT: the dense / int8 byte rows' L2 eviction policy (DecodeConfig.experts_evict_first)."""
         grid_dependency(PDL)
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -121,7 +123,7 @@ if triton is not None:
                 xa = x_ptr + tok * stride_xt
             gate_up_rows(xa, h_out, hq_out, sa, rows, rmask, N, K, KB_a, ga_ptr, gsa_ptr, gma_ptr, ua_ptr, usa_ptr,
                          uma_ptr, sge_a, sgr_a, sgse_a, sgsr_a, sue_a, sur_a, suse_a, susr_a,
-                         FMT_A, MODE_A, GROUP_SIZE, BN, BK_A)
+                         FMT_A, MODE_A, GROUP_SIZE, BN, BK_A, EVICT)
         elif HAS_B:
             sb = pair_slot(ids_ptr, slot_b, pair, MAP_B, DROPPED)
             if sb >= 0:
@@ -131,14 +133,15 @@ if triton is not None:
                     xb = x_ptr + tok * stride_xt
                 gate_up_rows(xb, h_out, hq_out, sb, rows, rmask, N, K, KB_b, gb_ptr, gsb_ptr, gmb_ptr, ub_ptr,
                              usb_ptr, umb_ptr, sge_b, sgr_b, sgse_b, sgsr_b, sue_b, sur_b, suse_b, susr_b,
-                             FMT_B, MODE_B, GROUP_SIZE, BN, BK_B)
+                             FMT_B, MODE_B, GROUP_SIZE, BN, BK_B, EVICT)
 
     @triton.jit
-    def early_down_tile(d_ptr, slot, rows, rmask, stride_de, stride_dr, K, step, BK: tl.constexpr):
+    def early_down_tile(d_ptr, slot, rows, rmask, stride_de, stride_dr, K, step, BK: tl.constexpr,
+                        EVICT: tl.constexpr = tl.constexpr("")):
         """Dense rows `rows` of slot `slot`'s W_down, K step `step` (0 past K, or for slot -1)."""
         i = step * BK + tl.arange(0, BK)
         return tl.load(d_ptr + tl.maximum(slot, 0) * stride_de + rows[:, None] * stride_dr + i[None, :],
-                       mask=(slot >= 0) & rmask[:, None] & (i < K)[None, :], other=0.0)
+                       mask=(slot >= 0) & rmask[:, None] & (i < K)[None, :], other=0.0, eviction_policy=EVICT)
 
     @triton.jit
     def early_down_step(w, h_row, K, step, BK: tl.constexpr):
@@ -152,7 +155,7 @@ if triton is not None:
                   stride_de, stride_dr, stride_dse, stride_dsr,
                   FMT: tl.constexpr, MODE: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, QH: tl.constexpr, w0=None, w1=None, w2=None, w3=None,
-                  EARLY: tl.constexpr = 0):
+                  EARLY: tl.constexpr = 0, EVICT: tl.constexpr = tl.constexpr("")):
         """part rows = w * (W_down h) for one expert slot of one group (float32). INT8_ACTIVATIONS: h_row is h's
         quantized row, blocks of QH columns (gate_up's BN). EARLY (dense rows, BYTES): w0.. hold the
         first EARLY K steps' weights, loaded already (row_dots' dense steps on them)."""
@@ -173,7 +176,7 @@ if triton is not None:
             y += early_down_step(w3, h_row, K, 3, BK)
         for k0 in range(EARLY * BK, lim, BK):
             y += row_dots(d_ptr, ds_ptr, dm_ptr, slot, rows, rmask, h_row, k0, K, KB,
-                          stride_de, stride_dr, stride_dse, stride_dsr, FMT, MODE, GROUP_SIZE, BN, BK, QH)
+                          stride_de, stride_dr, stride_dse, stride_dsr, FMT, MODE, GROUP_SIZE, BN, BK, QH, EVICT)
         if FMT == FMT_INT8:
             y = y * d_scale
         tl.store(part_out + rows, y * w, mask=rmask)
@@ -187,7 +190,8 @@ if triton is not None:
                     COUNT_A: tl.constexpr,
                     HAS_B: tl.constexpr, FMT_B: tl.constexpr, MAP_B: tl.constexpr, MODE_B: tl.constexpr,
                     BK_B: tl.constexpr, COUNT_B: tl.constexpr, QH: tl.constexpr, DROPPED: tl.constexpr = False,
-                    EARLY: tl.constexpr = 0, PDL: tl.constexpr = False, LAUNCH_FIRST: tl.constexpr = False):
+                    EARLY: tl.constexpr = 0, EVICT: tl.constexpr = "", PDL: tl.constexpr = False,
+                    LAUNCH_FIRST: tl.constexpr = False):
         """Program (pair, row block): part[pair, rows] = w[pair] * (W_down[e] h[pair])[rows] in
         float32, for up to two groups like gate_up. One program per pair: looping over a token's k
         experts in one program makes a chain of dependent loads (~1.8 TB/s against gate_up's ~3.1). The first launch also zeroes the rows of pairs in neither of its groups, so
@@ -200,7 +204,8 @@ if triton is not None:
         EARLY (group A dense, BYTES; 0 to 4): the pair's slot and its first EARLY K steps of group A's
         weights are loaded before the PDL wait. The ids and slot maps come from launches before gate_up (the
         router, route-tail-skip, prefetch's maps), which had finished before gate_up's programs
-        passed their own wait, so before this launch started; only h is gate_up's."""
+        passed their own wait, so before this launch started; only h is gate_up's.
+        EVICT: as gate_up's."""
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
         rmask = rows < N
@@ -211,13 +216,13 @@ if triton is not None:
         w3 = None
         if EARLY >= 1:
             sa = pair_slot(ids_ptr, slot_a, pair, MAP_A, DROPPED)
-            w0 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 0, BK_A)
+            w0 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 0, BK_A, EVICT)
         if EARLY >= 2:
-            w1 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 1, BK_A)
+            w1 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 1, BK_A, EVICT)
         if EARLY >= 3:
-            w2 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 2, BK_A)
+            w2 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 2, BK_A, EVICT)
         if EARLY >= 4:
-            w3 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 3, BK_A)
+            w3 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 3, BK_A, EVICT)
         grid_dependency(PDL, LAUNCH_FIRST)
         if EARLY == 0:
             sa = pair_slot(ids_ptr, slot_a, pair, MAP_A, DROPPED)
@@ -228,7 +233,7 @@ if triton is not None:
                 ha = h_ptr + pair * stride_ht
             down_rows(ha, part_out, tl.load(wts_ptr + pair).to(tl.float32), sa, rows, rmask, K, KB_a,
                       da_ptr, dsa_ptr, dma_ptr, sde_a, sdr_a, sdse_a, sdsr_a, FMT_A, MODE_A, GROUP_SIZE, BN, BK_A, QH,
-                      w0, w1, w2, w3, EARLY)
+                      w0, w1, w2, w3, EARLY, EVICT)
             if COUNT_A:
                 count_pick(ids_ptr, picks_a, pair)
         else:
@@ -242,7 +247,7 @@ if triton is not None:
                     hb = h_ptr + pair * stride_ht
                 down_rows(hb, part_out, tl.load(wts_ptr + pair).to(tl.float32), sb, rows, rmask, K, KB_b,
                           db_ptr, dsb_ptr, dmb_ptr, sde_b, sdr_b, sdse_b, sdsr_b, FMT_B, MODE_B, GROUP_SIZE, BN,
-                          BK_B, QH)
+                          BK_B, QH, EVICT=EVICT)
                 if COUNT_B:
                     count_pick(ids_ptr, picks_b, pair)
             elif FIRST:
