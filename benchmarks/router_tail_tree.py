@@ -30,19 +30,21 @@ EDITS = [
      "MAIL_EMPTY = 0x7FBADBAD\n_FIXED_ROUTES: dict = {}\n"),
     ("QB: tl.constexpr, EARLY: tl.constexpr = False, mail_ptr=None,",
      "QB: tl.constexpr, EARLY: tl.constexpr = False, TAIL: tl.constexpr = 0, mail_ptr=None,"),
-    ("""        else:
-            route_when_last_arrives(logits_ptr, count_ptr, ids_ptr, w_ptr, t, E, TOPK, KP, NORM, BLOCK_E)
+    ("""            else:
+                route_when_last_arrives(logits_ptr, count_ptr, ids_ptr, w_ptr, t, E, n_blocks, TOPK, KP, NORM,
+                                        BLOCK_E)
 """,
-     """        elif TAIL == 0 or TAIL == 1:
-            route_when_last_arrives(logits_ptr, count_ptr, ids_ptr, w_ptr, t, E, TOPK, KP, NORM, BLOCK_E)
-        elif TAIL == 2 or TAIL == 3:
-            last = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
-            if last == tl.num_programs(1) - 1:
-                if TAIL == 2:
-                    lo = tl.arange(0, BLOCK_E)
-                    zl = tl.load(logits_ptr + t * E + lo, mask=lo < E, other=float("-inf"), cache_modifier=".cg")
-                    tl.store(logits_ptr + t * E, tl.max(zl, axis=0))
-                tl.atomic_xchg(count_ptr + t, 0)
+     """            elif TAIL == 0 or TAIL == 1:
+                route_when_last_arrives(logits_ptr, count_ptr, ids_ptr, w_ptr, t, E, n_blocks, TOPK, KP, NORM,
+                                        BLOCK_E)
+            elif TAIL == 2 or TAIL == 3:
+                last = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
+                if last == n_blocks - 1:
+                    if TAIL == 2:
+                        lo = tl.arange(0, BLOCK_E)
+                        zl = tl.load(logits_ptr + t * E + lo, mask=lo < E, other=float("-inf"), cache_modifier=".cg")
+                        tl.store(logits_ptr + t * E, tl.max(zl, axis=0))
+                    tl.atomic_xchg(count_ptr + t, 0)
 """),
     ("""    w = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
     # router_topk's launch config""",
