@@ -241,21 +241,26 @@ if triton is not None:
         the wait) that write nothing; "the last program" is the last expert block's."""
         t = tl.program_id(0).to(tl.int64)
         pb = tl.program_id(1)
-        n_blocks = tl.num_programs(1) - PF_PARTS
         dt = x_ptr.dtype.element_ty
         offs = tl.arange(0, BLOCK)
         m = offs < N
         rows = pb * BE + tl.arange(0, BE)
         rm = rows < E
+        # without prefetch programs every program routes: a compile-time True, no test in the code
         if PF_PARTS > 0:
+            n_blocks = tl.num_programs(1) - PF_PARTS
             if t == 0 and pb >= n_blocks:
                 prefetch_l2(pf_ptr, pf_bytes, pb - n_blocks, PF_PARTS, PF_ASM)
+            routes = pb < n_blocks
+        else:
+            n_blocks = tl.num_programs(1)
+            routes = True
         if EARLY:
             w_early = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + offs[None, :],
                               mask=rm[:, None] & m[None, :], other=0.0)
         nw = norm_weight(nw_ptr, offs, m)       # before the wait, as add_rmsnorm_kernel's
         grid_dependency(PDL, LAUNCH_FIRST)
-        if pb < n_blocks:
+        if routes:
             s = residual_sum(x_ptr, d_ptr, t, N, offs, m, HAS_DELTA, 1)
             inv = rms_inv(s, N, eps)
             h = rms_scale(s, inv, nw).to(dt)

@@ -60,12 +60,14 @@ if triton is not None:
         else:
             c = tl.load(cos_ptr + b * s_cb + t * s_ct + d).to(tl.float32)
             s = tl.load(sin_ptr + b * s_cb + t * s_ct + d).to(tl.float32)
-        kv = h >= NH
+        # a program past the query heads is a key/value head, unless it is a prefetch program
         if PF_PARTS > 0:
             heads = tl.num_programs(1) - PF_PARTS
             if bt == 0 and h >= heads:
                 prefetch_l2(pf_ptr, pf_bytes, h - heads, PF_PARTS, PF_ASM)
-            kv = kv & (h < heads)
+            kv = h < heads
+        else:
+            kv = True
         grid_dependency(PDL, LAUNCH_FIRST)
         if h < NH:
             out = norm_rope_head(q_ptr + b * s_qb + t * s_qt + h * s_qh, qw_ptr, c, s, d, partner, eps,
