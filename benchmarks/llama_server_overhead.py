@@ -1,0 +1,171 @@
+"""Where llama-server's batch-1 decode rate falls below llama-bench's, for one build and one GGUF.
+
+    python benchmarks/llama_server_overhead.py --bin ~/.cache/moebench/llamacpp/b11434-cpu/build/bin \
+        --model models/zoo/tiny-moe-bf16.gguf --flags "-t 2" --out results/server_overhead.json
+    python benchmarks/llama_server_overhead.py --bin /root/mbc/llamacpp/b11434-cuda/build/bin \
+        --model /root/peers-work/bf16.gguf --flags "-ngl 99 -fa on" --server-flags "-bs"   # on the H200
+
+moebench's speed suite reports llama-server's decode rate as a client sees it; issue 43 asks it to be
+within 5% of llama-bench's for the same build and flags. This script splits the gap with llama-server
+alone (plain HTTP from the standard library, no moebench code on the request path):
+
+  - llama-bench `tg` after `depth` context tokens: the model's decode loop with nothing around it;
+  - llama-server with the same flags (and each --server-flags set added), one slot, a prompt of the
+    same length, 128 greedy tokens, ignore_eos, asked three ways:
+      plain    one JSON reply at the end;
+      stream   server-sent events, one per token;
+      harness  stream + timings_per_token + return_tokens, what moebench's runner asks.
+    For each, the server's own rate (timings.predicted_per_second) and, when streamed, the client's
+    (tokens 2..n over the time from the first token's event to the last's).
+
+Rates are medians of --reps requests per mode, modes interleaved, after one warm-up request.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import socket
+import statistics
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+OUTPUT_TOKENS = 128
+MODES = {
+    "plain": {},
+    "stream": {"stream": True},
+    "harness": {"stream": True, "timings_per_token": True, "return_tokens": True},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llama_bench(bin_dir: Path, model: Path, flags: list[str], lengths: list[int], reps: int) -> dict[int, float]:
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "0", "-n", str(OUTPUT_TOKENS),
+                          "-d", ",".join(map(str, lengths)), "-r", str(reps), "-o", "json", *flags],
+                         capture_output=True, text=True, timeout=1200, check=True).stdout
+    return {int(r["n_depth"]): float(r["avg_ts"]) for r in json.loads(out) if int(r.get("n_gen", 0)) > 0}
+
+
+class Server:
+    def __init__(self, bin_dir: Path, model: Path, flags: list[str], ctx: int):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
+                                      "--port", str(self.port), "-np", "1", "-c", str(ctx), *flags],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited {self.proc.returncode}: {self.proc.stderr.read()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.25)
+        raise RuntimeError("llama-server did not answer /health within 600 s")
+
+    def complete(self, prompt: list[int], extra: dict[str, Any]) -> dict[str, float]:
+        body = {"prompt": prompt, "n_predict": OUTPUT_TOKENS, "temperature": 0.0, "ignore_eos": True,
+                "cache_prompt": True, **extra}
+        req = urllib.request.Request(self.url + "/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            if not extra.get("stream"):
+                final = json.loads(r.read())
+                return {"server": final["timings"]["predicted_per_second"]}
+            times, final = [], None
+            for line in r:
+                if line.startswith(b"data: "):
+                    event = json.loads(line[6:])
+                    if event.get("content") or event.get("tokens"):
+                        times.append(time.perf_counter())
+                    if event.get("stop"):
+                        final = event
+        if final is None or len(times) < 2:
+            raise RuntimeError(f"stream ended without a final event or with {len(times)} token events")
+        return {"server": final["timings"]["predicted_per_second"],
+                "client": (len(times) - 1) / (times[-1] - times[0])}
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def measure(bin_dir: Path, model: Path, flags: list[str], server_sets: list[list[str]], lengths: list[int],
+            reps: int, vocab_hi: int) -> dict[str, Any]:
+    rng = random.Random(0)
+    res: dict[str, Any] = {"flags": flags, "lengths": lengths, "reps": reps,
+                           "llama_bench": llama_bench(bin_dir, model, flags, lengths, reps), "server": {}}
+    for extra in server_sets:
+        key = " ".join(flags + extra)
+        srv = Server(bin_dir, model, flags + extra, max(lengths) + OUTPUT_TOKENS + 64)
+        try:
+            by_len: dict[int, Any] = {}
+            for n in lengths:
+                prompt = [rng.randrange(1000, vocab_hi) for _ in range(n)]
+                srv.complete(prompt, {})                                # warm-up, fills the prompt cache
+                got: dict[str, dict[str, list[float]]] = {m: {} for m in MODES}
+                for _ in range(reps):
+                    for mode, body in MODES.items():
+                        for k, v in srv.complete(prompt, body).items():
+                            got[mode].setdefault(k, []).append(v)
+                by_len[n] = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in got.items()}
+            res["server"][key] = by_len
+        finally:
+            srv.close()
+    return res
+
+
+def table(res: dict[str, Any]) -> str:
+    lines = ["| server flags | prompt | llama-bench | " + " | ".join(
+        f"{m} server (x bench)" + (f" | {m} client" if m != "plain" else "") for m in MODES) + " |"]
+    lines.append("|" + "---|" * (3 + 2 * len(MODES) - 1))
+    for key, by_len in res["server"].items():
+        for n, modes in by_len.items():
+            bench = res["llama_bench"][int(n)]
+            cells = []
+            for m in MODES:
+                s = modes[m]["server"]
+                cells.append(f"{s:.1f} ({s / bench:.3f})")
+                if m != "plain":
+                    cells.append(f"{modes[m]['client']:.1f}")
+            lines.append(f"| {key} | {n} | {bench:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin", type=Path, required=True, help="a llama.cpp build's bin folder")
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--flags", default="", help="flags for llama-bench and llama-server alike")
+    ap.add_argument("--server-flags", action="append", default=[],
+                    help="a further llama-server-only flag set, measured beside the plain one (repeatable)")
+    ap.add_argument("--lengths", default="128,4096")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--vocab-hi", type=int, default=30000, help="prompt ids are drawn from 1000..this")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    res = measure(args.bin, args.model, shlex.split(args.flags), [[]] + [shlex.split(s) for s in args.server_flags],
+                  [int(x) for x in args.lengths.split(",")], args.reps, args.vocab_hi)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1))
+    print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

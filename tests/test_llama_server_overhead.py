@@ -1,0 +1,47 @@
+"""benchmarks/llama_server_overhead.py against the real llama-bench and llama-server (CPU build)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from test_llama_server_runner import _server_binary, _write_tiny_moe
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("llama_server_overhead",
+                                                  REPO / "benchmarks" / "llama_server_overhead.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_mode_is_measured_beside_llama_bench(tmp_path: Path) -> None:
+    """One length, two server flag sets: llama-bench's rate, and for each set and each request mode the
+    server's own rate; the streamed modes also the client's; the table has one row per set and length."""
+    bin_dir = _server_binary().parent
+    if not (bin_dir / "llama-bench").is_file():
+        pytest.skip("this llama.cpp build has no llama-bench")
+    mod = load_script()
+    model = _write_tiny_moe(tmp_path / "tiny.gguf")
+    res = mod.measure(bin_dir, model, ["-t", "1"], [[], ["--threads-http", "1"]], [16], 1, 50000)
+    assert res["llama_bench"][16] > 0
+    assert list(res["server"]) == ["-t 1", "-t 1 --threads-http 1"]
+    for by_len in res["server"].values():
+        modes = by_len[16]
+        assert set(modes) == set(mod.MODES)
+        assert all(m["server"] > 0 for m in modes.values())
+        assert "client" not in modes["plain"] and modes["stream"]["client"] > 0 and modes["harness"]["client"] > 0
+    rows = [line for line in mod.table(res).splitlines() if line.startswith("| -t 1")]
+    assert len(rows) == 2 and all(row.split(" | ")[1] == "16" for row in rows)
+
+
+def test_a_server_that_cannot_start_is_reported_with_its_output(tmp_path: Path) -> None:
+    mod = load_script()
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"not a gguf")
+    with pytest.raises(RuntimeError, match="llama-server exited"):
+        mod.Server(_server_binary().parent, bad, [], 256)
