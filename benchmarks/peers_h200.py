@@ -60,6 +60,9 @@ BACKEND_SAMPLING = ("-bs",)
 # Bytes per weight of each expert format, scales included (docs/engine.md; GGUF block sizes).
 FORMAT_BYTES = {"bf16": 2.0, "int8": 1.001, "int4": 0.531, "Q8_0": 34 / 32, "Q4_0": 18 / 32}
 PAIRS = (("bf16", "bf16"), ("int8", "Q8_0"), ("int4", "Q4_0"))   # engine plan, llama.cpp type
+# What measure's --skip names: each llama.cpp type, each engine plan, each quantized plan with int8 activations.
+SIDES = ({f"llama-{q}" for _, q in PAIRS} | {f"engine-{e}" for e, _ in PAIRS}
+         | {f"engine-{e}-a8" for e, _ in PAIRS if e != "bf16"})
 
 
 def log(msg: str) -> None:
@@ -388,6 +391,13 @@ def moebench_speed(profile: str, suite: Path, out: Path, label: str) -> dict[str
     return res
 
 
+def engine_profile(work: Path, eng_fmt: str, cuda: bool, lengths: tuple[int, ...]) -> str:
+    """The engine runner's profile for one plan: the bf16 checkpoint or a packed int8 / int4 folder."""
+    model = work / "hf" if eng_fmt == "bf16" else work / f"engine-{eng_fmt}"
+    return (f'kind = "engine"\nmodel = "{model}"\ndtype = "auto"\ndevice = "{"cuda" if cuda else "cpu"}"\n'
+            f'max_seq_len = {max(lengths) + 1024}\n')
+
+
 def measure(work: Path, out: Path, small: bool, reps: int, skip: set[str]) -> dict[str, Any]:
     from moebench.tools import llamacpp
     shape = json.loads((work / "shape.json").read_text())
@@ -438,14 +448,12 @@ def measure(work: Path, out: Path, small: bool, reps: int, skip: set[str]) -> di
                            f'ctx_size = {max(lengths) + 1024}\nconcurrency = 1\nargs = {json.dumps(list(server_flags))}\n')
                 speed(side, key, profile, f"llama-{qtype}" + ("-bs" if key == "harness_bs" else ""))
         if f"engine-{eng_fmt}" not in skip:
-            model = work / "hf" if eng_fmt == "bf16" else work / f"engine-{eng_fmt}"
-            profile = (f'kind = "engine"\nmodel = "{model}"\ndtype = "auto"\ndevice = "{"cuda" if cuda else "cpu"}"\n'
-                       f'max_seq_len = {max(lengths) + 1024}\n')
-            speed(res["engine"], eng_fmt, profile, f"engine-{eng_fmt}")
-            # W8A8 / W4A8: activations rounded to int8 per 64 columns, as llama.cpp's CUDA Q8_0 / Q4_0
-            # kernels round theirs (q8_1, blocks of 32); the fused Triton kernels only, so on the GPU only
-            if eng_fmt != "bf16" and cuda and f"engine-{eng_fmt}-a8" not in skip:
-                speed(res["engine_a8"], eng_fmt, profile + "int8_activations = true\n", f"engine-{eng_fmt}-a8")
+            speed(res["engine"], eng_fmt, engine_profile(work, eng_fmt, cuda, lengths), f"engine-{eng_fmt}")
+        # W8A8 / W4A8: activations rounded to int8 per 64 columns, as llama.cpp's CUDA Q8_0 / Q4_0
+        # kernels round theirs (q8_1, blocks of 32); the fused Triton kernels only, so on the GPU only
+        if eng_fmt != "bf16" and cuda and f"engine-{eng_fmt}-a8" not in skip:
+            speed(res["engine_a8"], eng_fmt, engine_profile(work, eng_fmt, cuda, lengths) + "int8_activations = true\n",
+                  f"engine-{eng_fmt}-a8")
     save()
     print(table(res))
     return res
@@ -562,7 +570,11 @@ def main(argv: list[str] | None = None) -> int:
     elif a.stage == "prepare":
         prepare(a.work, a.link, a.carry, a.small, a.seed)
     elif a.stage == "measure":
-        measure(a.work, a.out, a.small, a.reps, {x for x in a.skip.split(",") if x})
+        skip = {x for x in a.skip.split(",") if x}
+        unknown = sorted(skip - SIDES)
+        if unknown:
+            ap.error(f"--skip: unknown side(s) {', '.join(unknown)}; the sides are {', '.join(sorted(SIDES))}")
+        measure(a.work, a.out, a.small, a.reps, skip)
     else:
         print(table(merge([json.loads(f.read_text()) for f in a.json])))
     return 0

@@ -91,3 +91,13 @@ def test_wait_build_reads_what_build_leaves(tmp_path: Path, monkeypatch) -> None
     assert res.returncode == 1 and "cmake exited 2" in res.stdout
     status.write_text(json.dumps({"ok": True, "seconds": 352}))
     assert wait("5").returncode == 0
+
+
+def test_measure_refuses_an_unknown_skip_name(tmp_path: Path) -> None:
+    """A misspelt --skip side would measure it anyway and spend a device call: refused at once, with
+    the name and the sides that exist."""
+    res = subprocess.run([sys.executable, str(SCRIPT), "measure", "--work", str(tmp_path), "--out", str(tmp_path),
+                          "--skip", "llama-Q4_0,engine-int4a8"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert "unknown side(s) engine-int4a8" in res.stderr and "engine-int4-a8" in res.stderr
+    assert list(tmp_path.iterdir()) == []
