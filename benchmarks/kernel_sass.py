@@ -207,8 +207,9 @@ def main(argv=None) -> list[dict]:
                     help="formats, each optionally with a decode mode by name (ternary:bytes)")
     ap.add_argument("--mode", type=int, default=None, help="DecodeConfig.decode_mode value (default: the shipped one)")
     ap.add_argument("--launch", default=None, metavar="BN,BK,WARPS,STAGES", help="one shape for every format")
-    ap.add_argument("--evict-first", action="store_true",
-                    help="gate_up and down with DecodeConfig.experts_evict_first (ldg_evict_first in --json)")
+    ap.add_argument("--no-evict-first", action="store_true",
+                    help="gate_up and down without DecodeConfig.experts_evict_first (on by default: the bf16 "
+                         "weight loads carry L2's evict-first hint, ldg_evict_first in --json)")
     ap.add_argument("--l2-prefetch", action="store_true",
                     help="router and rope with DecodeConfig.l2_prefetch's programs (the cctl column: L2 prefetches)")
     ap.add_argument("--json", default=None, help="also write the rows here")
@@ -240,7 +241,7 @@ def main(argv=None) -> list[dict]:
         kernel_names.remove("rope")
     for spec in args.formats.split(",") if kernel_names else []:
         fmt, _, mode_name = spec.partition(":")
-        cfg = replace(DEFAULT, experts_evict_first=args.evict_first)
+        cfg = replace(DEFAULT, experts_evict_first=not args.no_evict_first)
         if args.mode is not None:
             cfg = replace(cfg, decode_mode=DecodeMode(args.mode))
         elif mode_name:

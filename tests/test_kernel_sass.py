@@ -77,18 +77,18 @@ def test_kernel_sass_l2_prefetch_programs_issue_l2_prefetches(tmp_path):
 
 
 def test_kernel_sass_experts_evict_first_marks_the_dense_weight_loads(tmp_path):
-    """DecodeConfig.experts_evict_first compiled for sm_90: bf16 gate_up's and down's weight loads
-    carry L2's evict-first hint (LDG ... .EF), none do without it, and the packed int4 rows (word
+    """DecodeConfig.experts_evict_first (on by default) compiled for sm_90: bf16 gate_up's and down's
+    weight loads carry L2's evict-first hint (LDG ... .EF), none do with --no-evict-first, and the packed int4 rows (word
     loads, which the option leaves alone) are the same code either way."""
     rows = {}
-    for flag in ((), ("--evict-first",)):
+    for flag in (("--no-evict-first",), ()):
         out = tmp_path / f"ef{len(flag)}.json"
         env = {**os.environ, "TRITON_INTERPRET": "0"}
         run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--kernels", "gate_up,down",
                               "--formats", "dense,int4", *flag, "--json", str(out)], capture_output=True, text=True,
                              env=env, timeout=600)
         assert run.returncode == 0, run.stderr[-2000:]
-        rows[bool(flag)] = {(r["kernel"], r["format"]): r for r in json.loads(out.read_text())}
+        rows[not flag] = {(r["kernel"], r["format"]): r for r in json.loads(out.read_text())}
     for key, off in rows[False].items():
         on = rows[True][key]
         assert off["ldg_evict_first"] == 0 and off["stack_bytes"] == on["stack_bytes"] == 0, key

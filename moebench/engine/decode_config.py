@@ -233,13 +233,14 @@ class DecodeConfig:
         "next_qkv" (the next layer's [q; k; v] matrix, from extra programs of the fused norm +
         router, before the experts). Extra programs only: the sums are the same, bit for bit. On
         CUDA only (the CPU interpreter has no inline PTX: there the extra programs run without the
-        prefetch instruction). Off by default until an H200 A/B measures it.
+        prefetch instruction). Off by default: on the H200 every site and program count measured
+        slower than without (docs/engine-speed.md).
     l2_prefetch_programs: how many extra programs a prefetch site launches (each asks for an equal
         share of the weight's 128-byte lines).
     experts_evict_first: the fused experts' dense rows (and int8 rows in DecodeMode.BYTES) in GPU
         memory are loaded with L2's evict_first policy: each is read once a step, so they leave L2
-        before lines that are read again (what l2_prefetch asked for, the KV cache). The same sums.
-        Off by default until an H200 A/B.
+        before lines that are read again (the dense weights, the KV cache). The same sums. On by
+        default: bf16 decodes about 2% faster on the H200 (docs/engine-speed.md).
     """
 
     experts_impl: str = "auto"
@@ -267,7 +268,7 @@ class DecodeConfig:
     count_tier_picks: bool = True
     l2_prefetch: tuple[str, ...] = ()
     l2_prefetch_programs: int = 32
-    experts_evict_first: bool = False
+    experts_evict_first: bool = True
     launch: Mapping[tuple[str, str, str], Launch] = field(default_factory=lambda: dict(SHIPPED_LAUNCH))
     attention: AttentionLaunch = AttentionLaunch()
 
