@@ -3,7 +3,8 @@
     python benchmarks/llama_server_overhead.py --bin ~/.cache/moebench/llamacpp/b11434-cpu/build/bin \
         --model models/zoo/tiny-moe-bf16.gguf --flags "-t 2" --out results/server_overhead.json
     python benchmarks/llama_server_overhead.py --bin /root/mbc/llamacpp/b11434-cuda/build/bin \
-        --model /root/peers-work/bf16.gguf --flags "-ngl 99 -fa on" --server-flags "-bs"   # on the H200
+        --model /root/peers-work/bf16.gguf --flags "-ngl 99 -fa on" --server-flags=-bs   # on the H200
+    python benchmarks/llama_server_overhead.py --show benchmarks/results/llama_server_overhead_h200.json
 
 moebench's speed suite reports llama-server's decode rate as a client sees it; issue 43 asks it to be
 within 5% of llama-bench's for the same build and flags. This script splits the gap with llama-server
@@ -19,6 +20,8 @@ alone (plain HTTP from the standard library, no moebench code on the request pat
     (tokens 2..n over the time from the first token's event to the last's).
 
 Rates are medians of --reps requests per mode, modes interleaved, after one warm-up request.
+A flag set that starts with "-" is given as --server-flags=-bs (argparse reads a separate "-bs" as an
+option). --show prints the tables of a saved result, or of a file of several keyed by model.
 """
 from __future__ import annotations
 
@@ -133,9 +136,10 @@ def table(res: dict[str, Any]) -> str:
     lines = ["| server flags | prompt | llama-bench | " + " | ".join(
         f"{m} server (x bench)" + (f" | {m} client" if m != "plain" else "") for m in MODES) + " |"]
     lines.append("|" + "---|" * (3 + 2 * len(MODES) - 1))
+    bench_at = {int(n): v for n, v in res["llama_bench"].items()}     # int keys, or str read back from JSON
     for key, by_len in res["server"].items():
         for n, modes in by_len.items():
-            bench = res["llama_bench"][int(n)]
+            bench = bench_at[int(n)]
             cells = []
             for m in MODES:
                 s = modes[m]["server"]
@@ -148,8 +152,8 @@ def table(res: dict[str, Any]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bin", type=Path, required=True, help="a llama.cpp build's bin folder")
-    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--bin", type=Path, help="a llama.cpp build's bin folder")
+    ap.add_argument("--model", type=Path)
     ap.add_argument("--flags", default="", help="flags for llama-bench and llama-server alike")
     ap.add_argument("--server-flags", action="append", default=[],
                     help="a further llama-server-only flag set, measured beside the plain one (repeatable)")
@@ -157,7 +161,16 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--vocab-hi", type=int, default=30000, help="prompt ids are drawn from 1000..this")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--show", type=Path, help="print the tables of this saved result and measure nothing")
     args = ap.parse_args()
+    if args.show:
+        saved = json.loads(args.show.read_text())
+        for name, res in ([(None, saved)] if "server" in saved else
+                          [(k, v) for k, v in saved.items() if isinstance(v, dict)]):
+            print(f"\n{name}\n" if name else "", table(res), sep="")
+        return 0
+    if not (args.bin and args.model):
+        ap.error("--bin and --model are needed to measure (or --show FILE)")
     res = measure(args.bin, args.model, shlex.split(args.flags), [[]] + [shlex.split(s) for s in args.server_flags],
                   [int(x) for x in args.lengths.split(",")], args.reps, args.vocab_hi)
     if args.out:

@@ -45,3 +45,16 @@ def test_a_server_that_cannot_start_is_reported_with_its_output(tmp_path: Path) 
     bad.write_bytes(b"not a gguf")
     with pytest.raises(RuntimeError, match="llama-server exited"):
         mod.Server(_server_binary().parent, bad, [], 256)
+
+
+def test_show_prints_the_committed_h200_tables() -> None:
+    """--show reads a saved file of several models (str keys from JSON) and prints each one's table,
+    the ratios to llama-bench computed from the figures saved."""
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "llama_server_overhead.py"), "--show",
+                          str(REPO / "benchmarks" / "results" / "llama_server_overhead_h200.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "| -ngl 99 -fa on -bs | 128 | 227.9 | 217.9 (0.956) |" in run.stdout
+    assert run.stdout.count("| -ngl 99 -fa on") == 8

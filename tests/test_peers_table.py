@@ -38,7 +38,9 @@ def row(out: str, start: str) -> list[str]:
 def test_table_of_record_prints() -> None:
     res = table(ROOT / "benchmarks" / "results" / "peers_h200.json")
     assert res.returncode == 0, res.stderr
-    assert "| bf16 / bf16 | 128 | 440.7 |" in res.stdout
+    assert "| bf16 / bf16 | 128 | 436.6 | – | 214.0 | 2.04x |" in res.stdout
+    assert "| int4 / Q4_0 | 4096 | 459.7 | 493.2 | 249.3 | 1.84x | 1.98x |" in res.stdout
+    assert "| Q8_0 | 128 | 274.8 | 240.6 | 260.8 | 0.875 | 0.949 |" in res.stdout
 
 
 def test_two_calls_merge_and_ratios(tmp_path: Path) -> None:
