@@ -82,8 +82,8 @@ def test_kernel_sass_l2_prefetch_programs_issue_l2_prefetches(tmp_path):
 
 def test_kernel_sass_experts_evict_first_marks_the_dense_weight_loads(tmp_path):
     """DecodeConfig.experts_evict_first (on by default) compiled for sm_90: bf16 gate_up's and down's
-    weight loads carry L2's evict-first hint (LDG ... .EF), none do with --no-evict-first, and the packed int4 rows (word
-    loads, which the option leaves alone) are the same code either way."""
+    weight loads carry L2's evict-first hint (LDG ... .EF), none do with --no-evict-first, and the
+    packed int4 rows (word loads, which the option leaves alone) are the same code either way."""
     rows = {}
     for flag in (("--no-evict-first",), ()):
         out = tmp_path / f"ef{len(flag)}.json"

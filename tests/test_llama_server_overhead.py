@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,8 +52,6 @@ def test_a_server_that_cannot_start_is_reported_with_its_output(tmp_path: Path) 
 def test_show_prints_the_committed_h200_tables() -> None:
     """--show reads a saved file of several models (str keys from JSON) and prints each one's table,
     the ratios to llama-bench computed from the figures saved."""
-    import subprocess
-    import sys
     run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "llama_server_overhead.py"), "--show",
                           str(REPO / "benchmarks" / "results" / "llama_server_overhead_h200.json")],
                          capture_output=True, text=True, timeout=60)
