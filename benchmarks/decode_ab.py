@@ -103,7 +103,8 @@ def plan_rate(ctx: Context, name: str, prefetch_early: bool = False) -> dict:
     return out
 
 
-for _name, _early in (("int4", False), ("int8hot_ternarycold_gpu", False), ("int8hot_ternary2cold_gpu", False),
+for _name, _early in (("int4", False), ("int8", False), ("int4_a8", False), ("int8_a8", False),
+                      ("int8hot_ternarycold_gpu", False), ("int8hot_ternary2cold_gpu", False),
                       ("int8hot_ternary2cold_gpu_a8", False),
                       ("int8hot_ternarycold_host_randomhot", True), ("int8hot_ternary2cold_host_a8", True)):
     variant(_name)(lambda ctx, _name=_name, _early=_early: plan_rate(ctx, _name, _early))

@@ -210,6 +210,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--no-evict-first", action="store_true",
                     help="gate_up and down without DecodeConfig.experts_evict_first (on by default: the bf16 "
                          "weight loads carry L2's evict-first hint, ldg_evict_first in --json)")
+    ap.add_argument("--packed-evict-first", action="store_true",
+                    help="gate_up and down with DecodeConfig.packed_evict_first (off by default): the packed "
+                         "formats' word and byte loads carry the evict-first hint too")
     ap.add_argument("--l2-prefetch", action="store_true",
                     help="router and rope with DecodeConfig.l2_prefetch's programs (the cctl column: L2 prefetches)")
     ap.add_argument("--json", default=None, help="also write the rows here")
@@ -241,7 +244,7 @@ def main(argv=None) -> list[dict]:
         kernel_names.remove("rope")
     for spec in args.formats.split(",") if kernel_names else []:
         fmt, _, mode_name = spec.partition(":")
-        cfg = replace(DEFAULT, experts_evict_first=not args.no_evict_first)
+        cfg = replace(DEFAULT, experts_evict_first=not args.no_evict_first, packed_evict_first=args.packed_evict_first)
         if args.mode is not None:
             cfg = replace(cfg, decode_mode=DecodeMode(args.mode))
         elif mode_name:

@@ -237,6 +237,7 @@ ADDED_KEYS = (
     (("manifest.json", "build", "decode"), "count_tier_picks", "l2_prefetch"),
     (("manifest.json", "build", "decode"), "l2_prefetch", "l2_prefetch_programs"),
     (("manifest.json", "build", "decode"), "l2_prefetch_programs", "experts_evict_first"),
+    (("manifest.json", "build", "decode"), "experts_evict_first", "packed_evict_first"),
 )
 
 

@@ -972,6 +972,29 @@ def test_engine_l2_prefetch_decodes_exactly_the_same(ckpt, monkeypatch):
         assert [e for _, e in launched] == [None] * layers + ["evict_first"] * layers
 
 
+@pytest.mark.parametrize("a8", [False, True])
+def test_engine_packed_evict_first_decodes_exactly_the_same(ckpt64, wiki_bytes, tmp_path, monkeypatch, a8):
+    """packed_evict_first on an int8-hot / int4-cold artifact in HBM, with float or int8 activations:
+    the same greedy tokens and bitwise-equal step logits as without, and every expert launch of a
+    decode step loads its packed rows evict_first (none without)."""
+    from moebench.engine.kernels import moe
+    stats = calibrate(Engine.load(ckpt64, device="cpu", dtype="float32"), [wiki_bytes[:64]])
+    art = pack(ckpt64, plan_hot_cold(stats, 0.5, hot="int8", cold="int4", cold_home="gpu"), tmp_path / "art")
+    engines = {on: Engine.load(art, device=DEV, dtype="float32", max_seq_len=64,
+                               decode=small(experts_impl="triton", int8_activations=a8, packed_evict_first=on))
+               for on in (False, True)}
+    prompt = wiki_bytes[300:310]
+    toks = {on: e.generate([prompt], 5, ignore_eos=True)[0].token_ids for on, e in engines.items()}
+    assert toks[True] == toks[False]
+    experts = [spy_grids(monkeypatch, moe, name, keys=("EVICT",)) for name in ("gate_up_kernel", "down_kernel")]
+    tokens, pos = torch.tensor([[toks[True][-1]]], device=DEV), torch.tensor([[len(prompt) + 4]], device=DEV)
+    la, lb = (engines[on]._decode(tokens, pos, len(prompt) + 5)[0].float().cpu() for on in (False, True))
+    assert torch.equal(la, lb)
+    launches = 2 * len(engines[True].model.layers)         # an int8 group and an int4 group per layer
+    for launched in experts:
+        assert [e for _, e in launched] == [None] * launches + ["evict_first"] * launches
+
+
 def test_early_steps_and_early_launch_are_checked_and_capped():
     """early_steps outside 1..4 and early_launch names outside EARLY_LAUNCH_KERNELS are refused with
     the setting named; the steps a kernel loads early never exceed its K steps, and are 0 for a

@@ -100,3 +100,27 @@ def test_kernel_sass_experts_evict_first_marks_the_dense_weight_loads(tmp_path):
             assert on["ldg_evict_first"] >= 8 and on["columns"]["LDG"] == off["columns"]["LDG"], (key, on)
         else:
             assert on["ldg_evict_first"] == 0 and on["ops"] == off["ops"], key
+
+
+def test_kernel_sass_packed_evict_first_marks_the_packed_word_loads(tmp_path):
+    """DecodeConfig.packed_evict_first (off by default) compiled for sm_90: int8's and int4's word
+    loads in gate_up and down carry the evict-first hint with --packed-evict-first and none without;
+    the bf16 rows (experts_evict_first's) are the same code either way."""
+    rows = {}
+    for flag in ((), ("--packed-evict-first",)):
+        out = tmp_path / f"pef{len(flag)}.json"
+        env = {**os.environ, "TRITON_INTERPRET": "0"}
+        run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--kernels", "gate_up,down",
+                              "--formats", "dense,int8,int4", *flag, "--json", str(out)], capture_output=True,
+                             text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        rows[bool(flag)] = {(r["kernel"], r["format"]): r for r in json.loads(out.read_text())}
+    assert len(rows[True]) == 6, sorted(rows[True])
+    for key, off in rows[False].items():
+        on = rows[True][key]
+        assert off["stack_bytes"] == on["stack_bytes"] == 0, key
+        if key[1] == "dense":
+            assert on["ops"] == off["ops"] and on["ldg_evict_first"] == off["ldg_evict_first"] > 0, key
+        else:
+            assert off["ldg_evict_first"] == 0 and on["ldg_evict_first"] > 0, (key, on)
+            assert on["columns"]["LDG"] == off["columns"]["LDG"], (key, on["columns"], off["columns"])

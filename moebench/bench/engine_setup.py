@@ -146,7 +146,7 @@ def write_ssd_pack(hf, precision: list[list[str]], home: list[list[str]], path) 
 
 
 def expert_plans(L: int, E: int, hot: list[set[int]], seed: int = 3) -> dict[str, tuple[list, list]]:
-    """{name: (precision [L][E], home [L][E])}: int4 everywhere; int8 for the `hot` experts of each
+    """{name: (precision [L][E], home [L][E])}: int4 / int8 everywhere; int8 for the `hot` experts of each
     layer and ternary / ternary2 for the rest, all in HBM ("_gpu") or the rest in pinned host memory
     ("_host"); "_randomhot": a hot half drawn at random (seeded), which sends about half the picks to
     the host tier. "_a8" plans are the same plans run with int8 activations."""
@@ -156,12 +156,12 @@ def expert_plans(L: int, E: int, hot: list[set[int]], seed: int = 3) -> dict[str
     def hot_cold(hot_sets, cold: str, host: bool):
         return ([["int8" if e in hot_sets[l] else cold for e in range(E)] for l in range(L)],
                 [["gpu" if (e in hot_sets[l] or not host) else "host" for e in range(E)] for l in range(L)])
-    plans = {"int4": ([["int4"] * E for _ in range(L)], [["gpu"] * E for _ in range(L)])}
+    plans = {fmt: ([[fmt] * E for _ in range(L)], [["gpu"] * E for _ in range(L)]) for fmt in ("int4", "int8")}
     for cold in ("ternary", "ternary2"):
         plans[f"int8hot_{cold}cold_gpu"] = hot_cold(hot, cold, False)
         plans[f"int8hot_{cold}cold_host"] = hot_cold(hot, cold, True)
     plans["int8hot_ternarycold_host_randomhot"] = hot_cold(rand_hot, "ternary", True)
-    for base in ("int4", "int8hot_ternarycold_gpu", "int8hot_ternarycold_host", "int8hot_ternary2cold_gpu",
+    for base in ("int4", "int8", "int8hot_ternarycold_gpu", "int8hot_ternarycold_host", "int8hot_ternary2cold_gpu",
                  "int8hot_ternary2cold_host"):
         plans[base + "_a8"] = plans[base]
     return plans

@@ -241,6 +241,8 @@ class DecodeConfig:
         memory are loaded with L2's evict_first policy: each is read once a step, so they leave L2
         before lines that are read again (the dense weights, the KV cache). The same sums. On by
         default: bf16 decodes about 2% faster on the H200 (docs/engine-speed.md).
+    packed_evict_first: the same hint for the other packed rows in GPU memory (int8, int4, ternary2
+        and base-3 words, with float or int8 activations; int4 and ternary bytes). The same sums.
     """
 
     experts_impl: str = "auto"
@@ -269,6 +271,7 @@ class DecodeConfig:
     l2_prefetch: tuple[str, ...] = ()
     l2_prefetch_programs: int = 32
     experts_evict_first: bool = True
+    packed_evict_first: bool = False
     launch: Mapping[tuple[str, str, str], Launch] = field(default_factory=lambda: dict(SHIPPED_LAUNCH))
     attention: AttentionLaunch = AttentionLaunch()
 

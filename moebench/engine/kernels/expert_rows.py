@@ -95,15 +95,16 @@ if triton is not None:
 
     @triton.jit
     def trit_word_dots(base, s_row, rmask, x_ptr, k0, K, KB, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
-                       BK: tl.constexpr):
+                       BK: tl.constexpr, EVICT: tl.constexpr = tl.constexpr("")):
         """row_dots for base-3 ternary rows padded to whole words (PackedMatrix.storage) and read as
         int32 words, BK bytes (BK/4 words) a step; KB is the padded row length. Word w holds
         bytes 4w..4w+3, so columns 20w..20w+19: at most two 64-column groups, so two scale gathers per
         word (the byte path makes two per byte) and the lo / hi split of x is done on 1-D vectors.
         Each code c (trit + 1) becomes the trit as (c | 0x4B000000) read as a float minus 2^23 + 1,
-        no conversion. Padding bytes decode to trits of columns >= K, whose x is 0."""
+        no conversion. Padding bytes decode to trits of columns >= K, whose x is 0. EVICT: the word
+        loads' L2 eviction policy (DecodeConfig.packed_evict_first)."""
         wi = k0 // 4 + tl.arange(0, BK // 4)
-        wv = tl.load(base + wi[None, :], mask=rmask[:, None] & (wi < KB // 4)[None, :], other=0)
+        wv = tl.load(base + wi[None, :], mask=rmask[:, None] & (wi < KB // 4)[None, :], other=0, eviction_policy=EVICT)
         c0 = 20 * wi
         g_lo = c0 // GROUP_SIZE
         hi_start = (g_lo + 1) * GROUP_SIZE                  # first column of the next group
@@ -137,15 +138,15 @@ if triton is not None:
 
     @triton.jit
     def trit_word_dot_pair(base_g, s_row_g, base_u, s_row_u, rmask, x_ptr, k0, K, KB, GROUP_SIZE: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr):
+                           BN: tl.constexpr, BK: tl.constexpr, EVICT: tl.constexpr = tl.constexpr("")):
         """trit_word_dots of gate's and up's rows of one expert over one K step, as one: both
         matrices' words and scales are loaded before any digit is decoded, and each column's x is
         loaded once for both (trit_word_dots for gate then up loads x twice, and up's words only
-        after gate's reduction). Per matrix the same sums, so the same results."""
+        after gate's reduction). Per matrix the same sums, so the same results. EVICT: trit_word_dots'."""
         wi = k0 // 4 + tl.arange(0, BK // 4)
         wm = rmask[:, None] & (wi < KB // 4)[None, :]
-        wg = tl.load(base_g + wi[None, :], mask=wm, other=0)
-        wu = tl.load(base_u + wi[None, :], mask=wm, other=0)
+        wg = tl.load(base_g + wi[None, :], mask=wm, other=0, eviction_policy=EVICT)
+        wu = tl.load(base_u + wi[None, :], mask=wm, other=0, eviction_policy=EVICT)
         c0 = 20 * wi
         g_lo = c0 // GROUP_SIZE
         hi_start = (g_lo + 1) * GROUP_SIZE
@@ -210,15 +211,16 @@ if triton is not None:
 
     @triton.jit
     def word_dots(base, s_row, m_row, rmask, x_ptr, k0, K, KB,
-                  FMT: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                  FMT: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  EVICT: tl.constexpr = tl.constexpr("")):
         """row_dots for int8 / int4 / int4_asym / ternary2 rows read as int32 words (BK bytes = BK/4
         words per step) with float x. No int-to-float conversion instructions, which run at 1/8 of the
         FMA rate and capped the byte path: a code c in the low bits of (0x4B000000 | c) read as a
         float is 2^23 + c, so one OR and one float subtract decode it. int8 bytes are flipped to
         offset binary (XOR 0x80) first; int4 codes are already unsigned. x is loaded once per step
-        and split in registers (word_x)."""
+        and split in registers (word_x). EVICT: the word loads' L2 eviction policy."""
         wi = k0 // 4 + tl.arange(0, BK // 4)
-        wv = tl.load(base + wi[None, :], mask=rmask[:, None] & (wi < KB // 4)[None, :], other=0)
+        wv = tl.load(base + wi[None, :], mask=rmask[:, None] & (wi < KB // 4)[None, :], other=0, eviction_policy=EVICT)
         acc = tl.zeros((BN, BK // 4), dtype=tl.float32)
         if FMT == FMT_INT8:
             wv = wv ^ -2139062144                      # 0x80808080: byte q -> q + 128
@@ -280,7 +282,8 @@ if triton is not None:
                  FMT: tl.constexpr, MODE: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, QB: tl.constexpr, EVICT: tl.constexpr = tl.constexpr("")):
         """[BN] partial dots of rows of one expert with x over one K step (int8: unscaled codes).
-        EVICT: the dense / int8 byte steps' weight loads' L2 eviction policy (dense_dot_pair's).
+        EVICT: the weight loads' L2 eviction policy (the launch sets it from experts_evict_first for
+        dense rows and int8 byte rows, from packed_evict_first for the others).
         Dense/int8 steps cover BK columns from k0; packed formats cover BK *bytes* from k0 (int4:
         2 columns per byte, ternary: 5), so each loaded byte is decoded once, whole, in registers.
         MODE WORDS / INT8_ACTIVATIONS: the rows come as an int32 view (strides in words); see word_dots
@@ -288,12 +291,12 @@ if triton is not None:
         base = w_ptr + slot * stride_we + rows[:, None] * stride_wr
         s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr     # unused (and not built) for dense rows
         if MODE != MODE_BYTES and FMT == FMT_TERNARY:
-            return trit_word_dots(base, s_row, rmask, x_ptr, k0, K, KB, GROUP_SIZE, BN, BK)
+            return trit_word_dots(base, s_row, rmask, x_ptr, k0, K, KB, GROUP_SIZE, BN, BK, EVICT)
         elif MODE == MODE_INT8_ACT:
-            return a8_word_dots(base, s_row, rmask, x_ptr, k0, K, KB, FMT, GROUP_SIZE, BN, BK, QB)
+            return a8_word_dots(base, s_row, rmask, x_ptr, k0, K, KB, FMT, GROUP_SIZE, BN, BK, QB, EVICT)
         elif MODE != MODE_BYTES:
             return word_dots(base, s_row, m_ptr + slot * stride_se + rows[:, None] * stride_sr, rmask, x_ptr,
-                             k0, K, KB, FMT, GROUP_SIZE, BN, BK)
+                             k0, K, KB, FMT, GROUP_SIZE, BN, BK, EVICT)
         else:   # an explicit else: the compiler builds code after a constexpr-if's return too
             i = k0 + tl.arange(0, BK)
             if FMT <= FMT_INT8:
@@ -303,7 +306,7 @@ if triton is not None:
                 return tl.sum(w * xk[None, :], axis=1)
             else:
                 bmask = rmask[:, None] & (i < KB)[None, :]
-                v = tl.load(base + i[None, :], mask=bmask, other=0).to(tl.int32)
+                v = tl.load(base + i[None, :], mask=bmask, other=0, eviction_policy=EVICT).to(tl.int32)
                 if FMT == FMT_TERNARY:
                     return tl.sum(trit_term(v, s_row, x_ptr, i, bmask, K, GROUP_SIZE), axis=1)
                 else:

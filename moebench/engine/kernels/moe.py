@@ -189,7 +189,10 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
                                 HAS_B=len(pair_groups) > 1, GROUP_SIZE=GROUP)
             if dropped:         # only then: the launches without skip compile as they always did
                 meta[kernel]["DROPPED"] = True
-            if cfg.experts_evict_first and not (host and x.is_cuda):   # not pinned host rows read over PCIe
+            mode = a.gate_up_mode if kernel == "gate_up" else a.down_mode
+            byte_rows = a.group.fmt == "dense" or (a.group.fmt == "int8" and mode == DecodeMode.BYTES)
+            evict = cfg.experts_evict_first if byte_rows else cfg.packed_evict_first
+            if evict and not (host and x.is_cuda):   # not pinned host rows read over PCIe
                 meta[kernel]["EVICT"] = "evict_first"
             if kernel == "down" and a.group.fmt == "dense" and a.down_mode == DecodeMode.BYTES:
                 early = early_steps("down", inter, cfg.launch_for("down", "dense", host=host, a8=a8).BK, cfg)

@@ -43,7 +43,7 @@ if triton is not None:
                      BK: tl.constexpr, EVICT: tl.constexpr = tl.constexpr("")):
         """h rows = silu(W_gate x) * (W_up x) for one expert slot of one group. INT8_ACTIVATIONS: x_row is x's
         quantized row (blocks of GROUP_SIZE), and h goes out quantized, one block per program (BN rows,
-        a multiple of 8), into hq_out, the pair's row of down's quantized input. EVICT: dense_dot_pair's."""
+        a multiple of 8), into hq_out, the pair's row of down's quantized input. EVICT: row_dots'."""
         g = tl.zeros((BN,), dtype=tl.float32)
         u = tl.zeros((BN,), dtype=tl.float32)
         if FMT <= FMT_INT8:
@@ -70,7 +70,7 @@ if triton is not None:
             for k0 in range(0, lim, BK):
                 gk, uk = trit_word_dot_pair(g_base, gs_ptr + slot * stride_gse + rows[:, None] * stride_gsr,
                                             u_base, us_ptr + slot * stride_use + rows[:, None] * stride_usr,
-                                            rmask, x_row, k0, K, KB, GROUP_SIZE, BN, BK)
+                                            rmask, x_row, k0, K, KB, GROUP_SIZE, BN, BK, EVICT)
                 g += gk
                 u += uk
         else:
@@ -107,7 +107,8 @@ if triton is not None:
         launch: a hot/cold plan's second format costs no extra launches (~3 us each).
         xq / hq: x and h quantized (store_quant rows), for groups in INT8_ACTIVATIONS.
         DROPPED: ids may hold -1 (pairs route-tail-skip dropped: in no group).
-        EVICT: the dense / int8 byte rows' L2 eviction policy (DecodeConfig.experts_evict_first)."""
+        EVICT: the weight rows' L2 eviction policy (DecodeConfig.experts_evict_first for dense rows
+        and int8 byte rows, packed_evict_first for the others)."""
         grid_dependency(PDL)
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
