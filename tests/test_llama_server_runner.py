@@ -277,6 +277,127 @@ def test_server_killed_mid_run_is_restarted_and_requests_reasked(gguf_model: Pat
     asyncio.run(scenario())
 
 
+def test_dropped_connection_of_a_live_server_is_sent_again_at_once(gguf_model: Path, tmp_path: Path):
+    """A live server that drops a request's connection before answering (a pooled keep-alive
+    connection it had closed) is asked again at once, not restarted: the result says so (`resends`,
+    `sent_at` after the call began, token times from the resend), the runner counts it and records
+    one "reconnect" event per drop up to RECONNECT_EVENTS, and the speed task's phases start at the
+    resend (the energy of the wait is not the request's)."""
+    import contextlib
+    import aiohttp
+    from moebench.runners import llama_server
+    from moebench.runners.responses import transport_error
+
+    async def main():
+        runner = LlamaServerRunner(_profile(gguf_model))
+        await runner.start(str(tmp_path))
+        real_open = runner._open
+        drops = {"left": 0}
+
+        @contextlib.asynccontextmanager
+        async def flaky_open(method, path, body=None, timeout_s=None):
+            if path == "/completion" and drops["left"] > 0:
+                drops["left"] -= 1
+                raise transport_error(aiohttp.ServerDisconnectedError(), method, runner.base_url + path, 10.0, 60.0)
+            async with real_open(method, path, body, timeout_s) as r:
+                yield r
+
+        runner._open = flaky_open
+        try:
+            req = GenerateRequest(prompt=PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True, stream=True)
+            clean = await runner.generate(req)
+            assert clean.resends == 0 and "resends" not in clean.to_record_fields()
+            outcomes = []
+            for _ in range(llama_server.RECONNECT_EVENTS + 1):
+                drops["left"] = 1
+                t = time.perf_counter()
+                res = await runner.generate(req)
+                outcomes.append((res, t, time.perf_counter() - t))
+            pid = runner.proc.pid
+        finally:
+            await runner.close()
+        return clean, outcomes, runner, pid
+
+    clean, outcomes, runner, pid = asyncio.run(main())
+    for res, t, took in outcomes:
+        assert res.token_ids == clean.token_ids and res.resends == 1
+        assert res.to_record_fields()["resends"] == 1
+        assert res.sent_at is not None and res.sent_at > t
+        assert took < 0.5, took                      # asked again at once, not after a wait
+        assert res.token_times[0] > 0 and res.sent_at + res.token_times[-1] <= t + took
+    assert runner.restarts == 0 and runner.reconnects == llama_server.RECONNECT_EVENTS + 1
+    events = [e for e in runner.events]
+    assert [e["event"] for e in events] == ["reconnect"] * llama_server.RECONNECT_EVENTS, events
+    assert events[-1]["reconnects"] == llama_server.RECONNECT_EVENTS and "disconnect" in events[0]["reason"].lower()
+    assert not _pid_alive(pid)
+
+
+def test_speed_phases_are_the_answering_request_s(gguf_model: Path, tmp_path: Path):
+    """The speed task marks each request's prefill from when the answering request was sent (a
+    resend after a dropped connection starts later than the call) and ends its decode at the last
+    token: the probe's windows hold the request's work, not the client's wait."""
+    import contextlib
+    import aiohttp
+    from moebench.config import COMMON_TASK_SCHEMA, validate
+    from moebench.datasets import data_dir
+    from moebench.runners.responses import transport_error
+    from moebench.speed.task import SpeedTask
+    from moebench.tasks.base import TaskContext
+
+    class Marks:
+        def __init__(self):
+            self.marks, self.tokens = [], {"prefill": 0, "decode": 0}
+
+        def mark(self, phase, at=None):
+            self.marks.append((phase, time.perf_counter() if at is None else at))
+
+        def count_tokens(self, prefill=0, decode=0):
+            self.tokens["prefill"] += prefill
+            self.tokens["decode"] += decode
+
+    probe = Marks()
+    task = SpeedTask(validate({"task": "speed", "prompt_lengths": [64], "output_tokens": 8, "repeats": 3,
+                               "clients": 1, "warmup": 0}, {**COMMON_TASK_SCHEMA, **SpeedTask.options}, "test"),
+                     TaskContext(data_dir=data_dir(), run_dir=tmp_path, probe=probe))
+    sent: list[float] = []
+
+    async def main():
+        runner = LlamaServerRunner(_profile(gguf_model))
+        await runner.start(str(tmp_path))
+        real_open = runner._open
+
+        @contextlib.asynccontextmanager
+        async def flaky_open(method, path, body=None, timeout_s=None):
+            if path == "/completion" and len(sent) % 2 == 0:     # every request's first send drops
+                sent.append(time.perf_counter())
+                await asyncio.sleep(0.3)                        # ... after a while
+                raise transport_error(aiohttp.ServerDisconnectedError(), method, runner.base_url + path, 10.0, 60.0)
+            if path == "/completion":
+                sent.append(time.perf_counter())
+            async with real_open(method, path, body, timeout_s) as r:
+                yield r
+
+        runner._open = flaky_open
+        try:
+            await task.prepare(runner)
+            return [await task.evaluate(it, runner) for it in task.items()]
+        finally:
+            await runner.close()
+
+    records = asyncio.run(main())
+    assert len(records) == 3 and all(r["resends"] == 1 for r in records)
+    starts = [i for i, m in enumerate(probe.marks) if m[0] == "prefill"]
+    assert len(starts) == 3, probe.marks
+    for i, r in enumerate(records):
+        (_, pre), (d, dec), (e, idle) = probe.marks[starts[i]: starts[i] + 3]
+        assert (d, e) == ("decode", "idle"), probe.marks
+        dropped, resent = sent[2 * i], sent[2 * i + 1]
+        assert resent - dropped >= 0.3 and dropped < pre <= resent, (dropped, pre, resent)   # the wait is not prefill
+        assert dec - pre == pytest.approx(r["ttft_s"], abs=1e-6)
+        assert idle - pre == pytest.approx(r["e2e_s"], abs=1e-6)
+    assert probe.tokens["decode"] == 24
+
+
 def test_restart_bound_gives_runner_error(gguf_model: Path, tmp_path: Path):
     async def scenario():
         runner = LlamaServerRunner(_profile(gguf_model, max_restarts=0))

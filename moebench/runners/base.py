@@ -108,14 +108,16 @@ ServerTimings = dict[str, float | str | None]
 
 class RunnerEvent(TypedDict):
     """Something that happened to the backend during the run: the llama-server runner's "restart",
-    "restart_failed" and "gave_up" (why, the exit code, when, restarts so far, the pids), the engine
-    runner's "fallback" (`what` it gave up and the error)."""
+    "restart_failed" and "gave_up" (why, the exit code, when, restarts so far, the pids) and
+    "reconnect" (a live server's dropped connection, the request sent again: why, when, how many so
+    far), the engine runner's "fallback" (`what` it gave up and the error)."""
 
     event: str
     reason: NotRequired[str]
     exit_code: NotRequired[int | None]
     time: NotRequired[str]
     restarts: NotRequired[int]
+    reconnects: NotRequired[int]
     old_pid: NotRequired[int]
     new_pid: NotRequired[int | None]
     what: NotRequired[str]
@@ -153,6 +155,7 @@ class RecordFields(TypedDict):
     reasoning_tokens: NotRequired[int | None]
     output_tokens_source: NotRequired[str]
     server_count_mismatch: NotRequired[dict[str, str | int | list[int] | None]]
+    resends: NotRequired[int]
 
 
 @dataclass
@@ -161,7 +164,10 @@ class GenerateResult:
 
     top_logprobs: one dict per generated position, token text -> log-prob (as the server spells it).
     token_times: host clock (time.perf_counter seconds) at which each output token arrived,
-    relative to the request start; filled where the runner streams.
+    relative to the request start (`sent_at` where the runner sets it); filled where the runner streams.
+    sent_at: the host clock (time.perf_counter) at which the request that answered was sent; later than
+    the call where the runner sent it again (`resends` times: a dropped connection, a retried
+    status), so a caller that times the call itself can tell the request's own span from the wait.
     """
 
     text: str
@@ -183,6 +189,8 @@ class GenerateResult:
     output_tokens_source: str | None = None
     # The server's output count and the client's, where they disagree beyond the tolerance.
     server_count_mismatch: CountMismatch | None = None
+    sent_at: float | None = None
+    resends: int = 0
 
     def to_record_fields(self) -> RecordFields:
         """The fields every task copies into its record."""
@@ -204,6 +212,8 @@ class GenerateResult:
             out["output_tokens_source"] = self.output_tokens_source
         if self.server_count_mismatch is not None:
             out["server_count_mismatch"] = self.server_count_mismatch.to_json()
+        if self.resends:
+            out["resends"] = self.resends
         return out
 
 

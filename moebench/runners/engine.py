@@ -348,7 +348,7 @@ class EngineRunner(Runner):
                    for step in out.top_logprobs[: max(1, len(token_ids))]]
         return GenerateResult(text=text, token_ids=token_ids, prompt_tokens=len(ids), output_tokens=len(token_ids),
                               finish_reason=finish, top_logprobs=top, token_times=out.token_times[: len(token_ids)],
-                              timings={"wall_s": time.perf_counter() - t0})
+                              timings={"wall_s": time.perf_counter() - t0}, sent_at=t0)
 
     @property
     def eos_token_id(self) -> int | None:

@@ -348,17 +348,22 @@ class HttpRunner(Runner):
         path = body.path
         limit = response_limit(request.max_tokens, request.top_logprobs, self.max_response_bytes)
 
+        sends = 0
+
         async def call(url: str) -> GenerateResult:
+            nonlocal sends
+            sends += 1
             if request.stream:
                 return await self._stream(url + path, body, url, request.on_text, limit)
             t0 = time.perf_counter()
             raw = await self._post(url + path, body, limit)
             result = parse_response(_json(raw, url + path), self.api, url + path)
-            result.endpoint = url
+            result.endpoint, result.sent_at = url, t0
             result.timings.setdefault("wall_s", time.perf_counter() - t0)
             return result
 
         result = await self._with_retries(call, lambda url: url + path)
+        result.resends = sends - 1
         await self._check_output_count(result, request)       # on the whole text, before client-side stops
         return _apply_stops(result, request.stop[self.max_stop:])
 
@@ -465,7 +470,7 @@ class HttpRunner(Runner):
         return GenerateResult(
             text="".join(texts), output_tokens=usage.completion_tokens,
             prompt_tokens=usage.prompt_tokens, finish_reason=finish,
-            top_logprobs=top or None, token_times=times, endpoint=base,
+            top_logprobs=top or None, token_times=times, endpoint=base, sent_at=t0,
             reasoning="".join(reasoning) or None,
             reasoning_tokens=usage.reasoning_tokens if reasoning else None,
             timings=timings)

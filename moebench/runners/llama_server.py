@@ -4,7 +4,9 @@
 - Requests go to the native `/completion` endpoint (token-id prompts, `n_probs` top log-probs,
   output token ids, per-token streaming) through one aiohttp session.
 - A server that dies mid-run is restarted (at most `max_restarts` times), the requests in flight are
-  asked again, and each restart is recorded in `self.events`.
+  asked again, and each restart is recorded in `self.events`. A live server that drops a connection
+  (it closed a pooled keep-alive one) is asked again at once: the request's result counts it
+  (`resends`), and the runner counts and records it ("reconnect").
 - No orphans: `close()` stops the whole process group (SIGTERM, then SIGKILL), and an `atexit` hook
   plus a chained SIGTERM/SIGHUP handler do the same when the Python process ends another way.
 """
@@ -57,6 +59,7 @@ T = TypeVar("T")
 LOG_NAME = "llama-server.log"
 STOP_GRACE_S = 5.0
 CONNECT_TIMEOUT_S = 10.0          # TCP connect to the managed server (on this host)
+RECONNECT_EVENTS = 5              # dropped connections recorded one by one in the run's events (all counted)
 # Flags the runner sets itself; a profile's `args` must not set them too.
 OWNED_FLAGS = {"--host", "--port", "-m", "--model", "-np", "--parallel"}
 
@@ -328,6 +331,7 @@ class LlamaServerRunner(Runner):
         self.slots = int(self.settings.parallel or self.concurrency)
         self.max_restarts = self.settings.max_restarts
         self.restarts = 0
+        self.reconnects = 0       # requests sent again after a live server dropped their connection
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
         self.base_url: str | None = None
@@ -487,18 +491,19 @@ class LlamaServerRunner(Runner):
             proc = self.proc
             if proc is None:
                 raise RunnerError("llama-server runner is closed")
-            # A killed server may take a moment to be reaped; a live, healthy one had a hiccup.
+            # A live server that answers /health dropped one connection (a pooled keep-alive connection
+            # it had closed): ask again at once. Only a server that does not answer is waited for
+            # (a killed one may take a moment to be reaped) and restarted.
+            if proc.poll() is None and await self._healthy():
+                self._reconnected(reason)
+                return
             for _ in range(10):
                 if proc.poll() is not None:
                     break
                 await asyncio.sleep(0.1)
-            if proc.poll() is None:
-                try:
-                    async with self._open("GET", "/health", timeout_s=5.0) as r:
-                        if r.status == 200:
-                            return
-                except TransportError:
-                    pass
+            if proc.poll() is None and await self._healthy():
+                self._reconnected(reason)
+                return
             exit_code = await asyncio.to_thread(SERVERS.stop, proc)
             if self.restarts >= self.max_restarts:
                 self._gave_up = (f"llama-server died ({reason}; exit code {exit_code}) and max_restarts="
@@ -519,6 +524,20 @@ class LlamaServerRunner(Runner):
             self.events.append({"event": "restart", "reason": reason, "exit_code": exit_code,
                                 "time": now_iso(), "restarts": self.restarts, "old_pid": old_pid,
                                 "new_pid": self.proc.pid if self.proc else None})
+
+    async def _healthy(self) -> bool:
+        try:
+            async with self._open("GET", "/health", timeout_s=5.0) as r:
+                return r.status == 200
+        except TransportError:
+            return False
+
+    def _reconnected(self, reason: str) -> None:
+        """Count a dropped connection of a live server; the first RECONNECT_EVENTS are run events."""
+        self.reconnects += 1
+        if self.reconnects <= RECONNECT_EVENTS:
+            self.events.append({"event": "reconnect", "reason": reason, "time": now_iso(),
+                                "reconnects": self.reconnects})
 
     @contextlib.asynccontextmanager
     async def _open(self, method: str, path: str, body: WireBody | None = None,
@@ -599,7 +618,7 @@ class LlamaServerRunner(Runner):
         return out
 
     def _result(self, final: JsonObject, request: GenerateRequest, *, text: Any, ids: Any, probs: Any,
-                times: list[float] | None, wall: float) -> GenerateResult:
+                times: list[float] | None, wall: float, sent_at: float) -> GenerateResult:
         """The result of one /completion reply (`final`: the reply, or a stream's last event), every
         count, timing and log-prob checked (moebench.runners.reply_checks)."""
         where = f"{self.base_url}/completion"
@@ -629,6 +648,7 @@ class LlamaServerRunner(Runner):
             token_times=times,
             timings=timings,
             endpoint=self.base_url,
+            sent_at=sent_at,
         )
 
     @staticmethod
@@ -642,9 +662,15 @@ class LlamaServerRunner(Runner):
         if isinstance(request.prompt, list) and not all(isinstance(t, int) for t in request.prompt):
             raise RunnerError("a token prompt must be a list of ints")
         payload = LlamaCompletionBody.of(request)
-        if request.stream:
-            return await self._with_restarts(lambda: self._generate_stream(payload, request))
-        return await self._with_restarts(lambda: self._generate_once(payload, request))
+        sends = 0
+
+        def send() -> Awaitable[GenerateResult]:
+            nonlocal sends
+            sends += 1
+            return (self._generate_stream if request.stream else self._generate_once)(payload, request)
+        result = await self._with_restarts(send)
+        result.resends = sends - 1
+        return result
 
     async def _generate_once(self, payload: LlamaCompletionBody, request: GenerateRequest) -> GenerateResult:
         t0 = time.perf_counter()
@@ -657,7 +683,7 @@ class LlamaServerRunner(Runner):
             err = data["error"]
             raise RunnerError(f"llama-server error: {err.get('message', err) if isinstance(err, dict) else err}")
         return self._result(data, request, text=data.get("content", ""), ids=data.get("tokens") or [],
-                            probs=data.get("completion_probabilities"), times=None, wall=wall)
+                            probs=data.get("completion_probabilities"), times=None, wall=wall, sent_at=t0)
 
     async def _generate_stream(self, payload: LlamaCompletionBody, request: GenerateRequest) -> GenerateResult:
         """SSE: one `data:` event per generated token; record when each arrives."""
@@ -711,7 +737,7 @@ class LlamaServerRunner(Runner):
             # The server closed the stream without its final event: it died mid-answer.
             raise RemoteProtocolError(f"POST {self.base_url}/completion: stream ended without a final event")
         return self._result(final, request, text="".join(text), ids=ids,
-                            probs=probs if request.top_logprobs else None, times=times, wall=wall)
+                            probs=probs if request.top_logprobs else None, times=times, wall=wall, sent_at=t0)
 
     async def choice_logprobs(self, prompt, choices):
         """Exact ranking of single-token choices whatever their rank in the vocabulary: a grammar allows

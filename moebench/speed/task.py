@@ -293,9 +293,13 @@ class SpeedTask(Task):
         real_prompt_tokens = prompt_tokens or result.prompt_tokens
         fields = Timing.of(result.token_times, real_prompt_tokens, result.output_tokens)
         if not concurrent:          # phases are only meaningful with one request in flight
-            _mark(self.ctx, "prefill", t_start)
-            _mark(self.ctx, "decode", t_start + fields.ttft_s)
-            _mark(self.ctx, "idle", t_end)
+            # The phases are the answering request's: from when it was sent (a runner that sent it
+            # again after a dropped connection waited before) to its last token (after it, the
+            # client reads the stream's end and checks counts while the backend idles).
+            sent = result.sent_at if result.sent_at is not None else t_start
+            _mark(self.ctx, "prefill", sent)
+            _mark(self.ctx, "decode", sent + fields.ttft_s)
+            _mark(self.ctx, "idle", min(t_end, sent + fields.e2e_s))
             _count_tokens(self.ctx, real_prompt_tokens or 0, result.output_tokens or len(result.token_times or []))
         n_out = result.output_tokens or len(result.token_times or [])
         return Measurement(
