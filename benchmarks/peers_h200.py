@@ -534,6 +534,60 @@ def table(res: dict[str, Any]) -> str:
     return "\n".join(lines + notes)
 
 
+def side_of(res: dict[str, Any], label: str) -> dict[str, Any] | None:
+    """The JSON side a run label names (llama-<type>[-bs], engine-<fmt>[-a8]), or None."""
+    kind, _, rest = label.partition("-")
+    if kind == "llama":
+        qtype, bs = (rest[:-3], "harness_bs") if rest.endswith("-bs") else (rest, "harness")
+        return (res.get("llama") or {}).get(qtype, {}).get(bs)
+    fmt, a8 = (rest[:-3], "engine_a8") if rest.endswith("-a8") else (rest, "engine")
+    return (res.get(a8) or {}).get(fmt)
+
+
+def rephased_decode_j(run_dir: Path) -> float | None:
+    """Decode J/token of a speed run from its NVML samples, each request's phases moved to when its
+    answer was sent: runs before the speed task marked them so started each request's prefill and
+    decode at the call (a llama-server request sent again after a dropped connection waited about
+    1 s first) and ended its decode after the stream's close. The answer was sent `wall_s` before
+    the request's end (the old idle mark); its decode ran from ttft_s to e2e_s after that."""
+    from moebench.probes.energy import summarize
+    from moebench.probes.nvml import read_samples
+    samples, phases = read_samples(run_dir)
+    items = [json.loads(line) for line in (run_dir / "items.jsonl").read_text().splitlines() if line.strip()]
+    items = [r for r in items if r.get("task") == "speed" and r.get("status") == "ok"]
+    marks = sorted(phases, key=lambda m: float(m["t"]))
+    starts = [i for i, m in enumerate(marks) if m["phase"] == "prefill"]
+    if len(starts) != len(items):
+        raise RuntimeError(f"{run_dir}: {len(starts)} prefill marks for {len(items)} speed records")
+    out = [m for i, m in enumerate(marks) if not any(s <= i <= s + 2 for s in starts)]
+    for s, r in zip(starts, items):
+        call, end = float(marks[s]["t"]), float(marks[s + 2]["t"])
+        if [marks[s + 1]["phase"], marks[s + 2]["phase"]] != ["decode", "idle"]:
+            raise RuntimeError(f"{run_dir}: request at {call:.3f} s is not marked prefill, decode, idle")
+        sent = end - float(r["timings"]["wall_s"])
+        out += [{"phase": "idle", "t": call}, {"phase": "prefill", "t": sent},
+                {"phase": "decode", "t": sent + float(r["ttft_s"])}, {"phase": "idle", "t": sent + float(r["e2e_s"])}]
+    tokens = json.loads((run_dir / "manifest.json").read_text())["probes"]["nvml"]["tokens"]
+    energy = summarize(samples, out, tokens=tokens).energy
+    per = energy.per_token.get("decode") if energy is not None else None
+    return per.gross_j_per_token if per is not None else None
+
+
+def rephase(runs: Path, path: Path) -> None:
+    """Each side's decode J/token in `path` recomputed from its run under `runs` (rephased_decode_j);
+    the figure the run recorded stays as decode_j_per_token_recorded."""
+    res = json.loads(path.read_text())
+    for run_dir in sorted(d for d in runs.iterdir() if (d / "nvml_phases.json").is_file()):
+        side = side_of(res, run_dir.name)
+        if side is None or "error" in side:
+            continue
+        j = rephased_decode_j(run_dir)
+        side.setdefault("decode_j_per_token_recorded", side.get("decode_j_per_token"))
+        side["decode_j_per_token"] = j
+        log(f"{run_dir.name}: decode J/token {side['decode_j_per_token_recorded']} as recorded, {j} rephased")
+    path.write_text(json.dumps(res, indent=1, default=str) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="stage", required=True)
@@ -560,6 +614,10 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("table", help="print the tables of one measure call's JSON, or of several calls' "
                        "(later files' sides replace earlier ones'; each call's figures stay its own)")
     t.add_argument("json", type=Path, nargs="+")
+    r = sub.add_parser("rephase", help="decode J/token of each side recomputed from its run's NVML samples "
+                       "with each request's phases from when its answer was sent (runs before that fix)")
+    r.add_argument("--runs", type=Path, required=True, help="the measure call's runs folder")
+    r.add_argument("json", type=Path, help="that call's JSON, updated in place")
     a = ap.parse_args(argv)
     if a.stage == "stage-source":
         stage_source(a.to)
@@ -575,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             ap.error(f"--skip: unknown side(s) {', '.join(unknown)}; the sides are {', '.join(sorted(SIDES))}")
         measure(a.work, a.out, a.small, a.reps, skip)
+    elif a.stage == "rephase":
+        rephase(a.runs, a.json)
     else:
         print(table(merge([json.loads(f.read_text()) for f in a.json])))
     return 0
