@@ -38,9 +38,9 @@ def row(out: str, start: str) -> list[str]:
 def test_table_of_record_prints() -> None:
     res = table(ROOT / "benchmarks" / "results" / "peers_h200.json")
     assert res.returncode == 0, res.stderr
-    assert "| bf16 / bf16 | 128 | 436.6 | – | 214.0 | 2.04x |" in res.stdout
-    assert "| int4 / Q4_0 | 4096 | 459.7 | 493.2 | 249.3 | 1.84x | 1.98x |" in res.stdout
-    assert "| Q8_0 | 128 | 274.8 | 240.6 | 260.8 | 0.875 | 0.949 |" in res.stdout
+    assert "| bf16 / bf16 | 128 | 442.3 | – | 217.1 | 2.04x |" in res.stdout
+    assert "| int4 / Q4_0 | 4096 | 461.6 | 493.2 | 247.4 | 1.87x | 1.99x |" in res.stdout
+    assert "| Q8_0 | 128 | 280.5 | 246.9 | 260.6 | 0.880 | 0.929 |" in res.stdout
 
 
 def test_two_calls_merge_and_ratios(tmp_path: Path) -> None:
@@ -103,3 +103,39 @@ def test_measure_refuses_an_unknown_skip_name(tmp_path: Path) -> None:
     assert res.returncode == 2
     assert "unknown side(s) engine-int4a8" in res.stderr and "engine-int4-a8" in res.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_rephase_takes_each_request_s_decode_from_its_answering_send(tmp_path: Path) -> None:
+    """`rephase`: a run whose requests waited 1 s before their answering send (at idle power) inside
+    the window marked from the call gets the decode J/token of the requests' own decode (400 W over
+    0.5 s for 100 tokens: 2 J), not of the marked windows (which held the wait)."""
+    from moebench.probes.nvml import write_samples
+    run = tmp_path / "runs" / "llama-bf16-bs"
+    run.mkdir(parents=True)
+    ticks = [i / 100 for i in range(0, 1001)]          # 10 s at 100 Hz, the counter in mJ
+    busy = [(2.0, 3.0), (5.0, 6.0)]                    # each request's send to its last token (prefill 0.5 s)
+
+    def watts(t: float) -> float:
+        return 400.0 if any(a <= t < b for a, b in busy) else 100.0
+    energy, samples = 0.0, []
+    for i, t in enumerate(ticks):
+        if i:
+            energy += watts(ticks[i - 1]) * (t - ticks[i - 1]) * 1000
+        samples.append({"t": t, "gpu": 0, "energy_mj": energy, "power_instant_w": watts(t)})
+    phases = [{"phase": "idle", "t": 0.0}]
+    for a, b in busy:       # as recorded: prefill from the call (1 s before the send), decode from call + ttft
+        phases += [{"phase": "prefill", "t": a - 1.0}, {"phase": "decode", "t": a - 0.5}, {"phase": "idle", "t": b}]
+    write_samples(run, samples, phases)
+    items = [{"task": "speed", "status": "ok", "ttft_s": 0.5, "e2e_s": 1.0, "timings": {"wall_s": 1.0}}] * 2
+    (run / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
+    (run / "manifest.json").write_text(json.dumps({"probes": {"nvml": {"tokens": {"prefill": 256, "decode": 200}}}}))
+    res = call(llama={"bf16": {"harness_bs": side(200.0)}})
+    res["llama"]["bf16"]["harness_bs"]["decode_j_per_token"] = 4.5
+    path = tmp_path / "peers.json"
+    path.write_text(json.dumps(res))
+    done = subprocess.run([sys.executable, str(SCRIPT), "rephase", "--runs", str(tmp_path / "runs"), str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(path.read_text())["llama"]["bf16"]["harness_bs"]
+    assert got["decode_j_per_token_recorded"] == 4.5
+    assert abs(got["decode_j_per_token"] - 2.0) < 0.02, got
