@@ -332,6 +332,37 @@ def test_dropped_connection_of_a_live_server_is_sent_again_at_once(gguf_model: P
     assert not _pid_alive(pid)
 
 
+@pytest.mark.parametrize("client_keepalive", [None, 30.0])
+def test_a_connection_the_server_closed_when_idle(gguf_model: Path, tmp_path: Path, monkeypatch, client_keepalive):
+    """llama-server closes a keep-alive connection idle for 5 s. The runner's pool lets its own go
+    sooner (KEEPALIVE_S), so a request after a 5.5 s pause that kept the event loop busy (the close
+    unseen) opens a fresh connection; a client that kept it longer (30 s, aiohttp's way) sends the
+    request into the closed connection, and the runner asks again at once and says so."""
+    from moebench.runners import llama_server
+    if client_keepalive is not None:
+        monkeypatch.setattr(llama_server, "KEEPALIVE_S", client_keepalive)
+
+    async def main():
+        runner = LlamaServerRunner(_profile(gguf_model))
+        await runner.start(str(tmp_path))
+        try:
+            await runner.generate(GenerateRequest(prompt=PROMPT, max_tokens=4, ignore_eos=True))   # pooled
+            time.sleep(5.5)          # blocking: the loop never sees the server's close
+            t = time.perf_counter()
+            res = await runner.generate(GenerateRequest(prompt=PROMPT, max_tokens=4, ignore_eos=True, stream=True))
+            return res, time.perf_counter() - t, runner
+        finally:
+            await runner.close()
+
+    res, took, runner = asyncio.run(main())
+    assert res.output_tokens == 4 and took < 0.5, took
+    if client_keepalive is None:
+        assert res.resends == 0 and runner.reconnects == 0 and runner.events == []
+    else:
+        assert res.resends == 1 and runner.reconnects == 1 and runner.restarts == 0
+        assert [e["event"] for e in runner.events] == ["reconnect"] and "/completion" in runner.events[0]["reason"]
+
+
 def test_speed_phases_are_the_answering_request_s(gguf_model: Path, tmp_path: Path):
     """The speed task marks each request's prefill from when the answering request was sent (a
     resend after a dropped connection starts later than the call) and ends its decode at the last

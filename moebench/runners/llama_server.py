@@ -60,6 +60,9 @@ LOG_NAME = "llama-server.log"
 STOP_GRACE_S = 5.0
 CONNECT_TIMEOUT_S = 10.0          # TCP connect to the managed server (on this host)
 RECONNECT_EVENTS = 5              # dropped connections recorded one by one in the run's events (all counted)
+# llama-server (cpp-httplib) closes a keep-alive connection idle for 5 s; the client drops its own
+# sooner, so an idle pooled connection is never sent a request the server has already hung up on.
+KEEPALIVE_S = 3.0
 # Flags the runner sets itself; a profile's `args` must not set them too.
 OWNED_FLAGS = {"--host", "--port", "-m", "--model", "-np", "--parallel"}
 
@@ -441,7 +444,8 @@ class LlamaServerRunner(Runner):
             self._old_clients.append(self._client)   # requests may still hold it; closed in close()
         # One session over a pool of slots + 4 connections; a request's read may stall at most
         # request_timeout_s between bytes (its whole length is bounded by request_deadline_s).
-        connector = aiohttp.TCPConnector(limit=max(self.slots, self.concurrency) + 4, limit_per_host=0)
+        connector = aiohttp.TCPConnector(limit=max(self.slots, self.concurrency) + 4, limit_per_host=0,
+                                         keepalive_timeout=KEEPALIVE_S)
         self._client = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(
             total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=float(self.settings.request_timeout_s)))
         try:
