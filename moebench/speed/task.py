@@ -502,6 +502,8 @@ class SpeedTask(Task):
         return {"n": len(records), "n_ok": len(ok),
                 "n_errors": sum(1 for r in stored if r.status == "error"),
                 "n_prompt_tokens_flagged": count_flagged(records),
+                # requests a runner sent more than once (their phases and timings are the last send's)
+                "n_resent": sum(1 for r in records if r.get("status") == "ok" and r.get("resends")),
                 "sampling": self.sampling.to_json(),
                 "by_prompt_length": summary_json(speed_summary(ok, times)),
                 **({"load": summarize_load(stored).to_json()} if self.rates else {})}
