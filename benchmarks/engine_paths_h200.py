@@ -16,6 +16,7 @@ the runner rows are the speed suite's median decode_tok_s over its requests. bf1
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -26,7 +27,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 SUITE = """name = "engine-paths"
 [[tasks]]
@@ -42,6 +42,14 @@ nvml = {probe}
 interval_ms = 100
 idle_s = 1.0
 """
+
+
+def load_sibling(name: str):
+    """A script beside this one as a module (its checkpoint writer), without touching sys.path."""
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def save(res: dict, out: Path) -> None:
@@ -89,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     from moebench.bench.engine_setup import build_engine, realistic_routing
     from moebench.bench.reference_model import QWEN3_30B_A3B, SMALL, build_transformers
     from moebench.engine import Engine
-    import peers_h200
+    peers_h200 = load_sibling("peers_h200")
     skip = {s for s in a.skip.split(",") if s}
     a.out.mkdir(parents=True, exist_ok=True)
     shape = dict(SMALL, vocab_size=50304) if a.small else dict(QWEN3_30B_A3B, num_experts=a.experts)
