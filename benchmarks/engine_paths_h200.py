@@ -16,7 +16,6 @@ the runner rows are the speed suite's median decode_tok_s over its requests. bf1
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -42,14 +41,6 @@ nvml = {probe}
 interval_ms = 100
 idle_s = 1.0
 """
-
-
-def load_sibling(name: str):
-    """A script beside this one as a module (its checkpoint writer), without touching sys.path."""
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def save(res: dict, out: Path) -> None:
@@ -97,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     from moebench.bench.engine_setup import build_engine, realistic_routing
     from moebench.bench.reference_model import QWEN3_30B_A3B, SMALL, build_transformers
     from moebench.engine import Engine
-    peers_h200 = load_sibling("peers_h200")
+    from moebench.bench.checkpoint import SHAPE_KEYS, tokenizer_dir, write_checkpoint
     skip = {s for s in a.skip.split(",") if s}
     a.out.mkdir(parents=True, exist_ok=True)
     shape = dict(SMALL, vocab_size=50304) if a.small else dict(QWEN3_30B_A3B, num_experts=a.experts)
@@ -121,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = a.work / "hf"
     if not {"load", "runner"} <= skip:
         t = time.monotonic()
-        peers_h200.write_checkpoint(ckpt, {k: shape[k] for k in peers_h200.QWEN3_30B_A3B}, 43, dev)
+        write_checkpoint(ckpt, {k: shape[k] for k in SHAPE_KEYS}, 43, dev, tokenizer_dir(HERE.parent))
         log(f"checkpoint: {time.monotonic() - t:.0f} s")
     if "load" not in skip:
         t = time.monotonic()

@@ -38,12 +38,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moebench.bench.checkpoint import TOKENIZER_FILES, tokenizer_dir, write_checkpoint
+
 ROOT = Path(__file__).resolve().parent.parent
-# The zoo's GPT-2 tokenizer and config (stage-source copies them into the carried folder).
-ZOO_TOKENIZER = ROOT / "models" / "zoo" / "tiny-moe"
-if not (ZOO_TOKENIZER / "config.json").is_file():
-    ZOO_TOKENIZER = ROOT / ".peers" / "tokenizer"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 # Qwen3-30B-A3B's shape (its config.json); layers and experts are cut to what the disk holds (SHAPE_CHOICES).
 QWEN3_30B_A3B = dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
@@ -78,15 +75,6 @@ def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float | None
 
 
 # --- shape and bytes ---------------------------------------------------------------------------
-
-def model_config(shape: dict[str, int]) -> dict[str, Any]:
-    """A transformers Qwen3MoeForCausalLM config.json for `shape` (untied output, as the real model)."""
-    cfg = json.loads((ZOO_TOKENIZER / "config.json").read_text())
-    cfg.update(shape, intermediate_size=6144 if shape["hidden_size"] == 2048 else 4 * shape["hidden_size"],
-               tie_word_embeddings=False, max_position_embeddings=40960, rope_theta=1_000_000.0,
-               rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, dtype="bfloat16")
-    return cfg
-
 
 def layer_params(shape: dict[str, int]) -> dict[str, int]:
     H, D, I = shape["hidden_size"], shape["head_dim"], shape["moe_intermediate_size"]
@@ -218,51 +206,6 @@ def pick_shape(candidates: list[Path], small: bool) -> tuple[Path, dict[str, int
     raise RuntimeError(f"too little space in {', '.join(f'{c} ({f / 1e9:.1f} GB)' for c, f in free.items())}")
 
 
-def write_checkpoint(hf: Path, shape: dict[str, int], seed: int, device: str) -> None:
-    """Random bf16 weights, one safetensors file per layer. As decode_setup.realistic_routing does for
-    the in-memory benchmarks: embeddings of rms ~1 and o_proj scaled by 0.02 keep each token's identity
-    in the residual stream, and Zipf-skewed router rows give token-dependent, skewed expert picks."""
-    import torch
-    from safetensors.torch import save_file
-    hf.mkdir(parents=True, exist_ok=True)
-    (hf / "config.json").write_text(json.dumps(model_config(shape), indent=1) + "\n")
-    for f in TOKENIZER_FILES:
-        shutil.copy2(ZOO_TOKENIZER / f, hf / f)
-    g = torch.Generator(device=device).manual_seed(seed)
-    H, D, I, E = shape["hidden_size"], shape["head_dim"], shape["moe_intermediate_size"], shape["num_experts"]
-    nh, nkv, V = shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"]
-
-    def randn(*size: int, scale: float = 0.02) -> "torch.Tensor":
-        return (torch.randn(*size, generator=g, device=device, dtype=torch.float32) * scale).to(torch.bfloat16).cpu()
-
-    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)
-    rank_scale = (torch.arange(E, dtype=torch.float32) + 1) ** -0.5
-    rank_scale = rank_scale / rank_scale.mean()
-    weight_map: dict[str, str] = {}
-    for l in range(shape["num_hidden_layers"]):
-        p = f"model.layers.{l}."
-        t = {p + "input_layernorm.weight": ones(H), p + "post_attention_layernorm.weight": ones(H),
-             p + "self_attn.q_norm.weight": ones(D), p + "self_attn.k_norm.weight": ones(D),
-             p + "self_attn.q_proj.weight": randn(nh * D, H), p + "self_attn.k_proj.weight": randn(nkv * D, H),
-             p + "self_attn.v_proj.weight": randn(nkv * D, H),
-             p + "self_attn.o_proj.weight": randn(H, nh * D, scale=0.02 * 0.02)}
-        perm = torch.randperm(E, generator=torch.Generator().manual_seed(seed + l))
-        router = randn(E, H).float() * rank_scale[torch.argsort(perm)][:, None]
-        t[p + "mlp.gate.weight"] = router.to(torch.bfloat16)
-        for e in range(E):
-            t[p + f"mlp.experts.{e}.gate_proj.weight"] = randn(I, H)
-            t[p + f"mlp.experts.{e}.up_proj.weight"] = randn(I, H)
-            t[p + f"mlp.experts.{e}.down_proj.weight"] = randn(H, I)
-        name = f"model-layer{l:03d}.safetensors"
-        save_file(t, str(hf / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in t})
-    t = {"model.embed_tokens.weight": randn(V, H, scale=1.0), "lm_head.weight": randn(V, H),
-         "model.norm.weight": ones(H)}
-    save_file(t, str(hf / "model-rest.safetensors"), metadata={"format": "pt"})
-    weight_map.update({k: "model-rest.safetensors" for k in t})
-    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
-
-
 def quantize_experts(binary: Path, src: Path, out: Path, qtype: str) -> None:
     """Only the expert tensors at `qtype`: attention, embeddings and the output matrix stay bf16
     (the router and norms are F32 in the converted file already), as in the engine's int8/int4 plans."""
@@ -293,7 +236,7 @@ def prepare(candidates: list[Path], link: Path, carry: Path, small: bool, seed: 
     (work / "shape.json").write_text(json.dumps(shape))
     hf = work / "hf"
     t = time.monotonic()
-    write_checkpoint(hf, shape, seed, device)
+    write_checkpoint(hf, shape, seed, device, tokenizer_dir(ROOT))
     log(f"checkpoint: {time.monotonic() - t:.0f} s")
     src = llamacpp.variant_dir(cuda=not small) / "src" / "llama.cpp"
     if not (src / "convert_hf_to_gguf.py").is_file():
