@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from moebench import jsonout
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 # The shape keys write_checkpoint takes (Qwen3-MoE config names).
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -37,7 +39,7 @@ def write_checkpoint(hf: Path, shape: dict[str, int], seed: int, device: str, to
     import torch
     from safetensors.torch import save_file
     hf.mkdir(parents=True, exist_ok=True)
-    (hf / "config.json").write_text(json.dumps(model_config(shape, tokenizer), indent=1) + "\n")
+    (hf / "config.json").write_text(jsonout.dumps(model_config(shape, tokenizer), indent=1) + "\n")
     for f in TOKENIZER_FILES:
         shutil.copy2(tokenizer / f, hf / f)
     g = torch.Generator(device=device).manual_seed(seed)
@@ -72,4 +74,4 @@ def write_checkpoint(hf: Path, shape: dict[str, int], seed: int, device: str, to
          "model.norm.weight": ones(H)}
     save_file(t, str(hf / "model-rest.safetensors"), metadata={"format": "pt"})
     weight_map.update({k: "model-rest.safetensors" for k in t})
-    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    (hf / "model.safetensors.index.json").write_text(jsonout.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
