@@ -238,6 +238,8 @@ ADDED_KEYS = (
     (("manifest.json", "build", "decode"), "l2_prefetch", "l2_prefetch_programs"),
     (("manifest.json", "build", "decode"), "l2_prefetch_programs", "experts_evict_first"),
     (("manifest.json", "build", "decode"), "experts_evict_first", "packed_evict_first"),
+    # engine DecodeConfig: the byte budget of tiered experts' grouped path
+    (("manifest.json", "build", "decode"), "packed_evict_first", "tiered_stack_bytes"),
     # the speed summary: requests a runner sent more than once
     (("manifest.json", "summary", "speed"), "n_prompt_tokens_flagged", "n_resent"),
 )

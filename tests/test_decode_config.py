@@ -50,6 +50,7 @@ def test_config_is_frozen_and_variants_are_new_objects():
     ({"experts_impl": "triton", "prefetch_early": True}, "prefetch_early needs prefetch_host"),
     ({"mode_by_format": {"int5": DecodeMode.BYTES}}, "format 'int5'"),
     ({"fused_max_tokens": -1}, "fused_max_tokens must be >= 0"),
+    ({"tiered_stack_bytes": 0}, "tiered_stack_bytes must be >= 1, got 0"),
     ({"attention": {"block": 64}}, r"attention \{'block': 64\}: expected fields of \['block_s'"),
     ({"attention": {"block_s": 24}}, "block_s 24 \\(a power of two >= 16\\)"),
     ({"attention": {"split_min_slots": 0}}, "split_min_slots 0 \\(>= 1\\)"),

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moebench.engine.quant import (QuantError, QuantizedTensor, bytes_per_weight, format_nbytes, pack_crumbs,
-                                   pack_nibbles, pack_trits, parse_format, quantize, unpack_crumbs, unpack_nibbles,
+from moebench.engine.quant import (QuantError, QuantizedTensor, bytes_per_weight, dequantize_parts, format_nbytes,
+                                   pack_crumbs, pack_nibbles, pack_trits, parse_format, quantize, unpack_crumbs, unpack_nibbles,
                                    unpack_trits)
 
 LENGTHS = [1, 2, 3, 4, 5, 6, 7, 63, 64, 65, 127, 128, 333]
@@ -87,6 +87,20 @@ def test_quantized_state_round_trip_and_sizes(fmt, shape):
     assert torch.equal(d1, d2)
     # Re-quantizing the packed codes gives back the same bytes (packing is lossless).
     assert all(torch.equal(q.parts[k], again.parts[k]) for k in q.parts)
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_stacked_parts_dequantize_to_each_tensors_own_weight(fmt):
+    """dequantize_parts over the parts of three tensors stacked along a leading dimension (what the
+    tiered experts' grouped path does) gives each tensor's own dequantize, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    qs = [quantize(torch.randn(33, 100, generator=g) * 0.05, fmt) for _ in range(3)]
+    stacked = {k: torch.stack([q.parts[k] for q in qs]) for k in qs[0].parts}
+    for dtype in (torch.float32, torch.bfloat16):
+        got = dequantize_parts(qs[0].fmt, qs[0].shape, stacked, dtype)
+        assert got.shape == (3, 33, 100) and got.dtype == dtype
+        for i, q in enumerate(qs):
+            assert torch.equal(got[i], q.dequantize(dtype)), (fmt, i, dtype)
 
 
 def test_ternary_levels_per_group():

@@ -192,6 +192,28 @@ def test_ssd_tier_gives_the_same_logits_and_counts_every_pick(artifacts, batches
     assert st["o_direct"] == (direct is None and disk.pack.direct)
 
 
+def test_grouped_path_gives_the_resident_artifacts_logits(artifacts, batches):
+    """experts_impl "grouped_mm" (tiered experts' grouped GEMMs in every step on the CPU): the split
+    artifact, its experts of four formats on the gpu, host and ssd tiers, decodes exactly what the
+    all-resident artifact decodes on that path, close to the per-expert path's logits, and counts
+    every ssd pick."""
+    split, resident, _ = artifacts
+    e_ssd = Engine.load(split, device="cpu", dtype="float32", experts_impl="grouped_mm")
+    e_res = Engine.load(resident, device="cpu", dtype="float32", experts_impl="grouped_mm")
+    e_per = Engine.load(resident, device="cpu", dtype="float32")
+    assert all(m._grouped_runs(torch.zeros(1, H)) for m in find_tiered(e_ssd.model))
+    prompt, new = batches[3][:48], 6
+    a, b, c = (_logits_of_generate(e, prompt, new) for e in (e_ssd, e_res, e_per))
+    assert len(a) == len(b) == len(c) == new
+    for step, (x, y, z) in enumerate(zip(a, b, c)):
+        assert torch.equal(x, y), f"logits differ at step {step}"
+        assert torch.allclose(y, z, atol=1e-4, rtol=0), f"grouped and per-expert paths differ at step {step}"
+    total = e_ssd.telemetry()["tiers"]["total"]
+    assert total["routed"] == LAYERS * (len(prompt) + new - 1) * TOP_K
+    assert total["ssd_reads"] > 0 and total["ssd_hits"] + total["ssd_misses"] == total["picks_ssd"] > 0
+    assert total["host_hits"] + total["host_misses"] == total["picks_host"] > 0
+
+
 def test_route_tail_skip_counts_ssd_picks(artifacts, batches):
     split, _, _ = artifacts
     eng = Engine.load(split, device="cpu", dtype="float32")

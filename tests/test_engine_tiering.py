@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moebench.engine import Engine
+from moebench.engine.decode_config import DecodeConfig
 from moebench.engine.placement import QuantizedExpert, TieredExperts, collect_telemetry, find_tiered
 from moebench.engine.quant import quantize
 from moebench.engine.tiering import (Budgets, CalibrationStats, Plan, TieringError, calibrate, expert_nbytes,
@@ -222,6 +223,95 @@ def test_tiered_experts_match_dense_math():
     assert torch.allclose(m(x, ids, w), want, atol=1e-5)
     tel = m.telemetry()
     assert tel["cache_misses"] == 2 and tel["cache_hits"] == 0 and tel["tokens_host_miss"] == 6
+
+
+GROUPED_FORMATS = ["int8", "int4", "ternary", "int4_asym+r4", "bf16", "ternary2", "int8", "int4"]
+
+
+def _mixed_experts(seed: int) -> list[QuantizedExpert]:
+    g = torch.Generator().manual_seed(seed)
+    return [QuantizedExpert(*(quantize(torch.randn(*s, generator=g) * .1, f) for s in ((I, H), (I, H), (H, I))))
+            for f in GROUPED_FORMATS]
+
+
+def _module(experts, homes, device, dtype, cache_slots=1, **decode) -> TieredExperts:
+    m = TieredExperts(experts, homes, device, dtype, cache_slots=cache_slots)
+    m.configure(DecodeConfig(**decode), TOP_K)
+    return m
+
+
+def test_grouped_path_numbers_do_not_depend_on_placement_or_chunks():
+    """experts_impl "grouped_mm" on the CPU (the path prefill takes with "triton" on CUDA): six
+    formats over gpu and host homes give exactly the all-resident module's output whatever the
+    stack budget (one expert per chunk, three, all at once), on a cold and on a warm cache, where a
+    later chunk's cached expert is evicted by an earlier chunk's fetches; the output agrees with the
+    per-expert path and the telemetry counts every pick once."""
+    experts = _mixed_experts(4)
+    homes = ["gpu", "host", "host", "gpu", "host", "host", "gpu", "host"]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, H, generator=g)
+    ids = torch.stack([torch.randperm(8, generator=g)[:TOP_K] for _ in range(40)])
+    w = torch.rand(40, TOP_K, generator=g)
+    per_expert = _module(experts, homes, "cpu", torch.float32)
+    want = per_expert(x, ids, w)
+    one = 3 * I * H * 4                       # one expert's float32 gate, up and down
+    for budget in (1, 3 * one, 1 << 30):
+        resident = _module(experts, ["gpu"] * 8, "cpu", torch.float32, experts_impl="grouped_mm",
+                           tiered_stack_bytes=budget)
+        split = _module(experts, homes, "cpu", torch.float32, experts_impl="grouped_mm", tiered_stack_bytes=budget)
+        assert split._grouped_runs(x) and not per_expert._grouped_runs(x)
+        ref = resident(x, ids, w)
+        for _ in range(2):                    # the second call finds the last fetched host expert cached
+            assert torch.equal(split(x, ids, w), ref), budget
+        assert torch.allclose(ref, want, atol=1e-5, rtol=0)
+        tel = split.telemetry()
+        assert tel["tokens_gpu"] + tel["tokens_host_hit"] + tel["tokens_host_miss"] == 2 * 40 * TOP_K
+        assert tel["cache_hits"] == 1 and tel["cache_misses"] == 2 * 5 - 1, (budget, tel)
+
+
+def test_grouped_path_route_tail_skip_leaves_out_the_same_picks():
+    """Route-tail-skip on the grouped path: the skipped (cold, ranked last) picks contribute nothing,
+    as on the per-expert path: the same output within rounding and the same counts."""
+    experts = _mixed_experts(6)
+    homes = ["gpu", "host"] * 4
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(32, H, generator=g)
+    ids = torch.stack([torch.randperm(8, generator=g)[:TOP_K] for _ in range(32)])
+    w = torch.rand(32, TOP_K, generator=g)
+    outs, tels = [], []
+    for decode in ({}, {"experts_impl": "grouped_mm"}):
+        m = _module(experts, homes, "cpu", torch.float32, cache_slots=0, **decode)
+        m.skip_tail_from = 1
+        outs.append(m(x, ids, w))
+        tels.append(m.telemetry())
+    assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=0)
+    assert tels[0]["tokens_skipped"] == tels[1]["tokens_skipped"] > 0
+    assert {k: tels[0][k] for k in ("tokens_gpu", "tokens_host_miss", "cache_misses")} == \
+        {k: tels[1][k] for k in ("tokens_gpu", "tokens_host_miss", "cache_misses")}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch's grouped GEMM in bf16)")
+def test_cuda_grouped_prefill_numbers_do_not_depend_on_placement():
+    """experts_impl "triton" on CUDA: a 64-token step (beyond the fused path) runs the grouped path;
+    host and gpu homes give exactly the all-resident output whatever the chunking, close to the
+    per-expert path's."""
+    experts = _mixed_experts(8)
+    homes = ["gpu", "gpu"] + ["host"] * 6
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(64, H, generator=g).to("cuda", torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=g)[:TOP_K] for _ in range(64)]).cuda()
+    w = torch.rand(64, TOP_K, generator=g).cuda()
+    per_expert = _module(experts, ["gpu"] * 8, "cuda", torch.bfloat16)(x, ids, w)
+    for budget in (1, 1 << 30):
+        resident = _module(experts, ["gpu"] * 8, "cuda", torch.bfloat16, experts_impl="triton",
+                           tiered_stack_bytes=budget)
+        split = _module(experts, homes, "cuda", torch.bfloat16, cache_slots=2, experts_impl="triton",
+                        tiered_stack_bytes=budget)
+        assert split._grouped_runs(x)
+        ref = resident(x, ids, w)
+        for _ in range(2):
+            assert torch.equal(split(x, ids, w), ref), budget
+        assert (ref.float() - per_expert.float()).abs().max() <= 0.02 * per_expert.float().abs().max()
 
 
 def test_load_tiered_rejects_mismatched_model(stats, ckpt, tmp_path):

@@ -172,8 +172,10 @@ class DecodeConfig:
         uses bmm (no host sync); "loop" groups tokens by expert (one host sync per layer);
         "grouped_mm" torch's grouped GEMM (bf16 on CUDA sm80+); "triton" the fused kernels (each
         selected expert read in place) up to fused_max_tokens tokens, else grouped_mm where it runs,
-        else loop; "auto" gather up to gather_max_tokens tokens, else loop. Tiered experts run the
-        fused kernels when this is "triton", their per-expert path otherwise.
+        else loop; "auto" gather up to gather_max_tokens tokens, else loop. Tiered experts: "triton"
+        runs the fused kernels up to fused_max_tokens tokens and beyond them the grouped path (see
+        tiered_stack_bytes) where torch's grouped GEMM runs, "grouped_mm" the grouped path in every
+        step; otherwise, and where grouped GEMM does not run, one expert at a time.
     fused_ops: the fused non-expert decode ops (residual add + RMSNorm, [q;k;v] GEMM, q/k norm + RoPE
         + KV write, attention, routing) for steps up to fused_max_tokens tokens; None: on with "triton".
     gemv_max_tokens: steps of at most this many tokens run the attention projections through the
@@ -243,6 +245,11 @@ class DecodeConfig:
         default: bf16 decodes about 2% faster on the H200 (docs/engine-speed.md).
     packed_evict_first: the same hint for the other packed rows in GPU memory (int8, int4, ternary2
         and base-3 words, with float or int8 activations; int4 and ternary bytes). The same sums.
+    tiered_stack_bytes: tiered experts' steps beyond the fused path (prefill, larger batches) with
+        experts_impl "grouped_mm", or "triton" where torch's grouped GEMM runs (bf16 on CUDA),
+        dequantize the picked experts into stacks and run them as three grouped GEMMs: this is the
+        most bytes those stacks hold at once (a layer's picks run in chunks of as many experts as
+        fit, at least one; the packed weights and one float32 matrix per format come on top).
     """
 
     experts_impl: str = "auto"
@@ -272,6 +279,7 @@ class DecodeConfig:
     l2_prefetch_programs: int = 32
     experts_evict_first: bool = True
     packed_evict_first: bool = False
+    tiered_stack_bytes: int = 1 << 30
     launch: Mapping[tuple[str, str, str], Launch] = field(default_factory=lambda: dict(SHIPPED_LAUNCH))
     attention: AttentionLaunch = AttentionLaunch()
 
@@ -300,6 +308,8 @@ class DecodeConfig:
         object.__setattr__(self, "l2_prefetch", tuple(k for k in L2_PREFETCH_SITES if k in sites))
         if not 1 <= self.l2_prefetch_programs <= 1024:
             raise DecodeConfigError(f"l2_prefetch_programs must be 1 to 1024, got {self.l2_prefetch_programs}")
+        if self.tiered_stack_bytes < 1:
+            raise DecodeConfigError(f"tiered_stack_bytes must be >= 1, got {self.tiered_stack_bytes}")
         if self.ssd_lookahead < 1:
             raise DecodeConfigError(f"ssd_lookahead must be >= 1, got {self.ssd_lookahead}")
         for name in ("gather_max_tokens", "fused_max_tokens", "router_max_tokens"):

@@ -520,7 +520,7 @@ class TieredExperts(nn.Module):
         if self.partials_ok(T):
             return self._fused(x, topk_ids, topk_w)
         active = torch.ones_like(topk_ids, dtype=torch.bool)
-        cached_at_start = set(self._cache)
+        cached_at_start = dict(self._cache)      # kept: a later chunk's fetches may evict them
         if self.skip_tail_from is not None and self.skip_tail_from < k:
             cold = torch.tensor([h != "gpu" and i not in cached_at_start for i, h in enumerate(self.homes)],
                                 device=topk_ids.device)
@@ -536,75 +536,170 @@ class TieredExperts(nn.Module):
 
         self._host_picks.index_add_(0, topk_ids.reshape(-1).cpu(),
                                     torch.ones(topk_ids.numel(), dtype=torch.int64))
-        ids_cpu = torch.where(active, topk_ids, -1).cpu()
+        flat_ids = torch.where(active, topk_ids, -1)
+        ids_cpu = flat_ids.cpu()
         needed = [int(e) for e in torch.unique(ids_cpu) if e >= 0]
         counts = {e: int((ids_cpu == e).sum()) for e in needed}
-        resident = [e for e in needed if self.homes[e] == "gpu"]
-        hits = [e for e in needed if self.homes[e] != "gpu" and e in cached_at_start]
-        misses = [e for e in needed if self.homes[e] == "host" and e not in cached_at_start]
 
         # ssd experts not in the device cache: from the host-RAM cache, or read from the file. The
         # reads are queued first, so the reader threads work while everything else computes.
-        ssd_ram, ssd_reads = [], []
+        ssd_ram: dict[int, QuantizedExpert] = {}
         for e in needed:
             if self.homes[e] == "ssd" and e not in cached_at_start:
                 rec = self.disk.cached_record((self.layer, e))
                 if rec is not None:
-                    ssd_ram.append((e, rec.expert))
+                    ssd_ram[e] = rec.expert
                 else:
                     self.count_read(self.disk.request((self.layer, e)))
-                    ssd_reads.append(e)
 
-        contrib = x.new_zeros(T, k, x.shape[-1])
-        flat_ids = torch.where(active, topk_ids, -1)
+        if self._grouped_runs(x):
+            contrib = self._grouped(x, flat_ids, needed, counts, cached_at_start, ssd_ram)
+        else:
+            contrib = x.new_zeros(T, k, x.shape[-1])
+            for e, weights in self._acquire(needed, counts, cached_at_start, ssd_ram):
+                rows, ranks = (flat_ids == e).nonzero(as_tuple=True)
+                contrib[rows, ranks] = weights.apply(x[rows])
 
-        def run(expert_id: int, weights: QuantizedExpert) -> None:
-            rows, ranks = (flat_ids == expert_id).nonzero(as_tuple=True)
-            contrib[rows, ranks] = weights.apply(x[rows])
+        # Weighted sum in float32, as the dense Experts module does, so an all-bf16 tiered model
+        # stays within rounding of the dense one.
+        return (contrib.float() * topk_w.float()[..., None]).sum(dim=1).to(x.dtype)
 
-        # Misses are fetched in chunks of the cache size; the first chunk's copies overlap the
-        # resident and cached experts' compute.
+    def _acquire(self, experts: list[int], counts: dict[int, int], cached_at_start: dict[int, QuantizedExpert],
+                 ssd_ram: dict[int, QuantizedExpert]):
+        """Yield (expert, its weights on the compute device) for each of `experts`, counting each
+        one's picks (counts) by where it was found: resident ones first, then those in this layer's
+        cache when the call started (cached_at_start: the cache's contents then), then host misses
+        (fetched in chunks of the cache size, the first chunk's copies started before anything is
+        yielded, so they overlap the compute of the ones before), then ssd experts from the
+        host-RAM cache (ssd_ram) and last those whose file read forward queued. Fetched experts
+        enter the cache."""
+        c = self.counters
+        resident = [e for e in experts if self.homes[e] == "gpu"]
+        hits = [e for e in experts if self.homes[e] != "gpu" and e in cached_at_start]
+        misses = [e for e in experts if self.homes[e] == "host" and e not in cached_at_start]
+        ssd_reads = [e for e in experts if self.homes[e] == "ssd" and e not in cached_at_start and e not in ssd_ram]
         chunk = max(self.cache_slots, 1)
         pending = [(e, *self._start_copy(e)) for e in misses[:chunk]]
         for e in resident:
-            run(e, self._stores[e])
             c["tokens_gpu"] += counts[e]
+            yield e, self._stores[e]
         for e in hits:
-            weights = self._cache[e]
-            self._cache.move_to_end(e)
-            run(e, weights)
+            weights = cached_at_start[e]
+            if e in self._cache:
+                self._cache.move_to_end(e)
             if self.homes[e] == "ssd":
                 c["ssd_hits"] += counts[e]
                 c["ssd_gpu_hits"] += counts[e]
             else:
                 c["tokens_host_hit"] += counts[e]
                 c["cache_hits"] += 1
+            yield e, weights
         done = chunk
         while pending:
             for e, dst, event in pending:
                 weights = self._finish_copy(dst, event)
-                run(e, weights)
                 self._remember(e, weights)
                 c["tokens_host_miss"] += counts[e]
                 c["cache_misses"] += 1
+                yield e, weights
             pending = [(e, *self._start_copy(e)) for e in misses[done:done + chunk]]
             done += chunk
-        for e, weights in ssd_ram:
-            weights = self._finish_copy(*self._start_copy(e, weights))
-            run(e, weights)
-            self._remember(e, weights)
-            self.count_ssd_pick(e, counts[e], from_file=False)
+        for e in experts:
+            if e in ssd_ram:
+                weights = self._finish_copy(*self._start_copy(e, ssd_ram[e]))
+                self._remember(e, weights)
+                self.count_ssd_pick(e, counts[e], from_file=False)
+                yield e, weights
         for e in ssd_reads:
             rec, waited = self.disk.take((self.layer, e))
             c["ssd_wait_s"] += waited
             weights = self._finish_copy(*self._start_copy(e, rec.expert))
-            run(e, weights)
             self._remember(e, weights)
             self.count_ssd_pick(e, counts[e], from_file=True)
+            yield e, weights
 
-        # Weighted sum in float32, as the dense Experts module does, so an all-bf16 tiered model
-        # stays within rounding of the dense one.
-        return (contrib.float() * topk_w.float()[..., None]).sum(dim=1).to(x.dtype)
+    # -- the grouped path ------------------------------------------------------------------------
+    def _grouped_runs(self, x: torch.Tensor) -> bool:
+        """Whether forward's steps beyond the fused path take the grouped path (DecodeConfig's
+        experts_impl and tiered_stack_bytes say when): torch's grouped GEMM takes bf16 on CUDA with
+        16-byte aligned rows; on the CPU it runs when experts_impl is "grouped_mm"."""
+        impl = self.decode.experts_impl
+        if impl not in ("grouped_mm", "triton") or not hasattr(torch.nn.functional, "grouped_mm"):
+            return False
+        if x.device.type == "cuda":
+            inter, hidden = self._expert_shape()
+            return x.dtype == torch.bfloat16 and inter % 8 == 0 and hidden % 8 == 0
+        return impl == "grouped_mm"
+
+    def _expert_shape(self) -> tuple[int, int]:
+        """(intermediate, hidden): an expert's gate matrix shape, the same for every expert of a layer."""
+        store = next((s for s in self._stores if s is not None), None)
+        if store is not None:
+            return store.gate.shape
+        key = next((self.layer, e) for e, h in enumerate(self.homes) if h == "ssd")
+        return tuple(self.disk.pack.entries[key]["shapes"]["gate"])
+
+    def _grouped(self, x: torch.Tensor, flat_ids: torch.Tensor, needed: list[int], counts: dict[int, int],
+                 cached_at_start: dict[int, QuantizedExpert], ssd_ram: dict[int, QuantizedExpert]) -> torch.Tensor:
+        """Every picked expert's output [T, k, H] (0 where a pick was skipped), through torch's
+        grouped GEMM: the (token, rank) pairs sorted by expert; the picked experts, in id order and
+        in chunks of at most decode.tiered_stack_bytes of dequantized weights, fetched (_acquire),
+        dequantized into three stacks (each format's experts at once) and multiplied by their
+        pairs' rows as three grouped GEMMs. The stacks' order and chunks depend only on the
+        routing, never on where an expert lives, so neither do the numbers."""
+        T, k = flat_ids.shape
+        inter, hidden = self._expert_shape()
+        per_expert = 3 * inter * hidden * x.element_size()
+        per_chunk = max(1, self.decode.tiered_stack_bytes // per_expert)
+        # skipped pairs (-1) sort after every expert's and are left out of the groups
+        key = torch.where(flat_ids >= 0, flat_ids, len(self._stores)).reshape(-1)
+        order = torch.argsort(key, stable=True)
+        y = x.new_zeros(T * k, x.shape[-1])
+        start = 0
+        for i in range(0, len(needed), per_chunk):
+            chunk = needed[i:i + per_chunk]
+            sizes = torch.tensor([counts[e] for e in chunk], dtype=torch.int32)
+            offs = torch.cumsum(sizes, 0, dtype=torch.int32).to(x.device)
+            w_gate, w_up, w_down = self._dequantized(chunk, self._acquire(chunk, counts, cached_at_start, ssd_ram),
+                                                     x.dtype)
+            n = int(sizes.sum())
+            pairs = order[start:start + n]
+            xs = x[pairs // k]
+            gate = torch.nn.functional.grouped_mm(xs, w_gate.transpose(1, 2), offs=offs)
+            up = torch.nn.functional.grouped_mm(xs, w_up.transpose(1, 2), offs=offs)
+            y[pairs] = torch.nn.functional.grouped_mm(torch.nn.functional.silu(gate) * up,
+                                                      w_down.transpose(1, 2), offs=offs)
+            start += n
+        return y.view(T, k, -1)
+
+    @staticmethod
+    def _dequantized(chunk: list[int], acquired, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The gate, up and down stacks [len(chunk), out, in] in `dtype` of the experts `acquired`
+        yields (expert, weights), in `chunk`'s order: the experts of one format dequantized together
+        (quant.dequantize_parts over their stacked parts), which gives each the same weight as its
+        own QuantizedTensor.dequantize."""
+        from .quant import dequantize_parts
+        slot = {e: i for i, e in enumerate(chunk)}
+        by_fmt: dict[str, list[tuple[int, QuantizedExpert]]] = {}
+        for e, weights in acquired:
+            by_fmt.setdefault(weights.fmt, []).append((slot[e], weights))
+        stacks = []
+        for m in ("gate", "up", "down"):
+            out = None
+            for fmt, members in by_fmt.items():
+                members.sort(key=lambda pair: pair[0])
+                first = getattr(members[0][1], m)
+                parts = {name: torch.stack([getattr(w, m).parts[name] for _, w in members])
+                         for name in first.parts}
+                deq = dequantize_parts(fmt, first.shape, parts, dtype)
+                if len(members) == len(chunk):
+                    out = deq              # one format: already in chunk order
+                    break
+                if out is None:
+                    out = deq.new_empty(len(chunk), *first.shape)
+                out[torch.tensor([i for i, _ in members], device=deq.device)] = deq
+            stacks.append(out)
+        return tuple(stacks)
 
 
 def find_tiered(model: nn.Module) -> list[TieredExperts]:

@@ -142,28 +142,7 @@ class QuantizedTensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [out, in] on the parts' device."""
-        base, rank = parse_format(self.fmt)
-        out_f, in_f = self.shape
-        p = self.parts
-        if base == "bf16":
-            w = p["w"].float()
-        elif base == "int8":
-            w = p["q"].float() * p["scale"].float()[:, None]
-        elif base == "int4":
-            codes = unpack_nibbles(p["q"], _padded(in_f)).float() - 8.0
-            w = _apply_groups(codes, p["scale"].float(), None, in_f)
-        elif base == "int4_asym":
-            codes = unpack_nibbles(p["q"], _padded(in_f)).float()
-            w = _apply_groups(codes, p["scale"].float(), p["min"].float(), in_f)
-        elif base == "ternary":
-            codes = unpack_trits(p["q"], _padded(in_f)).float() - 1.0
-            w = _apply_groups(codes, p["scale"].float(), None, in_f)
-        else:  # ternary2
-            codes = unpack_crumbs(p["q"], _padded(in_f)).float() - 1.0
-            w = _apply_groups(codes, p["scale"].float(), None, in_f)
-        if rank:
-            w = w + p["lr_a"].float() @ p["lr_b"].float()
-        return w.to(dtype)
+        return dequantize_parts(self.fmt, self.shape, self.parts, dtype)
 
     def state(self, prefix: str) -> dict[str, torch.Tensor]:
         """Flat tensors for a safetensors file: '<prefix>.<part>'."""
@@ -177,6 +156,35 @@ class QuantizedTensor:
         if missing:
             raise QuantError(f"format {fmt!r} needs tensors {missing} which are absent")
         return cls(fmt, (int(shape[0]), int(shape[1])), {k: tensors[f"{prefix}.{k}"] for k in want})
+
+
+def dequantize_parts(fmt: str, shape: tuple[int, int], parts: dict[str, torch.Tensor],
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weights [..., out, in] of `parts` in format `fmt`, computed in float32: the parts of
+    one QuantizedTensor, or of several of the same format and shape stacked along leading
+    dimensions (each part with the same leading dimensions), which gives each one's weight exactly."""
+    base, rank = parse_format(fmt)
+    out_f, in_f = shape
+    p = parts
+    if base == "bf16":
+        w = p["w"].float()
+    elif base == "int8":
+        w = p["q"].float() * p["scale"].float()[..., None]
+    elif base == "int4":
+        codes = unpack_nibbles(p["q"], _padded(in_f)).float() - 8.0
+        w = _apply_groups(codes, p["scale"].float(), None, in_f)
+    elif base == "int4_asym":
+        codes = unpack_nibbles(p["q"], _padded(in_f)).float()
+        w = _apply_groups(codes, p["scale"].float(), p["min"].float(), in_f)
+    elif base == "ternary":
+        codes = unpack_trits(p["q"], _padded(in_f)).float() - 1.0
+        w = _apply_groups(codes, p["scale"].float(), None, in_f)
+    else:  # ternary2
+        codes = unpack_crumbs(p["q"], _padded(in_f)).float() - 1.0
+        w = _apply_groups(codes, p["scale"].float(), None, in_f)
+    if rank:
+        w = w + p["lr_a"].float() @ p["lr_b"].float()
+    return w.to(dtype)
 
 
 def part_names(fmt: str) -> tuple[str, ...]:
@@ -201,11 +209,12 @@ def _groups(w: torch.Tensor) -> torch.Tensor:
 
 def _apply_groups(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
                   in_f: int) -> torch.Tensor:
-    out_f = codes.shape[0]
-    g = codes.reshape(out_f, -1, GROUP) * scale[..., None]
+    """Codes [..., out, padded in] times their group's scale (plus minimum) -> [..., out, in]."""
+    lead = codes.shape[:-1]
+    g = codes.reshape(*lead, -1, GROUP) * scale[..., None]
     if minimum is not None:
         g = g + minimum[..., None]
-    return g.reshape(out_f, -1)[:, :in_f]
+    return g.reshape(*lead, -1)[..., :in_f]
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantizedTensor:
