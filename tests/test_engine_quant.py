@@ -103,6 +103,16 @@ def test_stacked_parts_dequantize_to_each_tensors_own_weight(fmt):
             assert torch.equal(got[i], q.dequantize(dtype)), (fmt, i, dtype)
 
 
+def test_int8_dequantize_rounds_the_float32_product_once():
+    """int8's one-pass dequantize (int8 times float32 scales, stored as dtype) equals the float32
+    product rounded to dtype afterwards."""
+    q = quantize(torch.randn(2, 40, 300, generator=torch.Generator().manual_seed(4))[0], "int8")
+    want = q.parts["q"].float() * q.parts["scale"].float()[:, None]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        got = q.dequantize(dtype)
+        assert got.dtype == dtype and torch.equal(got, want.to(dtype)), dtype
+
+
 def test_ternary_levels_per_group():
     w = torch.randn(4, 128, generator=torch.Generator().manual_seed(2))
     q = quantize(w, "ternary")

@@ -249,7 +249,8 @@ class DecodeConfig:
         experts_impl "grouped_mm", or "triton" where torch's grouped GEMM runs (bf16 on CUDA),
         dequantize the picked experts into stacks and run them as three grouped GEMMs: this is the
         most bytes those stacks hold at once (a layer's picks run in chunks of as many experts as
-        fit, at least one; the packed weights and one float32 matrix per format come on top).
+        fit, at least one). Dequantizing one of the three stacks takes float32 temporaries of up to
+        about 2.5 times its bytes on top, and the chunk's packed weights stay referenced until then.
     """
 
     experts_impl: str = "auto"

@@ -20,6 +20,10 @@ no CUDA graphs. With prefetch_host that path also guesses each layer's experts f
 hidden state (the attention input of up to DecodeConfig.ssd_lookahead layers before it) and starts
 the guessed records' disk reads then; a wrong guess costs disk time, never correctness.
 
+Steps beyond the fused path run the picked experts one at a time (the per-expert path) or, where
+torch's grouped GEMM runs and DecodeConfig.experts_impl asks for it, dequantized into stacks in
+expert-id order and multiplied as three grouped GEMMs (the grouped path: prefill on CUDA).
+
 Numbers never depend on placement: every expert's output goes into its own (token, rank) cell and
 the weighted sum over ranks happens once at the end in a fixed order, so the order in which the tiers
 are computed cannot change the result.
@@ -38,9 +42,9 @@ from .quantized_expert import QuantizedExpert
 from .ssd_slots import SsdSlots
 
 HOMES = ("gpu", "host", "ssd")
-# Counted on the host by the per-expert path (prefill, no fused kernels) and the fused SSD path. calls counts Python
-# forward calls (a replayed CUDA graph makes none); cache_hits/misses count experts per call,
-# tokens_host_hit/miss count picks.
+# Counted on the host by the per-expert and grouped paths (prefill, no fused kernels) and the fused
+# SSD path. calls counts Python forward calls (a replayed CUDA graph makes none); cache_hits/misses
+# count experts per call, tokens_host_hit/miss count picks.
 HOST_COUNTERS = ("calls", "tokens_gpu", "tokens_host_hit", "tokens_host_miss", "tokens_skipped",
                  "cache_hits", "cache_misses", "bytes_h2d", "ssd_hits", "ssd_gpu_hits", "ssd_misses", "ssd_skips",
                  "ssd_reads", "bytes_ssd_read", "ssd_wait_s", "ssd_guess_reads", "ssd_guess_hits", "bytes_ssd_needed")

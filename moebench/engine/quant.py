@@ -166,6 +166,10 @@ def dequantize_parts(fmt: str, shape: tuple[int, int], parts: dict[str, torch.Te
     base, rank = parse_format(fmt)
     out_f, in_f = shape
     p = parts
+    if base == "int8" and not rank:
+        # one pass: the product is computed in float32 and rounded into dtype as it is stored
+        out = torch.empty(p["q"].shape, dtype=dtype, device=p["q"].device)
+        return torch.mul(p["q"], p["scale"].float()[..., None], out=out)
     if base == "bf16":
         w = p["w"].float()
     elif base == "int8":
