@@ -103,14 +103,40 @@ def test_stacked_parts_dequantize_to_each_tensors_own_weight(fmt):
             assert torch.equal(got[i], q.dequantize(dtype)), (fmt, i, dtype)
 
 
-def test_int8_dequantize_rounds_the_float32_product_once():
-    """int8's one-pass dequantize (int8 times float32 scales, stored as dtype) equals the float32
-    product rounded to dtype afterwards."""
-    q = quantize(torch.randn(2, 40, 300, generator=torch.Generator().manual_seed(4))[0], "int8")
-    want = q.parts["q"].float() * q.parts["scale"].float()[:, None]
+def _float32_weight(q: QuantizedTensor) -> torch.Tensor:
+    """The weight as the formats define it, in float32, written out step by step."""
+    fmt, (out_f, in_f), p = q.fmt, q.shape, q.parts
+    base, rank = parse_format(fmt)
+    padded = -(-in_f // 64) * 64
+    if base == "bf16":
+        w = p["w"].float()
+    elif base == "int8":
+        w = p["q"].float() * p["scale"].float()[:, None]
+    else:
+        unpack = {"int4": unpack_nibbles, "int4_asym": unpack_nibbles, "ternary": unpack_trits,
+                  "ternary2": unpack_crumbs}[base]
+        codes = unpack(p["q"], padded).float() - {"int4": 8.0, "int4_asym": 0.0}.get(base, 1.0)
+        g = codes.reshape(out_f, -1, 64) * p["scale"].float()[..., None]
+        if base == "int4_asym":
+            g = g + p["min"].float()[..., None]
+        w = g.reshape(out_f, -1)[:, :in_f]
+    if rank:
+        w = w + p["lr_a"].float() @ p["lr_b"].float()
+    return w
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS + ["int8+r4", "ternary2+r2"])
+def test_dequantize_rounds_the_float32_weight_once(fmt):
+    """dequantize(dtype), whose int8 / int4 / ternary / ternary2 products go straight into a dtype
+    output, equals the float32 weight (the format's definition) rounded to dtype afterwards."""
+    q = quantize(torch.randn(40, 300, generator=torch.Generator().manual_seed(4)) * 0.05, fmt)
+    want = _float32_weight(q)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         got = q.dequantize(dtype)
-        assert got.dtype == dtype and torch.equal(got, want.to(dtype)), dtype
+        assert got.dtype == dtype and got.shape == (40, 300) and torch.equal(got, want.to(dtype)), dtype
+    w = q.dequantize(torch.bfloat16)
+    w.add_(1)                                  # a new tensor: the packed parts are untouched
+    assert torch.equal(q.dequantize(torch.float32), want)
 
 
 def test_ternary_levels_per_group():

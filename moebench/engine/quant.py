@@ -160,35 +160,32 @@ class QuantizedTensor:
 
 def dequantize_parts(fmt: str, shape: tuple[int, int], parts: dict[str, torch.Tensor],
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The float weights [..., out, in] of `parts` in format `fmt`, computed in float32: the parts of
-    one QuantizedTensor, or of several of the same format and shape stacked along leading
-    dimensions (each part with the same leading dimensions), which gives each one's weight exactly."""
+    """The float weights [..., out, in] of `parts` in format `fmt`: the parts of one QuantizedTensor,
+    or of several of the same format and shape stacked along leading dimensions (each part with the
+    same leading dimensions), which gives each one's weight exactly. Every weight is its float32
+    value (codes times scales, plus minimum or low-rank product) rounded once into dtype; int8 and
+    the signed codes of int4, ternary and ternary2 are multiplied by their float32 scales straight
+    into a dtype output (one pass over it, the same products and the same rounding)."""
     base, rank = parse_format(fmt)
     out_f, in_f = shape
     p = parts
-    if base == "int8" and not rank:
-        # one pass: the product is computed in float32 and rounded into dtype as it is stored
-        out = torch.empty(p["q"].shape, dtype=dtype, device=p["q"].device)
-        return torch.mul(p["q"], p["scale"].float()[..., None], out=out)
+    to = torch.float32 if rank else dtype       # a low-rank part is added in float32, before the rounding
     if base == "bf16":
-        w = p["w"].float()
+        w = p["w"].to(to, copy=True)
     elif base == "int8":
-        w = p["q"].float() * p["scale"].float()[..., None]
-    elif base == "int4":
-        codes = unpack_nibbles(p["q"], _padded(in_f)).float() - 8.0
-        w = _apply_groups(codes, p["scale"].float(), None, in_f)
+        w = torch.mul(p["q"], p["scale"].float()[..., None], out=torch.empty(p["q"].shape, dtype=to,
+                                                                             device=p["q"].device))
     elif base == "int4_asym":
         codes = unpack_nibbles(p["q"], _padded(in_f)).float()
-        w = _apply_groups(codes, p["scale"].float(), p["min"].float(), in_f)
-    elif base == "ternary":
-        codes = unpack_trits(p["q"], _padded(in_f)).float() - 1.0
-        w = _apply_groups(codes, p["scale"].float(), None, in_f)
-    else:  # ternary2
-        codes = unpack_crumbs(p["q"], _padded(in_f)).float() - 1.0
-        w = _apply_groups(codes, p["scale"].float(), None, in_f)
+        w = _apply_groups(codes, p["scale"].float(), p["min"].float(), in_f).to(to)
+    else:
+        unpack, offset = {"int4": (unpack_nibbles, 8), "ternary": (unpack_trits, 1),
+                          "ternary2": (unpack_crumbs, 1)}[base]
+        signed = unpack(p["q"], _padded(in_f)).to(torch.int8) - offset
+        w = _signed_groups(signed, p["scale"], in_f, to)
     if rank:
-        w = w + p["lr_a"].float() @ p["lr_b"].float()
-    return w.to(dtype)
+        w = (w + p["lr_a"].float() @ p["lr_b"].float()).to(dtype)
+    return w
 
 
 def part_names(fmt: str) -> tuple[str, ...]:
@@ -209,6 +206,15 @@ def _groups(w: torch.Tensor) -> torch.Tensor:
     if pad:
         w = torch.nn.functional.pad(w, (0, pad))
     return w.reshape(out_f, -1, GROUP)
+
+
+def _signed_groups(codes: torch.Tensor, scale: torch.Tensor, in_f: int, dtype: torch.dtype) -> torch.Tensor:
+    """Signed int8 codes [..., out, padded in] times their group's scale -> [..., out, in] in dtype,
+    each product computed in float32 and rounded as it is stored."""
+    lead = codes.shape[:-1]
+    out = torch.empty((*lead, codes.shape[-1] // GROUP, GROUP), dtype=dtype, device=codes.device)
+    torch.mul(codes.view(*lead, -1, GROUP), scale.float()[..., None], out=out)
+    return out.view(*lead, -1)[..., :in_f]
 
 
 def _apply_groups(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
