@@ -542,8 +542,9 @@ class TieredExperts(nn.Module):
                                     torch.ones(topk_ids.numel(), dtype=torch.int64))
         flat_ids = torch.where(active, topk_ids, -1)
         ids_cpu = flat_ids.cpu()
-        needed = [int(e) for e in torch.unique(ids_cpu) if e >= 0]
-        counts = {e: int((ids_cpu == e).sum()) for e in needed}
+        picks = torch.bincount(ids_cpu[ids_cpu >= 0], minlength=len(self._stores)).tolist()
+        needed = [e for e, n in enumerate(picks) if n]
+        counts = {e: picks[e] for e in needed}
 
         # ssd experts not in the device cache: from the host-RAM cache, or read from the file. The
         # reads are queued first, so the reader threads work while everything else computes.
@@ -625,8 +626,8 @@ class TieredExperts(nn.Module):
     # -- the grouped path ------------------------------------------------------------------------
     def _grouped_runs(self, x: torch.Tensor) -> bool:
         """Whether forward's steps beyond the fused path take the grouped path (DecodeConfig's
-        experts_impl and tiered_stack_bytes say when): torch's grouped GEMM takes bf16 on CUDA with
-        16-byte aligned rows; on the CPU it runs when experts_impl is "grouped_mm"."""
+        experts_impl says when): torch's grouped GEMM takes bf16 on CUDA with 16-byte aligned rows;
+        on the CPU it runs when experts_impl is "grouped_mm"."""
         impl = self.decode.experts_impl
         if impl not in ("grouped_mm", "triton") or not hasattr(torch.nn.functional, "grouped_mm"):
             return False
@@ -702,7 +703,7 @@ class TieredExperts(nn.Module):
                 if out is None:
                     out = deq.new_empty(len(chunk), *first.shape)
                 out[torch.tensor([i for i, _ in members], device=deq.device)] = deq
-            stacks.append(out)
+            stacks.append(out.contiguous())    # rows padded to whole groups come back as a strided view
         return tuple(stacks)
 
 

@@ -167,7 +167,7 @@ def dequantize_parts(fmt: str, shape: tuple[int, int], parts: dict[str, torch.Te
     the signed codes of int4, ternary and ternary2 are multiplied by their float32 scales straight
     into a dtype output (one pass over it, the same products and the same rounding)."""
     base, rank = parse_format(fmt)
-    out_f, in_f = shape
+    in_f = shape[1]
     p = parts
     to = torch.float32 if rank else dtype       # a low-rank part is added in float32, before the rounding
     if base == "bf16":
