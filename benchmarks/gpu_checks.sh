@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
-# The GPU-machine checks, in one call (device tool): CUDA parity/tiering tests, the NVML probe test,
-# then the needle/speed/energy benchmark. Logs under $OUT. Usage: bash benchmarks/gpu_checks.sh [DATA_DIR]
+# The GPU-machine checks in one device call (under its 10-minute limit): the engine's CUDA tests,
+# then the benchmarks waiting for a GPU: engine_paths_h200.py (where the speed suite's engine rate
+# goes) and tiered_prefill.py --device cuda (prefill of packed experts, per-expert against grouped).
+# Logs and JSON under $OUT. Carry .gpu_data (a copy of ../shared/datasets) and .peers
+# (`python3 benchmarks/peers_h200.py stage-source --to .peers`: the tokenizer the checkpoints take).
+# Usage: bash benchmarks/gpu_checks.sh [DATA_DIR]
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MOEBENCH_DATA_DIR=${1:-$PWD/.gpu_data}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L; python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())'
-timeout 300 python3 -m pytest -q -p no:cacheprovider -k "cuda or nvml" tests/test_engine_parity.py tests/test_engine_generate.py \
-    tests/test_engine_tiering.py tests/test_probes.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -25
-timeout 420 python3 benchmarks/needle_speed_gpu.py --out "$OUT" 2>&1 | tee "$OUT/needle_speed.log" | tail -40
+timeout 150 python3 -m pytest -q -p no:cacheprovider \
+    -k 'cuda or nvml or gpu or l2_prefetch or prefetch_programs or packed_evict_first' \
+    tests/test_engine_kernels.py tests/test_engine_parity.py tests/test_engine_generate.py tests/test_engine_tiering.py \
+    tests/test_engine_ssd_tier.py tests/test_probes.py tests/test_probes_gpus.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -5
+timeout 180 python3 benchmarks/engine_paths_h200.py --out "$OUT" 2>&1 | tee "$OUT/engine_paths.log" | tail -7
+timeout 240 python3 benchmarks/tiered_prefill.py --device cuda --out "$OUT" 2>&1 | tee "$OUT/tiered_prefill.log" | tail -14

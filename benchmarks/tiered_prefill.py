@@ -17,7 +17,10 @@ per-expert run's on the same artifact. Shapes: Qwen3-30B-A3B's with --experts ex
 --layers layers on CUDA (bf16), a small one on the CPU (float32).
 
     python3 benchmarks/tiered_prefill.py --out benchmarks/results                 # the CPU
-    MOEBENCH_DATA_DIR=<datasets> python3 benchmarks/tiered_prefill.py --device cuda --out $OUT
+    PYTHONPATH=$PWD python3 benchmarks/tiered_prefill.py --device cuda --out $OUT  # a device call
+
+The checkpoint takes the zoo's tokenizer, or on a device machine the copy in .peers/tokenizer
+(`peers_h200.py stage-source --to .peers`, carried).
 """
 from __future__ import annotations
 
