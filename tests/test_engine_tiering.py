@@ -228,10 +228,10 @@ def test_tiered_experts_match_dense_math():
 GROUPED_FORMATS = ["int8", "int4", "ternary", "int4_asym+r4", "bf16", "ternary2", "int8", "int4"]
 
 
-def _mixed_experts(seed: int) -> list[QuantizedExpert]:
+def _mixed_experts(seed: int, formats: list[str] = GROUPED_FORMATS) -> list[QuantizedExpert]:
     g = torch.Generator().manual_seed(seed)
     return [QuantizedExpert(*(quantize(torch.randn(*s, generator=g) * .1, f) for s in ((I, H), (I, H), (H, I))))
-            for f in GROUPED_FORMATS]
+            for f in formats]
 
 
 def _module(experts, homes, device, dtype, cache_slots=1, **decode) -> TieredExperts:
@@ -260,10 +260,15 @@ def test_grouped_path_numbers_do_not_depend_on_placement_or_chunks():
                            tiered_stack_bytes=budget)
         split = _module(experts, homes, "cpu", torch.float32, experts_impl="grouped_mm", tiered_stack_bytes=budget)
         assert split._grouped_runs(x) and not per_expert._grouped_runs(x)
+        # all eight resident experts in one stack: no routing on the host (the split module always needs it)
+        assert resident._grouped_in_one_stack(TOP_K, x.dtype) == (budget == 1 << 30)
+        assert not split._grouped_in_one_stack(TOP_K, x.dtype)
         ref = resident(x, ids, w)
         for _ in range(2):                    # the second call finds the last fetched host expert cached
             assert torch.equal(split(x, ids, w), ref), budget
         assert torch.allclose(ref, want, atol=1e-5, rtol=0)
+        rtel = resident.telemetry()
+        assert rtel["picks_gpu"] == rtel["routed"] == 40 * TOP_K, (budget, rtel)
         tel = split.telemetry()
         assert tel["tokens_gpu"] + tel["tokens_host_hit"] + tel["tokens_host_miss"] == 2 * 40 * TOP_K
         assert tel["cache_hits"] == 1 and tel["cache_misses"] == 2 * 5 - 1, (budget, tel)
@@ -293,9 +298,10 @@ def test_grouped_path_route_tail_skip_leaves_out_the_same_picks():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch's grouped GEMM in bf16)")
 def test_cuda_grouped_prefill_numbers_do_not_depend_on_placement():
     """experts_impl "triton" on CUDA: a 64-token step (beyond the fused path) runs the grouped path;
-    host and gpu homes give exactly the all-resident output whatever the chunking, close to the
-    per-expert path's."""
-    experts = _mixed_experts(8)
+    host and gpu homes (routing on the host) give exactly the all-resident output (in one stack
+    without the routing on the host, or in one stack per expert), close to the per-expert path's."""
+    # the fused kernels (experts_impl "triton") take no low-rank formats
+    experts = _mixed_experts(8, [f.split("+")[0] for f in GROUPED_FORMATS])
     homes = ["gpu", "gpu"] + ["host"] * 6
     g = torch.Generator().manual_seed(9)
     x = torch.randn(64, H, generator=g).to("cuda", torch.bfloat16)
@@ -307,7 +313,8 @@ def test_cuda_grouped_prefill_numbers_do_not_depend_on_placement():
                            tiered_stack_bytes=budget)
         split = _module(experts, homes, "cuda", torch.bfloat16, cache_slots=2, experts_impl="triton",
                         tiered_stack_bytes=budget)
-        assert split._grouped_runs(x)
+        assert split._grouped_runs(x) and not split._grouped_in_one_stack(TOP_K, x.dtype)
+        assert resident._grouped_in_one_stack(TOP_K, x.dtype) == (budget == 1 << 30)   # no host sync then
         ref = resident(x, ids, w)
         for _ in range(2):
             assert torch.equal(split(x, ids, w), ref), budget

@@ -248,9 +248,11 @@ class DecodeConfig:
     tiered_stack_bytes: tiered experts' steps beyond the fused path (prefill, larger batches) with
         experts_impl "grouped_mm", or "triton" where torch's grouped GEMM runs (bf16 on CUDA),
         dequantize the picked experts into stacks and run them as three grouped GEMMs: this is the
-        most bytes those stacks hold at once (a layer's picks run in chunks of as many experts as
-        fit, at least one). Dequantizing one of the three stacks takes float32 temporaries of up to
-        about 2.5 times its bytes on top, and the chunk's packed weights stay referenced until then.
+        most bytes of dequantized gate, up and down one stack holds (a layer's experts are split
+        by id into ranges of as many as fit, at least one). A layer whose experts are all in GPU
+        memory and fit one stack runs without the routing on the host. Dequantizing takes
+        temporaries on top: a byte or two a weight for the codes, four for int4_asym's and the
+        low-rank formats' float32 weights.
     """
 
     experts_impl: str = "auto"

@@ -22,7 +22,8 @@ the guessed records' disk reads then; a wrong guess costs disk time, never corre
 
 Steps beyond the fused path run the picked experts one at a time (the per-expert path) or, where
 torch's grouped GEMM runs and DecodeConfig.experts_impl asks for it, dequantized into stacks in
-expert-id order and multiplied as three grouped GEMMs (the grouped path: prefill on CUDA).
+expert-id order and multiplied as three grouped GEMMs (the grouped path: prefill on CUDA); a layer
+whose experts all live in GPU memory and fit one stack takes that path without a host sync.
 
 Numbers never depend on placement: every expert's output goes into its own (token, rank) cell and
 the weighted sum over ranks happens once at the end in a fixed order, so the order in which the tiers
@@ -523,6 +524,9 @@ class TieredExperts(nn.Module):
         c["calls"] += 1
         if self.partials_ok(T):
             return self._fused(x, topk_ids, topk_w)
+        if self._grouped_runs(x) and self._grouped_in_one_stack(k, x.dtype):
+            contrib = self._grouped_resident(x, topk_ids)
+            return (contrib.float() * topk_w.float()[..., None]).sum(dim=1).to(x.dtype)
         active = torch.ones_like(topk_ids, dtype=torch.bool)
         cached_at_start = dict(self._cache)      # kept: a later chunk's fetches may evict them
         if self.skip_tail_from is not None and self.skip_tail_from < k:
@@ -644,47 +648,90 @@ class TieredExperts(nn.Module):
         key = next((self.layer, e) for e, h in enumerate(self.homes) if h == "ssd")
         return tuple(self.disk.pack.entries[key]["shapes"]["gate"])
 
+    def _stack_experts(self, dtype: torch.dtype) -> int:
+        """How many experts' dequantized gate, up and down one stack of the grouped path holds
+        (DecodeConfig.tiered_stack_bytes; at least one)."""
+        inter, hidden = self._expert_shape()
+        per_expert = 3 * inter * hidden * torch.empty(0, dtype=dtype).element_size()
+        return max(1, self.decode.tiered_stack_bytes // per_expert)
+
+    def _grouped_in_one_stack(self, k: int, dtype: torch.dtype) -> bool:
+        """Whether the grouped path can run without the routing on the host: every expert in GPU
+        memory, no route-tail-skip, and all of the layer's experts fit one stack."""
+        return (bool(self._is_gpu.all()) and (self.skip_tail_from is None or self.skip_tail_from >= k)
+                and self._stack_experts(dtype) >= len(self._stores))
+
+    def _grouped_resident(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The grouped path of a layer whose experts are all in GPU memory and fit one stack, with no
+        host sync: group sizes are counted on the device (so a step needs no routing on the host,
+        as the dense experts' grouped GEMM), and every expert is dequantized, picked or not. The
+        GEMMs are those of _grouped's single stack (E groups, empty ones included), so the numbers
+        are those of the same experts in other homes. Picks are counted in the device histogram
+        (count_tier_picks), not in the host counters (as on the fused path)."""
+        T, k = topk_ids.shape
+        E = len(self._stores)
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        # histc, not bincount: no host sync (bincount sizes its output from the data)
+        sizes = torch.histc(flat.float() if flat.device.type == "cpu" else flat.int(), bins=E, min=0, max=E - 1)
+        counted = self.device_counter(0)
+        if counted is not None:
+            counted.add_(sizes.to(counted.dtype))
+        offs = torch.cumsum(sizes, 0, dtype=torch.int32)
+        stacks = self._dequantized(list(range(E)), enumerate(self._stores), x.dtype)
+        y = x.new_empty(T * k, x.shape[-1])
+        y[order] = self._swiglu_grouped(x[order // k], stacks, offs)
+        return y.view(T, k, -1)
+
     def _grouped(self, x: torch.Tensor, flat_ids: torch.Tensor, needed: list[int], counts: dict[int, int],
                  cached_at_start: dict[int, QuantizedExpert], ssd_ram: dict[int, QuantizedExpert]) -> torch.Tensor:
         """Every picked expert's output [T, k, H] (0 where a pick was skipped), through torch's
-        grouped GEMM: the (token, rank) pairs sorted by expert; the picked experts, in id order and
-        in chunks of at most decode.tiered_stack_bytes of dequantized weights, fetched (_acquire),
-        dequantized into three stacks (each format's experts at once) and multiplied by their
-        pairs' rows as three grouped GEMMs. The stacks' order and chunks depend only on the
-        routing, never on where an expert lives, so neither do the numbers."""
+        grouped GEMM: the (token, rank) pairs sorted by expert; the experts split by id into ranges
+        of as many as one stack holds (_stack_experts); for each range with picks, its picked
+        experts fetched (_acquire) and dequantized into the range's three stacks (each format's
+        experts at once; unpicked slots are left unwritten: their groups are empty) and the range's
+        pairs multiplied as three grouped GEMMs. The ranges and the GEMMs' shapes depend only on
+        the layer's size and the routing, never on where an expert lives, so neither do the numbers."""
         T, k = flat_ids.shape
-        inter, hidden = self._expert_shape()
-        per_expert = 3 * inter * hidden * x.element_size()
-        per_chunk = max(1, self.decode.tiered_stack_bytes // per_expert)
+        E = len(self._stores)
+        per_stack = self._stack_experts(x.dtype)
         # skipped pairs (-1) sort after every expert's and are left out of the groups
-        key = torch.where(flat_ids >= 0, flat_ids, len(self._stores)).reshape(-1)
+        key = torch.where(flat_ids >= 0, flat_ids, E).reshape(-1)
         order = torch.argsort(key, stable=True)
         y = x.new_zeros(T * k, x.shape[-1])
         start = 0
-        for i in range(0, len(needed), per_chunk):
-            chunk = needed[i:i + per_chunk]
-            sizes = torch.tensor([counts[e] for e in chunk], dtype=torch.int32)
+        for first in range(0, E, per_stack):
+            ids = list(range(first, min(first + per_stack, E)))
+            picked = [e for e in ids if e in counts]
+            if not picked:
+                continue
+            sizes = torch.tensor([counts.get(e, 0) for e in ids], dtype=torch.int32)
             offs = torch.cumsum(sizes, 0, dtype=torch.int32).to(x.device)
-            w_gate, w_up, w_down = self._dequantized(chunk, self._acquire(chunk, counts, cached_at_start, ssd_ram),
-                                                     x.dtype)
+            stacks = self._dequantized(ids, self._acquire(picked, counts, cached_at_start, ssd_ram), x.dtype)
             n = int(sizes.sum())
             pairs = order[start:start + n]
-            xs = x[pairs // k]
-            gate = torch.nn.functional.grouped_mm(xs, w_gate.transpose(1, 2), offs=offs)
-            up = torch.nn.functional.grouped_mm(xs, w_up.transpose(1, 2), offs=offs)
-            y[pairs] = torch.nn.functional.grouped_mm(torch.nn.functional.silu(gate) * up,
-                                                      w_down.transpose(1, 2), offs=offs)
+            y[pairs] = self._swiglu_grouped(x[pairs // k], stacks, offs)
             start += n
         return y.view(T, k, -1)
 
     @staticmethod
-    def _dequantized(chunk: list[int], acquired, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """The gate, up and down stacks [len(chunk), out, in] in `dtype` of the experts `acquired`
-        yields (expert, weights), in `chunk`'s order: the experts of one format dequantized together
-        (quant.dequantize_parts over their stacked parts), which gives each the same weight as its
-        own QuantizedTensor.dequantize."""
+    def _swiglu_grouped(xs: torch.Tensor, stacks: tuple[torch.Tensor, ...], offs: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate xs) * up xs) per group of rows of xs (offs: the groups' ends), group g with
+        the stacks' slot g."""
+        grouped_mm = torch.nn.functional.grouped_mm
+        w_gate, w_up, w_down = stacks
+        gate = grouped_mm(xs, w_gate.transpose(1, 2), offs=offs)
+        up = grouped_mm(xs, w_up.transpose(1, 2), offs=offs)
+        return grouped_mm(torch.nn.functional.silu(gate) * up, w_down.transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def _dequantized(ids: list[int], acquired, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The gate, up and down stacks [len(ids), out, in] in `dtype`, slot i for expert ids[i], of
+        the experts `acquired` yields (expert, weights); slots of experts it does not yield are left
+        unwritten. The experts of one format are dequantized together (quant.dequantize_parts over
+        their stacked parts), which gives each the same weight as its own QuantizedTensor.dequantize."""
         from .quant import dequantize_parts
-        slot = {e: i for i, e in enumerate(chunk)}
+        slot = {e: i for i, e in enumerate(ids)}
         by_fmt: dict[str, list[tuple[int, QuantizedExpert]]] = {}
         for e, weights in acquired:
             by_fmt.setdefault(weights.fmt, []).append((slot[e], weights))
@@ -697,11 +744,11 @@ class TieredExperts(nn.Module):
                 parts = {name: torch.stack([getattr(w, m).parts[name] for _, w in members])
                          for name in first.parts}
                 deq = dequantize_parts(fmt, first.shape, parts, dtype)
-                if len(members) == len(chunk):
-                    out = deq              # one format: already in chunk order
+                if len(members) == len(ids):
+                    out = deq              # one format, every slot: already in slot order
                     break
                 if out is None:
-                    out = deq.new_empty(len(chunk), *first.shape)
+                    out = deq.new_empty(len(ids), *first.shape)
                 out[torch.tensor([i for i, _ in members], device=deq.device)] = deq
             stacks.append(out.contiguous())    # rows padded to whole groups come back as a strided view
         return tuple(stacks)
