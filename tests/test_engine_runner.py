@@ -80,6 +80,12 @@ def test_identity_records_the_engine_decode_config(zoo, runner):
     assert runner.decode.is_resolved and runner.engine.decode is runner.decode
 
 
+def test_tiered_stack_mib_reaches_the_decode_config(zoo, runner):
+    small = EngineRunner({"model": str(zoo / "tiny-moe"), "tiered_stack_mib": 64}, None)
+    assert small.identity()["build"]["decode"]["tiered_stack_bytes"] == 64 << 20
+    assert runner.identity()["build"]["decode"]["tiered_stack_bytes"] == 1024 << 20
+
+
 @pytest.mark.parametrize("key", ["prefetch_host", "int8_activations"])
 def test_fused_kernel_options_without_the_fused_kernels_are_a_profile_error(zoo, key):
     from moebench.config import ProfileError

@@ -295,6 +295,21 @@ def test_grouped_path_route_tail_skip_leaves_out_the_same_picks():
         {k: tels[1][k] for k in ("tokens_gpu", "tokens_host_miss", "cache_misses")}
 
 
+def test_grouped_path_out_of_memory_names_the_stack_setting(monkeypatch):
+    """Running out of memory on the grouped path says which setting sizes its stacks, on both of its
+    ways (one stack without host routing, ranges with it)."""
+    def no_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(TieredExperts, "_swiglu_grouped", staticmethod(no_memory))
+    x, ids, w = torch.randn(4, H), torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]]), torch.rand(4, TOP_K)
+    for homes in (["gpu"] * 8, ["gpu", "host"] * 4):
+        m = _module(_mixed_experts(10), homes, "cpu", torch.float32, experts_impl="grouped_mm",
+                    tiered_stack_bytes=64 << 20)
+        with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 2.00 GiB\n\(tiered experts' grouped "
+                           r"path: a stack holds up to 64 MiB .* tiered_stack_mib\)"):
+            m(x, ids, w)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch's grouped GEMM in bf16)")
 def test_cuda_grouped_prefill_numbers_do_not_depend_on_placement():
     """experts_impl "triton" on CUDA: a 64-token step (beyond the fused path) runs the grouped path;

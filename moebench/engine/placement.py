@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from contextlib import nullcontext as _no_stream
+from contextlib import contextmanager, nullcontext as _no_stream
 
 import torch
 from torch import nn
@@ -525,7 +525,8 @@ class TieredExperts(nn.Module):
         if self.partials_ok(T):
             return self._fused(x, topk_ids, topk_w)
         if self._grouped_runs(x) and self._grouped_in_one_stack(k, x.dtype):
-            contrib = self._grouped_resident(x, topk_ids)
+            with self._stack_memory_named():
+                contrib = self._grouped_resident(x, topk_ids)
             return (contrib.float() * topk_w.float()[..., None]).sum(dim=1).to(x.dtype)
         active = torch.ones_like(topk_ids, dtype=torch.bool)
         cached_at_start = dict(self._cache)      # kept: a later chunk's fetches may evict them
@@ -562,7 +563,8 @@ class TieredExperts(nn.Module):
                     self.count_read(self.disk.request((self.layer, e)))
 
         if self._grouped_runs(x):
-            contrib = self._grouped(x, flat_ids, needed, counts, cached_at_start, ssd_ram)
+            with self._stack_memory_named():
+                contrib = self._grouped(x, flat_ids, needed, counts, cached_at_start, ssd_ram)
         else:
             contrib = x.new_zeros(T, k, x.shape[-1])
             for e, weights in self._acquire(needed, counts, cached_at_start, ssd_ram):
@@ -654,6 +656,18 @@ class TieredExperts(nn.Module):
         inter, hidden = self._expert_shape()
         per_expert = 3 * inter * hidden * torch.empty(0, dtype=dtype).element_size()
         return max(1, self.decode.tiered_stack_bytes // per_expert)
+
+    @contextmanager
+    def _stack_memory_named(self):
+        """An out-of-memory error on the grouped path says which setting sizes its stacks."""
+        try:
+            yield
+        except torch.OutOfMemoryError as e:
+            where = "" if self.layer is None else f", layer {self.layer}"
+            raise torch.OutOfMemoryError(
+                f"{e}\n(tiered experts' grouped path{where}: a stack holds up to "
+                f"{self.decode.tiered_stack_bytes / 2**20:g} MiB of dequantized experts: lower "
+                f"DecodeConfig.tiered_stack_bytes, the engine profile's tiered_stack_mib)") from e
 
     def _grouped_in_one_stack(self, k: int, dtype: torch.dtype) -> bool:
         """Whether the grouped path can run without the routing on the host: every expert in GPU

@@ -56,6 +56,10 @@ class EngineSettings(RunnerSettings):
                                      "int8 and int4 experts' decode rounds its activations to int8 per 64 columns "
                                      "and multiplies with dp4a (W8A8 / W4A8: faster on the GPU, slightly "
                                      "different numbers)")
+    tiered_stack_mib: int = setting(int, default=1024, check=positive, low=1, high=1_048_576,
+                                    doc="tiered artifacts on the grouped path (prefill with experts_impl = triton "
+                                    "on CUDA): the most MiB of dequantized experts one stack holds (a layer's "
+                                    "experts run in ranges that fit); lower it where prefill runs out of GPU memory")
 
 
 SCHEMA = EngineSettings.schema()
@@ -317,7 +321,8 @@ class EngineRunner(Runner):
         cfg = DecodeConfig(experts_impl=self.choices["experts_impl"]["value"],
                            int8_activations=self.settings.int8_activations is True,
                            prefetch_host=self.choices["prefetch_host"]["value"],
-                           prefetch_early=self.choices["prefetch_early"]["value"])
+                           prefetch_early=self.choices["prefetch_early"]["value"],
+                           tiered_stack_bytes=self.settings.tiered_stack_mib << 20)
         return cfg.resolved("cuda" if self.device.startswith("cuda") else "cpu")
 
     def _eng(self):
