@@ -16,7 +16,7 @@ tokens a second, the two paths of a plan taking turns after an untimed round; "a
 per-expert run's on the same artifact. Shapes: Qwen3-30B-A3B's with --experts experts a layer and
 --layers layers on CUDA (bf16), a small one on the CPU (float32).
 
-    python3 benchmarks/tiered_prefill.py --out benchmarks/results                 # the CPU
+    python3 benchmarks/tiered_prefill.py --out results/tiered-prefill            # the CPU
     PYTHONPATH=$PWD python3 benchmarks/tiered_prefill.py --device cuda --out $OUT  # a device call
 
 The checkpoint takes the zoo's tokenizer, or on a device machine the copy in .peers/tokenizer
