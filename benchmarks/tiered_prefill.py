@@ -8,13 +8,14 @@ This times both on the same artifacts, beside the bf16 checkpoint the plans were
 
   int8       every expert int8 in device memory
   int4       every expert int4 in device memory
-  mixed      the busier half of each layer's experts int8 in device memory, the rest ternary in host
-             memory (cache_slots 2): host experts are fetched for every prefill chunk
+  mixed      each layer's first half of experts (by id) int8 in device memory, the rest ternary in
+             host memory (cache_slots 2): host experts are fetched for every prefill chunk
 
 Each row is the median of --reps prefills (`Engine.generate(prompt, 1)`, synchronized) as prompt
-tokens a second, the two paths of a plan taking turns after an untimed round; "agrees" compares each grouped run's first token and top-5 log-probs with the
-per-expert run's on the same artifact. Shapes: Qwen3-30B-A3B's with --experts experts a layer and
---layers layers on CUDA (bf16), a small one on the CPU (float32).
+tokens a second, the two paths of a plan taking turns after an untimed round; "agrees" compares
+each grouped run's first token and top-5 log-probs with the per-expert run's on the same artifact.
+Shapes: Qwen3-30B-A3B's with --experts experts a layer and --layers layers on CUDA (bf16), a small
+one on the CPU (float32).
 
     python3 benchmarks/tiered_prefill.py --out results/tiered-prefill            # the CPU
     PYTHONPATH=$PWD python3 benchmarks/tiered_prefill.py --device cuda --out $OUT  # a device call
