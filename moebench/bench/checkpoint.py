@@ -1,5 +1,6 @@
 """A random Qwen3-MoE checkpoint on disk, for benchmarks that load one (peers_h200.py,
-engine_paths_h200.py): the zoo's GPT-2 tokenizer and config, the shape given, random bf16 weights."""
+engine_paths_h200.py, tiered_prefill.py): the zoo's GPT-2 tokenizer and config, the shape given,
+random bf16 weights."""
 from __future__ import annotations
 
 import json

@@ -654,7 +654,7 @@ class TieredExperts(nn.Module):
         """How many experts' dequantized gate, up and down one stack of the grouped path holds
         (DecodeConfig.tiered_stack_bytes; at least one)."""
         inter, hidden = self._expert_shape()
-        per_expert = 3 * inter * hidden * torch.empty(0, dtype=dtype).element_size()
+        per_expert = 3 * inter * hidden * dtype.itemsize
         return max(1, self.decode.tiered_stack_bytes // per_expert)
 
     @contextmanager
