@@ -212,6 +212,18 @@ CHAIN_CANDIDATES = {
     ("gate_up", "ternary"): [(1, 512, 1, 2), (2, 512, 2, 2), (1, 512, 2, 2), (2, 512, 4, 3), (8, 512, 4, 3),
                              (4, 256, 4, 3), (2, 256, 2, 2)],
     ("down", "ternary"): [(4, 256, 2, 2), (16, 256, 4, 3), (2, 256, 1, 2), (4, 256, 4, 3), (8, 128, 4, 3)],
+    # all-int8 / all-int4 plans, float x and int8 x ("a8"; gate_up BN 8 at least): more programs
+    # (BN 4), whole rows per step, more warps
+    ("gate_up", "int8"): [(4, 512, 4, 3), (8, 1024, 4, 2), (4, 1024, 4, 2), (8, 2048, 8, 2), (16, 512, 8, 3),
+                          (2, 2048, 4, 2)],
+    ("down", "int8"): [(8, 256, 4, 3), (16, 128, 4, 3), (8, 128, 4, 3), (32, 256, 8, 3), (16, 512, 4, 2)],
+    ("gate_up", "int4"): [(4, 256, 4, 3), (8, 512, 4, 3), (4, 512, 4, 3), (8, 1024, 4, 2), (16, 256, 8, 3),
+                          (2, 1024, 4, 2)],
+    ("down", "int4"): [(8, 256, 4, 3), (16, 128, 4, 3), (8, 128, 4, 3), (32, 256, 8, 3), (16, 512, 4, 2)],
+    ("gate_up", "int8", "a8"): [(8, 512, 4, 3), (8, 2048, 4, 2), (8, 1024, 8, 3), (16, 1024, 8, 3)],
+    ("down", "int8", "a8"): [(8, 256, 4, 3), (16, 128, 4, 2), (8, 128, 4, 2), (32, 256, 8, 3)],
+    ("gate_up", "int4", "a8"): [(8, 512, 4, 3), (8, 2048, 4, 2), (8, 1024, 8, 2), (16, 1024, 8, 2)],
+    ("down", "int4", "a8"): [(8, 128, 4, 2), (16, 256, 4, 2), (32, 128, 8, 2), (8, 256, 4, 3)],
 }
 ATTENTION_CANDIDATES = [(64, 4, 2), (64, 8, 2), (128, 8, 2), (16, 4, 2)]
 
@@ -229,21 +241,22 @@ def chain_sweep_engine(b: Bench, eng: Engine, keys: list, label: str, attention:
     steps = [(key, c) for key in keys for c in CHAIN_CANDIDATES[key]]
     if attention:
         steps += [(("attention", ""), c) for c in ATTENTION_CANDIDATES]
-    for (kernel, fmt), c in steps:
+    for key, c in steps:
+        kernel, fmt, a8 = key[0], key[1], key[2:] == ("a8",)
         if kernel == "attention":
             trial = replace(cfg, attention=replace(cfg.attention, block_s=c[0], num_warps=c[1], num_stages=c[2]))
         else:
-            trial = cfg.with_launch(kernel, fmt, BN=c[0], BK=c[1], num_warps=c[2], num_stages=c[3])
+            trial = cfg.with_launch(kernel, fmt, a8=a8, BN=c[0], BK=c[1], num_warps=c[2], num_stages=c[3])
         try:
             eng.reconfigure(trial)
             rate = b.rate(eng)["tok_s"]
         except Exception as e:  # noqa: BLE001 - a shape that does not compile is a result too
-            trials.append({"config": f"{kernel}/{fmt} {c}", "error": f"{type(e).__name__}: {e}"[:300]})
-            log(f"    {kernel}/{fmt} {c}: {trials[-1]['error']}")
+            trials.append({"config": f"{'/'.join(key)} {c}", "error": f"{type(e).__name__}: {e}"[:300]})
+            log(f"    {'/'.join(key)} {c}: {trials[-1]['error']}")
             continue
-        trials.append({"config": f"{kernel}/{fmt} {c}", "tok_s": rate})
+        trials.append({"config": f"{'/'.join(key)} {c}", "tok_s": rate})
         kept = rate > 1.01 * best
-        log(f"    {kernel}/{fmt} {c}: {rate:.2f} tok/s{' (kept)' if kept else ''}")
+        log(f"    {'/'.join(key)} {c}: {rate:.2f} tok/s{' (kept)' if kept else ''}")
         if kept:
             best, cfg = rate, trial
     eng.reconfigure(cfg)
@@ -268,6 +281,25 @@ def chain_sweep(b: Bench) -> dict:
     out["int8hot_ternarycold_gpu"] = chain_sweep_engine(b, eng, [("gate_up", "ternary"), ("down", "ternary")],
                                                         "int8hot_ternarycold_gpu")
     b.decode = replace(b.decode, launch=eng.decode.launch)
+    return out
+
+
+@variant("chain_sweep_quant")
+def chain_sweep_quant(b: Bench) -> dict:
+    """chain_sweep_engine on the all-int8 and all-int4 plans, with float x and with int8 x (their
+    shapes were swept one kernel alone, not in the decode chain). The run keeps the winners."""
+    if b.args.no_sweep or b.small:
+        raise Skipped
+    out = {}
+    for name in ("int8", "int4", "int8_a8", "int4_a8"):
+        fmt, a8 = name.split("_")[0], name.endswith("_a8")
+        precision, home = b.plans[name]
+        eng = b.engine(replace(b.decode, int8_activations=a8),
+                       experts=tiered_experts(b.hf, precision, home, b.device, b.dtype))
+        suffix = ("a8",) if a8 else ()
+        out[name] = chain_sweep_engine(b, eng, [("gate_up", fmt) + suffix, ("down", fmt) + suffix], name)
+        b.decode = replace(b.decode, launch=eng.decode.launch)
+        del eng
     return out
 
 
