@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from moebench.engine import Engine  # noqa: E402
 from moebench.engine.engine import EngineError  # noqa: E402
 from moebench.engine import kernels  # noqa: E402
-from moebench.engine.decode_config import DecodeConfig, DecodeConfigError, DecodeMode  # noqa: E402
+from moebench.engine.decode_config import DecodeConfig, DecodeConfigError, DecodeMode, Format  # noqa: E402
 from moebench.engine.model import Experts  # noqa: E402
 from moebench.engine.placement import QuantizedExpert, TieredExperts  # noqa: E402
 from moebench.engine.quant import GROUP, QuantizedTensor, pack_trits, quantize  # noqa: E402
@@ -840,7 +840,7 @@ def test_engine_early_weights_decode_exactly_like_loads_after_the_wait(ckpt, ste
                                             early_launch=EARLY_LAUNCH_KERNELS if on and cuda else (),
                                             ).with_launch("gemv", "dense", BK=32).with_launch("down", "dense", BK=16))
                for on in (False, True)}
-    assert engines[True].decode.early_weights == ("router", "gemv", "down")
+    assert engines[True].decode.early_weights == ("router", "gemv", "down", "down_packed")
     toks = {on: e.generate([prompt], 5, ignore_eos=True)[0].token_ids for on, e in engines.items()}
     assert toks[True] == toks[False]
     tokens, pos = torch.tensor([[toks[True][-1]]], device=DEV), torch.tensor([[len(prompt) + 4]], device=DEV)
@@ -1032,6 +1032,37 @@ def test_fused_moe_early_down_weights_are_exact_with_two_groups():
     # the one-group call served the even experts and zeroed the other pairs' rows
     odd = (ids.flatten() % 2 == 1).to(DEV)
     assert odd.any() and torch.all(got[odd] == 0) and torch.all(got[~odd].abs().sum(1) > 0)
+
+
+@pytest.mark.parametrize("fmt, steps, a8", [("int8", 1, False), ("int8", 4, True), ("int4", 2, True),
+                                            ("int4_asym", 4, False), ("ternary2", 4, True)])
+def test_fused_moe_early_packed_down_words_are_exact(fmt, steps, a8, monkeypatch):
+    """early_weights "down_packed": down's first K steps of packed words (float x, or int8 x where
+    the format has it) loaded before the wait give the same part rows, bit for bit, with a second
+    group of another format in the call and pairs in no group of the first launch. BK 16 bytes
+    (int4: 32, a whole scale group; int8 x: a block's bytes at least): down's rows take 4 to 16
+    steps, all early or more than load early. The launch got EARLY for the packed group's down only; "down" alone (bf16 rows)
+    leaves packed groups without it."""
+    from moebench.engine.kernels import moe
+    g = torch.Generator().manual_seed(31)
+    Hq, Iq = 64, 256
+    fmts = [fmt, "ternary", fmt, fmt, "ternary", fmt]
+    groups, _ = format_groups(fmts, Hq, Iq, g)
+    x = torch.randn(2, Hq, generator=g).to(DEV)
+    ids, w = routing(2, g)
+    bk = 32 if fmt.startswith("int4") else 16
+    base = small(experts_impl="triton", int8_activations=a8).with_launch("down", fmt, BK=bk)
+    if a8:
+        base = base.with_launch("down", fmt, a8=True, BK=bk)
+    launched = spy_grids(monkeypatch, moe, "down_kernel", keys=("EARLY", "FMT_A"))
+    want = fused_moe(x, ids.to(DEV), w.to(DEV), groups, cfg=replace(base, early_weights=("down",)), reduce=False)
+    got = fused_moe(x, ids.to(DEV), w.to(DEV), groups, reduce=False,
+                    cfg=replace(base, early_weights=("down", "down_packed"), early_steps=steps))
+    assert torch.equal(got, want)
+    assert torch.all(got.abs().sum(1) > 0)
+    packed = int(Format.of(fmt))
+    assert [e for _, e, f in launched if f == packed] == [None, steps]
+    assert [e for _, e, f in launched if f != packed] == [None, None]       # base-3 ternary: no early words
 
 
 # ---- the MoE sum deferred into the next add_rmsnorm -----------------------------------------------

@@ -154,7 +154,8 @@ class AttentionLaunch:
         return 2 * self.split_min_slots if self.split_from_slots is None else self.split_from_slots
 
 
-EARLY_WEIGHT_KERNELS = ("router", "gemv", "down")     # DecodeConfig.early_weights
+EARLY_WEIGHT_KERNELS = ("router", "gemv", "down", "down_packed")     # DecodeConfig.early_weights
+DEFAULT_EARLY_WEIGHTS = ("router", "gemv", "down")
 # DecodeConfig.early_launch. Not gate_up: down's early loads read the pair's expert before its own
 # wait, which is safe only while gate_up's programs let down launch after the router has finished.
 EARLY_LAUNCH_KERNELS = ("norm", "gemv", "rope", "attention", "router", "down")
@@ -204,9 +205,11 @@ class DecodeConfig:
         before the PDL wait, so their DRAM latency overlaps the kernel before them: "router" (the
         fused norm + router's weight rows), "gemv" (the attention projections' first early_steps K
         steps), "down" (bf16 experts' first early_steps K steps: the pair's expert comes from the
-        router, two launches back).
+        router, two launches back), "down_packed" (the same for experts whose down rows are read
+        as int32 words: int8, int4, int4_asym, ternary2, with float or int8 activations).
         Weights never change during a step, so this reads nothing the wait protects; the sums are
-        the same, bit for bit. Default all three, with early_steps 2 and early_launch all (see there).
+        the same, bit for bit. Default DEFAULT_EARLY_WEIGHTS (all but "down_packed", which no H200
+        A/B has measured yet), with early_steps 2 and early_launch all (see there).
     early_steps: how many K steps of weights the "gemv" and "down" early loads cover (1 to
         MAX_EARLY_STEPS, never more than the kernel has): more bytes in flight before the wait.
     early_launch: kernels, of EARLY_LAUNCH_KERNELS, that let the next kernel start launching before
@@ -271,7 +274,7 @@ class DecodeConfig:
     defer_moe_sum: bool = True
     fused_norm_router: bool = True
     rope_in_attention: bool = False
-    early_weights: tuple[str, ...] = EARLY_WEIGHT_KERNELS
+    early_weights: tuple[str, ...] = DEFAULT_EARLY_WEIGHTS
     early_steps: int = 2
     early_launch: tuple[str, ...] = EARLY_LAUNCH_KERNELS
     lm_head_gemv: bool = True

@@ -210,17 +210,29 @@ if triton is not None:
 
 
     @triton.jit
+    def word_tile(base, rmask, k0, KB, BK: tl.constexpr, EVICT: tl.constexpr = tl.constexpr("")):
+        """The int32 words [BN, BK/4] of rows `base` (one pointer per row) for the K step from byte
+        k0; 0 past the row's KB bytes and in masked rows."""
+        wi = k0 // 4 + tl.arange(0, BK // 4)
+        return tl.load(base + wi[None, :], mask=rmask[:, None] & (wi < KB // 4)[None, :], other=0,
+                       eviction_policy=EVICT)
+
+    @triton.jit
     def word_dots(base, s_row, m_row, rmask, x_ptr, k0, K, KB,
                   FMT: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  EVICT: tl.constexpr = tl.constexpr("")):
+                  EVICT: tl.constexpr = tl.constexpr(""), wv_pre=None, PRE: tl.constexpr = False):
         """row_dots for int8 / int4 / int4_asym / ternary2 rows read as int32 words (BK bytes = BK/4
         words per step) with float x. No int-to-float conversion instructions, which run at 1/8 of the
         FMA rate and capped the byte path: a code c in the low bits of (0x4B000000 | c) read as a
         float is 2^23 + c, so one OR and one float subtract decode it. int8 bytes are flipped to
         offset binary (XOR 0x80) first; int4 codes are already unsigned. x is loaded once per step
-        and split in registers (word_x). EVICT: the word loads' L2 eviction policy."""
+        and split in registers (word_x). EVICT: the word loads' L2 eviction policy. PRE: the step's
+        words are wv_pre, loaded already (word_tile), so the sums are the same as loading them here."""
         wi = k0 // 4 + tl.arange(0, BK // 4)
-        wv = tl.load(base + wi[None, :], mask=rmask[:, None] & (wi < KB // 4)[None, :], other=0, eviction_policy=EVICT)
+        if PRE:
+            wv = wv_pre
+        else:
+            wv = word_tile(base, rmask, k0, KB, BK, EVICT)
         acc = tl.zeros((BN, BK // 4), dtype=tl.float32)
         if FMT == FMT_INT8:
             wv = wv ^ -2139062144                      # 0x80808080: byte q -> q + 128
@@ -280,23 +292,25 @@ if triton is not None:
     def row_dots(w_ptr, s_ptr, m_ptr, slot, rows, rmask, x_ptr, k0, K, KB,
                  stride_we, stride_wr, stride_se, stride_sr,
                  FMT: tl.constexpr, MODE: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, QB: tl.constexpr, EVICT: tl.constexpr = tl.constexpr("")):
+                 BK: tl.constexpr, QB: tl.constexpr, EVICT: tl.constexpr = tl.constexpr(""),
+                 wv_pre=None, PRE: tl.constexpr = False):
         """[BN] partial dots of rows of one expert with x over one K step (int8: unscaled codes).
         EVICT: the weight loads' L2 eviction policy (the launch sets it from experts_evict_first for
         dense rows and int8 byte rows, from packed_evict_first for the others).
         Dense/int8 steps cover BK columns from k0; packed formats cover BK *bytes* from k0 (int4:
         2 columns per byte, ternary: 5), so each loaded byte is decoded once, whole, in registers.
         MODE WORDS / INT8_ACTIVATIONS: the rows come as an int32 view (strides in words); see word_dots
-        and int8_activations.a8_word_dots (x_ptr is then x's quantized row, blocks of QB columns)."""
+        and int8_activations.a8_word_dots (x_ptr is then x's quantized row, blocks of QB columns).
+        PRE (those modes, not base-3 ternary): the step's words are wv_pre, loaded already (word_tile)."""
         base = w_ptr + slot * stride_we + rows[:, None] * stride_wr
         s_row = s_ptr + slot * stride_se + rows[:, None] * stride_sr     # unused (and not built) for dense rows
         if MODE != MODE_BYTES and FMT == FMT_TERNARY:
             return trit_word_dots(base, s_row, rmask, x_ptr, k0, K, KB, GROUP_SIZE, BN, BK, EVICT)
         elif MODE == MODE_INT8_ACT:
-            return a8_word_dots(base, s_row, rmask, x_ptr, k0, K, KB, FMT, GROUP_SIZE, BN, BK, QB, EVICT)
+            return a8_word_dots(base, s_row, rmask, x_ptr, k0, K, KB, FMT, GROUP_SIZE, BN, BK, QB, EVICT, wv_pre, PRE)
         elif MODE != MODE_BYTES:
             return word_dots(base, s_row, m_ptr + slot * stride_se + rows[:, None] * stride_sr, rmask, x_ptr,
-                             k0, K, KB, FMT, GROUP_SIZE, BN, BK, EVICT)
+                             k0, K, KB, FMT, GROUP_SIZE, BN, BK, EVICT, wv_pre, PRE)
         else:   # an explicit else: the compiler builds code after a constexpr-if's return too
             i = k0 + tl.arange(0, BK)
             if FMT <= FMT_INT8:
@@ -333,4 +347,4 @@ if triton is not None:
                         return tl.sum(s * per_group + mn * x_group[None, :], axis=1)
 
 else:       # no Triton here: the names exist, require() refuses the launches
-    row_dots = dense_dot_pair = trit_word_dot_pair = None
+    row_dots = dense_dot_pair = trit_word_dot_pair = word_tile = None

@@ -142,13 +142,18 @@ if triton is not None:
 
     @triton.jit
     def a8_word_dots(base, s_row, rmask, x_ptr, k0, K, KB, FMT: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, QB: tl.constexpr, EVICT: tl.constexpr = tl.constexpr("")):
+                     BN: tl.constexpr, BK: tl.constexpr, QB: tl.constexpr, EVICT: tl.constexpr = tl.constexpr(""),
+                     wv_pre=None, PRE: tl.constexpr = False):
         """row_dots of int8 / int4 / ternary2 rows (int32 words) with x quantized beforehand (x_ptr is
         the store_quant row, QB columns per block): four multiply-adds per dp4a on the raw weight
         bytes, exact int32 sums per block, one float multiply per block (and per weight group). EVICT:
-        the word loads' L2 eviction policy."""
+        the word loads' L2 eviction policy. PRE: the step's words are wv_pre, loaded already."""
         wi = k0 // 4 + tl.arange(0, BK // 4)
-        wv = tl.load(base + wi[None, :], mask=rmask[:, None] & (wi < KB // 4)[None, :], other=0, eviction_policy=EVICT)
+        if PRE:
+            wv = wv_pre
+        else:
+            wv = tl.load(base + wi[None, :], mask=rmask[:, None] & (wi < KB // 4)[None, :], other=0,
+                         eviction_policy=EVICT)
         zero = tl.zeros((BN, BK // 4), dtype=tl.int32)
         if FMT == FMT_INT8:
             NB: tl.constexpr = BK // QB

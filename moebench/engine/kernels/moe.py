@@ -23,6 +23,11 @@ from .runtime import KernelError, early_steps, next_pow2, pdl_launch, require
 from .staging import host_lane, side_stream
 
 
+# Formats whose down rows the expert kernels read as int32 words (word_dots, a8_word_dots), so down
+# can load its first K steps before its wait (_early_down_steps).
+EARLY_PACKED_FORMATS = ("int8", "int4", "int4_asym", "ternary2")
+
+
 def _row_bytes(rows: Tensor) -> int:
     """The kernels' KB, the length of the rows a launch reads: in bytes for a word view (int32; for
     base-3 ternary the padded rows), else the stored row's last dimension."""
@@ -114,6 +119,18 @@ def _tail_skip(ids: Tensor, out: Tensor, part: Tensor, skip: TailSkip, cfg: Deco
     return out
 
 
+def _early_down_steps(a: _GroupArgs, bk: int, cfg: DecodeConfig) -> int:
+    """down's EARLY constexpr for a launch led by group `a` (K steps of `bk`): dense rows read as
+    elements ("down" in early_weights) or int8 / int4 / int4_asym / ternary2 rows read as words
+    ("down_packed"); 0 for other rows (base-3 ternary, byte reads)."""
+    g = a.group
+    if g.fmt == "dense" and a.down_mode == DecodeMode.BYTES:
+        return early_steps("down", g.down.cols, bk, cfg)
+    if g.fmt in EARLY_PACKED_FORMATS and a.down_mode != DecodeMode.BYTES:
+        return early_steps("down_packed", _row_bytes(g.down.words(a.down_mode)), bk, cfg)
+    return 0
+
+
 def _group_args(g: ExpertGroup, cfg: DecodeConfig) -> _GroupArgs:
     gate_up, down = group_mode(g, "gate_up", cfg), group_mode(g, "down", cfg)
     return _GroupArgs(g, gate_up, down)
@@ -194,15 +211,15 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
             evict = cfg.experts_evict_first if byte_rows else cfg.packed_evict_first
             if evict and not (host and x.is_cuda):   # not pinned host rows read over PCIe
                 meta[kernel]["EVICT"] = "evict_first"
-            if kernel == "down" and a.group.fmt == "dense" and a.down_mode == DecodeMode.BYTES:
-                early = early_steps("down", inter, cfg.launch_for("down", "dense", host=host, a8=a8).BK, cfg)
-                if early:
-                    meta[kernel]["EARLY"] = early
             for tag, ga in (("A", a), ("B", b)):
                 meta[kernel].update(ga.constexprs(tag, kernel, cfg.launch_for(kernel, ga.group.fmt, host=host,
                                                                                a8=a8).BK))
                 if kernel == "down":
                     meta[kernel][f"COUNT_{tag}"] = ga.group.picks is not None
+            if kernel == "down":
+                early = _early_down_steps(a, meta[kernel]["BK_A"], cfg)
+                if early:
+                    meta[kernel]["EARLY"] = early
         gate_up_kernel[(T * k, -(-inter // meta["gate_up"]["BN"]))](
             x, xq, ids, h, hq, inter, H, x.stride(0), xq.stride(0), h.stride(0), hq.stride(0),
             *a.gate_up(ids), *b.gate_up(ids), TOPK=k, **meta["gate_up"], **pdl)

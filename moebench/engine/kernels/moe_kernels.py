@@ -12,7 +12,7 @@ launches them.
 """
 from __future__ import annotations
 
-from .expert_rows import dense_dot_pair, row_dots, trit_word_dot_pair
+from .expert_rows import dense_dot_pair, row_dots, trit_word_dot_pair, word_tile
 from .int8_activations import quant_pack, store_quant
 from .runtime import FMT_INT8, FMT_TERNARY, MODE_BYTES, MODE_INT8_ACT, grid_dependency, tl, triton
 
@@ -137,19 +137,30 @@ if triton is not None:
                              FMT_B, MODE_B, GROUP_SIZE, BN, BK_B, EVICT)
 
     @triton.jit
-    def early_down_tile(d_ptr, slot, rows, rmask, stride_de, stride_dr, K, step, BK: tl.constexpr,
-                        EVICT: tl.constexpr = tl.constexpr("")):
-        """Dense rows `rows` of slot `slot`'s W_down, K step `step` (0 past K, or for slot -1)."""
-        i = step * BK + tl.arange(0, BK)
-        return tl.load(d_ptr + tl.maximum(slot, 0) * stride_de + rows[:, None] * stride_dr + i[None, :],
-                       mask=(slot >= 0) & rmask[:, None] & (i < K)[None, :], other=0.0, eviction_policy=EVICT)
+    def early_down_tile(d_ptr, slot, rows, rmask, stride_de, stride_dr, K, KB, step, FMT: tl.constexpr,
+                        MODE: tl.constexpr, BK: tl.constexpr, EVICT: tl.constexpr = tl.constexpr("")):
+        """Rows `rows` of slot `slot`'s W_down, K step `step`: dense elements (BYTES) or the int32
+        words word_tile loads (WORDS, INT8_ACTIVATIONS); 0 past the row, or for slot -1."""
+        base = d_ptr + tl.maximum(slot, 0) * stride_de + rows[:, None] * stride_dr
+        if MODE == MODE_BYTES:
+            i = step * BK + tl.arange(0, BK)
+            return tl.load(base + i[None, :], mask=(slot >= 0) & rmask[:, None] & (i < K)[None, :], other=0.0,
+                           eviction_policy=EVICT)
+        else:
+            return word_tile(base, (slot >= 0) & rmask, step * BK, KB, BK, EVICT)
 
     @triton.jit
-    def early_down_step(w, h_row, K, step, BK: tl.constexpr):
-        """row_dots' dense BYTES step on weights loaded already: (w . h[step * BK :]) per row."""
-        i = step * BK + tl.arange(0, BK)
-        xk = tl.load(h_row + i, mask=i < K, other=0.0).to(tl.float32)
-        return tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+    def early_down_step(w, h_row, slot, rows, rmask, K, KB, d_ptr, ds_ptr, dm_ptr, stride_de, stride_dr,
+                        stride_dse, stride_dsr, step, FMT: tl.constexpr, MODE: tl.constexpr,
+                        GROUP_SIZE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, QH: tl.constexpr):
+        """row_dots' step `step` on weights loaded already (early_down_tile): the same sums."""
+        if MODE == MODE_BYTES:
+            i = step * BK + tl.arange(0, BK)
+            xk = tl.load(h_row + i, mask=i < K, other=0.0).to(tl.float32)
+            return tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+        else:
+            return row_dots(d_ptr, ds_ptr, dm_ptr, slot, rows, rmask, h_row, step * BK, K, KB, stride_de, stride_dr,
+                            stride_dse, stride_dsr, FMT, MODE, GROUP_SIZE, BN, BK, QH, wv_pre=w, PRE=True)
 
     @triton.jit
     def down_rows(h_row, part_out, w, slot, rows, rmask, K, KB, d_ptr, ds_ptr, dm_ptr,
@@ -158,8 +169,8 @@ if triton is not None:
                   BK: tl.constexpr, QH: tl.constexpr, w0=None, w1=None, w2=None, w3=None,
                   EARLY: tl.constexpr = 0, EVICT: tl.constexpr = tl.constexpr("")):
         """part rows = w * (W_down h) for one expert slot of one group (float32). INT8_ACTIVATIONS: h_row is h's
-        quantized row, blocks of QH columns (gate_up's BN). EARLY (dense rows, BYTES): w0.. hold the
-        first EARLY K steps' weights, loaded already (row_dots' dense steps on them)."""
+        quantized row, blocks of QH columns (gate_up's BN). EARLY: w0.. hold the first EARLY K steps'
+        weights, loaded already (early_down_tile; row_dots' steps on them)."""
         if FMT <= FMT_INT8:
             lim = K
         else:
@@ -168,13 +179,17 @@ if triton is not None:
         if FMT == FMT_INT8:      # before the K loop, as in gate_up_rows
             d_scale = tl.load(ds_ptr + slot * stride_dse + rows * stride_dsr, mask=rmask, other=0.0).to(tl.float32)
         if EARLY >= 1:
-            y += early_down_step(w0, h_row, K, 0, BK)
+            y += early_down_step(w0, h_row, slot, rows, rmask, K, KB, d_ptr, ds_ptr, dm_ptr, stride_de, stride_dr,
+                                 stride_dse, stride_dsr, 0, FMT, MODE, GROUP_SIZE, BN, BK, QH)
         if EARLY >= 2:
-            y += early_down_step(w1, h_row, K, 1, BK)
+            y += early_down_step(w1, h_row, slot, rows, rmask, K, KB, d_ptr, ds_ptr, dm_ptr, stride_de, stride_dr,
+                                 stride_dse, stride_dsr, 1, FMT, MODE, GROUP_SIZE, BN, BK, QH)
         if EARLY >= 3:
-            y += early_down_step(w2, h_row, K, 2, BK)
+            y += early_down_step(w2, h_row, slot, rows, rmask, K, KB, d_ptr, ds_ptr, dm_ptr, stride_de, stride_dr,
+                                 stride_dse, stride_dsr, 2, FMT, MODE, GROUP_SIZE, BN, BK, QH)
         if EARLY >= 4:
-            y += early_down_step(w3, h_row, K, 3, BK)
+            y += early_down_step(w3, h_row, slot, rows, rmask, K, KB, d_ptr, ds_ptr, dm_ptr, stride_de, stride_dr,
+                                 stride_dse, stride_dsr, 3, FMT, MODE, GROUP_SIZE, BN, BK, QH)
         for k0 in range(EARLY * BK, lim, BK):
             y += row_dots(d_ptr, ds_ptr, dm_ptr, slot, rows, rmask, h_row, k0, K, KB,
                           stride_de, stride_dr, stride_dse, stride_dsr, FMT, MODE, GROUP_SIZE, BN, BK, QH, EVICT)
@@ -202,8 +217,8 @@ if triton is not None:
         pair's expert, from the pair's first row block: tier telemetry at the cost of one atomic per
         pair, inside a launch the step makes anyway (so CUDA-graph replays are counted too).
         DROPPED: as gate_up's (a dropped pair is in neither group: zeroed by a FIRST launch).
-        EARLY (group A dense, BYTES; 0 to 4): the pair's slot and its first EARLY K steps of group A's
-        weights are loaded before the PDL wait. The ids and slot maps come from launches before gate_up (the
+        EARLY (group A dense BYTES, or int8 / int4 / int4_asym / ternary2 words; 0 to 4): the pair's
+        slot and its first EARLY K steps of group A's weights are loaded before the PDL wait. The ids and slot maps come from launches before gate_up (the
         router, route-tail-skip, prefetch's maps), which had finished before gate_up's programs
         passed their own wait, so before this launch started; only h is gate_up's.
         EVICT: as gate_up's."""
@@ -217,13 +232,13 @@ if triton is not None:
         w3 = None
         if EARLY >= 1:
             sa = pair_slot(ids_ptr, slot_a, pair, MAP_A, DROPPED)
-            w0 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 0, BK_A, EVICT)
+            w0 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, KB_a, 0, FMT_A, MODE_A, BK_A, EVICT)
         if EARLY >= 2:
-            w1 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 1, BK_A, EVICT)
+            w1 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, KB_a, 1, FMT_A, MODE_A, BK_A, EVICT)
         if EARLY >= 3:
-            w2 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 2, BK_A, EVICT)
+            w2 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, KB_a, 2, FMT_A, MODE_A, BK_A, EVICT)
         if EARLY >= 4:
-            w3 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, 3, BK_A, EVICT)
+            w3 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, KB_a, 3, FMT_A, MODE_A, BK_A, EVICT)
         grid_dependency(PDL, LAUNCH_FIRST)
         if EARLY == 0:
             sa = pair_slot(ids_ptr, slot_a, pair, MAP_A, DROPPED)
