@@ -224,6 +224,8 @@ CHAIN_CANDIDATES = {
     ("down", "int8", "a8"): [(8, 256, 4, 3), (16, 128, 4, 2), (8, 128, 4, 2), (32, 256, 8, 3)],
     ("gate_up", "int4", "a8"): [(8, 512, 4, 3), (8, 2048, 4, 2), (8, 1024, 8, 2), (16, 1024, 8, 2)],
     ("down", "int4", "a8"): [(8, 128, 4, 2), (16, 256, 4, 2), (32, 128, 8, 2), (8, 256, 4, 3)],
+    # DecodeConfig fields: ("decode", field) -> values
+    ("decode", "early_weights"): [("router", "gemv", "down", "down_packed")],
 }
 ATTENTION_CANDIDATES = [(64, 4, 2), (64, 8, 2), (128, 8, 2), (16, 4, 2)]
 
@@ -245,6 +247,8 @@ def chain_sweep_engine(b: Bench, eng: Engine, keys: list, label: str, attention:
         kernel, fmt, a8 = key[0], key[1], key[2:] == ("a8",)
         if kernel == "attention":
             trial = replace(cfg, attention=replace(cfg.attention, block_s=c[0], num_warps=c[1], num_stages=c[2]))
+        elif kernel == "decode":
+            trial = replace(cfg, **{fmt: c})
         else:
             trial = cfg.with_launch(kernel, fmt, a8=a8, BN=c[0], BK=c[1], num_warps=c[2], num_stages=c[3])
         try:
@@ -287,7 +291,8 @@ def chain_sweep(b: Bench) -> dict:
 @variant("chain_sweep_quant")
 def chain_sweep_quant(b: Bench) -> dict:
     """chain_sweep_engine on the all-int8 and all-int4 plans, with float x and with int8 x (their
-    shapes were swept one kernel alone, not in the decode chain). The run keeps the winners."""
+    shapes were swept one kernel alone, not in the decode chain), after early_weights with
+    "down_packed". The run keeps the winners."""
     if b.args.no_sweep or b.small:
         raise Skipped
     out = {}
@@ -297,8 +302,9 @@ def chain_sweep_quant(b: Bench) -> dict:
         eng = b.engine(replace(b.decode, int8_activations=a8),
                        experts=tiered_experts(b.hf, precision, home, b.device, b.dtype))
         suffix = ("a8",) if a8 else ()
-        out[name] = chain_sweep_engine(b, eng, [("gate_up", fmt) + suffix, ("down", fmt) + suffix], name)
-        b.decode = replace(b.decode, launch=eng.decode.launch)
+        out[name] = chain_sweep_engine(b, eng, [("decode", "early_weights"), ("gate_up", fmt) + suffix,
+                                                ("down", fmt) + suffix], name)
+        b.decode = replace(b.decode, launch=eng.decode.launch)    # early_weights: each plan tries its own
         del eng
     return out
 
