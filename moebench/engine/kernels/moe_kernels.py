@@ -137,8 +137,8 @@ if triton is not None:
                              FMT_B, MODE_B, GROUP_SIZE, BN, BK_B, EVICT)
 
     @triton.jit
-    def early_down_tile(d_ptr, slot, rows, rmask, stride_de, stride_dr, K, KB, step, FMT: tl.constexpr,
-                        MODE: tl.constexpr, BK: tl.constexpr, EVICT: tl.constexpr = tl.constexpr("")):
+    def early_down_tile(d_ptr, slot, rows, rmask, stride_de, stride_dr, K, KB, step, MODE: tl.constexpr,
+                        BK: tl.constexpr, EVICT: tl.constexpr = tl.constexpr("")):
         """Rows `rows` of slot `slot`'s W_down, K step `step`: dense elements (BYTES) or the int32
         words word_tile loads (WORDS, INT8_ACTIVATIONS); 0 past the row, or for slot -1."""
         base = d_ptr + tl.maximum(slot, 0) * stride_de + rows[:, None] * stride_dr
@@ -218,9 +218,10 @@ if triton is not None:
         pair, inside a launch the step makes anyway (so CUDA-graph replays are counted too).
         DROPPED: as gate_up's (a dropped pair is in neither group: zeroed by a FIRST launch).
         EARLY (group A dense BYTES, or int8 / int4 / int4_asym / ternary2 words; 0 to 4): the pair's
-        slot and its first EARLY K steps of group A's weights are loaded before the PDL wait. The ids and slot maps come from launches before gate_up (the
-        router, route-tail-skip, prefetch's maps), which had finished before gate_up's programs
-        passed their own wait, so before this launch started; only h is gate_up's.
+        slot and its first EARLY K steps of group A's weights are loaded before the PDL wait. The
+        ids and slot maps come from launches before gate_up (the router, route-tail-skip,
+        prefetch's maps), which had finished before gate_up's programs passed their own wait, so
+        before this launch started; only h is gate_up's.
         EVICT: as gate_up's."""
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -232,13 +233,13 @@ if triton is not None:
         w3 = None
         if EARLY >= 1:
             sa = pair_slot(ids_ptr, slot_a, pair, MAP_A, DROPPED)
-            w0 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, KB_a, 0, FMT_A, MODE_A, BK_A, EVICT)
+            w0 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, KB_a, 0, MODE_A, BK_A, EVICT)
         if EARLY >= 2:
-            w1 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, KB_a, 1, FMT_A, MODE_A, BK_A, EVICT)
+            w1 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, KB_a, 1, MODE_A, BK_A, EVICT)
         if EARLY >= 3:
-            w2 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, KB_a, 2, FMT_A, MODE_A, BK_A, EVICT)
+            w2 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, KB_a, 2, MODE_A, BK_A, EVICT)
         if EARLY >= 4:
-            w3 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, KB_a, 3, FMT_A, MODE_A, BK_A, EVICT)
+            w3 = early_down_tile(da_ptr, sa, rows, rmask, sde_a, sdr_a, K, KB_a, 3, MODE_A, BK_A, EVICT)
         grid_dependency(PDL, LAUNCH_FIRST)
         if EARLY == 0:
             sa = pair_slot(ids_ptr, slot_a, pair, MAP_A, DROPPED)
