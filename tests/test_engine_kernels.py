@@ -1041,8 +1041,8 @@ def test_fused_moe_early_packed_down_words_are_exact(fmt, steps, a8, monkeypatch
     the format has it) loaded before the wait give the same part rows, bit for bit, with a second
     group of another format in the call and pairs in no group of the first launch. BK 16 bytes
     (int4: 32, a whole scale group; int8 x: a block's bytes at least): down's rows take 4 to 16
-    steps, all early or more than load early. The launch got EARLY for the packed group's down only; "down" alone (bf16 rows)
-    leaves packed groups without it."""
+    steps, all early or more than load early. The launch got EARLY for the packed group's down
+    only; "down" alone (bf16 rows) leaves packed groups without it."""
     from moebench.engine.kernels import moe
     g = torch.Generator().manual_seed(31)
     Hq, Iq = 64, 256
