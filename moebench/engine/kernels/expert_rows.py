@@ -12,7 +12,7 @@ decoded once, whole, in registers. Three decodes:
 from __future__ import annotations
 
 from .int8_activations import a8_word_dots
-from .runtime import FMT_INT4, FMT_INT8, FMT_TERNARY, FMT_TERNARY2, MODE_BYTES, MODE_INT8_ACT, tl, triton
+from .runtime import FMT_INT4, FMT_INT8, FMT_TERNARY, FMT_TERNARY2, MODE_BYTES, MODE_INT8_ACT, tl, triton, word_tile
 
 if triton is not None:
     @triton.jit
@@ -210,14 +210,6 @@ if triton is not None:
 
 
     @triton.jit
-    def word_tile(base, rmask, k0, KB, BK: tl.constexpr, EVICT: tl.constexpr = tl.constexpr("")):
-        """The int32 words [BN, BK/4] of rows `base` (one pointer per row) for the K step from byte
-        k0; 0 past the row's KB bytes and in masked rows."""
-        wi = k0 // 4 + tl.arange(0, BK // 4)
-        return tl.load(base + wi[None, :], mask=rmask[:, None] & (wi < KB // 4)[None, :], other=0,
-                       eviction_policy=EVICT)
-
-    @triton.jit
     def word_dots(base, s_row, m_row, rmask, x_ptr, k0, K, KB,
                   FMT: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   EVICT: tl.constexpr = tl.constexpr(""), wv_pre=None, PRE: tl.constexpr = False):
@@ -347,4 +339,4 @@ if triton is not None:
                         return tl.sum(s * per_group + mn * x_group[None, :], axis=1)
 
 else:       # no Triton here: the names exist, require() refuses the launches
-    row_dots = dense_dot_pair = trit_word_dot_pair = word_tile = None
+    row_dots = dense_dot_pair = trit_word_dot_pair = None

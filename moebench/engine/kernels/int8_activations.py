@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..quant import GROUP
-from .runtime import FMT_INT8, FMT_TERNARY2, grid_dependency, tl, triton
+from .runtime import FMT_INT8, FMT_TERNARY2, grid_dependency, tl, triton, word_tile
 
 
 def quant_row_len(K: int, block: int) -> int:
@@ -152,8 +152,7 @@ if triton is not None:
         if PRE:
             wv = wv_pre
         else:
-            wv = tl.load(base + wi[None, :], mask=rmask[:, None] & (wi < KB // 4)[None, :], other=0,
-                         eviction_policy=EVICT)
+            wv = word_tile(base, rmask, k0, KB, BK, EVICT)
         zero = tl.zeros((BN, BK // 4), dtype=tl.int32)
         if FMT == FMT_INT8:
             NB: tl.constexpr = BK // QB

@@ -12,9 +12,9 @@ launches them.
 """
 from __future__ import annotations
 
-from .expert_rows import dense_dot_pair, row_dots, trit_word_dot_pair, word_tile
+from .expert_rows import dense_dot_pair, row_dots, trit_word_dot_pair
 from .int8_activations import quant_pack, store_quant
-from .runtime import FMT_INT8, FMT_TERNARY, MODE_BYTES, MODE_INT8_ACT, grid_dependency, tl, triton
+from .runtime import FMT_INT8, FMT_TERNARY, MODE_BYTES, MODE_INT8_ACT, grid_dependency, tl, triton, word_tile
 
 if triton is not None:
     @triton.jit

@@ -168,6 +168,15 @@ if triton is not None:
         bits = x.to(tl.int32, bitcast=True)
         return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
+    @triton.jit
+    def word_tile(base, rmask, k0, KB, BK: tl.constexpr, EVICT: tl.constexpr = tl.constexpr("")):
+        """The int32 words [BN, BK/4] of rows `base` (one pointer per row) for the K step from byte
+        k0 (expert_rows.word_dots, int8_activations.a8_word_dots, moe_kernels' early
+        loads); 0 past the row's KB bytes and in masked rows."""
+        wi = k0 // 4 + tl.arange(0, BK // 4)
+        return tl.load(base + wi[None, :], mask=rmask[:, None] & (wi < KB // 4)[None, :], other=0,
+                       eviction_policy=EVICT)
+
     # Format and DecodeMode values as the kernels compare them (FMT and MODE constexprs)
     FMT_DENSE = tl.constexpr(int(Format.DENSE))
     FMT_INT8 = tl.constexpr(int(Format.INT8))
@@ -181,4 +190,4 @@ if triton is not None:
 else:
     FMT_DENSE = FMT_INT8 = FMT_INT4 = FMT_INT4_ASYM = FMT_TERNARY = FMT_TERNARY2 = None
     MODE_BYTES = MODE_WORDS = MODE_INT8_ACT = None
-    grid_dependency = sortable_bits = prefetch_l2 = None
+    grid_dependency = sortable_bits = prefetch_l2 = word_tile = None
