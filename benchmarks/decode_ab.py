@@ -5,6 +5,7 @@
     python benchmarks/decode_ab.py --compare $OUT/base.json $OUT/new.json  # the table: rates, % change, tokens
     python benchmarks/decode_ab.py --tree . --variants bf16 --option-sets '{"er": {"early_weights": ["router"]}}'
                                                                            # one tree, plain and under option sets
+    python benchmarks/decode_ab.py --tree . --variants int8 --layers 24    # half the layers: fits an 80 GB GPU
 
 The engine is --tree's: the script copies --tree's moebench package with this checkout's
 moebench/bench (the shared benchmark code) into a temporary folder and times it in a child process
@@ -134,7 +135,11 @@ def run(args) -> dict:
     small = args.small or not torch.cuda.is_available()
     device = torch.device("cpu" if small else "cuda")
     dtype = torch.float32 if small else torch.bfloat16
-    hf = build_transformers(dict(SMALL if small else QWEN3_30B_A3B), device, dtype, seed=0)
+    shape = dict(SMALL if small else QWEN3_30B_A3B)
+    if args.layers:
+        # fewer layers of the same shape: a quantized plan beside the bf16 model fits a smaller GPU
+        shape["num_hidden_layers"] = args.layers
+    hf = build_transformers(shape, device, dtype, seed=0)
     realistic_routing(hf, 0.5)
     cfg = hf.config
     g = torch.Generator().manual_seed(1)
@@ -166,7 +171,7 @@ def run(args) -> dict:
         print(f"copy bandwidth {ctx.bandwidth['copy_Bps'] / 1e12:.3f} TB/s, bf16 "
               f"{ctx.bandwidth['bf16_bytes_per_token'] / 1e9:.3f} GB/token: roofline "
               f"{ctx.bandwidth['roofline_tok_s']:.1f} tok/s", flush=True)
-    out = {"tree": str(args.tree), "engine_options": options, "moebench": moebench.__file__, "device": str(device), "torch": torch.__version__,
+    out = {"tree": str(args.tree), "layers": cfg.num_hidden_layers, "engine_options": options, "moebench": moebench.__file__, "device": str(device), "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "bandwidth": ctx.bandwidth,
            "variants": {}, "errors": {}}
     names = [n for n in args.variants.split(",") if n] if args.variants else list(VARIANTS)
@@ -230,6 +235,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=0,
+                    help="decoder layers (default: the shape's own; 24 fits int8 plans on an 80 GB GPU)")
     ap.add_argument("--engine-option", action="append", default=[], metavar="KEY=JSON",
                     help="an extra Engine option for every engine, e.g. count_tier_picks=false (the tree must know it)")
     ap.add_argument("--option-sets", default="", metavar="JSON",

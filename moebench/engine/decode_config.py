@@ -95,7 +95,8 @@ VARIANTS = ("", "host", "a8")     # "host": groups in pinned host memory; "a8": 
 SHIPPED_LAUNCH: dict[tuple[str, str, str], Launch] = {
     ("gate_up", "dense", ""): Launch(4, 2048, 4, 2), ("down", "dense", ""): Launch(16, 256, 4, 3),
     ("gate_up", "int8", ""): Launch(8, 512, 4, 3), ("down", "int8", ""): Launch(16, 256, 4, 3),
-    ("gate_up", "int4", ""): Launch(8, 256, 4, 3), ("down", "int4", ""): Launch(16, 256, 4, 3),
+    # int4's down: from the all-int4 plan's decode chain (decode_h200 chain_sweep_quant)
+    ("gate_up", "int4", ""): Launch(8, 256, 4, 3), ("down", "int4", ""): Launch(16, 128, 4, 3),
     ("gate_up", "int4_asym", ""): Launch(8, 256, 4, 3), ("down", "int4_asym", ""): Launch(16, 256, 4, 3),
     # ternary is the cold format of the hot/cold plans: down tuned with one pair of a layer's eight,
     # gate_up in the decode chain of the hot int8 / cold ternary plan (decode_h200 chain_sweep; with
@@ -108,7 +109,7 @@ SHIPPED_LAUNCH: dict[tuple[str, str, str], Launch] = {
     ("gate_up", "ternary2", "a8"): Launch(16, 512, 4, 2), ("down", "ternary2", "a8"): Launch(16, 256, 4, 2),
     # INT8_ACTIVATIONS (gate_up BN is 8 at least: one block of h per program)
     ("gate_up", "int4", "a8"): Launch(8, 1024, 4, 2), ("down", "int4", "a8"): Launch(16, 128, 4, 2),
-    ("gate_up", "int8", "a8"): Launch(8, 1024, 4, 3),
+    ("gate_up", "int8", "a8"): Launch(8, 2048, 4, 2),     # a whole row a step: chain_sweep_quant
     # the attention projections' GEMV ([q;k;v] and o_proj), swept over every layer's weights
     ("gemv", "dense", ""): Launch(2, 1024, 4, 4),
     # the same GEMV over the lm_head's [vocab x hidden] weight (MoETransformer.logits)
@@ -155,7 +156,7 @@ class AttentionLaunch:
 
 
 EARLY_WEIGHT_KERNELS = ("router", "gemv", "down", "down_packed")     # DecodeConfig.early_weights
-DEFAULT_EARLY_WEIGHTS = ("router", "gemv", "down")
+DEFAULT_EARLY_WEIGHTS = EARLY_WEIGHT_KERNELS
 # DecodeConfig.early_launch. Not gate_up: down's early loads read the pair's expert before its own
 # wait, which is safe only while gate_up's programs let down launch after the router has finished.
 EARLY_LAUNCH_KERNELS = ("norm", "gemv", "rope", "attention", "router", "down")
@@ -208,15 +209,17 @@ class DecodeConfig:
         router, two launches back), "down_packed" (the same for experts whose down rows are read
         as int32 words: int8, int4, int4_asym, ternary2, with float or int8 activations).
         Weights never change during a step, so this reads nothing the wait protects; the sums are
-        the same, bit for bit. Default DEFAULT_EARLY_WEIGHTS (all but "down_packed", which no H200
-        A/B has measured yet), with early_steps 2 and early_launch all (see there).
+        the same, bit for bit. Default DEFAULT_EARLY_WEIGHTS (all four), with early_steps 2 and
+        early_launch all (see there). "down_packed" decoded the all-int8 plan 1.1% faster, int4
+        2.4%, int8 with int8 x 2.7%, int4 with int8 x 4.5% (an H100, 24 layers of the 30B shape:
+        benchmarks/results/decode_ab_early_packed.json), the same tokens.
     early_steps: how many K steps of weights the "gemv" and "down" early loads cover (1 to
         MAX_EARLY_STEPS, never more than the kernel has): more bytes in flight before the wait.
     early_launch: kernels, of EARLY_LAUNCH_KERNELS, that let the next kernel start launching before
         their own PDL wait instead of after it (runtime.grid_dependency's LAUNCH_FIRST): a kernel
         whose programs all fit on the GPU at once then has its successor resident, loading its
         early weights, while it waits and runs, a whole launch earlier than otherwise. The default
-        (all of them, early_weights all three, early_steps 2) measured on the H200 against
+        (all of them, early_weights router, gemv and down, early_steps 2) measured on the H200 against
         early_weights router + down alone: bf16 +1.2%, int4 +2.4%, the int8 / ternary2 a8 plan
         +0.7% (two H200 calls alike). early_steps 4 made bf16 1.5% slower.
     lm_head_gemv: decode steps (up to gemv_tokens rows) compute the logits with the Triton GEMV,
