@@ -2,16 +2,30 @@
 # The GPU-machine checks in one device call (under its 10-minute limit): the engine's CUDA tests,
 # then the benchmarks waiting for a GPU: engine_paths_h200.py (where the speed suite's engine rate
 # goes) and tiered_prefill.py --device cuda (prefill of packed experts, per-expert against grouped).
-# Logs and JSON under $OUT. Carry .gpu_data (a copy of ../shared/datasets) and .peers
+# Logs and JSON under $OUT, and all of it in $OUT/gpu_checks.json (benchmarks/results/gpu_checks.json
+# is the latest of record). Carry .gpu_data (a copy of ../shared/datasets) and .peers
 # (`python3 benchmarks/peers_h200.py stage-source --to .peers`: the tokenizer the checkpoints take).
 # Usage: bash benchmarks/gpu_checks.sh [DATA_DIR]
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MOEBENCH_DATA_DIR=${1:-$PWD/.gpu_data}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L; python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())'
-timeout 150 python3 -m pytest -q -p no:cacheprovider \
+timeout 170 python3 -m pytest -q -p no:cacheprovider -rs \
     -k 'cuda or nvml or gpu or l2_prefetch or prefetch_programs or packed_evict_first or early' \
     tests/test_engine_kernels.py tests/test_engine_parity.py tests/test_engine_generate.py tests/test_engine_tiering.py \
     tests/test_engine_ssd_tier.py tests/test_probes.py tests/test_probes_gpus.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -5
 timeout 180 python3 benchmarks/engine_paths_h200.py --out "$OUT" 2>&1 | tee "$OUT/engine_paths.log" | tail -7
 timeout 240 python3 benchmarks/tiered_prefill.py --device cuda --out "$OUT" 2>&1 | tee "$OUT/tiered_prefill.log" | tail -14
+python3 - "$OUT" <<'PY'
+import json, sys, torch
+from pathlib import Path
+out = Path(sys.argv[1])
+log = (out / "cuda_tests.log").read_text().splitlines() if (out / "cuda_tests.log").is_file() else []
+doc = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
+       "cuda_tests": {"summary": log[-1] if log else None, "skipped": [l for l in log if l.startswith("SKIPPED")],
+                      "failed": [l for l in log if l.startswith("FAILED")]}}
+for name in ("engine_paths", "tiered_prefill"):
+    f = out / f"{name}.json"
+    doc[name] = json.loads(f.read_text()) if f.is_file() else None
+(out / "gpu_checks.json").write_text(json.dumps(doc, indent=1) + "\n")
+PY
