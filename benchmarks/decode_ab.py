@@ -171,7 +171,8 @@ def run(args) -> dict:
         print(f"copy bandwidth {ctx.bandwidth['copy_Bps'] / 1e12:.3f} TB/s, bf16 "
               f"{ctx.bandwidth['bf16_bytes_per_token'] / 1e9:.3f} GB/token: roofline "
               f"{ctx.bandwidth['roofline_tok_s']:.1f} tok/s", flush=True)
-    out = {"tree": str(args.tree), "layers": cfg.num_hidden_layers, "engine_options": options, "moebench": moebench.__file__, "device": str(device), "torch": torch.__version__,
+    out = {"tree": str(args.tree), "layers": cfg.num_hidden_layers, "engine_options": options,
+           "moebench": moebench.__file__, "device": str(device), "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "bandwidth": ctx.bandwidth,
            "variants": {}, "errors": {}}
     names = [n for n in args.variants.split(",") if n] if args.variants else list(VARIANTS)

@@ -95,7 +95,7 @@ VARIANTS = ("", "host", "a8")     # "host": groups in pinned host memory; "a8": 
 SHIPPED_LAUNCH: dict[tuple[str, str, str], Launch] = {
     ("gate_up", "dense", ""): Launch(4, 2048, 4, 2), ("down", "dense", ""): Launch(16, 256, 4, 3),
     ("gate_up", "int8", ""): Launch(8, 512, 4, 3), ("down", "int8", ""): Launch(16, 256, 4, 3),
-    # int4's down: from the all-int4 plan's decode chain (decode_h200 chain_sweep_quant)
+    # int4's down: from the all-int4 plan's decode chain (decode_h200 chain_sweep_quant, an H100)
     ("gate_up", "int4", ""): Launch(8, 256, 4, 3), ("down", "int4", ""): Launch(16, 128, 4, 3),
     ("gate_up", "int4_asym", ""): Launch(8, 256, 4, 3), ("down", "int4_asym", ""): Launch(16, 256, 4, 3),
     # ternary is the cold format of the hot/cold plans: down tuned with one pair of a layer's eight,
@@ -109,7 +109,7 @@ SHIPPED_LAUNCH: dict[tuple[str, str, str], Launch] = {
     ("gate_up", "ternary2", "a8"): Launch(16, 512, 4, 2), ("down", "ternary2", "a8"): Launch(16, 256, 4, 2),
     # INT8_ACTIVATIONS (gate_up BN is 8 at least: one block of h per program)
     ("gate_up", "int4", "a8"): Launch(8, 1024, 4, 2), ("down", "int4", "a8"): Launch(16, 128, 4, 2),
-    ("gate_up", "int8", "a8"): Launch(8, 2048, 4, 2),     # a whole row a step: chain_sweep_quant
+    ("gate_up", "int8", "a8"): Launch(8, 2048, 4, 2),     # a whole row a step: chain_sweep_quant, an H100
     # the attention projections' GEMV ([q;k;v] and o_proj), swept over every layer's weights
     ("gemv", "dense", ""): Launch(2, 1024, 4, 4),
     # the same GEMV over the lm_head's [vocab x hidden] weight (MoETransformer.logits)
