@@ -1,0 +1,40 @@
+"""--layers of the decode benchmarks (decode_ab.py, and decode_h200.py through moebench.bench.
+decode_bench): the model is built with that many decoder layers of the same shape, and the output
+says so, so a run cut to fit a smaller GPU cannot pass for the full shape."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+
+
+def test_decode_ab_builds_the_layers_asked_for(tmp_path):
+    out = tmp_path / "ab.json"
+    r = run(["benchmarks/decode_ab.py", "--small", "--layers", "2", "--variants", "int8", "--tokens", "4",
+             "--reps", "1", "--out", str(out)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["layers"] == 2                       # the small shape has 4
+    assert doc["errors"] == {}
+    assert doc["variants"]["int8"]["tok_s"] > 0 and len(doc["variants"]["int8"]["tokens"]) == 4
+
+
+def test_decode_h200_records_the_cut_shape(tmp_path):
+    r = run(["benchmarks/decode_h200.py", "--small", "--layers", "3", "--only", "parity_fused_vs_reference",
+             "--out", str(tmp_path)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads((tmp_path / "decode_h200.json").read_text())
+    assert doc["shape"]["num_hidden_layers"] == 3
+    assert doc["errors"] == {} and "parity_fused_vs_reference" in doc["variants"]
