@@ -226,6 +226,7 @@ CHAIN_CANDIDATES = {
     ("down", "int4", "a8"): [(8, 128, 4, 2), (16, 256, 4, 2), (32, 128, 8, 2), (8, 256, 4, 3)],
     # DecodeConfig fields: ("decode", field) -> values
     ("decode", "early_weights"): [("router", "gemv", "down", "down_packed")],
+    ("decode", "early_steps"): [1, 3, 4],
 }
 ATTENTION_CANDIDATES = [(64, 4, 2), (64, 8, 2), (128, 8, 2), (16, 4, 2)]
 
@@ -265,7 +266,8 @@ def chain_sweep_engine(b: Bench, eng: Engine, keys: list, label: str, attention:
             best, cfg = rate, trial
     eng.reconfigure(cfg)
     return {"trials": trials, "best_tok_s": best, "launch": cfg.identity()["launch"],
-            "attention": cfg.identity()["attention"]}
+            "attention": cfg.identity()["attention"],
+            "decode": {k[1]: cfg.identity()[k[1]] for k in keys if k[0] == "decode"}}
 
 
 @variant("chain_sweep")
@@ -292,7 +294,8 @@ def chain_sweep(b: Bench) -> dict:
 def chain_sweep_quant(b: Bench) -> dict:
     """chain_sweep_engine on the all-int8 and all-int4 plans, with float x and with int8 x (their
     shapes were swept one kernel alone, not in the decode chain), after early_weights with
-    "down_packed". The run keeps the winners."""
+    "down_packed" and early_steps (how many K steps load before the wait; the GEMVs' too). The run
+    keeps the winners."""
     if b.args.no_sweep or b.small:
         raise Skipped
     out = {}
@@ -302,8 +305,8 @@ def chain_sweep_quant(b: Bench) -> dict:
         eng = b.engine(replace(b.decode, int8_activations=a8),
                        experts=tiered_experts(b.hf, precision, home, b.device, b.dtype))
         suffix = ("a8",) if a8 else ()
-        out[name] = chain_sweep_engine(b, eng, [("decode", "early_weights"), ("gate_up", fmt) + suffix,
-                                                ("down", fmt) + suffix], name)
+        out[name] = chain_sweep_engine(b, eng, [("decode", "early_weights"), ("decode", "early_steps"),
+                                                ("gate_up", fmt) + suffix, ("down", fmt) + suffix], name)
         b.decode = replace(b.decode, launch=eng.decode.launch)    # early_weights: each plan tries its own
         del eng
     return out
