@@ -261,3 +261,64 @@ def test_rope_in_attention_equals_qk_rope_cache_then_attention(qk_norm, splits):
         assert torch.equal(got, want)
     with pytest.raises(KernelError, match="one-token"):
         decode_attention(qo, kc2, vc2, positions, kv_len, rope=RopeInputs(k, v, qw, kw, 1e-6, cos, sin))
+
+
+EARLY_KV = replace(DEFAULT, early_weights=(*DEFAULT.early_weights, "attention_kv"))
+
+
+@pytest.mark.parametrize("positions,kv_len,splits", [
+    ([[20], [5]], 21, None),          # every row's position inside the first block
+    ([[129], [40]], 130, 3),          # splits; row 1's later splits see no slot
+    ([[199], [63]], 200, 5),          # a position on a block's last slot
+    ([[32], [0]], 33, 2),             # a position on a block's first slot; a row at slot 0
+])
+def test_early_kv_block_gives_the_same_output(positions, kv_len, splits):
+    """early_weights "attention_kv": one-token steps load the split's first block of slots before the
+    position ahead of the wait. The output equals the plain kernel's bit for bit, before and after
+    the slot at the position is rewritten (the output follows it), and slots past each row's
+    position hold NaN, so an early load of any of them would reach the output. (Whether the slot
+    at the position is read after the wait only shows where a kernel before writes it concurrently:
+    the engine's early-weights test on CUDA, where the RoPE launch writes it under PDL.)"""
+    pos = torch.tensor(positions, device=DEV)
+    q, k, v = make_inputs(2, 2, 8, 2, 1, 16, 256, seed=31 + kv_len)
+    for b, p in enumerate(positions):
+        k[b, :, p[0] + 1:] = float("nan")
+        v[b, :, p[0] + 1:] = float("nan")
+    outs = {}
+    for name, cfg in (("plain", DEFAULT), ("early", EARLY_KV)):
+        kc, vc = k.clone(), v.clone()
+        outs[name] = decode_attention(q, kc, vc, pos, kv_len, num_splits=splits, cfg=cfg)
+        rows = torch.arange(2, device=DEV)
+        kc[rows, :, pos[:, 0]] = kc[rows, :, pos[:, 0]] * -2.0 + 1.0     # this step's new slot, changed
+        vc[rows, :, pos[:, 0]] = vc[rows, :, pos[:, 0]] * 3.0 - 1.0
+        outs[name + "_new"] = decode_attention(q, kc, vc, pos, kv_len, num_splits=splits, cfg=cfg)
+        check(outs[name + "_new"], reference(q, torch.nan_to_num(kc), torch.nan_to_num(vc), pos, kv_len))
+    assert torch.equal(outs["early"], outs["plain"])
+    assert torch.equal(outs["early_new"], outs["plain_new"])
+    assert not torch.equal(outs["plain_new"], outs["plain"])
+
+
+def test_early_kv_block_with_rope_in_attention():
+    """The same with the ROPE path, where the program of the position's split writes the step's key and
+    value itself: the early loads skip that slot, the output and the caches equal the plain kernel's."""
+    from moebench.engine.kernels import RopeInputs
+    from moebench.engine.model import rope_tables
+    g = torch.Generator().manual_seed(41)
+    B, NH, NKV, D, S = 2, 8, 2, 16, 128
+    qkv = torch.randn(B, 1, (NH + 2 * NKV) * D, generator=g).to(DEV)
+    q = qkv[..., :NH * D].view(B, 1, NH, D)
+    k = qkv[..., NH * D:(NH + NKV) * D].view(B, 1, NKV, D)
+    v = qkv[..., (NH + NKV) * D:].view(B, 1, NKV, D)
+    positions = torch.tensor([[70], [3]], device=DEV)
+    cos_t, sin_t = rope_tables(D, 10000.0, S, DEV)
+    cos, sin = cos_t[positions], sin_t[positions]
+    kc0 = torch.randn(B, NKV, S, D, generator=g).to(DEV)
+    vc0 = torch.randn(B, NKV, S, D, generator=g).to(DEV)
+    got = {}
+    for name, cfg in (("plain", DEFAULT), ("early", EARLY_KV)):
+        kc, vc = kc0.clone(), vc0.clone()
+        out = decode_attention(q, kc, vc, positions, 71, num_splits=2, cfg=cfg,
+                               rope=RopeInputs(k, v, None, None, 1e-6, cos, sin))
+        got[name] = (out, kc, vc)
+    assert all(torch.equal(a, b) for a, b in zip(got["early"], got["plain"]))
+    assert not torch.equal(got["plain"][1], kc0)

@@ -824,9 +824,9 @@ def test_engine_rope_in_attention_decodes_exactly_like_qk_rope_cache(ckpt, monke
 
 @pytest.mark.parametrize("steps", [1, 4])
 def test_engine_early_weights_decode_exactly_like_loads_after_the_wait(ckpt, steps):
-    """DecodeConfig.early_weights (the router's weight rows, the GEMVs' and bf16 down's first
-    `early_steps` K steps loaded before the PDL wait) gives the same tokens and bitwise-equal step
-    logits: the loads move, the sums do not. gemv_max_tokens=1 and BK 32 (down: 16): the attention
+    """DecodeConfig.early_weights (the router's weight rows, the GEMVs' and down's first
+    `early_steps` K steps, the attention's first block of old cache slots, loaded before the PDL
+    wait) gives the same tokens and bitwise-equal step logits: the loads move, the sums do not. gemv_max_tokens=1 and BK 32 (down: 16): the attention
     projections run the Triton GEMV here too, and both kernels have more K steps than load early.
     On CUDA the early engine also lets every kernel of EARLY_LAUNCH_KERNELS launch its successor
     before its wait (early_launch): the launches overlap more, the numbers stay the same."""
@@ -840,7 +840,7 @@ def test_engine_early_weights_decode_exactly_like_loads_after_the_wait(ckpt, ste
                                             early_launch=EARLY_LAUNCH_KERNELS if on and cuda else (),
                                             ).with_launch("gemv", "dense", BK=32).with_launch("down", "dense", BK=16))
                for on in (False, True)}
-    assert engines[True].decode.early_weights == ("router", "gemv", "down", "down_packed")
+    assert engines[True].decode.early_weights == ("router", "gemv", "down", "down_packed", "attention_kv")
     toks = {on: e.generate([prompt], 5, ignore_eos=True)[0].token_ids for on, e in engines.items()}
     assert toks[True] == toks[False]
     tokens, pos = torch.tensor([[toks[True][-1]]], device=DEV), torch.tensor([[len(prompt) + 4]], device=DEV)

@@ -155,8 +155,8 @@ class AttentionLaunch:
         return 2 * self.split_min_slots if self.split_from_slots is None else self.split_from_slots
 
 
-EARLY_WEIGHT_KERNELS = ("router", "gemv", "down", "down_packed")     # DecodeConfig.early_weights
-DEFAULT_EARLY_WEIGHTS = EARLY_WEIGHT_KERNELS
+EARLY_WEIGHT_KERNELS = ("router", "gemv", "down", "down_packed", "attention_kv")  # DecodeConfig.early_weights
+DEFAULT_EARLY_WEIGHTS = ("router", "gemv", "down", "down_packed")
 # DecodeConfig.early_launch. Not gate_up: down's early loads read the pair's expert before its own
 # wait, which is safe only while gate_up's programs let down launch after the router has finished.
 EARLY_LAUNCH_KERNELS = ("norm", "gemv", "rope", "attention", "router", "down")
@@ -207,10 +207,12 @@ class DecodeConfig:
         fused norm + router's weight rows), "gemv" (the attention projections' first early_steps K
         steps), "down" (bf16 experts' first early_steps K steps: the pair's expert comes from the
         router, two launches back), "down_packed" (the same for experts whose down rows are read
-        as int32 words: int8, int4, int4_asym, ternary2, with float or int8 activations).
-        Weights never change during a step, so this reads nothing the wait protects; the sums are
-        the same, bit for bit. Default DEFAULT_EARLY_WEIGHTS (all four), with early_steps 2 and
-        early_launch all (see there). "down_packed" decoded the all-int8 plan 1.1% faster, int4
+        as int32 words: int8, int4, int4_asym, ternary2, with float or int8 activations),
+        "attention_kv" (one-token steps: the decode attention's first block of cache slots before
+        the row's position, which earlier steps wrote). Weights and old cache slots never change
+        during a step, so this reads nothing the wait protects; the sums are the same, bit for bit.
+        Default DEFAULT_EARLY_WEIGHTS (all but "attention_kv", which no GPU has measured yet), with
+        early_steps 2 and early_launch all (see there). "down_packed" decoded the all-int8 plan 1.1% faster, int4
         2.4%, int8 with int8 x 2.7%, int4 with int8 x 4.5% (an H100, 24 layers of the 30B shape:
         benchmarks/results/decode_ab_options.json, "early_weights_down_packed"), the same tokens.
     early_steps: how many K steps of weights the "gemv" and "down" early loads cover (1 to

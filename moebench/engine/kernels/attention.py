@@ -34,6 +34,32 @@ LOG2E = 1.4426950408889634
 if triton is not None:
     from .rope_kv import norm_rope_head     # the ROPE path's per-head norm + RoPE, qk_rope_cache's own
 
+    @triton.jit
+    def _attend_block(q, k, v, smask, m_i, l_i, acc, qk_scale, FP32: tl.constexpr):
+        """One block of slots into the online softmax: returns the new (max, sum, acc)."""
+        if FP32:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))         # 16-bit inputs: exact products, float32 sums
+        scores = tl.where(smask[None, :], scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A row with no slot yet keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if FP32:
+            acc = tl.dot(p, v, acc, input_precision="ieee")
+        else:
+            # p in two 16-bit parts (hi + lo, ~16 significant bits) so the tensor-core product
+            # keeps p to ~1e-5 relative instead of rounding it to bf16 (one more output rounding).
+            p_hi = p.to(v.dtype)
+            p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+            acc = tl.dot(p_hi, v, acc)
+            acc = tl.dot(p_lo, v, acc)
+        return m_new, l_i, acc
+
     # kv_len changes every decode step: not specialised (Triton would compile kv_len % 16 == 0 apart).
     @triton.jit(do_not_specialize=["kv_len"])
     def decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
@@ -44,7 +70,7 @@ if triton is not None:
                                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
                                 SPLIT: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr = False,
                                 ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
-                                LAUNCH_FIRST: tl.constexpr = False):
+                                LAUNCH_FIRST: tl.constexpr = False, EARLY_KV: tl.constexpr = False):
         """Program (b*T + t, kv head, split): the G query heads of one KV head group over the cache
         slots [split * chunk, split * chunk + chunk) that are < kv_len and <= positions[b, t].
 
@@ -58,7 +84,10 @@ if triton is not None:
         ROPE (one-token steps): q is the projection's raw output; each program does qk_rope_cache's
         work for its heads in registers (q/k norm when HAS_NORM, RoPE from cos/sin [b, t]), and the
         program whose split holds slot positions[b, t] writes this step's key and value there (raw
-        kn / vn) before its loop reads the slot: one launch where there were two."""
+        kn / vn) before its loop reads the slot: one launch where there were two.
+
+        EARLY_KV (one-token steps, DecodeConfig.early_weights "attention_kv"): the split's first
+        block of slots before the position loads before the PDL wait; the sums are the same."""
         bt = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -71,11 +100,20 @@ if triton is not None:
         # The positions are written before a step's first kernel: loaded before the wait, the loop
         # bounds are known when it returns, and the K/V loads start one round trip earlier.
         pos = tl.load(pos_ptr + b * s_pb + t * s_pt).to(tl.int32)     # slots < 2^31; int32 loop bounds
-        grid_dependency(PDL, LAUNCH_FIRST)
         start = split * chunk
+        cache = b * s_cb + kvh.to(tl.int64) * s_ch
+        if EARLY_KV:
+            # One-token steps: every slot before the row's position holds a key and value an earlier
+            # step wrote, so the split's first block of them loads before the wait (its DRAM latency
+            # overlaps the kernel before); only the position's own slot is this step's.
+            s_first = start + tl.arange(0, BLOCK_S)
+            old = s_first < tl.minimum(tl.minimum(start + chunk, kv_len), pos)
+            first = cache + s_first[:, None].to(tl.int64) * s_cs + d[None, :]
+            k_early = tl.load(k_ptr + first, mask=old[:, None], other=0.0)
+            v_early = tl.load(v_ptr + first, mask=old[:, None], other=0.0)
+        grid_dependency(PDL, LAUNCH_FIRST)
         # Slots past the row's position (or past kv_len) are never loaded: they may hold garbage.
         end = tl.minimum(tl.minimum(start + chunk, kv_len), pos + 1)
-        cache = b * s_cb + kvh.to(tl.int64) * s_ch
         if ROPE:
             dt = q_ptr.dtype.element_ty
             partner = (d + D // 2) % D
@@ -97,34 +135,23 @@ if triton is not None:
         m_i = tl.full((GP,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((GP,), dtype=tl.float32)
         acc = tl.zeros((GP, D), dtype=tl.float32)
-        for s0 in range(start, end, BLOCK_S):
+        loop_start = start
+        if EARLY_KV:
+            if start < end:
+                # the first block: its old slots loaded before the wait, the step's own slot after it
+                # (masks disjoint: where() gives each slot the one load that read it)
+                late = (s_first < end) & ~old
+                k = tl.where(old[:, None], k_early, tl.load(k_ptr + first, mask=late[:, None], other=0.0))
+                v = tl.where(old[:, None], v_early, tl.load(v_ptr + first, mask=late[:, None], other=0.0))
+                m_i, l_i, acc = _attend_block(q, k, v, s_first < end, m_i, l_i, acc, qk_scale, FP32)
+            loop_start = start + BLOCK_S
+        for s0 in range(loop_start, end, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
             smask = s < end
             offs = cache + s[:, None].to(tl.int64) * s_cs + d[None, :]
             k = tl.load(k_ptr + offs, mask=smask[:, None], other=0.0)
             v = tl.load(v_ptr + offs, mask=smask[:, None], other=0.0)
-            if FP32:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))         # 16-bit inputs: exact products, float32 sums
-            scores = tl.where(smask[None, :], scores * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            # A row with no slot yet keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(scores - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None]
-            if FP32:
-                acc = tl.dot(p, v, acc, input_precision="ieee")
-            else:
-                # p in two 16-bit parts (hi + lo, ~16 significant bits) so the tensor-core product
-                # keeps p to ~1e-5 relative instead of rounding it to bf16 (one more output rounding).
-                p_hi = p.to(v.dtype)
-                p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-                acc = tl.dot(p_hi, v, acc)
-                acc = tl.dot(p_lo, v, acc)
-            m_i = m_new
+            m_i, l_i, acc = _attend_block(q, k, v, smask, m_i, l_i, acc, qk_scale, FP32)
         if SPLIT:
             row = (bt * NH + heads).to(tl.int64) * tl.num_programs(2) + split     # [B*T, NH, splits]
             tl.store(part_acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
@@ -284,7 +311,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Ten
         positions.stride(0), positions.stride(1), *extra,
         G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_S=block, SPLIT=splits > 1, FP32=q.dtype == torch.float32,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch(q.device, cfg, "attention"),
-        **rope_kw)
+        EARLY_KV=T == 1 and "attention_kv" in cfg.early_weights, **rope_kw)
     if splits > 1:
         combine_kernel[(B * T * NH,)](part_acc, part_ml, out, splits, D=D, SP=next_pow2(splits), num_warps=4,
                                       **pdl_launch(q.device, cfg))
