@@ -225,7 +225,7 @@ CHAIN_CANDIDATES = {
     ("gate_up", "int4", "a8"): [(8, 512, 4, 3), (8, 2048, 4, 2), (8, 1024, 8, 2), (16, 1024, 8, 2)],
     ("down", "int4", "a8"): [(8, 128, 4, 2), (16, 256, 4, 2), (32, 128, 8, 2), (8, 256, 4, 3)],
     # DecodeConfig fields: ("decode", field) -> values
-    ("decode", "early_weights"): [("router", "gemv", "down", "down_packed")],
+    ("decode", "early_weights"): [("router", "gemv", "down", "down_packed", "attention_kv")],
     ("decode", "early_steps"): [1, 3, 4],
 }
 ATTENTION_CANDIDATES = [(64, 4, 2), (64, 8, 2), (128, 8, 2), (16, 4, 2)]
@@ -272,14 +272,16 @@ def chain_sweep_engine(b: Bench, eng: Engine, keys: list, label: str, attention:
 
 @variant("chain_sweep")
 def chain_sweep(b: Bench) -> dict:
-    """chain_sweep_engine on bf16 (norm, GEMV, router, dense experts, attention), then on the hot
-    int8 / cold base-3 ternary plan (the ternary launches, whose few cold pairs per layer run on a
-    side stream). The run keeps the winners (`Bench.decode`) for the variants after it."""
+    """chain_sweep_engine on bf16 (early_weights with "attention_kv", norm, GEMV, router, dense
+    experts, attention), then on the hot int8 / cold base-3 ternary plan (the ternary launches,
+    whose few cold pairs per layer run on a side stream). The run keeps the winners (`Bench.decode`)
+    for the variants after it."""
     if b.args.no_sweep or b.small:
         raise Skipped
     eng = b.engine()
-    out = {"bf16": chain_sweep_engine(b, eng, [("norm", "dense"), ("gemv", "dense"), ("router", "dense"),
-                                               ("gate_up", "dense"), ("down", "dense")], "bf16", attention=True)}
+    out = {"bf16": chain_sweep_engine(b, eng, [("decode", "early_weights"), ("norm", "dense"), ("gemv", "dense"),
+                                               ("router", "dense"), ("gate_up", "dense"), ("down", "dense")],
+                                      "bf16", attention=True)}
     b.decode = eng.decode
     del eng
     precision, home = b.plans["int8hot_ternarycold_gpu"]
@@ -294,7 +296,7 @@ def chain_sweep(b: Bench) -> dict:
 def chain_sweep_quant(b: Bench) -> dict:
     """chain_sweep_engine on the all-int8 and all-int4 plans, with float x and with int8 x (their
     shapes were swept one kernel alone, not in the decode chain), after early_weights with
-    "down_packed" and early_steps (how many K steps load before the wait; the GEMVs' too). The run
+    "attention_kv" and early_steps (how many K steps load before the wait; the GEMVs' too). The run
     keeps the winners."""
     if b.args.no_sweep or b.small:
         raise Skipped
