@@ -1,6 +1,7 @@
 """The fused MoE kernels compiled for sm_90 on a machine without a GPU: registers, spills and the
 SASS instruction mix of one gate_up or down launch shape per expert format, and of the fused norm +
-router (`--kernels router`: its top-k's warp reductions are the shfl and redux columns).
+router (`--kernels router`: its top-k's warp reductions are the shfl and redux columns) and of the
+decode attention (`--kernels attention`: without and with its early KV block).
 
 Timing needs the H200 (quant_kernels_h200.py; kernel_counters_h200.py under ncu for stalls); this
 says, offline and in seconds, what a kernel change does to the code: how many global loads a K
@@ -9,7 +10,8 @@ static (a loop body once), so compare variants of one kernel, not kernels of oth
 
     TRITON_INTERPRET=0 python benchmarks/kernel_sass.py                      # the shipped shapes and modes
                                                                              # (and base-3's byte decode)
-    TRITON_INTERPRET=0 python benchmarks/kernel_sass.py --kernels router,gate_up,down   # results/kernel_sass.txt
+    TRITON_INTERPRET=0 python benchmarks/kernel_sass.py --kernels router,attention,gate_up,down
+                                                                             # results/kernel_sass.txt
     TRITON_INTERPRET=0 python benchmarks/kernel_sass.py --kernels gate_up --formats ternary,ternary2 \\
         --launch 4,256,4,3                                                      # one shape for all
 
@@ -121,6 +123,18 @@ def captured_rope(cfg) -> tuple[tuple, dict]:
         prefetch=o_proj))
 
 
+def captured_attention(cfg) -> tuple[tuple, dict]:
+    """The (args, kwargs) decode_attention gives its kernel for one decode token of this shape at a
+    short context (one KV split), with PDL on as on the GPU."""
+    import torch
+    from moebench.engine.kernels import attention
+    q = torch.zeros(1, NH, 1, HEAD_DIM, dtype=torch.bfloat16)
+    cache = torch.zeros(1, NKV, 256, HEAD_DIM, dtype=torch.bfloat16)
+    args, kwargs = captured_one(attention, "decode_attention_kernel", lambda: attention.decode_attention(
+        q, cache, cache, torch.full((1, 1), 99, dtype=torch.long), 100, cfg=cfg))
+    return args, {**kwargs, "PDL": True}
+
+
 def captured_one(module, name: str, call) -> tuple[tuple, dict]:
     """The (args, kwargs) `call` launches module.<name> with (nothing runs: the launch is caught).
     A prefetch site's PF_ASM is set as on the GPU (the capture's CPU tensors turn it off)."""
@@ -201,8 +215,9 @@ COLUMNS = {"LDG": ("LDG",), "LDS/STS": ("LDS", "STS"), "int": ("IMAD", "IADD3", 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels", default="gate_up,down",
-                    help="of gate_up, down, router (the fused norm + router) and rope (q/k norm + RoPE + KV "
-                         "write): router and rope give one row each, whatever the formats")
+                    help="of gate_up, down, router (the fused norm + router), rope (q/k norm + RoPE + KV "
+                         "write) and attention (decode attention: a row without and one with early_weights "
+                         "\"attention_kv\", format early_kv): router, rope and attention ignore the formats")
     ap.add_argument("--formats", default="dense,int8,int4,ternary,ternary:bytes,ternary2",
                     help="formats, each optionally with a decode mode by name (ternary:bytes)")
     ap.add_argument("--mode", type=int, default=None, help="DecodeConfig.decode_mode value (default: the shipped one)")
@@ -218,7 +233,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args(argv)
     rows = []
-    print(f"{'kernel':8s} {'format':9s} mode  {'launch':18s} regs stack  instr " +
+    print(f"{'kernel':9s} {'format':9s} mode  {'launch':18s} regs stack  instr " +
           " ".join(f"{c:>7s}" for c in COLUMNS))
     kernel_names = args.kernels.split(",")
 
@@ -226,7 +241,7 @@ def main(argv=None) -> list[dict]:
         cols = {c: sum(rep["ops"].get(o, 0) for o in opcodes) for c, opcodes in COLUMNS.items()}
         rows.append({"kernel": kernel, "format": fmt, "mode": mode, "launch": shape, **rep, "columns": cols})
         launch = "(" + ",".join(map(str, shape)) + ")"
-        print(f"{kernel:8s} {fmt:9s} {mode:4d}  {launch:18s} {rep['registers']!s:>4s} {rep['stack_bytes']!s:>5s} "
+        print(f"{kernel:9s} {fmt:9s} {mode:4d}  {launch:18s} {rep['registers']!s:>4s} {rep['stack_bytes']!s:>5s} "
               f"{rep['instructions']:6d} " + " ".join(f"{cols[c]:7d}" for c in COLUMNS), flush=True)
 
     sites = replace(DEFAULT, l2_prefetch=L2_PREFETCH_SITES) if args.l2_prefetch else DEFAULT
@@ -242,6 +257,14 @@ def main(argv=None) -> list[dict]:
         add_row("rope", "dense", 0, (kkw["D"], kkw.get("num_warps")),
                 sass_report(compile_captured(rope_kv.qk_rope_cache_kernel, kargs, kkw)))
         kernel_names.remove("rope")
+    if "attention" in kernel_names:
+        from moebench.engine.kernels import attention
+        for fmt, cfg in (("dense", sites), ("early_kv", replace(sites, early_weights=(*sites.early_weights,
+                                                                                      "attention_kv")))):
+            kargs, kkw = captured_attention(cfg)
+            add_row("attention", fmt, 0, (kkw["BLOCK_S"], kkw.get("num_warps"), kkw.get("num_stages")),
+                    sass_report(compile_captured(attention.decode_attention_kernel, kargs, kkw)))
+        kernel_names.remove("attention")
     for spec in args.formats.split(",") if kernel_names else []:
         fmt, _, mode_name = spec.partition(":")
         cfg = replace(DEFAULT, experts_evict_first=not args.no_evict_first, packed_evict_first=args.packed_evict_first)

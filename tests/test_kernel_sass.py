@@ -54,6 +54,23 @@ def test_kernel_sass_router_takes_its_maxima_as_integer_warp_reductions(tmp_path
     assert row["columns"]["LDG"] > 0 and row["ops"].get("STG", 0) > 0
 
 
+def test_kernel_sass_compiles_the_attention_with_its_early_kv_block(tmp_path):
+    """decode attention compiled for sm_90 as the GPU runs it (PDL on), plain and with early_weights
+    "attention_kv": the early variant issues the first block's K and V loads as plain global loads
+    ahead of the pipelined loop (more LDG, no spills)."""
+    out = tmp_path / "attention.json"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--kernels", "attention",
+                          "--json", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    plain, early = json.loads(out.read_text())
+    assert (plain["format"], early["format"]) == ("dense", "early_kv")
+    for r in (plain, early):
+        assert r["kernel"] == "attention" and 0 < r["registers"] <= 255 and r["stack_bytes"] == 0, r
+        assert r["ops"].get("STG", 0) > 0 and r["instructions"] > 100, r
+    assert early["columns"]["LDG"] > plain["columns"]["LDG"], (plain["columns"], early["columns"])
+
+
 def test_kernel_sass_refuses_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py")], capture_output=True,
