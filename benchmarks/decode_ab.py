@@ -130,16 +130,12 @@ def run(args) -> dict:
     if not Path(moebench.__file__).resolve().is_relative_to(Path(args.timed_copy).resolve()):
         raise SystemExit(f"moebench imported from {moebench.__file__}, not from the copy of --tree {args.tree}")
     import torch
-    from moebench.bench.reference_model import QWEN3_30B_A3B, SMALL, build_transformers
+    from moebench.bench.reference_model import bench_shape, build_transformers
     from moebench.bench.engine_setup import build_engine, expert_plans, hot_halves, realistic_routing
     small = args.small or not torch.cuda.is_available()
     device = torch.device("cpu" if small else "cuda")
     dtype = torch.float32 if small else torch.bfloat16
-    shape = dict(SMALL if small else QWEN3_30B_A3B)
-    if args.layers:
-        # fewer layers of the same shape: a quantized plan beside the bf16 model fits a smaller GPU
-        shape["num_hidden_layers"] = args.layers
-    hf = build_transformers(shape, device, dtype, seed=0)
+    hf = build_transformers(bench_shape(small, args.layers), device, dtype, seed=0)
     realistic_routing(hf, 0.5)
     cfg = hf.config
     g = torch.Generator().manual_seed(1)

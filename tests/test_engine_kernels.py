@@ -826,8 +826,9 @@ def test_engine_rope_in_attention_decodes_exactly_like_qk_rope_cache(ckpt, monke
 def test_engine_early_weights_decode_exactly_like_loads_after_the_wait(ckpt, steps):
     """DecodeConfig.early_weights (the router's weight rows, the GEMVs' and down's first
     `early_steps` K steps, the attention's first block of old cache slots, loaded before the PDL
-    wait) gives the same tokens and bitwise-equal step logits: the loads move, the sums do not. gemv_max_tokens=1 and BK 32 (down: 16): the attention
-    projections run the Triton GEMV here too, and both kernels have more K steps than load early.
+    wait) gives the same tokens and bitwise-equal step logits: the loads move, the sums do not.
+    gemv_max_tokens=1 and BK 32 (down: 16): the attention projections run the Triton GEMV here too,
+    and both kernels have more K steps than load early.
     On CUDA the early engine also lets every kernel of EARLY_LAUNCH_KERNELS launch its successor
     before its wait (early_launch): the launches overlap more, the numbers stay the same."""
     from moebench.engine.decode_config import EARLY_LAUNCH_KERNELS, EARLY_WEIGHT_KERNELS

@@ -22,7 +22,7 @@ from moebench.engine.decode_config import DecodeConfig
 
 from .engine_setup import build_engine, engine_rate, expert_plans, hot_halves, realistic_routing
 from .measure import log, pinned_h2d_bandwidth
-from .reference_model import (QWEN3_30B_A3B, SMALL, active_bytes_per_token, build_transformers, copy_bandwidth,
+from .reference_model import (active_bytes_per_token, bench_shape, build_transformers, copy_bandwidth,
                               non_expert_bytes_per_token)
 
 
@@ -114,10 +114,7 @@ def setup(args) -> Bench:
     small = args.small
     device = torch.device("cpu" if small else "cuda")
     dtype = torch.float32 if small else torch.bfloat16
-    shape = dict(SMALL if small else QWEN3_30B_A3B)
-    if getattr(args, "layers", 0):
-        # fewer layers of the same shape: the quantized plans beside the bf16 model fit a smaller GPU
-        shape["num_hidden_layers"] = args.layers
+    shape = bench_shape(small, getattr(args, "layers", 0))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     R = {"variants": {}, "errors": {}, "skipped": [], "device": str(device), "dtype": str(dtype), "shape": shape,

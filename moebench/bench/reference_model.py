@@ -22,6 +22,15 @@ SMALL = dict(num_hidden_layers=4, num_experts=16, num_experts_per_tok=4, hidden_
              head_dim=32, vocab_size=4096, norm_topk_prob=True, max_position_embeddings=4096)
 
 
+def bench_shape(small: bool, layers: int = 0) -> dict:
+    """SMALL or QWEN3_30B_A3B, a copy; layers > 0: that many decoder layers of the same shape (the
+    quantized plans beside the bf16 model then fit a smaller GPU: 24 on an 80 GB one)."""
+    shape = dict(SMALL if small else QWEN3_30B_A3B)
+    if layers:
+        shape["num_hidden_layers"] = layers
+    return shape
+
+
 def build_transformers(shape: dict, device: torch.device, dtype: torch.dtype, seed: int):
     import transformers
     cfg = transformers.Qwen3MoeConfig(**shape)

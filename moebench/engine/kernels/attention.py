@@ -140,10 +140,11 @@ if triton is not None:
             if start < end:
                 # the first block: its old slots loaded before the wait, the step's own slot after it
                 # (masks disjoint: where() gives each slot the one load that read it)
-                late = (s_first < end) & ~old
+                smask = s_first < end
+                late = smask & ~old
                 k = tl.where(old[:, None], k_early, tl.load(k_ptr + first, mask=late[:, None], other=0.0))
                 v = tl.where(old[:, None], v_early, tl.load(v_ptr + first, mask=late[:, None], other=0.0))
-                m_i, l_i, acc = _attend_block(q, k, v, s_first < end, m_i, l_i, acc, qk_scale, FP32)
+                m_i, l_i, acc = _attend_block(q, k, v, smask, m_i, l_i, acc, qk_scale, FP32)
             loop_start = start + BLOCK_S
         for s0 in range(loop_start, end, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
