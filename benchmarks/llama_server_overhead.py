@@ -12,10 +12,15 @@ alone (plain HTTP from the standard library, no moebench code on the request pat
 
   - llama-bench `tg` after `depth` context tokens: the model's decode loop with nothing around it;
   - llama-server with the same flags (and each --server-flags set added), one slot, a prompt of the
-    same length, 128 greedy tokens, ignore_eos, asked three ways:
-      plain    one JSON reply at the end;
-      stream   server-sent events, one per token;
-      harness  stream + timings_per_token + return_tokens, what moebench's runner asks.
+    same length, 128 greedy tokens, ignore_eos, asked five ways:
+      plain           one JSON reply at the end, the server's default sampler chain;
+      stream          server-sent events, one per token;
+      harness         stream + timings_per_token + return_tokens, the runner's request shape with
+                      `greedy_argmax = false`;
+      argmax          plain, naming the argmax alone as the sampler chain (moebench.runners.wire
+                      greedy_chain: "temperature" where the server samples in the graph, as /props
+                      says, else top-k 1);
+      harness_argmax  harness + that chain: what moebench's runner asks by default.
     For each, the server's own rate (timings.predicted_per_second) and, when streamed, the client's
     (tokens 2..n over the time from the first token's event to the last's).
 
@@ -37,12 +42,20 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from moebench.runners.wire import greedy_chain
+
 OUTPUT_TOKENS = 128
-MODES = {
-    "plain": {},
-    "stream": {"stream": True},
-    "harness": {"stream": True, "timings_per_token": True, "return_tokens": True},
-}
+HARNESS = {"stream": True, "timings_per_token": True, "return_tokens": True}
+MODES = ("plain", "stream", "harness", "argmax", "harness_argmax")
+STREAMED = {"stream", "harness", "harness_argmax"}
+
+
+def mode_body(mode: str, backend_sampling: bool) -> dict[str, Any]:
+    """The request keys of one mode, beside the prompt and the greedy settings every mode sends."""
+    samplers, top_k = greedy_chain(backend_sampling)
+    argmax = {"samplers": list(samplers), **({"top_k": top_k} if top_k is not None else {})}
+    return {"plain": {}, "stream": {"stream": True}, "harness": HARNESS, "argmax": argmax,
+            "harness_argmax": {**HARNESS, **argmax}}[mode]
 
 
 def free_port() -> int:
@@ -72,10 +85,14 @@ class Server:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
-                        return
+                        break
             except OSError:
                 time.sleep(0.25)
-        raise RuntimeError("llama-server did not answer /health within 600 s")
+        else:
+            raise RuntimeError("llama-server did not answer /health within 600 s")
+        with urllib.request.urlopen(self.url + "/props", timeout=10) as r:
+            params = json.loads(r.read()).get("default_generation_settings", {}).get("params", {})
+        self.backend_sampling = params.get("backend_sampling") is True
 
     def complete(self, prompt: list[int], extra: dict[str, Any]) -> dict[str, float]:
         body = {"prompt": prompt, "n_predict": OUTPUT_TOKENS, "temperature": 0.0, "ignore_eos": True,
@@ -122,8 +139,8 @@ def measure(bin_dir: Path, model: Path, flags: list[str], server_sets: list[list
                 srv.complete(prompt, {})                                # warm-up, fills the prompt cache
                 got: dict[str, dict[str, list[float]]] = {m: {} for m in MODES}
                 for _ in range(reps):
-                    for mode, body in MODES.items():
-                        for k, v in srv.complete(prompt, body).items():
+                    for mode in MODES:
+                        for k, v in srv.complete(prompt, mode_body(mode, srv.backend_sampling)).items():
                             got[mode].setdefault(k, []).append(v)
                 by_len[n] = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in got.items()}
             res["server"][key] = by_len
@@ -133,18 +150,20 @@ def measure(bin_dir: Path, model: Path, flags: list[str], server_sets: list[list
 
 
 def table(res: dict[str, Any]) -> str:
+    """The modes the result holds (a file saved before the argmax modes has three), in MODES' order."""
+    held = [m for m in MODES if any(m in modes for by_len in res["server"].values() for modes in by_len.values())]
     lines = ["| server flags | prompt | llama-bench | " + " | ".join(
-        f"{m} server (x bench)" + (f" | {m} client" if m != "plain" else "") for m in MODES) + " |"]
-    lines.append("|" + "---|" * (3 + 2 * len(MODES) - 1))
+        f"{m} server (x bench)" + (f" | {m} client" if m in STREAMED else "") for m in held) + " |"]
+    lines.append("|" + "---|" * (3 + len(held) + len(STREAMED & set(held))))
     bench_at = {int(n): v for n, v in res["llama_bench"].items()}     # int keys, or str read back from JSON
     for key, by_len in res["server"].items():
         for n, modes in by_len.items():
             bench = bench_at[int(n)]
             cells = []
-            for m in MODES:
+            for m in held:
                 s = modes[m]["server"]
                 cells.append(f"{s:.1f} ({s / bench:.3f})")
-                if m != "plain":
+                if m in STREAMED:
                     cells.append(f"{modes[m]['client']:.1f}")
             lines.append(f"| {key} | {n} | {bench:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -29,16 +29,21 @@ def test_every_mode_is_measured_beside_llama_bench(tmp_path: Path) -> None:
         pytest.skip("this llama.cpp build has no llama-bench")
     mod = load_script()
     model = _write_tiny_moe(tmp_path / "tiny.gguf")
-    res = mod.measure(bin_dir, model, ["-t", "1"], [[], ["--threads-http", "1"]], [16], 1, 50000)
+    res = mod.measure(bin_dir, model, ["-t", "1"], [[], ["-bs"]], [16], 1, 50000)
     assert res["llama_bench"][16] > 0
-    assert list(res["server"]) == ["-t 1", "-t 1 --threads-http 1"]
+    assert list(res["server"]) == ["-t 1", "-t 1 -bs"]
     for by_len in res["server"].values():
         modes = by_len[16]
         assert set(modes) == set(mod.MODES)
         assert all(m["server"] > 0 for m in modes.values())
-        assert "client" not in modes["plain"] and modes["stream"]["client"] > 0 and modes["harness"]["client"] > 0
+        assert all(("client" in modes[m]) == (m in mod.STREAMED) for m in mod.MODES)
+        assert all(modes[m]["client"] > 0 for m in mod.STREAMED)
     rows = [line for line in mod.table(res).splitlines() if line.startswith("| -t 1")]
     assert len(rows) == 2 and all(row.split(" | ")[1] == "16" for row in rows)
+    assert all(len(row.split(" | ")) == 3 + len(mod.MODES) + len(mod.STREAMED) for row in rows)
+    # The argmax modes name the chain moebench's runner sends to a server that samples on the CPU or not.
+    assert mod.mode_body("harness_argmax", True) == {**mod.HARNESS, "samplers": ["temperature"]}
+    assert mod.mode_body("argmax", False) == {"samplers": ["top_k"], "top_k": 1}
 
 
 def test_a_server_that_cannot_start_is_reported_with_its_output(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from moebench.config import ProfileError, load_runner
 from moebench.runners import runner_schemas
 from moebench.runners.base import Capability, GenerateRequest, RunnerError
 from moebench.runners.llama_server import LlamaServerRunner
+from moebench.runners.wire import LlamaCompletionBody
 from moebench.tools import llamacpp
 
 REPO = Path(__file__).resolve().parent.parent
@@ -234,6 +235,38 @@ def test_capabilities_and_identity(server, gguf_model: Path):
     assert ident["model"]["gguf"]["architecture"] and ident["model"]["gguf"]["parameter_count"] > 0
     assert ident["build"]["build_number"] == llamacpp.BUILD_NUMBER
     assert ident["build"]["build_commit"] == llamacpp.BUILD_COMMIT
+
+
+def test_greedy_requests_ask_for_the_argmax_alone_and_get_the_default_chain_s_tokens(gguf_model: Path,
+                                                                                      tmp_path: Path):
+    """The server says whether it samples in the graph (/props); a greedy request then names the argmax
+    alone (the server echoes the chain it ran), and the tokens are those of the server's default chain."""
+    req = GenerateRequest(prompt=PROMPT, max_tokens=24, temperature=0.0, ignore_eos=True)
+    cases = {"cpu": ({}, ["top_k"], False), "graph": ({"args": ["--threads", "1", "-bs"]}, ["temperature"], True),
+             "default chain": ({"greedy_argmax": False}, None, False)}
+    tokens = {}
+    for name, (extra, samplers, in_graph) in cases.items():
+        runner = LlamaServerRunner(_profile(gguf_model, **extra))
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(runner.start(str(tmp_path / name.replace(" ", "-"))))
+            assert runner.backend_sampling is in_graph, name
+            chain = runner.identity()["build"]["greedy_samplers"]
+            if samplers is None:
+                assert chain is None and runner.greedy_chain() is None
+            else:
+                assert chain == {"samplers": samplers, "top_k": None if in_graph else 1, "backend_sampling": in_graph}
+            tokens[name] = loop.run_until_complete(runner.generate(req)).token_ids
+            body = LlamaCompletionBody.of(req, runner.greedy_chain())
+            ran = loop.run_until_complete(runner._post_json("/completion", body))["generation_settings"]
+            default_chain = ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
+                             "temperature"]
+            assert ran["samplers"] == (samplers or default_chain), name
+        finally:
+            loop.run_until_complete(runner.close())
+            loop.close()
+    assert len(tokens["cpu"]) == 24
+    assert tokens["cpu"] == tokens["graph"] == tokens["default chain"]
 
 
 async def _until_slots_busy(runner: LlamaServerRunner, n: int, timeout_s: float = 20.0) -> None:

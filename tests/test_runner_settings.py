@@ -84,6 +84,21 @@ def test_llama_completion_body_always_sends_temperature_and_asks_for_token_ids()
                     "n_probs": 2, "timings_per_token": True}
 
 
+def test_greedy_llama_requests_name_the_argmax_alone_where_the_server_is_known():
+    greedy = GenerateRequest(prompt=[1, 2], max_tokens=3, top_k=40, top_p=0.9)
+    assert "samplers" not in LlamaCompletionBody.of(greedy).to_json()          # not known: as asked
+    in_graph = LlamaCompletionBody.of(greedy, backend_sampling=True).to_json()
+    assert in_graph["samplers"] == ["temperature"] and in_graph["temperature"] == 0.0
+    assert "top_k" not in in_graph and "top_p" not in in_graph
+    on_cpu = LlamaCompletionBody.of(greedy, backend_sampling=False).to_json()
+    assert on_cpu["samplers"] == ["top_k"] and on_cpu["top_k"] == 1 and "top_p" not in on_cpu
+    # Pre-sampling log-probs take the request off the graph (the server samples on the CPU then).
+    probs = LlamaCompletionBody.of(dataclasses.replace(greedy, top_logprobs=3), backend_sampling=True).to_json()
+    assert probs["samplers"] == ["top_k"] and probs["top_k"] == 1 and probs["n_probs"] == 3
+    sampled = LlamaCompletionBody.of(dataclasses.replace(greedy, temperature=0.7), backend_sampling=True).to_json()
+    assert "samplers" not in sampled and sampled["top_k"] == 40 and sampled["top_p"] == 0.9
+
+
 def test_log_prob_bodies_name_their_path_and_send_their_keys_in_order():
     vllm = PromptLogprobsBody("vllm", "m", [5, 6], 3)
     assert vllm.path == "/v1/completions"

@@ -82,6 +82,14 @@ class EngineModel(ModelHash):
     config: NotRequired[str | None]          # config.json's model_type
 
 
+class GreedySamplers(TypedDict):
+    """The sampler chain a llama-server runner's greedy requests name (runners/wire.py greedy_chain)."""
+
+    samplers: list[str]
+    top_k: int | None
+    backend_sampling: bool | None            # the server's, from /props (None: it did not say)
+
+
 class LlamaBuild(TypedDict):
     """A llama-server runner's build: its llama.cpp binary (BuildInfo's keys, or the error finding it)
     and the server's arguments once started."""
@@ -98,6 +106,7 @@ class LlamaBuild(TypedDict):
     error: NotRequired[str]
     server_args: NotRequired[list[str] | None]
     server_started: NotRequired[bool]
+    greedy_samplers: NotRequired[GreedySamplers | None]
 
 
 class DecodeChoice(TypedDict):

@@ -46,9 +46,10 @@ from moebench.runners.base import (DEFAULT_REQUEST_DEADLINE_S, SERVERLESS, Capab
 from moebench.runners.responses import (DEFAULT_MAX_RESPONSE_BYTES, ConnectTimeout, ReadTimeout, RemoteProtocolError,
                                         TransportError, bounded_lines, describe, read_bounded, response_limit,
                                         transport_error)
-from moebench.runners.identity import GgufModel, GgufSummary, GgufUnreadable, LlamaBuild, RunnerIdentity
+from moebench.runners.identity import (GgufModel, GgufSummary, GgufUnreadable, GreedySamplers, LlamaBuild,
+                                       RunnerIdentity)
 from moebench.runners.wire import (DetokenizeBody, LlamaChoiceBody, LlamaCompletionBody, LlamaTokenizeBody,
-                                   WireBody)
+                                   WireBody, greedy_chain)
 from moebench.store import now_iso, open_append
 from moebench.tools import llama_args, llamacpp
 from moebench.tools.binary_probe import PROBE, ProbeError
@@ -107,6 +108,10 @@ class LlamaServerSettings(RunnerSettings):
                                       high=MAX_RESPONSE_BYTES,
                                       doc="hard cap on one response's size (the bound from max_tokens is "
                                           "usually lower)")
+    greedy_argmax: bool = setting(bool, default=True,
+                                  doc="greedy requests (temperature 0) name the argmax alone as their sampler "
+                                      "chain (the same tokens without the default chain's cost per token); "
+                                      "false sends the server's default chain")
 
 
 SCHEMA = LlamaServerSettings.schema()
@@ -349,6 +354,8 @@ class LlamaServerRunner(Runner):
         self._identity: RunnerIdentity | None = None
         self._plan: PerplexityPlan | None = None
         self.server_started = False
+        # The server's default backend sampling (/props), read at each start; None: not known.
+        self.backend_sampling: bool | None = None
 
     # -- life cycle -------------------------------------------------------------------------------
     def _resolve_binary(self) -> Path:
@@ -413,6 +420,7 @@ class LlamaServerRunner(Runner):
             if problem is None:
                 self._new_client()
                 self._generation += 1
+                self.backend_sampling = await self._read_backend_sampling()
                 return
             await asyncio.to_thread(SERVERS.stop, proc)
             with self.log_path.open("rb") as f:
@@ -438,6 +446,25 @@ class LlamaServerRunner(Runner):
                     pass                    # not listening yet
                 await asyncio.sleep(0.1)
         return f"/health not 200 after {self.settings.startup_timeout_s} s"
+
+    async def _read_backend_sampling(self) -> bool | None:
+        """`default_generation_settings.params.backend_sampling` of GET /props (`-bs` or
+        LLAMA_ARG_BACKEND_SAMPLING); None where the server does not say (an older build, a fork)."""
+        try:
+            async with self._open("GET", "/props", timeout_s=10.0) as r:
+                raw = await read_bounded(r, int(self.settings.max_response_bytes), "llama-server /props")
+            props = _json_object(raw, f"{self.base_url}/props") if r.status == 200 else {}
+        except (RunnerError, TransportError, asyncio.TimeoutError):
+            return None
+        value: Any = props
+        for key in ("default_generation_settings", "params", "backend_sampling"):
+            value = value.get(key) if isinstance(value, dict) else None
+        return value if isinstance(value, bool) else None
+
+    def greedy_chain(self) -> bool | None:
+        """What `LlamaCompletionBody.of` takes: None keeps every request's sampling as asked
+        (`greedy_argmax` off); else whether the argmax can run in the server's graph."""
+        return bool(self.backend_sampling) if self.settings.greedy_argmax else None
 
     def _new_client(self) -> None:
         if self._client is not None:
@@ -665,7 +692,7 @@ class LlamaServerRunner(Runner):
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         if isinstance(request.prompt, list) and not all(isinstance(t, int) for t in request.prompt):
             raise RunnerError("a token prompt must be a list of ints")
-        payload = LlamaCompletionBody.of(request)
+        payload = LlamaCompletionBody.of(request, self.greedy_chain())
         sends = 0
 
         def send() -> Awaitable[GenerateResult]:
@@ -835,6 +862,14 @@ class LlamaServerRunner(Runner):
         return self._plan
 
     # -- identity -------------------------------------------------------------------------------
+    def _greedy_samplers_record(self) -> GreedySamplers | None:
+        """What a greedy request asks for its sampler chain (None: the server's default chain)."""
+        in_graph = self.greedy_chain()
+        if in_graph is None:
+            return None
+        names, top_k = greedy_chain(in_graph)
+        return {"samplers": list(names), "top_k": top_k, "backend_sampling": self.backend_sampling}
+
     def identity(self) -> RunnerIdentity:
         if self._identity is None:
             p = self.model_path
@@ -854,4 +889,5 @@ class LlamaServerRunner(Runner):
         build_now: LlamaBuild = json.loads(jsonout.dumps(self._identity["build"]))
         build_now["server_args"] = self.command(self.port or 0)[1:] if self.binary and self.server_started else None
         build_now["server_started"] = self.server_started
+        build_now["greedy_samplers"] = self._greedy_samplers_record()
         return {"model": model_now, "build": build_now}

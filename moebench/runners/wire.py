@@ -14,6 +14,7 @@ An optional field left None is not sent, so the server's own default applies.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -110,12 +111,19 @@ class LlamaCompletionBody:
     top_p: float | None = None
     top_k: int | None = None
     n_probs: int = 0                       # top log-probs per generated token (0: none asked)
+    samplers: tuple[str, ...] = ()         # the sampler chain by name; empty: the server's default chain
 
     @classmethod
-    def of(cls, req: GenerateRequest) -> "LlamaCompletionBody":
-        return cls(prompt=req.prompt, n_predict=req.max_tokens, temperature=req.temperature, stop=tuple(req.stop),
+    def of(cls, req: GenerateRequest, backend_sampling: bool | None = None) -> "LlamaCompletionBody":
+        """`backend_sampling` None sends the request's sampling as it is; True or False (the server's
+        backend sampling, when known) makes a greedy request name its argmax alone (`greedy_chain`)."""
+        body = cls(prompt=req.prompt, n_predict=req.max_tokens, temperature=req.temperature, stop=tuple(req.stop),
                    cache_prompt=req.cache_prompt, ignore_eos=req.ignore_eos, stream=req.stream, seed=req.seed,
                    top_p=req.top_p, top_k=req.top_k, n_probs=req.top_logprobs)
+        if backend_sampling is None or req.temperature != 0:
+            return body
+        samplers, top_k = greedy_chain(backend_sampling and not req.top_logprobs)
+        return dataclasses.replace(body, samplers=samplers, top_k=top_k, top_p=None)
 
     def to_json(self) -> JsonObject:
         payload: JsonObject = {
@@ -129,11 +137,27 @@ class LlamaCompletionBody:
             "stream": self.stream,
         }
         _put_set(payload, seed=self.seed, top_p=self.top_p, top_k=self.top_k)
+        if self.samplers:
+            payload["samplers"] = list(self.samplers)
         if self.n_probs:
             payload["n_probs"] = self.n_probs
         if self.stream:
             payload["timings_per_token"] = True
         return payload
+
+
+def greedy_chain(in_graph: bool) -> tuple[tuple[str, ...], int | None]:
+    """The sampler chain (names, top_k) of a greedy llama-server request: the argmax alone, the token
+    the server's default chain picks at temperature 0 (penalties, DRY, top-n-sigma, top-k 40, typical,
+    top-p, min-p, XTC, temperature: each a no-op or a cut that keeps the largest logit), without its
+    cost per token. llama.cpp b11434 (`common/sampling.cpp`, `src/llama-sampler.cpp`):
+    - backend sampling on (`in_graph`): "temperature" at 0 is a `ggml_argmax` in the model's graph, and
+      the host reads one token id. The default chain leaves the graph at DRY (no backend version), so
+      the whole vocabulary's logits are copied out and sorted on the CPU every token; top-k's graph
+      version sorts the vocabulary on the GPU.
+    - otherwise: top-k 1 is one CPU pass over the logits (the chain's dist then has one candidate);
+      "temperature" alone would write every logit and take a softmax of the vocabulary."""
+    return (("temperature",), None) if in_graph else (("top_k",), 1)
 
 
 @dataclass(frozen=True, slots=True)
