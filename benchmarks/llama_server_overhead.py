@@ -3,8 +3,8 @@
     python benchmarks/llama_server_overhead.py --bin ~/.cache/moebench/llamacpp/b11434-cpu/build/bin \
         --model models/zoo/tiny-moe-bf16.gguf --flags "-t 2" --out results/server_overhead.json
     python benchmarks/llama_server_overhead.py --bin /root/mbc/llamacpp/b11434-cuda/build/bin \
-        --model /root/peers-work/bf16.gguf --flags "-ngl 99 -fa on" --server-flags=-bs   # on the H200
-    python benchmarks/llama_server_overhead.py --show benchmarks/results/llama_server_overhead_h200.json
+        --model /root/peers-work/bf16.gguf --flags "-ngl 99 -fa on" --server-flags=-bs   # on a GPU machine
+    python benchmarks/llama_server_overhead.py --show benchmarks/results/llama_server_overhead.json
 
 moebench's speed suite reports llama-server's decode rate as a client sees it; issue 43 asks it to be
 within 5% of llama-bench's for the same build and flags. This script splits the gap with llama-server

@@ -52,7 +52,8 @@ PROMPT_LENGTHS = (128, 4096)
 OUTPUT_TOKENS = 128
 LLAMA_FLAGS = ("-ngl", "99", "-fa", "on")           # the same for llama-bench and llama-server
 # llama-server's own switch (llama-bench has no sampling step): run the sampler chain in the model's
-# graph on the GPU, so a token costs no copy of the logits and no CPU pass over the vocabulary.
+# graph on the GPU; with the runner's greedy chain (an argmax, `greedy_argmax`) a token then costs no
+# copy of the logits and no CPU pass over the vocabulary.
 BACKEND_SAMPLING = ("-bs",)
 # Bytes per weight of each expert format, scales included (docs/engine.md; GGUF block sizes).
 FORMAT_BYTES = {"bf16": 2.0, "int8": 1.001, "int4": 0.531, "Q8_0": 34 / 32, "Q4_0": 18 / 32}

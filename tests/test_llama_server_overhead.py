@@ -54,12 +54,17 @@ def test_a_server_that_cannot_start_is_reported_with_its_output(tmp_path: Path) 
         mod.Server(_server_binary().parent, bad, [], 256)
 
 
-def test_show_prints_the_committed_h200_tables() -> None:
+def test_show_prints_the_committed_tables() -> None:
     """--show reads a saved file of several models (str keys from JSON) and prints each one's table,
-    the ratios to llama-bench computed from the figures saved."""
+    the ratios to llama-bench computed from the figures saved; a result saved before the argmax modes
+    shows the three modes it holds."""
     run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "llama_server_overhead.py"), "--show",
-                          str(REPO / "benchmarks" / "results" / "llama_server_overhead_h200.json")],
+                          str(REPO / "benchmarks" / "results" / "llama_server_overhead.json")],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
-    assert "| -ngl 99 -fa on -bs | 128 | 227.9 | 217.9 (0.956) |" in run.stdout
-    assert run.stdout.count("| -ngl 99 -fa on") == 8
+    assert "| -ngl 99 -fa on -bs | 128 | 227.9 | 217.9 (0.956) | 216.2 (0.949) | 216.2 | 217.5 (0.954) | 217.6 |" \
+        in run.stdout                                                  # H200 bf16: three modes
+    assert "| -ngl 99 -fa on -bs | 128 | 222.3 | 205.1 (0.923) |" in run.stdout    # H100 bf16: five
+    headers = [line for line in run.stdout.splitlines() if line.startswith("| server flags")]
+    assert [h.count("argmax") for h in headers] == [0, 0, 3, 3, 3]
+    assert run.stdout.count("| -ngl 99 -fa on") == 20

@@ -43,6 +43,14 @@ def test_table_of_record_prints() -> None:
     assert "| Q8_0 | 128 | 280.5 | 246.9 | 260.6 | 0.880 | 0.929 |" in res.stdout
 
 
+def test_h100_table_prints() -> None:
+    """The H100 run (two measure calls saved as one, docs/peers-h200.md) prints the rows the docs cite."""
+    res = table(ROOT / "benchmarks" / "results" / "peers_h100.json")
+    assert res.returncode == 0, res.stderr
+    assert "| int8 / Q8_0 | 128 | 421.3 | 437.4 | 244.5 | 1.72x | 1.79x |" in res.stdout
+    assert "| Q4_0 | 128 | 281.9 | 239.0 | 274.2 | 0.848 | 0.973 | 0.972 |" in res.stdout
+
+
 def test_two_calls_merge_and_ratios(tmp_path: Path) -> None:
     first = call(llama={"bf16": {"llama_bench": {"128": 200.0}, "harness": side(180.0),
                                  "harness_bs": side(190.0, server_decode_tok_s=191.0)}},
