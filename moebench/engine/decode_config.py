@@ -212,9 +212,10 @@ class DecodeConfig:
         the row's position, which earlier steps wrote). Weights and old cache slots never change
         during a step, so this reads nothing the wait protects; the sums are the same, bit for bit.
         Default DEFAULT_EARLY_WEIGHTS (all but "attention_kv", which measured 1-2% slower on an
-        H100), with early_steps 2 and early_launch all (see there). "down_packed" decoded the all-int8 plan 1.1% faster, int4
-        2.4%, int8 with int8 x 2.7%, int4 with int8 x 4.5% (an H100, 24 layers of the 30B shape:
-        benchmarks/results/decode_ab_options.json, "early_weights_down_packed"), the same tokens.
+        H100), with early_steps 2 and early_launch all (see there). "down_packed" decoded the
+        all-int8 plan 1.1% faster, int4 2.4%, int8 with int8 x 2.7%, int4 with int8 x 4.5% (an H100,
+        24 layers of the 30B shape: benchmarks/results/decode_ab_options.json,
+        "early_weights_down_packed"), the same tokens.
     early_steps: how many K steps of weights the "gemv" and "down" early loads cover (1 to
         MAX_EARLY_STEPS, never more than the kernel has): more bytes in flight before the wait.
     early_launch: kernels, of EARLY_LAUNCH_KERNELS, that let the next kernel start launching before
