@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import moebench_cli, read_items
+from conftest import REPO, moebench_cli, read_items
 
 
 def test_smoke_suite_bf16_vs_q4_0_through_llama_server(zoo, tmp_path):
@@ -62,3 +62,26 @@ def test_llama_server_choice_logprobs_keep_the_models_ranking(zoo):
     for a in lps:
         for b in lps:
             assert abs((lps[a] - lps[b]) - (full[a] - full[b])) < 2e-3, (a, b, lps, {c: full[c] for c in lps})
+
+
+def test_compare_says_when_the_greedy_sampler_chains_differ(zoo, tmp_path):
+    """A speed run whose greedy requests name the argmax against one that sends llama-server's default
+    chain: the same tokens, another cost per token, so compare says so first."""
+    suite = tmp_path / "speed.toml"
+    suite.write_text('name = "chain"\n[[tasks]]\ntask = "speed"\nprompt_lengths = [32]\noutput_tokens = 8\n'
+                     'repeats = 1\nwarmup = 0\n[probes]\nnvml = false\n')
+    default_chain = tmp_path / "llama-default-chain.toml"
+    default_chain.write_text((REPO / "runners" / "llama-bf16.toml").read_text().replace(
+        'model = "', f'model = "{REPO}/') + "greedy_argmax = false\n")
+    argmax, default = tmp_path / "argmax", tmp_path / "default"
+    moebench_cli("run", str(suite), "--runner", "runners/llama-bf16.toml", "--out", str(argmax), check=True)
+    moebench_cli("run", str(suite), "--runner", str(default_chain), "--out", str(default), check=True)
+    chains = [json.loads((run / "manifest.json").read_text())["build"]["greedy_samplers"] for run in (argmax, default)]
+    assert chains == [{"samplers": ["top_k"], "top_k": 1, "backend_sampling": False}, None]
+    moebench_cli("compare", str(argmax), str(default), "--out", str(tmp_path / "cmp"), check=True)
+    said = json.loads((tmp_path / "cmp" / "compare.json").read_text())["setup_differences"]
+    assert said == ["llama-server greedy requests named other sampler chains: ['top_k'] (top_k 1) (baseline) vs "
+                    "the server's default chain (candidate); the same tokens, but its cost per token is in the "
+                    "decode rates"]
+    moebench_cli("compare", str(argmax), str(argmax), "--out", str(tmp_path / "same"), check=True)
+    assert "setup_differences" not in json.loads((tmp_path / "same" / "compare.json").read_text())

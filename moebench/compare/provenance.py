@@ -101,8 +101,28 @@ def _runner_sampling(m: Manifest) -> dict[str, JsonValue]:
     return out
 
 
+def _task_kinds(m: Manifest) -> set[str]:
+    return {str(t.get("task")) for t in _suite_tasks(m).values()}
+
+
+def _greedy_chain(m: Manifest) -> str | None:
+    """The sampler chain a llama-server run's greedy requests named (`build.greedy_samplers`), as
+    text; None where no llama-server ran. A run recorded before the runner named a chain sent the
+    server's default one."""
+    build = m.build or {}
+    if (m.runner or {}).get("kind") != "llama-server" or not build.get("server_started"):
+        return None
+    chain = build.get("greedy_samplers")
+    if not isinstance(chain, dict):
+        return "the server's default chain"
+    top_k = f" (top_k {chain['top_k']})" if chain.get("top_k") is not None else ""
+    return f"{chain.get('samplers')}{top_k}"
+
+
 def setup_differences(bm: Manifest, cm: Manifest) -> list[str]:
-    """One line per difference in what the two runs asked: suite, task settings, runner sampling."""
+    """One line per difference in what the two runs asked: suite, task settings, runner sampling,
+    and where both measured speed, the llama-server sampler chain of greedy requests (it moves
+    decode speed, not the tokens)."""
     out = []
     bs, cs = bm.suite or {}, cm.suite or {}
     if bs.get("name") != cs.get("name"):
@@ -119,6 +139,10 @@ def setup_differences(bm: Manifest, cm: Manifest) -> list[str]:
     if keys:
         out.append("runner sampling settings differ: " + ", ".join(
             f"{k} {br.get(k)!r} (baseline) vs {cr.get(k)!r} (candidate)" for k in keys))
+    bg, cg = _greedy_chain(bm), _greedy_chain(cm)
+    if bg and cg and bg != cg and "speed" in _task_kinds(bm) & _task_kinds(cm):
+        out.append(f"llama-server greedy requests named other sampler chains: {bg} (baseline) vs {cg} "
+                   f"(candidate); the same tokens, but its cost per token is in the decode rates")
     return out
 
 

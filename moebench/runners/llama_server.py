@@ -863,9 +863,10 @@ class LlamaServerRunner(Runner):
 
     # -- identity -------------------------------------------------------------------------------
     def _greedy_samplers_record(self) -> GreedySamplers | None:
-        """What a greedy request asks for its sampler chain (None: the server's default chain)."""
+        """What a greedy request asks for its sampler chain (None: the server's default chain, or no
+        server ran)."""
         in_graph = self.greedy_chain()
-        if in_graph is None:
+        if in_graph is None or not self.server_started:
             return None
         names, top_k = greedy_chain(in_graph)
         return {"samplers": list(names), "top_k": top_k, "backend_sampling": self.backend_sampling}
