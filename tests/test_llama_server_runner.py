@@ -253,11 +253,11 @@ def test_greedy_requests_ask_for_the_argmax_alone_and_get_the_default_chain_s_to
             assert runner.backend_sampling is in_graph, name
             chain = runner.identity()["build"]["greedy_samplers"]
             if samplers is None:
-                assert chain is None and runner.greedy_chain() is None
+                assert chain is None and runner.greedy_in_graph() is None
             else:
                 assert chain == {"samplers": samplers, "top_k": None if in_graph else 1, "backend_sampling": in_graph}
             tokens[name] = loop.run_until_complete(runner.generate(req)).token_ids
-            body = LlamaCompletionBody.of(req, runner.greedy_chain())
+            body = LlamaCompletionBody.of(req, runner.greedy_in_graph())
             ran = loop.run_until_complete(runner._post_json("/completion", body))["generation_settings"]
             default_chain = ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
                              "temperature"]

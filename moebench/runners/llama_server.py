@@ -461,7 +461,7 @@ class LlamaServerRunner(Runner):
             value = value.get(key) if isinstance(value, dict) else None
         return value if isinstance(value, bool) else None
 
-    def greedy_chain(self) -> bool | None:
+    def greedy_in_graph(self) -> bool | None:
         """What `LlamaCompletionBody.of` takes: None keeps every request's sampling as asked
         (`greedy_argmax` off); else whether the argmax can run in the server's graph."""
         return bool(self.backend_sampling) if self.settings.greedy_argmax else None
@@ -692,7 +692,7 @@ class LlamaServerRunner(Runner):
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         if isinstance(request.prompt, list) and not all(isinstance(t, int) for t in request.prompt):
             raise RunnerError("a token prompt must be a list of ints")
-        payload = LlamaCompletionBody.of(request, self.greedy_chain())
+        payload = LlamaCompletionBody.of(request, self.greedy_in_graph())
         sends = 0
 
         def send() -> Awaitable[GenerateResult]:
@@ -865,7 +865,7 @@ class LlamaServerRunner(Runner):
     def _greedy_samplers_record(self) -> GreedySamplers | None:
         """What a greedy request asks for its sampler chain (None: the server's default chain, or no
         server ran)."""
-        in_graph = self.greedy_chain()
+        in_graph = self.greedy_in_graph()
         if in_graph is None or not self.server_started:
             return None
         names, top_k = greedy_chain(in_graph)
