@@ -24,6 +24,18 @@ alone (plain HTTP from the standard library, no moebench code on the request pat
     For each, the server's own rate (timings.predicted_per_second) and, when streamed, the client's
     (tokens 2..n over the time from the first token's event to the last's).
 
+With --twin, the phases of the server's loop instead (twin_timings): llama-bench against the build's
+llama-server and a twin of it compiled with server-context.cpp's DEBUG_TIMINGS, made from a build
+folder B (its source beside it, as `moebench tools build-llamacpp` leaves it) in seconds:
+
+    S=$B/../src/llama.cpp; cp $B/bin/llama-server /tmp/llama-server.plain
+    sed -i 's|^// #define DEBUG_TIMINGS|#define DEBUG_TIMINGS|' $S/tools/server/server-context.cpp
+    cmake --build $B --target llama-server && mkdir -p /tmp/twin && cp $B/bin/llama-server /tmp/twin/
+    sed -i 's|^#define DEBUG_TIMINGS|// #define DEBUG_TIMINGS|' $S/tools/server/server-context.cpp
+    cp /tmp/llama-server.plain $B/bin/llama-server
+    python benchmarks/llama_server_overhead.py --bin $B/bin --twin /tmp/twin --model /root/peers-work/Q4_0.gguf \
+        --flags "-ngl 99 -fa on" --server-flags=-bs
+
 Rates are medians of --reps requests per mode, modes interleaved, after one warm-up request.
 A flag set that starts with "-" is given as --server-flags=-bs (argparse reads a separate "-bs" as an
 option). --show prints the tables of a saved result, or of a file of several keyed by model.
@@ -31,12 +43,15 @@ option). --show prints the tables of a saved result, or of a file of several key
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
+import re
 import shlex
 import socket
 import statistics
 import subprocess
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -72,16 +87,20 @@ def llama_bench(bin_dir: Path, model: Path, flags: list[str], lengths: list[int]
 
 
 class Server:
-    def __init__(self, bin_dir: Path, model: Path, flags: list[str], ctx: int):
+    def __init__(self, bin_dir: Path, model: Path, flags: list[str], ctx: int, log: Path | None = None):
+        """`log`: the server's log goes to this file (read afterwards), else to a pipe."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
-                                      "--port", str(self.port), "-np", "1", "-c", str(ctx), *flags],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.log = log
+        with open(log, "w") if log else contextlib.nullcontext(subprocess.PIPE) as err:
+            self.proc = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
+                                          "--port", str(self.port), "-np", "1", "-c", str(ctx), *flags],
+                                         stdout=subprocess.DEVNULL, stderr=err, text=True)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited {self.proc.returncode}: {self.proc.stderr.read()[-2000:]}")
+                tail = (self.log.read_text() if self.log else self.proc.stderr.read())[-2000:]
+                raise RuntimeError(f"llama-server exited {self.proc.returncode}: {tail}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -149,6 +168,76 @@ def measure(bin_dir: Path, model: Path, flags: list[str], server_sets: list[list
     return res
 
 
+TWIN_PROMPT = "The old man walked along the river and counted the boats that passed him by."
+TWIN_DEPTH = 16          # llama-bench's depth for about that prompt's length in tokens
+TWIN_AVG = re.compile(r"avg (t_pre_decode|t_decode|t_post_decode|t_sampl)\s*=\s*([0-9.]+) ms")
+
+
+def twin_timings(bin_dir: Path, twin: Path, model: Path, flags: list[str], server_sets: list[list[str]],
+                 reps: int, work: Path) -> dict[str, Any]:
+    """The phases of llama-server's loop, from a twin of the build's llama-server compiled with
+    server-context.cpp's DEBUG_TIMINGS: its update_slots logs, at most every 5 s, the averages since
+    the start of pre_decode, llama_decode followed by a synchronize, post_decode, and the sampling
+    inside post_decode. Per flag set, the build's own llama-server ("plain") and the twin each get a
+    warm-up, `reps` requests of 128 tokens naming the "temperature" sampler alone (an argmax in the
+    graph with -bs, a pass over the vocabulary on the CPU without), then 5.2 s later a 2-token
+    request at whose start the twin prints the averages (twin_averages reads them, and t_decode
+    over the decodes after each request's first)."""
+    res: dict[str, Any] = {"flags": flags, "prompt": TWIN_PROMPT,
+                           "llama_bench_d16": llama_bench(bin_dir, model, flags, [TWIN_DEPTH], 3)[TWIN_DEPTH],
+                           "server": {}}
+    body = {"samplers": ["temperature"]}
+    for extra in server_sets:
+        row: dict[str, Any] = {}
+        for name, folder in (("plain", bin_dir), ("twin", twin)):
+            log = work / f"{name}.log"
+            srv = Server(folder, model, flags + extra, 4608, log=log)
+            try:
+                srv.complete(TWIN_PROMPT, body)
+                rates = [srv.complete(TWIN_PROMPT, body)["server"] for _ in range(reps)]
+                time.sleep(5.2)
+                srv.complete(TWIN_PROMPT, {**body, "n_predict": 2})
+            finally:
+                srv.close()
+            row[name] = {"rates": rates, "median": statistics.median(rates)}
+            if name == "twin":
+                row[name]["avg_ms"] = twin_averages(log.read_text())
+        res["server"][" ".join(flags + extra)] = row
+    return res
+
+
+def twin_averages(log: str) -> dict[str, Any]:
+    """The twin's last printed averages (ms; a print before any decode says "-nan" and is skipped),
+    and t_decode_steady: t_decode over the decodes after each request's first. Those firsts are the
+    "prompt eval" times the server logged before that print (with -bs some 20 ms each against 3.5 ms
+    for a later token on an H100); the print counts decodes as n_pre_decode (one per update_slots
+    call, one decode each for prompts within the batch size)."""
+    last = log.rfind("n_pre_decode")
+    avg: dict[str, Any] = {k: float(v) for k, v in TWIN_AVG.findall(log[last:])}
+    missing = {"t_pre_decode", "t_decode", "t_post_decode", "t_sampl"} - set(avg)
+    if last < 0 or missing:
+        raise RuntimeError(f"the twin's log has no averages of {sorted(missing)}: was it built with DEBUG_TIMINGS?")
+    n = int(re.search(r"n_pre_decode\s*=\s*(\d+)", log[last:]).group(1))
+    firsts = [float(v) for v in re.findall(r"prompt eval time =\s*([0-9.]+) ms", log[:last])]
+    avg["n_decodes"], avg["first_decodes_ms"] = n, firsts
+    avg["t_decode_steady"] = (n * avg["t_decode"] - sum(firsts)) / (n - len(firsts))
+    return avg
+
+
+def twin_table(res: dict[str, Any]) -> str:
+    bench_ms = 1e3 / res["llama_bench_d16"]
+    lines = [f"llama-bench at depth {TWIN_DEPTH}: {bench_ms:.3f} ms a token",
+             "| server flags | plain ms/token (x bench rate) | twin ms/token | twin avg pre_decode | llama_decode + sync "
+             "| after each request's first | post_decode | of which sampling |", "|---|---|---|---|---|---|---|---|"]
+    for key, row in res["server"].items():
+        plain = row.get("plain")
+        cell = f"{1e3 / plain['median']:.3f} ({plain['median'] / res['llama_bench_d16']:.3f})" if plain else "not run"
+        avg = row["twin"]["avg_ms"]
+        lines.append(f"| {key} | {cell} | {1e3 / row['twin']['median']:.3f} | {avg['t_pre_decode']:.3f} "
+                     f"| {avg['t_decode']:.3f} | {avg['t_decode_steady']:.3f} | {avg['t_post_decode']:.3f} | {avg['t_sampl']:.3f} |")
+    return "\n".join(lines)
+
+
 def table(res: dict[str, Any]) -> str:
     """The modes the result holds (a file saved before the argmax modes has three), in MODES' order."""
     held = [m for m in MODES if any(m in modes for by_len in res["server"].values() for modes in by_len.values())]
@@ -180,16 +269,27 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--vocab-hi", type=int, default=30000, help="prompt ids are drawn from 1000..this")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--twin", type=Path, help="a folder holding the build's llama-server compiled with DEBUG_TIMINGS: "
+                    "measure the phases of the server's loop instead of the request modes")
     ap.add_argument("--show", type=Path, help="print the tables of this saved result and measure nothing")
     args = ap.parse_args()
     if args.show:
         saved = json.loads(args.show.read_text())
         for name, res in ([(None, saved)] if "server" in saved else
                           [(k, v) for k, v in saved.items() if isinstance(v, dict)]):
-            print(f"\n{name}\n" if name else "", table(res), sep="")
+            print(f"\n{name}\n" if name else "", (twin_table if "prompt" in res else table)(res), sep="")
         return 0
     if not (args.bin and args.model):
         ap.error("--bin and --model are needed to measure (or --show FILE)")
+    if args.twin:
+        with tempfile.TemporaryDirectory(prefix="server_twin_") as work:
+            res = twin_timings(args.bin, args.twin, args.model, shlex.split(args.flags),
+                               [[]] + [shlex.split(s) for s in args.server_flags], args.reps, Path(work))
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(res, indent=1))
+        print(twin_table(res))
+        return 0
     res = measure(args.bin, args.model, shlex.split(args.flags), [[]] + [shlex.split(s) for s in args.server_flags],
                   [int(x) for x in args.lengths.split(",")], args.reps, args.vocab_hi)
     if args.out:
