@@ -216,7 +216,8 @@ def twin_averages(log: str) -> dict[str, Any]:
     avg: dict[str, Any] = {k: float(v) for k, v in TWIN_AVG.findall(log[last:])}
     missing = {"t_pre_decode", "t_decode", "t_post_decode", "t_sampl"} - set(avg)
     if last < 0 or missing:
-        raise RuntimeError(f"the twin's log has no averages of {sorted(missing)}: was it built with DEBUG_TIMINGS?")
+        raise RuntimeError(f"the twin's log has no averages of {sorted(missing)}: "
+                           "was it built with DEBUG_TIMINGS?")
     n = int(re.search(r"n_pre_decode\s*=\s*(\d+)", log[last:]).group(1))
     firsts = [float(v) for v in re.findall(r"prompt eval time =\s*([0-9.]+) ms", log[:last])]
     avg["n_decodes"], avg["first_decodes_ms"] = n, firsts
@@ -227,14 +228,17 @@ def twin_averages(log: str) -> dict[str, Any]:
 def twin_table(res: dict[str, Any]) -> str:
     bench_ms = 1e3 / res["llama_bench_d16"]
     lines = [f"llama-bench at depth {TWIN_DEPTH}: {bench_ms:.3f} ms a token",
-             "| server flags | plain ms/token (x bench rate) | twin ms/token | twin avg pre_decode | llama_decode + sync "
-             "| after each request's first | post_decode | of which sampling |", "|---|---|---|---|---|---|---|---|"]
+             "| server flags | plain ms/token (x bench rate) | twin ms/token | twin avg pre_decode "
+             "| llama_decode + sync | after each request's first | post_decode | of which sampling |",
+             "|---|---|---|---|---|---|---|---|"]
     for key, row in res["server"].items():
         plain = row.get("plain")
-        cell = f"{1e3 / plain['median']:.3f} ({plain['median'] / res['llama_bench_d16']:.3f})" if plain else "not run"
+        cell = (f"{1e3 / plain['median']:.3f} ({plain['median'] / res['llama_bench_d16']:.3f})" if plain
+                else "not run")
         avg = row["twin"]["avg_ms"]
         lines.append(f"| {key} | {cell} | {1e3 / row['twin']['median']:.3f} | {avg['t_pre_decode']:.3f} "
-                     f"| {avg['t_decode']:.3f} | {avg['t_decode_steady']:.3f} | {avg['t_post_decode']:.3f} | {avg['t_sampl']:.3f} |")
+                     f"| {avg['t_decode']:.3f} | {avg['t_decode_steady']:.3f} | {avg['t_post_decode']:.3f} "
+                     f"| {avg['t_sampl']:.3f} |")
     return "\n".join(lines)
 
 
@@ -269,8 +273,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--vocab-hi", type=int, default=30000, help="prompt ids are drawn from 1000..this")
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--twin", type=Path, help="a folder holding the build's llama-server compiled with DEBUG_TIMINGS: "
-                    "measure the phases of the server's loop instead of the request modes")
+    ap.add_argument("--twin", type=Path, help="a folder holding the build's llama-server compiled with "
+                    "DEBUG_TIMINGS: measure the phases of the server's loop instead of the request modes")
     ap.add_argument("--show", type=Path, help="print the tables of this saved result and measure nothing")
     args = ap.parse_args()
     if args.show:
@@ -281,21 +285,17 @@ def main() -> int:
         return 0
     if not (args.bin and args.model):
         ap.error("--bin and --model are needed to measure (or --show FILE)")
+    flags, server_sets = shlex.split(args.flags), [[]] + [shlex.split(s) for s in args.server_flags]
     if args.twin:
         with tempfile.TemporaryDirectory(prefix="server_twin_") as work:
-            res = twin_timings(args.bin, args.twin, args.model, shlex.split(args.flags),
-                               [[]] + [shlex.split(s) for s in args.server_flags], args.reps, Path(work))
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(res, indent=1))
-        print(twin_table(res))
-        return 0
-    res = measure(args.bin, args.model, shlex.split(args.flags), [[]] + [shlex.split(s) for s in args.server_flags],
-                  [int(x) for x in args.lengths.split(",")], args.reps, args.vocab_hi)
+            res = twin_timings(args.bin, args.twin, args.model, flags, server_sets, args.reps, Path(work))
+    else:
+        res = measure(args.bin, args.model, flags, server_sets, [int(x) for x in args.lengths.split(",")],
+                      args.reps, args.vocab_hi)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(res, indent=1))
-    print(table(res))
+    print((twin_table if args.twin else table)(res))
     return 0
 
 

@@ -70,8 +70,9 @@ def test_show_prints_the_committed_tables() -> None:
     # The DEBUG_TIMINGS twin's tables (H100, three GGUFs): the plain server's rate against llama-bench's
     # and the phases around llama_decode, each from the figures saved.
     assert [h.count("llama_decode + sync") for h in headers] == [0] * 5 + [1] * 3
-    assert "| -ngl 99 -fa on -bs | 3.574 (0.960) | 3.570 | 0.001 | 3.791 | 3.584 | 0.011 | 0.009 |" in run.stdout   # Q4_0
-    assert "| -ngl 99 -fa on | not run | 5.997 | 0.001 | 4.587 | 4.546 | 1.476 | 1.473 |" in run.stdout               # bf16
+    assert "| -ngl 99 -fa on -bs | 3.574 (0.960) | 3.570 | 0.001 | 3.791 | 3.584 | 0.011 | 0.009 |" \
+        in run.stdout                                                                                # Q4_0
+    assert "| -ngl 99 -fa on | not run | 5.997 | 0.001 | 4.587 | 4.546 | 1.476 | 1.473 |" in run.stdout   # bf16
     assert run.stdout.count("| -ngl 99 -fa on") == 20 + 6
 
 
