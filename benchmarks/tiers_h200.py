@@ -453,6 +453,12 @@ def plan_gpu_host_ssd_ahead_whole(b, ctx: dict) -> dict:
 
 # ---- the run ----------------------------------------------------------------------------------------
 
+def read_per_wait(r: dict) -> float:
+    """An SSD plan's disk bytes per second the decode waited on its reads (B/s; nan without waits)."""
+    wait = r["counters"]["ssd_wait_s"] / max(1, r["counters"]["decode_steps"])
+    return r["bound"]["disk_bytes_read_per_token"] / wait if wait > 0 else float("nan")
+
+
 def table(R: dict) -> str:
     lines = []
     d = R["variants"].get("disk_read")
@@ -494,9 +500,10 @@ def table(R: dict) -> str:
     ssd = {n: r for n, r in R["variants"].items() if n.startswith("plan_") and "ssd" in r}
     if ssd:
         lines.append("SSD plans: reader threads x read chunk (whole: one read per record), the disk's best random-read rate "
-                     "in this call, tok/s, % of bound; unseen prompt (page cache dropped)")
+                     "in this call, tok/s, % of bound; unseen prompt (page cache dropped); the bytes read from disk "
+                     "over the time the decode waited for them (above the disk's rate where reads overlap the decode)")
         lines.append(f"{'plan':30s} {'read path':>13s} {'disk GB/s':>9s} {'tok/s':>7s} {'bound':>6s} {'% bound':>7s} "
-                     f"{'unseen tok/s':>12s} {'% bound':>7s}")
+                     f"{'unseen tok/s':>12s} {'% bound':>7s} {'read/wait GB/s':>14s}")
         for name, r in ssd.items():
             u = r.get("unseen_prompt") or {}
             chunk = r["ssd"]["read_chunk_bytes"]
@@ -504,7 +511,7 @@ def table(R: dict) -> str:
             lines.append(f"{name:30s} {path:>13s} {(r.get('disk_random_Bps') or float('nan')) / 1e9:9.2f} "
                          f"{r['tok_s']:7.2f} {r['bound']['tok_s'] or float('nan'):6.1f} "
                          f"{(r['pct_of_bound'] or float('nan')):7.1f} {u.get('tok_s', float('nan')):12.2f} "
-                         f"{(u.get('pct_of_bound') or float('nan')):7.1f}")
+                         f"{(u.get('pct_of_bound') or float('nan')):7.1f} {read_per_wait(r) / 1e9:14.2f}")
     for name, err in R["errors"].items():
         lines.append(f"FAILED {name}: {err}")
     return "\n".join(lines)
