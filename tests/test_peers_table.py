@@ -44,11 +44,12 @@ def test_table_of_record_prints() -> None:
 
 
 def test_h100_table_prints() -> None:
-    """The H100 run (two measure calls saved as one, docs/peers-h200.md) prints the rows the docs cite."""
+    """The H100 run (two measure calls on one machine saved as one, docs/peers-h200.md) prints the rows
+    the docs cite."""
     res = table(ROOT / "benchmarks" / "results" / "peers_h100.json")
     assert res.returncode == 0, res.stderr
-    assert "| int8 / Q8_0 | 128 | 421.3 | 437.4 | 244.5 | 1.72x | 1.79x |" in res.stdout
-    assert "| Q4_0 | 128 | 281.9 | 239.0 | 274.2 | 0.848 | 0.973 | 0.972 |" in res.stdout
+    assert "| int8 / Q8_0 | 128 | 421.5 | 437.6 | 257.1 | 1.64x | 1.70x |" in res.stdout
+    assert "| Q4_0 | 128 | 291.4 | 265.4 | 279.4 | 0.911 | 0.959 | 0.958 |" in res.stdout
 
 
 def test_two_calls_merge_and_ratios(tmp_path: Path) -> None:
