@@ -322,7 +322,7 @@ def run_plan(b, ctx: dict, name: str, precision, home, disk=None, skip_tail_from
                 f"host RAM {100 * hr['ssd']['host_ram_cache_hits']:.1f}%, disk {100 * hr['ssd']['read_from_disk']:.1f}%, "
                 f"of those read early for a guess {100 * (hr['ssd']['read_early_for_a_guess'] or 0):.1f}%); disk read "
                 f"{bound['disk_bytes_read_per_token'] / 1e6:.1f} MB per token, "
-                f"waited {counters['ssd_wait_s'] / max(1, counters['decode_steps']) * 1e3:.2f} ms per token")
+                f"waited {wait_per_token(counters) * 1e3:.2f} ms per token")
     log(msg + f"; graphs {choices['cuda_graphs']['mode'] or 'off'}, prefetch "
         f"{'on' if choices['prefetch_host']['runs'] else 'off'}")
     if after is not None:
@@ -453,9 +453,14 @@ def plan_gpu_host_ssd_ahead_whole(b, ctx: dict) -> dict:
 
 # ---- the run ----------------------------------------------------------------------------------------
 
+def wait_per_token(counters: dict) -> float:
+    """Seconds a decode step waited on SSD reads, on average."""
+    return counters["ssd_wait_s"] / max(1, counters["decode_steps"])
+
+
 def read_per_wait(r: dict) -> float:
     """An SSD plan's disk bytes per second the decode waited on its reads (B/s; nan without waits)."""
-    wait = r["counters"]["ssd_wait_s"] / max(1, r["counters"]["decode_steps"])
+    wait = wait_per_token(r["counters"])
     return r["bound"]["disk_bytes_read_per_token"] / wait if wait > 0 else float("nan")
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,6 +11,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+
+
+def load_benchmark(name: str):
+    """A script under benchmarks/ as a module (they are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 @pytest.fixture(scope="session")
 def data_dir() -> Path:

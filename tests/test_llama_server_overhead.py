@@ -1,24 +1,18 @@
 """benchmarks/llama_server_overhead.py against the real llama-bench and llama-server (CPU build)."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import REPO, load_benchmark
 from test_llama_server_runner import _server_binary, _write_tiny_moe
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("llama_server_overhead",
-                                                  REPO / "benchmarks" / "llama_server_overhead.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("llama_server_overhead")
 
 
 def test_every_mode_is_measured_beside_llama_bench(tmp_path: Path) -> None:

@@ -1,24 +1,15 @@
 """benchmarks/tiers_h200.py's table, on the committed results of the three H100 calls of the SSD plans."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("tiers_h200", REPO / "benchmarks" / "tiers_h200.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import REPO, load_benchmark
 
 
 def test_ssd_rows_show_the_bytes_read_per_second_waited() -> None:
     """The default plan (whole reads) read 11.8 MB a token over 5.10-5.33 ms of waits in the three calls:
     2.21-2.31 GB/s, the figure docs/engine-speed.md cites beside the disk's own rates."""
-    mod = load_script()
+    mod = load_benchmark("tiers_h200")
     calls = json.loads((REPO / "benchmarks" / "results" / "tiers_h200.json").read_text())["ssd_calls_h100"]
     rates = []
     for call in calls:
