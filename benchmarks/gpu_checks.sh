@@ -13,7 +13,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MOEBENCH_DATA_DIR=${1:-$PWD/.gpu_data}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L; python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())'
 timeout 170 python3 -m pytest -q -p no:cacheprovider -rs \
-    -k 'cuda or nvml or gpu or l2_prefetch or prefetch_programs or packed_evict_first or early' \
+    -k 'cuda or nvml or gpu or l2_prefetch or prefetch_programs or packed_evict_first or early or expert_ffn or fused_experts' \
     tests/test_engine_kernels.py tests/test_engine_parity.py tests/test_engine_generate.py tests/test_engine_tiering.py \
     tests/test_engine_ssd_tier.py tests/test_probes.py tests/test_probes_gpus.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -5
 timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_attention_kernel.py 2>&1 | tee "$OUT/attention_tests.log" | tail -3

@@ -75,19 +75,23 @@ def captured_launches(fmt: str, cfg) -> dict:
             caught[name] = (args, kwargs)
         return run
     saved = (runtime.IMPORT_ERROR, moe_kernels.gate_up_kernel.run, moe_kernels.down_kernel.run,
-             moe_mod.moe_sum_kernel.run, kernels.PackedMatrix.on_host)
+             moe_kernels.expert_ffn_kernel.run, moe_mod.moe_sum_kernel.run, moe_mod.quantize_rows_kernel.run,
+             kernels.PackedMatrix.on_host)
     runtime.IMPORT_ERROR = None          # the launches are caught before anything would run
     kernels.PackedMatrix.on_host = property(lambda self: False)      # CPU tensors stand in for HBM ones
     moe_kernels.gate_up_kernel.run = catcher("gate_up")
     moe_kernels.down_kernel.run = catcher("down")
+    moe_kernels.expert_ffn_kernel.run = catcher("ffn")
     moe_mod.moe_sum_kernel.run = catcher("moe_sum")
+    moe_mod.quantize_rows_kernel.run = catcher("quantize_rows")      # x's int8 rows (INT8_ACTIVATIONS)
     try:
         x = torch.randn(1, H, generator=g).to(torch.bfloat16)
         ids = torch.zeros(1, TOP_K, dtype=torch.long)
         kernels.fused_moe(x, ids, torch.ones(1, TOP_K), [group], cfg=cfg, reduce=False)
     finally:
         (runtime.IMPORT_ERROR, moe_kernels.gate_up_kernel.run, moe_kernels.down_kernel.run,
-         moe_mod.moe_sum_kernel.run, kernels.PackedMatrix.on_host) = saved
+         moe_kernels.expert_ffn_kernel.run, moe_mod.moe_sum_kernel.run, moe_mod.quantize_rows_kernel.run,
+         kernels.PackedMatrix.on_host) = saved
     return caught
 
 
@@ -215,8 +219,8 @@ COLUMNS = {"LDG": ("LDG",), "LDS/STS": ("LDS", "STS"), "int": ("IMAD", "IADD3", 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels", default="gate_up,down",
-                    help="of gate_up, down, router (the fused norm + router), rope (q/k norm + RoPE + KV "
-                         "write) and attention (decode attention: a row without and one with early_weights "
+                    help="of gate_up, down, ffn (both in one launch: DecodeConfig.fused_experts), router "
+                         "(the fused norm + router), rope (q/k norm + RoPE + KV write) and attention (decode attention: a row without and one with early_weights "
                          "\"attention_kv\", format early_kv): router, rope and attention ignore the formats")
     ap.add_argument("--formats", default="dense,int8,int4,ternary,ternary:bytes,ternary2",
                     help="formats, each optionally with a decode mode by name (ternary:bytes)")
@@ -276,9 +280,16 @@ def main(argv=None) -> list[dict]:
             bn, bk, warps, stages = map(int, args.launch.split(","))
             cfg = cfg.with_launches(dict(BN=bn, BK=bk, num_warps=warps, num_stages=stages), formats=[fmt])
         caught = captured_launches(fmt, cfg)
+        if "ffn" in kernel_names:
+            caught.update(captured_launches(fmt, replace(cfg, fused_experts=True)))
         for kernel in kernel_names:
-            fn = moe_kernels.gate_up_kernel if kernel == "gate_up" else moe_kernels.down_kernel
             kargs, kkw = caught[kernel]
+            if kernel == "ffn":
+                add_row(kernel, fmt, kkw["MODE_GU"], (kkw["BN_GU"], kkw["BK_GU"], kkw["BN_DN"], kkw["BK_DN"],
+                                                      kkw.get("num_warps"), kkw.get("num_stages")),
+                        sass_report(compile_captured(moe_kernels.expert_ffn_kernel, kargs, kkw)))
+                continue
+            fn = moe_kernels.gate_up_kernel if kernel == "gate_up" else moe_kernels.down_kernel
             add_row(kernel, fmt, kkw["MODE_A"], (kkw["BN"], kkw["BK_A"], kkw.get("num_warps"), kkw.get("num_stages")),
                     sass_report(compile_captured(fn, kargs, kkw)))
     if args.json:

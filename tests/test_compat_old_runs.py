@@ -240,6 +240,8 @@ ADDED_KEYS = (
     (("manifest.json", "build", "decode"), "experts_evict_first", "packed_evict_first"),
     # engine DecodeConfig: the byte budget of tiered experts' grouped path
     (("manifest.json", "build", "decode"), "packed_evict_first", "tiered_stack_bytes"),
+    # engine DecodeConfig: gate_up and down of a one-group layer in one launch
+    (("manifest.json", "build", "decode"), "fused_norm_router", "fused_experts"),
     # the engine runner's profile: that budget in MiB
     (("manifest.json", "runner"), "int8_activations", "tiered_stack_mib"),
     # the speed summary: requests a runner sent more than once

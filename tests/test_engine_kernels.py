@@ -1066,6 +1066,88 @@ def test_fused_moe_early_packed_down_words_are_exact(fmt, steps, a8, monkeypatch
     assert [e for _, e, f in launched if f != packed] == [None, None]       # base-3 ternary: no early words
 
 
+# ---- fused_experts: gate_up and down in one launch -------------------------------------------------
+
+@pytest.mark.parametrize("fmt, a8", [("dense", False), ("int8", False), ("int8", True), ("int4", False),
+                                     ("int4", True), ("ternary2", True), ("ternary", False)])
+@pytest.mark.parametrize("T", [1, 3])
+def test_expert_ffn_one_launch_is_bitwise_gate_up_then_down(fmt, a8, T, monkeypatch):
+    """DecodeConfig.fused_experts: a call whose experts are one group runs expert_ffn_kernel alone (no
+    gate_up or down launch) and gives the two launches' part rows bit for bit, with down's early
+    words and the group's pick counters (one per pair); its ready counters are back to 0 after the
+    call, so the next call starts clean. Several row blocks a pair (gate_up's last one partly masked
+    with float x) and more K steps in down than load early."""
+    from moebench.engine.kernels import moe
+    g = torch.Generator().manual_seed(57)
+    Hq, Iq = 128, 192
+    if fmt == "dense":
+        mats = [kernels.PackedMatrix.dense(torch.randn(E, *s, generator=g).to(DEV) * 0.1)
+                for s in ((Iq, Hq), (Iq, Hq), (Hq, Iq))]
+        groups = [kernels.ExpertGroup(*mats)]
+    else:
+        groups, _ = format_groups([fmt] * E, Hq, Iq, g)
+    x = torch.randn(T, Hq, generator=g).to(DEV)
+    ids, w = routing(T, g)
+    base = small(experts_impl="triton", int8_activations=a8, early_weights=("down", "down_packed"))
+    base = base.with_launch("gate_up", fmt, BN=128, BK=64).with_launch("down", fmt, BN=32, BK=64)
+    if a8:
+        base = base.with_launch("gate_up", fmt, a8=True, BN=64, BK=64).with_launch("down", fmt, a8=True, BN=32, BK=64)
+    parts, picks = {}, {}
+    for one in (False, True):
+        groups[0].picks = torch.zeros(E, dtype=torch.int32, device=DEV)
+        launched = {name: spy_grids(monkeypatch, moe, name, keys=()) for name in
+                    ("gate_up_kernel", "down_kernel", "expert_ffn_kernel")}
+        parts[one] = fused_moe(x, ids.to(DEV), w.to(DEV), groups, cfg=replace(base, fused_experts=one), reduce=False)
+        picks[one] = groups[0].picks.cpu()
+        assert [len(v) for v in launched.values()] == ([0, 0, 1] if one else [1, 1, 0])
+    assert torch.equal(parts[True], parts[False])
+    assert torch.all(parts[True].abs().sum(1) > 0)
+    assert torch.equal(picks[True], picks[False]) and int(picks[True].sum()) == T * K
+    assert not moe._ready_counters(torch.device(DEV), T * K).any()
+
+
+def test_expert_ffn_is_not_used_beside_other_groups(monkeypatch):
+    """Two groups (a hot/cold layer) keep the launch pairs: expert_ffn_kernel serves one group that
+    covers every pair, and the poll is only sound there."""
+    from moebench.engine.kernels import moe
+    g = torch.Generator().manual_seed(58)
+    groups, _ = format_groups(["int8", "int4", "int8", "int4", "int8", "int8"], 64, 128, g)
+    x = torch.randn(2, 64, generator=g).to(DEV)
+    ids, w = routing(2, g)
+    fused = spy_grids(monkeypatch, moe, "expert_ffn_kernel", keys=())
+    pairs = spy_grids(monkeypatch, moe, "gate_up_kernel", keys=())
+    cfg = small(experts_impl="triton")
+    want = fused_moe(x, ids.to(DEV), w.to(DEV), groups, cfg=cfg, reduce=False)
+    got = fused_moe(x, ids.to(DEV), w.to(DEV), groups, cfg=replace(cfg, fused_experts=True), reduce=False)
+    assert torch.equal(got, want) and not fused and len(pairs) == 4
+
+
+@pytest.mark.parametrize("fmt", ["dense", "int4"])
+def test_engine_fused_experts_decode_exactly_the_same(ckpt64, wiki_bytes, tmp_path, fmt, monkeypatch):
+    """The engine with fused_experts decodes the same tokens with bitwise-equal step logits, on the
+    bf16-shaped checkpoint (dense experts) and on an all-int4 artifact of it (on CUDA in graphs)."""
+    src = ckpt64
+    if fmt != "dense":
+        stats = calibrate(Engine.load(ckpt64, device="cpu", dtype="float32"), [wiki_bytes[:64]])
+        src = pack(ckpt64, plan_hot_cold(stats, 1.0, hot=fmt), tmp_path / fmt)
+    prompt = list(range(3, 12))
+    engines = {on: Engine.load(src, device=DEV, dtype="float32", max_seq_len=32,
+                               decode=small(experts_impl="triton", fused_experts=on)) for on in (False, True)}
+    if fmt != "dense":
+        assert all(len(b.experts._fused_groups) == 1 for b in engines[True].model.moe_blocks())
+    from moebench.engine.kernels import moe
+    launched = spy_grids(monkeypatch, moe, "expert_ffn_kernel", keys=())
+    toks = {}
+    for on, e in engines.items():
+        before = len(launched)
+        toks[on] = e.generate([prompt], 5, ignore_eos=True)[0].token_ids
+        assert (len(launched) > before) == on
+    assert toks[True] == toks[False]
+    tokens, pos = torch.tensor([[toks[True][-1]]], device=DEV), torch.tensor([[len(prompt) + 4]], device=DEV)
+    la, lb = (engines[on]._decode(tokens, pos, len(prompt) + 5)[0].float().cpu() for on in (False, True))
+    assert torch.equal(la, lb)
+
+
 # ---- the MoE sum deferred into the next add_rmsnorm -----------------------------------------------
 
 def test_add_rmsnorm_sums_moe_partials_exactly_like_moe_sum():
@@ -1523,7 +1605,7 @@ if triton is not None:
         scaled and combined as gate_up_rows does (ref_ptr)."""
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rmask = rows < N
-        gate_up_rows(x_ptr, h_ptr, h_ptr, slot, rows, rmask, N, K, KB, g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr, um_ptr,
+        gate_up_rows(x_ptr, h_ptr, h_ptr, slot, tl.program_id(0), rows, rmask, N, K, KB, g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr, um_ptr,
                      sge, sgr, sgse, sgsr, sue, sur, suse, susr, FMT, MODE, GS, BN, BK)
         g = tl.zeros((BN,), dtype=tl.float32)
         u = tl.zeros((BN,), dtype=tl.float32)

@@ -9,6 +9,7 @@ so callers switch to a grouped GEMM.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from torch import Tensor
 from ..decode_config import DEFAULT, INT8_ACTIVATION_FORMATS, DecodeConfig, DecodeMode, Format
 from ..quant import GROUP
 from .int8_activations import quant_row_len, quantize_rows_kernel
-from .moe_kernels import down_kernel, gate_up_kernel, moe_sum_kernel, tail_skip_kernel
+from .moe_kernels import down_kernel, expert_ffn_kernel, gate_up_kernel, moe_sum_kernel, tail_skip_kernel
 from .packed import ExpertGroup
 from .runtime import KernelError, early_steps, next_pow2, pdl_launch, require
 from .staging import host_lane, side_stream
@@ -131,6 +132,14 @@ def _early_down_steps(a: _GroupArgs, bk: int, cfg: DecodeConfig) -> int:
     return 0
 
 
+# A buffer, not a setting: one per (device, pairs) for the process, like the router's arrival counters.
+@functools.lru_cache(maxsize=None)
+def _ready_counters(device: torch.device, pairs: int) -> Tensor:
+    """expert_ffn_kernel's per-pair counters, int32 [2 * pairs] (gate_up blocks in, down blocks done):
+    zero between launches (each pair's last down program resets its two)."""
+    return torch.zeros(2 * pairs, dtype=torch.int32, device=device)
+
+
 def _group_args(g: ExpertGroup, cfg: DecodeConfig) -> _GroupArgs:
     gate_up, down = group_mode(g, "gate_up", cfg), group_mode(g, "down", cfg)
     return _GroupArgs(g, gate_up, down)
@@ -187,6 +196,8 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
     if tail_skip is not None and tail_skip.from_rank >= k:
         tail_skip = None
     skip_ids = None if tail_skip is None else torch.empty_like(ids)    # the ids with dropped pairs (made on main)
+    # expert_ffn_kernel: one group that serves every pair (its down programs poll for their pair's h)
+    one_launch = cfg.fused_experts and len(groups) == 1 and tail_skip is None
 
     def launch(pair_groups: list[ExpertGroup], first: bool, ids: Tensor, dropped: bool) -> None:
         """gate_up then down for the pairs of one or two groups (first: also zero the part rows of
@@ -220,6 +231,19 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
                 early = _early_down_steps(a, meta[kernel]["BK_A"], cfg)
                 if early:
                     meta[kernel]["EARLY"] = early
+        if one_launch:
+            gu, dn = meta["gate_up"], meta["down"]
+            P = T * k
+            n = P * -(-inter // gu["BN"]) + P * -(-H // dn["BN"])
+            expert_ffn_kernel[(n,)](
+                x, xq, ids, wts, h, hq, part, _ready_counters(x.device, P), P, inter, H, x.stride(0), xq.stride(0),
+                h.stride(0), hq.stride(0), part.stride(0), *a.gate_up(ids), *a.down(ids)[1:],
+                TOPK=k, GROUP_SIZE=GROUP, FMT=gu["FMT_A"], MAP=gu["MAP_A"], MODE_GU=gu["MODE_A"],
+                MODE_DN=dn["MODE_A"], BN_GU=gu["BN"], BK_GU=gu["BK_A"], BN_DN=dn["BN"], BK_DN=dn["BK_A"],
+                COUNT=dn["COUNT_A"], EARLY=dn.get("EARLY", 0), EVICT_GU=gu.get("EVICT", ""),
+                EVICT_DN=dn.get("EVICT", ""),
+                num_warps=gu["num_warps"], num_stages=gu["num_stages"], **pdl)
+            return
         gate_up_kernel[(T * k, -(-inter // meta["gate_up"]["BN"]))](
             x, xq, ids, h, hq, inter, H, x.stride(0), xq.stride(0), h.stride(0), hq.stride(0),
             *a.gate_up(ids), *b.gate_up(ids), TOPK=k, **meta["gate_up"], **pdl)

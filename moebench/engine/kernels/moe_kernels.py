@@ -2,6 +2,8 @@
 
   gate_up: grid (T*k pairs, I / BN)  h[p] = silu(W_gate[e] x[t]) * (W_up[e] x[t])   (float32 h)
   down:    grid (T*k pairs, H / BN)  part[p] = w[p] * (W_down[e] h[p])             (float32 part)
+  expert_ffn: grid (T*k*(I/BN) + T*k*(H/BN),)  gate_up's and down's programs in one launch, one group;
+                                     a pair's down programs wait for that pair's h alone
   moe_sum: grid (T, H / 1024)        out[t] = sum_j part[t*k + j], j in order       (x's dtype)
   tail_skip: grid (T*k, H / BLOCK)   route-tail-skip: drop cold pairs of rank >= FROM (ids -1, part 0)
 
@@ -31,19 +33,20 @@ if triton is not None:
         return slot
 
     @triton.jit
-    def count_pick(ids_ptr, picks_ptr, pair):
-        """picks[expert of `pair`] += 1, once per pair (its first row block's program)."""
-        if tl.program_id(1) == 0:
+    def count_pick(ids_ptr, picks_ptr, pair, blk):
+        """picks[expert of `pair`] += 1, once per pair (from the program of its row block 0)."""
+        if blk == 0:
             tl.atomic_add(picks_ptr + tl.load(ids_ptr + pair).to(tl.int64), 1)
 
     @triton.jit
-    def gate_up_rows(x_row, h_out, hq_out, slot, rows, rmask, N, K, KB, g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr,
+    def gate_up_rows(x_row, h_out, hq_out, slot, blk, rows, rmask, N, K, KB, g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr,
                      um_ptr, stride_ge, stride_gr, stride_gse, stride_gsr, stride_ue, stride_ur, stride_use, stride_usr,
                      FMT: tl.constexpr, MODE: tl.constexpr, GROUP_SIZE: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, EVICT: tl.constexpr = tl.constexpr("")):
-        """h rows = silu(W_gate x) * (W_up x) for one expert slot of one group. INT8_ACTIVATIONS: x_row is x's
-        quantized row (blocks of GROUP_SIZE), and h goes out quantized, one block per program (BN rows,
-        a multiple of 8), into hq_out, the pair's row of down's quantized input. EVICT: row_dots'."""
+        """h rows = silu(W_gate x) * (W_up x) for one expert slot of one group: rows blk * BN + [0, BN).
+        INT8_ACTIVATIONS: x_row is x's quantized row (blocks of GROUP_SIZE), and h goes out quantized,
+        block blk of BN rows (a multiple of 8), into hq_out, the pair's row of down's quantized input.
+        EVICT: row_dots'."""
         g = tl.zeros((BN,), dtype=tl.float32)
         u = tl.zeros((BN,), dtype=tl.float32)
         if FMT <= FMT_INT8:
@@ -85,8 +88,8 @@ if triton is not None:
         h = g / (1.0 + tl.exp(-g)) * u
         if MODE == MODE_INT8_ACT:
             nat_lo, nat_hi, even, odd, qsum, scale = quant_pack(tl.reshape(h, (BN // 8, 8)), BN)
-            w8 = tl.program_id(1) * (BN // 8) + tl.arange(0, BN // 8)
-            b = tl.program_id(1) + tl.arange(0, 1)
+            w8 = blk * (BN // 8) + tl.arange(0, BN // 8)
+            b = blk + tl.arange(0, 1)
             store_quant(hq_out, w8, 8 * w8 < N, b, b * BN < N, N, BN, nat_lo, nat_hi, even, odd, qsum, scale)
         else:
             tl.store(h_out + rows, h, mask=rmask)
@@ -122,7 +125,7 @@ if triton is not None:
                 xa = xq_ptr + tok * stride_xqt
             else:
                 xa = x_ptr + tok * stride_xt
-            gate_up_rows(xa, h_out, hq_out, sa, rows, rmask, N, K, KB_a, ga_ptr, gsa_ptr, gma_ptr, ua_ptr, usa_ptr,
+            gate_up_rows(xa, h_out, hq_out, sa, tl.program_id(1), rows, rmask, N, K, KB_a, ga_ptr, gsa_ptr, gma_ptr, ua_ptr, usa_ptr,
                          uma_ptr, sge_a, sgr_a, sgse_a, sgsr_a, sue_a, sur_a, suse_a, susr_a,
                          FMT_A, MODE_A, GROUP_SIZE, BN, BK_A, EVICT)
         elif HAS_B:
@@ -132,7 +135,7 @@ if triton is not None:
                     xb = xq_ptr + tok * stride_xqt
                 else:
                     xb = x_ptr + tok * stride_xt
-                gate_up_rows(xb, h_out, hq_out, sb, rows, rmask, N, K, KB_b, gb_ptr, gsb_ptr, gmb_ptr, ub_ptr,
+                gate_up_rows(xb, h_out, hq_out, sb, tl.program_id(1), rows, rmask, N, K, KB_b, gb_ptr, gsb_ptr, gmb_ptr, ub_ptr,
                              usb_ptr, umb_ptr, sge_b, sgr_b, sgse_b, sgsr_b, sue_b, sur_b, suse_b, susr_b,
                              FMT_B, MODE_B, GROUP_SIZE, BN, BK_B, EVICT)
 
@@ -252,7 +255,7 @@ if triton is not None:
                       da_ptr, dsa_ptr, dma_ptr, sde_a, sdr_a, sdse_a, sdsr_a, FMT_A, MODE_A, GROUP_SIZE, BN, BK_A, QH,
                       w0, w1, w2, w3, EARLY, EVICT)
             if COUNT_A:
-                count_pick(ids_ptr, picks_a, pair)
+                count_pick(ids_ptr, picks_a, pair, tl.program_id(1))
         else:
             sb = -1
             if HAS_B:
@@ -266,9 +269,88 @@ if triton is not None:
                           db_ptr, dsb_ptr, dmb_ptr, sde_b, sdr_b, sdse_b, sdsr_b, FMT_B, MODE_B, GROUP_SIZE, BN,
                           BK_B, QH, EVICT=EVICT)
                 if COUNT_B:
-                    count_pick(ids_ptr, picks_b, pair)
+                    count_pick(ids_ptr, picks_b, pair, tl.program_id(1))
             elif FIRST:
                 tl.store(part_out + rows, tl.zeros((BN,), dtype=tl.float32), mask=rmask)
+
+    @triton.jit
+    def expert_ffn_kernel(x_ptr, xq_ptr, ids_ptr, wts_ptr, h_ptr, hq_ptr, part_ptr, ready_ptr, P, N, K,
+                          stride_xt, stride_xqt, stride_ht, stride_hqt, stride_pt,
+                          slot_a, g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr, um_ptr, KB_gu,
+                          sge, sgr, sgse, sgsr, sue, sur, suse, susr,
+                          d_ptr, ds_ptr, dm_ptr, KB_dn, sde, sdr, sdse, sdsr, picks_ptr,
+                          TOPK: tl.constexpr, GROUP_SIZE: tl.constexpr, FMT: tl.constexpr, MAP: tl.constexpr,
+                          MODE_GU: tl.constexpr, MODE_DN: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr,
+                          BN_DN: tl.constexpr, BK_DN: tl.constexpr, COUNT: tl.constexpr, EARLY: tl.constexpr = 0,
+                          EVICT_GU: tl.constexpr = "", EVICT_DN: tl.constexpr = "", PDL: tl.constexpr = False):
+        """gate_up_kernel and down_kernel of one expert group in one launch (DecodeConfig.fused_experts),
+        over P = T * TOPK pairs: programs [0, P * ceil(N / BN_GU)) are gate_up's (pair, row block),
+        the rest down's (pair, row block of K = hidden). A down program waits for its own pair's h,
+        not for the whole of gate_up: each gate_up program counts itself into ready[pair] after a CTA
+        barrier (release), and the pair's down programs, having loaded their first EARLY K steps of
+        weights, poll ready[pair] (volatile loads from L2, then one acquire) until all of the pair's
+        row blocks are in. The poll cannot starve what it waits for: a down program has a larger
+        program id than every gate_up program, and the GPU starts a launch's programs in id order,
+        so every gate_up program is resident or done before a down program polls (the ordering CUB's
+        single-pass scan rests on). The pair's last down program to finish (ready[P + pair], its
+        down programs' count) resets both counters to 0 for the next launch, which touches them only
+        after its PDL wait, when this launch has finished. The sums are gate_up's and down's, bit
+        for bit. Every pair's expert must have a slot in the group (the caller's single group)."""
+        grid_dependency(PDL)
+        pid = tl.program_id(0)
+        nb_gu = tl.cdiv(N, BN_GU)
+        n_gu = P * nb_gu
+        if pid < n_gu:
+            pair = pid // nb_gu
+            blk = pid - pair * nb_gu
+            rows_gu = blk * BN_GU + tl.arange(0, BN_GU)     # (the branches name their tiles apart: Triton
+                                                            # wants one type per name across an if)
+            slot = pair_slot(ids_ptr, slot_a, pair, MAP)
+            if MODE_GU == MODE_INT8_ACT:
+                x_row = xq_ptr + (pair // TOPK) * stride_xqt
+            else:
+                x_row = x_ptr + (pair // TOPK) * stride_xt
+            gate_up_rows(x_row, h_ptr + pair * stride_ht, hq_ptr + pair * stride_hqt, slot, blk, rows_gu, rows_gu < N,
+                         N, K, KB_gu, g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr, um_ptr, sge, sgr, sgse, sgsr,
+                         sue, sur, suse, susr, FMT, MODE_GU, GROUP_SIZE, BN_GU, BK_GU, EVICT_GU)
+            tl.debug_barrier()          # every thread's h stores before the release
+            tl.atomic_add(ready_ptr + pair, 1, sem="release")
+        else:
+            nb_dn = tl.cdiv(K, BN_DN)
+            pair = (pid - n_gu) // nb_dn
+            blk = pid - n_gu - pair * nb_dn
+            rows_dn = blk * BN_DN + tl.arange(0, BN_DN)
+            rmask = rows_dn < K
+            slot = pair_slot(ids_ptr, slot_a, pair, MAP)
+            w0 = None
+            w1 = None
+            w2 = None
+            w3 = None
+            if EARLY >= 1:
+                w0 = early_down_tile(d_ptr, slot, rows_dn, rmask, sde, sdr, N, KB_dn, 0, MODE_DN, BK_DN, EVICT_DN)
+            if EARLY >= 2:
+                w1 = early_down_tile(d_ptr, slot, rows_dn, rmask, sde, sdr, N, KB_dn, 1, MODE_DN, BK_DN, EVICT_DN)
+            if EARLY >= 3:
+                w2 = early_down_tile(d_ptr, slot, rows_dn, rmask, sde, sdr, N, KB_dn, 2, MODE_DN, BK_DN, EVICT_DN)
+            if EARLY >= 4:
+                w3 = early_down_tile(d_ptr, slot, rows_dn, rmask, sde, sdr, N, KB_dn, 3, MODE_DN, BK_DN, EVICT_DN)
+            arrived = tl.load(ready_ptr + pair, volatile=True)
+            while arrived < nb_gu:
+                arrived = tl.load(ready_ptr + pair, volatile=True)
+            tl.atomic_add(ready_ptr + pair, 0, sem="acquire")
+            tl.debug_barrier()          # the acquire before any thread loads h
+            if MODE_DN == MODE_INT8_ACT:
+                h_row = hq_ptr + pair * stride_hqt
+            else:
+                h_row = h_ptr + pair * stride_ht
+            down_rows(h_row, part_ptr + pair * stride_pt, tl.load(wts_ptr + pair).to(tl.float32), slot, rows_dn,
+                      rmask, N, KB_dn, d_ptr, ds_ptr, dm_ptr, sde, sdr, sdse, sdsr, FMT, MODE_DN, GROUP_SIZE,
+                      BN_DN, BK_DN, BN_GU, w0, w1, w2, w3, EARLY, EVICT_DN)
+            if COUNT:
+                count_pick(ids_ptr, picks_ptr, pair, blk)
+            if tl.atomic_add(ready_ptr + P + pair, 1, sem="relaxed") == nb_dn - 1:
+                tl.atomic_xchg(ready_ptr + pair, 0)
+                tl.atomic_xchg(ready_ptr + P + pair, 0)
 
     @triton.jit
     def tail_skip_kernel(ids_ptr, out_ptr, maps_ptr, stride_map, skips_ptr, part_ptr, stride_pt, N, FROM,
@@ -308,4 +390,4 @@ if triton is not None:
         tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 else:       # no Triton here: the names exist, require() refuses the launches
-    gate_up_kernel = down_kernel = moe_sum_kernel = tail_skip_kernel = None
+    gate_up_kernel = down_kernel = expert_ffn_kernel = moe_sum_kernel = tail_skip_kernel = None
