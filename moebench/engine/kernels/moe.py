@@ -133,11 +133,15 @@ def _early_down_steps(a: _GroupArgs, bk: int, cfg: DecodeConfig) -> int:
 
 
 # A buffer, not a setting: one per (device, pairs) for the process, like the router's arrival counters.
+READY_LINE = 32      # int32s a 128-byte line holds: one ready counter a line
+
+
 @functools.lru_cache(maxsize=None)
 def _ready_counters(device: torch.device, pairs: int) -> Tensor:
-    """expert_ffn_kernel's per-pair counters, int32 [2 * pairs] (gate_up blocks in, down blocks done):
-    zero between launches (each pair's last down program resets its two)."""
-    return torch.zeros(2 * pairs, dtype=torch.int32, device=device)
+    """expert_ffn_kernel's per-pair counters (gate_up blocks in, then down blocks done), each at the
+    start of its own line of READY_LINE int32s: zero between launches (each pair's last down
+    program resets its two)."""
+    return torch.zeros(2 * pairs * READY_LINE, dtype=torch.int32, device=device)
 
 
 def _group_args(g: ExpertGroup, cfg: DecodeConfig) -> _GroupArgs:
@@ -240,7 +244,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_w: Tensor, groups: list[ExpertGr
                 h.stride(0), hq.stride(0), part.stride(0), *a.gate_up(ids), *a.down(ids)[1:],
                 TOPK=k, GROUP_SIZE=GROUP, FMT=gu["FMT_A"], MAP=gu["MAP_A"], MODE_GU=gu["MODE_A"],
                 MODE_DN=dn["MODE_A"], BN_GU=gu["BN"], BK_GU=gu["BK_A"], BN_DN=dn["BN"], BK_DN=dn["BK_A"],
-                COUNT=dn["COUNT_A"], EARLY=dn.get("EARLY", 0), EVICT_GU=gu.get("EVICT", ""),
+                COUNT=dn["COUNT_A"], LINE=READY_LINE, EARLY=dn.get("EARLY", 0), EVICT_GU=gu.get("EVICT", ""),
                 EVICT_DN=dn.get("EVICT", ""),
                 num_warps=gu["num_warps"], num_stages=gu["num_stages"], **pdl)
             return

@@ -125,8 +125,8 @@ if triton is not None:
                 xa = xq_ptr + tok * stride_xqt
             else:
                 xa = x_ptr + tok * stride_xt
-            gate_up_rows(xa, h_out, hq_out, sa, tl.program_id(1), rows, rmask, N, K, KB_a, ga_ptr, gsa_ptr, gma_ptr, ua_ptr, usa_ptr,
-                         uma_ptr, sge_a, sgr_a, sgse_a, sgsr_a, sue_a, sur_a, suse_a, susr_a,
+            gate_up_rows(xa, h_out, hq_out, sa, tl.program_id(1), rows, rmask, N, K, KB_a, ga_ptr, gsa_ptr, gma_ptr,
+                         ua_ptr, usa_ptr, uma_ptr, sge_a, sgr_a, sgse_a, sgsr_a, sue_a, sur_a, suse_a, susr_a,
                          FMT_A, MODE_A, GROUP_SIZE, BN, BK_A, EVICT)
         elif HAS_B:
             sb = pair_slot(ids_ptr, slot_b, pair, MAP_B, DROPPED)
@@ -135,9 +135,9 @@ if triton is not None:
                     xb = xq_ptr + tok * stride_xqt
                 else:
                     xb = x_ptr + tok * stride_xt
-                gate_up_rows(xb, h_out, hq_out, sb, tl.program_id(1), rows, rmask, N, K, KB_b, gb_ptr, gsb_ptr, gmb_ptr, ub_ptr,
-                             usb_ptr, umb_ptr, sge_b, sgr_b, sgse_b, sgsr_b, sue_b, sur_b, suse_b, susr_b,
-                             FMT_B, MODE_B, GROUP_SIZE, BN, BK_B, EVICT)
+                gate_up_rows(xb, h_out, hq_out, sb, tl.program_id(1), rows, rmask, N, K, KB_b, gb_ptr,
+                             gsb_ptr, gmb_ptr, ub_ptr, usb_ptr, umb_ptr, sge_b, sgr_b, sgse_b, sgsr_b, sue_b, sur_b,
+                             suse_b, susr_b, FMT_B, MODE_B, GROUP_SIZE, BN, BK_B, EVICT)
 
     @triton.jit
     def early_down_tile(d_ptr, slot, rows, rmask, stride_de, stride_dr, K, KB, step, MODE: tl.constexpr,
@@ -281,21 +281,24 @@ if triton is not None:
                           d_ptr, ds_ptr, dm_ptr, KB_dn, sde, sdr, sdse, sdsr, picks_ptr,
                           TOPK: tl.constexpr, GROUP_SIZE: tl.constexpr, FMT: tl.constexpr, MAP: tl.constexpr,
                           MODE_GU: tl.constexpr, MODE_DN: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr,
-                          BN_DN: tl.constexpr, BK_DN: tl.constexpr, COUNT: tl.constexpr, EARLY: tl.constexpr = 0,
+                          BN_DN: tl.constexpr, BK_DN: tl.constexpr, COUNT: tl.constexpr, LINE: tl.constexpr,
+                          EARLY: tl.constexpr = 0,
                           EVICT_GU: tl.constexpr = "", EVICT_DN: tl.constexpr = "", PDL: tl.constexpr = False):
         """gate_up_kernel and down_kernel of one expert group in one launch (DecodeConfig.fused_experts),
         over P = T * TOPK pairs: programs [0, P * ceil(N / BN_GU)) are gate_up's (pair, row block),
         the rest down's (pair, row block of K = hidden). A down program waits for its own pair's h,
-        not for the whole of gate_up: each gate_up program counts itself into ready[pair] after a CTA
-        barrier (release), and the pair's down programs, having loaded their first EARLY K steps of
-        weights, poll ready[pair] (volatile loads from L2, then one acquire) until all of the pair's
-        row blocks are in. The poll cannot starve what it waits for: a down program has a larger
-        program id than every gate_up program, and the GPU starts a launch's programs in id order,
-        so every gate_up program is resident or done before a down program polls (the ordering CUB's
-        single-pass scan rests on). The pair's last down program to finish (ready[P + pair], its
-        down programs' count) resets both counters to 0 for the next launch, which touches them only
-        after its PDL wait, when this launch has finished. The sums are gate_up's and down's, bit
-        for bit. Every pair's expert must have a slot in the group (the caller's single group)."""
+        not for the whole of gate_up: each gate_up program counts itself into its pair's ready
+        counter after a CTA barrier (release), and the pair's down programs, having loaded their
+        first EARLY K steps of weights, poll it (volatile loads from L2, then one acquire) until all
+        of the pair's row blocks are in. Each counter has a 128-byte line of its own (LINE int32s
+        apart), so the polls of one pair do not queue behind another pair's.
+        The poll cannot starve what it waits for: a down program has a larger program id than every
+        gate_up program, and the GPU starts a launch's programs in id order, so every gate_up
+        program is resident or done before a down program polls (the ordering CUB's single-pass
+        scan rests on). The pair's last down program to finish (a second counter per pair, of its
+        down programs) resets both to 0 for the next launch, which touches them only after its PDL
+        wait, when this launch has finished. The sums are gate_up's and down's, bit for bit. Every
+        pair's expert must have a slot in the group (the caller's single group)."""
         grid_dependency(PDL)
         pid = tl.program_id(0)
         nb_gu = tl.cdiv(N, BN_GU)
@@ -314,7 +317,7 @@ if triton is not None:
                          N, K, KB_gu, g_ptr, gs_ptr, gm_ptr, u_ptr, us_ptr, um_ptr, sge, sgr, sgse, sgsr,
                          sue, sur, suse, susr, FMT, MODE_GU, GROUP_SIZE, BN_GU, BK_GU, EVICT_GU)
             tl.debug_barrier()          # every thread's h stores before the release
-            tl.atomic_add(ready_ptr + pair, 1, sem="release")
+            tl.atomic_add(ready_ptr + pair * LINE, 1, sem="release")
         else:
             nb_dn = tl.cdiv(K, BN_DN)
             pair = (pid - n_gu) // nb_dn
@@ -334,10 +337,10 @@ if triton is not None:
                 w2 = early_down_tile(d_ptr, slot, rows_dn, rmask, sde, sdr, N, KB_dn, 2, MODE_DN, BK_DN, EVICT_DN)
             if EARLY >= 4:
                 w3 = early_down_tile(d_ptr, slot, rows_dn, rmask, sde, sdr, N, KB_dn, 3, MODE_DN, BK_DN, EVICT_DN)
-            arrived = tl.load(ready_ptr + pair, volatile=True)
+            arrived = tl.load(ready_ptr + pair * LINE, volatile=True)
             while arrived < nb_gu:
-                arrived = tl.load(ready_ptr + pair, volatile=True)
-            tl.atomic_add(ready_ptr + pair, 0, sem="acquire")
+                arrived = tl.load(ready_ptr + pair * LINE, volatile=True)
+            tl.atomic_add(ready_ptr + pair * LINE, 0, sem="acquire")
             tl.debug_barrier()          # the acquire before any thread loads h
             if MODE_DN == MODE_INT8_ACT:
                 h_row = hq_ptr + pair * stride_hqt
@@ -348,9 +351,9 @@ if triton is not None:
                       BN_DN, BK_DN, BN_GU, w0, w1, w2, w3, EARLY, EVICT_DN)
             if COUNT:
                 count_pick(ids_ptr, picks_ptr, pair, blk)
-            if tl.atomic_add(ready_ptr + P + pair, 1, sem="relaxed") == nb_dn - 1:
-                tl.atomic_xchg(ready_ptr + pair, 0)
-                tl.atomic_xchg(ready_ptr + P + pair, 0)
+            if tl.atomic_add(ready_ptr + (P + pair) * LINE, 1, sem="relaxed") == nb_dn - 1:
+                tl.atomic_xchg(ready_ptr + pair * LINE, 0)
+                tl.atomic_xchg(ready_ptr + (P + pair) * LINE, 0)
 
     @triton.jit
     def tail_skip_kernel(ids_ptr, out_ptr, maps_ptr, stride_map, skips_ptr, part_ptr, stride_pt, N, FROM,
