@@ -220,8 +220,9 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels", default="gate_up,down",
                     help="of gate_up, down, ffn (both in one launch: DecodeConfig.fused_experts), router "
-                         "(the fused norm + router), rope (q/k norm + RoPE + KV write) and attention (decode attention: a row without and one with early_weights "
-                         "\"attention_kv\", format early_kv): router, rope and attention ignore the formats")
+                         "(the fused norm + router), rope (q/k norm + RoPE + KV write) and attention (decode "
+                         "attention: a row without and one with early_weights \"attention_kv\", format "
+                         "early_kv): router, rope and attention ignore the formats")
     ap.add_argument("--formats", default="dense,int8,int4,ternary,ternary:bytes,ternary2",
                     help="formats, each optionally with a decode mode by name (ternary:bytes)")
     ap.add_argument("--mode", type=int, default=None, help="DecodeConfig.decode_mode value (default: the shipped one)")

@@ -12,13 +12,13 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-
 def load_benchmark(name: str):
     """A script under benchmarks/ as a module (they are scripts, not a package)."""
     spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
 
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
