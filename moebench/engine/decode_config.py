@@ -202,10 +202,12 @@ class DecodeConfig:
     fused_experts: a MoE call whose experts are one group (one format, one home: the all-bf16,
         all-int8 and all-int4 plans) runs gate_up and down as one launch (moe_kernels.expert_ffn_kernel):
         each pair's down programs start on that pair's h as soon as its gate_up blocks are in, instead
-        of after the whole gate_up launch. The same sums, bit for bit.
+        of after the whole gate_up launch. The same sums, bit for bit. Off: 3.0-7.6% slower on an H100
+        (docs/engine-speed.md).
     rope_in_attention: one-token steps do q/k norm, RoPE and the KV write inside the decode
         attention launch (kernels.RopeInputs), one launch per layer fewer. Off: on the H200 bf16
-        decoded 6.0% slower with it (an H200 A/B of the defaults).
+        decoded 6.0% slower with it (an H200 A/B of the defaults), on an H100 bf16, int8 and int4
+        11.8-14.5% slower.
     early_weights: kernels, of EARLY_WEIGHT_KERNELS, whose programs load their first weight tiles
         before the PDL wait, so their DRAM latency overlaps the kernel before them: "router" (the
         fused norm + router's weight rows), "gemv" (the attention projections' first early_steps K
