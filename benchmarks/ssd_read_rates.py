@@ -21,7 +21,7 @@ dropped). The last line is Spearman's rank correlation of tok/s with the read ra
     python3 benchmarks/ssd_read_rates.py --out /tmp/rates --settings disk,ram -- --small   # CPU smoke run
 
 Arguments after `--` go to tiers_h200.py. Writes ssd_read_rates.json and .txt under --out, and each
-setting's tiers_h200.json / .txt / log under --out/<setting>.
+setting's tiers_h200.json / .txt / log under --out/<setting> (cap:1e9 as cap_1e9).
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PLAN = "plan_gpu_host_ssd_whole"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+RAM_FILE_SYSTEMS = ("tmpfs", "ramfs")              # what the ram setting takes
 
 
 class CapError(RuntimeError):
@@ -97,6 +98,24 @@ def capped_group(rbps: int, root: Path = CGROUP_ROOT, proc_cgroup: Path = Path("
     return group, capped
 
 
+def fs_type(path: Path, mounts: Path = Path("/proc/mounts")) -> str | None:
+    """The file system type of the mount that holds path (the longest mount point above it), or None
+    where the mount table cannot be read."""
+    try:
+        table = mounts.read_text().splitlines()
+    except OSError:
+        return None
+    path, best = path.resolve(), (-1, None)
+    for line in table:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = Path(fields[1].encode().decode("unicode_escape"))    # /proc/mounts writes a space as \040
+        if (path == point or point in path.parents) and len(point.parts) > best[0]:
+            best = (len(point.parts), fields[2])
+    return best[1]
+
+
 def spearman(xs: list[float], ys: list[float]) -> float | None:
     """Spearman's rank correlation (average ranks for ties); None for fewer than 3 pairs."""
     if len(xs) < 3:
@@ -153,6 +172,10 @@ def run_setting(name: str, rate: int | None, args, extra: list[str]) -> dict:
     base = Path(args.ram_dir if name == "ram" else args.disk_dir).resolve()
     if not base.is_dir():
         raise RuntimeError(f"{base}: expected a directory for the {name!r} setting's pack files")
+    fs = fs_type(base)
+    if name == "ram" and fs not in RAM_FILE_SYSTEMS:
+        raise RuntimeError(f"{base}: the 'ram' setting needs a RAM-backed file system ({', '.join(RAM_FILE_SYSTEMS)}), "
+                           f"found {fs or 'an unknown one (no /proc/mounts)'}")
     pack = base / f"moebench-read-rates-{os.getpid()}"
     cmd = [sys.executable, str(HERE / "tiers_h200.py"), "--out", str(out), "--only", f"disk_read,{PLAN}",
            "--pack-dir", str(pack), *extra]
@@ -173,7 +196,7 @@ def run_setting(name: str, rate: int | None, args, extra: list[str]) -> dict:
             except OSError as e:
                 print(f"{group}: left in place ({e})", flush=True)
     r = row(name, doc)
-    r["wall_s"] = time.perf_counter() - t0
+    r.update(wall_s=time.perf_counter() - t0, fs_type=fs)
     if group:
         r.update(cap_Bps=rate, capped_devices=capped)
     print(f"{name}: {r['disk_random_Bps'] / 1e9:.2f} GB/s random reads, {r['tok_s']:.2f} tok/s", flush=True)

@@ -67,28 +67,45 @@ def test_spearman_ranks_with_ties() -> None:
     assert rates.spearman([1, 2], [1, 2]) is None
 
 
+def test_fs_type_is_the_longest_mount_above_the_path(tmp_path: Path) -> None:
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/vda / ext4 rw 0 0\ntmpfs /dev/shm tmpfs rw 0 0\nnone /mnt/a\\040b xfs rw 0 0\n")
+    assert rates.fs_type(Path("/dev/shm/x/y"), mounts) == "tmpfs"
+    assert rates.fs_type(Path("/dev/shmem"), mounts) == "ext4"
+    assert rates.fs_type(Path("/mnt/a b/c"), mounts) == "xfs"
+    assert rates.fs_type(Path("/x"), tmp_path / "none") is None
+
+
 def test_cpu_run_of_two_settings(tmp_path: Path) -> None:
-    """disk and ram settings on the CPU (tiers_h200.py --small): a row each from its own process, the pack
-    folders removed afterwards; a cap where this machine cannot set one is an error of that setting alone."""
-    disk, ram = tmp_path / "disk", tmp_path / "ram"
-    disk.mkdir(), ram.mkdir()
+    """ram and disk settings on the CPU (tiers_h200.py --small): a row each from its own process, the pack
+    folders removed afterwards."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or rates.fs_type(shm) not in rates.RAM_FILE_SYSTEMS:
+        pytest.skip("no RAM-backed /dev/shm on this machine")
+    disk = tmp_path / "disk"
+    disk.mkdir()
     out = tmp_path / "out"
-    doc = rates.main(["--out", str(out), "--settings", "ram,disk", "--disk-dir", str(disk), "--ram-dir", str(ram),
+    doc = rates.main(["--out", str(out), "--settings", "ram,disk", "--disk-dir", str(disk), "--ram-dir", str(shm),
                       "--", "--small"])
     assert [r["setting"] for r in doc["rows"]] == ["ram", "disk"] and not doc["errors"]
-    for r, base in zip(doc["rows"], (ram, disk)):
+    for r, base in zip(doc["rows"], (shm, disk)):
         assert Path(r["pack_dir"]).parent == base and r["tok_s"] > 0 and r["disk_random_Bps"] > 0
-        assert r["bound_tok_s"] > 0 and r["unseen_tok_s"] > 0
-    assert not list(disk.iterdir()) and not list(ram.iterdir())
+        assert r["bound_tok_s"] > 0 and r["unseen_tok_s"] > 0 and r["fs_type"] == rates.fs_type(base)
+        assert not Path(r["pack_dir"]).exists()
+    assert doc["rows"][0]["fs_type"] in rates.RAM_FILE_SYSTEMS
     assert (out / "ram" / "tiers_h200.json").is_file() and (out / "disk" / "log").is_file()
     assert json.loads((out / "ssd_read_rates.json").read_text())["rows"] == doc["rows"]
     assert doc["spearman_tok_s_vs_read_rate"] is None                 # two rows: no correlation
 
 
-def test_missing_pack_folder_is_that_settings_error(tmp_path: Path) -> None:
-    doc = rates.main(["--out", str(tmp_path / "out"), "--settings", "ram", "--ram-dir", str(tmp_path / "nope"),
-                      "--", "--small"])
-    assert doc["rows"] == [] and "nope: expected a directory for the 'ram' setting's pack files" in doc["errors"]["ram"]
+def test_ram_setting_needs_a_ram_file_system_and_a_folder(tmp_path: Path) -> None:
+    if rates.fs_type(tmp_path) in rates.RAM_FILE_SYSTEMS:
+        pytest.skip(f"{tmp_path} is itself RAM-backed here")
+    for ram_dir, why in ((tmp_path, f"{tmp_path}: the 'ram' setting needs a RAM-backed file system (tmpfs, ramfs), "
+                                    f"found {rates.fs_type(tmp_path)}"),
+                         (tmp_path / "nope", "nope: expected a directory for the 'ram' setting's pack files")):
+        doc = rates.main(["--out", str(tmp_path / "out"), "--settings", "ram", "--ram-dir", str(ram_dir), "--", "--small"])
+        assert doc["rows"] == [] and why in doc["errors"]["ram"]
 
 
 def test_rows_of_record() -> None:
