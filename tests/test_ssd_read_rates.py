@@ -65,6 +65,9 @@ def test_spearman_ranks_with_ties() -> None:
     # ranks x [0, 1.5, 1.5, 3], y [0, 2, 1, 3]: 4.5 / sqrt(4.5 * 5)
     assert rates.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(4.5 / 22.5 ** 0.5)
     assert rates.spearman([1, 2], [1, 2]) is None
+    rows = [{"tok_s": t, "disk_random_Bps": b, "disk_random_1thread_Bps": o}
+            for t, b, o in ((1, 1, None), (2, 2, 3), (3, 3, 2), (4, 4, 1))]
+    assert rates.correlations(rows) == {"disk_random_Bps": pytest.approx(1.0), "disk_random_1thread_Bps": pytest.approx(-1.0)}
 
 
 def test_fs_type_is_the_longest_mount_above_the_path(tmp_path: Path) -> None:
@@ -91,11 +94,12 @@ def test_cpu_run_of_two_settings(tmp_path: Path) -> None:
     for r, base in zip(doc["rows"], (shm, disk)):
         assert Path(r["pack_dir"]).parent == base and r["tok_s"] > 0 and r["disk_random_Bps"] > 0
         assert r["bound_tok_s"] > 0 and r["unseen_tok_s"] > 0 and r["fs_type"] == rates.fs_type(base)
-        assert not Path(r["pack_dir"]).exists()
+        assert r["disk_random_1thread_Bps"] > 0 and not Path(r["pack_dir"]).exists()
     assert doc["rows"][0]["fs_type"] in rates.RAM_FILE_SYSTEMS
     assert (out / "ram" / "tiers_h200.json").is_file() and (out / "disk" / "log").is_file()
     assert json.loads((out / "ssd_read_rates.json").read_text())["rows"] == doc["rows"]
     assert doc["spearman_tok_s_vs_read_rate"] is None                 # two rows: no correlation
+    assert "tok/s with the 1-thread random-read rate over 2 rows: -" in (out / "ssd_read_rates.txt").read_text()
 
 
 def test_ram_setting_needs_a_ram_file_system_and_a_folder(tmp_path: Path) -> None:
@@ -112,10 +116,13 @@ def test_rows_of_record() -> None:
     """The committed rows (tiers_h200.json, key read_rates): capped reads slow the plan down in step, and
     the correlation the docs cite is the rows' own."""
     rec = json.loads((REPO / "benchmarks" / "results" / "tiers_h200.json").read_text())["read_rates"]
-    for gpu, rho in (("h100", 1.0), ("h200", 0.879)):
+    for gpu, rho, rho1 in (("h100", 1.0, None), ("h200", 0.879, 0.782)):
         rows = rec[gpu]["rows"]
-        got = rates.spearman([r["disk_random_Bps"] for r in rows], [r["tok_s"] for r in rows])
-        assert got == pytest.approx(rec[gpu]["spearman_tok_s_vs_read_rate"]) and round(got, 3) == rho
+        got = rates.correlations(rows)
+        assert got["disk_random_Bps"] == pytest.approx(rec[gpu]["spearman_tok_s_vs_read_rate"])
+        assert round(got["disk_random_Bps"], 3) == rho
+        one = got["disk_random_1thread_Bps"]
+        assert one == rec[gpu]["spearman_tok_s_vs_1thread_rate"] and (one if one is None else round(one, 3)) == rho1
         capped = sorted((r["cap_Bps"], r["tok_s"]) for r in rows if "cap_Bps" in r)
         assert capped and all(a[1] < b[1] for a, b in zip(capped, capped[1:]) if a[0] < b[0])
         for r in rows:
