@@ -95,7 +95,8 @@ def capped_group(rbps: int, root: Path = CGROUP_ROOT, proc_cgroup: Path = Path("
             errors.append(f"{dev.parent.name} ({majmin}): {e}")
     if not capped:
         group.rmdir()
-        raise CapError(f"{group}/io.max: no block device took rbps={rbps}: {'; '.join(errors) or 'none listed in ' + str(block)}")
+        why = "; ".join(errors) or f"none listed in {block}"
+        raise CapError(f"{group}/io.max: no block device took rbps={rbps}: {why}")
     return group, capped
 
 
@@ -175,9 +176,10 @@ def table(rows: list[dict]) -> str:
     lines = [f"{'setting':12s} {'read GB/s':>9s} {'1-thread':>8s} {'tok/s':>8s} {'bound':>8s} {'% bound':>7s} "
              f"{'unseen tok/s':>12s} {'% bound':>7s}  pack dir"]
     for r in rows:
-        lines.append(f"{r['setting']:12s} {r['disk_random_Bps'] / 1e9:9.2f} {num(r.get('disk_random_1thread_Bps'), '8.2f', 1e9)} "
-                     f"{r['tok_s']:8.2f} {num(r['bound_tok_s'], '8.1f')} {num(r['pct_of_bound'], '7.1f')} "
-                     f"{num(r['unseen_tok_s'], '12.2f')} {num(r['unseen_pct_of_bound'], '7.1f')}  {r['pack_dir']}")
+        one = num(r.get("disk_random_1thread_Bps"), "8.2f", 1e9)
+        lines.append(f"{r['setting']:12s} {r['disk_random_Bps'] / 1e9:9.2f} {one} {r['tok_s']:8.2f} "
+                     f"{num(r['bound_tok_s'], '8.1f')} {num(r['pct_of_bound'], '7.1f')} {num(r['unseen_tok_s'], '12.2f')} "
+                     f"{num(r['unseen_pct_of_bound'], '7.1f')}  {r['pack_dir']}")
     rho = correlations(rows)
     for key, what in RATES:
         n = sum(r.get(key) is not None for r in rows)
@@ -227,7 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "results/ssd-read-rates"))
-    ap.add_argument("--settings", default="disk,ram,cap:1e9,cap:2.5e8", help="disk, ram, cap:<read bytes/s>, comma-separated")
+    ap.add_argument("--settings", default="disk,ram,cap:1e9,cap:2.5e8",
+                    help="disk, ram, cap:<read bytes/s>, comma-separated")
     ap.add_argument("--disk-dir", default=".", help="where the disk and cap settings put their pack files")
     ap.add_argument("--ram-dir", default="/dev/shm", help="a RAM-backed file system for the ram setting")
     ap.add_argument("--timeout", type=float, default=600, help="seconds for each setting's tiers_h200.py")

@@ -47,7 +47,8 @@ def test_cap_group_is_a_sibling_with_io_max_on_every_block_device(tmp_path: Path
 
 def test_cap_errors_name_the_file_and_what_was_expected(tmp_path: Path) -> None:
     root, proc, block = cgroup_tree(tmp_path, "cpu memory")
-    with pytest.raises(rates.CapError, match=r"svc/cgroup.controllers: expected the io controller, found \['cpu', 'memory'\]"):
+    no_io = r"svc/cgroup.controllers: expected the io controller, found \['cpu', 'memory'\]"
+    with pytest.raises(rates.CapError, match=no_io):
         rates.capped_group(10**9, root=root, proc_cgroup=proc, block=block)
     proc.write_text("4:memory:/svc/job\n")                # a cgroup-v1 machine: no unified line
     with pytest.raises(rates.CapError, match=r"cgroup.controllers: expected a cgroup v2 hierarchy .*has no 0:: line"):
@@ -67,7 +68,8 @@ def test_spearman_ranks_with_ties() -> None:
     assert rates.spearman([1, 2], [1, 2]) is None
     rows = [{"tok_s": t, "disk_random_Bps": b, "disk_random_1thread_Bps": o}
             for t, b, o in ((1, 1, None), (2, 2, 3), (3, 3, 2), (4, 4, 1))]
-    assert rates.correlations(rows) == {"disk_random_Bps": pytest.approx(1.0), "disk_random_1thread_Bps": pytest.approx(-1.0)}
+    assert rates.correlations(rows) == {"disk_random_Bps": pytest.approx(1.0),
+                                        "disk_random_1thread_Bps": pytest.approx(-1.0)}
 
 
 def test_fs_type_is_the_longest_mount_above_the_path(tmp_path: Path) -> None:
@@ -108,7 +110,8 @@ def test_ram_setting_needs_a_ram_file_system_and_a_folder(tmp_path: Path) -> Non
     for ram_dir, why in ((tmp_path, f"{tmp_path}: the 'ram' setting needs a RAM-backed file system (tmpfs, ramfs), "
                                     f"found {rates.fs_type(tmp_path)}"),
                          (tmp_path / "nope", "nope: expected a directory for the 'ram' setting's pack files")):
-        doc = rates.main(["--out", str(tmp_path / "out"), "--settings", "ram", "--ram-dir", str(ram_dir), "--", "--small"])
+        doc = rates.main(["--out", str(tmp_path / "out"), "--settings", "ram", "--ram-dir", str(ram_dir),
+                          "--", "--small"])
         assert doc["rows"] == [] and why in doc["errors"]["ram"]
 
 
