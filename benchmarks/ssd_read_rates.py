@@ -178,8 +178,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         one = num(r.get("disk_random_1thread_Bps"), "8.2f", 1e9)
         lines.append(f"{r['setting']:12s} {r['disk_random_Bps'] / 1e9:9.2f} {one} {r['tok_s']:8.2f} "
-                     f"{num(r['bound_tok_s'], '8.1f')} {num(r['pct_of_bound'], '7.1f')} {num(r['unseen_tok_s'], '12.2f')} "
-                     f"{num(r['unseen_pct_of_bound'], '7.1f')}  {r['pack_dir']}")
+                     f"{num(r['bound_tok_s'], '8.1f')} {num(r['pct_of_bound'], '7.1f')} "
+                     f"{num(r['unseen_tok_s'], '12.2f')} {num(r['unseen_pct_of_bound'], '7.1f')}  {r['pack_dir']}")
     rho = correlations(rows)
     for key, what in RATES:
         n = sum(r.get(key) is not None for r in rows)
