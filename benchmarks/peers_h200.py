@@ -426,6 +426,14 @@ def merge(calls: list[dict[str, Any]]) -> dict[str, Any]:
     return res
 
 
+# Which engine column is llama.cpp's precision: its CUDA decode of Q8_0 / Q4_0 weights (mmvq.cu,
+# ggml_cuda_mul_mat_vec_q, also for the experts' mul_mat_id at batch 1) first quantizes the activations
+# to q8_1 (8-bit codes per block of 32 with a scale) and multiplies with dp4a, as the engine's a8 plans do
+# (blocks of 64); bf16 weights take the float path (mmvf) on both sides.
+MATCHING_PRECISION = ("matching precision: llama.cpp's Q8_0 / Q4_0 decode multiplies 8-bit activations (q8_1, "
+                      "ggml-cuda/mmvq.cu), as the engine's a8 plans do; bf16 is bf16 on both sides")
+
+
 def table(res: dict[str, Any]) -> str:
     """Two tables: the harness against llama-bench (same build, same GGUF, same flags), then the
     engine against llama.cpp through the harness, both against the roofline."""
@@ -454,8 +462,8 @@ def table(res: dict[str, Any]) -> str:
     lines += ["",
               f"| precision | prompt | engine tok/s | engine a8 tok/s | llama.cpp (harness {bs}) tok/s "
               f"| engine / llama.cpp | engine a8 / llama.cpp | engine / llama-bench | engine % roof "
-              f"| llama.cpp % roof | J/token engine / llama.cpp |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              f"| llama.cpp % roof | J/token engine / llama.cpp | engine a8 / llama-bench |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for eng_fmt, qtype in PAIRS:
         eng, eng8, lla = res["engine"].get(eng_fmt), res.get("engine_a8", {}).get(eng_fmt), res["llama"].get(qtype) or {}
         peer = lla.get("harness_bs")
@@ -474,7 +482,9 @@ def table(res: dict[str, Any]) -> str:
                 f"| {times(ratio(e, h))} | {times(ratio(e8, h))} | {times(ratio(e, b))} "
                 f"| {fmt(100 * e / roof_e if e and roof_e else None, '.1f')} "
                 f"| {fmt(100 * h / roof_l if h and roof_l else None, '.1f')} "
-                f"| {fmt((eng or {}).get('decode_j_per_token'), '.3f')} / {fmt((peer or {}).get('decode_j_per_token'), '.3f')} |")
+                f"| {fmt((eng or {}).get('decode_j_per_token'), '.3f')} / {fmt((peer or {}).get('decode_j_per_token'), '.3f')} "
+                f"| {times(ratio(e8, b))} |")
+    notes.append(MATCHING_PRECISION)
     return "\n".join(lines + notes)
 
 

@@ -50,6 +50,9 @@ def test_h100_table_prints() -> None:
     assert res.returncode == 0, res.stderr
     assert "| int8 / Q8_0 | 128 | 421.5 | 437.6 | 257.1 | 1.64x | 1.70x |" in res.stdout
     assert "| Q4_0 | 128 | 291.4 | 265.4 | 279.4 | 0.911 | 0.959 | 0.958 |" in res.stdout
+    # the a8 plans against llama-bench, and which engine column is llama.cpp's precision
+    assert row(res.stdout, "| int4 / Q4_0 | 4096 |")[-1] == "1.72x"
+    assert "llama.cpp's Q8_0 / Q4_0 decode multiplies 8-bit activations (q8_1" in res.stdout
 
 
 def test_two_calls_merge_and_ratios(tmp_path: Path) -> None:
@@ -70,6 +73,8 @@ def test_two_calls_merge_and_ratios(tmp_path: Path) -> None:
     # the engine over llama.cpp's backend-sampling run where there is one, else its default run
     assert row(out, "| bf16 / bf16 | 128 |")[5:8] == ["1.58x", "–", "1.50x"]
     assert row(out, "| int8 / Q8_0 | 128 |")[5:8] == ["2.22x", "2.44x", "2.00x"]
+    assert row(out, "| int8 / Q8_0 | 128 |")[-1] == "2.20x"        # engine a8 / llama-bench: 550 / 250
+    assert row(out, "| bf16 / bf16 | 128 |")[-1] == "–"
     assert "Q8_0: no backend-sampling run" in out
 
 
