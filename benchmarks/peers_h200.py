@@ -482,8 +482,8 @@ def table(res: dict[str, Any]) -> str:
                 f"| {times(ratio(e, h))} | {times(ratio(e8, h))} | {times(ratio(e, b))} "
                 f"| {fmt(100 * e / roof_e if e and roof_e else None, '.1f')} "
                 f"| {fmt(100 * h / roof_l if h and roof_l else None, '.1f')} "
-                f"| {fmt((eng or {}).get('decode_j_per_token'), '.3f')} / {fmt((peer or {}).get('decode_j_per_token'), '.3f')} "
-                f"| {times(ratio(e8, b))} |")
+                f"| {fmt((eng or {}).get('decode_j_per_token'), '.3f')} "
+                f"/ {fmt((peer or {}).get('decode_j_per_token'), '.3f')} | {times(ratio(e8, b))} |")
     notes.append(MATCHING_PRECISION)
     return "\n".join(lines + notes)
 
