@@ -426,10 +426,7 @@ def merge(calls: list[dict[str, Any]]) -> dict[str, Any]:
     return res
 
 
-# Which engine column is llama.cpp's precision: its CUDA decode of Q8_0 / Q4_0 weights (mmvq.cu,
-# ggml_cuda_mul_mat_vec_q, also for the experts' mul_mat_id at batch 1) first quantizes the activations
-# to q8_1 (8-bit codes per block of 32 with a scale) and multiplies with dp4a, as the engine's a8 plans do
-# (blocks of 64); bf16 weights multiply bf16 activations on both sides (llama.cpp's mmvf).
+# Printed under the engine table: which of its columns is llama.cpp's precision (see measure's a8 sides).
 MATCHING_PRECISION = ("matching precision: llama.cpp's Q8_0 / Q4_0 decode multiplies 8-bit activations (q8_1, "
                       "ggml-cuda/mmvq.cu), as the engine's a8 plans do; bf16 is bf16 on both sides")
 
