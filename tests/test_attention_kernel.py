@@ -99,6 +99,63 @@ def test_forced_splits_use_the_combine_kernel(splits):
     check(decode_attention(q, k, v, pos, kv_len, num_splits=splits), reference(q, k, v, pos, kv_len))
 
 
+MERGES = replace(DEFAULT, attention=replace(DEFAULT.attention, last_split_merges=5))
+
+
+@pytest.mark.parametrize("splits", [2, 3, 5])
+def test_last_split_merges_without_a_combine_launch(splits, monkeypatch):
+    """last_split_merges: the last split of each (query row, KV head) to finish merges the partials,
+    and the combine kernel is never launched. Two rows of two queries over two KV heads of 4 query
+    heads each; the short row's later splits see no slot, and its slots past its position hold NaN.
+    The arrival counters are back at zero after each call, so a second call gives the same output."""
+    monkeypatch.setattr(attention_kernel, "combine_kernel", None)      # launching it would raise
+    q, k, v = make_inputs(2, 2, 8, 2, 2, 16, 256, seed=11)
+    kv_len = 200
+    pos = torch.tensor([[198, 199], [40, 41]], device=DEV)
+    want = reference(q, k, v, pos, kv_len)
+    k[1, :, 42:] = float("nan")
+    v[1, :, 42:] = float("nan")
+    got = decode_attention(q, k, v, pos, kv_len, num_splits=splits, cfg=MERGES)
+    check(got, want)
+    counters = attention_kernel._arrivals(torch.device(DEV), 2 * 2 * 2)
+    assert counters.tolist() == [0] * 8
+    assert torch.equal(decode_attention(q, k, v, pos, kv_len, num_splits=splits, cfg=MERGES), got)
+    # one split: the program writes its output itself
+    check(decode_attention(q, k, v, pos, kv_len, num_splits=1, cfg=MERGES), want)
+
+
+def test_more_splits_than_last_split_merges_take_the_combine_launch(monkeypatch):
+    """Past last_split_merges splits the combine kernel merges them (one launch of B*T*NH programs)."""
+    grids = []
+    real = attention_kernel.combine_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+    monkeypatch.setattr(attention_kernel, "combine_kernel", Spy())
+    q, k, v = make_inputs(1, 1, 4, 2, 1, 16, 256, seed=12)
+    pos = torch.tensor([[230]], device=DEV)
+    few = replace(DEFAULT, attention=replace(DEFAULT.attention, last_split_merges=2))
+    check(decode_attention(q, k, v, pos, 240, num_splits=2, cfg=few), reference(q, k, v, pos, 240))
+    assert grids == []
+    check(decode_attention(q, k, v, pos, 240, num_splits=3, cfg=few), reference(q, k, v, pos, 240))
+    assert grids == [(4,)]
+
+
+def test_short_contexts_split_into_short_splits():
+    """Below split_from_slots a context gets short_splits splits (at most one per block of slots)."""
+    short = replace(DEFAULT.attention, short_splits=4)
+    assert num_splits_for(256, 4, launch=short) == 4
+    assert num_splits_for(64, 4, launch=short) == 2            # two blocks of 32 slots
+    assert num_splits_for(1, 4, launch=short) == 1
+    assert num_splits_for(4096, 4, launch=short) == num_splits_for(4096, 4, launch=DEFAULT.attention)
+    with pytest.raises(DecodeConfigError, match="short_splits 0"):
+        replace(DEFAULT.attention, short_splits=0)
+    with pytest.raises(DecodeConfigError, match="last_split_merges -1"):
+        replace(DEFAULT.attention, last_split_merges=-1)
+
+
 def test_automatic_splits_and_scale():
     """The heuristic picks >1 split once kv_len reaches split_from_slots (both thresholds lowered here
     so a short cache splits), and an explicit scale is used instead of 1/sqrt(D)."""
@@ -110,24 +167,32 @@ def test_automatic_splits_and_scale():
 
 
 def test_split_heuristic():
-    """One split (one launch) for short contexts; long ones fill ~programs_per_sm programs per SM."""
+    """short_splits splits (merged in the launch) for short contexts; long ones fill ~programs_per_sm
+    programs per SM."""
     qwen_programs = 1 * 1 * 4            # B * T * NKV at batch-1 decode of Qwen3-30B-A3B
-    assert num_splits_for(256, qwen_programs) == 1
-    assert num_splits_for(DEFAULT.attention.first_split_slots - 1, qwen_programs) == 1
-    assert num_splits_for(DEFAULT.attention.first_split_slots, qwen_programs) > 1
+    short = DEFAULT.attention.short_splits
+    assert 1 < short <= DEFAULT.attention.last_split_merges
+    assert num_splits_for(256, qwen_programs) == short
+    assert num_splits_for(DEFAULT.attention.first_split_slots - 1, qwen_programs) == short
+    assert num_splits_for(DEFAULT.attention.first_split_slots, qwen_programs) == (
+        DEFAULT.attention.first_split_slots // DEFAULT.attention.split_min_slots)
+    assert num_splits_for(16, qwen_programs) == 1          # one block of slots: one split
     for kv_len in (40000, 173000):
         n = num_splits_for(kv_len, qwen_programs, sm_count=132)
         assert n * qwen_programs >= 132 and kv_len / n >= DEFAULT.attention.split_min_slots
     # Many programs already: no split.
     assert num_splits_for(40000, programs=4 * 132 * 8) == 1
+    one = replace(DEFAULT.attention, short_splits=1)
+    assert num_splits_for(256, qwen_programs, launch=one) == 1
 
 
 def test_split_from_slots():
-    """split_from_slots sets where splitting starts apart from how short a split may be: one launch
-    below it, then splits as short as split_min_slots up to ~programs_per_sm programs per SM; None
-    puts the threshold at 2 * split_min_slots."""
-    fine = replace(DEFAULT.attention, split_min_slots=128, split_from_slots=1024)
+    """split_from_slots sets where the long-context splitting starts apart from how short a split may
+    be: short_splits below it, then splits as short as split_min_slots up to ~programs_per_sm
+    programs per SM; None puts the threshold at 2 * split_min_slots."""
+    fine = replace(DEFAULT.attention, split_min_slots=128, split_from_slots=1024, short_splits=1)
     assert num_splits_for(1023, 4, launch=fine) == 1
+    assert num_splits_for(1023, 4, launch=replace(fine, short_splits=3)) == 3
     assert num_splits_for(1024, 4, launch=fine) == 8
     assert num_splits_for(4352, 4, sm_count=132, launch=fine) == 34      # 4352 // 128
     assert num_splits_for(40000, 4, sm_count=132, launch=fine) == 66     # 2 programs per SM
@@ -201,24 +266,27 @@ def test_cuda_bf16_qwen3_shape(kv_len):
 
 
 @needs_cuda
-@pytest.mark.parametrize("kv_len", [256, 40000])
-def test_cuda_graph_capture_and_replay(kv_len):
+@pytest.mark.parametrize("kv_len,cfg", [(256, DEFAULT), (40000, DEFAULT),
+                                        (256, replace(MERGES, attention=replace(MERGES.attention, short_splits=4))),
+                                        (1000, replace(MERGES, attention=replace(MERGES.attention, short_splits=5)))])
+def test_cuda_graph_capture_and_replay(kv_len, cfg):
     """Captured once, replayed on new queries and positions written into the captured inputs: the same
-    output as an eager call on those inputs (bitwise: same kernels, same launch shapes)."""
+    output as an eager call on those inputs (bitwise: same kernels, same launch shapes). Also with
+    short contexts split and merged by the last split (short_splits, last_split_merges)."""
     S = kv_len + 64
     q, k, v = make_inputs(2, 2, QWEN["NH"], QWEN["NKV"], 1, QWEN["D"], S, seed=8, dtype=torch.bfloat16)
     pos = torch.tensor([[kv_len - 1], [kv_len // 2]], device="cuda")
-    decode_attention(q, k, v, pos, kv_len)           # compile before capture
+    decode_attention(q, k, v, pos, kv_len, cfg=cfg)           # compile before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = decode_attention(q, k, v, pos, kv_len)
+        out = decode_attention(q, k, v, pos, kv_len, cfg=cfg)
     q2, _, _ = make_inputs(2, 2, QWEN["NH"], QWEN["NKV"], 1, QWEN["D"], 1, seed=9, dtype=torch.bfloat16)
     q.copy_(q2)
     pos.copy_(torch.tensor([[kv_len // 3], [kv_len - 2]], device="cuda"))
     graph.replay()
     torch.cuda.synchronize()
-    eager = decode_attention(q, k, v, pos, kv_len)
+    eager = decode_attention(q, k, v, pos, kv_len, cfg=cfg)
     assert torch.equal(out, eager)
     exact = reference(q.float(), k.float(), v.float(), pos, kv_len)
     assert ((out.float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-5).all()

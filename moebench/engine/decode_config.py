@@ -127,25 +127,36 @@ DEFAULT_LAUNCH = Launch()
 @dataclass(frozen=True)
 class AttentionLaunch:
     """decode_attention's launch: BLOCK_S cache slots per loop step (sm_90, D=128 bf16: 32 slots / 4
-    warps use 192 registers and no spills, so two programs fit an SM). A context shorter than
-    split_from_slots (None: 2 * split_min_slots) gets one KV split (one launch, no combine); a longer
-    one enough splits for ~programs_per_sm programs per SM, none shorter than split_min_slots.
+    warps use 192 registers and no spills, so two programs fit an SM). A context of at least
+    split_from_slots (None: 2 * split_min_slots) gets enough KV splits for ~programs_per_sm programs
+    per SM, none shorter than split_min_slots; a shorter one short_splits splits (at most one per
+    block of slots). Up to last_split_merges splits are merged by the last split of each (query row,
+    KV head) to finish, inside the attention launch; more by a combine launch.
     Splits of 128 slots from 1,024 on decoded bf16 and int4 12-15% faster at a 4,096-token context
     on the H200 than splits of 512 (4 KV heads x 8 splits left most SMs idle); 64 and 256 were
-    slower (benchmarks/results/decode_ab_options.json, "attention_splits_*"). Short contexts keep
-    one launch: a combine launch cost ~1% of a step there."""
+    slower (benchmarks/results/decode_ab_options.json, "attention_splits_*"). One split for contexts
+    under 1,024 left a 640-token prompt's decode 14-20% slower than at 128 tokens on an H100: four
+    splits merged in the launch, and splits of 128 from 512 on, decoded bf16 3.8% / 7.0% / 15.6%
+    and int4 with int8 activations 5.1% / 9.7% / 21.0% faster at 128 / 384 / 640-token prompts,
+    the same at 4,096 ("attention_short_splits_h100"). Merging in the launch pays for a few splits
+    (one round trip of loads); for eight, the combine launch was faster."""
 
     block_s: int = 32
     num_warps: int = 4
     num_stages: int = 3
     split_min_slots: int = 128
     programs_per_sm: int = 2
-    split_from_slots: int | None = 1024
+    split_from_slots: int | None = 512
+    short_splits: int = 4
+    last_split_merges: int = 4
 
     def __post_init__(self) -> None:
         if self.split_min_slots < 1 or self.block_s < 16 or self.block_s & (self.block_s - 1):
             raise DecodeConfigError(f"attention: split_min_slots {self.split_min_slots} (>= 1), block_s "
                                     f"{self.block_s} (a power of two >= 16)")
+        if self.short_splits < 1 or self.last_split_merges < 0:
+            raise DecodeConfigError(f"attention: short_splits {self.short_splits} (>= 1), last_split_merges "
+                                    f"{self.last_split_merges} (>= 0)")
         if self.split_from_slots is not None and self.split_from_slots < 1:
             raise DecodeConfigError(f"attention: split_from_slots {self.split_from_slots}; expected >= 1 or None")
 

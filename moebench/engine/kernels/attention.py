@@ -1,4 +1,4 @@
-"""Decode attention in one Triton launch (two for long contexts): mask, softmax(q k^T) v, output layout.
+"""Decode attention in one Triton launch (two for longer contexts): mask, softmax(q k^T) v, output layout.
 
 Replaces, in model.py `Attention.forward`'s fused decode path, the torch sequence
     slots = arange(kv_len); mask = slots <= positions                 (2-3 tiny kernels)
@@ -8,9 +8,12 @@ Each of those is a few microseconds of launch-bound work per layer at batch-1 de
 does all of it in one kernel that reads the cache in place, applies the causal-by-position mask from
 `positions` itself and writes [B, T, NH * D], the layout o_proj consumes.
 
-Long contexts use flash-decoding: the KV range of each (query row, KV head) is split across programs,
-each writing its partial (max, sum, unnormalised output) in float32 to a scratch, and a small combine
-kernel merges them. Short contexts use one split and the main kernel writes the output directly.
+It uses flash-decoding: the KV range of each (query row, KV head) is split across programs, each
+writing its partial (max, sum, unnormalised output) in float32 to a scratch, and either the last split
+of each (query row, KV head) to finish merges them (up to AttentionLaunch.last_split_merges splits:
+short contexts) or a small combine kernel does (more splits: longer contexts). Where there is one
+split (a context of one block of slots, or AttentionLaunch.short_splits 1) the main kernel writes
+the output directly.
 
 Numerics: float32 scores, online softmax (base 2, the scale folded with log2(e)) and float32
 accumulation; the output is rounded once to q's dtype. Static shapes given (B, T, kv_len), no host
@@ -18,6 +21,7 @@ sync: capturable in a CUDA graph.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -70,7 +74,9 @@ if triton is not None:
                                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
                                 SPLIT: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr = False,
                                 ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
-                                LAUNCH_FIRST: tl.constexpr = False, EARLY_KV: tl.constexpr = False):
+                                LAUNCH_FIRST: tl.constexpr = False, EARLY_KV: tl.constexpr = False,
+                                count_ptr=None, LAST_MERGES: tl.constexpr = False, GR: tl.constexpr = 1,
+                                SP: tl.constexpr = 1):
         """Program (b*T + t, kv head, split): the G query heads of one KV head group over the cache
         slots [split * chunk, split * chunk + chunk) that are < kv_len and <= positions[b, t].
 
@@ -87,7 +93,11 @@ if triton is not None:
         kn / vn) before its loop reads the slot: one launch where there were two.
 
         EARLY_KV (one-token steps, DecodeConfig.early_weights "attention_kv"): the split's first
-        block of slots before the position loads before the PDL wait; the sums are the same."""
+        block of slots before the position loads before the PDL wait; the sums are the same.
+
+        LAST_MERGES (SPLIT, at most AttentionLaunch.last_split_merges splits): each program counts
+        itself in at its (row, KV head)'s arrival counter once its partials are stored, and the last
+        of the splits to arrive merges them (combine_heads) and resets the counter: no combine launch."""
         bt = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -158,10 +168,50 @@ if triton is not None:
             tl.store(part_acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
             tl.store(part_ml_ptr + row * 2, m_i, mask=gmask)
             tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=gmask)
+            if LAST_MERGES:
+                # every thread's partial stores, then one acq_rel count: the release covers them all
+                tl.debug_barrier()
+                counter = count_ptr + bt * tl.num_programs(1) + kvh
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+                if arrived == tl.num_programs(2) - 1:
+                    combine_heads(part_acc_ptr, part_ml_ptr, out_ptr, (bt * NH + kvh * G).to(tl.int64), G,
+                                  tl.num_programs(2), D, GR, SP)
+                    tl.atomic_xchg(counter, 0)
         else:
             out = acc / l_i[:, None]
             tl.store(out_ptr + (bt * NH + heads[:, None]).to(tl.int64) * D + d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+
+    @triton.jit
+    def combine_heads(part_acc_ptr, part_ml_ptr, out_ptr, r0, G, n_splits, D: tl.constexpr, GR: tl.constexpr,
+                      SP: tl.constexpr):
+        """The last split's merge (LAST_MERGES): rows r0 .. r0 + G - 1 of [B*T, NH] (one KV head's
+        query heads; GR = G rounded up to a power of two), each over its n_splits <= SP partials, as
+        combine_kernel merges one row. The splits' loop is unrolled, so all their loads are issued
+        before the first is used (one L2 round trip, not one per split). Loads bypass L1 (.cg):
+        other programs wrote the partials during this launch."""
+        g = tl.arange(0, GR)
+        rmask = g < G
+        r = r0 + g
+        j = tl.arange(0, SP)
+        d = tl.arange(0, D)
+        ml = (r[:, None] * n_splits + j[None, :]) * 2
+        mm = rmask[:, None] & (j < n_splits)[None, :]
+        m = tl.load(part_ml_ptr + ml, mask=mm, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(part_ml_ptr + ml + 1, mask=mm, other=0.0, cache_modifier=".cg")
+        m_all = tl.max(m, axis=1)
+        m_all = tl.where(rmask, m_all, 0.0)      # padding rows (never stored) would be -inf
+        total = tl.sum(l * tl.exp2(m - m_all[:, None]), axis=1)
+        out = tl.zeros((GR, D), dtype=tl.float32)
+        for s in tl.static_range(SP):
+            row = r * n_splits + s
+            smask = rmask & (s < n_splits)
+            m_s = tl.load(part_ml_ptr + row * 2, mask=smask, other=float("-inf"), cache_modifier=".cg")
+            acc = tl.load(part_acc_ptr + row[:, None] * D + d[None, :], mask=smask[:, None], other=0.0,
+                          cache_modifier=".cg")
+            out += acc * tl.exp2(m_s - m_all)[:, None]       # splits with no slot (m = -inf) weigh 0
+        out = out / tl.where(rmask, total, 1.0)[:, None]
+        tl.store(out_ptr + r[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
     @triton.jit
     def combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, n_splits, D: tl.constexpr, SP: tl.constexpr,
@@ -183,13 +233,21 @@ if triton is not None:
         tl.store(out_ptr + r * D + d, out.to(out_ptr.dtype.element_ty))
 
 
+@functools.lru_cache(maxsize=None)
+def _arrivals(device: torch.device, n: int) -> Tensor:
+    """The last split's merge's arrival counters of n (row, KV head) pairs: a buffer, one per (device,
+    n) for the process, zero between launches (each launch's last split resets its pair's counter)."""
+    return torch.zeros(n, dtype=torch.int32, device=device)
+
+
 def num_splits_for(kv_len: int, programs: int, sm_count: int = 132,
                    launch: AttentionLaunch = DEFAULT.attention) -> int:
-    """Splits of the KV range for `programs` = B * T * NKV programs per split: 1 for contexts shorter
-    than launch.first_split_slots (one launch, no combine), else enough for ~launch.programs_per_sm
-    programs per SM, each split covering at least launch.split_min_slots slots."""
+    """Splits of the KV range for `programs` = B * T * NKV programs per split: launch.short_splits
+    (at most one per block of slots) for contexts shorter than launch.first_split_slots, else enough
+    for ~launch.programs_per_sm programs per SM, each split covering at least launch.split_min_slots
+    slots."""
     if kv_len < launch.first_split_slots:
-        return 1
+        return max(1, min(launch.short_splits, -(-kv_len // launch.block_s)))
     by_length = max(1, kv_len // launch.split_min_slots)
     by_occupancy = max(1, -(-launch.programs_per_sm * sm_count // max(1, programs)))
     return min(by_length, by_occupancy)
@@ -306,14 +364,17 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Ten
                  rope.eps, rope.k.stride(0), rope.k.stride(1), rope.k.stride(2), rope.v.stride(0), rope.v.stride(1),
                  rope.v.stride(2), cos.stride(0), cos.stride(1)]
         rope_kw = {"ROPE": True, "HAS_NORM": has_norm}
+    last = 1 < splits <= launch.last_split_merges
+    combine_kw = {"count_ptr": _arrivals(q.device, B * T * NKV), "LAST_MERGES": True, "GR": next_pow2(G),
+                  "SP": next_pow2(splits)} if last else {}
     decode_attention_kernel[(B * T, NKV, splits)](
         q, k_cache, v_cache, positions, out, part_acc, part_ml, T, NH, kv_len, chunk, qk_scale,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         positions.stride(0), positions.stride(1), *extra,
         G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_S=block, SPLIT=splits > 1, FP32=q.dtype == torch.float32,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch(q.device, cfg, "attention"),
-        EARLY_KV=T == 1 and "attention_kv" in cfg.early_weights, **rope_kw)
-    if splits > 1:
+        EARLY_KV=T == 1 and "attention_kv" in cfg.early_weights, **rope_kw, **combine_kw)
+    if splits > 1 and not last:
         combine_kernel[(B * T * NH,)](part_acc, part_ml, out, splits, D=D, SP=next_pow2(splits), num_warps=4,
                                       **pdl_launch(q.device, cfg))
     return out
