@@ -129,7 +129,8 @@ def captured_rope(cfg) -> tuple[tuple, dict]:
 
 def captured_attention(cfg) -> tuple[tuple, dict]:
     """The (args, kwargs) decode_attention gives its kernel for one decode token of this shape at a
-    short context (one KV split), with PDL on as on the GPU."""
+    short context (cfg's short splits: at the defaults four, merged by the last), with PDL on as on
+    the GPU."""
     import torch
     from moebench.engine.kernels import attention
     q = torch.zeros(1, NH, 1, HEAD_DIM, dtype=torch.bfloat16)

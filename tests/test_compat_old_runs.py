@@ -233,6 +233,9 @@ def key_order(value: object) -> object:
 ADDED_KEYS = (
     # engine DecodeConfig: AttentionLaunch.split_from_slots (where KV splitting starts)
     (("manifest.json", "build", "decode", "attention"), "programs_per_sm", "split_from_slots"),
+    # engine DecodeConfig: AttentionLaunch's short-context splits and the last split's merge
+    (("manifest.json", "build", "decode", "attention"), "split_from_slots", "short_splits"),
+    (("manifest.json", "build", "decode", "attention"), "short_splits", "last_split_merges"),
     # engine DecodeConfig: the L2 prefetch sites and their programs
     (("manifest.json", "build", "decode"), "count_tier_picks", "l2_prefetch"),
     (("manifest.json", "build", "decode"), "l2_prefetch", "l2_prefetch_programs"),
