@@ -292,12 +292,14 @@ def test_cuda_graph_capture_and_replay(kv_len, cfg):
     assert ((out.float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-5).all()
 
 
+@pytest.mark.parametrize("tables", [False, True])
 @pytest.mark.parametrize("qk_norm", [True, False])
-@pytest.mark.parametrize("splits", [None, 3])
-def test_rope_in_attention_equals_qk_rope_cache_then_attention(qk_norm, splits):
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_rope_in_attention_equals_qk_rope_cache_then_attention(qk_norm, splits, tables):
     """decode_attention(rope=...) on the raw one-token projection gives exactly what qk_rope_cache
     followed by decode_attention gives: the same output and the same caches, every split count (the
-    program of the split holding the new slot writes it before reading it). Compiled for CUDA with
+    program of the split holding the new slot writes it before reading it), with this step's cos /
+    sin rows or with the float32 tables (read at the positions in both launches). Compiled for CUDA with
     q/k norms, the normalised q rounds differently inside the attention launch (measured on the
     H200), so there the output agrees to rounding; the caches stay bitwise equal."""
     from moebench.engine.kernels import RopeInputs, qk_rope_cache
@@ -311,7 +313,7 @@ def test_rope_in_attention_equals_qk_rope_cache_then_attention(qk_norm, splits):
     qw, kw = ((torch.rand(D, generator=g) + 0.5).to(DEV) for _ in range(2)) if qk_norm else (None, None)
     positions = torch.tensor([[100], [41]], device=DEV)
     cos_t, sin_t = rope_tables(D, 10000.0, S, DEV)
-    cos, sin = cos_t[positions], sin_t[positions]
+    cos, sin = (cos_t, sin_t) if tables else (cos_t[positions], sin_t[positions])
     kc0 = torch.randn(B, NKV, S, D, generator=g).to(DEV)
     vc0 = torch.randn(B, NKV, S, D, generator=g).to(DEV)
     kv_len = 101

@@ -216,9 +216,11 @@ class DecodeConfig:
         of after the whole gate_up launch. The same sums, bit for bit. Off: 3.0-7.6% slower on an H100
         (docs/engine-speed.md).
     rope_in_attention: one-token steps do q/k norm, RoPE and the KV write inside the decode
-        attention launch (kernels.RopeInputs), one launch per layer fewer. Off: on the H200 bf16
-        decoded 6.0% slower with it (an H200 A/B of the defaults), on an H100 bf16, int8 and int4
-        11.8-14.5% slower.
+        attention launch (kernels.RopeInputs), which reads the RoPE tables at the positions itself:
+        one launch per layer fewer. Off: every A/B of it (on the H200 bf16 6.0% slower, on H100s
+        10.7-17.4% slower) ran a version that gathered and cast this step's cos / sin rows in four
+        torch launches per layer before the attention; the version reading the tables has not been
+        timed on a GPU.
     early_weights: kernels, of EARLY_WEIGHT_KERNELS, whose programs load their first weight tiles
         before the PDL wait, so their DRAM latency overlaps the kernel before them: "router" (the
         fused norm + router's weight rows), "gemv" (the attention projections' first early_steps K

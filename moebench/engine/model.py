@@ -135,9 +135,8 @@ class Attention(nn.Module):
             qw, kw = (self.q_norm.weight, self.k_norm.weight) if head else (None, None)
             rope = None
             if attention_kernel and T == 1 and self.decode.rope_in_attention:
-                # q/k norm, RoPE and the cache writes inside the attention launch
-                if cos.dim() == 2:          # the tables (MoETransformer._fused_layers): this step's rows
-                    cos, sin = cos[positions].to(q.dtype), sin[positions].to(q.dtype)
+                # q/k norm, RoPE and the cache writes inside the attention launch (which reads the
+                # tables of MoETransformer._fused_layers at the positions itself)
                 rope = kernels.RopeInputs(k, v, qw, kw, self.eps, cos, sin)
             else:
                 # One kernel: per-head q/k norm, RoPE, and the cache writes (kernels.qk_rope_cache).

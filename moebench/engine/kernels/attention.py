@@ -76,7 +76,7 @@ if triton is not None:
                                 ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
                                 LAUNCH_FIRST: tl.constexpr = False, EARLY_KV: tl.constexpr = False,
                                 count_ptr=None, LAST_MERGES: tl.constexpr = False, GR: tl.constexpr = 1,
-                                SP: tl.constexpr = 1):
+                                SP: tl.constexpr = 1, TABLES: tl.constexpr = False):
         """Program (b*T + t, kv head, split): the G query heads of one KV head group over the cache
         slots [split * chunk, split * chunk + chunk) that are < kv_len and <= positions[b, t].
 
@@ -88,9 +88,11 @@ if triton is not None:
         the padded dot costs no extra memory traffic and keeps the long-context kernel memory-bound.
 
         ROPE (one-token steps): q is the projection's raw output; each program does qk_rope_cache's
-        work for its heads in registers (q/k norm when HAS_NORM, RoPE from cos/sin [b, t]), and the
-        program whose split holds slot positions[b, t] writes this step's key and value there (raw
-        kn / vn) before its loop reads the slot: one launch where there were two.
+        work for its heads in registers (q/k norm when HAS_NORM, RoPE from cos/sin [b, t], or with
+        TABLES from the float32 tables' row positions[b, t], rounded to q's dtype as
+        qk_rope_cache rounds it), and the program whose split holds slot positions[b, t] writes this
+        step's key and value there (raw kn / vn) before its loop reads the slot: one launch where
+        there were two.
 
         EARLY_KV (one-token steps, DecodeConfig.early_weights "attention_kv"): the split's first
         block of slots before the position loads before the PDL wait; the sums are the same.
@@ -112,6 +114,11 @@ if triton is not None:
         pos = tl.load(pos_ptr + b * s_pb + t * s_pt).to(tl.int32)     # slots < 2^31; int32 loop bounds
         start = split * chunk
         cache = b * s_cb + kvh.to(tl.int64) * s_ch
+        if ROPE and TABLES:
+            # the tables never change: their rows load before the wait (rows a kernel of this step
+            # wrote load after it)
+            c = tl.load(cos_ptr + pos.to(tl.int64) * s_rb + d).to(q_ptr.dtype.element_ty).to(tl.float32)
+            sn = tl.load(sin_ptr + pos.to(tl.int64) * s_rb + d).to(q_ptr.dtype.element_ty).to(tl.float32)
         if EARLY_KV:
             # One-token steps: every slot before the row's position holds a key and value an earlier
             # step wrote, so the split's first block of them loads before the wait (its DRAM latency
@@ -127,8 +134,9 @@ if triton is not None:
         if ROPE:
             dt = q_ptr.dtype.element_ty
             partner = (d + D // 2) % D
-            c = tl.load(cos_ptr + b * s_rb + t * s_rt + d).to(tl.float32)
-            sn = tl.load(sin_ptr + b * s_rb + t * s_rt + d).to(tl.float32)
+            if not TABLES:
+                c = tl.load(cos_ptr + b * s_rb + t * s_rt + d).to(tl.float32)
+                sn = tl.load(sin_ptr + b * s_rb + t * s_rt + d).to(tl.float32)
             q = norm_rope_head((q_ptr + b * s_qb + heads * s_qh + t * s_qt)[:, None], qw_ptr, c[None, :],
                                sn[None, :], d[None, :], partner[None, :], eps, HAS_NORM, D, dt, mask=gmask[:, None])
             if (start <= pos) & (pos < start + chunk):
@@ -257,7 +265,9 @@ def num_splits_for(kv_len: int, programs: int, sm_count: int = 132,
 class RopeInputs:
     """What rope_kv.qk_rope_cache takes besides q and the caches, for decode_attention to do its
     work in the same launch (one-token steps): this step's raw keys and values [B, 1, NKV, D] (unit
-    last stride), the q/k norm weights (both or neither), eps, and cos / sin [B or 1, 1, D]."""
+    last stride), the q/k norm weights (both or neither), eps, and cos / sin: this step's rows
+    [B or 1, 1, D] in q's dtype, or the float32 tables [S, D] (model.rope_tables), whose rows the
+    kernel reads at the positions (no gather and cast launches)."""
 
     k: Tensor
     v: Tensor
@@ -283,8 +293,12 @@ def _rope_query_layout(q: Tensor, rope: RopeInputs, k_cache: Tensor) -> Tensor:
     if (rope.q_norm_w is None) != (rope.k_norm_w is None):
         raise KernelError("decode_attention(rope=...): give both q and k norm weights or neither")
     for name, t in (("cos", rope.cos), ("sin", rope.sin)):
-        if t.dim() != 3 or t.shape[0] not in (1, B) or tuple(t.shape[1:]) != (1, D):
-            raise KernelError(f"decode_attention(rope=...): {name} {tuple(t.shape)}; expected [{B} or 1, 1, {D}]")
+        table = t.dim() == 2 and t.shape[1] == D and t.dtype == torch.float32
+        if not table and (t.dim() != 3 or t.shape[0] not in (1, B) or tuple(t.shape[1:]) != (1, D)):
+            raise KernelError(f"decode_attention(rope=...): {name} {tuple(t.shape)} {t.dtype}; expected "
+                              f"[{B} or 1, 1, {D}] or a float32 table [S, {D}]")
+    if rope.cos.dim() != rope.sin.dim():
+        raise KernelError("decode_attention(rope=...): cos and sin need the same form (rows or tables)")
     if D & (D - 1):
         raise KernelError(f"decode_attention(rope=...): head_dim {D} must be a power of two")
     if q.stride(-1) != 1:
@@ -355,15 +369,23 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Ten
         extra = [q, q, q, q, q, q, 0.0] + [0] * 8
         rope_kw = {}
     else:
-        cos = rope.cos.expand(B, 1, D) if rope.cos.shape[0] != B else rope.cos
-        sin = rope.sin.expand(B, 1, D) if rope.sin.shape[0] != B else rope.sin
-        if cos.stride() != sin.stride() or cos.stride(-1) != 1:
-            cos, sin = cos.contiguous(), sin.contiguous()
+        tables = rope.cos.dim() == 2
+        if tables:
+            cos, sin = rope.cos, rope.sin
+            if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+                cos, sin = cos.contiguous(), sin.contiguous()
+            cos_strides = (cos.stride(0), 0)
+        else:
+            cos = rope.cos.expand(B, 1, D) if rope.cos.shape[0] != B else rope.cos
+            sin = rope.sin.expand(B, 1, D) if rope.sin.shape[0] != B else rope.sin
+            if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+                cos, sin = cos.contiguous(), sin.contiguous()
+            cos_strides = (cos.stride(0), cos.stride(1))
         has_norm = rope.q_norm_w is not None
         extra = [rope.k, rope.v, rope.q_norm_w if has_norm else q, rope.k_norm_w if has_norm else q, cos, sin,
                  rope.eps, rope.k.stride(0), rope.k.stride(1), rope.k.stride(2), rope.v.stride(0), rope.v.stride(1),
-                 rope.v.stride(2), cos.stride(0), cos.stride(1)]
-        rope_kw = {"ROPE": True, "HAS_NORM": has_norm}
+                 rope.v.stride(2), *cos_strides]
+        rope_kw = {"ROPE": True, "HAS_NORM": has_norm, "TABLES": tables}
     last = 1 < splits <= launch.last_split_merges
     combine_kw = {"count_ptr": _arrivals(q.device, B * T * NKV), "LAST_MERGES": True, "GR": next_pow2(G),
                   "SP": next_pow2(splits)} if last else {}
