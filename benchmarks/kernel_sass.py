@@ -1,7 +1,8 @@
 """The fused MoE kernels compiled for sm_90 on a machine without a GPU: registers, spills and the
 SASS instruction mix of one gate_up or down launch shape per expert format, and of the fused norm +
 router (`--kernels router`: its top-k's warp reductions are the shfl and redux columns) and of the
-decode attention (`--kernels attention`: without and with its early KV block).
+decode attention (`--kernels attention`: without and with its early KV block, and with
+rope_in_attention).
 
 Timing needs the H200 (quant_kernels_h200.py; kernel_counters_h200.py under ncu for stalls); this
 says, offline and in seconds, what a kernel change does to the code: how many global loads a K
@@ -127,16 +128,24 @@ def captured_rope(cfg) -> tuple[tuple, dict]:
         prefetch=o_proj))
 
 
-def captured_attention(cfg) -> tuple[tuple, dict]:
+def captured_attention(cfg, rope: bool = False) -> tuple[tuple, dict]:
     """The (args, kwargs) decode_attention gives its kernel for one decode token of this shape at a
     short context (cfg's short splits: at the defaults four, merged by the last), with PDL on as on
-    the GPU."""
+    the GPU. rope: with rope_in_attention's inputs (q/k norms, the float32 RoPE tables)."""
     import torch
-    from moebench.engine.kernels import attention
-    q = torch.zeros(1, NH, 1, HEAD_DIM, dtype=torch.bfloat16)
+    from moebench.engine.kernels import RopeInputs, attention
+    from moebench.engine.model import rope_tables
     cache = torch.zeros(1, NKV, 256, HEAD_DIM, dtype=torch.bfloat16)
+    if rope:
+        q = torch.zeros(1, 1, NH, HEAD_DIM, dtype=torch.bfloat16)
+        kv = torch.zeros(1, 1, NKV, HEAD_DIM, dtype=torch.bfloat16)
+        norm = torch.ones(HEAD_DIM, dtype=torch.bfloat16)
+        rope_in = RopeInputs(kv, kv, norm, norm, 1e-6, *rope_tables(HEAD_DIM, 1e6, 256))
+    else:
+        q = torch.zeros(1, NH, 1, HEAD_DIM, dtype=torch.bfloat16)
+        rope_in = None
     args, kwargs = captured_one(attention, "decode_attention_kernel", lambda: attention.decode_attention(
-        q, cache, cache, torch.full((1, 1), 99, dtype=torch.long), 100, cfg=cfg))
+        q, cache, cache, torch.full((1, 1), 99, dtype=torch.long), 100, cfg=cfg, rope=rope_in))
     return args, {**kwargs, "PDL": True}
 
 
@@ -223,7 +232,8 @@ def main(argv=None) -> list[dict]:
                     help="of gate_up, down, ffn (both in one launch: DecodeConfig.fused_experts), router "
                          "(the fused norm + router), rope (q/k norm + RoPE + KV write) and attention (decode "
                          "attention: a row without and one with early_weights \"attention_kv\", format "
-                         "early_kv): router, rope and attention ignore the formats")
+                         "early_kv, and one with rope_in_attention, format rope): router, rope and attention "
+                         "ignore the formats")
     ap.add_argument("--formats", default="dense,int8,int4,ternary,ternary:bytes,ternary2",
                     help="formats, each optionally with a decode mode by name (ternary:bytes)")
     ap.add_argument("--mode", type=int, default=None, help="DecodeConfig.decode_mode value (default: the shipped one)")
@@ -265,9 +275,9 @@ def main(argv=None) -> list[dict]:
         kernel_names.remove("rope")
     if "attention" in kernel_names:
         from moebench.engine.kernels import attention
-        for fmt, cfg in (("dense", sites), ("early_kv", replace(sites, early_weights=(*sites.early_weights,
-                                                                                      "attention_kv")))):
-            kargs, kkw = captured_attention(cfg)
+        early_kv = replace(sites, early_weights=(*sites.early_weights, "attention_kv"))
+        for fmt, cfg, rope in (("dense", sites, False), ("early_kv", early_kv, False), ("rope", sites, True)):
+            kargs, kkw = captured_attention(cfg, rope)
             add_row("attention", fmt, 0, (kkw["BLOCK_S"], kkw.get("num_warps"), kkw.get("num_stages")),
                     sass_report(compile_captured(attention.decode_attention_kernel, kargs, kkw)))
         kernel_names.remove("attention")

@@ -55,20 +55,24 @@ def test_kernel_sass_router_takes_its_maxima_as_integer_warp_reductions(tmp_path
 
 
 def test_kernel_sass_compiles_the_attention_with_its_early_kv_block(tmp_path):
-    """decode attention compiled for sm_90 as the GPU runs it (PDL on), plain and with early_weights
-    "attention_kv": the early variant issues the first block's K and V loads as plain global loads
-    ahead of the pipelined loop (more LDG, no spills)."""
+    """decode attention compiled for sm_90 as the GPU runs it (PDL on), plain, with early_weights
+    "attention_kv" and with rope_in_attention: the early variant issues the first block's K and V
+    loads as plain global loads ahead of the pipelined loop (more LDG, no spills); at the default
+    short splits every variant counts its splits in with a global atomic (the last one merges); the
+    rope variant loads the raw q / k / v and the RoPE tables' rows too (more LDG, no spills)."""
     out = tmp_path / "attention.json"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--kernels", "attention",
                           "--json", str(out)], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    plain, early = json.loads(out.read_text())
-    assert (plain["format"], early["format"]) == ("dense", "early_kv")
-    for r in (plain, early):
+    plain, early, rope = json.loads(out.read_text())
+    assert (plain["format"], early["format"], rope["format"]) == ("dense", "early_kv", "rope")
+    for r in (plain, early, rope):
         assert r["kernel"] == "attention" and 0 < r["registers"] <= 255 and r["stack_bytes"] == 0, r
         assert r["ops"].get("STG", 0) > 0 and r["instructions"] > 100, r
+        assert r["ops"].get("ATOMG", 0) > 0, r["ops"]
     assert early["columns"]["LDG"] > plain["columns"]["LDG"], (plain["columns"], early["columns"])
+    assert rope["columns"]["LDG"] > plain["columns"]["LDG"], (plain["columns"], rope["columns"])
 
 
 def test_kernel_sass_refuses_the_interpreter():
