@@ -134,12 +134,11 @@ class AttentionLaunch:
     KV head) to finish, inside the attention launch; more by a combine launch.
     Splits of 128 slots from 1,024 on decoded bf16 and int4 12-15% faster at a 4,096-token context
     on the H200 than splits of 512 (4 KV heads x 8 splits left most SMs idle); 64 and 256 were
-    slower (benchmarks/results/decode_ab_options.json, "attention_splits_*"). One split for contexts
-    under 1,024 left a 640-token prompt's decode 14-20% slower than at 128 tokens on an H100: four
-    splits merged in the launch, and splits of 128 from 512 on, decoded bf16 3.8% / 7.0% / 15.6%
-    and int4 with int8 activations 5.1% / 9.7% / 21.0% faster at 128 / 384 / 640-token prompts,
-    the same at 4,096 ("attention_short_splits_h100"). Merging in the launch pays for a few splits
-    (one round trip of loads); for eight, the combine launch was faster."""
+    slower (benchmarks/results/decode_ab_options.json, "attention_splits_*"). Four short splits
+    merged in the launch, and splits of 128 from 512 on, decode 3.8-21.0% faster than one split
+    below 1,024 at 128-640-token prompts on an H100, the same at 4,096
+    ("attention_short_splits_h100"); merging in the launch pays for a few splits, the combine launch
+    for eight and more."""
 
     block_s: int = 32
     num_warps: int = 4
