@@ -216,10 +216,10 @@ class DecodeConfig:
         (docs/engine-speed.md).
     rope_in_attention: one-token steps do q/k norm, RoPE and the KV write inside the decode
         attention launch (kernels.RopeInputs), which reads the RoPE tables at the positions itself:
-        one launch per layer fewer. Off: every A/B of it (on the H200 bf16 6.0% slower, on H100s
-        10.7-17.4% slower) ran a version that gathered and cast this step's cos / sin rows in four
-        torch launches per layer before the attention; the version reading the tables has not been
-        timed on a GPU.
+        one launch per layer fewer. Off: slower on an H100 at 24 layers (bf16 2.7%, int8 and int4
+        with int8 activations 4.8% and 3.9% at a 128-token prompt; 6.4-8.3% at 4,096), each of the
+        launch's programs redoing the q heads' norm and RoPE of its KV head
+        (benchmarks/results/decode_ab_options.json, "rope_in_attention_tables_h100").
     early_weights: kernels, of EARLY_WEIGHT_KERNELS, whose programs load their first weight tiles
         before the PDL wait, so their DRAM latency overlaps the kernel before them: "router" (the
         fused norm + router's weight rows), "gemv" (the attention projections' first early_steps K
