@@ -217,9 +217,9 @@ class DecodeConfig:
     rope_in_attention: one-token steps do q/k norm, RoPE and the KV write inside the decode
         attention launch (kernels.RopeInputs), which reads the RoPE tables at the positions itself:
         one launch per layer fewer. Off: slower on an H100 at 24 layers (bf16 2.7%, int8 and int4
-        with int8 activations 4.8% and 3.9% at a 128-token prompt; 6.4-8.3% at 4,096), each of the
-        launch's programs redoing the q heads' norm and RoPE of its KV head
-        (benchmarks/results/decode_ab_options.json, "rope_in_attention_tables_h100").
+        with int8 activations 4.8% and 3.9% at a 128-token prompt; 6.4-8.3% at 4,096:
+        benchmarks/results/decode_ab_options.json, "rope_in_attention_tables_h100"); likely, not
+        measured, because every split program of a KV head redoes its q heads' norm and RoPE.
     early_weights: kernels, of EARLY_WEIGHT_KERNELS, whose programs load their first weight tiles
         before the PDL wait, so their DRAM latency overlaps the kernel before them: "router" (the
         fused norm + router's weight rows), "gemv" (the attention projections' first early_steps K
