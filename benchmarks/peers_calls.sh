@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The peers procedure (docs/peers-h200.md, "Reproduce") as two device calls on one machine, each
+# under the 10-minute limit; the second within 30 s of the first, while the machine is still held:
+#   bash benchmarks/peers_calls.sh build     # the llama.cpp CUDA build in the background at nice 19,
+#                                            # the six files, the CUDA tests, then wait for the build
+#   bash benchmarks/peers_calls.sh measure   # the engine's five sides, llama.cpp's three, the table
+# Carry .peers (`python3 benchmarks/peers_h200.py stage-source --to .peers`) and .gpu_data (a copy of
+# ../shared/datasets, for the CUDA tests; SKIP_TESTS=1 leaves them out). Under $OUT: build.log, the
+# CUDA tests' logs and gpu_checks.json; engine.json and llama.json (one measure each: `peers_h200.py table
+# engine.json llama.json` prints them as one, the copy bandwidth the engine's) and each one's runs as a tar.
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MOEBENCH_CACHE=/root/mbc MOEBENCH_DATA_DIR=$PWD/.peers/datasets
+export PATH=$PATH:/usr/local/cuda/bin
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+WORK=/root/peers-work
+t0=$(date +%s)
+left() { echo $(( $1 - ($(date +%s) - t0) )); }
+nvidia-smi -L
+case "${1:-}" in
+build)
+    setsid nohup nice -n 19 python3 benchmarks/peers_h200.py build --carry .peers --jobs 15 \
+        > /root/build.log 2>&1 < /dev/null &
+    timeout 300 python3 benchmarks/peers_h200.py prepare --work /root/peers --work /dev/shm/peers --link $WORK \
+        2>&1 | tail -8
+    echo "prepare done at $(( $(date +%s) - t0 )) s"
+    if [ "${SKIP_TESTS:-0}" != 1 ]; then
+        TESTS_ONLY=1 bash benchmarks/gpu_checks.sh "$PWD/.gpu_data" 2>&1 | tail -15
+        echo "tests done at $(( $(date +%s) - t0 )) s"
+    fi
+    python3 benchmarks/peers_h200.py wait-build --timeout "$(left 585)"; rc=$?
+    tail -3 /root/build.log; cp /root/build.log "$OUT/"
+    echo "build call took $(( $(date +%s) - t0 )) s"
+    exit $rc ;;
+measure)
+    # The engine first: llama.cpp's build does not change between code versions, the engine does.
+    timeout 260 python3 benchmarks/peers_h200.py measure --work $WORK --out /root/engine --reps 3 \
+        --skip llama-bf16,llama-Q8_0,llama-Q4_0 2>&1 | tail -12
+    cp /root/engine/peers_h200.json "$OUT/engine.json"; tar -czf "$OUT/engine-runs.tgz" -C /root/engine .
+    echo "the engine's sides took $(( $(date +%s) - t0 )) s"
+    timeout "$(left 590)" python3 benchmarks/peers_h200.py measure --work $WORK --out /root/llama --reps 3 \
+        --skip engine-bf16,engine-int8,engine-int4,engine-int8-a8,engine-int4-a8 2>&1 | tail -12
+    cp /root/llama/peers_h200.json "$OUT/llama.json"; tar -czf "$OUT/llama-runs.tgz" -C /root/llama .
+    python3 benchmarks/peers_h200.py table "$OUT/engine.json" "$OUT/llama.json"
+    echo "measure call took $(( $(date +%s) - t0 )) s" ;;
+*)
+    echo "usage: bash benchmarks/peers_calls.sh build|measure" >&2; exit 2 ;;
+esac
