@@ -267,6 +267,37 @@ def test_suite_end_to_end_through_the_run_api(paced, tmp_path):
     assert manifest["probes"]["nvml"]["available"] in (True, False)
 
 
+def test_warm_up_sends_each_prompt_token_count_of_the_group_before_its_clock(paced, tmp_path):
+    """A group's prompts are fitted to within 1% of the asked length, so they differ by a token or
+    more, and a backend pays for a new shape's first request (the engine on an H100: a first
+    129-token request waited 0.96 s for its first token after a 128-token warm-up, later ones
+    0.06-0.07 s). The warm-up sends one untimed request of each count the timed prompts have, each
+    with an opening of its own, before the first timed request."""
+    server = paced(first_ms=5, every_ms=2)
+    runner = http_runner.HttpRunner({"base_url": server.url, "tokenize": "llama-server", "concurrency": 1})
+    task = _speed_task(TaskContext(data_dir=DATA, run_dir=tmp_path), prompt_lengths=[300], output_tokens=2,
+                       repeats=8, clients=1, warmup=1)
+
+    async def go():
+        await runner.start()
+        try:
+            await task.prepare(runner)
+            return [await task.evaluate(it, runner) for it in task.items()]
+        finally:
+            await runner.close()
+
+    records = asyncio.run(go())
+    timed = [r["prompt_tokens"] for r in records]
+    assert len(set(timed)) > 1, timed                 # the case the warm-up is for
+    sent = [q["body"]["prompt"] for q in server.requests]
+    counts = [len(TOK.encode(p).ids) for p in sent]
+    n_warm = len(set(timed))
+    assert len(sent) == n_warm + len(records)
+    assert sorted(counts[:n_warm]) == sorted(set(timed))           # each count once, first
+    assert counts[n_warm:] == timed
+    assert not set(sent[:n_warm]) & set(sent[n_warm:])             # no timed prompt was warmed
+
+
 def test_ab_mode_fresh_processes_and_output_identity(paced, tmp_path):
     a = paced(first_ms=30, every_ms=5)
     b = paced(first_ms=30, every_ms=5, variant=True)

@@ -12,6 +12,8 @@ every `metrics_interval_s`; the group's summary (KV-cache usage, queue length, p
 preemptions) goes into each of its records as `group.server`. Every request has a UNIQUE prompt (a random
 prefix, then haystack text) and `cache_prompt=False`, so no prompt cache hides prefill; generation
 goes on past EOS where the backend allows (`ignore_eos`), for a fixed number of output tokens.
+Before a group's clock starts, `warmup` untimed requests run for each distinct prompt token count
+among its prompts (SpeedTask.warm_up), so no timed request is a backend's first of its shape.
 
 Per measurement (docs/design.md section 6):
   ttft_s        = arrival of the first output token (from the runner's `token_times`)
@@ -35,7 +37,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from moebench import jsonout
 from moebench.config import (MAX_CLIENTS, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, MAX_VOCAB, Field,
@@ -147,7 +149,8 @@ class SpeedTask(Task):
                          doc="requests per client per prompt length"),
         "clients": Field((int, list), default=1, check=_clients_ok, low=1, high=MAX_CLIENTS,
                          doc="closed-loop clients: one count or a list of counts"),
-        "warmup": Field(int, default=1, low=0, high=1_000, doc="untimed requests before each prompt length group"),
+        "warmup": Field(int, default=1, low=0, high=1_000,
+                        doc="untimed requests before each group, for each distinct prompt token count of its prompts"),
         "seed": Field(int, default=1234, low=0, high=MAX_SEED, doc="seeds the unique prompt prefixes and the sampler"),
         "temperature": Field(float, default=0.0, check=_non_negative, low=0.0, high=10.0,
                              doc="0 = greedy (the default)"),
@@ -266,8 +269,11 @@ class SpeedTask(Task):
             self.index = await build_index(runner, self._text, int(longest * 1.05) + 256)
 
     # -- prompts ---------------------------------------------------------------------------------
-    async def build_prompt(self, runner: Runner, prefix: str, length: int) -> tuple[str, int | None]:
-        """(prompt, exact token count or None where the runner cannot tokenize)."""
+    async def build_prompt(self, runner: Runner, prefix: str, length: int,
+                           allowed: int | None = None) -> tuple[str, int | None]:
+        """(prompt, exact token count or None where the runner cannot tokenize). allowed: how many
+        tokens off `length` the fit may stop at (default 1%, at least 1); 0 asks for `length` itself,
+        and the closest fit found is returned when none has it."""
         if self._text is None:
             await self.prepare(runner)
         assert self._text is not None
@@ -277,8 +283,36 @@ class SpeedTask(Task):
         index = self.index
         fixed = len(await runner.tokenize(prefix))
         fit = await fit_haystack(runner.tokenize, index, length, lambda cut: prefix + index.text[:cut],
-                                 fixed, allowed=max(1, length // 100))
+                                 fixed, allowed=max(1, length // 100) if allowed is None else allowed)
         return fit.prompt, len(fit.ids)
+
+    async def warm_up(self, runner: Runner, counts: list[int | None], length: int,
+                      prefix_of: Callable[[int, int, int], str]) -> list[int | None]:
+        """`warmup` untimed requests for each distinct prompt token count among a group's prompts
+        (`counts`; one lot at `length` where the runner cannot tokenize): a backend pays for a new
+        shape's first request (kernels compiled or loaded for it, graphs captured, memory taken),
+        and the group's prompts may be a token or more off `length`. Each warm-up prompt has its own
+        opening, `prefix_of(warmup, count index, attempt)`, and that count of tokens where a fit with
+        up to 4 openings finds it (the closest found otherwise). Returns the counts the warm-up sent."""
+        targets: list[int | None] = sorted({n for n in counts if n is not None}) or [None]
+        sent: list[int | None] = []
+        for w in range(self.warmup):
+            for j, n in enumerate(targets):
+                if n is None:
+                    best = await self.build_prompt(runner, prefix_of(w, j, 0), length)
+                else:
+                    fits = []
+                    for attempt in range(4):
+                        fits.append(await self.build_prompt(runner, prefix_of(w, j, attempt), n, allowed=0))
+                        if fits[-1][1] == n:
+                            break
+                    best = min(fits, key=lambda f: abs((f[1] or 0) - n))
+                sent.append(best[1])
+                try:
+                    await self.measure(runner, best[0], best[1], concurrent=True)
+                except Exception:
+                    pass               # a failed warm-up shows up in the measurements themselves
+        return sent
 
     # -- measuring -------------------------------------------------------------------------------
     async def measure(self, runner: Runner, prompt: str, prompt_tokens: int | None,
@@ -335,13 +369,8 @@ class SpeedTask(Task):
                 prefix = measurement_prefix(self.seed, length, clients, rep, c)
                 prompts[(rep, c)] = await self.build_prompt(runner, prefix, length)
         _mark(self.ctx, "warmup", time.perf_counter())
-        for w in range(self.warmup):       # first requests pay for allocation and compilation
-            prefix = measurement_prefix(self.seed + 1_000_003 + w, length, clients, 0, 0)
-            prompt, n = await self.build_prompt(runner, prefix, length)
-            try:
-                await self.measure(runner, prompt, n, concurrent=True)
-            except Exception:
-                pass                       # a failed warm-up shows up in the measurements themselves
+        await self.warm_up(runner, [n for _, n in prompts.values()], length,
+                           lambda w, j, a: measurement_prefix(self.seed + 1_000_003 + w, length, clients, a, j))
         results: dict[str, SpeedRecord | BaseException] = {}
 
         async def client_loop(c: int) -> None:
@@ -387,12 +416,8 @@ class SpeedTask(Task):
         prompts = [await self.build_prompt(runner, load_prefix(self.seed, length, rate, i), length)
                    for i in range(self.requests)]
         _mark(self.ctx, "warmup", time.perf_counter())
-        for w in range(self.warmup):
-            prompt, n = await self.build_prompt(runner, load_prefix(self.seed + 1_000_003, length, rate, w), length)
-            try:
-                await self.measure(runner, prompt, n, concurrent=True)
-            except Exception:
-                pass
+        await self.warm_up(runner, [n for _, n in prompts], length,
+                           lambda w, j, a: load_prefix(self.seed + 1_000_003 + a, length, rate, w + 1_000 * j))
         offsets = arrival_offsets(self.arrival, rate, self.requests, self.burstiness, self.seed)
         results: dict[str, SpeedRecord | SkippedStep | BaseException] = {}
         flight = {"now": 0, "max": 0}
