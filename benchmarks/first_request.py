@@ -5,6 +5,8 @@
     python benchmarks/first_request.py --no-cudnn-sdp --out $OUT/no_cudnn.json       # torch's SDPA without cuDNN
     python benchmarks/first_request.py --device cpu --small --out /tmp/fr.json       # CPU smoke run
 
+Run from the repository root with moebench installed (`setup.sh` installs it editable) or on PYTHONPATH.
+
 The engine is the decode benchmarks' (Qwen3-30B-A3B-shaped random weights, CUDA graphs, the fused
 decode path; --layers of them). After the engine runner's warm-up (16 tokens, 8 new) it generates 4
 tokens for each prompt length in --lengths in turn, and records per request the time to the first
@@ -40,7 +42,6 @@ def main() -> int:
     ap.add_argument("--no-cudnn-sdp", action="store_true", help="torch.backends.cuda.enable_cudnn_sdp(False)")
     args = ap.parse_args()
     cache = os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="triton-cache-"))
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import torch
     from torch.profiler import ProfilerActivity, profile
 
