@@ -287,15 +287,14 @@ class SpeedTask(Task):
         return fit.prompt, len(fit.ids)
 
     async def warm_up(self, runner: Runner, counts: list[int | None], length: int,
-                      prefix_of: Callable[[int, int, int], str]) -> list[int | None]:
+                      prefix_of: Callable[[int, int, int], str]) -> None:
         """`warmup` untimed requests for each distinct prompt token count among a group's prompts
         (`counts`; one lot at `length` where the runner cannot tokenize): a backend pays for a new
         shape's first request (kernels compiled or loaded for it, graphs captured, memory taken),
         and the group's prompts may be a token or more off `length`. Each warm-up prompt has its own
         opening, `prefix_of(warmup, count index, attempt)`, and that count of tokens where a fit with
-        up to 4 openings finds it (the closest found otherwise). Returns the counts the warm-up sent."""
+        up to 4 openings finds it (the closest found otherwise)."""
         targets: list[int | None] = sorted({n for n in counts if n is not None}) or [None]
-        sent: list[int | None] = []
         for w in range(self.warmup):
             for j, n in enumerate(targets):
                 if n is None:
@@ -307,12 +306,10 @@ class SpeedTask(Task):
                         if fits[-1][1] == n:
                             break
                     best = min(fits, key=lambda f: abs((f[1] or 0) - n))
-                sent.append(best[1])
                 try:
                     await self.measure(runner, best[0], best[1], concurrent=True)
                 except Exception:
                     pass               # a failed warm-up shows up in the measurements themselves
-        return sent
 
     # -- measuring -------------------------------------------------------------------------------
     async def measure(self, runner: Runner, prompt: str, prompt_tokens: int | None,
