@@ -287,7 +287,7 @@ class Engine:
         for s in range(0, len(ids), self.prefill_chunk):
             e = min(len(ids), s + self.prefill_chunk)
             pos = torch.arange(s, e, device=self.device)[None, :]
-            h = self.model(tokens[:, s:e], pos, kv_len=e)
+            h = self.model(tokens[:, s:e], pos, kv_len=e, causal_tail=True)
             if need_logits:
                 out.append(self.model.logits(h[0]).cpu())
         self.torch_memory.record("score")
@@ -473,7 +473,7 @@ class Engine:
         for s in range(0, T, self.prefill_chunk):
             e = min(T, s + self.prefill_chunk)
             pos = torch.arange(s, e, device=self.device)[None, :].expand(B, -1)
-            h = self.model(tokens[:, s:e], pos, kv_len=e)
+            h = self.model(tokens[:, s:e], pos, kv_len=e, causal_tail=True)
             for b, n in enumerate(lens):
                 if s <= n - 1 < e:
                     last_h[b] = h[b, n - 1 - s]

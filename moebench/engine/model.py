@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from .config import ModelConfig
 from .decode_config import DEFAULT, DecodeConfig
@@ -109,10 +111,12 @@ class Attention(nn.Module):
             return kernels.linear(x, weight, bias, cfg=self.decode)
         return F.linear(x, weight, bias)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, kv_len: int,
+                causal_tail: bool = False) -> Tensor:
         """x [B, T, H]; positions [B, T] (cache slot = position); attend to slots [0, kv_len).
         cos / sin: this step's RoPE rows [B, T, D] in x's dtype, or, on the fused path, the float32
-        tables [S, D] (qk_rope_cache reads the rows itself)."""
+        tables [S, D] (qk_rope_cache reads the rows itself). causal_tail: every row's positions are
+        kv_len - T .. kv_len - 1 (a prefill chunk), so the mask is the lower-right causal one."""
         B, T, _ = x.shape
         fused = B * T <= self.decode.fused_tokens
         if fused and self.qkv_weight is not None:
@@ -159,12 +163,27 @@ class Attention(nn.Module):
             self.k_cache[rows, :, positions] = k.transpose(1, 2).to(self.k_cache.dtype)
             self.v_cache[rows, :, positions] = v.transpose(1, 2).to(self.v_cache.dtype)
         keys, values = self.k_cache[:B, :, :kv_len], self.v_cache[:B, :, :kv_len]
-        slots = torch.arange(kv_len, device=x.device)
-        mask = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)   # [B, 1, T, kv_len]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                             enable_gqa=self.n_heads != self.n_kv)
+        gqa = self.n_heads != self.n_kv
+        if causal_tail:
+            out = _tail_causal_attention(q, keys, values, gqa)
+        else:
+            slots = torch.arange(kv_len, device=x.device)
+            mask = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)   # [B, 1, T, kv_len]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self._linear(out, self.o_proj.weight, self.o_proj.bias)
+
+
+def _tail_causal_attention(q: Tensor, keys: Tensor, values: Tensor, gqa: bool) -> Tensor:
+    """Attention of a chunk's T queries, the last T of the kv_len slots, with the lower-right causal
+    mask and no mask tensor: flash attention takes it as is. With an explicit mask torch picks
+    cuDNN, which builds an execution graph for each new (T, kv_len), up to a second on a fresh
+    machine (docs/engine-speed.md, "A new prompt length's first request"); flash builds none."""
+    T, kv_len = q.shape[-2], keys.shape[-2]
+    bias = causal_lower_right(T, kv_len) if T != kv_len else None
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, is_causal=bias is None,
+                                              enable_gqa=gqa)
 
 
 class DenseMLP(nn.Module):
@@ -414,8 +433,9 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, kv_len: int) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, kv_len)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, kv_len: int,
+                causal_tail: bool = False) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, kv_len, causal_tail)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -483,16 +503,17 @@ class MoETransformer(nn.Module):
         for block in self.moe_blocks():
             block.tracer = tracer
 
-    def forward(self, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor, kv_len: int, causal_tail: bool = False) -> Tensor:
         """tokens, positions [B, T] -> final-normed hidden states [B, T, H] (apply `lm_head` to
-        the positions whose logits you need). Attends to cache slots [0, kv_len)."""
+        the positions whose logits you need). Attends to cache slots [0, kv_len). causal_tail: the
+        caller promises every row's positions are kv_len - T .. kv_len - 1 (a prefill chunk)."""
         if tokens.numel() <= self.decode.fused_tokens:
             return self._fused_layers(tokens, positions, kv_len)
         x = self.embed_tokens(tokens)
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, positions, kv_len)
+            x = layer(x, cos, sin, positions, kv_len, causal_tail)
         return self.norm(x)
 
     @staticmethod
