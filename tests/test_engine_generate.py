@@ -156,6 +156,61 @@ def test_decoding_one_step_ahead_of_the_host_changes_no_output(ckpt, device):
         assert run(True, graphs) == base, graphs
 
 
+def trace_decode_order(eng: Engine) -> list:
+    """Record, in order, each decode step the engine queues (with whether its graph existed then)
+    and each token the host reads (on_token): the events list, filled as eng generates."""
+    events: list = []
+    decode = eng._decode
+
+    def spy(tokens, positions, kv_len, batch=None, first_position=None):
+        B = tokens.shape[0] if tokens is not None else batch
+        events.append(("step", (B, kv_len) in eng._graphs or eng.graph_mode(B) is None))
+        return decode(tokens, positions, kv_len, batch=batch, first_position=first_position)
+    eng._decode = spy
+    return events
+
+
+def test_a_step_whose_graph_is_new_is_queued_after_the_token_before_is_read(ckpt, monkeypatch):
+    """decode_ahead queues step n+1 before the host reads token n, except where step n+1 must first
+    capture its CUDA graph (on the host): then token n, the first token after a prefill, is read
+    first, and its time does not hold the capture. Here (CPU) the first step's graph is made to be
+    missing; every later step is queued ahead, and the tokens are the same as without."""
+    path, _ = ckpt
+    eng = Engine.load(path, max_seq_len=64)
+    prompt = random_ids(7, seed=5)
+    plain = eng.generate([prompt], 5, ignore_eos=True)[0].token_ids
+    eng.decode_ahead = True
+    first_kv = eng._kv_len(len(prompt) + 1)
+    asked = []
+    monkeypatch.setattr(eng, "_graph_ready", lambda B, kv_len: asked.append(kv_len) or len(asked) > 1)
+    events = trace_decode_order(eng)
+    out = eng.generate([prompt], 5, ignore_eos=True, on_token=lambda i, t: events.append(("token", t)))
+    assert out[0].token_ids == plain and asked[0] == first_kv
+    assert [e[0] for e in events] == ["token", "step", "step", "token", "step", "token", "step", "token", "token"]
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_waits_for_the_first_token(ckpt):
+    """With CUDA graphs and decode_ahead, every step that captures a new graph (the first step of a
+    new KV bucket) is queued only after the host has read the token before it; steps whose graph
+    exists are queued ahead of it. The tokens are those of eager decode."""
+    require("cuda")
+    path, _ = ckpt
+    eager = Engine.load(path, device="cuda", max_seq_len=600, experts_impl="triton")
+    eng = Engine.load(path, device="cuda", max_seq_len=600, experts_impl="triton", cuda_graphs=True)
+    assert eng.decode_ahead
+    prompt = random_ids(250, seed=30)              # 250 + 20 tokens: buckets 256 and 512
+    events = trace_decode_order(eng)
+    out = eng.generate([prompt], 20, ignore_eos=True, on_token=lambda i, t: events.append(("token", t)))
+    assert out[0].token_ids == eager.generate([prompt], 20, ignore_eos=True)[0].token_ids
+    kinds = [e[0] for e in events]
+    captures = [i for i, e in enumerate(events) if e == ("step", False)]
+    assert len(captures) == 2 and len(eng._graphs) == 2
+    for i in captures:     # the tokens read before a capture: one per step queued before it, and the first
+        assert kinds[:i].count("token") == kinds[:i].count("step") + 1, kinds
+    assert kinds[captures[0] + 2] == "step"       # the step after a capture is queued ahead again
+
+
 def test_bad_requests_are_refused_with_clear_errors(ckpt):
     path, _ = ckpt
     eng = Engine.load(path, max_seq_len=32)

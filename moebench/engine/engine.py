@@ -389,8 +389,12 @@ class Engine:
         for step in range(max_new):
             ids, host, event, fed = nxt
             last = step == max_new - 1
-            if ahead and not last:
-                nxt = queue_step(step, ids, fed)     # the GPU runs step n+1 while the host takes token n
+            # The GPU runs step n+1 while the host takes token n, unless step n+1 first captures its
+            # graph: the capture runs on the host, and token n (the first token, after a prefill)
+            # is read before it rather than after.
+            queued = ahead and not last and self._graph_ready(B, self._kv_len(max(lens) + step + 1))
+            if queued:
+                nxt = queue_step(step, ids, fed)
             if event is not None:
                 event.synchronize()                  # one host sync per step, off the GPU's path
             host_ids = host[0].tolist()
@@ -412,7 +416,7 @@ class Engine:
                     on_token(b, tok)
             if all(done) or last:
                 break
-            if not ahead:
+            if not queued:
                 nxt = queue_step(step, ids, fed)
         self.torch_memory.record("decode")
         return outs
@@ -456,6 +460,10 @@ class Engine:
             return "whole"
         limits = [b.experts.segment_tokens() for b in self.model.moe_blocks()]
         return "segmented" if batch <= min(limits, default=0) else None
+
+    def _graph_ready(self, batch: int, kv_len: int) -> bool:
+        """Whether a decode step of `batch` rows over kv_len slots runs without capturing a graph."""
+        return (batch, kv_len) in self._graphs or self.graph_mode(batch) is None
 
     def _graph_batch_limit(self) -> int:
         """Largest decode batch every experts module runs without host syncs (0: none declared)."""
