@@ -4,14 +4,19 @@ tensor is built. It must equal the explicit slot <= position mask it replaces, a
 not take cuDNN's attention, which builds an execution graph for every new (T, kv_len)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-import torch.nn.functional as F
 
-from moebench.engine import Engine
-from moebench.engine.model import _tail_causal_attention
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton's first import (see kernels.py)
 
-from conftest import hf_zoo_dir
+import torch.nn.functional as F  # noqa: E402
+from conftest import fused_kernels_or_skip, hf_zoo_dir  # noqa: E402
+
+from moebench.engine import Engine  # noqa: E402
+from moebench.engine.model import _tail_causal_attention  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -60,6 +65,26 @@ def test_chunked_prefill_equals_one_chunk(zoo_dir):
     torch.testing.assert_close(chunked.logits(ids), ref, rtol=1e-4, atol=1e-4)
     h = whole.model(torch.tensor([ids]), torch.arange(60)[None], kv_len=60)     # the explicit mask
     torch.testing.assert_close(whole.model.logits(h[0]).float(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_small_last_chunk_attends_over_the_decode_bucket(zoo_dir):
+    """A chunk small enough for the fused decode kernels (here the last 5 tokens) masks by position,
+    so it attends over the decode steps' bucketed kv_len (the kernels decode compiled, not new
+    specialisations for an exact one); the larger chunks attend exactly. The logits are those of
+    the sdpa path."""
+    fused_kernels_or_skip("cpu")
+    ref = Engine.load(zoo_dir, max_seq_len=64, prefill_chunk=20)
+    eng = Engine.load(zoo_dir, max_seq_len=64, prefill_chunk=20, experts_impl="triton")
+    assert ref.decode.fused_tokens == 0 and 5 <= eng.decode.fused_tokens < 20
+    seen, forward = [], eng.model.forward
+
+    def spy(tokens, positions, kv_len, causal_tail=False):
+        seen.append((tokens.shape[1], kv_len))
+        return forward(tokens, positions, kv_len, causal_tail)
+    eng.model.forward = spy
+    ids = list(range(7, 52))
+    torch.testing.assert_close(eng.logits(ids), ref.logits(ids), rtol=1e-3, atol=1e-3)
+    assert seen == [(20, 20), (20, 40), (5, eng._kv_len(45))] and eng._kv_len(45) == 64
 
 
 @needs_cuda

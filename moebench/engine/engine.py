@@ -287,7 +287,7 @@ class Engine:
         for s in range(0, len(ids), self.prefill_chunk):
             e = min(len(ids), s + self.prefill_chunk)
             pos = torch.arange(s, e, device=self.device)[None, :]
-            h = self.model(tokens[:, s:e], pos, kv_len=e, causal_tail=True)
+            h = self.model(tokens[:, s:e], pos, kv_len=self._chunk_kv_len(e - s, e), causal_tail=True)
             if need_logits:
                 out.append(self.model.logits(h[0]).cpu())
         self.torch_memory.record("score")
@@ -481,7 +481,7 @@ class Engine:
         for s in range(0, T, self.prefill_chunk):
             e = min(T, s + self.prefill_chunk)
             pos = torch.arange(s, e, device=self.device)[None, :].expand(B, -1)
-            h = self.model(tokens[:, s:e], pos, kv_len=e, causal_tail=True)
+            h = self.model(tokens[:, s:e], pos, kv_len=self._chunk_kv_len(B * (e - s), e), causal_tail=True)
             for b, n in enumerate(lens):
                 if s <= n - 1 < e:
                     last_h[b] = h[b, n - 1 - s]
@@ -496,6 +496,13 @@ class Engine:
 
     def _kv_len(self, needed: int) -> int:
         return min(self.max_seq_len, -(-needed // KV_BUCKET) * KV_BUCKET)
+
+    def _chunk_kv_len(self, tokens: int, end: int) -> int:
+        """The kv_len a prefill chunk of `tokens` (B * T) ending at slot `end` attends over. A chunk
+        small enough for the fused decode kernels masks by position, so it takes the decode steps'
+        bucketed kv_len and the kernels they compiled (Triton specialises integer arguments
+        divisible by 16: an exact 4,097 would compile them again); the others attend exactly."""
+        return self._kv_len(end) if tokens <= self.model.decode.fused_tokens else end
 
     def _check_ids(self, ids, what: str) -> list[int]:
         V = self.config.vocab_size
