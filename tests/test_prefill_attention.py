@@ -67,11 +67,10 @@ def test_chunked_prefill_equals_one_chunk(zoo_dir):
     torch.testing.assert_close(whole.model.logits(h[0]).float(), ref, rtol=1e-4, atol=1e-4)
 
 
-def test_a_small_last_chunk_attends_over_the_decode_bucket(zoo_dir):
-    """A chunk small enough for the fused decode kernels (here the last 5 tokens) masks by position,
-    so it attends over the decode steps' bucketed kv_len (the kernels decode compiled, not new
-    specialisations for an exact one); the larger chunks attend exactly. The logits are those of
-    the sdpa path."""
+def test_a_small_last_chunk_joins_the_one_before(zoo_dir):
+    """A last prefill chunk small enough for the fused decode kernels (here 5 tokens) joins the chunk
+    before, so only a prompt that short runs those kernels, over the decode steps' bucketed kv_len
+    (it masks by position); the logits are those of the sdpa path either way."""
     fused_kernels_or_skip("cpu")
     ref = Engine.load(zoo_dir, max_seq_len=64, prefill_chunk=20)
     eng = Engine.load(zoo_dir, max_seq_len=64, prefill_chunk=20, experts_impl="triton")
@@ -82,9 +81,17 @@ def test_a_small_last_chunk_attends_over_the_decode_bucket(zoo_dir):
         seen.append((tokens.shape[1], kv_len))
         return forward(tokens, positions, kv_len, causal_tail)
     eng.model.forward = spy
-    ids = list(range(7, 52))
-    torch.testing.assert_close(eng.logits(ids), ref.logits(ids), rtol=1e-3, atol=1e-3)
-    assert seen == [(20, 20), (20, 40), (5, eng._kv_len(45))] and eng._kv_len(45) == 64
+    for ids, chunks in ((list(range(7, 52)), [(20, 20), (25, 45)]),          # 45 tokens: 20 + 20 + 5
+                        (list(range(7, 67)), [(20, 20), (20, 40), (20, 60)]),
+                        (list(range(7, 12)), [(5, eng._kv_len(5))])):          # a 5-token prompt: fused
+        seen.clear()
+        torch.testing.assert_close(eng.logits(ids), ref.logits(ids), rtol=1e-3, atol=1e-3)
+        assert seen == chunks
+    assert eng._kv_len(5) == 64
+    seen.clear()
+    out = eng.generate([list(range(7, 48)), list(range(9, 50))], 2, ignore_eos=True)  # 41 tokens: 20 + 21
+    assert seen[:2] == [(20, 20), (21, 41)] and [len(o.token_ids) for o in out] == [2, 2]
+    assert ref.generate([list(range(7, 48)), list(range(9, 50))], 2, ignore_eos=True)[1].token_ids == out[1].token_ids
 
 
 @needs_cuda
