@@ -284,9 +284,9 @@ class Engine:
             raise EngineError(f"sequence of {len(ids)} tokens exceeds max_seq_len {self.max_seq_len}")
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
         out = []
-        for s, e in self._chunk_bounds(len(ids), rows=1):
+        for s, e, kv_len in self._prefill_chunks(len(ids), rows=1):
             pos = torch.arange(s, e, device=self.device)[None, :]
-            h = self.model(tokens[:, s:e], pos, kv_len=self._chunk_kv_len(e - s, e), causal_tail=True)
+            h = self.model(tokens[:, s:e], pos, kv_len=kv_len, causal_tail=True)
             if need_logits:
                 out.append(self.model.logits(h[0]).cpu())
         self.torch_memory.record("score")
@@ -477,9 +477,9 @@ class Engine:
         tokens = torch.tensor([p + [pad] * (T - len(p)) for p in prompts], dtype=torch.long,
                               device=self.device)
         last_h = torch.empty(B, self.config.hidden_size, dtype=self.dtype, device=self.device)
-        for s, e in self._chunk_bounds(T, rows=B):
+        for s, e, kv_len in self._prefill_chunks(T, rows=B):
             pos = torch.arange(s, e, device=self.device)[None, :].expand(B, -1)
-            h = self.model(tokens[:, s:e], pos, kv_len=self._chunk_kv_len(B * (e - s), e), causal_tail=True)
+            h = self.model(tokens[:, s:e], pos, kv_len=kv_len, causal_tail=True)
             for b, n in enumerate(lens):
                 if s <= n - 1 < e:
                     last_h[b] = h[b, n - 1 - s]
@@ -495,23 +495,19 @@ class Engine:
     def _kv_len(self, needed: int) -> int:
         return min(self.max_seq_len, -(-needed // KV_BUCKET) * KV_BUCKET)
 
-    def _chunk_bounds(self, n: int, rows: int) -> list[tuple[int, int]]:
-        """A prompt of n tokens (in each of `rows` rows) as prefill chunks [s, e) of prefill_chunk
-        tokens. A last chunk small enough for the fused decode kernels joins the one before: those
-        kernels take a prefill chunk's token count and context as launch shapes decode never used
-        (Triton compiles them anew, up to a second), and flash attention over the longer chunk
-        costs no such build. Only a prompt that small on its own runs them."""
+    def _prefill_chunks(self, n: int, rows: int) -> list[tuple[int, int, int]]:
+        """A prompt of n tokens (in each of `rows` rows) as prefill chunks (s, e, kv_len) of
+        prefill_chunk tokens. A last chunk small enough for the fused decode kernels joins the one
+        before: those kernels take a chunk's token count and context as launch shapes decode never
+        used (Triton compiles them anew, up to a second), and flash attention over the longer chunk
+        builds nothing. A chunk still that small (a prompt that short) masks by position, so it
+        attends over the decode steps' bucketed kv_len (Triton specialises integer arguments such
+        as an exact kv_len); the others attend over exactly [0, e)."""
+        small = self.model.decode.fused_tokens
         bounds = [(s, min(n, s + self.prefill_chunk)) for s in range(0, n, self.prefill_chunk)]
-        if len(bounds) > 1 and rows * (n - bounds[-1][0]) <= self.model.decode.fused_tokens:
+        if len(bounds) > 1 and rows * (n - bounds[-1][0]) <= small:
             bounds[-2:] = [(bounds[-2][0], n)]
-        return bounds
-
-    def _chunk_kv_len(self, tokens: int, end: int) -> int:
-        """The kv_len a prefill chunk of `tokens` (B * T) ending at slot `end` attends over. A chunk
-        small enough for the fused decode kernels (a prompt that short) masks by position, so it
-        takes the decode steps' bucketed kv_len (Triton specialises integer arguments such as an
-        exact kv_len); the others attend exactly."""
-        return self._kv_len(end) if tokens <= self.model.decode.fused_tokens else end
+        return [(s, e, self._kv_len(e) if rows * (e - s) <= small else e) for s, e in bounds]
 
     def _check_ids(self, ids, what: str) -> list[int]:
         V = self.config.vocab_size
