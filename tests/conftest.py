@@ -11,6 +11,21 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# setup.sh test runs the suite on pytest-xdist workers (--dist loadgroup): each file is one group, so a
+# file's module fixtures are made once, and every test that reads or repacks the checkout's
+# models/zoo/tiny-moe-tiered (the zoo_tiered fixture; `moebench demo` repacks it) shares one group, so
+# none reads it while another worker's demo rewrites it.
+CHECKOUT_TIERED_GROUP = "checkout-zoo-tiered"
+
+
+@pytest.hookimpl(tryfirst=True)     # before xdist's own hook reads the groups into the node ids
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        shared = "zoo_tiered" in getattr(item, "fixturenames", ())
+        item.add_marker(pytest.mark.xdist_group(CHECKOUT_TIERED_GROUP if shared else item.nodeid.split("::")[0]))
+
 
 def load_benchmark(name: str):
     """A script under benchmarks/ as a module (they are scripts, not a package)."""

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import json
 
-from conftest import moebench_cli, read_items
+import pytest
+
+from conftest import CHECKOUT_TIERED_GROUP, moebench_cli, read_items
 from moebench.zoo import fixture
+
+pytestmark = pytest.mark.xdist_group(CHECKOUT_TIERED_GROUP)     # the demo repacks the checkout's tiered model
 
 
 def test_demo_end_to_end(zoo, tmp_path):

@@ -19,11 +19,13 @@ from pathlib import Path
 import pytest
 
 from browser_cdp import check_report, find_chromium, problems
-from conftest import moebench_cli
+from conftest import CHECKOUT_TIERED_GROUP, moebench_cli
 
 CHROMIUM = find_chromium()
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (setup.sh installs the "
-                                                          "distribution's chromium package where it can: apt and root)")
+pytestmark = [pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (setup.sh installs the "
+                                                           "distribution's chromium package where it can: apt and "
+                                                           "root)"),
+              pytest.mark.xdist_group(CHECKOUT_TIERED_GROUP)]    # the demo repacks the checkout's tiered model
 
 
 @pytest.fixture(scope="module")
