@@ -717,17 +717,20 @@ def demo(out: str | Path | None = None, log=print) -> Path:
     candidate with the engine runner, compares them; returns the report's path."""
     from moebench.compare.build import format_table
     from moebench.store.records import CompareDoc
+    from moebench.config import profile_root
     from moebench.demo import ZOO, pack_tiered
     from moebench.shipped import shipped_dir
     from moebench.zoo.build import build_zoo
     out = Path(out) if out else Path("results") / "demo"
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    build_zoo(str(ZOO), gguf=False)     # the engine reads the HF checkpoint: no llama.cpp needed
-    checkpoint = ZOO / "tiny-moe"
-    pack_tiered(checkpoint, ZOO / "tiny-moe-tiered", log=log)
-    smoke = str(shipped_dir("suites") / "smoke.toml")
     runners = shipped_dir("runners")
+    # The zoo where the shipped runner profiles look for it (a checkout's models/zoo from any working
+    # directory), so the runs read the models this demo built and packed.
+    zoo = profile_root(runners / "engine-tiered.toml") / ZOO
+    build_zoo(str(zoo), gguf=False)     # the engine reads the HF checkpoint: no llama.cpp needed
+    pack_tiered(zoo / "tiny-moe", zoo / "tiny-moe-tiered", log=log)
+    smoke = str(shipped_dir("suites") / "smoke.toml")
     base_dir, code = run(RunOptions(suite=smoke, runner=str(runners / "engine-bf16.toml"),
                                     out=str(_fresh(out / "engine-bf16")), label="engine-bf16", as_baseline=True))
     if code != 0:

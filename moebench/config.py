@@ -416,15 +416,18 @@ INSTALLED_PATHS_HINT = (". This profile ships inside the installed moebench pack
                         "build` wrote models/zoo), or copy the profile and give absolute paths")
 
 
-def path_bases(profile: Path) -> list[Path]:
-    """Where a relative path in a profile is looked for, in order: the profile's folder; for a profile
-    in a runners/ folder (the shipped ones, ./runners/NAME.toml) the folder above, whose paths the shipped
-    profiles are written against; then the working directory. A profile shipped inside the installed
-    package has no checkout above it: its paths mean the working directory."""
+def profile_root(profile: Path) -> Path:
+    """The folder a runners/ profile's relative paths are written against: for a profile in a runners/
+    folder (the shipped ones, ./runners/NAME.toml) the folder above; for one shipped inside the installed
+    package (no checkout above it), and for any other, the working directory."""
     folder = profile.resolve().parent
-    above = folder.name == "runners" and not is_installed_profile(profile)
-    bases = [folder] + ([folder.parent] if above else []) + [Path.cwd()]
-    return list(dict.fromkeys(bases))
+    return folder.parent if folder.name == "runners" and not is_installed_profile(profile) else Path.cwd()
+
+
+def path_bases(profile: Path) -> list[Path]:
+    """Where a relative path in a profile is looked for, in order: the profile's folder, its
+    profile_root, then the working directory."""
+    return list(dict.fromkeys([profile.resolve().parent, profile_root(profile), Path.cwd()]))
 
 
 def resolve_profile_paths(raw: JsonObject, schema: dict[str, Field], profile: Path) -> JsonObject:

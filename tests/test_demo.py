@@ -5,6 +5,8 @@ The candidate must visibly differ: non-zero KLD, router disagreement, and flips 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -15,14 +17,24 @@ pytestmark = pytest.mark.xdist_group(CHECKOUT_TIERED_GROUP)     # the demo repac
 
 
 def test_demo_end_to_end(zoo, tmp_path):
-    proc = moebench_cli("demo", "--out", str(tmp_path / "demo"), check=True, timeout=900)
+    # From a folder of its own: the runs must read the models this demo built and packed, where the
+    # shipped profiles look for them (the checkout's models/zoo), not whatever lies in the working folder.
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    proc = moebench_cli("demo", "--out", str(tmp_path / "demo"), check=True, timeout=900, cwd=work)
     report = tmp_path / "demo" / "compare" / "report.html"
     assert proc.stdout.strip().splitlines()[-1] == str(report)
+    [packed] = re.findall(r"packed to (\S+) in ", proc.stdout + proc.stderr)
     cmp = json.loads((tmp_path / "demo" / "compare" / "compare.json").read_text())
+    models = {}
     for side in ("engine-bf16", "engine-tiered"):
         m = json.loads((tmp_path / "demo" / side / "manifest.json").read_text())
         assert m["status"] == "complete" and m["runner"]["kind"] == "engine"
+        models[side] = Path(m["model"]["path"]).resolve()
     assert m["model"]["tiered"] is True
+    packed = (work / packed).resolve()        # the demo's own words, relative to its working folder
+    assert models["engine-tiered"] == packed
+    assert models["engine-bf16"] == packed.parent / "tiny-moe"
     k = cmp["kld"]
     assert k["mean"] > 1e-3 and k["same_top_p"] < 1.0
     agreement = k["per_layer"]["router_agreement"]
