@@ -24,9 +24,10 @@ def _shipped() -> list[Path]:
 
 
 @pytest.mark.parametrize("profile", _shipped(), ids=lambda p: p.stem)
-def test_settings_json_is_the_validated_table_key_for_key_in_order(profile):
+def test_settings_json_is_the_validated_table_key_for_key_in_order(profile, zoo_tiered):
     """The manifest's runner keys (docs/schema.md) come from to_json: the table validation returns,
-    with its keys in the same order, no key added or lost."""
+    with its keys in the same order, no key added or lost. (zoo_tiered: the shipped profiles name the
+    zoo's models, engine-tiered.toml the tiered pack, which must exist to load.)"""
     schemas = runner_schemas()
     raw = load_toml(profile)
     if raw["kind"] not in schemas:
