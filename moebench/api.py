@@ -716,10 +716,10 @@ def demo(out: str | Path | None = None, log=print) -> Path:
     the zoo's tiny MoE, packs a tiered candidate, runs the smoke suite on the BF16 baseline and on the
     candidate with the engine runner, compares them; returns the report's path."""
     from moebench.compare.build import format_table
-    from moebench.store.records import CompareDoc
     from moebench.config import profile_root
     from moebench.demo import ZOO, pack_tiered
     from moebench.shipped import shipped_dir
+    from moebench.store.records import CompareDoc
     from moebench.zoo.build import build_zoo
     out = Path(out) if out else Path("results") / "demo"
     out.mkdir(parents=True, exist_ok=True)
