@@ -973,6 +973,75 @@ def test_engine_l2_prefetch_decodes_exactly_the_same(ckpt, monkeypatch):
         assert [e for _, e in launched] == [None] * layers + ["evict_first"] * layers
 
 
+def test_l2_prefetch_via_is_checked_and_moves_the_programs_aside():
+    """l2_prefetch_via is one of L2_PREFETCH_VIA; with "kernel" / "bulk" the launches get no prefetch
+    programs and prefetch_l2_aside launches the kernel (only for a listed site with a weight); bulk
+    refuses a weight that is not a whole number of 16-byte pieces, naming the site."""
+    from moebench.engine.decode_config import L2_PREFETCH_VIA
+    from moebench.engine.kernels.runtime import prefetch_launch
+    with pytest.raises(DecodeConfigError, match="l2_prefetch_via 'tma'"):
+        DecodeConfig(l2_prefetch_via="tma")
+    assert DecodeConfig().l2_prefetch_via == "programs" and L2_PREFETCH_VIA == ("programs", "kernel", "bulk")
+    w = torch.zeros(64, 8, dtype=torch.bfloat16, device=DEV)
+    for via in ("kernel", "bulk"):
+        cfg = DecodeConfig(l2_prefetch=("o_proj",), l2_prefetch_via=via, l2_prefetch_programs=3)
+        assert prefetch_launch(w, cfg, "o_proj") == {}
+        assert kernels.prefetch_l2_aside(w, cfg, "o_proj") is True
+        assert kernels.prefetch_l2_aside(w, cfg, "next_qkv") is False
+        assert kernels.prefetch_l2_aside(None, cfg, "o_proj") is False
+        kernels.join_l2_prefetch(w.device)
+    assert kernels.prefetch_l2_aside(w, DecodeConfig(l2_prefetch=("o_proj",)), "o_proj") is False
+    odd = torch.zeros(10, 7, dtype=torch.bfloat16, device=DEV)              # 140 bytes
+    with pytest.raises(kernels.KernelError, match="l2_prefetch o_proj via bulk.*140 bytes"):
+        kernels.prefetch_l2_aside(odd, DecodeConfig(l2_prefetch=("o_proj",), l2_prefetch_via="bulk"), "o_proj")
+
+
+@pytest.mark.parametrize("via", ["kernel", "bulk"])
+def test_engine_l2_prefetch_aside_decodes_exactly_the_same(ckpt, monkeypatch, via):
+    """Both l2_prefetch sites via a kernel of their own (per line or bulk): the same greedy tokens
+    and bitwise-equal step logits as without; a decode step launches the prefetch kernel for every
+    layer's o_proj and every next layer's [q; k; v] (the weights' pointers, in that order), and the
+    RoPE and router launches carry no prefetch programs. On CUDA, also replayed from a CUDA graph
+    (whose capture joins the side stream): the same tokens and logits."""
+    from moebench.engine.kernels import norm_router, rope_kv, staging
+    prompt = list(range(3, 12))
+    kinds = [(False, False), (True, False)] + [(True, True)] * (DEV == "cuda")      # (prefetch, graphs)
+    engines = {kind: Engine.load(ckpt, device=DEV, dtype="float32", max_seq_len=32, cuda_graphs=kind[1],
+                                 decode=small(experts_impl="triton", l2_prefetch=("o_proj", "next_qkv") if kind[0] else (),
+                                              l2_prefetch_via=via, l2_prefetch_programs=4))
+               for kind in kinds}
+    toks = {kind: e.generate([prompt], 5, ignore_eos=True)[0].token_ids for kind, e in engines.items()}
+    assert all(t == toks[False, False] for t in toks.values())
+    tokens, pos = torch.tensor([[toks[True, False][-1]]], device=DEV), torch.tensor([[len(prompt) + 4]], device=DEV)
+    if DEV == "cuda":       # the graph captured by generate for this kv_len replays
+        lg, lb = (engines[kind]._decode(tokens, pos, len(prompt) + 5)[0].float().cpu()
+                  for kind in ((True, True), (False, False)))
+        assert torch.equal(lg, lb)
+    rope = spy_grids(monkeypatch, rope_kv, "qk_rope_cache_kernel")
+    router = spy_grids(monkeypatch, norm_router, "add_rmsnorm_router_kernel")
+    aside = []
+    real = staging.l2_prefetch_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(ptr, n_bytes, **kw):
+                aside.append((tuple(grid), ptr.data_ptr(), n_bytes, kw["BULK"]))
+                return real[grid](ptr, n_bytes, **kw)
+            return run
+    monkeypatch.setattr(staging, "l2_prefetch_kernel", Spy())
+    la, lb = (engines[on, False]._decode(tokens, pos, len(prompt) + 5)[0].float().cpu() for on in (False, True))
+    assert torch.equal(la, lb)
+    layers = engines[True, False].model.layers
+    want = []
+    for i, layer in enumerate(layers):
+        want.append(layer.self_attn.o_proj.weight)
+        if i + 1 < len(layers):
+            want.append(layers[i + 1].self_attn.qkv_weight)
+    assert aside == [((4,), w.data_ptr(), w.numel() * w.element_size(), via == "bulk") for w in want]
+    assert [p for _, p, _ in rope] == [0] * (2 * len(layers))
+    assert [p for _, p, _ in router] == [0] * (2 * len(layers))
+
+
 @pytest.mark.parametrize("a8", [False, True])
 def test_engine_packed_evict_first_decodes_exactly_the_same(ckpt64, wiki_bytes, tmp_path, monkeypatch, a8):
     """packed_evict_first on an int8-hot / int4-cold artifact in HBM, with float or int8 activations:
