@@ -172,7 +172,6 @@ DEFAULT_EARLY_WEIGHTS = ("router", "gemv", "down", "down_packed")
 EARLY_LAUNCH_KERNELS = ("norm", "gemv", "rope", "attention", "router", "down")
 MAX_EARLY_STEPS = 4
 L2_PREFETCH_SITES = ("o_proj", "next_qkv")          # DecodeConfig.l2_prefetch
-L2_PREFETCH_VIA = ("programs", "kernel", "bulk")    # DecodeConfig.l2_prefetch_via
 EXPERTS_IMPLS = ("auto", "gather", "loop", "grouped_mm", "triton")
 
 
@@ -265,15 +264,8 @@ class DecodeConfig:
         CUDA only (the CPU interpreter has no inline PTX: there the extra programs run without the
         prefetch instruction). Off by default: on the H200 every site and program count measured
         slower than without (docs/engine-speed.md).
-    l2_prefetch_programs: how many programs a prefetch site launches (each asks for an equal share
-        of the weight).
-    l2_prefetch_via: what asks L2 for an l2_prefetch site's weight: "programs", extra programs of
-        the latency-bound launch itself (which then ends only once they have issued every request);
-        "kernel", a kernel of its own on a side stream (staging.prefetch_l2_aside), forked after
-        the launch before the idle window ("o_proj": after the [q; k; v] GEMV; "next_qkv": after
-        the o_proj GEMV) and joined at the step's end, so no launch of the step waits for it, with
-        one `prefetch.global.L2::evict_last` per 128-byte line; "bulk", the same kernel with one
-        `cp.async.bulk.prefetch.L2` (sm_90's bulk copy unit, evict_last policy) per 64 KiB.
+    l2_prefetch_programs: how many extra programs a prefetch site launches (each asks for an equal
+        share of the weight's 128-byte lines).
     experts_evict_first: the fused experts' dense rows (and int8 rows in DecodeMode.BYTES) in GPU
         memory are loaded with L2's evict_first policy: each is read once a step, so they leave L2
         before lines that are read again (the dense weights, the KV cache). The same sums. On by
@@ -316,7 +308,6 @@ class DecodeConfig:
     count_tier_picks: bool = True
     l2_prefetch: tuple[str, ...] = ()
     l2_prefetch_programs: int = 32
-    l2_prefetch_via: str = "programs"
     experts_evict_first: bool = True
     packed_evict_first: bool = False
     tiered_stack_bytes: int = 1 << 30
@@ -346,9 +337,6 @@ class DecodeConfig:
         if set(sites) - set(L2_PREFETCH_SITES):
             raise DecodeConfigError(f"l2_prefetch {list(sites)}: expected sites of {list(L2_PREFETCH_SITES)}")
         object.__setattr__(self, "l2_prefetch", tuple(k for k in L2_PREFETCH_SITES if k in sites))
-        if self.l2_prefetch_via not in L2_PREFETCH_VIA:
-            raise DecodeConfigError(f"l2_prefetch_via {self.l2_prefetch_via!r}: expected one of "
-                                    f"{', '.join(L2_PREFETCH_VIA)}")
         if not 1 <= self.l2_prefetch_programs <= 1024:
             raise DecodeConfigError(f"l2_prefetch_programs must be 1 to 1024, got {self.l2_prefetch_programs}")
         if self.tiered_stack_bytes < 1:

@@ -137,10 +137,6 @@ class Attention(nn.Module):
             # Triton's CPU interpreter gets bf16 dots wrong, so bf16 on CPU keeps sdpa.
             attention_kernel = self.k_cache.dtype == q.dtype and (q.is_cuda or q.dtype != torch.bfloat16)
             qw, kw = (self.q_norm.weight, self.k_norm.weight) if head else (None, None)
-            if attention_kernel:
-                # l2_prefetch "o_proj" via a kernel of its own: forked here, it runs beside the RoPE
-                # and attention launches, which leave the memory bus idle
-                kernels.prefetch_l2_aside(self.o_proj.weight, self.decode, "o_proj")
             rope = None
             if attention_kernel and T == 1 and self.decode.rope_in_attention:
                 # q/k norm, RoPE and the cache writes inside the attention launch (which reads the
@@ -555,12 +551,11 @@ class MoETransformer(nn.Module):
             post = layer.post_attention_layernorm
             block = layer.mlp
             routes = xq = None
-            # l2_prefetch "next_qkv": the next layer's [q; k; v] is asked for while this one routes
-            nxt_qkv = self.layers[i + 1].self_attn.qkv_weight if i + 1 < len(self.layers) else None
-            kernels.prefetch_l2_aside(nxt_qkv, cfg, "next_qkv")      # l2_prefetch_via "kernel" / "bulk"
             if isinstance(block, MoEBlock) and block.norm_router_ok(tokens):
                 # experts with int8 activations get h's int8 rows from this launch too
                 quant = block.experts.wants_quantized_x() and x.shape[-1] % GROUP == 0
+                # l2_prefetch "next_qkv": the next layer's [q; k; v] is asked for while this one routes
+                nxt_qkv = self.layers[i + 1].self_attn.qkv_weight if i + 1 < len(self.layers) else None
                 x, h, *routed = kernels.add_rmsnorm_router(x, a, post.weight, post.eps, block.gate.weight,
                                                            block.top_k, block.norm_topk_prob, quantize_h=quant, cfg=cfg,
                                                            prefetch=nxt_qkv)
@@ -582,5 +577,4 @@ class MoETransformer(nn.Module):
                 x, h = kernels.add_rmsnorm(x, part, nxt.weight, nxt.eps, delta_rows=block.top_k, cfg=cfg)
             else:
                 x, h = kernels.add_rmsnorm(x, out, nxt.weight, nxt.eps, cfg=cfg)
-        kernels.join_l2_prefetch(h.device)
         return h

@@ -11,7 +11,7 @@
   attention         decode attention (flash-decoding splits for long contexts)
   dense_gemv        the attention projections' and the lm_head's GEMV
   greedy_pick       the greedy pick inside the lm_head GEMV, and the feed of the next step's inputs
-  staging           side streams, the host lane, prefetch's stage copies, L2 prefetch kernels
+  staging           side streams, the host lane, and prefetch's stage copies
 
 Every launcher takes the engine's DecodeConfig (`cfg`) for its launch shapes and switches; none of
 these modules holds a setting. Static shapes, no host sync: a decode step made of them can be
@@ -26,9 +26,9 @@ from .norm_router import add_rmsnorm, add_rmsnorm_router, embed_rmsnorm, route_t
 from .packed import ExpertGroup, PackedMatrix, dense_group
 from .rope_kv import qk_rope_cache
 from .runtime import KernelError, available, pdl_launch, unavailable_reason
-from .staging import host_lane, join_l2_prefetch, prefetch_l2_aside, stage_experts
+from .staging import host_lane, stage_experts
 
 __all__ = ["RopeInputs", "decode_attention", "num_splits_for", "linear", "empty_keys", "feed_next_step", "quant_row_len", "quantize_activations", "TailSkip", "fused_moe",
            "group_mode", "wants_quantized_x", "add_rmsnorm", "add_rmsnorm_router", "embed_rmsnorm", "route_topk", "router_topk",
            "ExpertGroup", "PackedMatrix", "dense_group", "qk_rope_cache", "KernelError", "available", "pdl_launch", "unavailable_reason",
-           "host_lane", "join_l2_prefetch", "prefetch_l2_aside", "stage_experts"]
+           "host_lane", "stage_experts"]

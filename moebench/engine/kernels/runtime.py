@@ -114,16 +114,10 @@ def early_steps(kernel: str, K: int, BK: int, cfg: DecodeConfig) -> int:
 
 def prefetch_launch(weight: "torch.Tensor | None", cfg: DecodeConfig, site: str) -> dict:
     """Keyword arguments for a kernel with prefetch programs (prefetch_l2's PF_* constexprs): none
-    unless cfg.l2_prefetch lists `site` (with l2_prefetch_via "programs") and a contiguous `weight`
-    is given; the prefetch instruction itself only on CUDA (the interpreter runs the programs
-    without it)."""
-    if weight is None or site not in cfg.l2_prefetch or cfg.l2_prefetch_via != "programs":
+    unless cfg.l2_prefetch lists `site` and a contiguous `weight` is given; the prefetch instruction
+    itself only on CUDA (the interpreter runs the programs without it)."""
+    if weight is None or site not in cfg.l2_prefetch:
         return {}
-    return prefetch_args(weight, cfg, site)
-
-
-def prefetch_args(weight: "torch.Tensor", cfg: DecodeConfig, site: str) -> dict:
-    """prefetch_l2's arguments for `weight` (a contiguous tensor) at `site`, with PF_ASM on CUDA only."""
     if not weight.is_contiguous():
         raise KernelError(f"l2_prefetch {site}: the weight needs to be contiguous, got strides {weight.stride()}")
     asm = weight.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
@@ -150,37 +144,6 @@ if triton is not None:
             if ASM:
                 tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr],
                                           dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def prefetch_l2_bulk(ptr, n_bytes, part, PARTS: tl.constexpr, ASM: tl.constexpr, CHUNK: tl.constexpr = 65536,
-                         LANES: tl.constexpr = 32):
-        """prefetch_l2 with sm_90's bulk copy unit: `cp.async.bulk.prefetch.L2` of CHUNK bytes (the
-        last piece shorter) under an evict_last policy, one instruction a piece instead of one a
-        line, so the program issues few instructions. n_bytes a multiple of 16 and ptr 16-byte
-        aligned (staging.prefetch_l2_aside checks)."""
-        base = ptr.to(tl.pointer_type(tl.int8))
-        n_chunks = (n_bytes + CHUNK - 1) // CHUNK
-        per = (n_chunks + PARTS - 1) // PARTS
-        start = part * per
-        end = tl.minimum(start + per, n_chunks)
-        for c in range(start, end, LANES):
-            idx = c + tl.arange(0, LANES)
-            off = tl.where(idx < end, idx, start).to(tl.int64) * CHUNK
-            size = tl.minimum(n_bytes - off, CHUNK).to(tl.int32)
-            if ASM:
-                tl.inline_asm_elementwise(
-                    "{\n\t.reg .b64 pol;\n\tcreatepolicy.fractional.L2::evict_last.b64 pol, 1.0;\n\t"
-                    "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol;\n\tmov.u32 $0, 0;\n\t}",
-                    "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def l2_prefetch_kernel(ptr, n_bytes, PARTS: tl.constexpr, ASM: tl.constexpr, BULK: tl.constexpr):
-        """DecodeConfig.l2_prefetch_via "kernel" / "bulk": program p asks L2 for share p of PARTS of
-        the n_bytes at ptr and writes nothing."""
-        if BULK:
-            prefetch_l2_bulk(ptr, n_bytes, tl.program_id(0), PARTS, ASM)
-        else:
-            prefetch_l2(ptr, n_bytes, tl.program_id(0), PARTS, ASM)
 
     @triton.jit
     def grid_dependency(PDL: tl.constexpr, LAUNCH_FIRST: tl.constexpr = False):
@@ -227,4 +190,4 @@ if triton is not None:
 else:
     FMT_DENSE = FMT_INT8 = FMT_INT4 = FMT_INT4_ASYM = FMT_TERNARY = FMT_TERNARY2 = None
     MODE_BYTES = MODE_WORDS = MODE_INT8_ACT = None
-    grid_dependency = sortable_bits = prefetch_l2 = prefetch_l2_bulk = l2_prefetch_kernel = word_tile = None
+    grid_dependency = sortable_bits = prefetch_l2 = word_tile = None

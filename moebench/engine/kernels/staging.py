@@ -1,6 +1,5 @@
-"""Streams and host-tier staging: the side streams fused_moe overlaps work on, the host lane, the
-copy of predicted host experts into an HBM stage (prefetch), and the L2 prefetch kernels of
-DecodeConfig.l2_prefetch_via "kernel" / "bulk" on a stream of their own.
+"""Streams and host-tier staging: the side streams fused_moe overlaps work on, the host lane, and
+the copy of predicted host experts into an HBM stage (prefetch).
 
 Prefetch copies the host experts a prediction names into a device stage, so the layer that uses
 them reads HBM instead of PCIe. Launched on the host lane one layer early (see
@@ -15,21 +14,20 @@ from torch import Tensor
 
 from ..decode_config import DEFAULT, DecodeConfig
 from .packed import ExpertGroup
-from .runtime import (KernelError, grid_dependency, l2_prefetch_kernel, next_pow2, pdl_launch,  # noqa: F401
-                      prefetch_args, require, tl, triton)
+from .runtime import grid_dependency, next_pow2, pdl_launch, require, tl, triton  # noqa: F401
 
-def side_stream(device, key, priority: int = 0) -> "torch.cuda.Stream":
-    """The side stream `key` of a device, made on first use (with `priority`: lower is sooner)."""
+def side_stream(device, key) -> "torch.cuda.Stream":
+    """fused_moe's side stream `key` of a device, made on first use."""
     device = torch.device(device)
     if device.index is None:        # "cuda" and "cuda:0" must name one stream
         device = torch.device(device.type, torch.cuda.current_device())
-    return _stream_of(device, key, priority)
+    return _stream_of(device, key)
 
 
 @functools.lru_cache(maxsize=None)
-def _stream_of(device: torch.device, key, priority: int) -> "torch.cuda.Stream":
+def _stream_of(device: torch.device, key) -> "torch.cuda.Stream":
     """One stream per (device, key) for the process; streams hold no setting, only a CUDA handle."""
-    return torch.cuda.Stream(device, priority=priority)
+    return torch.cuda.Stream(device)
 
 
 def host_lane(device) -> "torch.cuda.Stream":
@@ -38,53 +36,6 @@ def host_lane(device) -> "torch.cuda.Stream":
     launches follow its stage copies in stream order: no join per copy, and the main stream never
     waits for a copy, only for the host launches at the layer's end."""
     return side_stream(device, "host")
-
-
-# Devices with L2 prefetch kernels forked onto their side stream and not yet joined back.
-_unjoined_l2: set[torch.device] = set()
-
-
-def prefetch_l2_aside(weight: Tensor | None, cfg: DecodeConfig, site: str) -> bool:
-    """Where cfg.l2_prefetch lists `site` and l2_prefetch_via is "kernel" or "bulk": launch
-    l2_prefetch_kernel over `weight` on the device's "l2" side stream, after what the current
-    stream has queued so far, and return True. Nothing on the current stream waits for it until
-    join_l2_prefetch. On CPU the interpreter runs its programs inline (addresses only)."""
-    if weight is None or site not in cfg.l2_prefetch or cfg.l2_prefetch_via == "programs":
-        return False
-    args = prefetch_args(weight, cfg, site)
-    bulk = cfg.l2_prefetch_via == "bulk"
-    if bulk and (args["pf_bytes"] % 16 or weight.data_ptr() % 16):
-        raise KernelError(f"l2_prefetch {site} via bulk: the weight needs 16-byte alignment and a multiple of 16 "
-                          f"bytes, got {args['pf_bytes']} bytes at offset {weight.data_ptr() % 16}")
-    parts = args["PF_PARTS"]
-
-    def launch():
-        l2_prefetch_kernel[(parts,)](weight, args["pf_bytes"], PARTS=parts, ASM=args["PF_ASM"], BULK=bulk,
-                                     num_warps=1 if bulk else 4)
-    if weight.device.type != "cuda":
-        launch()
-        return True
-    # high priority: the launches queued ahead of it on the main stream (PDL, early_launch) hold
-    # SM slots while they wait; its programs take the first ones that free up
-    side = side_stream(weight.device, "l2", priority=-1)
-    side.wait_stream(torch.cuda.current_stream(weight.device))
-    with torch.cuda.stream(side):
-        launch()
-    _unjoined_l2.add(side.device)
-    return True
-
-
-def join_l2_prefetch(device) -> None:
-    """Make the current stream wait for the L2 prefetch kernels prefetch_l2_aside queued on
-    `device` (a CUDA graph's capture must join every stream it forked before it ends)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return
-    if device.index is None:
-        device = torch.device(device.type, torch.cuda.current_device())
-    if device in _unjoined_l2:
-        _unjoined_l2.discard(device)
-        torch.cuda.current_stream(device).wait_stream(side_stream(device, "l2", priority=-1))
 
 
 if triton is not None:
