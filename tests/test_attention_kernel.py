@@ -244,6 +244,85 @@ def test_bad_inputs_name_what_was_expected():
 QWEN = {"NH": 32, "NKV": 4, "D": 128}
 
 
+def head_groups(below: int, groups: int = 8, block_s: int = 128, base=DEFAULT):
+    """A config whose contexts below `below` slots spread each KV head's query heads over `groups` programs."""
+    return replace(base, attention=replace(base.attention, head_groups_below=below, head_groups=groups,
+                                            head_groups_block_s=block_s))
+
+
+def spy_attention(monkeypatch) -> list:
+    """Records each decode_attention_kernel launch as (grid, QG, BLOCK_S, SPLIT) and runs it."""
+    launched = []
+    real = attention_kernel.decode_attention_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                launched.append((tuple(grid), kw.get("QG", 1), kw["BLOCK_S"], kw["SPLIT"]))
+                return real[grid](*args, **kw)
+            return run
+    monkeypatch.setattr(attention_kernel, "decode_attention_kernel", Spy())
+    return launched
+
+
+@pytest.mark.parametrize("nh,nkv,groups,want_qg", [(8, 2, 8, 4), (8, 2, 2, 2), (8, 2, 3, 2), (4, 4, 8, 1)])
+@pytest.mark.parametrize("kv_len,block_s", [(70, 128), (200, 64)])
+def test_head_groups_spread_query_heads_over_programs(nh, nkv, groups, want_qg, kv_len, block_s, monkeypatch):
+    """head_groups_below: a context shorter than it runs one split whose KV heads' query heads spread
+    over programs (head_groups, cut to a divisor of the GQA ratio), each over the whole context in
+    blocks of head_groups_block_s slots; the output matches sdpa for two rows of two queries, with
+    the short row's slots past its position (and every slot past kv_len) holding NaN. A context of
+    head_groups_below slots or more keeps the short splits, as does a call that asks for splits."""
+    launched = spy_attention(monkeypatch)
+    q, k, v = make_inputs(2, 2, nh, nkv, 2, 16, 256, seed=61 + kv_len)
+    pos = torch.tensor([[kv_len - 2, kv_len - 1], [30, 31]], device=DEV)
+    want = reference(q, k, v, pos, kv_len)
+    k[1, :, 32:] = float("nan")
+    v[1, :, 32:] = float("nan")
+    k[:, :, kv_len:] = float("nan")
+    v[:, :, kv_len:] = float("nan")
+    check(decode_attention(q, k, v, pos, kv_len, cfg=head_groups(kv_len + 1, groups, block_s)), want)
+    assert launched[-1] == ((4, nkv * want_qg, 1), want_qg, max(BLOCK, min(block_s, 256)), False)
+    check(decode_attention(q, k, v, pos, kv_len, cfg=head_groups(kv_len, groups, block_s)), want)
+    assert launched[-1][1] == 1 and launched[-1][3]          # at the threshold: the short splits
+    check(decode_attention(q, k, v, pos, kv_len, num_splits=2, cfg=head_groups(kv_len + 1, groups, block_s)), want)
+    assert launched[-1] == ((4, nkv, 2), 1, BLOCK, True)     # splits asked for: no query groups
+
+
+def test_head_groups_settings_are_checked():
+    """head_groups_below >= 0, head_groups >= 1, head_groups_block_s a power of two >= 16,
+    head_groups_warps >= 1: anything else is refused with the setting named. Off by default."""
+    assert DEFAULT.attention.head_groups_below == 0
+    for bad in ({"head_groups_below": -1}, {"head_groups": 0}, {"head_groups_block_s": 96},
+                {"head_groups_block_s": 8}, {"head_groups_warps": 0}):
+        with pytest.raises(DecodeConfigError, match=next(iter(bad)) + " " + str(next(iter(bad.values())))):
+            replace(DEFAULT.attention, **bad)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kv_len", [100, 256])
+def test_cuda_bf16_qwen3_shape_head_groups(kv_len):
+    """bf16 at the Qwen3-30B-A3B shape with the query heads spread over 8 programs a KV head:
+    within one bf16 rounding of exact float32 attention, also replayed from a CUDA graph (bitwise
+    the eager output)."""
+    cfg = head_groups(512)
+    S = kv_len + 64
+    q, k, v = make_inputs(2, 2, QWEN["NH"], QWEN["NKV"], 1, QWEN["D"], S, seed=17, dtype=torch.bfloat16)
+    pos = torch.tensor([[kv_len - 1], [kv_len // 2]], device="cuda")
+    k[:, :, kv_len:] = float("nan")
+    v[:, :, kv_len:] = float("nan")
+    eager = decode_attention(q, k, v, pos, kv_len, cfg=cfg)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k, v, pos, kv_len, cfg=cfg)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    exact = reference(q.float(), k.float(), v.float(), pos, kv_len)
+    assert ((out.float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-5).all()
+
+
 @needs_cuda
 @pytest.mark.parametrize("kv_len", [256, 40000])
 def test_cuda_bf16_qwen3_shape(kv_len):
