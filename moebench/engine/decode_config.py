@@ -138,11 +138,7 @@ class AttentionLaunch:
     merged in the launch, and splits of 128 from 512 on, decode 3.8-21.0% faster than one split
     below 1,024 at 128-640-token prompts on an H100, the same at 4,096
     ("attention_short_splits_h100"); merging in the launch pays for a few splits, the combine launch
-    for eight and more.
-    A context shorter than head_groups_below slots (0: none; not with rope_in_attention) runs one
-    split, its KV head's query heads spread over head_groups programs (kernels.attention.query_groups),
-    each reading the context in blocks of head_groups_block_s slots (block_s at least) on
-    head_groups_warps warps: no merge, and no loop over more blocks than one up to that many slots."""
+    for eight and more."""
 
     block_s: int = 32
     num_warps: int = 4
@@ -152,10 +148,6 @@ class AttentionLaunch:
     split_from_slots: int | None = 512
     short_splits: int = 4
     last_split_merges: int = 4
-    head_groups_below: int = 0
-    head_groups: int = 8
-    head_groups_block_s: int = 128
-    head_groups_warps: int = 4
 
     def __post_init__(self) -> None:
         if self.split_min_slots < 1 or self.block_s < 16 or self.block_s & (self.block_s - 1):
@@ -164,11 +156,6 @@ class AttentionLaunch:
         if self.short_splits < 1 or self.last_split_merges < 0:
             raise DecodeConfigError(f"attention: short_splits {self.short_splits} (>= 1), last_split_merges "
                                     f"{self.last_split_merges} (>= 0)")
-        if (self.head_groups_below < 0 or self.head_groups < 1 or self.head_groups_block_s < 16
-                or self.head_groups_block_s & (self.head_groups_block_s - 1) or self.head_groups_warps < 1):
-            raise DecodeConfigError(f"attention: head_groups_below {self.head_groups_below} (>= 0), head_groups "
-                                    f"{self.head_groups} (>= 1), head_groups_block_s {self.head_groups_block_s} "
-                                    f"(a power of two >= 16), head_groups_warps {self.head_groups_warps} (>= 1)")
         if self.split_from_slots is not None and self.split_from_slots < 1:
             raise DecodeConfigError(f"attention: split_from_slots {self.split_from_slots}; expected >= 1 or None")
 

@@ -76,13 +76,9 @@ if triton is not None:
                                 ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
                                 LAUNCH_FIRST: tl.constexpr = False, EARLY_KV: tl.constexpr = False,
                                 count_ptr=None, LAST_MERGES: tl.constexpr = False, GR: tl.constexpr = 1,
-                                SP: tl.constexpr = 1, TABLES: tl.constexpr = False, QG: tl.constexpr = 1):
-        """Program (b*T + t, kv head * QG + query group, split): the G // QG query heads of query
-        group qg of one KV head group over the cache slots [split * chunk, split * chunk + chunk) that
-        are < kv_len and <= positions[b, t]. QG > 1 (AttentionLaunch.head_groups_below: short
-        contexts, one split, no ROPE): the KV head's query heads spread over QG programs, which each
-        read the whole K/V range (the same lines, from L2 after the first), in one block of slots up
-        to head_groups_block_s: a short context needs neither a merge nor a loop of blocks.
+                                SP: tl.constexpr = 1, TABLES: tl.constexpr = False):
+        """Program (b*T + t, kv head, split): the G query heads of one KV head group over the cache
+        slots [split * chunk, split * chunk + chunk) that are < kv_len and <= positions[b, t].
 
         The G heads are the rows of one tile, so each K/V block is loaded once for all of them, and
         both products are tl.dot (tensor cores on the GPU): tl.dot needs every dim >= 16, so the G rows
@@ -105,14 +101,14 @@ if triton is not None:
         itself in at its (row, KV head)'s arrival counter once its partials are stored, and the last
         of the splits to arrive merges them (combine_heads) and resets the counter: no combine launch."""
         bt = tl.program_id(0)
-        kvh = tl.program_id(1) // QG
+        kvh = tl.program_id(1)
         split = tl.program_id(2)
         b = (bt // T).to(tl.int64)
         t = bt % T
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
-        gmask = g < G // QG
-        heads = kvh * G + (tl.program_id(1) % QG) * (G // QG) + g
+        gmask = g < G
+        heads = kvh * G + g
         # The positions are written before a step's first kernel: loaded before the wait, the loop
         # bounds are known when it returns, and the K/V loads start one round trip earlier.
         pos = tl.load(pos_ptr + b * s_pb + t * s_pt).to(tl.int32)     # slots < 2^31; int32 loop bounds
@@ -257,21 +253,12 @@ def num_splits_for(kv_len: int, programs: int, sm_count: int = 132,
     """Splits of the KV range for `programs` = B * T * NKV programs per split: launch.short_splits
     (at most one per block of slots) for contexts shorter than launch.first_split_slots, else enough
     for ~launch.programs_per_sm programs per SM, each split covering at least launch.split_min_slots
-    slots. (Contexts shorter than launch.head_groups_below take `query_groups` instead.)"""
+    slots."""
     if kv_len < launch.first_split_slots:
         return max(1, min(launch.short_splits, -(-kv_len // launch.block_s)))
     by_length = max(1, kv_len // launch.split_min_slots)
     by_occupancy = max(1, -(-launch.programs_per_sm * sm_count // max(1, programs)))
     return min(by_length, by_occupancy)
-
-
-def query_groups(G: int, launch: AttentionLaunch) -> int:
-    """How many programs share a KV head's G query heads in a context shorter than
-    launch.head_groups_below: launch.head_groups, cut to a divisor of G."""
-    qg = min(launch.head_groups, G)
-    while G % qg:
-        qg -= 1
-    return qg
 
 
 @dataclass(frozen=True)
@@ -366,13 +353,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Ten
     G = NH // NKV
     launch = cfg.attention
     block = launch.block_s
-    qg = 1
-    if num_splits is None and rope is None and kv_len < launch.head_groups_below:
-        # one split, the query heads spread over programs, the context in one block where it fits
-        # (not with ROPE: every program would write the step's key)
-        num_splits, qg = 1, query_groups(G, launch)
-        block = max(block, min(launch.head_groups_block_s, next_pow2(kv_len)))
-    elif num_splits is None:
+    if num_splits is None:
         num_splits = num_splits_for(kv_len, B * T * NKV, sm_count(q.device), launch)
     # Split boundaries on block multiples; recount so no split is empty.
     chunk = -(-(-(-kv_len // max(1, num_splits))) // block) * block
@@ -408,15 +389,13 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Ten
     last = 1 < splits <= launch.last_split_merges
     combine_kw = {"count_ptr": _arrivals(q.device, B * T * NKV), "LAST_MERGES": True, "GR": next_pow2(G),
                   "SP": next_pow2(splits)} if last else {}
-    decode_attention_kernel[(B * T, NKV * qg, splits)](
+    decode_attention_kernel[(B * T, NKV, splits)](
         q, k_cache, v_cache, positions, out, part_acc, part_ml, T, NH, kv_len, chunk, qk_scale,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         positions.stride(0), positions.stride(1), *extra,
-        G=G, GP=max(16, next_pow2(G // qg)), D=D, BLOCK_S=block, SPLIT=splits > 1, FP32=q.dtype == torch.float32,
-        num_warps=launch.head_groups_warps if block > launch.block_s else launch.num_warps,
-        num_stages=launch.num_stages,
-        **pdl_launch(q.device, cfg, "attention"), EARLY_KV=T == 1 and "attention_kv" in cfg.early_weights,
-        QG=qg, **rope_kw, **combine_kw)
+        G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_S=block, SPLIT=splits > 1, FP32=q.dtype == torch.float32,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch(q.device, cfg, "attention"),
+        EARLY_KV=T == 1 and "attention_kv" in cfg.early_weights, **rope_kw, **combine_kw)
     if splits > 1 and not last:
         combine_kernel[(B * T * NH,)](part_acc, part_ml, out, splits, D=D, SP=next_pow2(splits), num_warps=4,
                                       **pdl_launch(q.device, cfg))
