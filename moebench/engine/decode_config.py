@@ -236,7 +236,6 @@ class DecodeConfig:
         "early_weights_down_packed"), the same tokens.
     early_steps: how many K steps of weights the "gemv" and "down" early loads cover (1 to
         MAX_EARLY_STEPS, never more than the kernel has): more bytes in flight before the wait.
-    gemv_early_steps: the same for the "gemv" loads alone (None: early_steps).
     early_launch: kernels, of EARLY_LAUNCH_KERNELS, that let the next kernel start launching before
         their own PDL wait instead of after it (runtime.grid_dependency's LAUNCH_FIRST): a kernel
         whose programs all fit on the GPU at once then has its successor resident, loading its
@@ -302,7 +301,6 @@ class DecodeConfig:
     rope_in_attention: bool = False
     early_weights: tuple[str, ...] = DEFAULT_EARLY_WEIGHTS
     early_steps: int = 2
-    gemv_early_steps: int | None = None
     early_launch: tuple[str, ...] = EARLY_LAUNCH_KERNELS
     lm_head_gemv: bool = True
     router_max_tokens: int = 64
@@ -329,10 +327,8 @@ class DecodeConfig:
         if set(early) - set(EARLY_WEIGHT_KERNELS):
             raise DecodeConfigError(f"early_weights {list(early)}: expected kernels of {list(EARLY_WEIGHT_KERNELS)}")
         object.__setattr__(self, "early_weights", tuple(k for k in EARLY_WEIGHT_KERNELS if k in early))
-        for name in ("early_steps", "gemv_early_steps"):
-            steps = getattr(self, name)
-            if (steps is not None or name == "early_steps") and not 1 <= steps <= MAX_EARLY_STEPS:
-                raise DecodeConfigError(f"{name} must be 1 to {MAX_EARLY_STEPS}, got {steps}")
+        if not 1 <= self.early_steps <= MAX_EARLY_STEPS:
+            raise DecodeConfigError(f"early_steps must be 1 to {MAX_EARLY_STEPS}, got {self.early_steps}")
         first = tuple(self.early_launch)
         if set(first) - set(EARLY_LAUNCH_KERNELS):
             raise DecodeConfigError(f"early_launch {list(first)}: expected kernels of {list(EARLY_LAUNCH_KERNELS)}")

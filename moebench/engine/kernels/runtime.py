@@ -106,12 +106,10 @@ def pdl_launch(device: torch.device, cfg: DecodeConfig, kernel: str | None = Non
 
 def early_steps(kernel: str, K: int, BK: int, cfg: DecodeConfig) -> int:
     """How many K steps of weights `kernel`'s programs load before their PDL wait: 0 unless
-    cfg.early_weights lists it, else cfg.early_steps (cfg.gemv_early_steps for "gemv" where set), at
-    most the K / BK steps there are."""
+    cfg.early_weights lists it, else cfg.early_steps, at most the K / BK steps there are."""
     if kernel not in cfg.early_weights:
         return 0
-    steps = cfg.gemv_early_steps if kernel == "gemv" and cfg.gemv_early_steps is not None else cfg.early_steps
-    return min(steps, -(-K // BK))
+    return min(cfg.early_steps, -(-K // BK))
 
 
 def prefetch_launch(weight: "torch.Tensor | None", cfg: DecodeConfig, site: str) -> dict:
