@@ -135,7 +135,7 @@ def run(args) -> dict:
     small = args.small or not torch.cuda.is_available()
     device = torch.device("cpu" if small else "cuda")
     dtype = torch.float32 if small else torch.bfloat16
-    hf = build_transformers(bench_shape(small, args.layers), device, dtype, seed=0)
+    hf = build_transformers(bench_shape(small, args.layers, args.experts), device, dtype, seed=0)
     realistic_routing(hf, 0.5)
     cfg = hf.config
     g = torch.Generator().manual_seed(1)
@@ -167,7 +167,8 @@ def run(args) -> dict:
         print(f"copy bandwidth {ctx.bandwidth['copy_Bps'] / 1e12:.3f} TB/s, bf16 "
               f"{ctx.bandwidth['bf16_bytes_per_token'] / 1e9:.3f} GB/token: roofline "
               f"{ctx.bandwidth['roofline_tok_s']:.1f} tok/s", flush=True)
-    out = {"tree": str(args.tree), "layers": cfg.num_hidden_layers, "engine_options": options,
+    out = {"tree": str(args.tree), "layers": cfg.num_hidden_layers, "experts": cfg.num_experts,
+           "prompt_len": args.prompt_len, "tokens": args.tokens, "engine_options": options,
            "moebench": moebench.__file__, "device": str(device), "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "bandwidth": ctx.bandwidth,
            "variants": {}, "errors": {}}
@@ -234,6 +235,8 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=0,
                     help="decoder layers (default: the shape's own; 24 fits int8 plans on an 80 GB GPU)")
+    ap.add_argument("--experts", type=int, default=0,
+                    help="experts a layer (default: the shape's own; the peers' checkpoint has 32)")
     ap.add_argument("--engine-option", action="append", default=[], metavar="KEY=JSON",
                     help="an extra Engine option for every engine, e.g. count_tier_picks=false (the tree must know it)")
     ap.add_argument("--option-sets", default="", metavar="JSON",

@@ -22,12 +22,17 @@ SMALL = dict(num_hidden_layers=4, num_experts=16, num_experts_per_tok=4, hidden_
              head_dim=32, vocab_size=4096, norm_topk_prob=True, max_position_embeddings=4096)
 
 
-def bench_shape(small: bool, layers: int = 0) -> dict:
+def bench_shape(small: bool, layers: int = 0, experts: int = 0) -> dict:
     """SMALL or QWEN3_30B_A3B, a copy; layers > 0: that many decoder layers of the same shape (the
-    quantized plans beside the bf16 model then fit a smaller GPU: 24 on an 80 GB one)."""
+    quantized plans beside the bf16 model then fit a smaller GPU: 24 on an 80 GB one); experts > 0:
+    that many experts a layer (the peers' checkpoint has 32: docs/peers-h200.md)."""
     shape = dict(SMALL if small else QWEN3_30B_A3B)
     if layers:
         shape["num_hidden_layers"] = layers
+    if experts:
+        if experts < shape["num_experts_per_tok"]:
+            raise ValueError(f"bench_shape: {experts} experts a layer, fewer than top-k {shape['num_experts_per_tok']}")
+        shape["num_experts"] = experts
     return shape
 
 
