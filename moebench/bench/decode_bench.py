@@ -114,7 +114,7 @@ def setup(args) -> Bench:
     small = args.small
     device = torch.device("cpu" if small else "cuda")
     dtype = torch.float32 if small else torch.bfloat16
-    shape = bench_shape(small, getattr(args, "layers", 0))
+    shape = bench_shape(small, getattr(args, "layers", 0), getattr(args, "experts", 0))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     R = {"variants": {}, "errors": {}, "skipped": [], "device": str(device), "dtype": str(dtype), "shape": shape,
@@ -187,7 +187,7 @@ def run_variants(b: Bench, names: list[str], variants: dict, out_name: str = "de
 
 def common_args(ap: argparse.ArgumentParser, small_help: str, out_help: str, tokens: int) -> None:
     """The options every decode benchmark built on setup() takes (setup reads small, out, prompt_len,
-    tokens, reps, layers and router_skew; main picks variants with only / skip / list)."""
+    tokens, reps, layers, experts and router_skew; main picks variants with only / skip / list)."""
     ap.add_argument("--small", action="store_true", help=small_help)
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help=out_help)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -195,6 +195,8 @@ def common_args(ap: argparse.ArgumentParser, small_help: str, out_help: str, tok
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=0,
                     help="decoder layers (default: the shape's own; 24 fits the int8 plans on an 80 GB GPU)")
+    ap.add_argument("--experts", type=int, default=0,
+                    help="experts a layer (default: the shape's own; the peers' checkpoint has 32)")
     ap.add_argument("--only", default="", help="comma-separated variant names to run (default: all)")
     ap.add_argument("--skip", default="", help="comma-separated variant names to skip")
     ap.add_argument("--list", action="store_true", help="print the variants in run order and exit")
