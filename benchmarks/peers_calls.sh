@@ -5,7 +5,8 @@
 #                                            # the six files, the CUDA tests, then wait for the build
 #   bash benchmarks/peers_calls.sh measure   # the engine's five sides, llama.cpp's three, the table
 # Carry .peers (`python3 benchmarks/peers_h200.py stage-source --to .peers`) and .gpu_data (a copy of
-# ../shared/datasets, for the CUDA tests; SKIP_TESTS=1 leaves them out). Under $OUT: build.log, the
+# ../shared/datasets, for the CUDA tests; SKIP_TESTS=1 leaves them out). A .peers that holds
+# llama_cuda_prebuilt.py's pack (llama-cuda-bin.tar.xz) installs it in seconds instead of compiling. Under $OUT: build.log, the
 # CUDA tests' logs and gpu_checks.json; engine.json and llama.json (one measure each: `peers_h200.py table
 # engine.json llama.json` prints them as one, the copy bandwidth the engine's) and each one's runs as a tar.
 set -uo pipefail

@@ -18,7 +18,8 @@ figure over llama-bench's for the same build and flags.
 
 Stages (each fits a device call; the work folder persists while the machine is held):
     python3 benchmarks/peers_h200.py stage-source --to .peers      # here: what a device call carries
-    python3 benchmarks/peers_h200.py build --carry .peers --jobs 16 # there: llama.cpp CUDA build
+    python3 benchmarks/peers_h200.py build --carry .peers --jobs 16 # there: llama.cpp CUDA build (or the
+                                                                    # llama_cuda_prebuilt.py pack .peers holds)
     python3 benchmarks/peers_h200.py wait-build --timeout 600      # there: until a background build ends
     python3 benchmarks/peers_h200.py prepare --work /root/peers --work /dev/shm/peers --link /root/peers-work
     python3 benchmarks/peers_h200.py measure --work /root/peers-work --out $OUT
@@ -27,6 +28,8 @@ Stages (each fits a device call; the work folder persists while the machine is h
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -138,16 +141,36 @@ def stage_source(to: Path) -> None:
 
 # --- build (there) -----------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
+def prebuilt():
+    """benchmarks/llama_cuda_prebuilt.py, the script beside this one (benchmarks/ is not a package)."""
+    path = Path(__file__).with_name("llama_cuda_prebuilt.py")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def build(carry: Path, jobs: int) -> None:
-    """Extract the carried source where `moebench tools build-llamacpp --cuda` looks, then build."""
+    """Install the carried prebuilt llama.cpp (llama_cuda_prebuilt.py) where it runs here; otherwise
+    extract the carried source where `moebench tools build-llamacpp --cuda` looks, then build."""
     from moebench.tools import llamacpp
+    done = build_status_file()
+    done.unlink(missing_ok=True)
+    if (carry / prebuilt().PACK_NAME).is_file():
+        t = time.monotonic()
+        if prebuilt().install(carry):
+            done.write_text(json.dumps({"ok": True, "prebuilt": True, "seconds": round(time.monotonic() - t)}))
+            return
+        if not (carry / "llama-src.tar.gz").is_file():
+            done.write_text(json.dumps({"ok": False, "error": "the prebuilt llama.cpp does not run here and "
+                                        f"{carry} holds no llama-src.tar.gz to build from"}))
+            raise SystemExit(1)
     src_root = llamacpp.variant_dir(cuda=True) / "src"
     if not (src_root / "llama.cpp" / "CMakeLists.txt").is_file():
         src_root.mkdir(parents=True, exist_ok=True)
         with tarfile.open(carry / "llama-src.tar.gz") as tar:
             tar.extractall(src_root, filter="data")
-    done = build_status_file()
-    done.unlink(missing_ok=True)
     t = time.monotonic()
     try:
         run([sys.executable, "-m", "moebench.cli", "tools", "build-llamacpp", "--cuda", "--jobs", str(jobs)])
