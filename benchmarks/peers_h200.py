@@ -151,15 +151,17 @@ def prebuilt():
     return mod
 
 
-def build(carry: Path, jobs: int) -> None:
-    """Install the carried prebuilt llama.cpp (llama_cuda_prebuilt.py) where it runs here; otherwise
-    extract the carried source where `moebench tools build-llamacpp --cuda` looks, then build."""
+def build(carries: list[Path], jobs: int) -> None:
+    """Install the carried prebuilt llama.cpp (llama_cuda_prebuilt.py's two packs, in any of carries)
+    where it runs here; otherwise extract the carried source (carries[0]'s llama-src.tar.gz) where
+    `moebench tools build-llamacpp --cuda` looks, then build."""
     from moebench.tools import llamacpp
+    carry = carries[0]
     done = build_status_file()
     done.unlink(missing_ok=True)
-    if (carry / prebuilt().PACK_NAME).is_file():
+    if prebuilt().find_pack(carries, prebuilt().PACK_NAME) is not None:
         t = time.monotonic()
-        if prebuilt().install(carry):
+        if prebuilt().install(carries):
             done.write_text(json.dumps({"ok": True, "prebuilt": True, "seconds": round(time.monotonic() - t)}))
             return
         if not (carry / "llama-src.tar.gz").is_file():
@@ -568,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("stage-source")
     s.add_argument("--to", type=Path, default=ROOT / ".peers")
     b = sub.add_parser("build")
-    b.add_argument("--carry", type=Path, default=ROOT / ".peers")
+    b.add_argument("--carry", type=Path, action="append",
+                   help="a carried folder (give several for llama_cuda_prebuilt.py's two packs); default .peers")
     b.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     w = sub.add_parser("wait-build", help="wait for a background `build` to end (exit 1 if it failed or timed out)")
     w.add_argument("--timeout", type=float, default=600)
@@ -596,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.stage == "stage-source":
         stage_source(a.to)
     elif a.stage == "build":
-        build(a.carry, a.jobs)
+        build(a.carry or [ROOT / ".peers"], a.jobs)
     elif a.stage == "wait-build":
         return wait_build(a.timeout)
     elif a.stage == "prepare":

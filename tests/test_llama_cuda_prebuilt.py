@@ -29,9 +29,9 @@ def cpu_server() -> Path:
     return p
 
 
-def fake_pack(cache: Path, server: Path, carry: Path) -> None:
-    """A prebuilt folder holding every target (llama-server the real one, the others scripts) and a
-    stamp, packed into carry by the script's own `pack`."""
+def fake_pack(cache: Path, server: Path, carry: Path, cuda_carry: Path) -> None:
+    """A prebuilt folder holding every target (llama-server the real one, the others scripts), a
+    stand-in libggml-cuda and a stamp, packed into carry and cuda_carry by the script's own `pack`."""
     bins = cache / "llamacpp" / f"{llamacpp.BUILD_COMMIT}-cuda-prebuilt" / "build" / "bin"
     bins.mkdir(parents=True)
     for t in llamacpp.TARGETS:
@@ -41,30 +41,40 @@ def fake_pack(cache: Path, server: Path, carry: Path) -> None:
             (bins / t).write_text("#!/bin/sh\nexit 0\n")
             (bins / t).chmod(0o755)
     (bins / "libggml-fake.so").write_bytes(b"\0" * 64)
+    (bins / "libggml-cuda.so.0.26.0").write_bytes(b"\1" * 64)
+    (bins / "libggml-cuda.so").symlink_to("libggml-cuda.so.0.26.0")
     stamp = {"build_number": llamacpp.BUILD_NUMBER, "build_commit": llamacpp.BUILD_COMMIT, "variant": "cuda",
              "flags": ["-DBUILD_SHARED_LIBS=ON"], "built_at": "here"}
     (bins / llamacpp.STAMP).write_text(json.dumps(stamp))
-    prebuilt.pack(carry)
+    prebuilt.pack(carry, cuda_carry)
 
 
 def test_pack_then_install_puts_the_build_where_the_cuda_build_goes(cpu_server, tmp_path, monkeypatch):
-    cache, carry = tmp_path / "cache", tmp_path / "carry"
+    cache, carry, cuda_carry = tmp_path / "cache", tmp_path / "carry", tmp_path / "carry-cuda"
     monkeypatch.setenv("MOEBENCH_CACHE", str(cache))
-    fake_pack(cache, cpu_server, carry)
+    fake_pack(cache, cpu_server, carry, cuda_carry)
     with tarfile.open(carry / prebuilt.PACK_NAME) as tar:
         names = set(tar.getnames())
     assert {f"bin/{t}" for t in llamacpp.TARGETS} | {"bin/libggml-fake.so", f"bin/{llamacpp.STAMP}",
                                                      "src/llama.cpp/convert_hf_to_gguf.py"} <= names
     assert any(n.startswith("src/llama.cpp/gguf-py/gguf/") for n in names)
-    assert not any("__pycache__" in n for n in names)
+    assert not any("__pycache__" in n or "libggml-cuda" in n for n in names)
+    with tarfile.open(cuda_carry / prebuilt.CUDA_LIB_PACK) as tar:
+        assert set(tar.getnames()) == {"bin/libggml-cuda.so", "bin/libggml-cuda.so.0.26.0"}
+    # the first call's unpack: the binaries and the source files, no libggml-cuda yet
+    prebuilt.unpack([carry])
+    bins = llamacpp.bin_dir(cuda=True)
+    assert (bins / "llama-server").is_file() and not (bins / "libggml-cuda.so.0.26.0").exists()
+    assert (llamacpp.variant_dir(cuda=True) / "src" / "llama.cpp" / "convert_hf_to_gguf.py").is_file()
+    assert prebuilt.install([carry]) is False        # the second pack has not come
     # the device's CUDA libraries: here a folder holding stand-ins of the three names
     libs = tmp_path / "cuda-lib"
     libs.mkdir()
     for name in prebuilt.DEVICE_LIBS:
         (libs / name).write_bytes(b"\0")
     monkeypatch.setattr(prebuilt, "DEVICE_LIB_DIRS", (str(tmp_path / "absent"), str(libs)))
-    assert prebuilt.install(carry) is True
-    bins = llamacpp.bin_dir(cuda=True)
+    assert prebuilt.install([carry, cuda_carry]) is True
+    assert (bins / "libggml-cuda.so.0.26.0").read_bytes() == b"\1" * 64
     assert os.access(bins / "llama-server", os.X_OK)
     assert llamacpp.read_stamp(bins).flags == ["-DBUILD_SHARED_LIBS=ON"]
     for name in prebuilt.DEVICE_LIBS:
@@ -76,11 +86,11 @@ def test_pack_then_install_puts_the_build_where_the_cuda_build_goes(cpu_server, 
 
 
 def test_a_pack_that_does_not_run_or_lacks_a_library_is_removed(cpu_server, tmp_path, monkeypatch, capsys):
-    cache, carry = tmp_path / "cache", tmp_path / "carry"
+    cache, carry, cuda_carry = tmp_path / "cache", tmp_path / "carry", tmp_path / "carry-cuda"
     monkeypatch.setenv("MOEBENCH_CACHE", str(cache))
-    fake_pack(cache, cpu_server, carry)
+    fake_pack(cache, cpu_server, carry, cuda_carry)
     monkeypatch.setattr(prebuilt, "device_lib_dirs", lambda: [tmp_path / "absent"])
-    assert prebuilt.install(carry) is False
+    assert prebuilt.install([carry, cuda_carry]) is False
     assert "no libcudart.so.13" in capsys.readouterr().out
     assert not llamacpp.bin_dir(cuda=True).exists()
     # every library found, but llama-server cannot start (a truncated binary)
@@ -93,8 +103,8 @@ def test_a_pack_that_does_not_run_or_lacks_a_library_is_removed(cpu_server, tmp_
     broken.write_bytes(cpu_server.read_bytes()[:4096])
     broken.chmod(0o755)
     shutil.rmtree(cache)
-    fake_pack(cache, broken, carry)
-    assert prebuilt.install(carry) is False
+    fake_pack(cache, broken, carry, cuda_carry)
+    assert prebuilt.install([carry, cuda_carry]) is False
     assert "does not run here" in capsys.readouterr().out
     assert not llamacpp.bin_dir(cuda=True).exists()
 
@@ -103,12 +113,12 @@ def test_peers_build_without_a_runnable_pack_or_source_fails_with_the_reason(cpu
     """peers_h200.py build: the pack does not run (no CUDA libraries) and there is no source to compile:
     the status file wait-build reads says so, and the stage exits 1."""
     peers = load_benchmark("peers_h200")
-    cache, carry = tmp_path / "cache", tmp_path / "carry"
+    cache, carry, cuda_carry = tmp_path / "cache", tmp_path / "carry", tmp_path / "carry-cuda"
     monkeypatch.setenv("MOEBENCH_CACHE", str(cache))
-    fake_pack(cache, cpu_server, carry)
+    fake_pack(cache, cpu_server, carry, cuda_carry)
     monkeypatch.setattr(peers.prebuilt(), "device_lib_dirs", lambda: [tmp_path / "absent"])
     with pytest.raises(SystemExit) as stop:
-        peers.build(carry, 2)
+        peers.build([carry, cuda_carry], 2)
     assert stop.value.code == 1
     status = json.loads(peers.build_status_file().read_text())
     assert status["ok"] is False and "no llama-src.tar.gz" in status["error"]
@@ -119,6 +129,6 @@ def test_peers_build_without_a_runnable_pack_or_source_fails_with_the_reason(cpu
     for name in prebuilt.DEVICE_LIBS:
         (libs / name).write_bytes(b"\0")
     monkeypatch.setattr(peers.prebuilt(), "device_lib_dirs", lambda: [libs])
-    peers.build(carry, 2)
+    peers.build([carry, cuda_carry], 2)
     assert json.loads(peers.build_status_file().read_text())["prebuilt"] is True
     assert peers.wait_build(5) == 0
