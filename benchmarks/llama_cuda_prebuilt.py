@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -37,7 +38,7 @@ CUDA_LIB = "libggml-cuda.so"
 # pip's CUDA 13.0 toolchain, the device's major and minor version (a newer minor would need a newer driver)
 CUDA_WHEELS = ("nvidia-cuda-nvcc==13.0.88", "nvidia-cuda-runtime==13.0.96", "nvidia-cublas==13.0.2.14",
                "nvidia-cuda-cccl==13.0.85", "nvidia-cuda-crt==13.0.88", "nvidia-nvvm==13.0.88")
-# the libraries the binaries need from the machine they run on (not packed: cuBLAS alone is ~600 MB)
+# the libraries the binaries need from the machine they run on (not packed: cuBLAS and cuBLASLt are 594 MB)
 DEVICE_LIBS = ("libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13")
 DEVICE_LIB_DIRS = ("/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib")
 SOURCE_FILES = ("convert_hf_to_gguf.py", "gguf-py")
@@ -86,7 +87,6 @@ def toolchain(root: Path) -> Path:
         # every driver function cuda.h declares (after its _v2 renames), as an empty function
         pre = subprocess.run(["gcc", "-E", "-I", str(cuda / "include"), "-x", "c", "-"], input="#include <cuda.h>\n",
                              capture_output=True, text=True, check=True).stdout
-        import re
         names = sorted(set(re.findall(r"\b(cu[A-Z]\w*)\s*\(", pre)))
         c_file = stub.with_suffix(".c")
         c_file.write_text("".join(f"void {n}(void) {{}}\n" for n in names))

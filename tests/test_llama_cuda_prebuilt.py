@@ -1,6 +1,6 @@
 """benchmarks/llama_cuda_prebuilt.py's pack and install, and peers_h200.py build's use of them.
 
-The CUDA build itself needs pip's CUDA compiler and an hour of two cores, so these tests pack the real
+The CUDA build itself needs pip's CUDA compiler and about 40 minutes of two cores, so these tests pack the real
 CPU build's llama-server (the tool cache's, skipped with the reason where absent) under the pack's
 layout: what install checks (the layout, the stamp, that llama-server runs, the device's libraries)
 does not depend on the backend.
@@ -49,6 +49,15 @@ def fake_pack(cache: Path, server: Path, carry: Path, cuda_carry: Path) -> None:
     prebuilt.pack(carry, cuda_carry)
 
 
+def stand_in_libs(tmp_path: Path) -> Path:
+    """A folder holding stand-ins of the device's CUDA libraries (install only links them)."""
+    libs = tmp_path / "cuda-lib"
+    libs.mkdir()
+    for name in prebuilt.DEVICE_LIBS:
+        (libs / name).write_bytes(b"\0")
+    return libs
+
+
 def test_pack_then_install_puts_the_build_where_the_cuda_build_goes(cpu_server, tmp_path, monkeypatch):
     cache, carry, cuda_carry = tmp_path / "cache", tmp_path / "carry", tmp_path / "carry-cuda"
     monkeypatch.setenv("MOEBENCH_CACHE", str(cache))
@@ -67,11 +76,7 @@ def test_pack_then_install_puts_the_build_where_the_cuda_build_goes(cpu_server, 
     assert (bins / "llama-server").is_file() and not (bins / "libggml-cuda.so.0.26.0").exists()
     assert (llamacpp.variant_dir(cuda=True) / "src" / "llama.cpp" / "convert_hf_to_gguf.py").is_file()
     assert prebuilt.install([carry]) is False        # the second pack has not come
-    # the device's CUDA libraries: here a folder holding stand-ins of the three names
-    libs = tmp_path / "cuda-lib"
-    libs.mkdir()
-    for name in prebuilt.DEVICE_LIBS:
-        (libs / name).write_bytes(b"\0")
+    libs = stand_in_libs(tmp_path)
     monkeypatch.setattr(prebuilt, "DEVICE_LIB_DIRS", (str(tmp_path / "absent"), str(libs)))
     assert prebuilt.install([carry, cuda_carry]) is True
     assert (bins / "libggml-cuda.so.0.26.0").read_bytes() == b"\1" * 64
@@ -94,10 +99,7 @@ def test_a_pack_that_does_not_run_or_lacks_a_library_is_removed(cpu_server, tmp_
     assert "no libcudart.so.13" in capsys.readouterr().out
     assert not llamacpp.bin_dir(cuda=True).exists()
     # every library found, but llama-server cannot start (a truncated binary)
-    libs = tmp_path / "cuda-lib"
-    libs.mkdir()
-    for name in prebuilt.DEVICE_LIBS:
-        (libs / name).write_bytes(b"\0")
+    libs = stand_in_libs(tmp_path)
     monkeypatch.setattr(prebuilt, "device_lib_dirs", lambda: [libs])
     broken = tmp_path / "broken"
     broken.write_bytes(cpu_server.read_bytes()[:4096])
@@ -124,10 +126,7 @@ def test_peers_build_without_a_runnable_pack_or_source_fails_with_the_reason(cpu
     assert status["ok"] is False and "no llama-src.tar.gz" in status["error"]
     assert not llamacpp.bin_dir(cuda=True).exists()
     # with the libraries found the same pack installs, and the status says it was the prebuilt one
-    libs = tmp_path / "cuda-lib"
-    libs.mkdir()
-    for name in prebuilt.DEVICE_LIBS:
-        (libs / name).write_bytes(b"\0")
+    libs = stand_in_libs(tmp_path)
     monkeypatch.setattr(peers.prebuilt(), "device_lib_dirs", lambda: [libs])
     peers.build([carry, cuda_carry], 2)
     assert json.loads(peers.build_status_file().read_text())["prebuilt"] is True
