@@ -18,8 +18,8 @@ figure over llama-bench's for the same build and flags.
 
 Stages (each fits a device call; the work folder persists while the machine is held):
     python3 benchmarks/peers_h200.py stage-source --to .peers      # here: what a device call carries
-    python3 benchmarks/peers_h200.py build --carry .peers --jobs 16 # there: llama.cpp CUDA build (or the
-                                                                    # llama_cuda_prebuilt.py pack .peers holds)
+    python3 benchmarks/peers_h200.py build --carry .peers --jobs 16 # there: llama.cpp CUDA build (or, with
+                                         # --carry .peers-cuda too, llama_cuda_prebuilt.py's packs installed)
     python3 benchmarks/peers_h200.py wait-build --timeout 600      # there: until a background build ends
     python3 benchmarks/peers_h200.py prepare --work /root/peers --work /dev/shm/peers --link /root/peers-work
     python3 benchmarks/peers_h200.py measure --work /root/peers-work --out $OUT
