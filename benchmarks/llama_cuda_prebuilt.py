@@ -1,6 +1,6 @@
 """llama.cpp's CUDA build made on a machine without a GPU, for device calls to carry (docs/peers-h200.md).
 
-Compiled in a device call, llama.cpp's CUDA backend takes 330-420 s of the call's 600. Here it is
+Compiled in a device call, llama.cpp's CUDA backend took 286-443 s of the call's 600. Here it is
 compiled once (about 40 min on 2 cores) with pip's CUDA 13.0 compiler (the device's toolkit is 13.0,
 its driver 580), for sm_90 only and with shared libraries (one copy of the CUDA kernels for all the
 binaries), and packed xz-compressed in two files: the binaries, the other libraries and the two files
