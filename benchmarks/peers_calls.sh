@@ -4,6 +4,8 @@
 #   bash benchmarks/peers_calls.sh build     # the llama.cpp CUDA build in the background at nice 19,
 #                                            # the six files, the CUDA tests, then wait for the build
 #   bash benchmarks/peers_calls.sh measure   # the engine's five sides, llama.cpp's three, the table
+#   bash benchmarks/peers_calls.sh engine    # one call: the engine's files alone (no GGUFs) and its five
+#                                            # sides, for a table whose llama.cpp sides an earlier call measured
 # Carry .peers (`python3 benchmarks/peers_h200.py stage-source --to .peers`) and .gpu_data (a copy of
 # ../shared/datasets, for the CUDA tests; SKIP_TESTS=1 leaves them out). Under $OUT: build.log, the
 # CUDA tests' logs and gpu_checks.json; engine.json and llama.json (one measure each: `peers_h200.py table
@@ -21,7 +23,7 @@ t0=$(date +%s)
 left() { echo $(( $1 - ($(date +%s) - t0) )); }
 nvidia-smi -L
 prepare() {
-    timeout 300 python3 benchmarks/peers_h200.py prepare --work /root/peers --work /dev/shm/peers --link $WORK \
+    timeout 300 python3 benchmarks/peers_h200.py prepare --work /root/peers --work /dev/shm/peers --link $WORK "$@" \
         2>&1 | tail -8
     echo "prepare done at $(( $(date +%s) - t0 )) s"
 }
@@ -42,6 +44,12 @@ prepare)
     python3 benchmarks/llama_cuda_prebuilt.py unpack --carry .peers || exit 1
     prepare
     echo "prepare call took $(( $(date +%s) - t0 )) s" ;;
+engine)
+    prepare --engine-only
+    timeout "$(left 590)" python3 benchmarks/peers_h200.py measure --work $WORK --out /root/engine \
+        --reps 3 --skip llama-bf16,llama-Q8_0,llama-Q4_0 2>&1 | tail -12
+    cp /root/engine/peers_h200.json "$OUT/engine.json"; tar -czf "$OUT/engine-runs.tgz" -C /root/engine .
+    echo "engine call took $(( $(date +%s) - t0 )) s" ;;
 measure)
     if [ -f .peers-cuda/llama-cuda-lib.tar.xz ]; then
         python3 benchmarks/peers_h200.py build --carry .peers --carry .peers-cuda 2>&1 | tail -3
@@ -59,5 +67,5 @@ measure)
     python3 benchmarks/peers_h200.py table "$OUT/engine.json" "$OUT/llama.json"
     echo "measure call took $(( $(date +%s) - t0 )) s" ;;
 *)
-    echo "usage: bash benchmarks/peers_calls.sh build|prepare|measure" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/peers_calls.sh build|prepare|measure|engine" >&2; exit 2 ;;
 esac

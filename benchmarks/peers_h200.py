@@ -249,11 +249,13 @@ def pack_engine(hf: Path, out: Path, fmt: str, device: str) -> None:
     pack(hf, plan, out, device=device)
 
 
-def prepare(candidates: list[Path], link: Path, carry: Path, small: bool, seed: int) -> None:
+def prepare(candidates: list[Path], link: Path, carry: Path, small: bool, seed: int, engine_only: bool = False
+            ) -> None:
     """Write the checkpoint, the GGUFs and the engine artifacts into the roomiest candidate folder;
-    `link` (a symlink) names the folder chosen for `measure --work`."""
+    `link` (a symlink) names the folder chosen for `measure --work`. engine_only: no GGUFs (for a
+    measure of the engine's sides alone); the shape is still picked for all six files, so it is the
+    one a full prepare on the same machine picks."""
     import torch
-    from moebench.tools import llamacpp
     device = "cuda" if torch.cuda.is_available() else "cpu"
     work, shape = pick_shape(candidates, small)
     if link.is_symlink() or link.exists():
@@ -264,6 +266,18 @@ def prepare(candidates: list[Path], link: Path, carry: Path, small: bool, seed: 
     t = time.monotonic()
     write_checkpoint(hf, shape, seed, device, tokenizer_dir(ROOT))
     log(f"checkpoint: {time.monotonic() - t:.0f} s")
+    if not engine_only:
+        write_ggufs(hf, work, carry, small)
+    for fmt in ("int8", "int4"):
+        t = time.monotonic()
+        pack_engine(hf, work / f"engine-{fmt}", fmt, device)
+        log(f"engine pack {fmt}: {time.monotonic() - t:.0f} s")
+    run(["du", "-sh", *sorted(str(p) for p in work.iterdir())])
+
+
+def write_ggufs(hf: Path, work: Path, carry: Path, small: bool) -> None:
+    """The checkpoint as GGUF bf16 (llama.cpp's converter), then Q8_0 and Q4_0 of its experts."""
+    from moebench.tools import llamacpp
     src = llamacpp.variant_dir(cuda=not small) / "src" / "llama.cpp"
     if not (src / "convert_hf_to_gguf.py").is_file():
         src = llamacpp.source_dir(cuda=False)
@@ -277,11 +291,6 @@ def prepare(candidates: list[Path], link: Path, carry: Path, small: bool, seed: 
         t = time.monotonic()
         quantize_experts(quant, work / "bf16.gguf", work / f"{qtype}.gguf", qtype)
         log(f"llama-quantize {qtype}: {time.monotonic() - t:.0f} s")
-    for fmt in ("int8", "int4"):
-        t = time.monotonic()
-        pack_engine(hf, work / f"engine-{fmt}", fmt, device)
-        log(f"engine pack {fmt}: {time.monotonic() - t:.0f} s")
-    run(["du", "-sh", *sorted(str(p) for p in work.iterdir())])
 
 
 # --- measure (there) ---------------------------------------------------------------------------
@@ -582,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--carry", type=Path, default=ROOT / ".peers")
     p.add_argument("--small", action="store_true")
     p.add_argument("--seed", type=int, default=43)
+    p.add_argument("--engine-only", action="store_true", help="no GGUFs: for `measure --skip llama-bf16,...`")
     m = sub.add_parser("measure")
     m.add_argument("--work", type=Path, required=True)
     m.add_argument("--out", type=Path, required=True)
@@ -603,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     elif a.stage == "wait-build":
         return wait_build(a.timeout)
     elif a.stage == "prepare":
-        prepare(a.work, a.link, a.carry, a.small, a.seed)
+        prepare(a.work, a.link, a.carry, a.small, a.seed, a.engine_only)
     elif a.stage == "measure":
         skip = {x for x in a.skip.split(",") if x}
         unknown = sorted(skip - SIDES)

@@ -153,3 +153,21 @@ def test_rephase_takes_each_request_s_decode_from_its_answering_send(tmp_path: P
     got = json.loads(path.read_text())["llama"]["bf16"]["harness_bs"]
     assert got["decode_j_per_token_recorded"] == 4.5
     assert abs(got["decode_j_per_token"] - 2.0) < 0.02, got
+
+
+def test_engine_only_prepare_writes_no_gguf(tmp_path: Path) -> None:
+    """`prepare --engine-only` (a device call that re-measures the engine's sides alone): the checkpoint
+    and both engine packs, the shape a full prepare picks, and no GGUF (no llama.cpp converter or
+    llama-quantize is run)."""
+    work, link = tmp_path / "work", tmp_path / "link"
+    res = subprocess.run([sys.executable, str(SCRIPT), "prepare", "--small", "--engine-only", "--work", str(work),
+                          "--link", str(link), "--carry", str(tmp_path / "no-carry")],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert link.resolve() == work.resolve()
+    names = sorted(p.name for p in work.iterdir())
+    assert names == ["engine-int4", "engine-int8", "hf", "shape.json"], names
+    assert json.loads((work / "shape.json").read_text())["num_hidden_layers"] == 4
+    assert (work / "hf" / "config.json").is_file()
+    assert any((work / "engine-int4").iterdir()) and any((work / "engine-int8").iterdir())
+    assert "convert_hf_to_gguf" not in res.stdout + res.stderr and "llama-quantize" not in res.stdout + res.stderr
