@@ -27,6 +27,14 @@ prepare() {
         2>&1 | tail -8
     echo "prepare done at $(( $(date +%s) - t0 )) s"
 }
+# one measure within $1 seconds, skipping the sides $3; $2 names its folder, JSON and runs tar under $OUT
+sides() {
+    timeout "$1" python3 benchmarks/peers_h200.py measure --work $WORK --out "/root/$2" --reps 3 --skip "$3" \
+        2>&1 | tail -12
+    cp "/root/$2/peers_h200.json" "$OUT/$2.json"; tar -czf "$OUT/$2-runs.tgz" -C "/root/$2" .
+}
+LLAMA_SIDES=llama-bf16,llama-Q8_0,llama-Q4_0
+ENGINE_SIDES=engine-bf16,engine-int8,engine-int4,engine-int8-a8,engine-int4-a8
 case "${1:-}" in
 build)
     setsid nohup nice -n 19 python3 benchmarks/peers_h200.py build --carry .peers --jobs 15 \
@@ -46,9 +54,7 @@ prepare)
     echo "prepare call took $(( $(date +%s) - t0 )) s" ;;
 engine)
     prepare --engine-only
-    timeout "$(left 590)" python3 benchmarks/peers_h200.py measure --work $WORK --out /root/engine \
-        --reps 3 --skip llama-bf16,llama-Q8_0,llama-Q4_0 2>&1 | tail -12
-    cp /root/engine/peers_h200.json "$OUT/engine.json"; tar -czf "$OUT/engine-runs.tgz" -C /root/engine .
+    sides "$(left 590)" engine $LLAMA_SIDES
     echo "engine call took $(( $(date +%s) - t0 )) s" ;;
 measure)
     if [ -f .peers-cuda/llama-cuda-lib.tar.xz ]; then
@@ -57,13 +63,9 @@ measure)
         echo "install done at $(( $(date +%s) - t0 )) s"
     fi
     # The engine first: llama.cpp's build does not change between code versions, the engine does.
-    timeout "$(( $(left 590) - 330 ))" python3 benchmarks/peers_h200.py measure --work $WORK --out /root/engine \
-        --reps 3 --skip llama-bf16,llama-Q8_0,llama-Q4_0 2>&1 | tail -12
-    cp /root/engine/peers_h200.json "$OUT/engine.json"; tar -czf "$OUT/engine-runs.tgz" -C /root/engine .
+    sides "$(( $(left 590) - 330 ))" engine $LLAMA_SIDES
     echo "the engine's sides took $(( $(date +%s) - t0 )) s"
-    timeout "$(left 590)" python3 benchmarks/peers_h200.py measure --work $WORK --out /root/llama --reps 3 \
-        --skip engine-bf16,engine-int8,engine-int4,engine-int8-a8,engine-int4-a8 2>&1 | tail -12
-    cp /root/llama/peers_h200.json "$OUT/llama.json"; tar -czf "$OUT/llama-runs.tgz" -C /root/llama .
+    sides "$(left 590)" llama $ENGINE_SIDES
     python3 benchmarks/peers_h200.py table "$OUT/engine.json" "$OUT/llama.json"
     echo "measure call took $(( $(date +%s) - t0 )) s" ;;
 *)

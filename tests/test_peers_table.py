@@ -156,9 +156,9 @@ def test_rephase_takes_each_request_s_decode_from_its_answering_send(tmp_path: P
 
 
 def test_engine_only_prepare_writes_no_gguf(tmp_path: Path) -> None:
-    """`prepare --engine-only` (a device call that re-measures the engine's sides alone): the checkpoint
-    and both engine packs, the shape a full prepare picks, and no GGUF (no llama.cpp converter or
-    llama-quantize is run)."""
+    """`prepare --engine-only` (a device call that re-measures the engine's sides alone), at the small
+    shape: the checkpoint and both engine packs, and no GGUF (no llama.cpp converter or llama-quantize
+    is run)."""
     work, link = tmp_path / "work", tmp_path / "link"
     res = subprocess.run([sys.executable, str(SCRIPT), "prepare", "--small", "--engine-only", "--work", str(work),
                           "--link", str(link), "--carry", str(tmp_path / "no-carry")],
